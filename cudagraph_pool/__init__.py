@@ -1,0 +1,1 @@
+"""CUDA graph pool keyed by batch-size bucket (issue 4). Not built yet: nothing here runs."""

@@ -1,0 +1,1 @@
+"""Job inputs (manifests, policies, sources), the in-process runner, results. Computes no tensors."""

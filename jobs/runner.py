@@ -1,0 +1,142 @@
+"""In-process job runner: items -> preprocess -> engine -> JSONL results, with progress.
+
+``run(config)`` validates every input before loading the model, then takes items in groups of
+``images_per_batch``: each image is read, decoded and tiled (a failure becomes that item's
+error lines), the group's questions are scored in one engine call, and the results are
+written and flushed before the next group starts. Issue 6 moves this onto Ray with a job
+store; the stages stay the same.
+
+Output line per (image, question)::
+
+    {"id", "question_id", "question", "answer": "yes"|"no"|null, "p_yes", "margin",
+     "image_tokens", "error": null | "message"}
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO
+
+import torch
+from tqdm import tqdm
+
+from jobs.manifest import ImageItem, items_from_folder, read_manifest, read_policy
+from jobs.sources import SourceError, read_bytes
+from pipeline.config import RunConfig
+from pipeline.engine import Request, TorchEngine
+from pipeline.model import LoadedModel, load_model
+from preprocessing.decode import ImageError, decode
+from preprocessing.prepare import PreparedImage, TilingConfig, prepare
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    images: int
+    questions: int
+    failed_images: int
+    failed_questions: int
+    seconds: float
+
+    @property
+    def qpm(self) -> float:
+        return 60.0 * (self.questions - self.failed_questions) / max(self.seconds, 1e-9)
+
+    def text(self) -> str:
+        return (f"{self.images} images, {self.questions} questions, "
+                f"{self.failed_images} images failed ({self.failed_questions} questions), "
+                f"{self.seconds:.1f}s, {self.qpm:.0f} QPM")
+
+
+def load_items(cfg: RunConfig) -> list[ImageItem]:
+    policy = read_policy(cfg.policy) if cfg.policy else ()
+    if cfg.manifest is not None:
+        return read_manifest(cfg.manifest, policy)
+    assert cfg.images is not None
+    return items_from_folder(cfg.images, policy)
+
+
+def tiling_for(model: LoadedModel, max_tiles: int | None) -> TilingConfig:
+    """The checkpoint's tiling, with max tiles per image overridden when asked."""
+    t = model.spec.tiling
+    if max_tiles is None:
+        return t
+    return TilingConfig(t.tile_size, min(t.min_tiles, max_tiles), max_tiles, t.use_thumbnail)
+
+
+def prepare_item(item: ImageItem, tiling: TilingConfig) -> PreparedImage:
+    """Read, decode, tile; raises SourceError or ImageError with the reason."""
+    return prepare(decode(read_bytes(item.image, item.base_dir)), tiling)
+
+
+def _groups(items: list[ImageItem], n: int) -> Iterator[list[ImageItem]]:
+    for i in range(0, len(items), n):
+        yield items[i: i + n]
+
+
+def answer_group(engine: TorchEngine, tiling: TilingConfig,
+                 group: list[ImageItem]) -> list[dict]:
+    """Result lines for one group of items, in item then question order."""
+    prepared: list[PreparedImage] = []
+    index: dict[str, int] = {}
+    errors: dict[str, str] = {}
+    for item in group:
+        try:
+            prepared.append(prepare_item(item, tiling))
+            index[item.id] = len(prepared) - 1
+        except (SourceError, ImageError) as e:
+            errors[item.id] = f"{item.image}: {e}"
+    requests = [Request(index[it.id], q.text) for it in group if it.id in index
+                for q in it.questions]
+    scores = iter(engine.score(prepared, requests))
+    lines = []
+    for item in group:
+        for q in item.questions:
+            line = {"id": item.id, "question_id": q.id, "question": q.text, "answer": None,
+                    "p_yes": None, "margin": None, "image_tokens": None,
+                    "error": errors.get(item.id)}
+            if item.id in index:
+                s = next(scores)
+                line.update(answer="yes" if s.p_yes >= q.threshold else "no",
+                            p_yes=round(s.p_yes, 6), margin=round(s.margin, 4),
+                            image_tokens=s.image_tokens)
+            lines.append(line)
+    return lines
+
+
+def run(cfg: RunConfig, out: IO[str] | None = None) -> RunSummary:
+    """Run a whole job in this process. Raises ManifestError/ModelError before any work."""
+    items = load_items(cfg)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    model = load_model(cfg.model.path, cfg.model.device, cfg.model.torch_dtype)
+    engine = TorchEngine(model, cfg.engine)
+    tiling = tiling_for(model, cfg.model.max_tiles)
+    n_q = sum(len(it.questions) for it in items)
+    own = out is None and cfg.out is not None
+    sink = open(cfg.out, "w") if own else (out or sys.stdout)  # type: ignore[arg-type]
+    failed_images = failed_q = 0
+    start = time.perf_counter()
+    bar = tqdm(total=n_q, unit="q", disable=not cfg.progress, file=sys.stderr,
+               desc="answering", dynamic_ncols=True)
+    try:
+        for group in _groups(items, cfg.images_per_batch):
+            lines = answer_group(engine, tiling, group)
+            for line in lines:
+                sink.write(json.dumps(line, ensure_ascii=False) + "\n")
+            sink.flush()
+            bad = {ln["id"] for ln in lines if ln["error"]}
+            failed_images += len(bad)
+            failed_q += sum(1 for ln in lines if ln["error"])
+            bar.update(len(lines))
+            minutes = (time.perf_counter() - start) / 60
+            bar.set_postfix(qpm=f"{(bar.n - failed_q) / max(minutes, 1e-9):.0f}",
+                            errors=failed_images)
+    finally:
+        bar.close()
+        if own:
+            sink.close()
+    return RunSummary(len(items), n_q, failed_images, failed_q, time.perf_counter() - start)

@@ -1,0 +1,120 @@
+"""``vlmbatch`` command line: builds the config tree and calls one function per command.
+
+Exit codes: 0 all answered; 3 finished but some items failed (their lines carry ``error``);
+2 bad input or model (message on stderr, nothing run); 1 unexpected failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT, EXIT_ITEM_ERRORS = 0, 1, 2, 3
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", type=Path, default=None,
+                   help="HF-format InternVL directory (default: the built-in model)")
+    g.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--max-tiles", type=int, default=None,
+                   help="cap tiles per image (default: the checkpoint's max_patches)")
+    g.add_argument("--max-batch-tokens", type=int, default=8192,
+                   help="padded prompt tokens per LLM forward (default 8192)")
+    g.add_argument("--images-per-batch", type=int, default=16,
+                   help="images preprocessed and scored together (default 16)")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--yes", default="yes,Yes,YES", help="answer words counted as yes")
+    g.add_argument("--no", default="no,No,NO", help="answer words counted as no")
+
+
+def _configs(a: argparse.Namespace):  # noqa: ANN202
+    from pipeline.config import EngineConfig, ModelConfig
+
+    model = ModelConfig(a.model, a.device, a.dtype, a.max_tiles)
+    engine = EngineConfig(max_batch_tokens=a.max_batch_tokens,
+                          yes_words=tuple(w for w in a.yes.split(",") if w),
+                          no_words=tuple(w for w in a.no.split(",") if w))
+    return model, engine
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    from jobs.runner import run
+    from pipeline.config import RunConfig
+
+    model, engine = _configs(a)
+    cfg = RunConfig(manifest=a.manifest, images=a.images, policy=a.policy, out=a.out,
+                    images_per_batch=a.images_per_batch, threads=a.threads,
+                    progress=not a.no_progress, model=model, engine=engine)
+    summary = run(cfg)
+    print(f"vlmbatch: {summary.text()}", file=sys.stderr)
+    if a.out:
+        print(f"vlmbatch: results in {a.out}", file=sys.stderr)
+    return EXIT_ITEM_ERRORS if summary.failed_images else EXIT_OK
+
+
+def cmd_eval(a: argparse.Namespace) -> int:
+    import torch
+
+    from pipeline.evaluate import evaluate
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    model, engine = _configs(a)
+    r = evaluate(model, engine, a.split, a.limit, a.images_per_batch, not a.no_progress)
+    print(f"easy-vqa {a.split} yes/no accuracy: {r.accuracy:.4f} ({r.correct}/{r.questions}) "
+          f"in {r.seconds:.1f}s ({60 * r.questions / r.seconds:.0f} QPM)")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="vlmbatch",
+        description="Ask a vision-language model yes/no questions about many images, fast.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    r = sub.add_parser("run", help="answer a manifest's (or a folder's) questions -> JSONL",
+                       description="Answer every question about every image; one JSONL line per "
+                       "(image, question) with answer, p_yes and error.")
+    r.add_argument("manifest", type=Path, nargs="?",
+                   help='JSONL, one image per line: {"id", "image", "questions"}')
+    r.add_argument("--images", type=Path, help="a folder of images instead of a manifest")
+    r.add_argument("--policy", type=Path,
+                   help="YAML/TOML file of questions asked of every image")
+    r.add_argument("--out", "-o", type=Path, help="results JSONL (default: standard output)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _model_args(r)
+    r.set_defaults(func=cmd_run)
+
+    e = sub.add_parser("eval", help="accuracy on easy-vqa's test split (yes/no questions)",
+                       description="Accuracy of a model on easy-vqa's yes/no questions.")
+    e.add_argument("--split", default="test", choices=["test", "train"])
+    e.add_argument("--limit", type=int, default=None, help="first N questions only")
+    e.add_argument("--no-progress", action="store_true")
+    _model_args(e)
+    e.set_defaults(func=cmd_eval)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from jobs.manifest import ManifestError
+    from pipeline.model import ModelError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ManifestError, ModelError, ValueError) as e:
+        print(f"vlmbatch: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except BrokenPipeError:  # e.g. `vlmbatch run ... | head`
+        sys.stderr.close()
+        return EXIT_OK
+    except KeyboardInterrupt:
+        print("vlmbatch: interrupted; results written so far are kept", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

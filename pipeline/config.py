@@ -1,0 +1,66 @@
+"""One typed, frozen config tree. The CLI builds it; ``jobs.runner.run(config)`` consumes it.
+
+Validation lives in ``__post_init__`` so a bad value fails before any model is loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: Path | None = None  # None: the built-in model
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_tiles: int | None = None  # override the checkpoint's max tiles per image
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} not one of {sorted(DTYPES)}")
+        if self.max_tiles is not None and self.max_tiles < 1:
+            raise ValueError(f"max_tiles must be >= 1, got {self.max_tiles}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_tokens: int = 8192  # padded prompt tokens per LLM forward
+    max_batch_tiles: int = 64  # tiles per vision-encoder forward
+    yes_words: tuple[str, ...] = ("yes", "Yes", "YES")
+    no_words: tuple[str, ...] = ("no", "No", "NO")
+
+    def __post_init__(self) -> None:
+        if self.max_batch_tokens < 1 or self.max_batch_tiles < 1:
+            raise ValueError("max_batch_tokens and max_batch_tiles must be >= 1")
+        if not self.yes_words or not self.no_words:
+            raise ValueError("yes_words and no_words must not be empty")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    manifest: Path | None = None
+    images: Path | None = None  # a folder of images, asked the policy's questions
+    policy: Path | None = None
+    out: Path | None = None  # JSONL results; None: standard output
+    images_per_batch: int = 16  # images preprocessed and scored together
+    threads: int | None = None  # torch intra-op threads; None: torch's default
+    progress: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        if (self.manifest is None) == (self.images is None):
+            raise ValueError("give exactly one input: a manifest, or --images DIR with --policy")
+        if self.images is not None and self.policy is None:
+            raise ValueError("--images DIR needs --policy FILE to say which questions to ask")
+        if self.images_per_batch < 1:
+            raise ValueError(f"images_per_batch must be >= 1, got {self.images_per_batch}")

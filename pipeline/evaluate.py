@@ -1,0 +1,72 @@
+"""Accuracy on easy-vqa's *test* split (yes/no questions): ``vlmbatch eval``.
+
+The built-in model never saw this split (training reads only easy-vqa's train split and our
+own shape scenes). Items go through the same path as ``vlmbatch run`` (read, decode, tile,
+engine), so the figure is the accuracy a user gets.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from jobs.manifest import ImageItem, Question
+from jobs.runner import answer_group, tiling_for
+from pipeline.config import EngineConfig, ModelConfig
+from pipeline.engine import TorchEngine
+from pipeline.model import load_model
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    questions: int
+    correct: int
+    seconds: float
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / max(self.questions, 1)
+
+
+def easy_vqa_items(split: str = "test", limit: int | None = None) -> list[ImageItem]:
+    """easy-vqa yes/no questions grouped per image; ``limit`` caps the number of questions."""
+    import easy_vqa
+
+    if split == "test":
+        texts, answers, ids = easy_vqa.get_test_questions()
+        paths = easy_vqa.get_test_image_paths()
+    else:
+        texts, answers, ids = easy_vqa.get_train_questions()
+        paths = easy_vqa.get_train_image_paths()
+    per_image: dict[int, list[Question]] = {}
+    n = 0
+    for k, (t, a, i) in enumerate(zip(texts, answers, ids)):
+        if a not in ("yes", "no") or (limit is not None and n >= limit):
+            continue
+        per_image.setdefault(i, []).append(Question(id=f"{k}:{a}", text=t))
+        n += 1
+    return [ImageItem(str(i), str(paths[i]), tuple(qs), Path(paths[i]).parent)
+            for i, qs in sorted(per_image.items())]
+
+
+def evaluate(model_cfg: ModelConfig, engine_cfg: EngineConfig, split: str = "test",
+             limit: int | None = None, images_per_batch: int = 16,
+             progress: bool = True) -> EvalResult:
+    items = easy_vqa_items(split, limit)
+    model = load_model(model_cfg.path, model_cfg.device, model_cfg.torch_dtype)
+    engine = TorchEngine(model, engine_cfg)
+    tiling = tiling_for(model, model_cfg.max_tiles)
+    total = correct = 0
+    start = time.perf_counter()
+    bar = tqdm(total=sum(len(it.questions) for it in items), unit="q", disable=not progress,
+               desc=f"easy-vqa {split}")
+    for g in range(0, len(items), images_per_batch):
+        for line in answer_group(engine, tiling, items[g: g + images_per_batch]):
+            total += 1
+            correct += line["answer"] == line["question_id"].split(":")[1]
+            bar.update(1)
+    bar.close()
+    return EvalResult(total, correct, time.perf_counter() - start)

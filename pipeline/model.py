@@ -1,0 +1,155 @@
+"""Load an HF-native InternVL directory into our modules: vision encoder, Qwen2 LM, tokenizer.
+
+A model directory holds ``config.json`` (``model_type: internvl``), ``model.safetensors`` or a
+sharded ``model.safetensors.index.json``, the tokenizer files and optionally
+``preprocessor_config.json`` (tile size, min/max tiles, mean/std). transformers is used only
+to read the tokenizer; the weights go straight from safetensors into our modules.
+
+Key layouts accepted: what transformers 5 saves (``vision_tower.*``,
+``language_model.model.*``), the 4.5x hub layout (``model.vision_tower.*``,
+``model.language_model.*``, ``lm_head.*``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from pipeline.llm import Qwen2LM, TextSpec
+from preprocessing.prepare import TilingConfig
+from vit_trt.encoder import VisionEncoder, VisionSpec
+
+DEFAULT_MODEL = Path(__file__).resolve().parent / "default_model"
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class ModelError(RuntimeError):
+    """The model directory is missing, incomplete or of an unsupported kind."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    path: Path
+    vision: VisionSpec
+    text: TextSpec
+    tiling: TilingConfig
+    image_token_id: int
+
+    @property
+    def tokens_per_tile(self) -> int:
+        return self.vision.tokens_per_tile(self.tiling.tile_size)
+
+
+@dataclass
+class LoadedModel:
+    spec: ModelSpec
+    vision: VisionEncoder
+    llm: Qwen2LM
+    tokenizer: object  # a transformers tokenizer
+
+
+def _pair(v: int | list[int]) -> int:
+    if isinstance(v, (list, tuple)):
+        if v[0] != v[1]:
+            raise ModelError(f"non-square image/patch size {v} is not supported")
+        return int(v[0])
+    return int(v)
+
+
+def read_spec(path: Path) -> ModelSpec:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelError(
+            f"no model at {path}: looked for {cfg_file}. Pass --model DIR with an HF-format "
+            "InternVL checkpoint (config.json, *.safetensors, tokenizer files), or leave "
+            "--model out to use the built-in model.")
+    cfg = json.loads(cfg_file.read_text())
+    if cfg.get("model_type") != "internvl":
+        raise ModelError(f"{cfg_file}: model_type {cfg.get('model_type')!r} is not supported; "
+                         "vlmbatch reads HF-native InternVL checkpoints (model_type 'internvl', "
+                         "e.g. the '-hf' InternVL2.5/3 releases).")
+    v, t = cfg["vision_config"], cfg["text_config"]
+    if t.get("model_type", "qwen2") != "qwen2":
+        raise ModelError(f"{cfg_file}: text model {t.get('model_type')!r} is not supported yet "
+                         "(only qwen2)")
+    rope = t.get("rope_parameters") or {"rope_type": "default",
+                                        "rope_theta": t.get("rope_theta", 10000.0)}
+    if rope.get("rope_type", "default") != "default":
+        raise ModelError(f"{cfg_file}: rope_type {rope['rope_type']!r} is not supported yet")
+    pre = _read_json(path / "preprocessor_config.json")
+    size = pre.get("size", {}).get("height") or _pair(v.get("image_size", 448))
+    tiling = TilingConfig(tile_size=int(size), min_tiles=int(pre.get("min_patches", 1)),
+                          max_tiles=int(pre.get("max_patches", 12)), use_thumbnail=True)
+    text_hidden = int(t["hidden_size"])
+    vision = VisionSpec(
+        hidden=v["hidden_size"], layers=v["num_hidden_layers"], heads=v["num_attention_heads"],
+        intermediate=v["intermediate_size"], patch=_pair(v.get("patch_size", 14)),
+        image_size=_pair(v.get("image_size", 448)), norm_type=v.get("norm_type", "layer_norm"),
+        eps=float(v.get("layer_norm_eps", 1e-6)), qk_norm=bool(v.get("use_qk_norm", False)),
+        act=v.get("hidden_act", "gelu"), mean_pooling=bool(v.get("use_mean_pooling", True)),
+        feature_layer=int(cfg.get("vision_feature_layer", -1)),
+        drop_cls=cfg.get("vision_feature_select_strategy", "default") == "default",
+        downsample=float(cfg.get("downsample_ratio", 0.5)),
+        projector_act=cfg.get("projector_hidden_act", "gelu"), text_hidden=text_hidden,
+        mean=tuple(pre.get("image_mean", IMAGENET_MEAN)),  # type: ignore[arg-type]
+        std=tuple(pre.get("image_std", IMAGENET_STD)))  # type: ignore[arg-type]
+    text = TextSpec(
+        vocab=t["vocab_size"], hidden=text_hidden, layers=t["num_hidden_layers"],
+        heads=t["num_attention_heads"], kv_heads=t.get("num_key_value_heads") or
+        t["num_attention_heads"], intermediate=t["intermediate_size"],
+        eps=float(t.get("rms_norm_eps", 1e-6)), rope_theta=float(rope["rope_theta"]),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", t.get("tie_word_embeddings", False))))
+    return ModelSpec(path, vision, text, tiling, int(cfg.get("image_token_id", 151667)))
+
+
+def _read_json(p: Path) -> dict:
+    return json.loads(p.read_text()) if p.is_file() else {}
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint, keys normalised (see module docstring)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = [p.name for p in sorted(path.glob("*.safetensors"))]
+    if not files:
+        raise ModelError(f"no *.safetensors weights in {path}")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(load_file(str(path / f)))
+    return {_normalise_key(k): t for k, t in sd.items()}
+
+
+def _normalise_key(k: str) -> str:
+    if k.startswith("model."):
+        k = k[len("model."):]
+    if k.startswith("language_model.model."):
+        k = "language_model." + k[len("language_model.model."):]
+    if k == "language_model.lm_head.weight":
+        k = "lm_head.weight"
+    return k
+
+
+def load_model(path: Path | None = None, device: str = "cpu",
+               dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Build our modules from an HF InternVL directory (the built-in model by default)."""
+    from transformers import AutoTokenizer
+
+    path = Path(path) if path is not None else DEFAULT_MODEL
+    spec = read_spec(path)
+    sd = read_state_dict(path)
+    vision = VisionEncoder(spec.vision)
+    vision.load_hf(sd)
+    llm = Qwen2LM(spec.text)
+    llm.load_hf(sd)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001  (transformers raises many kinds)
+        raise ModelError(f"cannot load the tokenizer from {path}: {e}") from e
+    return LoadedModel(spec, vision.to(device, dtype).eval(), llm.to(device, dtype).eval(), tok)

@@ -1,0 +1,52 @@
+"""Prompt building: chat template around one image and one question, as token ids.
+
+The model's own chat template renders a user turn holding an image part and a text part; the
+image part's placeholder (``<IMG_CONTEXT>``) is expanded to ``<img>`` + N x ``<IMG_CONTEXT>`` +
+``</img>`` with N = tokens per tile x tiles, exactly as transformers' ``InternVLProcessor``
+does. Everything around the question is tokenized once; per request only the question is.
+
+Invariant: ``Prompt.ids[image_start : image_start + image_len]`` are all the image token id,
+and the image embeddings of that image fill exactly that span.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_MARK = "\x00QUESTION\x00"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: tuple[int, ...]
+    image_start: int  # index of the first <IMG_CONTEXT>
+    image_len: int  # number of <IMG_CONTEXT> tokens
+
+
+class PromptBuilder:
+    def __init__(self, tokenizer, tokens_per_tile: int, image_token_id: int) -> None:  # noqa: ANN001
+        self.tok = tokenizer
+        self.tokens_per_tile = tokens_per_tile
+        self.image_token_id = image_token_id
+        ctx = tokenizer.context_image_token
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": _MARK}]}],
+            tokenize=False, add_generation_prompt=True)
+        if text.count(ctx) != 1 or text.count(_MARK) != 1:
+            raise ValueError("the chat template must render exactly one image placeholder "
+                             f"{ctx!r} before the question; got {text!r}")
+        head, rest = text.split(ctx)
+        self._between, tail = rest.split(_MARK)
+        enc = self._encode
+        self._head = enc(head) + [tokenizer.convert_tokens_to_ids(tokenizer.start_image_token)]
+        self._end = [tokenizer.convert_tokens_to_ids(tokenizer.end_image_token)]
+        self._tail = enc(tail)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def build(self, question: str, num_tiles: int) -> Prompt:
+        n = self.tokens_per_tile * num_tiles
+        ids = (self._head + [self.image_token_id] * n + self._end
+               + self._encode(self._between + question) + self._tail)
+        return Prompt(tuple(ids), len(self._head), n)

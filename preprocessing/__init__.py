@@ -1,0 +1,1 @@
+"""Image preprocessing: decode, resize policy, tiling, content hash. Never touches models."""

@@ -1,0 +1,251 @@
+"""Train vlmbatch's built-in default model on CPU (fixed seed, <= 60 min on 2 cores).
+
+The model is a small but real InternVL (HF-native ``InternVLForConditionalGeneration``:
+InternViT-style encoder, pixel shuffle + MLP projector, Qwen2 language model) with 112 px
+tiles (16 image tokens per tile). Data: easy-vqa's *train* split (never its test split) and our
+own shape scenes (``scripts/shapes.py``: counts, positions, several tiles per image).
+
+Training uses the project's own preprocessing (OpenCV decode/resize, InternVL tiling) so
+training and serving see the same pixels. Each step encodes a batch of images once and asks
+each up to ``--q-per-image`` questions; the loss is next-token cross-entropy on the answer and
+its ``<|im_end|>``.
+
+    python scripts/train_default_model.py --out pipeline/default_model --minutes 45
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from preprocessing.decode import decode  # noqa: E402
+from preprocessing.prepare import TilingConfig, prepare  # noqa: E402
+from pipeline.tokenizer import build_tokenizer  # noqa: E402
+from scripts.shapes import make_questions, make_scene  # noqa: E402
+
+MEAN = (0.485, 0.456, 0.406)  # ImageNet statistics, as InternVL uses
+STD = (0.229, 0.224, 0.225)
+TILING = TilingConfig(tile_size=112, min_tiles=1, max_tiles=6, use_thumbnail=True)
+
+
+def model_config(vocab_size: int, image_token_id: int, eos_id: int, pad_id: int):  # noqa: ANN201
+    from transformers import InternVLConfig
+
+    return InternVLConfig(
+        vision_config=dict(
+            hidden_size=96, num_hidden_layers=4, num_attention_heads=4, intermediate_size=384,
+            image_size=TILING.tile_size, patch_size=14, norm_type="layer_norm",
+            layer_scale_init_value=0.1, use_mean_pooling=True),
+        text_config=dict(
+            model_type="qwen2", vocab_size=vocab_size, hidden_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, intermediate_size=384,
+            max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=True,
+            eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None),
+        image_token_id=image_token_id,
+        image_seq_length=(TILING.tile_size // 14) ** 2 // 4,
+        downsample_ratio=0.5,
+        tie_word_embeddings=True,
+    )
+
+
+def load_data(n_scenes: int, seed: int) -> list[tuple[np.ndarray, list[tuple[str, str]]]]:
+    """[(tiles [N,S,S,3] uint8, [(question, answer), ...]), ...] from easy-vqa train + scenes."""
+    import easy_vqa
+
+    texts, answers, image_ids = easy_vqa.get_train_questions()
+    paths = easy_vqa.get_train_image_paths()
+    by_image: dict[int, list[tuple[str, str]]] = {}
+    for q, a, i in zip(texts, answers, image_ids):
+        by_image.setdefault(i, []).append((q, a))
+    data = []
+    for i, qa in sorted(by_image.items()):
+        img = decode(Path(paths[i]).read_bytes())
+        data.append((prepare(img, TILING).tiles, qa))
+    rng = np.random.default_rng(seed)
+    for _ in range(n_scenes):
+        scene = make_scene(rng)
+        data.append((prepare(scene.image, TILING).tiles, make_questions(scene, rng, 8)))
+    return data
+
+
+def corpus(data: list) -> list[str]:
+    lines = [q for _, qa in data for q, _ in qa] + [a for _, qa in data for _, a in qa]
+    lines += ["<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_start|>system\n"] * 200
+    lines += ["Yes", "No", "YES", "NO", "yes", "no"] * 200
+    lines += [q[0].upper() + q[1:] for _, qa in data[:2000] for q, _ in qa]
+    return lines
+
+
+def normalise(tiles: np.ndarray) -> torch.Tensor:
+    """[N,S,S,3] uint8 -> [N,3,S,S] float32 normalised."""
+    x = torch.from_numpy(tiles).permute(0, 3, 1, 2).float().div_(255)
+    mean = torch.tensor(MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(STD).view(1, 3, 1, 1)
+    return (x - mean) / std
+
+
+class Batcher:
+    """Builds (pixel_values, input_ids, labels, tile owner) for a set of images."""
+
+    def __init__(self, tok, tokens_per_tile: int) -> None:  # noqa: ANN001
+        self.tok = tok
+        self.tpt = tokens_per_tile
+        self.img_start = tok.convert_tokens_to_ids("<img>")
+        self.img_end = tok.convert_tokens_to_ids("</img>")
+        self.ctx = tok.convert_tokens_to_ids("<IMG_CONTEXT>")
+        self.eos = tok.convert_tokens_to_ids("<|im_end|>")
+        pre = tok.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Q"}]}],
+            tokenize=False, add_generation_prompt=True)
+        self.head, self.tail = pre.split("<IMG_CONTEXT>")[0], pre.split("<IMG_CONTEXT>")[1]
+        self.tail_pre, self.tail_post = self.tail.split("Q")
+
+    def sequence(self, n_tiles: int, question: str, answer: str) -> tuple[list[int], int]:
+        enc = self.tok.encode
+        ids = enc(self.head, add_special_tokens=False)
+        ids += [self.img_start] + [self.ctx] * (self.tpt * n_tiles) + [self.img_end]
+        ids += enc(self.tail_pre + question + self.tail_post, add_special_tokens=False)
+        n_prompt = len(ids)
+        ids += enc(answer, add_special_tokens=False) + [self.eos]
+        return ids, n_prompt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--minutes", type=float, default=45.0, help="wall-clock training budget")
+    ap.add_argument("--scenes", type=int, default=4000)
+    ap.add_argument("--images-per-step", type=int, default=24)
+    ap.add_argument("--q-per-image", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    torch.set_num_threads(args.threads)
+    from transformers import InternVLForConditionalGeneration
+
+    t0 = time.time()
+    data = load_data(args.scenes, args.seed)
+    tok = build_tokenizer(corpus(data), vocab_size=512)
+    cfg = model_config(len(tok), tok.convert_tokens_to_ids("<IMG_CONTEXT>"),
+                       tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id)
+    model = InternVLForConditionalGeneration(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    batcher = Batcher(tok, cfg.image_seq_length)
+    log_lines = [f"data: {len(data)} images, {sum(len(q) for _, q in data)} questions; "
+                 f"vocab {len(tok)}; params {n_params}; prep {time.time() - t0:.0f}s"]
+    print(log_lines[-1], flush=True)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
+    budget = args.minutes * 60
+    warmup = 200
+    start = time.time()
+    step = 0
+    ema = None
+    order = list(range(len(data)))
+    rng = random.Random(args.seed)
+    pos = len(order)
+    while time.time() - start < budget:
+        frac = (time.time() - start) / budget
+        lr = args.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + np.cos(np.pi * frac))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        if pos + args.images_per_step > len(order):
+            rng.shuffle(order)
+            pos = 0
+        chosen = order[pos: pos + args.images_per_step]
+        pos += args.images_per_step
+        loss = train_step(model, batcher, [data[i] for i in chosen], args.q_per_image, rng)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+        step += 1
+        if step % 50 == 0:
+            log_lines.append(f"step {step} t={time.time() - start:.0f}s lr={lr:.2e} "
+                             f"loss={ema:.4f}")
+            print(log_lines[-1], flush=True)
+        if step % 500 == 0:
+            save(model, tok, args.out)
+
+    save(model, tok, args.out)
+    log_lines.append(f"done: {step} steps in {time.time() - start:.0f}s, final loss {ema:.4f}")
+    (args.out / "training_log.txt").write_text(
+        "command: " + " ".join(sys.argv) + "\n" + "\n".join(log_lines) + "\n")
+    print(log_lines[-1])
+
+
+def save(model, tok, out: Path) -> None:  # noqa: ANN001
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / "preprocessor_config.json").write_text(json.dumps(preprocessor_config(), indent=2))
+
+
+def train_step(model, batcher: Batcher, items: list, q_per_image: int,  # noqa: ANN001
+               rng: random.Random) -> torch.Tensor:
+    tiles = np.concatenate([t for t, _ in items])
+    pixel_values = normalise(tiles)
+    feats = model.model.get_image_features(pixel_values=pixel_values).pooler_output  # [T,16,D]
+    seqs, prompts, img_feats = [], [], []
+    first = 0
+    for t, qa in items:
+        n = len(t)
+        f = feats[first: first + n].reshape(-1, feats.shape[-1])
+        first += n
+        for q, a in rng.sample(qa, min(q_per_image, len(qa))):
+            if rng.random() < 0.5:
+                q = q[0].upper() + q[1:]
+            ids, n_prompt = batcher.sequence(n, q, a)
+            seqs.append(ids)
+            prompts.append(n_prompt)
+            img_feats.append(f)
+    T = max(len(s) for s in seqs)
+    pad = batcher.tok.pad_token_id
+    input_ids = torch.full((len(seqs), T), pad, dtype=torch.long)
+    labels = torch.full((len(seqs), T), -100, dtype=torch.long)
+    attn = torch.zeros((len(seqs), T), dtype=torch.long)
+    for i, (s, p) in enumerate(zip(seqs, prompts)):
+        input_ids[i, : len(s)] = torch.tensor(s)
+        labels[i, p: len(s)] = torch.tensor(s[p:])
+        attn[i, : len(s)] = 1
+    embeds = model.model.get_input_embeddings()(input_ids)
+    mask = (input_ids == batcher.ctx).unsqueeze(-1)
+    embeds = embeds.masked_scatter(mask, torch.cat(img_feats))
+    out = model(inputs_embeds=embeds, attention_mask=attn, labels=labels)
+    return out.loss
+
+
+def preprocessor_config() -> dict:
+    """HF image-processor settings matching TILING (GotOcr2 processor, as InternVL-hf uses)."""
+    return {
+        "image_processor_type": "GotOcr2ImageProcessor",
+        "crop_to_patches": True,
+        "min_patches": TILING.min_tiles,
+        "max_patches": TILING.max_tiles,
+        "size": {"height": TILING.tile_size, "width": TILING.tile_size},
+        "image_mean": list(MEAN),
+        "image_std": list(STD),
+        "do_normalize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_resize": True,
+        "resample": 3,
+    }
+
+
+if __name__ == "__main__":
+    main()

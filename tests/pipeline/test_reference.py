@@ -1,0 +1,87 @@
+"""End to end against transformers: same image and prompt -> same logits (fp32, <= 1e-4).
+
+The reference side is ``InternVLForConditionalGeneration.forward(input_ids, pixel_values)`` with
+pixel values normalised the model-card way and the prompt expanded the way transformers'
+``InternVLProcessor`` does (``<img>`` + N x ``<IMG_CONTEXT>`` + ``</img>``, then tokenized).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import InternVLForConditionalGeneration
+
+from pipeline.config import EngineConfig
+from pipeline.engine import Request, TorchEngine
+from pipeline.model import load_model
+from preprocessing.prepare import prepare
+from tests.conftest import reference_pixels
+
+SIZES = [(56, 56), (112, 56), (200, 90), (30, 170), (300, 200)]  # (width, height)
+QUESTIONS = ["is there a red shape?", "Does the image contain a circle?"]
+
+
+@pytest.fixture(scope="module")
+def models(random_model_dir):  # noqa: ANN001, ANN201
+    ours = load_model(random_model_dir)
+    ref = InternVLForConditionalGeneration.from_pretrained(str(random_model_dir)).eval()
+    return ours, ref
+
+
+def reference_ids(tok, question: str, n_tokens: int) -> list[int]:  # noqa: ANN001
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}],
+        tokenize=False, add_generation_prompt=True)
+    expanded = text.replace("<IMG_CONTEXT>", "<img>" + "<IMG_CONTEXT>" * n_tokens + "</img>")
+    return tok(expanded, add_special_tokens=False)["input_ids"]
+
+
+def test_prompt_matches_processor_expansion(models) -> None:  # noqa: ANN001
+    ours, _ = models
+    engine = TorchEngine(ours, EngineConfig())
+    for n_tiles in (1, 3, 7):
+        p = engine.prompts.build(QUESTIONS[1], n_tiles)
+        assert list(p.ids) == reference_ids(ours.tokenizer, QUESTIONS[1],
+                                             n_tiles * ours.spec.tokens_per_tile)
+        span = p.ids[p.image_start: p.image_start + p.image_len]
+        assert set(span) == {ours.spec.image_token_id}
+
+
+def test_logits_match_transformers(models) -> None:  # noqa: ANN001
+    ours, ref = models
+    rng = np.random.default_rng(0)
+    images = [prepare(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), ours.spec.tiling)
+              for w, h in SIZES]
+    assert sorted({im.grid.num_tiles for im in images})[-1] > 1  # several tile counts covered
+    requests = [Request(i, q) for i in range(len(images)) for q in QUESTIONS]
+    engine = TorchEngine(ours, EngineConfig(max_batch_tokens=300))  # forces several batches
+    scores = engine.score(images, requests)
+    yes, no = list(engine.answers.yes_ids), list(engine.answers.no_ids)
+    for r, s in zip(requests, scores):
+        im = images[r.image]
+        ids = reference_ids(ours.tokenizer, r.question, im.grid.num_tiles * ours.spec.tokens_per_tile)
+        with torch.no_grad():
+            logits = ref(input_ids=torch.tensor([ids]),
+                         pixel_values=reference_pixels(torch.from_numpy(im.tiles))).logits[0, -1]
+        ly, ln = logits[yes].logsumexp(-1), logits[no].logsumexp(-1)
+        assert abs(s.margin - float(ly - ln)) <= 1e-4
+        assert abs(s.p_yes - float(torch.sigmoid(ly - ln))) <= 1e-5
+        assert s.image_tokens == im.grid.num_tiles * ours.spec.tokens_per_tile
+
+
+def test_full_logits_match(models) -> None:  # noqa: ANN001
+    """The whole vocabulary row, not just the yes/no pair, for one multi-tile image."""
+    ours, ref = models
+    im = prepare(np.random.default_rng(1).integers(0, 256, (90, 200, 3), dtype=np.uint8),
+                 ours.spec.tiling)
+    engine = TorchEngine(ours, EngineConfig())
+    p = engine.prompts.build(QUESTIONS[0], im.grid.num_tiles)
+    emb = engine.encode([im])
+    with torch.no_grad():
+        x = ours.llm.embed_tokens(torch.tensor([p.ids]))
+        x[0, p.image_start: p.image_start + p.image_len] = emb[0].embeds
+        got = ours.llm.prefill_last(x, torch.tensor([len(p.ids)]))[0]
+        want = ref(input_ids=torch.tensor([list(p.ids)]),
+                   pixel_values=reference_pixels(torch.from_numpy(im.tiles))).logits[0, -1]
+    assert (got - want).abs().max() <= 1e-4
