@@ -72,19 +72,14 @@ def read_policy(path: Path) -> tuple[Question, ...]:
     path = Path(path)
     if not path.is_file():
         raise ManifestError(f"policy file {path} not found")
-    text = path.read_text()
-    try:
-        if path.suffix == ".toml":
-            data = tomllib.loads(text)
-        elif path.suffix in (".yaml", ".yml"):
-            import yaml
+    import yaml
 
-            data = yaml.safe_load(text)
-        else:
-            raise ManifestError(f"{path}: policy must be .yaml, .yml or .toml")
-    except (tomllib.TOMLDecodeError, ValueError) as e:
-        raise ManifestError(f"{path}: cannot parse policy: {e}") from e
-    except Exception as e:  # yaml.YAMLError
+    text = path.read_text()
+    if path.suffix not in (".toml", ".yaml", ".yml"):
+        raise ManifestError(f"{path}: policy must be .yaml, .yml or .toml")
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
         raise ManifestError(f"{path}: cannot parse policy: {e}") from e
     if not isinstance(data, dict) or "questions" not in data:
         raise ManifestError(f"{path}: a policy needs a top-level 'questions' list")

@@ -1,0 +1,87 @@
+"""Manifests, policies, folders and image sources."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import pytest
+
+from jobs.manifest import ManifestError, Question, items_from_folder, read_manifest, read_policy
+from jobs.sources import SourceError, read_bytes
+
+
+def write(path: Path, lines: list) -> Path:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+def test_manifest_questions_and_policy(tmp_path: Path) -> None:
+    m = write(tmp_path / "m.jsonl", [
+        {"id": "a", "image": "a.png", "questions": ["Is it red?", {"id": "c", "text": "Circle?",
+                                                                   "threshold": 0.7}]},
+        "",
+        {"id": "b", "image": "b.png"},
+    ])
+    policy = (Question("p", "Is there a shape?"),)
+    items = read_manifest(m, policy)
+    assert [it.id for it in items] == ["a", "b"]
+    assert [q.id for q in items[0].questions] == ["q0", "c", "p"]
+    assert items[0].questions[1].threshold == 0.7
+    assert items[1].questions == policy
+    assert items[0].base_dir == tmp_path
+
+
+@pytest.mark.parametrize("bad,msg", [
+    ("{not json", "not valid JSON"),
+    ('["a list"]', "JSON object"),
+    ('{"id": "x"}', "missing 'image'"),
+    ('{"image": "x.png", "questions": "Is it red?"}', "must be a list"),
+    ('{"image": "x.png", "questions": [{"text": "q", "threshold": 2}]}', "threshold"),
+    ('{"image": "x.png", "questions": []}', "no questions"),
+    ('{"id": "a", "image": "y.png", "questions": ["q"]}', "appears twice"),
+])
+def test_malformed_line_names_line_number(tmp_path: Path, bad: str, msg: str) -> None:
+    m = write(tmp_path / "m.jsonl", [{"id": "a", "image": "a.png", "questions": ["ok?"]}, bad])
+    with pytest.raises(ManifestError, match=rf"m\.jsonl:2: .*{msg}"):
+        read_manifest(m)
+
+
+def test_policy_yaml_and_toml(tmp_path: Path) -> None:
+    y = tmp_path / "p.yaml"
+    y.write_text("questions:\n  - {id: red, text: \"Is there a red shape?\", threshold: 0.6}\n"
+                 "  - Is there a circle?\n")
+    t = tmp_path / "p.toml"
+    t.write_text('[[questions]]\nid = "red"\ntext = "Is there a red shape?"\nthreshold = 0.6\n'
+                 '[[questions]]\ntext = "Is there a circle?"\n')
+    assert read_policy(y) == read_policy(t) == (
+        Question("red", "Is there a red shape?", 0.6), Question("q1", "Is there a circle?"))
+    (tmp_path / "bad.yaml").write_text("questions: [\n")
+    with pytest.raises(ManifestError, match="cannot parse"):
+        read_policy(tmp_path / "bad.yaml")
+    (tmp_path / "none.yaml").write_text("name: x\n")
+    with pytest.raises(ManifestError, match="questions"):
+        read_policy(tmp_path / "none.yaml")
+
+
+def test_folder(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    for name in ["b.png", "a.jpg", "sub/c.webp", "notes.txt"]:
+        (tmp_path / name).write_bytes(b"x")
+    items = items_from_folder(tmp_path, (Question("q", "?"),))
+    assert [it.id for it in items] == ["a.jpg", "b.png", "sub/c.webp"]
+    with pytest.raises(ManifestError, match="--policy"):
+        items_from_folder(tmp_path, ())
+
+
+def test_sources(tmp_path: Path) -> None:
+    (tmp_path / "x.bin").write_bytes(b"abc")
+    assert read_bytes("x.bin", tmp_path) == b"abc"
+    assert read_bytes(f"file://{tmp_path}/x.bin", Path("/")) == b"abc"
+    assert read_bytes("data:image/png;base64," + base64.b64encode(b"abc").decode(), tmp_path) \
+        == b"abc"
+    for src, msg in [("missing.png", "not found"), ("https://example.com/a.png", "scheme 'https'"),
+                     ("data:image/png;base64,@@@", "base64"), (".", "directory")]:
+        with pytest.raises(SourceError, match=msg):
+            read_bytes(src, tmp_path)

@@ -1,0 +1,65 @@
+"""Engine invariants: batching does not change answers; each image is encoded once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.config import EngineConfig
+from pipeline.engine import Request, TorchEngine
+from pipeline.model import ModelError, load_model
+from pipeline.scoring import AnswerTokens
+from preprocessing.prepare import prepare
+
+
+@pytest.fixture(scope="module")
+def model(random_model_dir):  # noqa: ANN001, ANN201
+    return load_model(random_model_dir)
+
+
+def images(model, n: int = 4) -> list:  # noqa: ANN001
+    rng = np.random.default_rng(3)
+    sizes = [(56, 56), (150, 60), (40, 130), (200, 200)][:n]
+    return [prepare(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), model.spec.tiling)
+            for w, h in sizes]
+
+
+def test_batched_equals_one_at_a_time(model) -> None:  # noqa: ANN001
+    ims = images(model)
+    qs = ["is there a red shape?", "no", "does the image contain a circle? yes or no, please"]
+    reqs = [Request(i, q) for i in range(len(ims)) for q in qs]
+    together = TorchEngine(model, EngineConfig(max_batch_tokens=100_000)).score(ims, reqs)
+    single = TorchEngine(model, EngineConfig())
+    for r, s in zip(reqs, together):
+        alone = single.score([ims[r.image]], [Request(0, r.question)])[0]
+        assert abs(alone.margin - s.margin) <= 1e-4
+        assert alone.image_tokens == s.image_tokens
+
+
+def test_each_image_encoded_once(model) -> None:  # noqa: ANN001
+    ims = images(model)
+    engine = TorchEngine(model, EngineConfig(max_batch_tiles=3))
+    engine.score(ims, [Request(i, f"question {k}") for i in range(len(ims)) for k in range(5)])
+    assert engine.vision_tiles == sum(im.grid.num_tiles for im in ims)
+
+
+def test_answer_tokens_must_be_single_tokens(model) -> None:  # noqa: ANN001
+    tok = model.tokenizer
+    words = ("yes", "Yes", "definitely-not-a-token")
+    t = AnswerTokens.from_words(tok, words, ("no",))
+    single = [tok.encode(w, add_special_tokens=False) for w in words]
+    assert list(t.yes_ids) == [ids[0] for ids in single if len(ids) == 1]
+    assert t.yes_ids and len(t.no_ids) == 1
+    with pytest.raises(ValueError, match="single token"):
+        AnswerTokens.from_words(tok, ("zzzqqq",), ("no",))
+
+
+def test_missing_and_unknown_models(tmp_path: Path) -> None:
+    with pytest.raises(ModelError, match="config.json"):
+        load_model(tmp_path / "nope")
+    (tmp_path / "llava").mkdir()
+    (tmp_path / "llava" / "config.json").write_text('{"model_type": "llava"}')
+    with pytest.raises(ModelError, match="'llava' .* not supported"):
+        load_model(tmp_path / "llava")

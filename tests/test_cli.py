@@ -1,0 +1,110 @@
+"""The ``vlmbatch`` command end to end: results, item errors, bad input, exit codes."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+
+from pipeline.cli import EXIT_BAD_INPUT, EXIT_ITEM_ERRORS, EXIT_OK, main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def png(path: Path, h: int = 60, w: int = 90) -> bytes:
+    img = np.random.default_rng(h * w).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    ok, buf = cv2.imencode(".png", img)
+    assert ok
+    path.write_bytes(buf.tobytes())
+    return buf.tobytes()
+
+
+@pytest.fixture()
+def job(tmp_path: Path) -> Path:
+    data = png(tmp_path / "good.png")
+    (tmp_path / "empty.png").write_bytes(b"")
+    (tmp_path / "text.png").write_text("hello")
+    (tmp_path / "trunc.png").write_bytes(data[: len(data) // 3])
+    lines = [
+        {"id": "good", "image": "good.png", "questions": ["Is there a red shape?"]},
+        {"id": "data", "image": "data:image/png;base64," + base64.b64encode(data).decode()},
+        {"id": "missing", "image": "nope.png"},
+        {"id": "empty", "image": "empty.png"},
+        {"id": "text", "image": "text.png"},
+        {"id": "trunc", "image": "trunc.png"},
+        {"id": "http", "image": "http://example.com/a.png"},
+    ]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (tmp_path / "p.yaml").write_text("questions:\n  - {id: c, text: Does it contain a circle}\n")
+    return tmp_path
+
+
+def test_run_with_item_errors(job: Path, random_model_dir: Path) -> None:
+    out = job / "out.jsonl"
+    rc = main(["run", str(job / "m.jsonl"), "--policy", str(job / "p.yaml"), "--model",
+               str(random_model_dir), "--out", str(out), "--no-progress"])
+    assert rc == EXIT_ITEM_ERRORS
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == 2 + 6  # good: own question + policy; the rest: policy only
+    by_id = {}
+    for r in rows:
+        by_id.setdefault(r["id"], []).append(r)
+    for r in by_id["good"] + by_id["data"]:
+        assert r["error"] is None and r["answer"] in ("yes", "no") and 0 <= r["p_yes"] <= 1
+        assert r["answer"] == ("yes" if r["p_yes"] >= 0.5 else "no")
+        assert r["image_tokens"] > 0
+    assert by_id["good"][1]["p_yes"] == by_id["data"][0]["p_yes"]  # same pixels, same answer
+    reasons = {"missing": "not found", "empty": "empty", "text": "not a decodable",
+               "trunc": "not a decodable", "http": "scheme 'http'"}
+    for item, reason in reasons.items():
+        (r,) = by_id[item]
+        assert r["answer"] is None and reason in r["error"], r
+
+
+def test_all_ok_exit_code(job: Path, random_model_dir: Path, capsys) -> None:  # noqa: ANN001
+    good = job / "good.jsonl"
+    good.write_text(json.dumps({"id": "g", "image": "good.png", "questions": ["Red?"]}) + "\n")
+    rc = main(["run", str(good), "--model", str(random_model_dir), "--no-progress"])
+    assert rc == EXIT_OK
+    (row,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert row["id"] == "g" and row["error"] is None
+
+
+def test_folder_input(job: Path, random_model_dir: Path) -> None:
+    out = job / "f.jsonl"
+    rc = main(["run", "--images", str(job), "--policy", str(job / "p.yaml"), "--model",
+               str(random_model_dir), "-o", str(out), "--no-progress"])
+    assert rc == EXIT_ITEM_ERRORS  # the folder holds the broken files too
+    assert {json.loads(x)["id"] for x in out.read_text().splitlines()} == {
+        "good.png", "empty.png", "text.png", "trunc.png"}
+
+
+def test_malformed_manifest_fails_before_work(job: Path, random_model_dir: Path,
+                                              capsys) -> None:  # noqa: ANN001
+    bad = job / "bad.jsonl"
+    bad.write_text('{"image": "good.png", "questions": ["q"]}\n{"image": 3}\n')
+    out = job / "never.jsonl"
+    rc = main(["run", str(bad), "--model", str(random_model_dir), "-o", str(out)])
+    assert rc == EXIT_BAD_INPUT
+    assert "bad.jsonl:2:" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_unknown_model(job: Path, capsys) -> None:  # noqa: ANN001
+    rc = main(["run", str(job / "m.jsonl"), "--policy", str(job / "p.yaml"), "--model",
+               str(job / "no_such_model")])
+    assert rc == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "config.json" in err and "--model" in err
+
+
+def test_help_lists_commands() -> None:
+    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "--help"], capture_output=True,
+                       text=True, cwd=ROOT, check=True)
+    assert "run" in r.stdout and "eval" in r.stdout and "yes/no" in r.stdout
