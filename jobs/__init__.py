@@ -1,1 +1,1 @@
-"""Job inputs (manifests, policies, sources), the in-process runner, results. Computes no tensors."""
+"""Job inputs (manifests, policies, sources) and the in-process runner. Computes no tensors."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import tomllib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,8 +134,3 @@ def items_from_folder(folder: Path, policy: tuple[Question, ...]) -> list[ImageI
         raise ManifestError(f"no image files ({', '.join(sorted(IMAGE_SUFFIXES))}) in {folder}")
     return [ImageItem(str(p.relative_to(folder)), str(p), policy, folder) for p in files]
 
-
-def iter_questions(items: list[ImageItem]) -> Iterator[tuple[ImageItem, Question]]:
-    for item in items:
-        for q in item.questions:
-            yield item, q

@@ -44,7 +44,8 @@ def candidate_grids(min_tiles: int, max_tiles: int) -> tuple[tuple[int, int], ..
     return tuple(sorted(grids, key=lambda g: g[0] * g[1]))
 
 
-def closest_grid(width: int, height: int, tile: int, min_tiles: int, max_tiles: int) -> tuple[int, int]:
+def closest_grid(width: int, height: int, tile: int, min_tiles: int,
+                 max_tiles: int) -> tuple[int, int]:
     """The reference choice of (cols, rows) for an image of ``width`` x ``height`` pixels."""
     aspect = width / height
     area = width * height

@@ -27,9 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pipeline.tokenizer import build_tokenizer  # noqa: E402
 from preprocessing.decode import decode  # noqa: E402
 from preprocessing.prepare import TilingConfig, prepare  # noqa: E402
-from pipeline.tokenizer import build_tokenizer  # noqa: E402
 from scripts.shapes import make_questions, make_scene  # noqa: E402
 
 MEAN = (0.485, 0.456, 0.406)  # ImageNet statistics, as InternVL uses

@@ -60,7 +60,8 @@ def test_logits_match_transformers(models) -> None:  # noqa: ANN001
     yes, no = list(engine.answers.yes_ids), list(engine.answers.no_ids)
     for r, s in zip(requests, scores):
         im = images[r.image]
-        ids = reference_ids(ours.tokenizer, r.question, im.grid.num_tiles * ours.spec.tokens_per_tile)
+        n_tokens = im.grid.num_tiles * ours.spec.tokens_per_tile
+        ids = reference_ids(ours.tokenizer, r.question, n_tokens)
         with torch.no_grad():
             logits = ref(input_ids=torch.tensor([ids]),
                          pixel_values=reference_pixels(torch.from_numpy(im.tiles))).logits[0, -1]

@@ -1,0 +1,108 @@
+"""QPM benchmark: a transformers-style baseline vs vlmbatch, same questions, one process.
+
+(a) baseline, written the way a transformers user would from InternVL's model card: per
+    question, Pillow decode + ``dynamic_preprocess`` + ToTensor/Normalize, then one
+    ``InternVLForConditionalGeneration`` forward (SDPA attention) on that single prompt;
+    P(yes) from the last position's logits.
+(b) vlmbatch: ``jobs.runner.answer_group`` (OpenCV preprocessing, each image encoded once,
+    batched prefill), the same path as ``vlmbatch run``.
+
+Both answer the first ``--images`` images of easy-vqa's *test* split (all their yes/no
+questions); the script prints QPM for each, the ratio, each one's accuracy and how often
+they agree. Same thread count for both (``--threads``). Not a test: timings on shared
+machines are noisy, so compare the two rows of one run, not runs across machines.
+
+    python bench/qpm.py --images 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jobs.runner import answer_group, tiling_for  # noqa: E402
+from pipeline.config import EngineConfig  # noqa: E402
+from pipeline.engine import TorchEngine  # noqa: E402
+from pipeline.evaluate import easy_vqa_items  # noqa: E402
+from pipeline.model import DEFAULT_MODEL, load_model  # noqa: E402
+from pipeline.prompt import PromptBuilder  # noqa: E402
+from pipeline.scoring import AnswerTokens  # noqa: E402
+from preprocessing.reference import pillow_tiles, pixel_values  # noqa: E402
+
+
+def baseline(model_dir: Path, items: list, tok, answers: AnswerTokens) -> tuple[list, float]:  # noqa: ANN001
+    from transformers import InternVLForConditionalGeneration
+
+    ref = InternVLForConditionalGeneration.from_pretrained(
+        str(model_dir), attn_implementation="sdpa").eval()
+    spec = load_model(model_dir).spec
+    t = spec.tiling
+    yes, no = list(answers.yes_ids), list(answers.no_ids)
+    prompts = PromptBuilder(tok, spec.tokens_per_tile, spec.image_token_id)
+    out = []
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for item in items:
+            for q in item.questions:
+                data = Path(item.image).read_bytes()  # per question, as a naive loop does
+                tiles = pillow_tiles(data, t.tile_size, t.min_tiles, t.max_tiles)
+                pv = pixel_values(tiles, spec.vision.mean, spec.vision.std)
+                ids = torch.tensor([prompts.build(q.text, len(tiles)).ids])
+                logits = ref(input_ids=ids, pixel_values=pv).logits[0, -1]
+                out.append(float(torch.sigmoid(logits[yes].logsumexp(-1)
+                                               - logits[no].logsumexp(-1))))
+    return out, time.perf_counter() - start
+
+
+def ours(model_dir: Path, items: list, images_per_batch: int) -> tuple[list, float]:
+    model = load_model(model_dir)
+    engine = TorchEngine(model, EngineConfig())
+    tiling = tiling_for(model, None)
+    out = []
+    start = time.perf_counter()
+    for g in range(0, len(items), images_per_batch):
+        out += [ln["p_yes"] for ln in answer_group(engine, tiling, items[g: g + images_per_batch])]
+    return out, time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--images", type=int, default=100, help="first N easy-vqa test images")
+    ap.add_argument("--images-per-batch", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    items = easy_vqa_items("test")[: args.images]
+    truth = [q.id.split(":")[1] for it in items for q in it.questions]
+    n = len(truth)
+    tok = load_model(args.model).tokenizer
+    answers = AnswerTokens.from_words(tok, EngineConfig().yes_words, EngineConfig().no_words)
+
+    p_ours, t_ours = ours(args.model, items, args.images_per_batch)
+    p_base, t_base = baseline(args.model, items, tok, answers)
+
+    def acc(ps: list) -> float:
+        return sum(("yes" if p >= 0.5 else "no") == a for p, a in zip(ps, truth)) / n
+
+    agree = sum((a >= 0.5) == (b >= 0.5) for a, b in zip(p_ours, p_base)) / n
+    max_dp = max(abs(a - b) for a, b in zip(p_ours, p_base))
+    print(f"easy-vqa test: {len(items)} images, {n} yes/no questions, "
+          f"{torch.get_num_threads()} threads, model {args.model.name}")
+    print(f"{'path':<28}{'seconds':>10}{'QPM':>10}{'accuracy':>10}")
+    for name, secs, ps in [("baseline (transformers)", t_base, p_base),
+                           ("vlmbatch", t_ours, p_ours)]:
+        print(f"{name:<28}{secs:>10.2f}{60 * n / secs:>10.0f}{acc(ps):>10.4f}")
+    print(f"ratio vlmbatch/baseline: {t_base / t_ours:.2f}x; answers agree on {agree:.4f}; "
+          f"max |dP(yes)| {max_dp:.4f}")
+
+
+if __name__ == "__main__":
+    main()
