@@ -35,12 +35,17 @@ class ModelConfig:
 class EngineConfig:
     max_batch_tokens: int = 8192  # padded prompt tokens per LLM forward
     max_batch_tiles: int = 64  # tiles per vision-encoder forward
+    prefix_cache: bool = True  # image-aware prefix KV cache (pipeline/prefix_cache.py)
+    block_size: int = 16  # tokens per cache block
+    cache_bytes: int = 1 << 30  # LRU budget for cached KV
     yes_words: tuple[str, ...] = ("yes", "Yes", "YES")
     no_words: tuple[str, ...] = ("no", "No", "NO")
 
     def __post_init__(self) -> None:
-        if self.max_batch_tokens < 1 or self.max_batch_tiles < 1:
-            raise ValueError("max_batch_tokens and max_batch_tiles must be >= 1")
+        if min(self.max_batch_tokens, self.max_batch_tiles, self.block_size) < 1:
+            raise ValueError("max_batch_tokens, max_batch_tiles and block_size must be >= 1")
+        if self.cache_bytes < 0:
+            raise ValueError(f"cache_bytes must be >= 0, got {self.cache_bytes}")
         if not self.yes_words or not self.no_words:
             raise ValueError("yes_words and no_words must not be empty")
 

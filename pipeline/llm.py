@@ -19,6 +19,8 @@ from torch import nn
 
 from vit_trt.encoder import RMSNorm
 
+KV = tuple[torch.Tensor, torch.Tensor]  # (k, v), each [B, K, T, d]
+
 
 @dataclass(frozen=True)
 class TextSpec:
@@ -67,9 +69,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(s.hidden, s.eps)
         self.post_attention_layernorm = RMSNorm(s.hidden, s.eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
-        # x: [B, T, D]; cos/sin: [B, 1, T, d]; mask: [B, 1, T, T] bool, True = may attend
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                past: KV | None = None) -> tuple[torch.Tensor, KV]:
+        # x: [B, T, D]; cos/sin: [B, 1, T, d]; mask: [B, 1, T, P + T] bool, True = may attend;
+        # past: k, v [B, K, P, d] (rotary already applied). Returns x and this step's k, v.
         b, t, _ = x.shape
         s = self.s
         h = self.input_layernorm(x)
@@ -78,11 +81,13 @@ class DecoderLayer(nn.Module):
         v = self.v_proj(h).view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+        k_all, v_all = (k, v) if past is None else (torch.cat([past[0], k], 2),
+                                                    torch.cat([past[1], v], 2))
+        a = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
                                            enable_gqa=s.heads != s.kv_heads)
         x = x + self.o_proj(a.transpose(1, 2).reshape(b, t, -1))
         h = self.post_attention_layernorm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h)), (k, v)
 
 
 class Qwen2LM(nn.Module):
@@ -97,24 +102,39 @@ class Qwen2LM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def prefill_last(self, embeds: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Right-padded batch -> logits of each sequence's last real token.
+        """Right-padded batch -> logits of each sequence's last real token, [B, V] float32."""
+        return self.prefill(embeds, lengths)[0]
 
-        embeds: [B, T, D]; lengths: [B] long (>= 1, <= T). Returns [B, V] float32.
-        Padding positions attend to real tokens only, so no row is fully masked.
+    def prefill(self, embeds: torch.Tensor, lengths: torch.Tensor, past: list[KV] | None = None,
+                past_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, list[KV]]:
+        """Prefill new tokens after an optional cached prefix; logits of the last real token.
+
+        embeds: [B, T, D] new tokens, right-padded; lengths: [B] (1..T) real new tokens.
+        past: per layer (k, v) [B, K, P, d], each row's first past_lengths[b] entries real.
+        New token t of row b sits at position past_lengths[b] + t. Padding attends to real
+        tokens only, so no attention row is fully masked.
+        Returns (logits [B, V] float32, per layer (k, v) [B, K, T, d] of the new tokens).
         """
         b, t, _ = embeds.shape
         device = embeds.device
         pos = torch.arange(t, device=device)
-        positions = pos.expand(b, t)
+        offset = (past_lengths if past_lengths is not None
+                  else torch.zeros(b, dtype=torch.long, device=device))
+        positions = offset[:, None] + pos[None, :]  # [B, T]
         valid = pos[None, :] < lengths[:, None]  # [B, T]
-        causal = pos[None, :] <= pos[:, None]  # [T(query), T(key)]
-        mask = (causal[None] & valid[:, None, :])[:, None]  # [B, 1, T, T]
+        mask = (pos[None, :] <= pos[:, None])[None] & valid[:, None, :]  # [B, T, T]
+        if past is not None:
+            p = past[0][0].shape[2]
+            seen = torch.arange(p, device=device)[None, :] < offset[:, None]  # [B, P]
+            mask = torch.cat([seen[:, None, :].expand(b, t, p), mask], dim=2)  # [B, T, P+T]
         cos, sin = rotary(positions, self.spec.head_dim, self.spec.rope_theta, embeds.dtype)
         x = embeds
-        for layer in self.layers:
-            x = layer(x, cos, sin, mask)
+        new_kv = []
+        for i, layer in enumerate(self.layers):
+            x, kv = layer(x, cos, sin, mask[:, None], None if past is None else past[i])
+            new_kv.append(kv)
         last = x[torch.arange(b, device=device), lengths - 1]  # [B, D]
-        return self.lm_head(self.norm(last)).float()
+        return self.lm_head(self.norm(last)).float(), new_kv
 
     def load_hf(self, sd: dict[str, torch.Tensor]) -> None:
         """Load from keys normalised to ``language_model.*`` and ``lm_head.weight``."""

@@ -22,6 +22,11 @@ class Prompt:
     image_start: int  # index of the first <IMG_CONTEXT>
     image_len: int  # number of <IMG_CONTEXT> tokens
 
+    @property
+    def prefix_len(self) -> int:
+        """Tokens shared by every question about the same image: up to and with </img>."""
+        return self.image_start + self.image_len + 1
+
 
 class PromptBuilder:
     def __init__(self, tokenizer, tokens_per_tile: int, image_token_id: int) -> None:  # noqa: ANN001

@@ -37,6 +37,12 @@ class PreparedImage:
     width: int  # of the decoded image
     height: int
 
+    @property
+    def cache_key(self) -> str:
+        """Identifies the image tokens: same pixels *and* same tiling (grid, tile size)."""
+        g = self.grid
+        return f"{self.content_hash}:{g.cols}x{g.rows}{'+t' if g.thumbnail else ''}@{self.tiles.shape[1]}"
+
 
 def content_hash(img: np.ndarray) -> str:
     h = xxhash.xxh3_128()

@@ -42,7 +42,7 @@ def test_each_image_encoded_once(model) -> None:  # noqa: ANN001
     ims = images(model)
     engine = TorchEngine(model, EngineConfig(max_batch_tiles=3))
     engine.score(ims, [Request(i, f"question {k}") for i in range(len(ims)) for k in range(5)])
-    assert engine.vision_tiles == sum(im.grid.num_tiles for im in ims)
+    assert engine.stats.vision_tiles == sum(im.grid.num_tiles for im in ims)
 
 
 def test_answer_tokens_must_be_single_tokens(model) -> None:  # noqa: ANN001

@@ -1,0 +1,108 @@
+"""Image-aware prefix KV cache: keys, collisions, LRU, and the engine's use of it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.config import EngineConfig
+from pipeline.engine import Request, TorchEngine
+from pipeline.model import load_model
+from pipeline.prefix_cache import ImageSpan, PrefixCache, block_ids
+from preprocessing.prepare import PreparedImage, prepare
+
+QUESTIONS = ["is there a red shape?", "Does the image contain a circle?", "no", "yes or no"]
+
+
+@pytest.fixture(scope="module")
+def model(random_model_dir):  # noqa: ANN001, ANN201
+    return load_model(random_model_dir)
+
+
+def images(model, sizes=((56, 56), (150, 60), (40, 130), (200, 200)), seed=5) -> list:  # noqa: ANN001
+    rng = np.random.default_rng(seed)
+    return [prepare(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), model.spec.tiling)
+            for w, h in sizes]
+
+
+def margins(engine: TorchEngine, ims: list, qs=QUESTIONS) -> torch.Tensor:  # noqa: ANN001
+    reqs = [Request(i, q) for i in range(len(ims)) for q in qs]
+    return torch.tensor([s.margin for s in engine.score(ims, reqs)], dtype=torch.float64)
+
+
+def test_keys_separate_images_with_identical_placeholder_ids() -> None:
+    ids = list(range(10)) + [7] * 40 + list(range(10))
+    a = block_ids(ids, [ImageSpan(10, 40, "image-a")], 16)
+    b = block_ids(ids, [ImageSpan(10, 40, "image-b")], 16)
+    assert len(a) == len(b) == 3  # only full blocks
+    assert all(x.key != y.key for x, y in zip(a, b))
+    assert block_ids(ids, [ImageSpan(10, 40, "image-a")], 16)[2].key == a[2].key
+    tail = block_ids(ids, [ImageSpan(10, 40, "image-a")], 16, limit=51, tail=True)
+    assert len(tail[-1].ids) == 3 and tail[0].key == a[0].key
+
+
+def test_token_only_cache_is_the_write_up_bug(model, monkeypatch) -> None:  # noqa: ANN001
+    """Keyed by token ids alone, image B is answered with image A's KV. Ours is not."""
+    a, b = images(model, sizes=((56, 56), (56, 56)))
+    truth = margins(TorchEngine(model, EngineConfig(prefix_cache=False)), [b])
+    ours = TorchEngine(model, EngineConfig())
+    margins(ours, [a])
+    assert torch.allclose(margins(ours, [b]), truth, atol=1e-5)
+
+    monkeypatch.setattr(PreparedImage, "cache_key", property(lambda self: "same-for-all"))
+    token_only = TorchEngine(model, EngineConfig())
+    got_a = margins(token_only, [a])
+    got_b = margins(token_only, [b])
+    assert torch.allclose(got_b, got_a)  # B got A's answers
+    assert not torch.allclose(got_b, truth, atol=1e-3)
+
+
+def test_cache_on_equals_cache_off(model) -> None:  # noqa: ANN001
+    ims = images(model)
+    off = margins(TorchEngine(model, EngineConfig(prefix_cache=False)), ims)
+    for bs in (1, 4, 16, 64):
+        on = TorchEngine(model, EngineConfig(block_size=bs, max_batch_tokens=400))
+        assert (margins(on, ims) - off).abs().max() <= 1e-5
+        assert (margins(on, ims) - off).abs().max() <= 1e-5  # second call: all from cache
+        assert on.cache is not None and on.cache.stats.hits > 0
+
+
+def test_k_questions_encode_and_prefill_image_once(model) -> None:  # noqa: ANN001
+    (im,) = images(model, sizes=((150, 60),))
+    engine = TorchEngine(model, EngineConfig())
+    qs = ["red?", "Is there a circle?", "no", "Does the image contain two triangles?",
+          "what about blue", "Yes or no: gray?"]  # no shared words after </img>
+    k = len(qs)
+    engine.score([im], [Request(0, q) for q in qs])
+    n_image = im.grid.num_tiles * model.spec.tokens_per_tile
+    assert engine.stats.vision_tiles == im.grid.num_tiles
+    assert engine.stats.image_tokens_prefilled == n_image
+    assert engine.stats.prefill_tokens < engine.stats.prompt_tokens - (k - 1) * n_image + 1
+    engine.score([im], [Request(0, "one more?")])  # later call: the image is fully cached
+    assert engine.stats.vision_tiles == im.grid.num_tiles
+    assert engine.stats.image_tokens_prefilled == n_image
+
+
+def test_eviction_keeps_results_correct(model) -> None:  # noqa: ANN001
+    ims = images(model)
+    off = margins(TorchEngine(model, EngineConfig(prefix_cache=False)), ims)
+    tiny = TorchEngine(model, EngineConfig(block_size=4, cache_bytes=20_000))
+    for _ in range(2):
+        assert (margins(tiny, ims) - off).abs().max() <= 1e-5
+    assert tiny.cache is not None
+    assert tiny.cache.stats.evictions > 0 and tiny.cache.bytes <= 20_000
+
+
+def test_lru_and_collision_check() -> None:
+    kv = torch.zeros(1, 2, 1, 4, 2)  # 64 bytes
+    cache = PrefixCache(block_size=4, budget_bytes=128)
+    a, b, c = (block_ids([i] * 4, [], 4)[0] for i in (1, 2, 3))
+    cache.insert(a, kv)
+    cache.insert(b, kv)
+    assert len(cache.lookup([a])) == 1  # a is now most recent
+    cache.insert(c, kv)  # evicts b, the least recent
+    assert cache.lookup([b]) == [] and len(cache.lookup([a])) == 1
+    assert cache.stats.evictions == 1 and cache.bytes == 128
+    forged = type(a)(a.key, a.parent, (9, 9, 9, 9), a.extra)  # same key, other tokens
+    assert cache.lookup([forged]) == [] and cache.stats.collisions == 1
