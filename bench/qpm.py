@@ -4,12 +4,16 @@
     question, Pillow decode + ``dynamic_preprocess`` + ToTensor/Normalize, then one
     ``InternVLForConditionalGeneration`` forward (SDPA attention) on that single prompt;
     P(yes) from the last position's logits.
-(b) vlmbatch: ``jobs.runner.answer_group`` (OpenCV preprocessing, each image encoded once,
-    batched prefill), the same path as ``vlmbatch run``.
+(b) vlmbatch without the prefix cache: ``jobs.runner.answer_group`` (OpenCV preprocessing,
+    each image encoded once, batched prefill), the same path as ``vlmbatch run``;
+(c) vlmbatch with the image-aware prefix cache (the default): an image's prefix is prefilled
+    once and reused by its other questions.
 
 Both answer the first ``--images`` images of easy-vqa's *test* split (all their yes/no
 questions); the script prints QPM for each, the ratio, each one's accuracy and how often
-they agree. Same thread count for both (``--threads``). Not a test: timings on shared
+they agree, plus the cache's block hit rate, LLM tokens prefilled per question and the
+process's peak RSS after each path (paths run in the order of the table, so the figure is
+cumulative). Same thread count for all (``--threads``). Not a test: timings on shared
 machines are noisy, so compare the two rows of one run, not runs across machines.
 
     python bench/qpm.py --images 100
@@ -18,6 +22,7 @@ machines are noisy, so compare the two rows of one run, not runs across machines
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import time
 from pathlib import Path
@@ -26,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jobs.runner import answer_group, tiling_for  # noqa: E402
+from jobs.runner import answer_group  # noqa: E402
 from pipeline.config import EngineConfig  # noqa: E402
 from pipeline.engine import TorchEngine  # noqa: E402
 from pipeline.evaluate import easy_vqa_items  # noqa: E402
@@ -34,6 +39,8 @@ from pipeline.model import DEFAULT_MODEL, load_model  # noqa: E402
 from pipeline.prompt import PromptBuilder  # noqa: E402
 from pipeline.scoring import AnswerTokens  # noqa: E402
 from preprocessing.reference import pillow_tiles, pixel_values  # noqa: E402
+
+BASELINE_PROMPT_LENS: list = []  # the baseline prefills every prompt token
 
 
 def baseline(model_dir: Path, items: list, tok, answers: AnswerTokens) -> tuple[list, float]:  # noqa: ANN001
@@ -54,21 +61,27 @@ def baseline(model_dir: Path, items: list, tok, answers: AnswerTokens) -> tuple[
                 tiles = pillow_tiles(data, t.tile_size, t.min_tiles, t.max_tiles)
                 pv = pixel_values(tiles, spec.vision.mean, spec.vision.std)
                 ids = torch.tensor([prompts.build(q.text, len(tiles)).ids])
+                BASELINE_PROMPT_LENS.append(ids[0])
                 logits = ref(input_ids=ids, pixel_values=pv).logits[0, -1]
                 out.append(float(torch.sigmoid(logits[yes].logsumexp(-1)
                                                - logits[no].logsumexp(-1))))
     return out, time.perf_counter() - start
 
 
-def ours(model_dir: Path, items: list, images_per_batch: int) -> tuple[list, float]:
+def ours(model_dir: Path, items: list, images_per_batch: int,
+         cache: bool) -> tuple[list, float, TorchEngine]:
     model = load_model(model_dir)
-    engine = TorchEngine(model, EngineConfig())
-    tiling = tiling_for(model, None)
+    engine = TorchEngine(model, EngineConfig(prefix_cache=cache))
+    tiling = model.spec.tiling
     out = []
     start = time.perf_counter()
     for g in range(0, len(items), images_per_batch):
         out += [ln["p_yes"] for ln in answer_group(engine, tiling, items[g: g + images_per_batch])]
-    return out, time.perf_counter() - start
+    return out, time.perf_counter() - start, engine
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def main() -> None:
@@ -86,22 +99,29 @@ def main() -> None:
     tok = load_model(args.model).tokenizer
     answers = AnswerTokens.from_words(tok, EngineConfig().yes_words, EngineConfig().no_words)
 
-    p_ours, t_ours = ours(args.model, items, args.images_per_batch)
+    rows = []
+    for name, cache in [("vlmbatch, no prefix cache", False), ("vlmbatch, prefix cache", True)]:
+        ps, secs, eng = ours(args.model, items, args.images_per_batch, cache)
+        hit = f"{eng.cache.stats.hit_rate():.2f}" if eng.cache else "-"
+        rows.append((name, secs, ps, hit, eng.stats.prefill_tokens / n, peak_rss_mib()))
     p_base, t_base = baseline(args.model, items, tok, answers)
+    rows.insert(0, ("baseline (transformers)", t_base, p_base, "-",
+                    sum(len(p) for p in BASELINE_PROMPT_LENS) / n, peak_rss_mib()))
 
     def acc(ps: list) -> float:
         return sum(("yes" if p >= 0.5 else "no") == a for p, a in zip(ps, truth)) / n
 
-    agree = sum((a >= 0.5) == (b >= 0.5) for a, b in zip(p_ours, p_base)) / n
-    max_dp = max(abs(a - b) for a, b in zip(p_ours, p_base))
     print(f"easy-vqa test: {len(items)} images, {n} yes/no questions, "
           f"{torch.get_num_threads()} threads, model {args.model.name}")
-    print(f"{'path':<28}{'seconds':>10}{'QPM':>10}{'accuracy':>10}")
-    for name, secs, ps in [("baseline (transformers)", t_base, p_base),
-                           ("vlmbatch", t_ours, p_ours)]:
-        print(f"{name:<28}{secs:>10.2f}{60 * n / secs:>10.0f}{acc(ps):>10.4f}")
-    print(f"ratio vlmbatch/baseline: {t_base / t_ours:.2f}x; answers agree on {agree:.4f}; "
-          f"max |dP(yes)| {max_dp:.4f}")
+    print(f"{'path':<28}{'seconds':>9}{'QPM':>9}{'x base':>8}{'accuracy':>10}{'agree':>8}"
+          f"{'hit rate':>10}{'prefill/q':>11}{'peak RSS MiB':>14}")
+    for name, secs, ps, hit, per_q, rss in rows:
+        agree = sum((a >= 0.5) == (b >= 0.5) for a, b in zip(ps, p_base)) / n
+        print(f"{name:<28}{secs:>9.2f}{60 * n / secs:>9.0f}{t_base / secs:>8.2f}"
+              f"{acc(ps):>10.4f}{agree:>8.4f}{hit:>10}{per_q:>11.1f}{rss:>14.0f}")
+    max_dp = max(abs(a - b) for a, b in zip(rows[-1][2], p_base))
+    print(f"max |dP(yes)| vlmbatch (cache) vs baseline: {max_dp:.4f} "
+          "(OpenCV vs Pillow resize; the models are the same)")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ store; the stages stay the same.
 Output line per (image, question)::
 
     {"id", "question_id", "question", "answer": "yes"|"no"|null, "p_yes", "margin",
-     "image_tokens", "error": null | "message"}
+     "image_tokens", "error": null | "message", "text" (only with --max-new-tokens)}
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from tqdm import tqdm
 from jobs.manifest import ImageItem, items_from_folder, read_manifest, read_policy
 from jobs.sources import SourceError, read_bytes
 from pipeline.config import RunConfig
-from pipeline.engine import Request, TorchEngine
-from pipeline.model import LoadedModel, load_model
+from pipeline.engine import Request
+from pipeline.engines import Engine, build_engine
 from preprocessing.decode import ImageError, decode
 from preprocessing.prepare import PreparedImage, TilingConfig, prepare
 
@@ -40,15 +40,23 @@ class RunSummary:
     failed_images: int
     failed_questions: int
     seconds: float
+    prefill_tokens: int = 0  # tokens the LLM computed
+    prompt_tokens: int = 0  # tokens the prompts hold (what a cacheless engine computes)
+    cache_hit_rate: float | None = None  # cached blocks found / looked up; None: no cache
 
     @property
     def qpm(self) -> float:
         return 60.0 * (self.questions - self.failed_questions) / max(self.seconds, 1e-9)
 
     def text(self) -> str:
+        answered = max(self.questions - self.failed_questions, 1)
+        cache = ("off" if self.cache_hit_rate is None
+                 else f"block hit rate {self.cache_hit_rate:.2f}")
         return (f"{self.images} images, {self.questions} questions, "
                 f"{self.failed_images} images failed ({self.failed_questions} questions), "
-                f"{self.seconds:.1f}s, {self.qpm:.0f} QPM")
+                f"{self.seconds:.1f}s, {self.qpm:.0f} QPM; prefill "
+                f"{self.prefill_tokens / answered:.0f} of {self.prompt_tokens / answered:.0f} "
+                f"prompt tokens per question (prefix cache {cache})")
 
 
 def load_items(cfg: RunConfig) -> list[ImageItem]:
@@ -57,14 +65,6 @@ def load_items(cfg: RunConfig) -> list[ImageItem]:
         return read_manifest(cfg.manifest, policy)
     assert cfg.images is not None
     return items_from_folder(cfg.images, policy)
-
-
-def tiling_for(model: LoadedModel, max_tiles: int | None) -> TilingConfig:
-    """The checkpoint's tiling, with max tiles per image overridden when asked."""
-    t = model.spec.tiling
-    if max_tiles is None:
-        return t
-    return TilingConfig(t.tile_size, min(t.min_tiles, max_tiles), max_tiles, t.use_thumbnail)
 
 
 def prepare_item(item: ImageItem, tiling: TilingConfig) -> PreparedImage:
@@ -77,7 +77,7 @@ def _groups(items: list[ImageItem], n: int) -> Iterator[list[ImageItem]]:
         yield items[i: i + n]
 
 
-def answer_group(engine: TorchEngine, tiling: TilingConfig,
+def answer_group(engine: Engine, tiling: TilingConfig,
                  group: list[ImageItem]) -> list[dict]:
     """Result lines for one group of items, in item then question order."""
     prepared: list[PreparedImage] = []
@@ -103,6 +103,8 @@ def answer_group(engine: TorchEngine, tiling: TilingConfig,
                 line.update(answer="yes" if s.p_yes >= q.threshold else "no",
                             p_yes=round(s.p_yes, 6), margin=round(s.margin, 4),
                             image_tokens=s.image_tokens)
+                if s.text is not None:
+                    line["text"] = s.text
             lines.append(line)
     return lines
 
@@ -112,9 +114,7 @@ def run(cfg: RunConfig, out: IO[str] | None = None) -> RunSummary:
     items = load_items(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    model = load_model(cfg.model.path, cfg.model.device, cfg.model.torch_dtype)
-    engine = TorchEngine(model, cfg.engine)
-    tiling = tiling_for(model, cfg.model.max_tiles)
+    engine, tiling = build_engine(cfg.model, cfg.engine)
     n_q = sum(len(it.questions) for it in items)
     own = out is None and cfg.out is not None
     sink = open(cfg.out, "w") if own else (out or sys.stdout)  # type: ignore[arg-type]
@@ -139,4 +139,7 @@ def run(cfg: RunConfig, out: IO[str] | None = None) -> RunSummary:
         bar.close()
         if own:
             sink.close()
-    return RunSummary(len(items), n_q, failed_images, failed_q, time.perf_counter() - start)
+    st = engine.stats
+    return RunSummary(len(items), n_q, failed_images, failed_q, time.perf_counter() - start,
+                      st.prefill_tokens, st.prompt_tokens,
+                      engine.cache.stats.hit_rate() if engine.cache else None)

@@ -17,6 +17,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", type=Path, default=None,
                    help="HF-format InternVL directory (default: the built-in model)")
+    g.add_argument("--engine", default="torch", choices=["torch", "lmdeploy"],
+                   help="torch: ours (CPU/CUDA, default); lmdeploy: TurboMind, GPU env only, "
+                   "never run by us yet")
     g.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--max-tiles", type=int, default=None,
@@ -28,13 +31,22 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--yes", default="yes,Yes,YES", help="answer words counted as yes")
     g.add_argument("--no", default="no,No,NO", help="answer words counted as no")
+    g.add_argument("--max-new-tokens", type=int, default=0,
+                   help="also write a greedy text answer of up to N tokens (default 0: none)")
+    c = p.add_argument_group("prefix cache")
+    c.add_argument("--no-prefix-cache", action="store_true",
+                   help="recompute every prompt's image tokens (for comparison)")
+    c.add_argument("--block-size", type=int, default=16, help="tokens per cache block")
+    c.add_argument("--cache-mib", type=int, default=1024, help="KV cache budget in MiB")
 
 
 def _configs(a: argparse.Namespace):  # noqa: ANN202
     from pipeline.config import EngineConfig, ModelConfig
 
     model = ModelConfig(a.model, a.device, a.dtype, a.max_tiles)
-    engine = EngineConfig(max_batch_tokens=a.max_batch_tokens,
+    engine = EngineConfig(engine=a.engine, max_batch_tokens=a.max_batch_tokens,
+                          prefix_cache=not a.no_prefix_cache, block_size=a.block_size,
+                          cache_bytes=a.cache_mib << 20, max_new_tokens=a.max_new_tokens,
                           yes_words=tuple(w for w in a.yes.split(",") if w),
                           no_words=tuple(w for w in a.no.split(",") if w))
     return model, engine
@@ -105,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ManifestError, ModelError, ValueError) as e:
+    except (ManifestError, ModelError, ValueError, ImportError) as e:
         print(f"vlmbatch: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except BrokenPipeError:  # e.g. `vlmbatch run ... | head`

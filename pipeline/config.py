@@ -31,19 +31,28 @@ class ModelConfig:
         return DTYPES[self.dtype]
 
 
+ENGINES = ("torch", "lmdeploy")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
+    engine: str = "torch"  # "torch" (ours, CPU/CUDA) | "lmdeploy" (TurboMind, GPU env only)
     max_batch_tokens: int = 8192  # padded prompt tokens per LLM forward
     max_batch_tiles: int = 64  # tiles per vision-encoder forward
     prefix_cache: bool = True  # image-aware prefix KV cache (pipeline/prefix_cache.py)
     block_size: int = 16  # tokens per cache block
     cache_bytes: int = 1 << 30  # LRU budget for cached KV
+    max_new_tokens: int = 0  # > 0: also generate a greedy text answer of up to this length
     yes_words: tuple[str, ...] = ("yes", "Yes", "YES")
     no_words: tuple[str, ...] = ("no", "No", "NO")
 
     def __post_init__(self) -> None:
         if min(self.max_batch_tokens, self.max_batch_tiles, self.block_size) < 1:
             raise ValueError("max_batch_tokens, max_batch_tiles and block_size must be >= 1")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine {self.engine!r} not one of {ENGINES}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.cache_bytes < 0:
             raise ValueError(f"cache_bytes must be >= 0, got {self.cache_bytes}")
         if not self.yes_words or not self.no_words:

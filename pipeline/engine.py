@@ -52,6 +52,7 @@ class Score:
     p_yes: float
     margin: float  # logsumexp(yes logits) - logsumexp(no logits)
     image_tokens: int
+    text: str | None = None  # greedy answer text when max_new_tokens > 0
 
 
 @dataclass
@@ -85,6 +86,10 @@ class TorchEngine:
                                      model.spec.image_token_id)
         self.answers = AnswerTokens.from_words(model.tokenizer, cfg.yes_words, cfg.no_words)
         self.cache = PrefixCache(cfg.block_size, cfg.cache_bytes) if cfg.prefix_cache else None
+        tok = model.tokenizer
+        self.stop_ids = {i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"),
+                                     tok.convert_tokens_to_ids("<|endoftext|>"))
+                         if i is not None and i != tok.unk_token_id}
         self.stats = EngineStats()
 
     @torch.inference_mode()
@@ -112,18 +117,20 @@ class TorchEngine:
                    for r in requests]
         results: list[Score | None] = [None] * len(requests)
         embeds: dict[int, ImageEmbeds] = {}
+        prefixes: dict[str, list[BlockId]] = {}
         for phase in self._phases(requests):
-            plans = [self._plan(i, prompts[i], images[requests[i].image]) for i in phase]
+            plans = [self._plan(i, prompts[i], images[requests[i].image], prefixes)
+                     for i in phase]
             need = sorted({requests[p.req].image for p in plans
                            if p.past_len < p.span.start + p.span.length} - embeds.keys())
             embeds.update(zip(need, self.encode([images[i] for i in need])))
             plans.sort(key=lambda p: p.new_len, reverse=True)
             for batch in self._batches(plans):
-                p_yes, margin = self._prefill(
+                p_yes, margin, texts = self._prefill(
                     batch, [embeds.get(requests[p.req].image) for p in batch])
                 for j, p in enumerate(batch):
                     results[p.req] = Score(float(p_yes[j]), float(margin[j]),
-                                           p.prompt.image_len)
+                                           p.prompt.image_len, texts[j])
         self.stats.prompt_tokens += sum(len(p.ids) for p in prompts)
         return results  # type: ignore[return-value]
 
@@ -136,28 +143,27 @@ class TorchEngine:
         leaders = set(first.values())
         return [sorted(leaders), [i for i in range(len(requests)) if i not in leaders]]
 
-    def _plan(self, req: int, prompt: Prompt, image: PreparedImage) -> _Plan:
+    def _plan(self, req: int, prompt: Prompt, image: PreparedImage,
+              prefixes: dict[str, list[BlockId]]) -> _Plan:
+        """Find the cached part of the prompt's shared prefix (up to and with </img>).
+
+        Only the shared prefix is cached: the blocks after it hold the question, which the
+        next request about the same image does not share. The prefix's last block may be
+        partial, so a hit covers every image token, not only the full blocks.
+        """
         span = ImageSpan(prompt.image_start, prompt.image_len, image.cache_key)
         plan = _Plan(req, prompt, span)
         if self.cache is None:
             return plan
-        bs, ids = self.cache.block_size, prompt.ids
-        full = block_ids(ids, [span], bs, limit=len(ids) - 1)  # keep >= 1 token to compute
-        plan.past = self.cache.lookup(full)
-        plan.past_len = len(plan.past) * bs
-        # The partial block ending the shared prefix (at </img>): what makes every later
-        # question about this image skip all of its image tokens, not just the full blocks.
-        shared = prompt.prefix_len
-        start = shared - shared % bs
-        if shared % bs and shared < len(ids) and plan.past_len <= start:
-            tail = block_ids(ids, [span], bs, limit=shared, tail=True)[-1]
-            hit = self.cache.lookup([tail]) if plan.past_len == start else []
-            if hit:
-                plan.past += hit
-                plan.past_len = shared
-            else:
-                plan.blocks.append((start, tail))
-        plan.blocks += [(k * bs, b) for k, b in enumerate(full) if k * bs >= plan.past_len]
+        blocks = prefixes.get(image.cache_key)
+        if blocks is None:  # same for every question about this image
+            blocks = block_ids(prompt.ids, [span], self.cache.block_size,
+                               limit=prompt.prefix_len, tail=True)
+            prefixes[image.cache_key] = blocks
+        plan.past = self.cache.lookup(blocks)
+        plan.past_len = sum(len(b.ids) for b in blocks[: len(plan.past)])
+        plan.blocks = [(k * self.cache.block_size, b)
+                       for k, b in enumerate(blocks) if k >= len(plan.past)]
         return plan
 
     def _batches(self, plans: list[_Plan]) -> list[list[_Plan]]:
@@ -174,8 +180,8 @@ class TorchEngine:
             batches.append(cur)
         return batches
 
-    def _prefill(self, batch: list[_Plan],
-                 images: list[ImageEmbeds | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prefill(self, batch: list[_Plan], images: list[ImageEmbeds | None]
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[str | None]]:
         b, t = len(batch), max(p.new_len for p in batch)
         ids = torch.zeros((b, t), dtype=torch.long)
         for j, p in enumerate(batch):
@@ -195,7 +201,52 @@ class TorchEngine:
         if self.cache is not None:
             self._insert(batch, new_kv)
         p_yes, margin = yes_no(logits, self.answers)
-        return p_yes.cpu(), margin.cpu()
+        texts: list[str | None] = [None] * len(batch)
+        if self.cfg.max_new_tokens > 0:
+            texts = self._generate(logits, past, past_lengths, new_kv, lengths)
+        return p_yes.cpu(), margin.cpu(), texts
+
+    def _generate(self, logits: torch.Tensor, past: list[KV] | None,
+                  past_lengths: torch.Tensor | None, new_kv: list[KV],
+                  lengths: torch.Tensor) -> list[str | None]:
+        """Greedy decode after a prefill, batched; stops at an end token or max_new_tokens.
+
+        Keys are [past (padded to P) | new (padded to T) | generated]; ``valid`` masks the
+        padding holes. Positions continue each row's own length.
+        """
+        b = logits.shape[0]
+        kv = new_kv if past is None else [
+            (torch.cat([pk, nk], 2), torch.cat([pv, nv], 2))
+            for (pk, pv), (nk, nv) in zip(past, new_kv)]
+        valid = torch.arange(lengths.max(), device=self.device)[None] < lengths[:, None]
+        pos = lengths.clone()
+        if past is not None and past_lengths is not None:
+            p = past[0][0].shape[2]
+            seen = torch.arange(p, device=self.device)[None] < past_lengths[:, None]
+            valid = torch.cat([seen, valid], 1)
+            pos += past_lengths
+        out: list[list[int]] = [[] for _ in range(b)]
+        done = torch.zeros(b, dtype=torch.bool)
+        tok = logits.argmax(-1)
+        for step in range(self.cfg.max_new_tokens):
+            for j in range(b):
+                if not done[j]:
+                    t = int(tok[j])
+                    done[j] = t in self.stop_ids
+                    if not done[j]:
+                        out[j].append(t)
+            if bool(done.all()) or step == self.cfg.max_new_tokens - 1:
+                break
+            x = self.model.llm.embed_tokens(tok)[:, None]  # [B, 1, D]
+            step_logits, step_kv = self.model.llm.decode_step(x, pos, kv, valid)
+            kv = [(torch.cat([k, sk], 2), torch.cat([v, sv], 2))
+                  for (k, v), (sk, sv) in zip(kv, step_kv)]
+            valid = torch.cat([valid, torch.ones((b, 1), dtype=torch.bool,
+                                                 device=self.device)], 1)
+            pos += 1
+            tok = step_logits.argmax(-1)
+        dec = self.model.tokenizer.decode
+        return [dec(ids, skip_special_tokens=True) for ids in out]
 
     def _gather_past(self, batch: list[_Plan]) -> tuple[list[KV] | None, torch.Tensor | None]:
         """Cached block KVs -> per layer (k, v) [B, K, P, d], zero-padded to the longest."""

@@ -14,10 +14,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from jobs.manifest import ImageItem, Question
-from jobs.runner import answer_group, tiling_for
+from jobs.runner import answer_group
 from pipeline.config import EngineConfig, ModelConfig
-from pipeline.engine import TorchEngine
-from pipeline.model import load_model
+from pipeline.engines import build_engine
 
 
 @dataclass(frozen=True)
@@ -56,9 +55,7 @@ def evaluate(model_cfg: ModelConfig, engine_cfg: EngineConfig, split: str = "tes
              limit: int | None = None, images_per_batch: int = 16,
              progress: bool = True) -> EvalResult:
     items = easy_vqa_items(split, limit)
-    model = load_model(model_cfg.path, model_cfg.device, model_cfg.torch_dtype)
-    engine = TorchEngine(model, engine_cfg)
-    tiling = tiling_for(model, model_cfg.max_tiles)
+    engine, tiling = build_engine(model_cfg, engine_cfg)
     total = correct = 0
     start = time.perf_counter()
     bar = tqdm(total=sum(len(it.questions) for it in items), unit="q", disable=not progress,

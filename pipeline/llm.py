@@ -127,14 +127,33 @@ class Qwen2LM(nn.Module):
             p = past[0][0].shape[2]
             seen = torch.arange(p, device=device)[None, :] < offset[:, None]  # [B, P]
             mask = torch.cat([seen[:, None, :].expand(b, t, p), mask], dim=2)  # [B, T, P+T]
-        cos, sin = rotary(positions, self.spec.head_dim, self.spec.rope_theta, embeds.dtype)
-        x = embeds
+        x, new_kv = self._layers(embeds, positions, mask, past)
+        last = x[torch.arange(b, device=device), lengths - 1]  # [B, D]
+        return self.lm_head(self.norm(last)).float(), new_kv
+
+    def decode_step(self, embeds: torch.Tensor, positions: torch.Tensor, kv: list[KV],
+                    key_valid: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:
+        """One token per row after cached keys.
+
+        embeds: [B, 1, D]; positions: [B] long; kv: per layer (k, v) [B, K, S, d];
+        key_valid: [B, S] bool (False for padding holes). Returns (logits [B, V] float32,
+        per layer (k, v) [B, K, 1, d] of this token).
+        """
+        b = embeds.shape[0]
+        ones = torch.ones((b, 1), dtype=torch.bool, device=embeds.device)
+        mask = torch.cat([key_valid, ones], dim=1)[:, None, :]  # [B, 1, S+1]
+        x, new_kv = self._layers(embeds, positions[:, None], mask, kv)
+        return self.lm_head(self.norm(x[:, 0])).float(), new_kv
+
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                past: list[KV] | None) -> tuple[torch.Tensor, list[KV]]:
+        # x: [B, T, D]; positions: [B, T]; mask: [B, T, P+T] bool
+        cos, sin = rotary(positions, self.spec.head_dim, self.spec.rope_theta, x.dtype)
         new_kv = []
         for i, layer in enumerate(self.layers):
             x, kv = layer(x, cos, sin, mask[:, None], None if past is None else past[i])
             new_kv.append(kv)
-        last = x[torch.arange(b, device=device), lengths - 1]  # [B, D]
-        return self.lm_head(self.norm(last)).float(), new_kv
+        return x, new_kv
 
     def load_hf(self, sd: dict[str, torch.Tensor]) -> None:
         """Load from keys normalised to ``language_model.*`` and ``lm_head.weight``."""

@@ -139,8 +139,6 @@ def _normalise_key(k: str) -> str:
 def load_model(path: Path | None = None, device: str = "cpu",
                dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Build our modules from an HF InternVL directory (the built-in model by default)."""
-    from transformers import AutoTokenizer
-
     path = Path(path) if path is not None else DEFAULT_MODEL
     spec = read_spec(path)
     sd = read_state_dict(path)
@@ -148,8 +146,14 @@ def load_model(path: Path | None = None, device: str = "cpu",
     vision.load_hf(sd)
     llm = Qwen2LM(spec.text)
     llm.load_hf(sd)
+    tok = load_tokenizer(path)
+    return LoadedModel(spec, vision.to(device, dtype).eval(), llm.to(device, dtype).eval(), tok)
+
+
+def load_tokenizer(path: Path):  # noqa: ANN201
+    from transformers import AutoTokenizer
+
     try:
-        tok = AutoTokenizer.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # noqa: BLE001  (transformers raises many kinds)
         raise ModelError(f"cannot load the tokenizer from {path}: {e}") from e
-    return LoadedModel(spec, vision.to(device, dtype).eval(), llm.to(device, dtype).eval(), tok)

@@ -36,12 +36,14 @@ class PreparedImage:
     content_hash: str  # xxh3-128 hex of the decoded pixels and their shape
     width: int  # of the decoded image
     height: int
+    pixels: np.ndarray | None = None  # the decoded [H, W, 3] image, for engines that re-tile
 
     @property
     def cache_key(self) -> str:
         """Identifies the image tokens: same pixels *and* same tiling (grid, tile size)."""
         g = self.grid
-        return f"{self.content_hash}:{g.cols}x{g.rows}{'+t' if g.thumbnail else ''}@{self.tiles.shape[1]}"
+        thumb = "+t" if g.thumbnail else ""
+        return f"{self.content_hash}:{g.cols}x{g.rows}{thumb}@{self.tiles.shape[1]}"
 
 
 def content_hash(img: np.ndarray) -> str:
@@ -68,4 +70,5 @@ def prepare(img: np.ndarray, cfg: TilingConfig) -> PreparedImage:
     """Decoded ``[H, W, 3]`` uint8 RGB -> tiles in InternVL reference tiling."""
     h, w = img.shape[:2]
     grid = plan_reference(w, h, cfg.tile_size, cfg.min_tiles, cfg.max_tiles, cfg.use_thumbnail)
-    return PreparedImage(cut_tiles(img, grid, cfg.tile_size), grid, content_hash(img), w, h)
+    return PreparedImage(cut_tiles(img, grid, cfg.tile_size), grid, content_hash(img), w, h,
+                         pixels=img)

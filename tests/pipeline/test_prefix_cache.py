@@ -87,11 +87,11 @@ def test_k_questions_encode_and_prefill_image_once(model) -> None:  # noqa: ANN0
 def test_eviction_keeps_results_correct(model) -> None:  # noqa: ANN001
     ims = images(model)
     off = margins(TorchEngine(model, EngineConfig(prefix_cache=False)), ims)
-    tiny = TorchEngine(model, EngineConfig(block_size=4, cache_bytes=20_000))
+    tiny = TorchEngine(model, EngineConfig(block_size=4, cache_bytes=3_000))
     for _ in range(2):
         assert (margins(tiny, ims) - off).abs().max() <= 1e-5
     assert tiny.cache is not None
-    assert tiny.cache.stats.evictions > 0 and tiny.cache.bytes <= 20_000
+    assert tiny.cache.stats.evictions > 0 and tiny.cache.bytes <= 3_000
 
 
 def test_lru_and_collision_check() -> None:

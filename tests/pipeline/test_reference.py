@@ -86,3 +86,29 @@ def test_full_logits_match(models) -> None:  # noqa: ANN001
         want = ref(input_ids=torch.tensor([list(p.ids)]),
                    pixel_values=reference_pixels(torch.from_numpy(im.tiles))).logits[0, -1]
     assert (got - want).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_greedy_text_matches_transformers_generate(models, cache: bool) -> None:  # noqa: ANN001
+    """Batched greedy decode (over cached prefixes or not) = transformers generate, token for
+    token, for prompts of different lengths in one batch."""
+    ours, ref = models
+    rng = np.random.default_rng(2)
+    images = [prepare(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), ours.spec.tiling)
+              for w, h in [(56, 56), (200, 90)]]
+    requests = [Request(i, q) for i in range(2) for q in QUESTIONS]
+    engine = TorchEngine(ours, EngineConfig(prefix_cache=cache, max_new_tokens=6))
+    scores = engine.score(images, requests)
+    for r, s in zip(requests, scores):
+        im = images[r.image]
+        ids = reference_ids(ours.tokenizer, r.question,
+                            im.grid.num_tiles * ours.spec.tokens_per_tile)
+        with torch.no_grad():
+            out = ref.generate(input_ids=torch.tensor([ids]),
+                               pixel_values=reference_pixels(torch.from_numpy(im.tiles)),
+                               max_new_tokens=6, do_sample=False,
+                               eos_token_id=sorted(engine.stop_ids),
+                               pad_token_id=ours.tokenizer.pad_token_id)
+        want = ours.tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+        assert s.text == want
+    assert sum(len(s.text) for s in scores) > 10  # the random model does produce text

@@ -1,0 +1,48 @@
+"""Engine registry: one ``score(images, requests) -> list[Score]`` interface, two backends.
+
+``torch`` is ours (``pipeline/engine.py``, CPU and CUDA, every test runs it); ``lmdeploy``
+wraps a TurboMind pipeline (``pipeline/lmdeploy_engine.py``, GPU env only, never run here).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from pipeline.config import EngineConfig, ModelConfig
+from pipeline.engine import EngineStats, Request, Score, TorchEngine
+from pipeline.model import DEFAULT_MODEL, ModelSpec, load_model, load_tokenizer, read_spec
+from pipeline.prefix_cache import PrefixCache
+from pipeline.scoring import AnswerTokens
+from preprocessing.prepare import PreparedImage, TilingConfig
+
+
+class Engine(Protocol):
+    stats: EngineStats
+    cache: PrefixCache | None
+
+    def score(self, images: list[PreparedImage], requests: list[Request]) -> list[Score]: ...
+
+
+def tiling_for(spec: ModelSpec, max_tiles: int | None) -> TilingConfig:
+    """The checkpoint's tiling, with max tiles per image overridden when asked."""
+    t = spec.tiling
+    if max_tiles is None:
+        return t
+    return TilingConfig(t.tile_size, min(t.min_tiles, max_tiles), max_tiles, t.use_thumbnail)
+
+
+def build_engine(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> tuple[Engine, TilingConfig]:
+    """The configured engine and the tiling its images must be prepared with."""
+    if engine_cfg.engine == "lmdeploy":
+        from pipeline.lmdeploy_engine import LMDeployEngine, require_lmdeploy
+
+        require_lmdeploy()  # before reading the model: fail fast and say what to install
+        path = model_cfg.path or DEFAULT_MODEL
+        spec = read_spec(path)
+        tok = load_tokenizer(path)
+        tiling = tiling_for(spec, model_cfg.max_tiles)
+        answers = AnswerTokens.from_words(tok, engine_cfg.yes_words, engine_cfg.no_words)
+        return LMDeployEngine(str(path), tok, answers, spec.tokens_per_tile, tiling.max_tiles,
+                              engine_cfg.max_new_tokens), tiling
+    model = load_model(model_cfg.path, model_cfg.device, model_cfg.torch_dtype)
+    return TorchEngine(model, engine_cfg), tiling_for(model.spec, model_cfg.max_tiles)
