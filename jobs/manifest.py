@@ -41,11 +41,11 @@ class ImageItem:
     base_dir: Path  # relative paths resolve against this
 
 
-def _question(raw: object, where: str, index: int) -> Question:
+def _question(raw: object, where: str, index: int, prefix: str = "q") -> Question:
     if isinstance(raw, str):
         if not raw.strip():
             raise ManifestError(f"{where}: question {index} is empty")
-        return Question(id=f"q{index}", text=raw)
+        return Question(id=f"{prefix}{index}", text=raw)
     if not isinstance(raw, dict) or not isinstance(raw.get("text"), str) or not raw["text"]:
         raise ManifestError(f"{where}: question {index} must be a string or an object with a "
                             f"non-empty 'text', got {raw!r}")
@@ -53,13 +53,16 @@ def _question(raw: object, where: str, index: int) -> Question:
     if not isinstance(thr, (int, float)) or not 0.0 <= thr <= 1.0:
         raise ManifestError(f"{where}: question {index} threshold must be a number in [0, 1], "
                             f"got {thr!r}")
-    return Question(id=str(raw.get("id", f"q{index}")), text=raw["text"], threshold=float(thr))
+    return Question(id=str(raw.get("id", f"{prefix}{index}")), text=raw["text"],
+                    threshold=float(thr))
 
 
-def _questions(raw: object, where: str) -> tuple[Question, ...]:
+def _questions(raw: object, where: str, prefix: str = "q") -> tuple[Question, ...]:
+    """Questions without an id get ``{prefix}{index}``: q0, q1... in a manifest line,
+    p0, p1... in a policy, so the two never collide by default."""
     if not isinstance(raw, list):
         raise ManifestError(f"{where}: 'questions' must be a list, got {type(raw).__name__}")
-    qs = tuple(_question(q, where, i) for i, q in enumerate(raw))
+    qs = tuple(_question(q, where, i, prefix) for i, q in enumerate(raw))
     ids = [q.id for q in qs]
     if len(set(ids)) != len(ids):
         raise ManifestError(f"{where}: question ids repeat: {ids}")
@@ -82,7 +85,7 @@ def read_policy(path: Path) -> tuple[Question, ...]:
         raise ManifestError(f"{path}: cannot parse policy: {e}") from e
     if not isinstance(data, dict) or "questions" not in data:
         raise ManifestError(f"{path}: a policy needs a top-level 'questions' list")
-    qs = _questions(data["questions"], str(path))
+    qs = _questions(data["questions"], str(path), prefix="p")
     if not qs:
         raise ManifestError(f"{path}: the policy has no questions")
     return qs
@@ -95,11 +98,15 @@ def read_manifest(path: Path, policy: tuple[Question, ...] = ()) -> list[ImageIt
         raise ManifestError(f"manifest {path} not found")
     items: list[ImageItem] = []
     seen: set[str] = set()
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for lineno, raw_line in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw_line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ManifestError(f"{where}: not UTF-8 ({e.reason} at byte {e.start})") from e
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
@@ -113,7 +120,11 @@ def read_manifest(path: Path, policy: tuple[Question, ...] = ()) -> list[ImageIt
                 raise ManifestError(f"{where}: id {item_id!r} appears twice")
             seen.add(item_id)
             own = _questions(rec.get("questions", []), where)
-            qs = own + tuple(q for q in policy if q.id not in {o.id for o in own})
+            clash = {o.id for o in own} & {q.id for q in policy}
+            if clash:
+                raise ManifestError(f"{where}: question id(s) {sorted(clash)} are used by both "
+                                    "this line and the policy; rename one")
+            qs = own + policy
             if not qs:
                 raise ManifestError(f"{where}: no questions (give 'questions' or --policy)")
             items.append(ImageItem(item_id, rec["image"], qs, path.parent))

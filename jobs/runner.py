@@ -91,7 +91,14 @@ def answer_group(engine: Engine, tiling: TilingConfig,
             errors[item.id] = f"{item.image}: {e}"
     requests = [Request(index[it.id], q.text) for it in group if it.id in index
                 for q in it.questions]
-    scores = iter(engine.score(prepared, requests))
+    try:
+        scores = iter(engine.score(prepared, requests))
+    except Exception as e:  # noqa: BLE001  (e.g. out of memory: fail this group, not the job)
+        print(f"vlmbatch: engine failed on images {[it.id for it in group]}: "
+              f"{type(e).__name__}: {e}", file=sys.stderr)
+        errors.update({it_id: f"engine failed: {type(e).__name__}: {e}" for it_id in index})
+        index.clear()
+        scores = iter(())
     lines = []
     for item in group:
         for q in item.questions:
@@ -112,6 +119,8 @@ def answer_group(engine: Engine, tiling: TilingConfig,
 def run(cfg: RunConfig, out: IO[str] | None = None) -> RunSummary:
     """Run a whole job in this process. Raises ManifestError/ModelError before any work."""
     items = load_items(cfg)
+    if cfg.out is not None:
+        cfg.out.parent.mkdir(parents=True, exist_ok=True)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     engine, tiling = build_engine(cfg.model, cfg.engine)
@@ -142,4 +151,4 @@ def run(cfg: RunConfig, out: IO[str] | None = None) -> RunSummary:
     st = engine.stats
     return RunSummary(len(items), n_q, failed_images, failed_q, time.perf_counter() - start,
                       st.prefill_tokens, st.prompt_tokens,
-                      engine.cache.stats.hit_rate() if engine.cache else None)
+                      engine.cache.stats.hit_rate() if engine.cache is not None else None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 import binascii
 from pathlib import Path
-from urllib.parse import unquote, urlparse
+from urllib.parse import unquote, unquote_to_bytes, urlparse
 
 
 class SourceError(ValueError):
@@ -24,7 +24,7 @@ def read_bytes(source: str, base_dir: Path) -> bytes:
         try:
             if header.endswith(";base64"):
                 return base64.b64decode(payload, validate=True)
-            return unquote(payload).encode("latin-1")
+            return unquote_to_bytes(payload)
         except (binascii.Error, ValueError) as e:
             raise SourceError(f"data: URL payload is not valid base64 ({e})") from e
     if source.startswith("file://"):
@@ -44,4 +44,6 @@ def read_bytes(source: str, base_dir: Path) -> bytes:
     except IsADirectoryError:
         raise SourceError(f"is a directory, not an image: {path}") from None
     except OSError as e:
-        raise SourceError(f"cannot read {path}: {e.strerror}") from None
+        raise SourceError(f"cannot read {path}: {e.strerror or e}") from None
+    except ValueError as e:  # e.g. a NUL byte in the path
+        raise SourceError(f"bad path {str(path)!r}: {e}") from None

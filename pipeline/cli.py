@@ -13,6 +13,10 @@ from pathlib import Path
 EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT, EXIT_ITEM_ERRORS = 0, 1, 2, 3
 
 
+class BadInput(ValueError):
+    """A bad option or config value, found before any work."""
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", type=Path, default=None,
@@ -29,8 +33,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--images-per-batch", type=int, default=16,
                    help="images preprocessed and scored together (default 16)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    g.add_argument("--yes", default="yes,Yes,YES", help="answer words counted as yes")
-    g.add_argument("--no", default="no,No,NO", help="answer words counted as no")
+    g.add_argument("--yes", default="yes,Yes,YES,是", help="answer words counted as yes")
+    g.add_argument("--no", default="no,No,NO,否", help="answer words counted as no")
     g.add_argument("--max-new-tokens", type=int, default=0,
                    help="also write a greedy text answer of up to N tokens (default 0: none)")
     c = p.add_argument_group("prefix cache")
@@ -56,10 +60,13 @@ def cmd_run(a: argparse.Namespace) -> int:
     from jobs.runner import run
     from pipeline.config import RunConfig
 
-    model, engine = _configs(a)
-    cfg = RunConfig(manifest=a.manifest, images=a.images, policy=a.policy, out=a.out,
-                    images_per_batch=a.images_per_batch, threads=a.threads,
-                    progress=not a.no_progress, model=model, engine=engine)
+    try:
+        model, engine = _configs(a)
+        cfg = RunConfig(manifest=a.manifest, images=a.images, policy=a.policy, out=a.out,
+                        images_per_batch=a.images_per_batch, threads=a.threads,
+                        progress=not a.no_progress, model=model, engine=engine)
+    except ValueError as e:
+        raise BadInput(str(e)) from e
     summary = run(cfg)
     print(f"vlmbatch: {summary.text()}", file=sys.stderr)
     if a.out:
@@ -74,7 +81,10 @@ def cmd_eval(a: argparse.Namespace) -> int:
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    model, engine = _configs(a)
+    try:
+        model, engine = _configs(a)
+    except ValueError as e:
+        raise BadInput(str(e)) from e
     r = evaluate(model, engine, a.split, a.limit, a.images_per_batch, not a.no_progress)
     print(f"easy-vqa {a.split} yes/no accuracy: {r.accuracy:.4f} ({r.correct}/{r.questions}) "
           f"in {r.seconds:.1f}s ({60 * r.questions / r.seconds:.0f} QPM)")
@@ -113,11 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from jobs.manifest import ManifestError
     from pipeline.model import ModelError
+    from pipeline.scoring import AnswerWordsError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ManifestError, ModelError, ValueError, ImportError) as e:
+    except (BadInput, ManifestError, ModelError, AnswerWordsError, ImportError) as e:
         print(f"vlmbatch: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except BrokenPipeError:  # e.g. `vlmbatch run ... | head`

@@ -43,8 +43,10 @@ class EngineConfig:
     block_size: int = 16  # tokens per cache block
     cache_bytes: int = 1 << 30  # LRU budget for cached KV
     max_new_tokens: int = 0  # > 0: also generate a greedy text answer of up to this length
-    yes_words: tuple[str, ...] = ("yes", "Yes", "YES")
-    no_words: tuple[str, ...] = ("no", "No", "NO")
+    # Words that are not one token of the model's vocabulary are skipped (是/否 are single
+    # tokens in Qwen2's vocabulary, not in the built-in model's).
+    yes_words: tuple[str, ...] = ("yes", "Yes", "YES", "是")
+    no_words: tuple[str, ...] = ("no", "No", "NO", "否")
 
     def __post_init__(self) -> None:
         if min(self.max_batch_tokens, self.max_batch_tiles, self.block_size) < 1:

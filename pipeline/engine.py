@@ -29,7 +29,7 @@ import torch
 from pipeline.config import EngineConfig
 from pipeline.llm import KV
 from pipeline.model import LoadedModel
-from pipeline.prefix_cache import BlockId, ImageSpan, PrefixCache, block_ids
+from pipeline.prefix_cache import BlockId, BlockKey, ImageSpan, PrefixCache, block_ids
 from pipeline.prompt import Prompt, PromptBuilder
 from pipeline.scoring import AnswerTokens, yes_no
 from preprocessing.prepare import PreparedImage
@@ -71,6 +71,7 @@ class _Plan:
     past: list[torch.Tensor] = field(default_factory=list)  # block KVs [L, 2, K, n, d]
     past_len: int = 0
     blocks: list[tuple[int, BlockId]] = field(default_factory=list)  # (start, block) to cache
+    chain: list[BlockKey] = field(default_factory=list)  # keys of the whole shared prefix
 
     @property
     def new_len(self) -> int:
@@ -91,6 +92,9 @@ class TorchEngine:
                                      tok.convert_tokens_to_ids("<|endoftext|>"))
                          if i is not None and i != tok.unk_token_id}
         self.stats = EngineStats()
+        s = model.spec.text
+        itemsize = next(model.llm.parameters()).element_size()
+        self.kv_bytes_per_token = s.layers * 2 * s.kv_heads * s.head_dim * itemsize
 
     @torch.inference_mode()
     def encode(self, images: list[PreparedImage]) -> list[ImageEmbeds]:
@@ -118,7 +122,7 @@ class TorchEngine:
         results: list[Score | None] = [None] * len(requests)
         embeds: dict[int, ImageEmbeds] = {}
         prefixes: dict[str, list[BlockId]] = {}
-        for phase in self._phases(requests):
+        for phase in self._phases(requests, prompts):
             plans = [self._plan(i, prompts[i], images[requests[i].image], prefixes)
                      for i in phase]
             need = sorted({requests[p.req].image for p in plans
@@ -134,14 +138,29 @@ class TorchEngine:
         self.stats.prompt_tokens += sum(len(p.ids) for p in prompts)
         return results  # type: ignore[return-value]
 
-    def _phases(self, requests: list[Request]) -> list[list[int]]:
+    def _phases(self, requests: list[Request], prompts: list[Prompt]) -> list[list[int]]:
+        """Leaders (first question of each image) before followers, in chunks of images whose
+        prefixes fit in half the cache budget, so a leader's blocks are still cached when its
+        followers look for them."""
         if self.cache is None:
             return [list(range(len(requests)))]
-        first: dict[int, int] = {}
+        by_image: dict[int, list[int]] = {}
         for i, r in enumerate(requests):
-            first.setdefault(r.image, i)
-        leaders = set(first.values())
-        return [sorted(leaders), [i for i in range(len(requests)) if i not in leaders]]
+            by_image.setdefault(r.image, []).append(i)
+        chunks: list[list[int]] = [[]]
+        used = 0
+        for image, reqs in by_image.items():
+            need = prompts[reqs[0]].prefix_len * self.kv_bytes_per_token
+            if chunks[-1] and used + need > self.cache.budget_bytes // 2:
+                chunks.append([])
+                used = 0
+            chunks[-1].append(image)
+            used += need
+        phases = []
+        for chunk in chunks:
+            phases.append([by_image[im][0] for im in chunk])
+            phases.append([i for im in chunk for i in by_image[im][1:]])
+        return [p for p in phases if p]
 
     def _plan(self, req: int, prompt: Prompt, image: PreparedImage,
               prefixes: dict[str, list[BlockId]]) -> _Plan:
@@ -160,6 +179,7 @@ class TorchEngine:
             blocks = block_ids(prompt.ids, [span], self.cache.block_size,
                                limit=prompt.prefix_len, tail=True)
             prefixes[image.cache_key] = blocks
+        plan.chain = [b.key for b in blocks]
         plan.past = self.cache.lookup(blocks)
         plan.past_len = sum(len(b.ids) for b in blocks[: len(plan.past)])
         plan.blocks = [(k * self.cache.block_size, b)
@@ -272,3 +292,4 @@ class TorchEngine:
                 hi = lo + len(blk.ids)
                 kv = torch.stack([k_all[j, :, :, lo:hi], v_all[j, :, :, lo:hi]], 1)
                 self.cache.insert(blk, kv.clone())  # [L, 2, K, n, d]
+            self.cache.touch(p.chain)

@@ -1,7 +1,8 @@
 """Image-aware prefix KV cache: full blocks of prompt KV keyed by content, LRU under a byte budget.
 
-A prompt's token ids are cut into blocks of ``block_size``; only full blocks are cached. The
-key of block i is a hash chain::
+A prompt's token ids are cut into blocks of ``block_size``. The engine caches the full blocks
+of a prompt's shared prefix and the partial block that ends it (at ``</img>``). The key of
+block i is a hash chain::
 
     key_i = xxh3_128(key_{i-1} || token ids of block i || extra keys of block i)
 
@@ -113,10 +114,17 @@ class PrefixCache:
             if e is None:
                 self.stats.misses += 1
                 break
-            self._entries.move_to_end(b.key)
             self.stats.hits += 1
             found.append(e.kv)
+        self.touch([b.key for b in blocks[: len(found)]])
         return found
+
+    def touch(self, chain: Sequence[BlockKey]) -> None:
+        """Mark a chain recently used, its first block most recently: eviction then takes a
+        chain's tail before its head, so what stays cached is always a usable prefix."""
+        for key in reversed(chain):
+            if key in self._entries:
+                self._entries.move_to_end(key)
 
     def insert(self, block: BlockId, kv: torch.Tensor) -> None:
         """Store one block's KV ``[layers, 2, kv_heads, block_size, head_dim]``."""

@@ -13,6 +13,10 @@ from dataclasses import dataclass
 import torch
 
 
+class AnswerWordsError(ValueError):
+    """The yes/no answer words do not fit the model's vocabulary."""
+
+
 @dataclass(frozen=True)
 class AnswerTokens:
     yes_ids: tuple[int, ...]
@@ -27,13 +31,13 @@ class AnswerTokens:
                 if len(enc) == 1 and enc[0] not in out:
                     out.append(enc[0])
             if not out:
-                raise ValueError(f"none of the {side} answer words {list(words)} is a single "
+                raise AnswerWordsError(f"none of the {side} answer words {list(words)} is a single "
                                  "token of this model's vocabulary; pass others")
             return tuple(out)
 
         y, n = ids(yes, "yes"), ids(no, "no")
         if set(y) & set(n):
-            raise ValueError(f"yes and no answer tokens overlap: {set(y) & set(n)}")
+            raise AnswerWordsError(f"yes and no answer tokens overlap: {set(y) & set(n)}")
         return cls(y, n)
 
 

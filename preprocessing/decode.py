@@ -24,7 +24,10 @@ def decode(data: bytes) -> np.ndarray:
     if not data:
         raise ImageError("empty file (0 bytes)")
     buf = np.frombuffer(data, dtype=np.uint8)
-    bgr = cv2.imdecode(buf, cv2.IMREAD_COLOR)
+    try:
+        bgr = cv2.imdecode(buf, cv2.IMREAD_COLOR)
+    except (cv2.error, MemoryError) as e:  # e.g. over OpenCV's own pixel limit
+        raise ImageError(f"cannot decode ({type(e).__name__}: {str(e).strip()[:200]})") from None
     if bgr is None:
         raise ImageError(f"not a decodable image ({len(data)} bytes; truncated or unknown format)")
     return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)

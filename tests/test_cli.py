@@ -108,3 +108,33 @@ def test_help_lists_commands() -> None:
     r = subprocess.run([sys.executable, "-m", "pipeline.cli", "--help"], capture_output=True,
                        text=True, cwd=ROOT, check=True)
     assert "run" in r.stdout and "eval" in r.stdout and "yes/no" in r.stdout
+
+
+def test_engine_failure_fails_its_group_only(job: Path) -> None:
+    from jobs.manifest import Question, read_manifest
+    from jobs.runner import answer_group
+    from preprocessing.prepare import TilingConfig
+
+    class Broken:
+        def score(self, images, requests):  # noqa: ANN001, ANN202
+            raise RuntimeError("CUDA out of memory")
+
+    items = read_manifest(job / "m.jsonl", (Question("c", "Circle?"),))[:2]
+    lines = answer_group(Broken(), TilingConfig(tile_size=56), items)  # type: ignore[arg-type]
+    assert len(lines) == 3
+    assert all(ln["answer"] is None and "out of memory" in ln["error"] for ln in lines)
+
+
+def test_out_directory_is_created(job: Path, random_model_dir: Path) -> None:
+    good = job / "good.jsonl"
+    good.write_text(json.dumps({"id": "g", "image": "good.png", "questions": ["Red?"]}) + "\n")
+    out = job / "new" / "dir" / "r.jsonl"
+    assert main(["run", str(good), "--model", str(random_model_dir), "-o", str(out),
+                 "--no-progress"]) == EXIT_OK
+    assert out.is_file()
+
+
+def test_bad_option_is_bad_input(job: Path, random_model_dir: Path, capsys) -> None:  # noqa: ANN001
+    rc = main(["run", str(job / "m.jsonl"), "--policy", str(job / "p.yaml"), "--model",
+               str(random_model_dir), "--yes", "zzqqxx", "--no-progress"])
+    assert rc == EXIT_BAD_INPUT and "single token" in capsys.readouterr().err

@@ -119,11 +119,10 @@ class VisionEncoder(nn.Module):
         self.proj1 = nn.Linear(s.hidden * r * r, s.text_hidden)
         self.proj2 = nn.Linear(s.text_hidden, s.text_hidden)
         self.proj_act = _act(s.projector_act)
-        # x_norm = x_uint8 * scale + shift  ==  (x / 255 - mean) / std
-        std = torch.tensor(s.std)
-        self.register_buffer("scale", (1.0 / (255.0 * std)).view(1, 3, 1, 1), persistent=False)
-        self.register_buffer("shift", (-torch.tensor(s.mean) / std).view(1, 3, 1, 1),
-                             persistent=False)
+        # x_norm = x_uint8 * scale + shift  ==  (x / 255 - mean) / std, kept as Python floats
+        # so that .to(bf16) leaves them exact; applied in fp32 like the reference.
+        self.scale = [1.0 / (255.0 * sd) for sd in s.std]
+        self.shift = [-m / sd for m, sd in zip(s.mean, s.std)]
 
     def positions(self, grid_h: int, grid_w: int) -> torch.Tensor:
         """Position embeddings ``[1, 1 + gh*gw, C]``, bicubic-resized if the tile size differs."""
@@ -145,8 +144,10 @@ class VisionEncoder(nn.Module):
 
     def forward(self, tiles: torch.Tensor) -> torch.Tensor:
         # tiles: [N, S, S, 3] uint8 -> x: [N, 3, S, S] in the weights' dtype
-        dtype = self.patch_embed.weight.dtype
-        x = tiles.permute(0, 3, 1, 2).to(dtype) * self.scale.to(dtype) + self.shift.to(dtype)
+        dtype = self.patch_embed.weight.dtype  # normalise in fp32 (as the reference), then cast
+        scale = torch.tensor(self.scale, device=tiles.device).view(1, 3, 1, 1)
+        shift = torch.tensor(self.shift, device=tiles.device).view(1, 3, 1, 1)
+        x = (tiles.permute(0, 3, 1, 2).float() * scale + shift).to(dtype)
         x = self.patch_embed(x)  # [N, C, gh, gw]
         n, c, gh, gw = x.shape
         x = x.flatten(2).transpose(1, 2)  # [N, gh*gw, C]

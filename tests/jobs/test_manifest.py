@@ -56,7 +56,7 @@ def test_policy_yaml_and_toml(tmp_path: Path) -> None:
     t.write_text('[[questions]]\nid = "red"\ntext = "Is there a red shape?"\nthreshold = 0.6\n'
                  '[[questions]]\ntext = "Is there a circle?"\n')
     assert read_policy(y) == read_policy(t) == (
-        Question("red", "Is there a red shape?", 0.6), Question("q1", "Is there a circle?"))
+        Question("red", "Is there a red shape?", 0.6), Question("p1", "Is there a circle?"))
     (tmp_path / "bad.yaml").write_text("questions: [\n")
     with pytest.raises(ManifestError, match="cannot parse"):
         read_policy(tmp_path / "bad.yaml")
@@ -85,3 +85,29 @@ def test_sources(tmp_path: Path) -> None:
                      ("data:image/png;base64,@@@", "base64"), (".", "directory")]:
         with pytest.raises(SourceError, match=msg):
             read_bytes(src, tmp_path)
+
+
+def test_policy_and_line_ids(tmp_path: Path) -> None:
+    m = write(tmp_path / "m.jsonl", [{"image": "a.png", "questions": ["Is it red?"]}])
+    policy_file = tmp_path / "p.yaml"
+    policy_file.write_text("questions:\n  - Is there a circle?\n")
+    (item,) = read_manifest(m, read_policy(policy_file))
+    assert [(q.id, q.text) for q in item.questions] == [("q0", "Is it red?"),
+                                                        ("p0", "Is there a circle?")]
+    clash = write(tmp_path / "c.jsonl", [{"image": "a.png", "questions": [
+        {"id": "p0", "text": "Other?"}]}])
+    with pytest.raises(ManifestError, match=r"c\.jsonl:1: .*'p0'.*both"):
+        read_manifest(clash, read_policy(policy_file))
+
+
+def test_non_utf8_line_is_named(tmp_path: Path) -> None:
+    m = tmp_path / "m.jsonl"
+    m.write_bytes(b'{"image": "a.png", "questions": ["ok"]}\n{"image": "\xff.png"}\n')
+    with pytest.raises(ManifestError, match=r"m\.jsonl:2: not UTF-8"):
+        read_manifest(m)
+
+
+def test_odd_sources_are_item_errors(tmp_path: Path) -> None:
+    with pytest.raises(SourceError, match="bad path"):
+        read_bytes("a\x00.png", tmp_path)
+    assert read_bytes("data:image/png,%89PNG%00", tmp_path) == b"\x89PNG\x00"

@@ -31,7 +31,7 @@ def test_batched_equals_one_at_a_time(model) -> None:  # noqa: ANN001
     qs = ["is there a red shape?", "no", "does the image contain a circle? yes or no, please"]
     reqs = [Request(i, q) for i in range(len(ims)) for q in qs]
     together = TorchEngine(model, EngineConfig(max_batch_tokens=100_000)).score(ims, reqs)
-    single = TorchEngine(model, EngineConfig())
+    single = TorchEngine(model, EngineConfig(prefix_cache=False))  # cold, one at a time
     for r, s in zip(reqs, together):
         alone = single.score([ims[r.image]], [Request(0, r.question)])[0]
         assert abs(alone.margin - s.margin) <= 1e-4

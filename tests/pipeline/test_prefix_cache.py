@@ -88,10 +88,15 @@ def test_eviction_keeps_results_correct(model) -> None:  # noqa: ANN001
     ims = images(model)
     off = margins(TorchEngine(model, EngineConfig(prefix_cache=False)), ims)
     tiny = TorchEngine(model, EngineConfig(block_size=4, cache_bytes=3_000))
-    for _ in range(2):
-        assert (margins(tiny, ims) - off).abs().max() <= 1e-5
     assert tiny.cache is not None
-    assert tiny.cache.stats.evictions > 0 and tiny.cache.bytes <= 3_000
+    assert (margins(tiny, ims) - off).abs().max() <= 1e-5
+    assert tiny.cache.stats.evictions > 0
+    # under pressure, followers still find their leader's prefix (chunked phases), and the
+    # surviving entries are chain heads (tails are evicted first), so hits keep coming
+    hits = tiny.cache.stats.hits
+    assert hits > 0
+    assert (margins(tiny, ims) - off).abs().max() <= 1e-5
+    assert tiny.cache.stats.hits > hits
 
 
 def test_lru_and_collision_check() -> None:
@@ -104,5 +109,11 @@ def test_lru_and_collision_check() -> None:
     cache.insert(c, kv)  # evicts b, the least recent
     assert cache.lookup([b]) == [] and len(cache.lookup([a])) == 1
     assert cache.stats.evictions == 1 and cache.bytes == 128
+    chain = block_ids([1] * 8, [], 4)  # two blocks: head, tail
+    cache.insert(chain[0], kv)
+    cache.insert(chain[1], kv)
+    cache.touch([b.key for b in chain])  # head most recent
+    cache.insert(c, kv)  # evicts the chain's tail, not its head
+    assert len(cache.lookup(chain)) == 1
     forged = type(a)(a.key, a.parent, (9, 9, 9, 9), a.extra)  # same key, other tokens
     assert cache.lookup([forged]) == [] and cache.stats.collisions == 1

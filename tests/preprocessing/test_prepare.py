@@ -82,3 +82,14 @@ def test_prepare_counts_and_hash() -> None:
     other[0, 0, 0] ^= 1
     assert content_hash(other) != p.content_hash
     assert content_hash(img.reshape(200, 90, 3)) != p.content_hash  # shape is hashed too
+
+
+def test_opencv_refusal_becomes_image_error(monkeypatch) -> None:  # noqa: ANN001
+    """cv2.imdecode raises (not returns None) past its own size limits; that must stay an
+    item error."""
+    def refuse(*_: object) -> None:
+        raise cv2.error("OpenCV(5.0) imgcodecs: image size is too big")
+
+    monkeypatch.setattr(cv2, "imdecode", refuse)
+    with pytest.raises(ImageError, match="too big"):
+        decode(encode(rand(8, 8)))

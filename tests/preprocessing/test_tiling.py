@@ -1,8 +1,10 @@
 """Tile grids equal InternVL's reference ``dynamic_preprocess`` choice.
 
-``reference_grid`` restates the model card's ``find_closest_aspect_ratio`` independently of
-``preprocessing.tiling`` (a set of (i, j) ratios sorted by area, closest aspect wins, ties go
-to the later ratio when the image covers more than half of its pixels).
+``reference_grid`` restates the model card's ``find_closest_aspect_ratio`` as the card writes
+it (a set of (i, j) ratios sorted by area, closest aspect wins, ties go to the later ratio when
+the image covers more than half of its pixels), so a refactor of ``preprocessing.tiling`` that
+drifts from the card fails here; ``test_write_up_examples`` pins figures from the write-up
+that do not depend on either implementation.
 """
 
 from __future__ import annotations
@@ -48,7 +50,6 @@ def test_grid_matches_reference(w: int, h: int, lo: int, hi: int) -> None:
 def test_write_up_examples(w: int, h: int, cols: int, rows: int, tiles: int) -> None:
     g = plan_reference(w, h, 448, 1, 12, use_thumbnail=True)
     assert (g.cols, g.rows, g.num_tiles) == (cols, rows, tiles)
-    assert g.num_tiles * 256 == tiles * 256
 
 
 def test_rejects_empty_image() -> None:
