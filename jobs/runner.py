@@ -29,7 +29,7 @@ from jobs.sources import SourceError, read_bytes
 from pipeline.config import RunConfig
 from pipeline.engine import Request
 from pipeline.engines import Engine, build_engine
-from preprocessing.decode import ImageError, decode
+from preprocessing.decode import DEFAULT_MAX_PIXELS, ImageError, decode
 from preprocessing.prepare import PreparedImage, TilingConfig, prepare
 
 
@@ -67,9 +67,10 @@ def load_items(cfg: RunConfig) -> list[ImageItem]:
     return items_from_folder(cfg.images, policy)
 
 
-def prepare_item(item: ImageItem, tiling: TilingConfig) -> PreparedImage:
+def prepare_item(item: ImageItem, tiling: TilingConfig,
+                 max_pixels: int = DEFAULT_MAX_PIXELS) -> PreparedImage:
     """Read, decode, tile; raises SourceError or ImageError with the reason."""
-    return prepare(decode(read_bytes(item.image, item.base_dir)), tiling)
+    return prepare(decode(read_bytes(item.image, item.base_dir), max_pixels), tiling)
 
 
 def _groups(items: list[ImageItem], n: int) -> Iterator[list[ImageItem]]:
@@ -77,15 +78,15 @@ def _groups(items: list[ImageItem], n: int) -> Iterator[list[ImageItem]]:
         yield items[i: i + n]
 
 
-def answer_group(engine: Engine, tiling: TilingConfig,
-                 group: list[ImageItem]) -> list[dict]:
+def answer_group(engine: Engine, tiling: TilingConfig, group: list[ImageItem],
+                 max_pixels: int = DEFAULT_MAX_PIXELS) -> list[dict]:
     """Result lines for one group of items, in item then question order."""
     prepared: list[PreparedImage] = []
     index: dict[str, int] = {}
     errors: dict[str, str] = {}
     for item in group:
         try:
-            prepared.append(prepare_item(item, tiling))
+            prepared.append(prepare_item(item, tiling, max_pixels))
             index[item.id] = len(prepared) - 1
         except (SourceError, ImageError) as e:
             errors[item.id] = f"{item.image}: {e}"
@@ -133,7 +134,7 @@ def run(cfg: RunConfig, out: IO[str] | None = None) -> RunSummary:
                desc="answering", dynamic_ncols=True)
     try:
         for group in _groups(items, cfg.images_per_batch):
-            lines = answer_group(engine, tiling, group)
+            lines = answer_group(engine, tiling, group, cfg.max_pixels)
             for line in lines:
                 sink.write(json.dumps(line, ensure_ascii=False) + "\n")
             sink.flush()

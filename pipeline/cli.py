@@ -64,6 +64,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         model, engine = _configs(a)
         cfg = RunConfig(manifest=a.manifest, images=a.images, policy=a.policy, out=a.out,
                         images_per_batch=a.images_per_batch, threads=a.threads,
+                        max_pixels=a.max_pixels,
                         progress=not a.no_progress, model=model, engine=engine)
     except ValueError as e:
         raise BadInput(str(e)) from e
@@ -107,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="YAML/TOML file of questions asked of every image")
     r.add_argument("--out", "-o", type=Path, help="results JSONL (default: standard output)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--max-pixels", type=int, default=100_000_000,
+                   help="images with more pixels (read from the header) are that item's error "
+                   "(default 100,000,000)")
     _model_args(r)
     r.set_defaults(func=cmd_run)
 

@@ -68,6 +68,7 @@ class RunConfig:
     policy: Path | None = None
     out: Path | None = None  # JSONL results; None: standard output
     images_per_batch: int = 16  # images preprocessed and scored together
+    max_pixels: int = 100_000_000  # larger images are that item's error (bomb guard)
     threads: int | None = None  # torch intra-op threads; None: torch's default
     progress: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -78,5 +79,7 @@ class RunConfig:
             raise ValueError("give exactly one input: a manifest, or --images DIR with --policy")
         if self.images is not None and self.policy is None:
             raise ValueError("--images DIR needs --policy FILE to say which questions to ask")
+        if self.max_pixels < 1:
+            raise ValueError(f"max_pixels must be >= 1, got {self.max_pixels}")
         if self.images_per_batch < 1:
             raise ValueError(f"images_per_batch must be >= 1, got {self.images_per_batch}")

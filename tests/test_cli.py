@@ -31,6 +31,9 @@ def job(tmp_path: Path) -> Path:
     (tmp_path / "empty.png").write_bytes(b"")
     (tmp_path / "text.png").write_text("hello")
     (tmp_path / "trunc.png").write_bytes(data[: len(data) // 3])
+    from PIL import Image
+
+    Image.new("1", (12_000, 10_000)).save(tmp_path / "huge.png")  # 120 MP in a few KB
     lines = [
         {"id": "good", "image": "good.png", "questions": ["Is there a red shape?"]},
         {"id": "data", "image": "data:image/png;base64," + base64.b64encode(data).decode()},
@@ -39,6 +42,7 @@ def job(tmp_path: Path) -> Path:
         {"id": "text", "image": "text.png"},
         {"id": "trunc", "image": "trunc.png"},
         {"id": "http", "image": "http://example.com/a.png"},
+        {"id": "huge", "image": "huge.png"},
     ]
     (tmp_path / "m.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     (tmp_path / "p.yaml").write_text("questions:\n  - {id: c, text: Does it contain a circle}\n")
@@ -51,7 +55,7 @@ def test_run_with_item_errors(job: Path, random_model_dir: Path) -> None:
                str(random_model_dir), "--out", str(out), "--no-progress"])
     assert rc == EXIT_ITEM_ERRORS
     rows = [json.loads(x) for x in out.read_text().splitlines()]
-    assert len(rows) == 2 + 6  # good: own question + policy; the rest: policy only
+    assert len(rows) == 2 + 7  # good: own question + policy; the rest: policy only
     by_id = {}
     for r in rows:
         by_id.setdefault(r["id"], []).append(r)
@@ -61,7 +65,8 @@ def test_run_with_item_errors(job: Path, random_model_dir: Path) -> None:
         assert r["image_tokens"] > 0
     assert by_id["good"][1]["p_yes"] == by_id["data"][0]["p_yes"]  # same pixels, same answer
     reasons = {"missing": "not found", "empty": "empty", "text": "not a decodable",
-               "trunc": "not a decodable", "http": "scheme 'http'"}
+               "trunc": "not a decodable", "http": "scheme 'http'",
+               "huge": "over the limit"}
     for item, reason in reasons.items():
         (r,) = by_id[item]
         assert r["answer"] is None and reason in r["error"], r
@@ -82,7 +87,7 @@ def test_folder_input(job: Path, random_model_dir: Path) -> None:
                str(random_model_dir), "-o", str(out), "--no-progress"])
     assert rc == EXIT_ITEM_ERRORS  # the folder holds the broken files too
     assert {json.loads(x)["id"] for x in out.read_text().splitlines()} == {
-        "good.png", "empty.png", "text.png", "trunc.png"}
+        "good.png", "empty.png", "text.png", "trunc.png", "huge.png"}
 
 
 def test_malformed_manifest_fails_before_work(job: Path, random_model_dir: Path,
