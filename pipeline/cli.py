@@ -13,10 +13,6 @@ from pathlib import Path
 EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT, EXIT_ITEM_ERRORS = 0, 1, 2, 3
 
 
-class BadInput(ValueError):
-    """A bad option or config value, found before any work."""
-
-
 def _model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", type=Path, default=None,
@@ -28,6 +24,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--max-tiles", type=int, default=None,
                    help="cap tiles per image (default: the checkpoint's max_patches)")
+    g.add_argument("--tiling", default="reference", choices=["reference", "reduced"],
+                   help="reference: InternVL dynamic_preprocess (default); reduced: fewest "
+                   "tiles that keep the image's resolution, letterboxed (docs/preprocessing.md)")
+    g.add_argument("--upscale-limit", type=float, default=1.0,
+                   help="reduced tiling: most a tile count may enlarge an image (default 1.0)")
+    g.add_argument("--max-image-tokens", type=int, default=None,
+                   help="per-image token budget the tiling must fit (thumbnail included)")
     g.add_argument("--max-batch-tokens", type=int, default=8192,
                    help="padded prompt tokens per LLM forward (default 8192)")
     g.add_argument("--images-per-batch", type=int, default=16,
@@ -47,7 +50,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 def _configs(a: argparse.Namespace):  # noqa: ANN202
     from pipeline.config import EngineConfig, ModelConfig
 
-    model = ModelConfig(a.model, a.device, a.dtype, a.max_tiles)
+    model = ModelConfig(a.model, a.device, a.dtype, a.max_tiles, a.tiling, a.upscale_limit,
+                        a.max_image_tokens)
     engine = EngineConfig(engine=a.engine, max_batch_tokens=a.max_batch_tokens,
                           prefix_cache=not a.no_prefix_cache, block_size=a.block_size,
                           cache_bytes=a.cache_mib << 20, max_new_tokens=a.max_new_tokens,
@@ -60,14 +64,11 @@ def cmd_run(a: argparse.Namespace) -> int:
     from jobs.runner import run
     from pipeline.config import RunConfig
 
-    try:
-        model, engine = _configs(a)
-        cfg = RunConfig(manifest=a.manifest, images=a.images, policy=a.policy, out=a.out,
-                        images_per_batch=a.images_per_batch, threads=a.threads,
-                        max_pixels=a.max_pixels,
-                        progress=not a.no_progress, model=model, engine=engine)
-    except ValueError as e:
-        raise BadInput(str(e)) from e
+    model, engine = _configs(a)
+    cfg = RunConfig(manifest=a.manifest, images=a.images, policy=a.policy, out=a.out,
+                    images_per_batch=a.images_per_batch, threads=a.threads,
+                    max_pixels=a.max_pixels, progress=not a.no_progress, model=model,
+                    engine=engine)
     summary = run(cfg)
     print(f"vlmbatch: {summary.text()}", file=sys.stderr)
     if a.out:
@@ -82,10 +83,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    try:
-        model, engine = _configs(a)
-    except ValueError as e:
-        raise BadInput(str(e)) from e
+    model, engine = _configs(a)
     r = evaluate(model, engine, a.split, a.limit, a.images_per_batch, not a.no_progress)
     print(f"easy-vqa {a.split} yes/no accuracy: {r.accuracy:.4f} ({r.correct}/{r.questions}) "
           f"in {r.seconds:.1f}s ({60 * r.questions / r.seconds:.0f} QPM)")
@@ -126,13 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from jobs.manifest import ManifestError
+    from pipeline.config import ConfigError
     from pipeline.model import ModelError
     from pipeline.scoring import AnswerWordsError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (BadInput, ManifestError, ModelError, AnswerWordsError, ImportError) as e:
+    except (ConfigError, ManifestError, ModelError, AnswerWordsError, ImportError) as e:
         print(f"vlmbatch: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except BrokenPipeError:  # e.g. `vlmbatch run ... | head`

@@ -10,6 +10,11 @@ from pathlib import Path
 
 import torch
 
+
+class ConfigError(ValueError):
+    """A bad option or config value, found before any work starts."""
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -19,12 +24,19 @@ class ModelConfig:
     device: str = "cpu"
     dtype: str = "float32"
     max_tiles: int | None = None  # override the checkpoint's max tiles per image
+    tiling: str = "reference"  # "reference" (InternVL dynamic_preprocess) | "reduced"
+    upscale_limit: float = 1.0  # reduced tiling: most a tile count may enlarge an image
+    max_image_tokens: int | None = None  # per-image token budget (thumbnail included)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} not one of {sorted(DTYPES)}")
+            raise ConfigError(f"dtype {self.dtype!r} not one of {sorted(DTYPES)}")
         if self.max_tiles is not None and self.max_tiles < 1:
-            raise ValueError(f"max_tiles must be >= 1, got {self.max_tiles}")
+            raise ConfigError(f"max_tiles must be >= 1, got {self.max_tiles}")
+        if self.tiling not in ("reference", "reduced"):
+            raise ConfigError(f"tiling {self.tiling!r} not one of ('reference', 'reduced')")
+        if self.max_image_tokens is not None and self.max_image_tokens < 1:
+            raise ConfigError(f"max_image_tokens must be >= 1, got {self.max_image_tokens}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -50,15 +62,15 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if min(self.max_batch_tokens, self.max_batch_tiles, self.block_size) < 1:
-            raise ValueError("max_batch_tokens, max_batch_tiles and block_size must be >= 1")
+            raise ConfigError("max_batch_tokens, max_batch_tiles and block_size must be >= 1")
         if self.engine not in ENGINES:
-            raise ValueError(f"engine {self.engine!r} not one of {ENGINES}")
+            raise ConfigError(f"engine {self.engine!r} not one of {ENGINES}")
         if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+            raise ConfigError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.cache_bytes < 0:
-            raise ValueError(f"cache_bytes must be >= 0, got {self.cache_bytes}")
+            raise ConfigError(f"cache_bytes must be >= 0, got {self.cache_bytes}")
         if not self.yes_words or not self.no_words:
-            raise ValueError("yes_words and no_words must not be empty")
+            raise ConfigError("yes_words and no_words must not be empty")
 
 
 @dataclass(frozen=True)
@@ -76,10 +88,10 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         if (self.manifest is None) == (self.images is None):
-            raise ValueError("give exactly one input: a manifest, or --images DIR with --policy")
+            raise ConfigError("give exactly one input: a manifest, or --images DIR with --policy")
         if self.images is not None and self.policy is None:
-            raise ValueError("--images DIR needs --policy FILE to say which questions to ask")
+            raise ConfigError("--images DIR needs --policy FILE to say which questions to ask")
         if self.max_pixels < 1:
-            raise ValueError(f"max_pixels must be >= 1, got {self.max_pixels}")
+            raise ConfigError(f"max_pixels must be >= 1, got {self.max_pixels}")
         if self.images_per_batch < 1:
-            raise ValueError(f"images_per_batch must be >= 1, got {self.images_per_batch}")
+            raise ConfigError(f"images_per_batch must be >= 1, got {self.images_per_batch}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from pipeline.config import EngineConfig, ModelConfig
+from pipeline.config import ConfigError, EngineConfig, ModelConfig
 from pipeline.engine import EngineStats, Request, Score, TorchEngine
 from pipeline.model import DEFAULT_MODEL, ModelSpec, load_model, load_tokenizer, read_spec
 from pipeline.prefix_cache import PrefixCache
@@ -23,12 +23,23 @@ class Engine(Protocol):
     def score(self, images: list[PreparedImage], requests: list[Request]) -> list[Score]: ...
 
 
-def tiling_for(spec: ModelSpec, max_tiles: int | None) -> TilingConfig:
-    """The checkpoint's tiling, with max tiles per image overridden when asked."""
+def tiling_for(spec: ModelSpec, cfg: ModelConfig) -> TilingConfig:
+    """The checkpoint's tiling with the run's mode, tile cap and token budget applied.
+
+    A budget of B tiles (``max_image_tokens // tokens_per_tile``) caps the grid so that grid
+    plus thumbnail fit: reference mode adds a thumbnail from 2 grid tiles, reduced from 3.
+    """
     t = spec.tiling
-    if max_tiles is None:
-        return t
-    return TilingConfig(t.tile_size, min(t.min_tiles, max_tiles), max_tiles, t.use_thumbnail)
+    max_tiles = cfg.max_tiles or t.max_tiles
+    if cfg.max_image_tokens is not None:
+        budget = cfg.max_image_tokens // spec.tokens_per_tile
+        if budget < 1:
+            raise ConfigError(f"max_image_tokens {cfg.max_image_tokens} is less than one tile "
+                             f"({spec.tokens_per_tile} tokens)")
+        thumb_from = 3 if cfg.tiling == "reduced" else 2
+        max_tiles = min(max_tiles, budget if budget < thumb_from else budget - 1)
+    return TilingConfig(t.tile_size, min(t.min_tiles, max_tiles), max_tiles, t.use_thumbnail,
+                        mode=cfg.tiling, upscale_limit=cfg.upscale_limit)
 
 
 def build_engine(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> tuple[Engine, TilingConfig]:
@@ -40,9 +51,9 @@ def build_engine(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> tuple[Engi
         path = model_cfg.path or DEFAULT_MODEL
         spec = read_spec(path)
         tok = load_tokenizer(path)
-        tiling = tiling_for(spec, model_cfg.max_tiles)
+        tiling = tiling_for(spec, model_cfg)
         answers = AnswerTokens.from_words(tok, engine_cfg.yes_words, engine_cfg.no_words)
         return LMDeployEngine(str(path), tok, answers, spec.tokens_per_tile, tiling.max_tiles,
                               engine_cfg.max_new_tokens), tiling
     model = load_model(model_cfg.path, model_cfg.device, model_cfg.torch_dtype)
-    return TorchEngine(model, engine_cfg), tiling_for(model.spec, model_cfg.max_tiles)
+    return TorchEngine(model, engine_cfg), tiling_for(model.spec, model_cfg)

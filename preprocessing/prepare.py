@@ -13,7 +13,10 @@ import numpy as np
 import xxhash
 
 from preprocessing.resize import resize
-from preprocessing.tiling import TileGrid, plan_reference
+from preprocessing.tiling import TileGrid, fit_scale, plan_reduced, plan_reference
+
+TILING_MODES = ("reduced", "reference")
+PAD_RGB = (124, 116, 104)  # ImageNet mean x 255: padding normalises to ~0
 
 
 @dataclass(frozen=True)
@@ -22,11 +25,24 @@ class TilingConfig:
     min_tiles: int = 1
     max_tiles: int = 12
     use_thumbnail: bool = True
+    mode: str = "reference"  # "reduced" | "reference" (InternVL dynamic_preprocess)
+    upscale_limit: float = 1.0  # reduced mode: most a tile count may enlarge the image
 
     def __post_init__(self) -> None:
         if self.tile_size <= 0 or not 1 <= self.min_tiles <= self.max_tiles:
             raise ValueError(f"bad tiling config {self}: need tile_size > 0 and "
                              "1 <= min_tiles <= max_tiles")
+        if self.mode not in TILING_MODES:
+            raise ValueError(f"tiling mode {self.mode!r} not one of {TILING_MODES}")
+        if self.upscale_limit <= 0:
+            raise ValueError(f"upscale_limit must be > 0, got {self.upscale_limit}")
+
+    def plan(self, width: int, height: int) -> TileGrid:
+        if self.mode == "reduced":
+            return plan_reduced(width, height, self.tile_size, self.min_tiles, self.max_tiles,
+                                self.upscale_limit)
+        return plan_reference(width, height, self.tile_size, self.min_tiles, self.max_tiles,
+                              self.use_thumbnail)
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,7 +59,8 @@ class PreparedImage:
         """Identifies the image tokens: same pixels *and* same tiling (grid, tile size)."""
         g = self.grid
         thumb = "+t" if g.thumbnail else ""
-        return f"{self.content_hash}:{g.cols}x{g.rows}{thumb}@{self.tiles.shape[1]}"
+        box = "L" if g.letterbox else ""
+        return f"{self.content_hash}:{g.cols}x{g.rows}{thumb}{box}@{self.tiles.shape[1]}"
 
 
 def content_hash(img: np.ndarray) -> str:
@@ -53,22 +70,36 @@ def content_hash(img: np.ndarray) -> str:
     return h.hexdigest()
 
 
+def _fit(img: np.ndarray, cols: int, rows: int, tile: int, letterbox: bool) -> np.ndarray:
+    """``img`` on a (rows*tile, cols*tile) canvas: stretched, or scaled and centred."""
+    if not letterbox:
+        return resize(img, cols * tile, rows * tile)
+    h, w = img.shape[:2]
+    s = fit_scale(w, h, tile, cols, rows)
+    cw, ch = min(cols * tile, max(1, round(w * s))), min(rows * tile, max(1, round(h * s)))
+    canvas = np.empty((rows * tile, cols * tile, 3), dtype=np.uint8)
+    canvas[:] = PAD_RGB
+    y, x = (rows * tile - ch) // 2, (cols * tile - cw) // 2
+    canvas[y: y + ch, x: x + cw] = resize(img, cw, ch)
+    return canvas
+
+
 def cut_tiles(img: np.ndarray, grid: TileGrid, tile: int) -> np.ndarray:
-    """Resize ``img`` [H, W, 3] to the grid and cut it; one copy beyond the resizes."""
-    resized = resize(img, grid.cols * tile, grid.rows * tile)
+    """Fit ``img`` [H, W, 3] to the grid and cut it; one copy beyond the resizes."""
+    resized = _fit(img, grid.cols, grid.rows, tile, grid.letterbox)
     n = grid.num_tiles
     out = np.empty((n, tile, tile, 3), dtype=np.uint8)
     # [rows*S, cols*S, 3] -> [rows, S, cols, S, 3] -> [rows, cols, S, S, 3]
     view = resized.reshape(grid.rows, tile, grid.cols, tile, 3).transpose(0, 2, 1, 3, 4)
     out[: grid.cols * grid.rows] = view.reshape(-1, tile, tile, 3)
     if grid.thumbnail:
-        out[-1] = resize(img, tile, tile)
+        out[-1] = _fit(img, 1, 1, tile, grid.letterbox)
     return out
 
 
 def prepare(img: np.ndarray, cfg: TilingConfig) -> PreparedImage:
-    """Decoded ``[H, W, 3]`` uint8 RGB -> tiles in InternVL reference tiling."""
+    """Decoded ``[H, W, 3]`` uint8 RGB -> tiles in the configured tiling mode."""
     h, w = img.shape[:2]
-    grid = plan_reference(w, h, cfg.tile_size, cfg.min_tiles, cfg.max_tiles, cfg.use_thumbnail)
+    grid = cfg.plan(w, h)
     return PreparedImage(cut_tiles(img, grid, cfg.tile_size), grid, content_hash(img), w, h,
                          pixels=img)

@@ -6,6 +6,20 @@ whose aspect ratio is closest to the image's wins; on a tie the larger grid wins
 image has more than half the pixels that grid would need. A thumbnail (the whole image resized
 to one tile) is appended when the grid has more than one tile.
 
+Reduced-token mode (the default) keeps what the image holds and no more:
+
+- the grid is the one with the *fewest* tiles whose letterboxed fit scale
+  ``s = min(cols*S/w, rows*S/h)`` reaches ``slack * min(upscale_limit, s_ref)``, where
+  ``s_ref`` is the scale the reference grid gives along its tighter axis: never more tiles
+  than the image's own pixels justify (``upscale_limit``, 1.0 = native resolution), never
+  less resolution than the reference keeps (less ``slack``, 0.9: a 10% downscale is allowed
+  to save a tile), and never more tiles than the reference uses; ties go to the larger ``s``;
+- the image keeps its aspect ratio: it is scaled by ``s`` and centred on the grid's canvas,
+  the rest padded with the normalisation mean (``letterbox``), instead of being stretched;
+- a thumbnail is added only for grids of 3 or more tiles, where the tiles cut objects apart
+  and a whole-image view adds layout the tiles do not show; at 1-2 tiles it would repeat the
+  grid's content at lower resolution.
+
 Invariants: ``TileGrid.num_tiles == cols * rows + thumbnail`` and the order of tiles is
 row-major over the grid, thumbnail last (as InternVL's reference does).
 """
@@ -21,6 +35,7 @@ class TileGrid:
     cols: int
     rows: int
     thumbnail: bool
+    letterbox: bool = False  # aspect kept, padded; False: stretched to the grid (reference)
 
     @property
     def num_tiles(self) -> int:
@@ -67,3 +82,25 @@ def plan_reference(width: int, height: int, tile: int, min_tiles: int, max_tiles
         raise ValueError(f"image size must be positive, got {width}x{height}")
     cols, rows = closest_grid(width, height, tile, min_tiles, max_tiles)
     return TileGrid(cols, rows, thumbnail=use_thumbnail and cols * rows != 1)
+
+
+def fit_scale(width: int, height: int, tile: int, cols: int, rows: int) -> float:
+    """Scale that fits the image inside a cols x rows grid without stretching."""
+    return min(cols * tile / width, rows * tile / height)
+
+
+def plan_reduced(width: int, height: int, tile: int, min_tiles: int, max_tiles: int,
+                 upscale_limit: float = 1.0, slack: float = 0.9,
+                 thumbnail_from: int = 3) -> TileGrid:
+    """Reduced-token tiling (module docstring): fewest tiles that keep the needed scale."""
+    ref = plan_reference(width, height, tile, min_tiles, max_tiles, use_thumbnail=False)
+    s_ref = fit_scale(width, height, tile, ref.cols, ref.rows)
+    target = slack * min(upscale_limit, s_ref)
+    best: tuple[int, float, int, int] | None = None  # (tiles, -scale, cols, rows)
+    for cols, rows in candidate_grids(min_tiles, ref.cols * ref.rows):
+        s = fit_scale(width, height, tile, cols, rows)
+        if s >= target:
+            key = (cols * rows, -s, cols, rows)
+            best = key if best is None or key < best else best
+    cols, rows = (best[2], best[3]) if best else (ref.cols, ref.rows)
+    return TileGrid(cols, rows, thumbnail=cols * rows >= thumbnail_from, letterbox=True)

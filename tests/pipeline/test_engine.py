@@ -63,3 +63,24 @@ def test_missing_and_unknown_models(tmp_path: Path) -> None:
     (tmp_path / "llava" / "config.json").write_text('{"model_type": "llava"}')
     with pytest.raises(ModelError, match="'llava' .* not supported"):
         load_model(tmp_path / "llava")
+
+
+@pytest.mark.parametrize("mode", ["reference", "reduced"])
+@pytest.mark.parametrize("budget", [4, 8, 12, 20, 52])
+def test_max_image_tokens_is_honoured(model, mode: str, budget: int) -> None:  # noqa: ANN001
+    from pipeline.config import ModelConfig
+    from pipeline.engines import tiling_for
+
+    tiling = tiling_for(model.spec, ModelConfig(tiling=mode, max_image_tokens=budget))
+    tpt = model.spec.tokens_per_tile
+    rng = np.random.default_rng(budget)
+    for w, h in rng.integers(10, 3000, size=(100, 2)):
+        assert tiling.plan(int(w), int(h)).num_tiles * tpt <= budget
+
+
+def test_budget_below_one_tile_is_a_config_error(model) -> None:  # noqa: ANN001
+    from pipeline.config import ConfigError, ModelConfig
+    from pipeline.engines import tiling_for
+
+    with pytest.raises(ConfigError, match="less than one tile"):
+        tiling_for(model.spec, ModelConfig(max_image_tokens=model.spec.tokens_per_tile - 1))

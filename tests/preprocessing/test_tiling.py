@@ -9,6 +9,7 @@ that do not depend on either implementation.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from preprocessing.tiling import plan_reference
@@ -55,3 +56,51 @@ def test_write_up_examples(w: int, h: int, cols: int, rows: int, tiles: int) -> 
 def test_rejects_empty_image() -> None:
     with pytest.raises(ValueError, match="positive"):
         plan_reference(0, 10, 448, 1, 12, True)
+
+
+# --- reduced-token mode -------------------------------------------------------------------
+
+from preprocessing.tiling import fit_scale, plan_reduced  # noqa: E402
+
+
+@pytest.mark.parametrize("w,h,tiles", [
+    (480, 320, 1),  # write-up bar: 512 tokens; 0.93x native fits one 448 tile
+    (480, 360, 1),  # reference: 13 tiles
+    (612, 464, 2),  # reference: 13 tiles
+    (896, 1344, 7),  # 2x3 at native scale + thumbnail, as the reference
+    (100, 2000, 6),  # reference upscales 2.7x into 12 tiles; 1x5 keeps 1.1x
+    (64, 64, 1),
+])
+def test_reduced_examples(w: int, h: int, tiles: int) -> None:
+    assert plan_reduced(w, h, 448, 1, 12).num_tiles == tiles
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_reduced_never_worse_than_its_promises(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for w, h in rng.integers(8, 5000, size=(200, 2)):
+        w, h = int(w), int(h)
+        ref = plan_reference(w, h, 448, 1, 12, True)
+        red = plan_reduced(w, h, 448, 1, 12)
+        assert red.num_tiles <= ref.num_tiles  # never more tokens than the reference
+        s_ref = fit_scale(w, h, 448, ref.cols, ref.rows)
+        assert fit_scale(w, h, 448, red.cols, red.rows) >= 0.9 * min(1.0, s_ref) - 1e-9
+        assert red.thumbnail == (red.cols * red.rows >= 3) and red.letterbox
+
+
+def test_letterbox_keeps_aspect_and_pads_with_mean() -> None:
+    from preprocessing.prepare import PAD_RGB, TilingConfig, prepare
+
+    img = np.zeros((60, 200, 3), np.uint8)
+    img[:] = (255, 0, 0)
+    p = prepare(img, TilingConfig(tile_size=56, max_tiles=6, mode="reduced"))
+    g = p.grid
+    assert g.letterbox and p.tiles.shape[0] == g.num_tiles
+    canvas = p.tiles[: g.cols * g.rows].reshape(g.rows, g.cols, 56, 56, 3)
+    canvas = canvas.transpose(0, 2, 1, 3, 4).reshape(g.rows * 56, g.cols * 56, 3)
+    red = np.all(canvas == (255, 0, 0), axis=-1)
+    ys, xs = np.nonzero(red)
+    content_h, content_w = ys.max() - ys.min() + 1, xs.max() - xs.min() + 1
+    assert abs(content_w / content_h - 200 / 60) < 0.1  # not stretched
+    assert content_h < canvas.shape[0] and np.all(canvas[0] == PAD_RGB)  # padded, centred
+    assert np.all(canvas[-1] == PAD_RGB)
