@@ -69,4 +69,4 @@ def decode(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
     if bgr.shape[0] * bgr.shape[1] > max_pixels:  # formats whose header Pillow cannot read
         raise ImageError(f"image is {bgr.shape[1]}x{bgr.shape[0]} pixels, over the limit of "
                          f"{max_pixels:,} (raise --max-pixels to allow it)")
-    return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+    return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB, dst=bgr)  # in place: no second full-size copy
