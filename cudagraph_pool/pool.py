@@ -1,0 +1,118 @@
+"""A pool of CUDA graphs keyed by batch-size bucket, for a callable of fixed per-item shape.
+
+CUDA graphs replay a captured sequence of kernels with no CPU launch gaps, but only for the
+shapes they were captured with. The pool (MISSION.md seed 001 point 3; mini-sglang's
+``engine/graph.py``) therefore captures one graph per bucket (``1, 2, 4, 8, 16, ... max``),
+largest first so that the smaller ones reuse its memory from one shared pool, and serves a
+batch of n items by copying it into the static input of the smallest bucket >= n, padding the
+rest with zeros, replaying, and slicing n rows of the static output. Batches larger than the
+largest bucket are split.
+
+The race the write-up hit: a graph's static output is overwritten by the next replay, and
+work on the GPU is asynchronous. ``__call__`` therefore clones the rows it hands on (ordered
+after the replay on the same stream) and, with ``sync=True`` (the default), waits on an event
+recorded after that clone, so a consumer on another stream or on the CPU never reads a
+half-written tensor. ``tests/cudagraph_pool`` has the GPU test that shows the guard matters.
+
+Without CUDA (or with ``use_graphs=False``) the pool calls the function directly with the same
+bucketing, padding and splitting, so the logic is tested on CPU with a fake callable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+def default_buckets(max_batch: int) -> list[int]:
+    """``[1, 2, 4] + [8, 16, 24, ...]`` up to and including ``max_batch``."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    b = [x for x in (1, 2, 4) if x <= max_batch] + list(range(8, max_batch + 1, 8))
+    return b if b[-1] == max_batch else b + [max_batch]
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    static_in: torch.Tensor  # [bucket, *item_shape]
+    static_out: torch.Tensor  # [bucket, *out_item_shape]
+
+
+class GraphPool:
+    """``pool(x)`` == ``fn(x)`` for x of shape ``[n, *item_shape]``, any n >= 1."""
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], item_shape: tuple[int, ...],
+                 dtype: torch.dtype, device: torch.device | str, max_batch: int = 32,
+                 buckets: list[int] | None = None, use_graphs: bool | None = None,
+                 sync: bool = True) -> None:
+        self.fn = fn
+        self.item_shape = tuple(item_shape)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.buckets = sorted(set(buckets or default_buckets(max_batch)))
+        on_cuda = self.device.type == "cuda" and torch.cuda.is_available()
+        self.use_graphs = on_cuda if use_graphs is None else (use_graphs and on_cuda)
+        self.sync = sync
+        self.graphs: dict[int, _Graph] = {}
+        self.calls: list[int] = []  # bucket sizes run, in order (tests and stats)
+        self.graph_bytes = 0  # device memory taken by capture
+
+    def bucket(self, n: int) -> int:
+        """Smallest bucket >= n (n <= the largest bucket)."""
+        for b in self.buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"batch {n} exceeds the largest bucket {self.buckets[-1]}")
+
+    def capture(self) -> None:
+        """Capture every bucket, largest first, sharing one memory pool."""
+        if not self.use_graphs or self.graphs:
+            return
+        before = torch.cuda.memory_allocated(self.device)
+        mempool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        for b in reversed(self.buckets):
+            static_in = torch.zeros((b, *self.item_shape), dtype=self.dtype, device=self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, autotune)
+                self.fn(static_in)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mempool):
+                static_out = self.fn(static_in)
+            self.graphs[b] = _Graph(graph, static_in, static_out)
+        torch.cuda.synchronize(self.device)
+        self.graph_bytes = torch.cuda.memory_allocated(self.device) - before
+
+    def _run(self, chunk: torch.Tensor) -> torch.Tensor:
+        n = chunk.shape[0]
+        b = self.bucket(n)
+        self.calls.append(b)
+        if not self.use_graphs:
+            if b == n:
+                return self.fn(chunk)
+            pad = chunk.new_zeros((b - n, *self.item_shape))
+            return self.fn(torch.cat([chunk, pad]))[:n]
+        self.capture()
+        g = self.graphs[b]
+        g.static_in[:n].copy_(chunk)
+        if b > n:
+            g.static_in[n:].zero_()
+        g.graph.replay()
+        return g.static_out[:n].clone()  # the next replay overwrites static_out
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1:] != self.item_shape:
+            raise ValueError(f"items of shape {tuple(x.shape[1:])}, pool built for "
+                             f"{self.item_shape}")
+        top = self.buckets[-1]
+        outs = [self._run(x[i: i + top]) for i in range(0, x.shape[0], top)]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if self.use_graphs and self.sync:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            done.synchronize()
+        return out
