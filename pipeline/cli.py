@@ -21,6 +21,12 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="torch: ours (CPU/CUDA, default); lmdeploy: TurboMind, GPU env only, "
                    "never run by us yet")
     g.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
+    g.add_argument("--vit-backend", default="auto",
+                   choices=["auto", "torch", "onnxruntime", "tensorrt"],
+                   help="vision encoder runner (default auto: tensorrt on CUDA when installed, "
+                   "else torch)")
+    g.add_argument("--no-cuda-graphs", action="store_true",
+                   help="torch vision backend on CUDA: run eagerly, without the graph pool")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--max-tiles", type=int, default=None,
                    help="cap tiles per image (default: the checkpoint's max_patches)")
@@ -52,7 +58,8 @@ def _configs(a: argparse.Namespace):  # noqa: ANN202
 
     model = ModelConfig(a.model, a.device, a.dtype, a.max_tiles, a.tiling, a.upscale_limit,
                         a.max_image_tokens)
-    engine = EngineConfig(engine=a.engine, max_batch_tokens=a.max_batch_tokens,
+    engine = EngineConfig(engine=a.engine, vit_backend=a.vit_backend,
+                          cuda_graphs=not a.no_cuda_graphs, max_batch_tokens=a.max_batch_tokens,
                           prefix_cache=not a.no_prefix_cache, block_size=a.block_size,
                           cache_bytes=a.cache_mib << 20, max_new_tokens=a.max_new_tokens,
                           yes_words=tuple(w for w in a.yes.split(",") if w),
@@ -90,6 +97,19 @@ def cmd_eval(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_export_vit(a: argparse.Namespace) -> int:
+    from pipeline.model import load_model
+    from vit_trt.export import export_onnx
+
+    r = export_onnx(load_model(a.model), a.out, opset=a.opset)
+    print(f"wrote {r.onnx_path} (+ vision.json); onnxruntime vs torch max abs error "
+          f"{r.max_abs_err:.2e}")
+    if r.max_abs_err > 1e-4:
+        print("vlmbatch: error: the exported model disagrees with torch", file=sys.stderr)
+        return EXIT_CRASH
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="vlmbatch",
@@ -119,6 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-progress", action="store_true")
     _model_args(e)
     e.set_defaults(func=cmd_eval)
+
+    x = sub.add_parser("export-vit", help="export the vision encoder to ONNX and check it",
+                       description="ONNX of the vision encoder (uint8 tiles in, embeddings out, "
+                       "dynamic batch), checked with onnxruntime against torch.")
+    x.add_argument("--model", type=Path, default=None,
+                   help="HF-format InternVL directory (default: the built-in model)")
+    x.add_argument("--out", type=Path, required=True, help="output folder")
+    x.add_argument("--opset", type=int, default=17)
+    x.set_defaults(func=cmd_export_vit)
     return p
 
 

@@ -49,6 +49,8 @@ ENGINES = ("torch", "lmdeploy")
 @dataclass(frozen=True)
 class EngineConfig:
     engine: str = "torch"  # "torch" (ours, CPU/CUDA) | "lmdeploy" (TurboMind, GPU env only)
+    vit_backend: str = "auto"  # "auto" | "torch" | "onnxruntime" | "tensorrt"
+    cuda_graphs: bool = True  # torch vision backend on CUDA: batch-size-bucketed graph pool
     max_batch_tokens: int = 8192  # padded prompt tokens per LLM forward
     max_batch_tiles: int = 64  # tiles per vision-encoder forward
     prefix_cache: bool = True  # image-aware prefix KV cache (pipeline/prefix_cache.py)
@@ -63,6 +65,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if min(self.max_batch_tokens, self.max_batch_tiles, self.block_size) < 1:
             raise ConfigError("max_batch_tokens, max_batch_tiles and block_size must be >= 1")
+        if self.vit_backend not in ("auto", "torch", "onnxruntime", "tensorrt"):
+            raise ConfigError(f"vit_backend {self.vit_backend!r} not one of auto, torch, "
+                              "onnxruntime, tensorrt")
         if self.engine not in ENGINES:
             raise ConfigError(f"engine {self.engine!r} not one of {ENGINES}")
         if self.max_new_tokens < 0:

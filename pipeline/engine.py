@@ -33,6 +33,7 @@ from pipeline.prefix_cache import BlockId, BlockKey, ImageSpan, PrefixCache, blo
 from pipeline.prompt import Prompt, PromptBuilder
 from pipeline.scoring import AnswerTokens, yes_no
 from preprocessing.prepare import PreparedImage
+from vit_trt.runners import TorchRunner, VitRunner
 
 
 @dataclass(frozen=True)
@@ -79,10 +80,12 @@ class _Plan:
 
 
 class TorchEngine:
-    def __init__(self, model: LoadedModel, cfg: EngineConfig) -> None:
+    def __init__(self, model: LoadedModel, cfg: EngineConfig,
+                 vision: VitRunner | None = None) -> None:
         self.model = model
         self.cfg = cfg
         self.device = next(model.llm.parameters()).device
+        self.vision = vision or TorchRunner(model)
         self.prompts = PromptBuilder(model.tokenizer, model.spec.tokens_per_tile,
                                      model.spec.image_token_id)
         self.answers = AnswerTokens.from_words(model.tokenizer, cfg.yes_words, cfg.no_words)
@@ -105,7 +108,7 @@ class TorchEngine:
         outs = []
         for start in range(0, len(tiles), self.cfg.max_batch_tiles):
             chunk = torch.from_numpy(tiles[start: start + self.cfg.max_batch_tiles])
-            outs.append(self.model.vision(chunk.to(self.device)))  # [n, T, D]
+            outs.append(self.vision.encode(chunk).to(self.device))  # [n, T, D]
         self.stats.vision_tiles += len(tiles)
         feats = torch.cat(outs)
         result, first = [], 0

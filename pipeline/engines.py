@@ -14,6 +14,7 @@ from pipeline.model import DEFAULT_MODEL, ModelSpec, load_model, load_tokenizer,
 from pipeline.prefix_cache import PrefixCache
 from pipeline.scoring import AnswerTokens
 from preprocessing.prepare import PreparedImage, TilingConfig
+from vit_trt.runners import default_backend, make_runner
 
 
 class Engine(Protocol):
@@ -56,4 +57,8 @@ def build_engine(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> tuple[Engi
         return LMDeployEngine(str(path), tok, answers, spec.tokens_per_tile, tiling.max_tiles,
                               engine_cfg.max_new_tokens), tiling
     model = load_model(model_cfg.path, model_cfg.device, model_cfg.torch_dtype)
-    return TorchEngine(model, engine_cfg), tiling_for(model.spec, model_cfg)
+    backend = engine_cfg.vit_backend
+    if backend == "auto":
+        backend = default_backend(model_cfg.device)
+    vision = make_runner(backend, model, model_cfg.device, cuda_graphs=engine_cfg.cuda_graphs)
+    return TorchEngine(model, engine_cfg, vision), tiling_for(model.spec, model_cfg)

@@ -1,0 +1,108 @@
+"""Vision-encoder runners behind one interface: ``encode(tiles) -> embeddings``.
+
+``tiles`` is uint8 ``[N, S, S, 3]`` (a torch tensor on the CPU); the result is float
+``[N, T, D_text]`` on the runner's device. Backends (``--vit-backend``):
+
+- ``torch``: our SDPA encoder (CPU or CUDA; fp32/bf16/fp16); on CUDA, optionally through the
+  batch-size-bucketed CUDA graph pool (``cudagraph_pool``);
+- ``onnxruntime``: the exported ONNX (``vit_trt/export.py``) on the CPU execution provider, or
+  CUDA's when onnxruntime-gpu is installed;
+- ``tensorrt``: an engine built from that ONNX (``vit_trt/tensorrt_runner.py``), GPU only.
+
+``make_runner`` picks one by name; ``default_backend`` the fastest one installed for a device.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import torch
+
+from pipeline.model import LoadedModel
+
+BACKENDS = ("torch", "onnxruntime", "tensorrt")
+
+
+class VitRunner(ABC):
+    """Invariant: ``encode`` returns exactly one embedding row block per input tile, in order,
+    and the result is complete (safe to read from any stream or the CPU) when returned."""
+
+    @abstractmethod
+    def encode(self, tiles: torch.Tensor) -> torch.Tensor:
+        """uint8 ``[N, S, S, 3]`` -> ``[N, T, D_text]``."""
+
+
+class TorchRunner(VitRunner):
+    def __init__(self, model: LoadedModel, cuda_graphs: bool = False, max_batch: int = 32) -> None:
+        self.vision = model.vision
+        p = next(self.vision.parameters())
+        self.device = p.device
+        self.pool = None
+        if cuda_graphs and self.device.type == "cuda":
+            from cudagraph_pool import GraphPool
+
+            tile = model.spec.tiling.tile_size
+            self.pool = GraphPool(self.vision, (tile, tile, 3), torch.uint8, self.device,
+                                  max_batch=max_batch)
+
+    @torch.inference_mode()
+    def encode(self, tiles: torch.Tensor) -> torch.Tensor:
+        x = tiles.to(self.device, non_blocking=True)
+        return self.pool(x) if self.pool is not None else self.vision(x)
+
+
+class OnnxRuntimeRunner(VitRunner):
+    def __init__(self, model: LoadedModel, onnx_path: Path | None = None,
+                 device: str = "cpu", threads: int | None = None) -> None:
+        import onnxruntime as ort
+
+        if onnx_path is None:  # export on the fly into a temporary folder
+            from vit_trt.export import export_onnx
+
+            self._tmp = tempfile.TemporaryDirectory(prefix="vlmbatch-vit-")
+            onnx_path = export_onnx(model, Path(self._tmp.name)).onnx_path
+        opts = ort.SessionOptions()
+        if threads:
+            opts.intra_op_num_threads = threads
+        providers = ["CPUExecutionProvider"]
+        if device.startswith("cuda"):
+            if "CUDAExecutionProvider" not in ort.get_available_providers():
+                raise ImportError("onnxruntime has no CUDA execution provider here; install "
+                                  "onnxruntime-gpu (in an env without onnxruntime)")
+            providers.insert(0, "CUDAExecutionProvider")
+        self.session = ort.InferenceSession(str(onnx_path), opts, providers=providers)
+        self.device = torch.device(device)
+
+    def encode(self, tiles: torch.Tensor) -> torch.Tensor:
+        from vit_trt.export import INPUT, OUTPUT
+
+        out = self.session.run([OUTPUT], {INPUT: tiles.cpu().numpy()})[0]
+        return torch.from_numpy(out).to(self.device)
+
+
+def default_backend(device: str) -> str:
+    """The fastest backend installed for ``device`` (measured in bench/vit.py on CPU)."""
+    import importlib.util
+
+    if device.startswith("cuda") and importlib.util.find_spec("tensorrt") is not None:
+        return "tensorrt"
+    return "torch"
+
+
+def make_runner(backend: str, model: LoadedModel, device: str = "cpu",
+                onnx_path: Path | None = None, cuda_graphs: bool = True) -> VitRunner:
+    if backend == "torch":
+        return TorchRunner(model, cuda_graphs=cuda_graphs)
+    if backend == "onnxruntime":
+        try:
+            return OnnxRuntimeRunner(model, onnx_path, device)
+        except ModuleNotFoundError as e:
+            raise ImportError("--vit-backend onnxruntime needs the onnx extra: "
+                              "pip install 'vlmbatch[onnx]'") from e
+    if backend == "tensorrt":
+        from vit_trt.tensorrt_runner import TensorRTRunner
+
+        return TensorRTRunner(model, onnx_path)
+    raise ValueError(f"vit backend {backend!r} not one of {BACKENDS}")

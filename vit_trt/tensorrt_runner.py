@@ -1,0 +1,113 @@
+"""TensorRT runner for the vision encoder (GPU only; **never run by us**).
+
+Written against TensorRT 10's Python API (``tensorrt``: Builder, OnnxParser, optimisation
+profiles, ``build_serialized_network``, ``Runtime.deserialize_cuda_engine``, the name-based
+``set_input_shape`` / ``set_tensor_address`` / ``execute_async_v3`` I/O). TensorRT's libraries
+come only from NVIDIA's own package index, which none of our machines reaches, and the lent
+GPU machine has no tensorrt either; ``tests/vit_trt/test_tensorrt.py`` runs wherever tensorrt
+and a GPU exist and is skipped elsewhere.
+
+I/O goes through torch CUDA tensors and the current torch stream (pycuda does not build on our
+machines). The serialised plan is cached on disk under a key of model hash, TensorRT version,
+GPU name, precision and the batch profile ``[1, opt, max]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+from pipeline.model import LoadedModel
+from vit_trt.runners import VitRunner
+
+CACHE_DIR = Path(os.environ.get("VLMBATCH_CACHE", Path.home() / ".cache" / "vlmbatch")) / "trt"
+
+
+def plan_key(model_hash: str, trt_version: str, gpu: str, precision: str,
+             profile: tuple[int, int, int]) -> str:
+    raw = f"{model_hash}|{trt_version}|{gpu}|{precision}|{profile}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:24]
+
+
+def build_plan(onnx_path: Path, tile: int, profile: tuple[int, int, int],
+               precision: str = "fp16", workspace_gib: int = 4) -> bytes:
+    """ONNX -> serialised TensorRT plan with a dynamic batch profile ``(min, opt, max)``."""
+    import tensorrt as trt
+
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(0)  # explicit batch is the only mode in TensorRT 10
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse(onnx_path.read_bytes()):
+        errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
+        raise RuntimeError(f"TensorRT could not parse {onnx_path}: {errors}")
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_gib << 30)
+    if precision == "fp16":
+        config.set_flag(trt.BuilderFlag.FP16)
+    elif precision == "bf16":
+        config.set_flag(trt.BuilderFlag.BF16)
+    opt = builder.create_optimization_profile()
+    name = network.get_input(0).name
+    lo, mid, hi = profile
+    opt.set_shape(name, (lo, tile, tile, 3), (mid, tile, tile, 3), (hi, tile, tile, 3))
+    config.add_optimization_profile(opt)
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise RuntimeError("TensorRT failed to build the engine (see its log above)")
+    return bytes(plan)
+
+
+class TensorRTRunner(VitRunner):
+    def __init__(self, model: LoadedModel, onnx_path: Path | None = None,
+                 precision: str = "fp16", profile: tuple[int, int, int] = (1, 8, 32)) -> None:
+        try:
+            import tensorrt as trt
+        except ImportError as e:
+            raise ImportError("--vit-backend tensorrt needs TensorRT 10 (from NVIDIA's package "
+                              "index) and a CUDA GPU") from e
+        from vit_trt.export import export_onnx, model_hash
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("--vit-backend tensorrt needs a CUDA GPU")
+        tile = model.spec.tiling.tile_size
+        key = plan_key(model_hash(model.spec.path), trt.__version__,
+                       torch.cuda.get_device_name(), precision, profile)
+        plan_path = CACHE_DIR / f"{key}.plan"
+        if not plan_path.is_file():
+            if onnx_path is None:
+                onnx_path = export_onnx(model, CACHE_DIR / key).onnx_path
+            plan_path.parent.mkdir(parents=True, exist_ok=True)
+            plan_path.write_bytes(build_plan(onnx_path, tile, profile, precision))
+        runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        self.engine = runtime.deserialize_cuda_engine(plan_path.read_bytes())
+        self.context = self.engine.create_execution_context()
+        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
+        is_in = [self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT for n in names]
+        self.input = names[is_in.index(True)]
+        self.output = names[is_in.index(False)]
+        self.max_batch = profile[2]
+        self.out_shape = (model.spec.tokens_per_tile, model.spec.text.hidden)
+        self.device = torch.device("cuda")
+
+    @torch.inference_mode()
+    def encode(self, tiles: torch.Tensor) -> torch.Tensor:
+        outs = []
+        stream = torch.cuda.current_stream()
+        for i in range(0, tiles.shape[0], self.max_batch):
+            x = tiles[i: i + self.max_batch].to(self.device).contiguous()
+            out = torch.empty((x.shape[0], *self.out_shape), dtype=torch.float32,
+                              device=self.device)
+            self.context.set_input_shape(self.input, tuple(x.shape))
+            self.context.set_tensor_address(self.input, x.data_ptr())
+            self.context.set_tensor_address(self.output, out.data_ptr())
+            if not self.context.execute_async_v3(stream.cuda_stream):
+                raise RuntimeError("TensorRT execution failed")
+            outs.append(out)
+        done = torch.cuda.Event()
+        done.record(stream)
+        done.synchronize()  # hand on complete results only (the write-up's race)
+        return torch.cat(outs)
