@@ -1,0 +1,138 @@
+"""Vision-encoder benchmark: backends side by side, one process, tiles/s and ratios.
+
+CPU (default): torch eager fp32 vs onnxruntime (CPU EP) on the built-in model's encoder and
+on a random encoder of InternViT-300M's shape (24 layers, hidden 1024, 16 heads, MLP 4096,
+448 px tiles, patch 14; projector to 896 as InternVL3-1B).
+
+GPU (``--device cuda``, run by bench/gpu_check.sh on a lent machine): eager fp16 and bf16 vs
+the CUDA graph pool (bf16) vs TensorRT (fp16, when ``tensorrt`` imports), batch 1..32,
+InternViT-300M shape. The README states where each row has actually run.
+
+    python bench/vit.py                       # CPU
+    python bench/vit.py --device cuda --encoders 300m
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.model import DEFAULT_MODEL, load_model  # noqa: E402
+from vit_trt.encoder import VisionEncoder, VisionSpec  # noqa: E402
+
+INTERNVIT_300M = VisionSpec(
+    hidden=1024, layers=24, heads=16, intermediate=4096, patch=14, image_size=448,
+    norm_type="layer_norm", eps=1e-6, qk_norm=False, act="gelu", mean_pooling=True,
+    feature_layer=-1, drop_cls=True, downsample=0.5, projector_act="gelu", text_hidden=896,
+    mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))
+
+
+def encoder(name: str, model_dir: Path) -> tuple[torch.nn.Module, int]:
+    if name == "builtin":
+        m = load_model(model_dir)
+        return m.vision, m.spec.tiling.tile_size
+    torch.manual_seed(0)
+    return VisionEncoder(INTERNVIT_300M).eval(), 448
+
+
+def timed(fn, tiles: torch.Tensor, reps: int, cuda: bool) -> float:  # noqa: ANN001
+    """tiles/s over ``reps`` calls after one warm-up."""
+    fn(tiles)
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        out = fn(tiles)
+    if cuda:
+        torch.cuda.synchronize()
+    del out
+    return reps * tiles.shape[0] / (time.perf_counter() - start)
+
+
+def cpu_rows(name: str, model_dir: Path, batches: list[int], reps: int) -> None:
+    from vit_trt.export import export_onnx
+    from vit_trt.runners import OnnxRuntimeRunner
+
+    vision, tile = encoder(name, model_dir)
+    holder = SimpleNamespace(vision=vision, spec=SimpleNamespace(
+        tiling=SimpleNamespace(tile_size=tile), path=model_dir,
+        tokens_per_tile=vision.spec.tokens_per_tile(tile),
+        text=SimpleNamespace(hidden=vision.spec.text_hidden)))
+    with tempfile.TemporaryDirectory() as tmp:
+        export = export_onnx(holder, Path(tmp), check_batch=1)  # type: ignore[arg-type]
+        ort = OnnxRuntimeRunner(holder, export.onnx_path)  # type: ignore[arg-type]
+        for b in batches:
+            tiles = torch.randint(0, 256, (b, tile, tile, 3), dtype=torch.uint8)
+            with torch.inference_mode():
+                eager = timed(vision, tiles, reps, False)
+            o = timed(ort.encode, tiles, reps, False)
+            print(f"{name:<9}{'cpu':<6}{b:>6}{eager:>14.1f}{o:>14.1f}{o / eager:>8.2f}")
+
+
+def gpu_rows(name: str, model_dir: Path, batches: list[int], reps: int) -> None:
+    from cudagraph_pool import GraphPool
+
+    vision, tile = encoder(name, model_dir)
+    results: dict[str, dict[int, float]] = {}
+    fp16 = vision.to("cuda", torch.float16)
+    with torch.inference_mode():
+        results["eager fp16"] = {b: timed(fp16, _tiles(b, tile), reps, True) for b in batches}
+        bf16 = vision.to(torch.bfloat16)
+        results["eager bf16"] = {b: timed(bf16, _tiles(b, tile), reps, True) for b in batches}
+        pool = GraphPool(bf16, (tile, tile, 3), torch.uint8, "cuda", max_batch=max(batches))
+        pool.capture()
+        results["graph pool bf16"] = {b: timed(pool, _tiles(b, tile), reps, True)
+                                      for b in batches}
+        print(f"graph pool memory: {pool.graph_bytes / 2**20:.0f} MiB")
+    try:
+        import tensorrt  # noqa: F401
+
+        from vit_trt.tensorrt_runner import TensorRTRunner
+
+        holder = load_model(model_dir, "cuda") if name == "builtin" else None
+        if holder is not None:
+            trt = TensorRTRunner(holder, profile=(1, 8, max(batches)))
+            results["tensorrt fp16"] = {b: timed(trt.encode, _tiles(b, tile), reps, True)
+                                        for b in batches}
+    except ImportError:
+        print("tensorrt: not installed here, no TensorRT row")
+    base = results["eager fp16"]
+    print(f"{'encoder':<9}{'path':<18}" + "".join(f"{b:>9}" for b in batches))
+    for path, row in results.items():
+        print(f"{name:<9}{path:<18}" + "".join(f"{row[b]:>9.0f}" for b in batches))
+        print(f"{'':<9}{'  x eager fp16':<18}" + "".join(f"{row[b] / base[b]:>9.2f}"
+                                                        for b in batches))
+
+
+def _tiles(b: int, tile: int) -> torch.Tensor:
+    return torch.randint(0, 256, (b, tile, tile, 3), dtype=torch.uint8, device="cuda")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--encoders", default="builtin,300m")
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    names = args.encoders.split(",")
+    if args.device.startswith("cuda"):
+        for name in names:
+            gpu_rows(name, args.model, [1, 2, 4, 8, 16, 32], args.reps)
+        return
+    print(f"{'encoder':<9}{'dev':<6}{'batch':>6}{'torch tiles/s':>14}{'ort tiles/s':>14}"
+          f"{'ratio':>8}   ({torch.get_num_threads()} threads)")
+    for name in names:
+        cpu_rows(name, args.model, [1, 8, 32] if name == "builtin" else [1], args.reps)
+
+
+if __name__ == "__main__":
+    main()
