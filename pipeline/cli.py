@@ -67,20 +67,82 @@ def _configs(a: argparse.Namespace):  # noqa: ANN202
     return model, engine
 
 
-def cmd_run(a: argparse.Namespace) -> int:
-    from jobs.runner import run
+def _run_config(a: argparse.Namespace, out: Path | None):  # noqa: ANN202
     from pipeline.config import RunConfig
 
     model, engine = _configs(a)
-    cfg = RunConfig(manifest=a.manifest, images=a.images, policy=a.policy, out=a.out,
-                    images_per_batch=a.images_per_batch, threads=a.threads,
-                    max_pixels=a.max_pixels, progress=not a.no_progress, model=model,
-                    engine=engine)
-    summary = run(cfg)
+    return RunConfig(manifest=a.manifest, images=a.images, policy=a.policy, out=out,
+                     images_per_batch=a.images_per_batch, threads=a.threads,
+                     max_pixels=a.max_pixels, progress=not a.no_progress, model=model,
+                     engine=engine)
+
+
+def _job_exit(job: Path, progress: bool) -> int:
+    from jobs.job import run_job
+
+    st = run_job(job, progress)
+    print(f"vlmbatch: job {job}: {st.text()}", file=sys.stderr)
+    if st.pending:
+        return EXIT_ITEM_ERRORS  # cancelled with work left
+    return EXIT_ITEM_ERRORS if st.failed else EXIT_OK
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    from jobs.job import is_job
+    from jobs.runner import run
+
+    if a.manifest is not None and is_job(a.manifest):
+        return _job_exit(a.manifest, not a.no_progress)
+    summary = run(_run_config(a, a.out))
     print(f"vlmbatch: {summary.text()}", file=sys.stderr)
     if a.out:
         print(f"vlmbatch: results in {a.out}", file=sys.stderr)
     return EXIT_ITEM_ERRORS if summary.failed_images else EXIT_OK
+
+
+def cmd_submit(a: argparse.Namespace) -> int:
+    from jobs.job import submit
+    from pipeline.config import ConfigError
+
+    if a.job is None:
+        raise ConfigError("submit needs --job DIR: the folder the job is kept in")
+    n = submit(_run_config(a, None), a.job)
+    print(f"vlmbatch: job {a.job}: {n} images submitted; run it with `vlmbatch run {a.job}`",
+          file=sys.stderr)
+    return _job_exit(a.job, not a.no_progress) if a.wait else EXIT_OK
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    from jobs.job import status
+
+    print(status(a.job).text())
+    return EXIT_OK
+
+
+def cmd_results(a: argparse.Namespace) -> int:
+    from jobs.job import export_results
+
+    if a.out is None:
+        n = export_results(a.job, sys.stdout)
+    else:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        with open(a.out, "w") as f:
+            n = export_results(a.job, f)
+    print(f"vlmbatch: {n} result lines", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_cancel(a: argparse.Namespace) -> int:
+    from jobs.job import cancel
+
+    cancel(a.job)
+    print(f"vlmbatch: job {a.job}: cancel requested; the running job stops after its current "
+          "batch; `vlmbatch resume` continues it", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_resume(a: argparse.Namespace) -> int:
+    return _job_exit(a.job, not a.no_progress)
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
@@ -116,11 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Ask a vision-language model yes/no questions about many images, fast.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    r = sub.add_parser("run", help="answer a manifest's (or a folder's) questions -> JSONL",
+    r = sub.add_parser("run", help="answer a manifest's (or a folder's) questions -> JSONL; "
+                       "or run a submitted job",
                        description="Answer every question about every image; one JSONL line per "
-                       "(image, question) with answer, p_yes and error.")
+                       "(image, question) with answer, p_yes and error. Given a job folder "
+                       "(from `submit`), run its pending items instead.")
     r.add_argument("manifest", type=Path, nargs="?",
-                   help='JSONL, one image per line: {"id", "image", "questions"}')
+                   help='JSONL, one image per line: {"id", "image", "questions"}; or a job '
+                   "folder")
     r.add_argument("--images", type=Path, help="a folder of images instead of a manifest")
     r.add_argument("--policy", type=Path,
                    help="YAML/TOML file of questions asked of every image")
@@ -131,6 +196,32 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 100,000,000)")
     _model_args(r)
     r.set_defaults(func=cmd_run)
+
+    s = sub.add_parser("submit", help="create a resumable job (SQLite store) from a manifest",
+                       description="Validate the input and create a job folder: config + a "
+                       "store of every item. Run it with `vlmbatch run JOB` (or --wait).")
+    s.add_argument("manifest", type=Path, nargs="?", help="JSONL manifest")
+    s.add_argument("--images", type=Path, help="a folder of images instead of a manifest")
+    s.add_argument("--policy", type=Path, help="YAML/TOML file of questions")
+    s.add_argument("--job", type=Path, help="the job folder to create")
+    s.add_argument("--wait", action="store_true", help="run the job now")
+    s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--max-pixels", type=int, default=100_000_000)
+    _model_args(s)
+    s.set_defaults(func=cmd_submit)
+
+    for name, func, text in [("status", cmd_status, "counts, QPM and ETA of a job"),
+                             ("cancel", cmd_cancel, "stop a running job after its batch"),
+                             ("resume", cmd_resume, "continue an interrupted job")]:
+        c = sub.add_parser(name, help=text, description=text)
+        c.add_argument("job", type=Path)
+        c.add_argument("--no-progress", action="store_true")
+        c.set_defaults(func=func)
+    x = sub.add_parser("results", help="export a job's results as JSONL",
+                       description="Every recorded result line of a job, in manifest order.")
+    x.add_argument("job", type=Path)
+    x.add_argument("--out", "-o", type=Path, help="file (default: standard output)")
+    x.set_defaults(func=cmd_results)
 
     e = sub.add_parser("eval", help="accuracy on easy-vqa's test split (yes/no questions)",
                        description="Accuracy of a model on easy-vqa's yes/no questions.")

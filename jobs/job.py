@@ -1,0 +1,203 @@
+"""Batch jobs on disk: submit, run/resume, status, results, cancel.
+
+A job is a folder::
+
+    JOB/job.json       what to run: model and engine config, batch size, pixel limit, source
+    JOB/store.sqlite   every item, its state and its result lines (jobs/store.py)
+
+``submit`` validates the input (as ``vlmbatch run`` does) and writes both; ``run`` answers the
+pending items group by group, recording each group's results in one transaction, so a killed
+run loses only the group in flight and ``resume`` (= ``run``) finishes the rest, every item
+recorded exactly once. ``cancel`` sets a flag the running job checks between groups.
+``status`` reads the store and works from another shell while a job runs.
+
+This is the in-process executor; Ray workers (issue 6) will feed the same store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from tqdm import tqdm
+
+from jobs.manifest import ManifestError
+from jobs.runner import answer_group, load_items
+from jobs.store import JobStore
+from pipeline.config import EngineConfig, ModelConfig, RunConfig
+from pipeline.engines import build_engine
+
+JOB_FILE, STORE_FILE = "job.json", "store.sqlite"
+
+
+def is_job(path: Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / JOB_FILE).is_file()
+
+
+def _config_json(cfg: RunConfig) -> dict:
+    def plain(obj: object) -> object:
+        d = dataclasses.asdict(obj)  # type: ignore[call-overload]
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in d.items()}
+
+    return {"version": 1, "model": plain(cfg.model), "engine": plain(cfg.engine),
+            "images_per_batch": cfg.images_per_batch, "max_pixels": cfg.max_pixels,
+            "threads": cfg.threads,
+            "source": {"manifest": str(cfg.manifest) if cfg.manifest else None,
+                       "images": str(cfg.images) if cfg.images else None,
+                       "policy": str(cfg.policy) if cfg.policy else None}}
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    model: ModelConfig
+    engine: EngineConfig
+    images_per_batch: int
+    max_pixels: int
+    threads: int | None
+
+    @classmethod
+    def load(cls, job: Path) -> JobConfig:
+        d = json.loads((job / JOB_FILE).read_text())
+        m = dict(d["model"])
+        m["path"] = Path(m["path"]) if m["path"] else None
+        e = {k: tuple(v) if isinstance(v, list) else v for k, v in d["engine"].items()}
+        return cls(ModelConfig(**m), EngineConfig(**e), d["images_per_batch"],
+                   d["max_pixels"], d.get("threads"))
+
+
+def submit(cfg: RunConfig, job: Path) -> int:
+    """Create the job folder; returns the number of items. Fails before writing anything if
+    the input is invalid or the folder already holds a job."""
+    job = Path(job)
+    if job.exists() and any(job.iterdir()):
+        raise ManifestError(f"{job} already exists and is not empty; pick a new job folder "
+                            "(or `vlmbatch resume` it if it is a job)")
+    items = load_items(cfg)
+    job.mkdir(parents=True, exist_ok=True)
+    store = JobStore(job / STORE_FILE)
+    try:
+        n = store.add_items(items)
+        store.set("status", "submitted")
+        store.set("created", str(time.time()))
+    finally:
+        store.close()
+    (job / JOB_FILE).write_text(json.dumps(_config_json(cfg), indent=2) + "\n")
+    return n
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    status: str
+    items: int
+    done: int
+    failed: int
+    pending: int
+    questions: int  # answered or failed so far
+    qpm: float | None  # of the current/last run
+    eta_s: float | None
+
+    def text(self) -> str:
+        rate = f"{self.qpm:.0f} QPM" if self.qpm else "QPM n/a"
+        eta = f", ETA {self.eta_s:.0f}s" if self.eta_s is not None and self.pending else ""
+        return (f"{self.status}: {self.done + self.failed}/{self.items} images "
+                f"({self.failed} failed, {self.pending} pending), {self.questions} questions, "
+                f"{rate}{eta}")
+
+
+def status(job: Path) -> JobStatus:
+    _require_job(job)
+    store = JobStore(Path(job) / STORE_FILE)
+    try:
+        c = store.counts()
+        q = store.questions_done()
+        qpm = eta = None
+        start, q0 = store.get("run_started"), store.get("run_questions_at_start")
+        end = float(store.get("run_ended") or time.time())
+        if start and q0 is not None and end > float(start) and q > int(q0):
+            qpm = 60 * (q - int(q0)) / (end - float(start))
+            done_items = c.done + c.failed - int(store.get("run_items_at_start") or 0)
+            if done_items > 0:
+                eta = c.pending * (end - float(start)) / done_items
+        return JobStatus(store.get("status") or "?", c.total, c.done, c.failed, c.pending, q,
+                         qpm, eta)
+    finally:
+        store.close()
+
+
+def cancel(job: Path) -> None:
+    _require_job(job)
+    store = JobStore(Path(job) / STORE_FILE)
+    try:
+        store.set("cancel", "1")
+    finally:
+        store.close()
+
+
+def export_results(job: Path, out: IO[str]) -> int:
+    _require_job(job)
+    store = JobStore(Path(job) / STORE_FILE)
+    try:
+        n = 0
+        for line in store.results():
+            out.write(json.dumps(line, ensure_ascii=False) + "\n")
+            n += 1
+        return n
+    finally:
+        store.close()
+
+
+def run_job(job: Path, progress: bool = True) -> JobStatus:
+    """Answer every pending item (a fresh run or a resume)."""
+    _require_job(job)
+    job = Path(job)
+    cfg = JobConfig.load(job)
+    store = JobStore(job / STORE_FILE)
+    delay = float(os.environ.get("VLMBATCH_TEST_GROUP_DELAY", "0"))  # tests: widen the window
+    try:
+        c = store.counts()
+        if c.pending == 0:
+            store.set("status", "done")
+            return status(job)
+        if cfg.threads:
+            import torch
+
+            torch.set_num_threads(cfg.threads)
+        engine, tiling = build_engine(cfg.model, cfg.engine)
+        store.set("cancel", "0")
+        store.set("status", "running")
+        store.set("run_started", str(time.time()))
+        store.set("run_questions_at_start", str(store.questions_done()))
+        store.set("run_items_at_start", str(c.done + c.failed))
+        store.db.execute("DELETE FROM meta WHERE key = 'run_ended'")
+        bar = tqdm(total=c.total, initial=c.total - c.pending, unit="img", disable=not progress,
+                   file=sys.stderr, desc=f"job {job.name}", dynamic_ncols=True)
+        final = "done"
+        for group in store.pending(cfg.images_per_batch):
+            if store.get("cancel") == "1":
+                final = "cancelled"
+                break
+            by_item: dict[str, list[dict]] = {}
+            for line in answer_group(engine, tiling, group, cfg.max_pixels):
+                by_item.setdefault(line["id"], []).append(line)
+            store.record(by_item)
+            bar.update(len(group))
+            if delay:
+                time.sleep(delay)
+        bar.close()
+        store.set("status", final if store.counts().pending else "done")
+        store.set("run_ended", str(time.time()))
+    finally:
+        store.close()
+    return status(job)
+
+
+def _require_job(job: Path) -> None:
+    if not is_job(job):
+        raise ManifestError(f"{job} is not a vlmbatch job folder (no {JOB_FILE}); create one "
+                            "with `vlmbatch submit`")

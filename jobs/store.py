@@ -1,0 +1,135 @@
+"""The job store: one SQLite file per job holding every item, its state and its result.
+
+Exactly once: an item's result lines and its state change are written in one transaction,
+and only while the item is still ``pending`` (``UPDATE ... WHERE state = 'pending'``), so a
+crash leaves each item either untouched or finished, never half-recorded, and an item answered
+twice (a retried batch) is recorded once. A killed driver loses at most the group in flight;
+``resume`` picks up the items still pending.
+
+Tables::
+
+    meta(key, value)                          status, cancel flag, created time
+    items(idx, item_id, spec, state, result)  idx = manifest order; spec = the ImageItem as
+                                              JSON; state pending | done | failed;
+                                              result = JSON list of result lines
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from jobs.manifest import ImageItem, Question
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS items (
+    idx INTEGER PRIMARY KEY,
+    item_id TEXT NOT NULL UNIQUE,
+    spec TEXT NOT NULL,
+    state TEXT NOT NULL DEFAULT 'pending' CHECK (state IN ('pending', 'done', 'failed')),
+    result TEXT,
+    updated REAL
+);
+CREATE INDEX IF NOT EXISTS items_state ON items (state, idx);
+"""
+
+
+@dataclass(frozen=True)
+class Counts:
+    pending: int
+    done: int
+    failed: int
+
+    @property
+    def total(self) -> int:
+        return self.pending + self.done + self.failed
+
+
+def item_to_json(item: ImageItem) -> str:
+    return json.dumps({"id": item.id, "image": item.image, "base_dir": str(item.base_dir),
+                       "questions": [[q.id, q.text, q.threshold] for q in item.questions]})
+
+
+def item_from_json(text: str) -> ImageItem:
+    d = json.loads(text)
+    return ImageItem(d["id"], d["image"], tuple(Question(*q) for q in d["questions"]),
+                     Path(d["base_dir"]))
+
+
+class JobStore:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        # isolation_level=None: explicit BEGIN/COMMIT, so each record() is one transaction
+        self.db = sqlite3.connect(self.path, isolation_level=None, timeout=30)
+        self.db.execute("PRAGMA journal_mode=WAL")  # `status` may read while `run` writes
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def add_items(self, items: Iterable[ImageItem]) -> int:
+        self.db.execute("BEGIN")
+        n = 0
+        for n, item in enumerate(items, 1):
+            self.db.execute("INSERT INTO items (item_id, spec) VALUES (?, ?)",
+                            (item.id, item_to_json(item)))
+        self.db.execute("COMMIT")
+        return n
+
+    def pending(self, batch: int) -> Iterator[list[ImageItem]]:
+        """Pending items in manifest order, ``batch`` at a time (re-queried each time, so
+        items recorded meanwhile are never handed out again)."""
+        last = 0
+        while True:
+            rows = self.db.execute(
+                "SELECT idx, spec FROM items WHERE state = 'pending' AND idx > ? "
+                "ORDER BY idx LIMIT ?", (last, batch)).fetchall()
+            if not rows:
+                return
+            last = rows[-1][0]
+            yield [item_from_json(spec) for _, spec in rows]
+
+    def record(self, results: dict[str, list[dict]]) -> int:
+        """Store each item's result lines and mark it done/failed, in one transaction.
+        Returns how many items were recorded (items no longer pending are skipped)."""
+        now = time.time()
+        self.db.execute("BEGIN IMMEDIATE")
+        n = 0
+        for item_id, lines in results.items():
+            state = "failed" if any(ln.get("error") for ln in lines) else "done"
+            cur = self.db.execute(
+                "UPDATE items SET state = ?, result = ?, updated = ? "
+                "WHERE item_id = ? AND state = 'pending'",
+                (state, json.dumps(lines, ensure_ascii=False), now, item_id))
+            n += cur.rowcount
+        self.db.execute("COMMIT")
+        return n
+
+    def counts(self) -> Counts:
+        rows = dict(self.db.execute("SELECT state, COUNT(*) FROM items GROUP BY state"))
+        return Counts(rows.get("pending", 0), rows.get("done", 0), rows.get("failed", 0))
+
+    def questions_done(self) -> int:
+        row = self.db.execute("SELECT COALESCE(SUM(json_array_length(result)), 0) FROM items "
+                              "WHERE state != 'pending'").fetchone()
+        return int(row[0])
+
+    def results(self) -> Iterator[dict]:
+        """Every recorded result line, in manifest then question order."""
+        for (text,) in self.db.execute(
+                "SELECT result FROM items WHERE state != 'pending' ORDER BY idx"):
+            yield from json.loads(text)
+
+    def get(self, key: str, default: str | None = None) -> str | None:
+        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return row[0] if row else default
+
+    def set(self, key: str, value: str) -> None:
+        self.db.execute("INSERT INTO meta (key, value) VALUES (?, ?) "
+                        "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (key, value))

@@ -1,0 +1,111 @@
+"""Jobs: submit, run, kill -9 and resume (exactly once), cancel, status, results."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+
+from jobs.job import STORE_FILE, status
+from jobs.store import JobStore
+from pipeline.cli import EXIT_BAD_INPUT, EXIT_OK, main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def make_manifest(folder: Path, n: int, broken: int = 0) -> Path:
+    rng = np.random.default_rng(0)
+    lines = []
+    for i in range(n):
+        img = rng.integers(0, 256, (40 + i % 30, 60, 3), dtype=np.uint8)
+        cv2.imwrite(str(folder / f"{i}.png"), img)
+        lines.append({"id": f"img{i}", "image": f"{i}.png", "questions": ["Red?", "A circle?"]})
+    for i in range(broken):
+        lines.append({"id": f"bad{i}", "image": "missing.png", "questions": ["Red?"]})
+    (folder / "m.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return folder / "m.jsonl"
+
+
+def cli(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:  # noqa: ANN003
+    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT,
+                            env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_submit_run_results_match_direct_run(tmp_path: Path, random_model_dir: Path) -> None:
+    m = make_manifest(tmp_path, 6, broken=1)
+    job = tmp_path / "job"
+    args = ["--model", str(random_model_dir), "--images-per-batch", "2", "--no-progress"]
+    assert main(["submit", str(m), "--job", str(job), *args]) == EXIT_OK
+    assert status(job).pending == 7 and status(job).status == "submitted"
+    assert main(["run", str(job), "--no-progress"]) == 3  # one item failed
+    out = tmp_path / "r.jsonl"
+    assert main(["results", str(job), "-o", str(out)]) == EXIT_OK
+    direct = tmp_path / "d.jsonl"
+    main(["run", str(m), "-o", str(direct), *args])
+    assert out.read_text() == direct.read_text()
+    st = status(job)
+    assert (st.status, st.done, st.failed, st.pending, st.questions) == ("done", 6, 1, 0, 13)
+
+
+def test_kill_minus_9_then_resume_answers_each_item_once(tmp_path: Path,
+                                                         random_model_dir: Path) -> None:
+    m = make_manifest(tmp_path, 30)
+    job = tmp_path / "job"
+    assert main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir),
+                 "--images-per-batch", "1", "--no-progress"]) == EXIT_OK
+    p = cli("run", str(job), "--no-progress", env={"VLMBATCH_TEST_GROUP_DELAY": "0.2"})
+    store = JobStore(job / STORE_FILE)
+    deadline = time.time() + 60
+    while store.counts().done < 3 and time.time() < deadline:
+        time.sleep(0.1)
+    seen = status(job)  # status from another process while the job runs
+    assert seen.status == "running" and 3 <= seen.done < 30
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    left = store.counts()
+    assert 0 < left.pending < 30, left
+    assert main(["resume", str(job), "--no-progress"]) == EXIT_OK
+    per_item = [json.loads(r) for (r,) in store.db.execute("SELECT result FROM items")]
+    ids = [ln["id"] for lines in per_item for ln in lines]
+    assert sorted(ids) == sorted(f"img{i}" for i in range(30) for _ in range(2))
+    assert store.counts().pending == 0 and status(job).status == "done"
+    store.close()
+
+
+def test_cancel_stops_and_resume_continues(tmp_path: Path, random_model_dir: Path) -> None:
+    m = make_manifest(tmp_path, 30)
+    job = tmp_path / "job"
+    main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir),
+          "--images-per-batch", "1", "--no-progress"])
+    p = cli("run", str(job), "--no-progress", env={"VLMBATCH_TEST_GROUP_DELAY": "0.2"})
+    store = JobStore(job / STORE_FILE)
+    while store.counts().done < 2:
+        time.sleep(0.05)
+    assert main(["cancel", str(job)]) == EXIT_OK
+    assert p.wait(timeout=30) == 3  # stopped with work left
+    st = status(job)
+    assert st.status == "cancelled" and st.pending > 0
+    assert main(["resume", str(job), "--no-progress"]) == EXIT_OK
+    assert status(job).pending == 0
+    store.close()
+
+
+def test_job_errors(tmp_path: Path, random_model_dir: Path, capsys) -> None:  # noqa: ANN001
+    m = make_manifest(tmp_path, 1)
+    job = tmp_path / "job"
+    main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir)])
+    assert main(["submit", str(m), "--job", str(job)]) == EXIT_BAD_INPUT
+    assert "already exists" in capsys.readouterr().err
+    assert main(["status", str(tmp_path)]) == EXIT_BAD_INPUT
+    assert "not a vlmbatch job" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["status"])
