@@ -27,7 +27,8 @@ from typing import IO
 
 from tqdm import tqdm
 
-from jobs.manifest import ManifestError
+from jobs.manifest import ManifestError, manifest_format
+from jobs.openai_batch import write_lines
 from jobs.runner import answer_group, load_items
 from jobs.store import JobStore
 from pipeline.config import EngineConfig, ModelConfig, RunConfig
@@ -45,7 +46,8 @@ def _config_json(cfg: RunConfig) -> dict:
         d = dataclasses.asdict(obj)  # type: ignore[call-overload]
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in d.items()}
 
-    return {"version": 1, "model": plain(cfg.model), "engine": plain(cfg.engine),
+    fmt = manifest_format(cfg.manifest) if cfg.manifest else "vlmbatch"
+    return {"version": 1, "format": fmt, "model": plain(cfg.model), "engine": plain(cfg.engine),
             "images_per_batch": cfg.images_per_batch, "max_pixels": cfg.max_pixels,
             "threads": cfg.threads,
             "source": {"manifest": str(cfg.manifest) if cfg.manifest else None,
@@ -141,11 +143,12 @@ def cancel(job: Path) -> None:
 
 def export_results(job: Path, out: IO[str]) -> int:
     _require_job(job)
+    openai = json.loads((Path(job) / JOB_FILE).read_text()).get("format") == "openai"
     store = JobStore(Path(job) / STORE_FILE)
     try:
         n = 0
         for line in store.results():
-            out.write(json.dumps(line, ensure_ascii=False) + "\n")
+            out.write(write_lines([line], openai))
             n += 1
         return n
     finally:

@@ -16,29 +16,15 @@ from __future__ import annotations
 
 import json
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
 
+from jobs.openai_batch import is_openai_request, parse_request
+from jobs.records import ImageItem, ManifestError, Question
+
+__all__ = ["ImageItem", "ManifestError", "Question", "items_from_folder", "manifest_format",
+           "read_manifest", "read_policy"]
+
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
-
-
-class ManifestError(ValueError):
-    """A manifest or policy file is malformed; the message names file, line and problem."""
-
-
-@dataclass(frozen=True)
-class Question:
-    id: str
-    text: str
-    threshold: float = 0.5
-
-
-@dataclass(frozen=True)
-class ImageItem:
-    id: str
-    image: str  # path, file:// or data: URL, as written in the input
-    questions: tuple[Question, ...]
-    base_dir: Path  # relative paths resolve against this
 
 
 def _question(raw: object, where: str, index: int, prefix: str = "q") -> Question:
@@ -98,6 +84,7 @@ def read_manifest(path: Path, policy: tuple[Question, ...] = ()) -> list[ImageIt
         raise ManifestError(f"manifest {path} not found")
     items: list[ImageItem] = []
     seen: set[str] = set()
+    fmt: dict[str, str] = {}
     with path.open("rb") as f:
         for lineno, raw_line in enumerate(f, 1):
             where = f"{path}:{lineno}"
@@ -113,24 +100,50 @@ def read_manifest(path: Path, policy: tuple[Question, ...] = ()) -> list[ImageIt
                 raise ManifestError(f"{where}: not valid JSON ({e.msg})") from e
             if not isinstance(rec, dict):
                 raise ManifestError(f"{where}: each line must be a JSON object")
-            if not isinstance(rec.get("image"), str) or not rec["image"]:
-                raise ManifestError(f"{where}: missing 'image' (a path, file:// or data: URL)")
-            item_id = str(rec.get("id", lineno))
-            if item_id in seen:
-                raise ManifestError(f"{where}: id {item_id!r} appears twice")
-            seen.add(item_id)
-            own = _questions(rec.get("questions", []), where)
-            clash = {o.id for o in own} & {q.id for q in policy}
-            if clash:
-                raise ManifestError(f"{where}: question id(s) {sorted(clash)} are used by both "
-                                    "this line and the policy; rename one")
-            qs = own + policy
-            if not qs:
-                raise ManifestError(f"{where}: no questions (give 'questions' or --policy)")
-            items.append(ImageItem(item_id, rec["image"], qs, path.parent))
+            item = _item(rec, where, lineno, path.parent, policy)
+            if (kind := "openai" if is_openai_request(rec) else "vlmbatch") != fmt.setdefault(
+                    "kind", kind):
+                raise ManifestError(f"{where}: mixes OpenAI batch requests and vlmbatch lines")
+            if item.id in seen:
+                raise ManifestError(f"{where}: id {item.id!r} appears twice")
+            seen.add(item.id)
+            items.append(item)
     if not items:
         raise ManifestError(f"manifest {path} has no items")
     return items
+
+
+def _item(rec: dict, where: str, lineno: int, base_dir: Path,
+          policy: tuple[Question, ...]) -> ImageItem:
+    if is_openai_request(rec):
+        if policy:
+            raise ManifestError(f"{where}: a policy does not apply to OpenAI batch requests "
+                                "(each request carries its own question)")
+        return parse_request(rec, where, base_dir)
+    if not isinstance(rec.get("image"), str) or not rec["image"]:
+        raise ManifestError(f"{where}: missing 'image' (a path, file:// or data: URL)")
+    own = _questions(rec.get("questions", []), where)
+    clash = {o.id for o in own} & {q.id for q in policy}
+    if clash:
+        raise ManifestError(f"{where}: question id(s) {sorted(clash)} are used by both "
+                            "this line and the policy; rename one")
+    if not own + policy:
+        raise ManifestError(f"{where}: no questions (give 'questions' or --policy)")
+    return ImageItem(str(rec.get("id", lineno)), rec["image"], own + policy, base_dir)
+
+
+def manifest_format(path: Path) -> str:
+    """"openai" if the manifest holds OpenAI batch requests, else "vlmbatch"."""
+    with Path(path).open("rb") as f:
+        for raw in f:
+            if raw.strip():
+                try:
+                    rec = json.loads(raw)
+                except ValueError:
+                    return "vlmbatch"
+                return "openai" if isinstance(rec, dict) and is_openai_request(rec) \
+                    else "vlmbatch"
+    return "vlmbatch"
 
 
 def items_from_folder(folder: Path, policy: tuple[Question, ...]) -> list[ImageItem]:
@@ -144,4 +157,3 @@ def items_from_folder(folder: Path, policy: tuple[Question, ...]) -> list[ImageI
     if not files:
         raise ManifestError(f"no image files ({', '.join(sorted(IMAGE_SUFFIXES))}) in {folder}")
     return [ImageItem(str(p.relative_to(folder)), str(p), policy, folder) for p in files]
-

@@ -14,7 +14,6 @@ Output line per (image, question)::
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Iterator
@@ -24,7 +23,14 @@ from typing import IO
 import torch
 from tqdm import tqdm
 
-from jobs.manifest import ImageItem, items_from_folder, read_manifest, read_policy
+from jobs.manifest import (
+    ImageItem,
+    items_from_folder,
+    manifest_format,
+    read_manifest,
+    read_policy,
+)
+from jobs.openai_batch import write_lines
 from jobs.sources import SourceError, read_bytes
 from pipeline.config import RunConfig
 from pipeline.engine import Request
@@ -120,6 +126,7 @@ def answer_group(engine: Engine, tiling: TilingConfig, group: list[ImageItem],
 def run(cfg: RunConfig, out: IO[str] | None = None) -> RunSummary:
     """Run a whole job in this process. Raises ManifestError/ModelError before any work."""
     items = load_items(cfg)
+    openai = cfg.manifest is not None and manifest_format(cfg.manifest) == "openai"
     if cfg.out is not None:
         cfg.out.parent.mkdir(parents=True, exist_ok=True)
     if cfg.threads:
@@ -135,8 +142,7 @@ def run(cfg: RunConfig, out: IO[str] | None = None) -> RunSummary:
     try:
         for group in _groups(items, cfg.images_per_batch):
             lines = answer_group(engine, tiling, group, cfg.max_pixels)
-            for line in lines:
-                sink.write(json.dumps(line, ensure_ascii=False) + "\n")
+            sink.write(write_lines(lines, openai))
             sink.flush()
             bad = {ln["id"] for ln in lines if ln["error"]}
             failed_images += len(bad)

@@ -1,0 +1,84 @@
+"""The OpenAI Batch API file format, in and out.
+
+Input line (one chat completion request)::
+
+    {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "...", "messages": [{"role": "user", "content": [
+         {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}},
+         {"type": "text", "text": "Is there a red shape?"}]}]}}
+
+Each request becomes one item with one question (its text parts joined) about its one image
+(the only ``image_url`` part). ``file://`` and ``data:`` URLs and local paths work; http(s)
+URLs are refused when the file is read, since no network is assumed. Requests for the same
+image share its prefix cache entry, keyed by pixel content.
+
+Output line: ``{"id", "custom_id", "response": {"status_code": 200, "request_id", "body":
+<chat.completion>}, "error": null}``; a failed item gets ``"response": null`` and
+``"error": {"code", "message"}``. The completion's content is ``"yes"``/``"no"`` (or the
+generated text with ``--max-new-tokens``); ``p_yes`` and ``margin`` ride along in the body
+under ``"vlmbatch"``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jobs.records import ImageItem, ManifestError, Question
+
+
+def is_openai_request(rec: dict) -> bool:
+    return "custom_id" in rec and "body" in rec
+
+
+def parse_request(rec: dict, where: str, base_dir: Path) -> ImageItem:
+    if rec.get("url", "/v1/chat/completions") != "/v1/chat/completions":
+        raise ManifestError(f"{where}: url {rec.get('url')!r} is not supported; "
+                            "only /v1/chat/completions")
+    messages = rec["body"].get("messages") if isinstance(rec["body"], dict) else None
+    if not isinstance(messages, list) or not messages:
+        raise ManifestError(f"{where}: body.messages must be a non-empty list")
+    texts, images = [], []
+    for msg in messages:
+        content = msg.get("content") if isinstance(msg, dict) else None
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        if msg.get("role") != "user" or not isinstance(parts, list):
+            continue  # system/assistant turns carry no image or question here
+        for part in parts:
+            if part.get("type") == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            elif part.get("type") == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str) or not url:
+                    raise ManifestError(f"{where}: image_url part without a url")
+                images.append(url)
+    if len(images) != 1:
+        raise ManifestError(f"{where}: each request needs exactly one image_url part, "
+                            f"found {len(images)}")
+    question = " ".join(t.strip() for t in texts if t.strip())
+    if not question:
+        raise ManifestError(f"{where}: no text part to ask")
+    return ImageItem(str(rec["custom_id"]), images[0], (Question("q0", question),), base_dir)
+
+
+def to_output(line: dict) -> dict:
+    """One of our result lines -> one OpenAI batch output line."""
+    rid = f"vlmbatch-{line['id']}"
+    if line["error"]:
+        return {"id": rid, "custom_id": line["id"], "response": None,
+                "error": {"code": "image_error", "message": line["error"]}}
+    content = line.get("text") if line.get("text") is not None else line["answer"]
+    body = {"id": rid, "object": "chat.completion", "model": "vlmbatch",
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": content}}],
+            "usage": {"prompt_tokens": None, "completion_tokens": None, "total_tokens": None},
+            "vlmbatch": {"p_yes": line["p_yes"], "margin": line["margin"],
+                         "image_tokens": line["image_tokens"]}}
+    return {"id": rid, "custom_id": line["id"],
+            "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
+
+
+def write_lines(lines: list[dict], openai: bool) -> str:
+    return "".join(json.dumps(to_output(ln) if openai else ln, ensure_ascii=False) + "\n"
+                   for ln in lines)
