@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -27,9 +28,15 @@ from typing import IO
 
 from tqdm import tqdm
 
-from jobs.manifest import ManifestError, manifest_format
+from jobs.manifest import (
+    ManifestError,
+    items_from_folder,
+    iter_manifest,
+    manifest_format,
+    read_policy,
+)
 from jobs.openai_batch import write_lines
-from jobs.runner import answer_group, load_items
+from jobs.runner import answer_group
 from jobs.store import JobStore
 from pipeline.config import EngineConfig, ModelConfig, RunConfig
 from pipeline.engines import build_engine
@@ -80,15 +87,23 @@ def submit(cfg: RunConfig, job: Path) -> int:
     if job.exists() and any(job.iterdir()):
         raise ManifestError(f"{job} already exists and is not empty; pick a new job folder "
                             "(or `vlmbatch resume` it if it is a job)")
-    items = load_items(cfg)
+    policy = read_policy(cfg.policy) if cfg.policy else ()
+    if cfg.manifest is not None:  # streamed: memory stays bounded for any manifest size
+        items = ((f"{cfg.manifest}:{ln}", it) for ln, it in iter_manifest(cfg.manifest, policy))
+    else:
+        assert cfg.images is not None
+        items = ((str(cfg.images), it) for it in items_from_folder(cfg.images, policy))
     job.mkdir(parents=True, exist_ok=True)
     store = JobStore(job / STORE_FILE)
     try:
         n = store.add_items(items)
         store.set("status", "submitted")
         store.set("created", str(time.time()))
-    finally:
+    except BaseException:
         store.close()
+        shutil.rmtree(job)  # nothing half-made is left behind
+        raise
+    store.close()
     (job / JOB_FILE).write_text(json.dumps(_config_json(cfg), indent=2) + "\n")
     return n
 

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import json
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 from jobs.openai_batch import is_openai_request, parse_request
 from jobs.records import ImageItem, ManifestError, Question
 
-__all__ = ["ImageItem", "ManifestError", "Question", "items_from_folder", "manifest_format",
-           "read_manifest", "read_policy"]
+__all__ = ["ImageItem", "ManifestError", "Question", "items_from_folder", "iter_manifest",
+           "manifest_format", "read_manifest", "read_policy"]
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 
@@ -79,12 +80,25 @@ def read_policy(path: Path) -> tuple[Question, ...]:
 
 def read_manifest(path: Path, policy: tuple[Question, ...] = ()) -> list[ImageItem]:
     """Parse and validate every line; policy questions follow each line's own questions."""
+    items: list[ImageItem] = []
+    seen: set[str] = set()
+    for lineno, item in iter_manifest(path, policy):
+        if item.id in seen:
+            raise ManifestError(f"{path}:{lineno}: id {item.id!r} appears twice")
+        seen.add(item.id)
+        items.append(item)
+    return items
+
+
+def iter_manifest(path: Path, policy: tuple[Question, ...] = ()
+                  ) -> Iterator[tuple[int, ImageItem]]:
+    """(line number, item) for each line, validated as read, in bounded memory. Duplicate
+    ids are the caller's check (``read_manifest`` keeps a set; the job store a UNIQUE key)."""
     path = Path(path)
     if not path.is_file():
         raise ManifestError(f"manifest {path} not found")
-    items: list[ImageItem] = []
-    seen: set[str] = set()
     fmt: dict[str, str] = {}
+    n = 0
     with path.open("rb") as f:
         for lineno, raw_line in enumerate(f, 1):
             where = f"{path}:{lineno}"
@@ -104,13 +118,10 @@ def read_manifest(path: Path, policy: tuple[Question, ...] = ()) -> list[ImageIt
             if (kind := "openai" if is_openai_request(rec) else "vlmbatch") != fmt.setdefault(
                     "kind", kind):
                 raise ManifestError(f"{where}: mixes OpenAI batch requests and vlmbatch lines")
-            if item.id in seen:
-                raise ManifestError(f"{where}: id {item.id!r} appears twice")
-            seen.add(item.id)
-            items.append(item)
-    if not items:
+            n += 1
+            yield lineno, item
+    if not n:
         raise ManifestError(f"manifest {path} has no items")
-    return items
 
 
 def _item(rec: dict, where: str, lineno: int, base_dir: Path,

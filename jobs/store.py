@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.manifest import ImageItem, Question
+from jobs.records import ImageItem, ManifestError, Question
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -73,12 +73,21 @@ class JobStore:
     def close(self) -> None:
         self.db.close()
 
-    def add_items(self, items: Iterable[ImageItem]) -> int:
+    def add_items(self, items: Iterable[tuple[str, ImageItem]]) -> int:
+        """Insert (where, item) pairs in one transaction: all or nothing. A repeated id raises
+        ManifestError naming ``where`` (e.g. ``manifest.jsonl:12``)."""
         self.db.execute("BEGIN")
         n = 0
-        for n, item in enumerate(items, 1):
-            self.db.execute("INSERT INTO items (item_id, spec) VALUES (?, ?)",
-                            (item.id, item_to_json(item)))
+        try:
+            for n, (where, item) in enumerate(items, 1):
+                try:
+                    self.db.execute("INSERT INTO items (item_id, spec) VALUES (?, ?)",
+                                    (item.id, item_to_json(item)))
+                except sqlite3.IntegrityError:
+                    raise ManifestError(f"{where}: id {item.id!r} appears twice") from None
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
         self.db.execute("COMMIT")
         return n
 

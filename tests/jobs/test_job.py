@@ -109,3 +109,15 @@ def test_job_errors(tmp_path: Path, random_model_dir: Path, capsys) -> None:  # 
     assert "not a vlmbatch job" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["status"])
+
+
+def test_bad_manifest_leaves_no_job(tmp_path: Path, random_model_dir: Path, capsys) -> None:  # noqa: ANN001
+    m = make_manifest(tmp_path, 3)
+    lines = m.read_text().splitlines()
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text("\n".join(lines + [lines[1]]) + "\n")
+    job = tmp_path / "job"
+    assert main(["submit", str(dup), "--job", str(job), "--model",
+                 str(random_model_dir)]) == EXIT_BAD_INPUT
+    assert "dup.jsonl:4: id 'img1' appears twice" in capsys.readouterr().err
+    assert not job.exists()
