@@ -81,11 +81,35 @@ def easy_vqa_labels(qa: list[tuple[str, str]]) -> tuple[np.ndarray, np.ndarray]:
     return target, mask
 
 
+YES_NO_FORMS = [("is there a {} in the image?", False), ("does the image contain a {}?", False),
+                ("is a {} present?", False), ("is there not a {}?", True),
+                ("does the image not contain a {}?", True), ("is no {} present?", True)]
+
+
+def balanced_questions(target: np.ndarray, mask: np.ndarray,
+                       rng: np.random.Generator) -> list[tuple[str, str]]:
+    """Extra yes/no questions for an easy-vqa *train* image, from its own labels: for its
+    colour and shape, one question whose answer is yes and one whose answer is no. In
+    easy-vqa's own questions "is there a <colour> shape?" is "no" 7 times in 8, which left the
+    model at that prior; balanced pairs make the image decide."""
+    out = []
+    for names, offset, suffix in ((list(SHAPES), 0, ""), (list(COLORS), len(SHAPES), " shape")):
+        if not mask[offset]:
+            continue
+        true = names[int(np.argmax(target[offset: offset + len(names)]))]
+        other = str(rng.choice([n for n in names if n != true]))
+        for thing, present in ((true, True), (other, False)):
+            form, negated = YES_NO_FORMS[int(rng.integers(len(YES_NO_FORMS)))]
+            out.append((form.format(thing + suffix), "yes" if present != negated else "no"))
+    return out
+
+
 def load_data(n_scenes: int, seed: int) -> list[tuple]:
     """[(tiles [N,S,S,3] uint8, [(question, answer), ...], aux target, aux mask), ...] from
     easy-vqa train and our scenes."""
     import easy_vqa
 
+    rng = np.random.default_rng(seed)
     texts, answers, image_ids = easy_vqa.get_train_questions()
     paths = easy_vqa.get_train_image_paths()
     by_image: dict[int, list[tuple[str, str]]] = {}
@@ -94,8 +118,9 @@ def load_data(n_scenes: int, seed: int) -> list[tuple]:
     data = []
     for i, qa in sorted(by_image.items()):
         img = decode(Path(paths[i]).read_bytes())
-        data.append((prepare(img, TILING).tiles, qa, *easy_vqa_labels(qa)))
-    rng = np.random.default_rng(seed)
+        target, mask = easy_vqa_labels(qa)
+        data.append((prepare(img, TILING).tiles, qa + balanced_questions(target, mask, rng),
+                     target, mask))
     for _ in range(n_scenes):
         scene = make_scene(rng)
         target = np.array([any(s.kind == k or s.color == k for s in scene.shapes) for k in AUX],
