@@ -186,6 +186,8 @@ def main() -> None:
     ap.add_argument("--vision-lr", type=float, default=2e-3)
     ap.add_argument("--open-minutes", type=float, default=4.0,
                     help="stage 2a (open questions only), part of --minutes")
+    ap.add_argument("--init", type=Path, default=None,
+                    help="continue from this saved model (stage 2b only, for --minutes)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -197,10 +199,19 @@ def main() -> None:
 
     t0 = time.time()
     data = load_data(args.scenes, args.seed)
-    tok = build_tokenizer(corpus(data), vocab_size=512)
-    cfg = model_config(len(tok), tok.convert_tokens_to_ids("<IMG_CONTEXT>"),
-                       tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id)
-    model = InternVLForConditionalGeneration(cfg)
+    if args.init is not None:  # continue training a saved model: stage 2b only
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(args.init))
+        model = InternVLForConditionalGeneration.from_pretrained(str(args.init))
+        cfg = model.config
+        args.vision_minutes = args.open_minutes = 0.0
+    else:
+        tok = build_tokenizer(corpus(data), vocab_size=512)
+        cfg = model_config(len(tok), tok.convert_tokens_to_ids("<IMG_CONTEXT>"),
+                           tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id)
+        model = InternVLForConditionalGeneration(cfg)
+    model.train()
     n_params = sum(p.numel() for p in model.parameters())
     batcher = Batcher(tok, cfg.image_seq_length)
     log_lines = [f"data: {len(data)} images, {sum(len(d[1]) for d in data)} questions; "
@@ -229,8 +240,9 @@ def main() -> None:
                    log_lines, tok, stage="2b")
     save(model, tok, args.out)
     log_lines.append(f"done: stage 2a {n2a} steps, stage 2b {n2b} steps")
+    previous = (args.init / "training_log.txt").read_text() if args.init else ""
     (args.out / "training_log.txt").write_text(
-        "command: " + " ".join(sys.argv) + "\n" + "\n".join(log_lines) + "\n")
+        previous + "command: " + " ".join(sys.argv) + "\n" + "\n".join(log_lines) + "\n")
     print(log_lines[-1])
 
 
