@@ -11,7 +11,8 @@ run loses only the group in flight and ``resume`` (= ``run``) finishes the rest,
 recorded exactly once. ``cancel`` sets a flag the running job checks between groups.
 ``status`` reads the store and works from another shell while a job runs.
 
-This is the in-process executor; Ray workers (issue 6) will feed the same store.
+Two executors feed the same store: in this process (``run_job``'s default), or Ray workers
+(``jobs/ray_executor.py``, ``--executor ray``).
 """
 
 from __future__ import annotations
@@ -170,9 +171,54 @@ def export_results(job: Path, out: IO[str]) -> int:
         store.close()
 
 
-def run_job(job: Path, progress: bool = True) -> JobStatus:
-    """Answer every pending item (a fresh run or a resume)."""
+PARQUET_COLUMNS = ("id", "question_id", "question", "answer", "p_yes", "margin",
+                   "image_tokens", "error", "text")
+
+
+def export_parquet(job: Path, path: Path, rows_per_group: int = 65536) -> int:
+    """Every recorded result line as a Parquet row (columns ``PARQUET_COLUMNS``; ``text``
+    only with --max-new-tokens, else null), written in row groups: memory stays bounded."""
     _require_job(job)
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ModuleNotFoundError as e:
+        raise ImportError("Parquet output needs pyarrow: pip install 'vlmbatch[parquet]'") from e
+    schema = pa.schema([("id", pa.string()), ("question_id", pa.string()),
+                        ("question", pa.string()), ("answer", pa.string()),
+                        ("p_yes", pa.float64()), ("margin", pa.float64()),
+                        ("image_tokens", pa.int64()), ("error", pa.string()),
+                        ("text", pa.string())])
+    store = JobStore(Path(job) / STORE_FILE)
+    n = 0
+    try:
+        with pq.ParquetWriter(str(path), schema) as writer:
+            rows: list[dict] = []
+            for line in store.results():
+                rows.append({k: line.get(k) for k in PARQUET_COLUMNS})
+                if len(rows) == rows_per_group:
+                    writer.write_table(pa.Table.from_pylist(rows, schema))
+                    n += len(rows)
+                    rows = []
+            if rows or n == 0:
+                writer.write_table(pa.Table.from_pylist(rows, schema))
+                n += len(rows)
+    finally:
+        store.close()
+    return n
+
+
+def run_job(job: Path, progress: bool = True, executor: str = "local",
+            ray_options=None) -> JobStatus:  # noqa: ANN001
+    """Answer every pending item (a fresh run or a resume), in this process (``local``) or
+    on Ray (``ray``, ``jobs/ray_executor.py``)."""
+    _require_job(job)
+    if executor == "ray":
+        from jobs.ray_executor import RayOptions, run_job_ray
+
+        return run_job_ray(job, ray_options or RayOptions(), progress)
+    if executor != "local":
+        raise ManifestError(f"executor {executor!r} not one of local, ray")
     job = Path(job)
     cfg = JobConfig.load(job)
     store = JobStore(job / STORE_FILE)
@@ -187,12 +233,7 @@ def run_job(job: Path, progress: bool = True) -> JobStatus:
 
             torch.set_num_threads(cfg.threads)
         engine, tiling = build_engine(cfg.model, cfg.engine)
-        store.set("cancel", "0")
-        store.set("status", "running")
-        store.set("run_started", str(time.time()))
-        store.set("run_questions_at_start", str(store.questions_done()))
-        store.set("run_items_at_start", str(c.done + c.failed))
-        store.db.execute("DELETE FROM meta WHERE key = 'run_ended'")
+        _begin_run(store, c)
         bar = tqdm(total=c.total, initial=c.total - c.pending, unit="img", disable=not progress,
                    file=sys.stderr, desc=f"job {job.name}", dynamic_ncols=True)
         final = "done"
@@ -208,11 +249,25 @@ def run_job(job: Path, progress: bool = True) -> JobStatus:
             if delay:
                 time.sleep(delay)
         bar.close()
-        store.set("status", final if store.counts().pending else "done")
-        store.set("run_ended", str(time.time()))
+        _end_run(store, final)
     finally:
         store.close()
     return status(job)
+
+
+def _begin_run(store: JobStore, c) -> None:  # noqa: ANN001
+    """Mark a run as started (what ``status`` computes QPM and ETA from)."""
+    store.set("cancel", "0")
+    store.set("status", "running")
+    store.set("run_started", str(time.time()))
+    store.set("run_questions_at_start", str(store.questions_done()))
+    store.set("run_items_at_start", str(c.done + c.failed))
+    store.db.execute("DELETE FROM meta WHERE key = 'run_ended'")
+
+
+def _end_run(store: JobStore, final: str) -> None:
+    store.set("status", final if store.counts().pending else "done")
+    store.set("run_ended", str(time.time()))
 
 
 def _require_job(job: Path) -> None:

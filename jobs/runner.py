@@ -84,30 +84,50 @@ def _groups(items: list[ImageItem], n: int) -> Iterator[list[ImageItem]]:
         yield items[i: i + n]
 
 
-def answer_group(engine: Engine, tiling: TilingConfig, group: list[ImageItem],
-                 max_pixels: int = DEFAULT_MAX_PIXELS) -> list[dict]:
-    """Result lines for one group of items, in item then question order."""
-    prepared: list[PreparedImage] = []
-    index: dict[str, int] = {}
+@dataclass
+class PreparedGroup:
+    """Stage 1 of a group (CPU): each item's tiles, or the reason it has none.
+
+    ``images[i]`` is ``None`` exactly when ``errors`` holds ``group[i].id``."""
+    group: list[ImageItem]
+    images: list[PreparedImage | None]
+    errors: dict[str, str]
+
+
+def prepare_group(group: list[ImageItem], tiling: TilingConfig,
+                  max_pixels: int = DEFAULT_MAX_PIXELS) -> PreparedGroup:
+    images: list[PreparedImage | None] = []
     errors: dict[str, str] = {}
     for item in group:
         try:
-            prepared.append(prepare_item(item, tiling, max_pixels))
-            index[item.id] = len(prepared) - 1
+            images.append(prepare_item(item, tiling, max_pixels))
         except (SourceError, ImageError) as e:
+            images.append(None)
             errors[item.id] = f"{item.image}: {e}"
-    requests = [Request(index[it.id], q.text) for it in group if it.id in index
+    return PreparedGroup(group, images, errors)
+
+
+def score_group(engine: Engine, pg: PreparedGroup) -> list[dict]:
+    """Stage 2 of a group (the model): result lines, in item then question order."""
+    errors = dict(pg.errors)
+    index: dict[str, int] = {}
+    prepared: list[PreparedImage] = []
+    for item, im in zip(pg.group, pg.images):
+        if im is not None:
+            index[item.id] = len(prepared)
+            prepared.append(im)
+    requests = [Request(index[it.id], q.text) for it in pg.group if it.id in index
                 for q in it.questions]
     try:
         scores = iter(engine.score(prepared, requests))
     except Exception as e:  # noqa: BLE001  (e.g. out of memory: fail this group, not the job)
-        print(f"vlmbatch: engine failed on images {[it.id for it in group]}: "
+        print(f"vlmbatch: engine failed on images {[it.id for it in pg.group]}: "
               f"{type(e).__name__}: {e}", file=sys.stderr)
         errors.update({it_id: f"engine failed: {type(e).__name__}: {e}" for it_id in index})
         index.clear()
         scores = iter(())
     lines = []
-    for item in group:
+    for item in pg.group:
         for q in item.questions:
             line = {"id": item.id, "question_id": q.id, "question": q.text, "answer": None,
                     "p_yes": None, "margin": None, "image_tokens": None,
@@ -121,6 +141,12 @@ def answer_group(engine: Engine, tiling: TilingConfig, group: list[ImageItem],
                     line["text"] = s.text
             lines.append(line)
     return lines
+
+
+def answer_group(engine: Engine, tiling: TilingConfig, group: list[ImageItem],
+                 max_pixels: int = DEFAULT_MAX_PIXELS) -> list[dict]:
+    """Result lines for one group of items, in item then question order."""
+    return score_group(engine, prepare_group(group, tiling, max_pixels))
 
 
 def run(cfg: RunConfig, out: IO[str] | None = None) -> RunSummary:

@@ -22,9 +22,12 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    "never run by us yet")
     g.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
     g.add_argument("--vit-backend", default="auto",
-                   choices=["auto", "torch", "onnxruntime", "tensorrt"],
+                   choices=["auto", "torch", "onnxruntime", "onnxruntime-int8", "tensorrt"],
                    help="vision encoder runner (default auto: tensorrt on CUDA when installed, "
-                   "else torch)")
+                   "else torch); onnxruntime-int8: dynamic int8 ViT on CPU")
+    g.add_argument("--llm-quant", default="none", choices=["none", "int8-dynamic"],
+                   help="int8-dynamic: torch dynamic int8 linears for the language model (CPU). "
+                   "For W4A16 pass a checkpoint made by `vlmbatch quantize`")
     g.add_argument("--no-cuda-graphs", action="store_true",
                    help="torch vision backend on CUDA: run eagerly, without the graph pool")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -46,6 +49,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no", default="no,No,NO,否", help="answer words counted as no")
     g.add_argument("--max-new-tokens", type=int, default=0,
                    help="also write a greedy text answer of up to N tokens (default 0: none)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="with --max-new-tokens: always generate N tokens (for benchmarks)")
     c = p.add_argument_group("prefix cache")
     c.add_argument("--no-prefix-cache", action="store_true",
                    help="recompute every prompt's image tokens (for comparison)")
@@ -57,11 +62,12 @@ def _configs(a: argparse.Namespace):  # noqa: ANN202
     from pipeline.config import EngineConfig, ModelConfig
 
     model = ModelConfig(a.model, a.device, a.dtype, a.max_tiles, a.tiling, a.upscale_limit,
-                        a.max_image_tokens)
+                        a.max_image_tokens, a.llm_quant)
     engine = EngineConfig(engine=a.engine, vit_backend=a.vit_backend,
                           cuda_graphs=not a.no_cuda_graphs, max_batch_tokens=a.max_batch_tokens,
                           prefix_cache=not a.no_prefix_cache, block_size=a.block_size,
                           cache_bytes=a.cache_mib << 20, max_new_tokens=a.max_new_tokens,
+                          ignore_eos=a.ignore_eos,
                           yes_words=tuple(w for w in a.yes.split(",") if w),
                           no_words=tuple(w for w in a.no.split(",") if w))
     return model, engine
@@ -77,10 +83,38 @@ def _run_config(a: argparse.Namespace, out: Path | None):  # noqa: ANN202
                      engine=engine)
 
 
-def _job_exit(job: Path, progress: bool) -> int:
+def _executor_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("executor (jobs)")
+    g.add_argument("--executor", default="local", choices=["local", "ray"],
+                   help="local: this process (default); ray: CPU preprocessing tasks feeding "
+                   "model actors (pip install 'vlmbatch[ray]'; docs/jobs.md)")
+    g.add_argument("--address", default=None,
+                   help="ray: join this cluster (default: start a local one for the run)")
+    g.add_argument("--preprocess-workers", type=int, default=1,
+                   help="ray: concurrent decode/tile tasks (default 1)")
+    g.add_argument("--model-workers", type=int, default=1,
+                   help="ray: model actors, one per GPU on a GPU cluster (default 1)")
+    g.add_argument("--model-cpus", type=float, default=1.0,
+                   help="ray: CPUs per model actor = its torch threads on CPU (default 1)")
+    g.add_argument("--decode-timeout", type=float, default=30.0,
+                   help="ray: seconds per image before a hung decode is killed and that item "
+                   "fails (default 30)")
+
+
+def _ray_options(a: argparse.Namespace):  # noqa: ANN202
+    if getattr(a, "executor", "local") != "ray":
+        return None
+    from jobs.ray_executor import RayOptions
+
+    return RayOptions(a.address, a.preprocess_workers, a.model_workers, a.model_cpus,
+                      a.decode_timeout)
+
+
+def _job_exit(job: Path, progress: bool, a: argparse.Namespace | None = None) -> int:
     from jobs.job import run_job
 
-    st = run_job(job, progress)
+    executor = getattr(a, "executor", "local") if a is not None else "local"
+    st = run_job(job, progress, executor, _ray_options(a) if a is not None else None)
     print(f"vlmbatch: job {job}: {st.text()}", file=sys.stderr)
     if st.pending:
         return EXIT_ITEM_ERRORS  # cancelled with work left
@@ -92,12 +126,34 @@ def cmd_run(a: argparse.Namespace) -> int:
     from jobs.runner import run
 
     if a.manifest is not None and is_job(a.manifest):
-        return _job_exit(a.manifest, not a.no_progress)
+        return _job_exit(a.manifest, not a.no_progress, a)
+    if a.executor == "ray":
+        return _run_on_ray(a)
     summary = run(_run_config(a, a.out))
     print(f"vlmbatch: {summary.text()}", file=sys.stderr)
     if a.out:
         print(f"vlmbatch: results in {a.out}", file=sys.stderr)
     return EXIT_ITEM_ERRORS if summary.failed_images else EXIT_OK
+
+
+def _run_on_ray(a: argparse.Namespace) -> int:
+    """`run MANIFEST --executor ray`: a job in a temporary folder, run on Ray, exported."""
+    import tempfile
+
+    from jobs.job import export_results, submit
+
+    with tempfile.TemporaryDirectory(prefix="vlmbatch-job-") as tmp:
+        job = Path(tmp) / "job"
+        submit(_run_config(a, None), job)
+        rc = _job_exit(job, not a.no_progress, a)
+        if a.out is None:
+            export_results(job, sys.stdout)
+        else:
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            with open(a.out, "w") as f:
+                export_results(job, f)
+            print(f"vlmbatch: results in {a.out}", file=sys.stderr)
+    return rc
 
 
 def cmd_submit(a: argparse.Namespace) -> int:
@@ -109,7 +165,7 @@ def cmd_submit(a: argparse.Namespace) -> int:
     n = submit(_run_config(a, None), a.job)
     print(f"vlmbatch: job {a.job}: {n} images submitted; run it with `vlmbatch run {a.job}`",
           file=sys.stderr)
-    return _job_exit(a.job, not a.no_progress) if a.wait else EXIT_OK
+    return _job_exit(a.job, not a.no_progress, a) if a.wait else EXIT_OK
 
 
 def cmd_status(a: argparse.Namespace) -> int:
@@ -120,9 +176,17 @@ def cmd_status(a: argparse.Namespace) -> int:
 
 
 def cmd_results(a: argparse.Namespace) -> int:
-    from jobs.job import export_results
+    from jobs.job import export_parquet, export_results
+    from pipeline.config import ConfigError
 
-    if a.out is None:
+    fmt = a.format or ("parquet" if a.out is not None and a.out.suffix == ".parquet"
+                       else "jsonl")
+    if fmt == "parquet":
+        if a.out is None:
+            raise ConfigError("--format parquet needs --out FILE.parquet")
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        n = export_parquet(a.job, a.out)
+    elif a.out is None:
         n = export_results(a.job, sys.stdout)
     else:
         a.out.parent.mkdir(parents=True, exist_ok=True)
@@ -142,7 +206,7 @@ def cmd_cancel(a: argparse.Namespace) -> int:
 
 
 def cmd_resume(a: argparse.Namespace) -> int:
-    return _job_exit(a.job, not a.no_progress)
+    return _job_exit(a.job, not a.no_progress, a)
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
@@ -172,6 +236,26 @@ def cmd_export_vit(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_quantize(a: argparse.Namespace) -> int:
+    import torch
+
+    from jobs.manifest import read_manifest, read_policy
+    from quant.quantize import quantize_model
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    items = read_manifest(a.calib, read_policy(a.policy) if a.policy else ())
+    r = quantize_model(a.model, a.out, a.method, items, a.samples, a.group_size, a.device,
+                       progress=not a.no_progress)
+    if r.method == "awq":
+        for e in r.report:
+            print(f"  layer {e['layer']} {e['linears']}: output MSE {e['mse']:.3e} "
+                  f"(round-to-nearest {e['mse_rtn']:.3e})", file=sys.stderr)
+    print(f"wrote {r.out}: {r.linears} linears W4A16 ({r.method}, group size {a.group_size}), "
+          f"calibrated on {r.samples} questions")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="vlmbatch",
@@ -195,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="images with more pixels (read from the header) are that item's error "
                    "(default 100,000,000)")
     _model_args(r)
+    _executor_args(r)
     r.set_defaults(func=cmd_run)
 
     s = sub.add_parser("submit", help="create a resumable job (SQLite store) from a manifest",
@@ -208,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-progress", action="store_true")
     s.add_argument("--max-pixels", type=int, default=100_000_000)
     _model_args(s)
+    _executor_args(s)
     s.set_defaults(func=cmd_submit)
 
     for name, func, text in [("status", cmd_status, "counts, QPM and ETA of a job"),
@@ -216,11 +302,16 @@ def build_parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=text, description=text)
         c.add_argument("job", type=Path)
         c.add_argument("--no-progress", action="store_true")
+        if name == "resume":
+            _executor_args(c)
         c.set_defaults(func=func)
-    x = sub.add_parser("results", help="export a job's results as JSONL",
+    x = sub.add_parser("results", help="export a job's results as JSONL or Parquet",
                        description="Every recorded result line of a job, in manifest order.")
     x.add_argument("job", type=Path)
     x.add_argument("--out", "-o", type=Path, help="file (default: standard output)")
+    x.add_argument("--format", choices=["jsonl", "parquet"], default=None,
+                   help="default: parquet when --out ends in .parquet, else JSONL (OpenAI "
+                   "batch output lines for a job submitted in that format)")
     x.set_defaults(func=cmd_results)
 
     e = sub.add_parser("eval", help="accuracy on easy-vqa's test split (yes/no questions)",
@@ -230,6 +321,30 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-progress", action="store_true")
     _model_args(e)
     e.set_defaults(func=cmd_eval)
+
+    q = sub.add_parser("quantize", help="write a W4A16 (AWQ/GPTQ) copy of a model, calibrated "
+                       "on your images",
+                       description="Quantise the language model's decoder linears to 4-bit "
+                       "weights (symmetric, per group) with AWQ or GPTQ, calibrated on the "
+                       "questions of a manifest, and write a compressed-tensors checkpoint that "
+                       "`vlmbatch run --model OUT` serves. The vision encoder stays as it is "
+                       "(see --vit-backend onnxruntime-int8).")
+    q.add_argument("--model", type=Path, default=None,
+                   help="HF-format InternVL directory (default: the built-in model)")
+    q.add_argument("--method", required=True, choices=["awq", "gptq", "rtn"],
+                   help="rtn: plain round-to-nearest, for comparison")
+    q.add_argument("--calib", type=Path, required=True,
+                   help="JSONL manifest of calibration images and questions")
+    q.add_argument("--policy", type=Path, help="YAML/TOML questions asked of every image")
+    q.add_argument("--samples", type=int, default=128,
+                   help="calibration (image, question) pairs (default 128)")
+    q.add_argument("--group-size", type=int, default=128,
+                   help="input columns per scale (default 128)")
+    q.add_argument("--out", type=Path, required=True, help="new model folder")
+    q.add_argument("--device", default="cpu")
+    q.add_argument("--threads", type=int, default=None)
+    q.add_argument("--no-progress", action="store_true")
+    q.set_defaults(func=cmd_quantize)
 
     x = sub.add_parser("export-vit", help="export the vision encoder to ONNX and check it",
                        description="ONNX of the vision encoder (uint8 tiles in, embeddings out, "

@@ -15,6 +15,8 @@ class ConfigError(ValueError):
     """A bad option or config value, found before any work starts."""
 
 
+LLM_QUANT = ("none", "int8-dynamic")
+VIT_BACKENDS = ("auto", "torch", "onnxruntime", "onnxruntime-int8", "tensorrt")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -27,8 +29,11 @@ class ModelConfig:
     tiling: str = "reference"  # "reference" (InternVL dynamic_preprocess) | "reduced"
     upscale_limit: float = 1.0  # reduced tiling: most a tile count may enlarge an image
     max_image_tokens: int | None = None  # per-image token budget (thumbnail included)
+    llm_quant: str = "none"  # "none" | "int8-dynamic" (CPU); W4A16 comes from the checkpoint
 
     def __post_init__(self) -> None:
+        if self.llm_quant not in LLM_QUANT:
+            raise ConfigError(f"llm_quant {self.llm_quant!r} not one of {LLM_QUANT}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} not one of {sorted(DTYPES)}")
         if self.max_tiles is not None and self.max_tiles < 1:
@@ -49,7 +54,7 @@ ENGINES = ("torch", "lmdeploy")
 @dataclass(frozen=True)
 class EngineConfig:
     engine: str = "torch"  # "torch" (ours, CPU/CUDA) | "lmdeploy" (TurboMind, GPU env only)
-    vit_backend: str = "auto"  # "auto" | "torch" | "onnxruntime" | "tensorrt"
+    vit_backend: str = "auto"  # one of VIT_BACKENDS
     cuda_graphs: bool = True  # torch vision backend on CUDA: batch-size-bucketed graph pool
     max_batch_tokens: int = 8192  # padded prompt tokens per LLM forward
     max_batch_tiles: int = 64  # tiles per vision-encoder forward
@@ -57,6 +62,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per cache block
     cache_bytes: int = 1 << 30  # LRU budget for cached KV
     max_new_tokens: int = 0  # > 0: also generate a greedy text answer of up to this length
+    ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks of long answers)
     # Words that are not one token of the model's vocabulary are skipped (是/否 are single
     # tokens in Qwen2's vocabulary, not in the built-in model's).
     yes_words: tuple[str, ...] = ("yes", "Yes", "YES", "是")
@@ -65,9 +71,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if min(self.max_batch_tokens, self.max_batch_tiles, self.block_size) < 1:
             raise ConfigError("max_batch_tokens, max_batch_tiles and block_size must be >= 1")
-        if self.vit_backend not in ("auto", "torch", "onnxruntime", "tensorrt"):
-            raise ConfigError(f"vit_backend {self.vit_backend!r} not one of auto, torch, "
-                              "onnxruntime, tensorrt")
+        if self.vit_backend not in VIT_BACKENDS:
+            raise ConfigError(f"vit_backend {self.vit_backend!r} not one of {VIT_BACKENDS}")
         if self.engine not in ENGINES:
             raise ConfigError(f"engine {self.engine!r} not one of {ENGINES}")
         if self.max_new_tokens < 0:

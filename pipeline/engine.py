@@ -255,7 +255,7 @@ class TorchEngine:
             for j in range(b):
                 if not done[j]:
                     t = int(tok[j])
-                    done[j] = t in self.stop_ids
+                    done[j] = t in self.stop_ids and not self.cfg.ignore_eos
                     if not done[j]:
                         out[j].append(t)
             if bool(done.all()) or step == self.cfg.max_new_tokens - 1:

@@ -56,7 +56,8 @@ def build_engine(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> tuple[Engi
         answers = AnswerTokens.from_words(tok, engine_cfg.yes_words, engine_cfg.no_words)
         return LMDeployEngine(str(path), tok, answers, spec.tokens_per_tile, tiling.max_tiles,
                               engine_cfg.max_new_tokens), tiling
-    model = load_model(model_cfg.path, model_cfg.device, model_cfg.torch_dtype)
+    model = load_model(model_cfg.path, model_cfg.device, model_cfg.torch_dtype,
+                       model_cfg.llm_quant)
     backend = engine_cfg.vit_backend
     if backend == "auto":
         backend = default_backend(model_cfg.device)

@@ -111,8 +111,8 @@ def _read_json(p: Path) -> dict:
     return json.loads(p.read_text()) if p.is_file() else {}
 
 
-def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint, keys normalised (see module docstring)."""
+def raw_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint, keys as its files spell them."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -123,10 +123,17 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     sd: dict[str, torch.Tensor] = {}
     for f in files:
         sd.update(load_file(str(path / f)))
-    return {_normalise_key(k): t for k, t in sd.items()}
+    return sd
 
 
-def _normalise_key(k: str) -> str:
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint, keys normalised (see module docstring)."""
+    return {normalise_key(k): t for k, t in raw_state_dict(path).items()}
+
+
+def normalise_key(k: str) -> str:
+    """Any accepted key spelling -> ``vision_tower.*``, ``multi_modal_projector.*``,
+    ``language_model.*`` (decoder, no ``model.``) or ``lm_head.weight``."""
     if k.startswith("model."):
         k = k[len("model."):]
     if k.startswith("language_model.model."):
@@ -137,17 +144,61 @@ def _normalise_key(k: str) -> str:
 
 
 def load_model(path: Path | None = None, device: str = "cpu",
-               dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Build our modules from an HF InternVL directory (the built-in model by default)."""
+               dtype: torch.dtype = torch.float32, llm_quant: str = "none") -> LoadedModel:
+    """Build our modules from an HF InternVL directory (the built-in model by default).
+
+    A W4A16 checkpoint (``quantization_config``, see ``quant/checkpoint.py``) gets
+    ``Int4Linear`` decoder linears; ``llm_quant="int8-dynamic"`` (CPU) swaps the language
+    model's linears for torch's dynamically quantised int8 ones after loading.
+    """
     path = Path(path) if path is not None else DEFAULT_MODEL
     spec = read_spec(path)
     sd = read_state_dict(path)
+    qcfg = _read_json(path / "config.json").get("quantization_config")
+    int4 = {}
+    if qcfg is not None:
+        from quant.checkpoint import check_config, int4_weights
+
+        try:
+            group_size = check_config(qcfg)
+        except ValueError as e:
+            raise ModelError(f"{path}: {e}") from e
+        int4 = int4_weights(sd, group_size)
     vision = VisionEncoder(spec.vision)
     vision.load_hf(sd)
     llm = Qwen2LM(spec.text)
     llm.load_hf(sd)
+    llm = llm.to(device, dtype).eval()
+    if int4:
+        from quant.int4 import Int4Linear
+
+        for key, (q, scale) in int4.items():
+            parent, name = _module_of(llm, key)
+            old = getattr(parent, name)
+            setattr(parent, name, Int4Linear(q, scale, old.bias, group_size, device, dtype))
+    if llm_quant == "int8-dynamic":
+        if torch.device(device).type != "cpu":
+            raise ModelError("llm_quant int8-dynamic runs on the CPU only (torch's dynamic "
+                             "int8 linears); use a W4A16 checkpoint on CUDA")
+        if int4:
+            raise ModelError(f"{path} is already quantised; int8-dynamic needs a float model")
+        llm = torch.ao.quantization.quantize_dynamic(llm, {torch.nn.Linear}, dtype=torch.qint8)
+    elif llm_quant != "none":
+        raise ModelError(f"llm_quant {llm_quant!r} not one of none, int8-dynamic")
     tok = load_tokenizer(path)
-    return LoadedModel(spec, vision.to(device, dtype).eval(), llm.to(device, dtype).eval(), tok)
+    return LoadedModel(spec, vision.to(device, dtype).eval(), llm, tok)
+
+
+def _module_of(llm: Qwen2LM, key: str) -> tuple[torch.nn.Module, str]:
+    """``language_model.layers.0.self_attn.q_proj.weight`` -> (our layer 0, "q_proj")."""
+    parts = key.split(".")
+    if parts[:2] != ["language_model", "layers"] or parts[-1] != "weight":
+        raise ModelError(f"quantised tensor {key} is not a decoder-layer linear")
+    layer = llm.layers[int(parts[2])]
+    name = parts[-2]
+    if not isinstance(getattr(layer, name, None), torch.nn.Linear):
+        raise ModelError(f"quantised tensor {key}: no linear {name!r} in our decoder layer")
+    return layer, name
 
 
 def load_tokenizer(path: Path):  # noqa: ANN201

@@ -102,6 +102,11 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def clear(self) -> None:
+        """Drop every block (counters kept); e.g. between benchmark rounds."""
+        self._entries.clear()
+        self.bytes = 0
+
     def lookup(self, blocks: Sequence[BlockId]) -> list[torch.Tensor]:
         """KV of the longest cached prefix of ``blocks`` (marks them recently used)."""
         found: list[torch.Tensor] = []

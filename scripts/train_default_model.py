@@ -43,6 +43,8 @@ AUX = list(SHAPES) + list(COLORS)
 MEAN = (0.485, 0.456, 0.406)  # ImageNet statistics, as InternVL uses
 STD = (0.229, 0.224, 0.225)
 TILING = TilingConfig(tile_size=112, min_tiles=1, max_tiles=6, use_thumbnail=True)
+REDUCED = TilingConfig(tile_size=112, min_tiles=1, max_tiles=6, use_thumbnail=True,
+                       mode="reduced")
 
 
 def model_config(vocab_size: int, image_token_id: int, eos_id: int, pad_id: int):  # noqa: ANN201
@@ -86,27 +88,32 @@ YES_NO_FORMS = [("is there a {} in the image?", False), ("does the image contain
                 ("does the image not contain a {}?", True), ("is no {} present?", True)]
 
 
-def balanced_questions(target: np.ndarray, mask: np.ndarray,
-                       rng: np.random.Generator) -> list[tuple[str, str]]:
+def balanced_questions(target: np.ndarray, mask: np.ndarray, rng: np.random.Generator,
+                       colour_pairs: int = 1) -> list[tuple[str, str]]:
     """Extra yes/no questions for an easy-vqa *train* image, from its own labels: for its
-    colour and shape, one question whose answer is yes and one whose answer is no. In
-    easy-vqa's own questions "is there a <colour> shape?" is "no" 7 times in 8, which left the
-    model at that prior; balanced pairs make the image decide."""
+    shape one question whose answer is yes and one whose answer is no, and ``colour_pairs``
+    such pairs for its colour (each with another wrong colour). In easy-vqa's own questions
+    "is there a <colour> shape?" is "no" 7 times in 8, which left the model at that prior;
+    balanced pairs make the image decide."""
     out = []
-    for names, offset, suffix in ((list(SHAPES), 0, ""), (list(COLORS), len(SHAPES), " shape")):
+    for names, offset, suffix, pairs in ((list(SHAPES), 0, "", 1),
+                                         (list(COLORS), len(SHAPES), " shape", colour_pairs)):
         if not mask[offset]:
             continue
         true = names[int(np.argmax(target[offset: offset + len(names)]))]
-        other = str(rng.choice([n for n in names if n != true]))
-        for thing, present in ((true, True), (other, False)):
-            form, negated = YES_NO_FORMS[int(rng.integers(len(YES_NO_FORMS)))]
-            out.append((form.format(thing + suffix), "yes" if present != negated else "no"))
+        others = rng.permutation([n for n in names if n != true])
+        for k in range(pairs):
+            for thing, present in ((true, True), (str(others[k % len(others)]), False)):
+                form, negated = YES_NO_FORMS[int(rng.integers(len(YES_NO_FORMS)))]
+                out.append((form.format(thing + suffix), "yes" if present != negated else "no"))
     return out
 
 
-def load_data(n_scenes: int, seed: int) -> list[tuple]:
+def load_data(n_scenes: int, seed: int, colour_pairs: int = 1,
+              reduced_scenes: bool = False) -> list[tuple]:
     """[(tiles [N,S,S,3] uint8, [(question, answer), ...], aux target, aux mask), ...] from
-    easy-vqa train and our scenes."""
+    easy-vqa train and our scenes. ``reduced_scenes`` adds every scene a second time with
+    reduced (letterboxed) tiling, so the model also learns to read padded tiles."""
     import easy_vqa
 
     rng = np.random.default_rng(seed)
@@ -119,14 +126,17 @@ def load_data(n_scenes: int, seed: int) -> list[tuple]:
     for i, qa in sorted(by_image.items()):
         img = decode(Path(paths[i]).read_bytes())
         target, mask = easy_vqa_labels(qa)
-        data.append((prepare(img, TILING).tiles, qa + balanced_questions(target, mask, rng),
-                     target, mask))
+        data.append((prepare(img, TILING).tiles,
+                     qa + balanced_questions(target, mask, rng, colour_pairs), target, mask))
     for _ in range(n_scenes):
         scene = make_scene(rng)
         target = np.array([any(s.kind == k or s.color == k for s in scene.shapes) for k in AUX],
                           np.float32)
-        data.append((prepare(scene.image, TILING).tiles, make_questions(scene, rng, 8), target,
-                     np.ones(len(AUX), np.float32)))
+        qa = make_questions(scene, rng, 8)
+        ones = np.ones(len(AUX), np.float32)
+        data.append((prepare(scene.image, TILING).tiles, qa, target, ones))
+        if reduced_scenes:
+            data.append((prepare(scene.image, REDUCED).tiles, qa, target, ones))
     return data
 
 
@@ -188,6 +198,13 @@ def main() -> None:
                     help="stage 2a (open questions only), part of --minutes")
     ap.add_argument("--init", type=Path, default=None,
                     help="continue from this saved model (stage 2b only, for --minutes)")
+    ap.add_argument("--colour-pairs", type=int, default=1,
+                    help="balanced colour yes/no pairs added per easy-vqa train image")
+    ap.add_argument("--reduced-scenes", action="store_true",
+                    help="also train on every scene tiled in reduced (letterboxed) mode")
+    ap.add_argument("--yes-no-only", action="store_true",
+                    help="stage 2b on yes/no questions only")
+    ap.add_argument("--warmup", type=int, default=100, help="stage 2 warm-up steps")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -198,7 +215,10 @@ def main() -> None:
     from transformers import InternVLForConditionalGeneration
 
     t0 = time.time()
-    data = load_data(args.scenes, args.seed)
+    data = load_data(args.scenes, args.seed, args.colour_pairs, args.reduced_scenes)
+    if args.yes_no_only:
+        data = [(d[0], [qa for qa in d[1] if qa[1] in ("yes", "no")], d[2], d[3]) for d in data]
+        data = [d for d in data if d[1]]
     if args.init is not None:  # continue training a saved model: stage 2b only
         from transformers import AutoTokenizer
 
@@ -251,7 +271,7 @@ def train_lm(model, aux_head, batcher: Batcher, data: list, budget: float,  # no
     """Stage 2: everything, on answer tokens (+ the auxiliary loss); cosine LR with warm-up."""
     params = list(model.parameters()) + list(aux_head.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
-    warmup = 100
+    warmup = args.warmup
     start = time.time()
     step = 0
     ema = ema_aux = None

@@ -69,3 +69,21 @@ def check_onnx(path: Path, vision: torch.nn.Module, tile: int, batch: int) -> fl
         want = vision(tiles).numpy()
     got = sess.run([OUTPUT], {INPUT: tiles.numpy()})[0]
     return float(abs(got - want).max())
+
+
+def quantize_int8(onnx_path: Path, out_path: Path) -> Path:
+    """onnxruntime dynamic int8 quantisation of the exported encoder: MatMul/Gemm weights
+    become int8 (per output channel), activations are quantised per call. ``out_path``."""
+    import logging
+
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # it warns on the uint8 input it rightly leaves alone
+    try:
+        quantize_dynamic(str(onnx_path), str(out_path), weight_type=QuantType.QInt8,
+                         per_channel=True)
+    finally:
+        root.setLevel(level)
+    return out_path

@@ -7,6 +7,8 @@
   batch-size-bucketed CUDA graph pool (``cudagraph_pool``);
 - ``onnxruntime``: the exported ONNX (``vit_trt/export.py``) on the CPU execution provider, or
   CUDA's when onnxruntime-gpu is installed;
+- ``onnxruntime-int8``: the same ONNX after onnxruntime's dynamic int8 quantisation (int8
+  weights, activations quantised per call), CPU;
 - ``tensorrt``: an engine built from that ONNX (``vit_trt/tensorrt_runner.py``), GPU only.
 
 ``make_runner`` picks one by name; ``default_backend`` the fastest one installed for a device.
@@ -22,7 +24,7 @@ import torch
 
 from pipeline.model import LoadedModel
 
-BACKENDS = ("torch", "onnxruntime", "tensorrt")
+BACKENDS = ("torch", "onnxruntime", "onnxruntime-int8", "tensorrt")
 
 
 class VitRunner(ABC):
@@ -55,14 +57,19 @@ class TorchRunner(VitRunner):
 
 class OnnxRuntimeRunner(VitRunner):
     def __init__(self, model: LoadedModel, onnx_path: Path | None = None,
-                 device: str = "cpu", threads: int | None = None) -> None:
+                 device: str = "cpu", threads: int | None = None, int8: bool = False) -> None:
         import onnxruntime as ort
 
+        if onnx_path is None or int8:
+            self._tmp = tempfile.TemporaryDirectory(prefix="vlmbatch-vit-")
         if onnx_path is None:  # export on the fly into a temporary folder
             from vit_trt.export import export_onnx
 
-            self._tmp = tempfile.TemporaryDirectory(prefix="vlmbatch-vit-")
             onnx_path = export_onnx(model, Path(self._tmp.name)).onnx_path
+        if int8:
+            from vit_trt.export import quantize_int8
+
+            onnx_path = quantize_int8(onnx_path, Path(self._tmp.name) / "vision.int8.onnx")
         opts = ort.SessionOptions()
         if threads:
             opts.intra_op_num_threads = threads
@@ -72,6 +79,7 @@ class OnnxRuntimeRunner(VitRunner):
                 raise ImportError("onnxruntime has no CUDA execution provider here; install "
                                   "onnxruntime-gpu (in an env without onnxruntime)")
             providers.insert(0, "CUDAExecutionProvider")
+        self.onnx_path = Path(onnx_path)
         self.session = ort.InferenceSession(str(onnx_path), opts, providers=providers)
         self.device = torch.device(device)
 
@@ -95,9 +103,9 @@ def make_runner(backend: str, model: LoadedModel, device: str = "cpu",
                 onnx_path: Path | None = None, cuda_graphs: bool = True) -> VitRunner:
     if backend == "torch":
         return TorchRunner(model, cuda_graphs=cuda_graphs)
-    if backend == "onnxruntime":
+    if backend in ("onnxruntime", "onnxruntime-int8"):
         try:
-            return OnnxRuntimeRunner(model, onnx_path, device)
+            return OnnxRuntimeRunner(model, onnx_path, device, int8=backend.endswith("int8"))
         except ModuleNotFoundError as e:
             raise ImportError("--vit-backend onnxruntime needs the onnx extra: "
                               "pip install 'vlmbatch[onnx]'") from e

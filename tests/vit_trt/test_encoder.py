@@ -59,7 +59,7 @@ def test_internvit_300m_shape() -> None:
     random weights, one tile: ours equals transformers. About a minute on 2 CPU cores."""
     from transformers import InternVLConfig
 
-    from pipeline.model import _normalise_key
+    from pipeline.model import normalise_key
     from vit_trt.encoder import VisionEncoder
 
     cfg = InternVLConfig(
@@ -77,7 +77,7 @@ def test_internvit_300m_shape() -> None:
                 p.normal_(0, 0.5)
     spec = read_spec_from_config(cfg.to_dict())
     ours = VisionEncoder(spec).eval()
-    ours.load_hf({_normalise_key(k): v for k, v in ref.state_dict().items()})
+    ours.load_hf({normalise_key(k): v for k, v in ref.state_dict().items()})
     tiles = torch.randint(0, 256, (1, 448, 448, 3), dtype=torch.uint8)
     with torch.no_grad():
         got = ours(tiles)

@@ -1,0 +1,143 @@
+"""Jobs benchmark: the same job in-process vs on Ray (1 and 2 preprocessing workers), and
+peak memory of a large job.
+
+Generates ``--items`` distinct tiny PNG images (random shapes on noise, 48-96 px) and a
+manifest asking ``--questions`` questions of each, submits one job per executor and runs it
+with ``vlmbatch run JOB`` in a subprocess. For each: wall time (start-up included), the job's
+own QPM (from its store: first to last recorded group, start-up excluded), and the peak RSS
+of the whole process tree (driver + Ray's processes), sampled from /proc every 0.2 s.
+
+    python bench/jobs.py --items 2000                  # QPM: in-process vs Ray
+    python bench/jobs.py --items 100000 --rss-only     # bounded memory on a big job
+
+Not a test: timings on shared machines are noisy; compare rows of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def make_images(folder: Path, n: int, questions: int) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    qs = ["Is there a red shape?", "Is there a circle?", "Is there a blue shape?",
+          "Is there a triangle?"][:questions]
+    with open(folder / "manifest.jsonl", "w") as f:
+        for i in range(n):
+            h, w = int(rng.integers(48, 97)), int(rng.integers(48, 97))
+            img = rng.integers(0, 60, (h, w, 3), dtype=np.uint8)
+            color = tuple(int(c) for c in rng.integers(0, 256, 3))
+            cv2.circle(img, (w // 2, h // 2), min(h, w) // 3, color, -1)
+            cv2.imwrite(str(folder / f"{i}.png"), img)
+            f.write(json.dumps({"id": f"img{i}", "image": f"{i}.png", "questions": qs}) + "\n")
+    return folder / "manifest.jsonl"
+
+
+def tree_rss_mib(pid: int) -> float:
+    """RSS of ``pid`` and all its descendants (from /proc), MiB."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            status = Path(f"/proc/{d}/status").read_text()
+        except OSError:
+            continue
+        fields = dict(ln.split(":", 1) for ln in status.splitlines() if ":" in ln)
+        p = int(d)
+        children.setdefault(int(fields.get("PPid", "0").strip() or 0), []).append(p)
+        rss[p] = int(fields.get("VmRSS", "0 kB").split()[0] or 0)
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        total += rss.get(p, 0)
+        todo += children.get(p, [])
+    return total / 1024
+
+
+def run(job: Path, extra: list[str], threads: int) -> tuple[float, float]:
+    """(wall seconds, peak tree RSS MiB) of `vlmbatch run JOB extra...`."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    t0 = time.perf_counter()
+    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", str(job), "--no-progress",
+                          *extra], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    peak = [0.0]
+
+    def sample() -> None:
+        while p.poll() is None:
+            peak[0] = max(peak[0], tree_rss_mib(p.pid))
+            time.sleep(0.2)
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    _, err = p.communicate()
+    th.join()
+    if p.returncode not in (0, 3):
+        raise SystemExit(f"run failed ({p.returncode}): {err[-2000:]}")
+    return time.perf_counter() - t0, peak[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--items", type=int, default=2000)
+    ap.add_argument("--questions", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the model")
+    ap.add_argument("--cache-mib", type=int, default=64, help="prefix-cache budget")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/vlmbatch-bench-jobs"))
+    ap.add_argument("--rss-only", action="store_true",
+                    help="one in-process and one Ray (2 workers) run, for peak memory")
+    args = ap.parse_args()
+    from jobs.job import status, submit
+    from pipeline.config import EngineConfig, ModelConfig, RunConfig
+
+    t0 = time.perf_counter()
+    manifest = make_images(args.work / f"data{args.items}", args.items, args.questions)
+    print(f"generated {args.items} images in {time.perf_counter() - t0:.0f}s", flush=True)
+    rows = [("in-process", ["--executor", "local"]),
+            ("ray, 1 preprocessing worker", ["--executor", "ray", "--preprocess-workers", "1"]),
+            ("ray, 2 preprocessing workers", ["--executor", "ray", "--preprocess-workers", "2"])]
+    if args.rss_only:
+        rows = [rows[0], rows[2]]
+    print(f"\n{args.items} images x {args.questions} questions, built-in model, "
+          f"{args.threads} model thread(s), prefix cache {args.cache_mib} MiB\n")
+    print("| executor | wall (start-up incl.) | job QPM (store) | overhead vs in-process | "
+          "peak RSS, process tree |")
+    print("|---|---|---|---|---|")
+    base = None
+    for i, (name, extra) in enumerate(rows):
+        job = args.work / f"job{args.items}_{i}"
+        if job.exists():
+            import shutil
+
+            shutil.rmtree(job)
+        cfg = RunConfig(manifest=manifest, images=None, policy=None, out=None,
+                        images_per_batch=16, threads=args.threads, progress=False,
+                        model=ModelConfig(), engine=EngineConfig(cache_bytes=args.cache_mib << 20))
+        submit(cfg, job)
+        wall, peak = run(job, extra + (["--model-cpus", str(args.threads)]
+                                       if "ray" in extra else []), args.threads)
+        st = status(job)
+        qpm = st.qpm or 0.0
+        base = base or wall
+        print(f"| {name} | {wall:.1f}s | {qpm:,.0f} | {wall / base:.2f}x wall | "
+              f"{peak:,.0f} MiB |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""Run a job on Ray: CPU preprocessing tasks feed model actors; the driver records results.
+
+    run_job_ray(job, RayOptions(preprocess_workers=2))      # `vlmbatch run JOB --executor ray`
+
+Data flow (one *group* = ``images_per_batch`` pending items, read lazily from the store)::
+
+    driver: store.pending() --group--> prepare task (num_cpus=1; read, decode, tile, hash)
+            --PreparedGroup (tiles in Ray's object store)--> ModelWorker actor (engine.score)
+            --result lines--> driver: store.record()  (one transaction per group)
+
+Why plain tasks and actors, not Ray Data: the job store, not Ray, is the source of truth for
+what is done. Exactly-once needs the driver to record each group atomically when its result
+arrives, to skip items recorded meanwhile, and to turn a hung or crashing decoder into that
+item's error; Ray Data's streaming executor owns its own retries and writes to sinks without
+a per-item acknowledgement we could make transactional with the store. Tasks and actors give
+those hooks directly, with a few dozen lines of scheduling.
+
+Invariants:
+- In flight are at most ``preprocess_workers`` prepare tasks (so each starts as soon as it is
+  submitted, and its deadline measures its own run time) and ``2 x model_workers`` groups at
+  the model: memory is bounded whatever the manifest's size.
+- A prepare task that exceeds ``decode_timeout`` seconds per item, or whose worker process
+  dies, is cancelled (its worker killed) and its items are prepared again one task each, so
+  the item that hangs or crashes becomes that item's error and the others go on.
+- A model worker that dies is restarted by Ray and its call retried
+  (``max_restarts``/``max_task_retries``); results are recorded only by the driver, only for
+  items still pending, so a retried group is never recorded twice.
+
+Fault injection for tests (environment variables, read by the workers):
+``VLMBATCH_TEST_KILL_MODEL_AT=N`` and ``VLMBATCH_TEST_KILL_MARKER=FILE``: the model worker
+exits abruptly on its N-th call, once (the marker file records that it did);
+``VLMBATCH_TEST_HANG=TEXT``: preparing an item whose image source contains TEXT sleeps forever;
+``VLMBATCH_TEST_SLOW_SCORE=1``: each model call sleeps 0.5 s (a window to cancel in).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from jobs.manifest import ImageItem
+from jobs.runner import PreparedGroup, prepare_group
+from jobs.store import JobStore
+from preprocessing.prepare import TilingConfig
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    address: str | None = None  # None: start a local Ray instance for this run
+    preprocess_workers: int = 1  # concurrent CPU preprocessing tasks
+    model_workers: int = 1  # model actors (one per GPU on a GPU cluster)
+    model_cpus: float = 1.0  # CPUs reserved per model actor (its torch threads, on CPU)
+    decode_timeout: float = 30.0  # seconds per item before a prepare task is killed
+
+    def __post_init__(self) -> None:
+        from pipeline.config import ConfigError
+
+        if self.preprocess_workers < 1 or self.model_workers < 1:
+            raise ConfigError("--preprocess-workers and --model-workers must be >= 1")
+        if self.decode_timeout <= 0 or self.model_cpus <= 0:
+            raise ConfigError("--decode-timeout and --model-cpus must be > 0")
+
+
+def require_ray():  # noqa: ANN201
+    try:
+        import ray
+    except ModuleNotFoundError as e:
+        raise ImportError("--executor ray needs Ray: pip install 'vlmbatch[ray]'") from e
+    return ray
+
+
+def _prepare(group: list[ImageItem], tiling: TilingConfig, max_pixels: int) -> PreparedGroup:
+    hang = os.environ.get("VLMBATCH_TEST_HANG")
+    if hang and any(hang in it.image for it in group):
+        time.sleep(10**6)
+    return prepare_group(group, tiling, max_pixels)
+
+
+class ModelWorker:
+    """Holds one engine; ``score`` runs stage 2 of a group. Ray makes it an actor."""
+
+    def __init__(self, model_cfg, engine_cfg, threads: int | None) -> None:  # noqa: ANN001
+        import torch
+
+        from pipeline.engines import build_engine
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.engine, self.tiling = build_engine(model_cfg, engine_cfg)
+        self.calls = 0
+
+    def tiling_config(self) -> TilingConfig:
+        return self.tiling
+
+    def score(self, pg: PreparedGroup) -> list[dict]:
+        from jobs.runner import score_group
+
+        self.calls += 1
+        at, marker = os.environ.get("VLMBATCH_TEST_KILL_MODEL_AT"), \
+            os.environ.get("VLMBATCH_TEST_KILL_MARKER")
+        if at and marker and self.calls == int(at) and not Path(marker).exists():
+            Path(marker).write_text("killed once\n")
+            os._exit(1)  # as if the process were killed mid-batch
+        if os.environ.get("VLMBATCH_TEST_SLOW_SCORE"):
+            time.sleep(0.5)  # tests: a window for cancel
+        return score_group(self.engine, pg)
+
+
+def run_job_ray(job: Path, opts: RayOptions, progress: bool = True):  # noqa: ANN201
+    """Answer every pending item of ``job`` on Ray; returns the job's status."""
+    ray = require_ray()
+    from jobs.job import STORE_FILE, JobConfig, _begin_run, _end_run, status
+
+    job = Path(job)
+    cfg = JobConfig.load(job)
+    store = JobStore(job / STORE_FILE)
+    started_ray = False
+    try:
+        c = store.counts()
+        if c.pending == 0:
+            store.set("status", "done")
+            return status(job)
+        from pipeline.model import DEFAULT_MODEL, read_spec
+
+        read_spec(cfg.model.path or DEFAULT_MODEL)  # a bad model fails here, not in an actor
+        if not ray.is_initialized():
+            cpus = opts.preprocess_workers + opts.model_workers * opts.model_cpus
+            root = str(Path(__file__).resolve().parents[1])
+            env = {"PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+            env.update({k: v for k, v in os.environ.items() if k.startswith("VLMBATCH_TEST_")})
+            ray.init(address=opts.address, num_cpus=None if opts.address else int(cpus + 0.999),
+                     include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": env})
+            started_ray = True
+        threads = cfg.threads or max(1, int(opts.model_cpus))
+        Actor = ray.remote(num_cpus=opts.model_cpus, max_restarts=3,
+                           max_task_retries=3)(ModelWorker)
+        workers = [Actor.remote(cfg.model, cfg.engine, threads)
+                   for _ in range(opts.model_workers)]
+        tiling = ray.get(workers[0].tiling_config.remote())
+        final = _drive(ray, store, cfg, workers, tiling, opts, c, progress, job.name,
+                       _begin_run)
+        _end_run(store, final)
+    finally:
+        store.close()
+        if started_ray:
+            ray.shutdown()
+    return status(job)
+
+
+def _drive(ray, store: JobStore, cfg, workers: list, tiling: TilingConfig,  # noqa: ANN001, PLR0913
+           opts: RayOptions, counts, progress: bool, name: str, begin) -> str:  # noqa: ANN001
+    prepare = ray.remote(num_cpus=1, max_retries=0)(_prepare)
+    begin(store, counts)
+    bar = tqdm(total=counts.total, initial=counts.total - counts.pending, unit="img",
+               disable=not progress, file=sys.stderr, desc=f"job {name} (ray)",
+               dynamic_ncols=True)
+    groups = store.pending(cfg.images_per_batch)
+    preparing: dict = {}  # ref -> (group, deadline)
+    retry: deque[list[ImageItem]] = deque()  # items to prepare one by one
+    scoring: deque = deque()  # (ref, group) in submission order
+    next_worker = 0
+    exhausted = cancelled = False
+    start, questions = time.perf_counter(), 0
+
+    def submit_prepare(group: list[ImageItem]) -> None:
+        ref = prepare.remote(group, tiling, cfg.max_pixels)
+        preparing[ref] = (group, time.monotonic() + opts.decode_timeout * len(group))
+
+    while True:
+        if not cancelled and store.get("cancel") == "1":
+            cancelled = True
+            for ref in list(preparing):
+                ray.cancel(ref, force=True)
+            preparing.clear()
+            retry.clear()
+        # keep the preprocessing workers busy, and at most 2 groups per model worker queued
+        while (not cancelled and len(preparing) < opts.preprocess_workers
+               and len(scoring) < 2 * len(workers)):
+            if retry:
+                submit_prepare([retry.popleft()])  # type: ignore[list-item]
+                continue
+            group = None if exhausted else next(groups, None)
+            if group is None:
+                exhausted = True
+                break
+            submit_prepare(group)
+        if not preparing and not scoring:
+            break
+        ready, _ = ray.wait(list(preparing) + [r for r, _ in scoring], num_returns=1,
+                            timeout=0.2)
+        now = time.monotonic()
+        for ref, (group, deadline) in list(preparing.items()):
+            done = ref in ready
+            if not done and now < deadline:
+                continue
+            del preparing[ref]
+            try:
+                if not done:
+                    ray.cancel(ref, force=True)
+                    raise TimeoutError
+                pg = ray.get(ref)
+            except (TimeoutError, ray.exceptions.RayError) as e:
+                reason = (f"decoding timed out after {opts.decode_timeout:g}s (worker killed)"
+                          if isinstance(e, TimeoutError) else
+                          f"preprocessing worker died ({type(e).__name__})")
+                if len(group) > 1:
+                    retry.extend(group)  # find the culprit: one task per item
+                    continue
+                pg = PreparedGroup(group, [None], {group[0].id: f"{group[0].image}: {reason}"})
+            scoring.append((workers[next_worker].score.remote(pg), pg.group))
+            next_worker = (next_worker + 1) % len(workers)
+        while scoring and (scoring[0][0] in ready or _is_ready(ray, scoring[0][0])):
+            ref, group = scoring.popleft()
+            lines = ray.get(ref)
+            by_item: dict[str, list[dict]] = {}
+            for line in lines:
+                by_item.setdefault(line["id"], []).append(line)
+            store.record(by_item)
+            questions += len(lines)
+            bar.update(len(group))
+            bar.set_postfix(qpm=f"{60 * questions / (time.perf_counter() - start):.0f}")
+    bar.close()
+    return "cancelled" if cancelled else "done"
+
+
+def _is_ready(ray, ref) -> bool:  # noqa: ANN001
+    ready, _ = ray.wait([ref], timeout=0)
+    return bool(ready)

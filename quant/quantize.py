@@ -1,0 +1,87 @@
+"""``vlmbatch quantize``: calibrate on the user's images and questions, write a W4A16 model.
+
+    quantize_model(model_dir, out_dir, "awq", calib_items, samples=128)
+
+Loads the model into the torch engine (float32 by default, prefix cache off), takes the first
+``samples`` questions of the calibration items, runs ``quant.calibrate.quantize_llm`` and
+writes the checkpoint with ``quant.checkpoint.save_quantized``. Offline only: serving loads
+the result (``pipeline.model.load_model``) and never quantises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from jobs.manifest import ImageItem
+from pipeline.config import ConfigError, EngineConfig, ModelConfig
+from pipeline.llm import _hf_key
+from pipeline.model import DEFAULT_MODEL, normalise_key, raw_state_dict
+from quant.calibrate import METHODS, quantize_llm
+from quant.checkpoint import save_quantized
+
+
+@dataclass(frozen=True)
+class QuantizeResult:
+    out: Path
+    method: str
+    samples: int
+    linears: int
+    report: list[dict]
+
+
+def calibration_items(items: list[ImageItem], samples: int) -> list[ImageItem]:
+    """The first ``samples`` (image, question) pairs, as items."""
+    if samples < 1:
+        raise ConfigError(f"--samples must be >= 1, got {samples}")
+    out, left = [], samples
+    for it in items:
+        if left <= 0:
+            break
+        if it.questions:
+            out.append(replace(it, questions=it.questions[:left]))
+            left -= len(out[-1].questions)
+    if not out:
+        raise ConfigError("the calibration set has no questions")
+    return out
+
+
+def quantize_model(model: Path | None, out: Path, method: str, items: list[ImageItem],
+                   samples: int = 128, group_size: int = 128, device: str = "cpu",
+                   images_per_batch: int = 16, progress: bool = True) -> QuantizeResult:
+    from jobs.runner import answer_group
+    from pipeline.engines import build_engine
+
+    if method not in METHODS:
+        raise ConfigError(f"--method {method!r} not one of {METHODS}")
+    src = Path(model) if model is not None else DEFAULT_MODEL
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"--out {out} exists and is not empty; choose a new folder")
+    if out.resolve() == src.resolve():
+        raise ConfigError("--out must differ from --model")
+    calib = calibration_items(items, samples)
+    n = sum(len(it.questions) for it in calib)
+    engine, tiling = build_engine(ModelConfig(src, device),
+                                  EngineConfig(vit_backend="torch", prefix_cache=False))
+    llm = engine.model.llm  # type: ignore[attr-defined]
+    spec = llm.spec
+    for size in (spec.hidden, spec.intermediate, spec.heads * spec.head_dim):
+        if size % group_size:
+            raise ConfigError(f"--group-size {group_size} does not divide the language model's "
+                              f"input width {size}; choose a divisor (e.g. 32, 64, 128)")
+
+    def run_calibration() -> None:
+        for g in range(0, len(calib), images_per_batch):
+            lines = answer_group(engine, tiling, calib[g: g + images_per_batch])
+            failed = [ln for ln in lines if ln["error"]]
+            if failed and failed[0]["error"].startswith("engine failed"):
+                raise RuntimeError(f"calibration forward failed: {failed[0]['error']}")
+            if len(failed) == len(lines):
+                raise ConfigError(f"no calibration image could be read: {failed[0]['error']}")
+
+    qweights, report = quantize_llm(llm, run_calibration, method, group_size,
+                                    progress=progress)
+    raw_key_of = {normalise_key(k): k for k in raw_state_dict(src)}
+    save_quantized(src, out, llm.state_dict(), qweights, group_size, method, n, _hf_key,
+                   raw_key_of)
+    return QuantizeResult(out, method, n, len(qweights), report)

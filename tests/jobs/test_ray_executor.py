@@ -1,0 +1,112 @@
+"""The Ray executor: same results as in-process, a killed model worker, a hung decoder,
+cancel and resume, Parquet export. Each test starts (and stops) a local Ray instance."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs.job import STORE_FILE, cancel, status
+from jobs.store import JobStore
+from pipeline.cli import EXIT_OK, main
+from tests.jobs.test_job import cli, make_manifest
+
+pytest.importorskip("ray")
+
+RAY = ["--executor", "ray", "--model-cpus", "1"]
+
+
+def submit(tmp_path: Path, model: Path, n: int, broken: int = 0, per_batch: int = 2) -> Path:
+    m = make_manifest(tmp_path, n, broken=broken)
+    job = tmp_path / "job"
+    assert main(["submit", str(m), "--job", str(job), "--model", str(model),
+                 "--images-per-batch", str(per_batch), "--no-progress"]) == EXIT_OK
+    return job
+
+
+def results(job: Path) -> list[dict]:
+    store = JobStore(job / STORE_FILE)
+    try:
+        return list(store.results())
+    finally:
+        store.close()
+
+
+def direct(tmp_path: Path, model: Path, m: Path) -> list[dict]:
+    out = tmp_path / "direct.jsonl"
+    main(["run", str(m), "-o", str(out), "--model", str(model), "--images-per-batch", "2",
+          "--no-progress"])
+    return [json.loads(x) for x in out.read_text().splitlines()]
+
+
+def test_ray_matches_in_process_and_exports_parquet(tmp_path: Path,
+                                                    random_model_dir: Path) -> None:
+    job = submit(tmp_path, random_model_dir, 7, broken=1)
+    assert main(["run", str(job), *RAY, "--preprocess-workers", "2", "--no-progress"]) == 3
+    got = results(job)
+    want = direct(tmp_path, random_model_dir, tmp_path / "m.jsonl")
+    assert got == want  # same lines, same order, the broken item's error included
+    st = status(job)
+    assert (st.status, st.done, st.failed, st.pending) == ("done", 7, 1, 0)
+
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "r.parquet"
+    assert main(["results", str(job), "-o", str(out)]) == EXIT_OK
+    table = pq.read_table(out).to_pylist()
+    assert len(table) == len(got)
+    assert [(r["id"], r["question_id"], r["answer"], r["p_yes"], r["error"]) for r in table] \
+        == [(r["id"], r["question_id"], r["answer"], r["p_yes"], r["error"]) for r in got]
+
+
+def test_model_worker_killed_mid_batch_job_completes(tmp_path: Path,
+                                                     random_model_dir: Path) -> None:
+    job = submit(tmp_path, random_model_dir, 8)
+    marker = tmp_path / "killed"
+    p = cli("run", str(job), *RAY, "--no-progress",
+            env={"VLMBATCH_TEST_KILL_MODEL_AT": "2", "VLMBATCH_TEST_KILL_MARKER": str(marker)})
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    assert marker.exists()  # the worker really died once
+    lines = results(job)
+    ids = [ln["id"] for ln in lines]
+    assert sorted(set(ids)) == sorted(f"img{i}" for i in range(8))
+    assert len(ids) == 16 and all(ln["error"] is None for ln in lines)  # once each
+
+
+def test_hung_decoder_becomes_that_items_error(tmp_path: Path, random_model_dir: Path) -> None:
+    job = submit(tmp_path, random_model_dir, 5, per_batch=3)
+    p = cli("run", str(job), *RAY, "--decode-timeout", "3", "--no-progress",
+            env={"VLMBATCH_TEST_HANG": "3.png"})
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 3, err  # finished, one item failed
+    by_id = {}
+    for ln in results(job):
+        by_id.setdefault(ln["id"], []).append(ln)
+    assert set(by_id) == {f"img{i}" for i in range(5)}
+    assert all("timed out after 3s" in ln["error"] for ln in by_id["img3"])
+    assert all(ln["error"] is None for i in (0, 1, 2, 4) for ln in by_id[f"img{i}"])
+
+
+def test_cancel_then_resume_on_ray(tmp_path: Path, random_model_dir: Path) -> None:
+    job = submit(tmp_path, random_model_dir, 12, per_batch=1)
+    p = cli("run", str(job), *RAY, "--no-progress", env={"VLMBATCH_TEST_SLOW_SCORE": "1"})
+    deadline = time.time() + 120
+    while status(job).done < 1 and time.time() < deadline:
+        time.sleep(0.2)
+    cancel(job)
+    t0 = time.time()
+    p.communicate(timeout=120)
+    assert time.time() - t0 < 30  # stops promptly
+    st = status(job)
+    assert st.status == "cancelled" and 0 < st.done < 12
+    p = cli("resume", str(job), *RAY, "--no-progress")
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    ids = [ln["id"] for ln in results(job)]
+    assert sorted(ids) == sorted(f"img{i}" for i in range(12) for _ in range(2))
+    assert os.path.exists(job / STORE_FILE)
