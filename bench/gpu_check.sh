@@ -16,4 +16,6 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
   timeout 240 python -m pytest -q -m gpu -rs -p no:cacheprovider tests 2>&1 | tail -15
   echo "== ViT benchmark (InternViT-300M shape, tiles/s)"
   timeout 240 python bench/vit.py --device cuda --encoders 300m --reps 10 2>&1 | tail -20
+  echo "== W4A16 vs bf16 linears (Qwen2-0.5B layer shapes, CPU side of the same script)"
+  timeout 120 python bench/quant.py --linears-only --rounds 2 2>&1 | tail -8
 } 2>&1 | tee "$out/gpu_check.txt"

@@ -1,14 +1,14 @@
 """Jobs benchmark: the same job in-process vs on Ray (1 and 2 preprocessing workers), and
 peak memory of a large job.
 
-Generates ``--items`` distinct tiny PNG images (random shapes on noise, 48-96 px) and a
+Generates ``--items`` distinct tiny PNG images (a disc on noise, 48-96 px a side) and a
 manifest asking ``--questions`` questions of each, submits one job per executor and runs it
 with ``vlmbatch run JOB`` in a subprocess. For each: wall time (start-up included), the job's
 own QPM (from its store: first to last recorded group, start-up excluded), and the peak RSS
 of the whole process tree (driver + Ray's processes), sampled from /proc every 0.2 s.
 
     python bench/jobs.py --items 2000                  # QPM: in-process vs Ray
-    python bench/jobs.py --items 100000 --rss-only     # bounded memory on a big job
+    python bench/jobs.py --items 100000 --questions 1 --min-size 32 --max-size 48 --rss-only
 
 Not a test: timings on shared machines are noisy; compare rows of one run.
 """
@@ -31,14 +31,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def make_images(folder: Path, n: int, questions: int) -> Path:
+def make_images(folder: Path, n: int, questions: int, sizes: tuple[int, int]) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     qs = ["Is there a red shape?", "Is there a circle?", "Is there a blue shape?",
           "Is there a triangle?"][:questions]
     with open(folder / "manifest.jsonl", "w") as f:
         for i in range(n):
-            h, w = int(rng.integers(48, 97)), int(rng.integers(48, 97))
+            h, w = int(rng.integers(*sizes)), int(rng.integers(*sizes))
             img = rng.integers(0, 60, (h, w, 3), dtype=np.uint8)
             color = tuple(int(c) for c in rng.integers(0, 256, 3))
             cv2.circle(img, (w // 2, h // 2), min(h, w) // 3, color, -1)
@@ -97,6 +97,8 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--items", type=int, default=2000)
     ap.add_argument("--questions", type=int, default=2)
+    ap.add_argument("--min-size", type=int, default=48, help="image side, pixels")
+    ap.add_argument("--max-size", type=int, default=96)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the model")
     ap.add_argument("--cache-mib", type=int, default=64, help="prefix-cache budget")
     ap.add_argument("--work", type=Path, default=Path("/tmp/vlmbatch-bench-jobs"))
@@ -107,7 +109,8 @@ def main() -> None:
     from pipeline.config import EngineConfig, ModelConfig, RunConfig
 
     t0 = time.perf_counter()
-    manifest = make_images(args.work / f"data{args.items}", args.items, args.questions)
+    manifest = make_images(args.work / f"data{args.items}_{args.min_size}_{args.max_size}",
+                           args.items, args.questions, (args.min_size, args.max_size + 1))
     print(f"generated {args.items} images in {time.perf_counter() - t0:.0f}s", flush=True)
     rows = [("in-process", ["--executor", "local"]),
             ("ray, 1 preprocessing worker", ["--executor", "ray", "--preprocess-workers", "1"]),

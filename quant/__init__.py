@@ -1,1 +1,16 @@
-"""Offline AWQ/GPTQ/int8 quantisation (issue 7). Not built yet: nothing here runs."""
+"""Offline quantisation (``vlmbatch quantize``); the runtime only loads what this writes.
+
+Modules, in data-flow order:
+
+- ``quantize.py``: the command: calibration items -> engine -> ``calibrate`` -> ``checkpoint``;
+- ``calibrate.py``: layer-by-layer pass over the language model, hooks on its linears,
+  multimodal calibration through the serving engine;
+- ``gptq.py`` / ``awq.py``: the two algorithms (papers' definitions, tested as such);
+- ``int4.py``: symmetric group-wise int4 (quantise, pack in compressed-tensors' layout) and
+  ``Int4Linear``, the W4A16 layer the loader (``pipeline/model.py``) builds on CPU or CUDA;
+- ``checkpoint.py``: writing and reading compressed-tensors ``pack-quantized`` checkpoints.
+
+The int8 paths need no checkpoint: ``--llm-quant int8-dynamic`` (torch dynamic int8 linears,
+CPU) and ``--vit-backend onnxruntime-int8`` (``vit_trt/export.quantize_int8``).
+See docs/quantization.md for the figures.
+"""

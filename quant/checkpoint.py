@@ -103,9 +103,13 @@ def check_config(cfg: dict) -> int:
     w = groups[0].get("weights") or {}
     want = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group"}
     bad = {k: w.get(k) for k, v in want.items() if w.get(k) != v}
-    if w.get("actorder") not in (None, False) or bad:
+    # act-order "static" (llm-compressor's GPTQ default) quantises columns in activation order
+    # but keeps groups contiguous, so the stored tensors are the plain layout; "group" and
+    # "weight" store a column permutation (g_idx) that we do not apply.
+    if w.get("actorder") not in (None, False, "static") or bad:
         raise ValueError(f"unsupported weight scheme {bad or {'actorder': w.get('actorder')}}: "
-                         "only symmetric 4-bit group quantisation without act-order is served")
+                         "only symmetric 4-bit group quantisation (act-order none or static) "
+                         "is served")
     return int(w["group_size"])
 
 

@@ -16,15 +16,17 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
-COLORS: dict[str, tuple[int, int, int]] = {  # RGB
+# RGB; the palette easy-vqa's train images use (read off their pixels), so that what the
+# model learns about colour words on our scenes holds on easy-vqa images too.
+COLORS: dict[str, tuple[int, int, int]] = {
     "red": (255, 0, 0),
-    "green": (0, 160, 0),
+    "green": (0, 255, 0),
     "blue": (0, 0, 255),
     "black": (0, 0, 0),
     "gray": (128, 128, 128),
     "teal": (0, 128, 128),
-    "yellow": (240, 220, 0),
-    "brown": (150, 75, 40),
+    "yellow": (255, 255, 0),
+    "brown": (165, 42, 42),
 }
 SHAPES = ("circle", "rectangle", "triangle")
 COUNT_WORDS = {1: "one", 2: "two", 3: "three"}

@@ -110,3 +110,14 @@ def test_cancel_then_resume_on_ray(tmp_path: Path, random_model_dir: Path) -> No
     ids = [ln["id"] for ln in results(job)]
     assert sorted(ids) == sorted(f"img{i}" for i in range(12) for _ in range(2))
     assert os.path.exists(job / STORE_FILE)
+
+
+def test_run_manifest_on_ray_writes_the_same_lines(tmp_path: Path,
+                                                    random_model_dir: Path) -> None:
+    m = make_manifest(tmp_path, 3)
+    out = tmp_path / "ray.jsonl"
+    rc = main(["run", str(m), "-o", str(out), "--model", str(random_model_dir),
+               "--images-per-batch", "2", "--no-progress", *RAY])
+    assert rc == EXIT_OK
+    assert [json.loads(x) for x in out.read_text().splitlines()] == \
+        direct(tmp_path, random_model_dir, m)

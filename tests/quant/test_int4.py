@@ -113,3 +113,17 @@ def test_awq_never_worse_than_round_to_nearest() -> None:
 def test_group_size_must_divide() -> None:
     with pytest.raises(ValueError, match="multiple of group_size"):
         quant_scale(torch.randn(4, 100), 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_int4_linear_on_cuda_uses_tinygemm() -> None:
+    g = torch.Generator().manual_seed(9)
+    w, b = torch.randn(256, 512, generator=g), torch.randn(256, generator=g)
+    q, scale = rtn(w, 128)
+    lin = Int4Linear(q, scale, b, 128, "cuda", torch.bfloat16)
+    assert lin.kernel == "int4pack-cuda"
+    x = torch.randn(33, 512, generator=g)
+    want = x @ dequantize(q, scale, 128).t() + b
+    got = lin(x.to("cuda", torch.bfloat16)).float().cpu()
+    assert (got - want).abs().max() / want.abs().max() < 2e-2
