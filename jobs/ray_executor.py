@@ -35,6 +35,7 @@ exits abruptly on its N-th call, once (the marker file records that it did);
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -134,12 +135,14 @@ def run_job_ray(job: Path, opts: RayOptions, progress: bool = True):  # noqa: AN
             root = str(Path(__file__).resolve().parents[1])
             env = {"PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
             env.update({k: v for k, v in os.environ.items() if k.startswith("VLMBATCH_TEST_")})
-            ray.init(address=opts.address, num_cpus=None if opts.address else int(cpus + 0.999),
+            ray.init(address=opts.address, num_cpus=None if opts.address else math.ceil(cpus),
                      include_dashboard=False, log_to_driver=False,
                      runtime_env={"env_vars": env})
             started_ray = True
         threads = cfg.threads or max(1, int(opts.model_cpus))
-        Actor = ray.remote(num_cpus=opts.model_cpus, max_restarts=3,
+        # one GPU per model actor when the model runs on CUDA (never run here: no GPU yet)
+        gpus = 1 if cfg.model.device.startswith("cuda") else 0
+        Actor = ray.remote(num_cpus=opts.model_cpus, num_gpus=gpus, max_restarts=3,
                            max_task_retries=3)(ModelWorker)
         workers = [Actor.remote(cfg.model, cfg.engine, threads)
                    for _ in range(opts.model_workers)]

@@ -35,8 +35,8 @@ from jobs.sources import SourceError, read_bytes
 from pipeline.config import RunConfig
 from pipeline.engine import Request
 from pipeline.engines import Engine, build_engine
-from preprocessing.decode import DEFAULT_MAX_PIXELS, ImageError, decode
-from preprocessing.prepare import PreparedImage, TilingConfig, prepare
+from preprocessing.decode import DEFAULT_MAX_PIXELS, ImageError
+from preprocessing.prepare import PreparedImage, TilingConfig, prepare_bytes
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def load_items(cfg: RunConfig) -> list[ImageItem]:
 def prepare_item(item: ImageItem, tiling: TilingConfig,
                  max_pixels: int = DEFAULT_MAX_PIXELS) -> PreparedImage:
     """Read, decode, tile; raises SourceError or ImageError with the reason."""
-    return prepare(decode(read_bytes(item.image, item.base_dir), max_pixels), tiling)
+    return prepare_bytes(read_bytes(item.image, item.base_dir), tiling, max_pixels)
 
 
 def _groups(items: list[ImageItem], n: int) -> Iterator[list[ImageItem]]:

@@ -31,9 +31,10 @@ class ImageError(ValueError):
     """An image could not be read or decoded; the message names the reason."""
 
 
-def check_header(data: bytes, max_pixels: int) -> None:
+def check_header(data: bytes, max_pixels: int) -> tuple[int, int, str] | None:
     """Raise ImageError if the header declares more than ``max_pixels``; formats Pillow cannot
-    identify pass (their size is checked after decoding)."""
+    identify pass (their size is checked after decoding). Returns (width, height, format) as
+    stored (before EXIF orientation), or None when the header could not be read."""
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -41,6 +42,7 @@ def check_header(data: bytes, max_pixels: int) -> None:
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(data)) as im:
                 w, h = im.size
+                fmt = im.format or ""
     except Image.DecompressionBombError as e:  # over 2x Pillow's limit: size not returned
         limit = 2 * (Image.MAX_IMAGE_PIXELS or 0)
         if max_pixels <= limit:
@@ -48,20 +50,34 @@ def check_header(data: bytes, max_pixels: int) -> None:
                              f"{max_pixels:,}") from None
         return
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
-        return
+        return None
     if w * h > max_pixels:
         raise ImageError(f"image is {w}x{h} = {w * h:,} pixels, over the limit of "
                          f"{max_pixels:,} (raise --max-pixels to allow it)")
+    return w, h, fmt
 
 
-def decode(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
-    """Bytes of an encoded image -> ``[H, W, 3]`` uint8 RGB, C-contiguous."""
+# libjpeg decodes at 1/2, 1/4, 1/8 scale in the DCT domain, skipping most of the work.
+_REDUCED = {1: cv2.IMREAD_COLOR, 2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4,
+            8: cv2.IMREAD_REDUCED_COLOR_8}
+
+
+def decode(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS, reduce: int = 1) -> np.ndarray:
+    """Bytes of an encoded image -> ``[H, W, 3]`` uint8 RGB, C-contiguous.
+
+    ``reduce`` (1, 2, 4, 8): for JPEG, decode at that fraction of each side (DCT scaling, the
+    size rounded up); other formats ignore it. ``decode_for`` chooses it.
+    """
     if not data:
         raise ImageError("empty file (0 bytes)")
     check_header(data, max_pixels)
+    return _imdecode(data, max_pixels, reduce)
+
+
+def _imdecode(data: bytes, max_pixels: int, reduce: int) -> np.ndarray:
     buf = np.frombuffer(data, dtype=np.uint8)
     try:
-        bgr = cv2.imdecode(buf, cv2.IMREAD_COLOR)
+        bgr = cv2.imdecode(buf, _REDUCED[reduce])
     except (cv2.error, MemoryError) as e:  # e.g. over OpenCV's own pixel limit
         raise ImageError(f"cannot decode ({type(e).__name__}: {str(e).strip()[:200]})") from None
     if bgr is None:
@@ -70,3 +86,44 @@ def decode(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
         raise ImageError(f"image is {bgr.shape[1]}x{bgr.shape[0]} pixels, over the limit of "
                          f"{max_pixels:,} (raise --max-pixels to allow it)")
     return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB, dst=bgr)  # in place: no second full-size copy
+
+
+def decode_for(data: bytes, need, max_pixels: int = DEFAULT_MAX_PIXELS,  # noqa: ANN001
+               ) -> tuple[np.ndarray, tuple[int, int] | None]:
+    """Decode for a consumer that needs at most ``need(width, height) -> (width, height)``
+    pixels of an image of the given (EXIF-oriented) size.
+
+    A JPEG is decoded at the largest DCT reduction (2, 4, 8) that still leaves at least the
+    needed pixels on both axes; everything else at full size. Returns (pixels, (width, height)
+    of the full oriented image when the pixels are reduced, else None: plan on the pixels).
+    """
+    if not data:
+        raise ImageError("empty file (0 bytes)")
+    header = check_header(data, max_pixels)
+    reduce = 1
+    full = None
+    if header is not None and header[2] == "JPEG":
+        w, h = _oriented(data, header[0], header[1])
+        nw, nh = need(w, h)
+        while reduce < 8 and w // (2 * reduce) >= nw and h // (2 * reduce) >= nh:
+            reduce *= 2
+        full = (w, h)
+    img = _imdecode(data, max_pixels, reduce)
+    if reduce == 1:
+        return img, None
+    ih, iw = img.shape[:2]
+    if abs(iw - -(-full[0] // reduce)) > 1 or abs(ih - -(-full[1] // reduce)) > 1:
+        return _imdecode(data, max_pixels, 1), None  # orientation not as read: play safe
+    return img, full
+
+
+def _oriented(data: bytes, w: int, h: int) -> tuple[int, int]:
+    """(w, h) after the EXIF orientation OpenCV applies (tags 5-8 swap the axes)."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            orientation = im.getexif().get(0x0112, 1)
+    except Exception:  # noqa: BLE001  (a broken EXIF block: OpenCV ignores it too)
+        return w, h
+    return (h, w) if orientation in (5, 6, 7, 8) else (w, h)

@@ -7,11 +7,13 @@ pixels share a hash whatever their file format; the prefix cache (issue 5) keys 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
+from preprocessing.decode import decode_for
 from preprocessing.resize import resize
 from preprocessing.tiling import TileGrid, fit_scale, plan_reduced, plan_reference
 
@@ -37,6 +39,15 @@ class TilingConfig:
         if self.upscale_limit <= 0:
             raise ValueError(f"upscale_limit must be > 0, got {self.upscale_limit}")
 
+    def need(self, width: int, height: int) -> tuple[int, int]:
+        """Most pixels (width, height) of a ``width x height`` image the tiles can use: the
+        grid's canvas (stretched), or the letterboxed content; never more than the image."""
+        g = self.plan(width, height)
+        if g.letterbox:
+            s = min(1.0, fit_scale(width, height, self.tile_size, g.cols, g.rows))
+            return min(width, math.ceil(width * s)), min(height, math.ceil(height * s))
+        return min(width, g.cols * self.tile_size), min(height, g.rows * self.tile_size)
+
     def plan(self, width: int, height: int) -> TileGrid:
         if self.mode == "reduced":
             return plan_reduced(width, height, self.tile_size, self.min_tiles, self.max_tiles,
@@ -50,9 +61,11 @@ class PreparedImage:
     tiles: np.ndarray  # [N, S, S, 3] uint8 RGB, grid tiles row-major then thumbnail
     grid: TileGrid
     content_hash: str  # xxh3-128 hex of the decoded pixels and their shape
-    width: int  # of the decoded image
+    width: int  # of the full image (EXIF-oriented), which the grid was planned on
     height: int
-    pixels: np.ndarray | None = None  # the decoded [H, W, 3] image, for engines that re-tile
+    # the decoded [H, W, 3] image, for engines that re-tile; a large JPEG's is DCT-reduced
+    # (at least as large as the tiles need), so it may be smaller than width x height
+    pixels: np.ndarray | None = None
 
     @property
     def cache_key(self) -> str:
@@ -97,9 +110,22 @@ def cut_tiles(img: np.ndarray, grid: TileGrid, tile: int) -> np.ndarray:
     return out
 
 
-def prepare(img: np.ndarray, cfg: TilingConfig) -> PreparedImage:
-    """Decoded ``[H, W, 3]`` uint8 RGB -> tiles in the configured tiling mode."""
+def prepare(img: np.ndarray, cfg: TilingConfig,
+            full_size: tuple[int, int] | None = None) -> PreparedImage:
+    """Decoded ``[H, W, 3]`` uint8 RGB -> tiles in the configured tiling mode.
+
+    ``full_size`` (width, height): ``img`` was decoded reduced (``decode_for``) from an image
+    of that size; the grid is planned on the full size, as it would be from full pixels.
+    """
     h, w = img.shape[:2]
-    grid = cfg.plan(w, h)
-    return PreparedImage(cut_tiles(img, grid, cfg.tile_size), grid, content_hash(img), w, h,
+    fw, fh = full_size or (w, h)
+    grid = cfg.plan(fw, fh)
+    return PreparedImage(cut_tiles(img, grid, cfg.tile_size), grid, content_hash(img), fw, fh,
                          pixels=img)
+
+
+def prepare_bytes(data: bytes, cfg: TilingConfig, max_pixels: int) -> PreparedImage:
+    """Encoded image -> tiles, decoding a large JPEG only at the size its tiles need
+    (DCT-domain reduction, ``decode_for``): the fast path ``vlmbatch run`` takes."""
+    img, full = decode_for(data, cfg.need, max_pixels)
+    return prepare(img, cfg, full)

@@ -81,3 +81,66 @@ def test_opencv_refusal_becomes_image_error(monkeypatch) -> None:  # noqa: ANN00
     monkeypatch.setattr(cv2, "imdecode", refuse)
     with pytest.raises(ImageError, match="too big"):
         decode(encode(rand(8, 8)))
+
+
+def photo_like(h: int, w: int, seed: int = 0) -> np.ndarray:
+    """Smooth gradients plus a few hard-edged shapes: JPEG-friendly, with detail at edges."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    img = np.stack([x / w * 200 + 20, y / h * 180 + 30, (x + y) / (w + h) * 150 + 50], -1)
+    img = img.astype(np.uint8)
+    for _ in range(12):
+        c = tuple(int(v) for v in rng.integers(0, 256, 3))
+        cv2.circle(img, (int(rng.integers(0, w)), int(rng.integers(0, h))),
+                   int(rng.integers(h // 30, h // 6)), c, -1)
+    return img
+
+
+def jpeg(img: np.ndarray, **kw) -> bytes:  # noqa: ANN003
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, "JPEG", quality=92, **kw)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("mode", ["reference", "reduced"])
+# large enough that the tiles need at most half of each side (a 12 MP photo, a panorama)
+@pytest.mark.parametrize("size", [(4000, 3000), (5000, 1300)])
+def test_dct_reduced_decode_matches_full_decode(mode: str, size: tuple[int, int]) -> None:
+    from preprocessing.prepare import prepare_bytes
+
+    w, h = size
+    data = jpeg(photo_like(h, w))
+    cfg = TilingConfig(tile_size=448, max_tiles=12, mode=mode)
+    fast = prepare_bytes(data, cfg, 10**9)
+    full = prepare(decode(data), cfg)
+    assert fast.pixels is not None and fast.pixels.shape[0] < h  # the fast path was taken
+    assert fast.grid == full.grid and (fast.width, fast.height) == (w, h)
+    diff = np.abs(fast.tiles.astype(np.int16) - full.tiles.astype(np.int16))
+    assert diff.reshape(len(diff), -1).mean(1).max() < 1.5  # mean abs per tile, levels
+
+
+def test_dct_reduced_decode_follows_exif_orientation() -> None:
+    from preprocessing.prepare import prepare_bytes
+
+    exif = Image.Exif()
+    exif[0x0112] = 6  # shown rotated by 90 degrees
+    data = jpeg(photo_like(2000, 4000), exif=exif.tobytes())
+    cfg = TilingConfig(tile_size=448, max_tiles=12)
+    fast, full = prepare_bytes(data, cfg, 10**9), prepare(decode(data), cfg)
+    assert fast.pixels.shape[0] > fast.pixels.shape[1]  # portrait, as displayed
+    assert (fast.width, fast.height) == (2000, 4000) and fast.grid == full.grid
+    assert fast.pixels.shape[0] < 4000  # reduced
+    diff = np.abs(fast.tiles.astype(np.int16) - full.tiles.astype(np.int16))
+    assert diff.reshape(len(diff), -1).mean(1).max() < 1.5
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+def test_no_reduction_when_tiles_need_every_pixel(fmt: str) -> None:
+    from preprocessing.prepare import prepare_bytes
+
+    img = photo_like(500, 700)
+    data = jpeg(img) if fmt == "JPEG" else encode(img, "PNG")
+    cfg = TilingConfig(tile_size=448, max_tiles=12)
+    fast, full = prepare_bytes(data, cfg, 10**9), prepare(decode(data), cfg)
+    assert fast.pixels.shape == full.pixels.shape
+    assert np.array_equal(fast.tiles, full.tiles) and fast.content_hash == full.content_hash
