@@ -33,9 +33,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--max-tiles", type=int, default=None,
                    help="cap tiles per image (default: the checkpoint's max_patches)")
-    g.add_argument("--tiling", default="reference", choices=["reference", "reduced"],
-                   help="reference: InternVL dynamic_preprocess (default); reduced: fewest "
-                   "tiles that keep the image's resolution, letterboxed (docs/preprocessing.md)")
+    g.add_argument("--tiling", default="reduced", choices=["reduced", "reference"],
+                   help="reduced (default): fewest tiles that keep the image's resolution, "
+                   "letterboxed (docs/preprocessing.md); reference: InternVL's "
+                   "dynamic_preprocess, for parity with the model card")
     g.add_argument("--upscale-limit", type=float, default=1.0,
                    help="reduced tiling: most a tile count may enlarge an image (default 1.0)")
     g.add_argument("--max-image-tokens", type=int, default=None,

@@ -26,7 +26,9 @@ class ModelConfig:
     device: str = "cpu"
     dtype: str = "float32"
     max_tiles: int | None = None  # override the checkpoint's max tiles per image
-    tiling: str = "reference"  # "reference" (InternVL dynamic_preprocess) | "reduced"
+    # "reduced" (fewest tiles that keep the image's resolution, letterboxed; the default since
+    # the built-in model trains on it too) | "reference" (InternVL's dynamic_preprocess)
+    tiling: str = "reduced"
     upscale_limit: float = 1.0  # reduced tiling: most a tile count may enlarge an image
     max_image_tokens: int | None = None  # per-image token budget (thumbnail included)
     llm_quant: str = "none"  # "none" | "int8-dynamic" (CPU); W4A16 comes from the checkpoint

@@ -36,6 +36,17 @@ def results(job: Path) -> list[dict]:
         store.close()
 
 
+def assert_same_lines(got: list[dict], want: list[dict]) -> None:
+    """Equal line for line; P(yes) and margin to float noise (the Ray actor runs torch with
+    one thread, this process with its default, so reductions add up in another order)."""
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert {k: v for k, v in a.items() if k not in ("p_yes", "margin")} == \
+            {k: v for k, v in b.items() if k not in ("p_yes", "margin")}
+        if b["p_yes"] is not None:
+            assert abs(a["p_yes"] - b["p_yes"]) <= 1e-5 and abs(a["margin"] - b["margin"]) <= 1e-3
+
+
 def direct(tmp_path: Path, model: Path, m: Path) -> list[dict]:
     out = tmp_path / "direct.jsonl"
     main(["run", str(m), "-o", str(out), "--model", str(model), "--images-per-batch", "2",
@@ -49,7 +60,7 @@ def test_ray_matches_in_process_and_exports_parquet(tmp_path: Path,
     assert main(["run", str(job), *RAY, "--preprocess-workers", "2", "--no-progress"]) == 3
     got = results(job)
     want = direct(tmp_path, random_model_dir, tmp_path / "m.jsonl")
-    assert got == want  # same lines, same order, the broken item's error included
+    assert_same_lines(got, want)  # same lines, same order, the broken item's error included
     st = status(job)
     assert (st.status, st.done, st.failed, st.pending) == ("done", 7, 1, 0)
 
@@ -119,5 +130,5 @@ def test_run_manifest_on_ray_writes_the_same_lines(tmp_path: Path,
     rc = main(["run", str(m), "-o", str(out), "--model", str(random_model_dir),
                "--images-per-batch", "2", "--no-progress", *RAY])
     assert rc == EXIT_OK
-    assert [json.loads(x) for x in out.read_text().splitlines()] == \
-        direct(tmp_path, random_model_dir, m)
+    assert_same_lines([json.loads(x) for x in out.read_text().splitlines()],
+                      direct(tmp_path, random_model_dir, m))

@@ -14,7 +14,7 @@ from pipeline.model import DEFAULT_MODEL, load_model
 
 # The measured accuracy of the committed model, rounded down: a regression floor, not the
 # goal. Issue 2 asks for >= 0.95; see the README for where the model stands.
-FLOOR = 0.91
+FLOOR = 0.93
 
 
 def test_default_model_is_hf_internvl() -> None:
