@@ -30,6 +30,7 @@ Fault injection for tests (environment variables, read by the workers):
 ``VLMBATCH_TEST_KILL_MODEL_AT=N`` and ``VLMBATCH_TEST_KILL_MARKER=FILE``: the model worker
 exits abruptly on its N-th call, once (the marker file records that it did);
 ``VLMBATCH_TEST_HANG=TEXT``: preparing an item whose image source contains TEXT sleeps forever;
+``VLMBATCH_TEST_CRASH=TEXT``: ... ends its worker process abruptly;
 ``VLMBATCH_TEST_SLOW_SCORE=1``: each model call sleeps 0.5 s (a window to cancel in).
 """
 
@@ -77,9 +78,11 @@ def require_ray():  # noqa: ANN201
 
 
 def _prepare(group: list[ImageItem], tiling: TilingConfig, max_pixels: int) -> PreparedGroup:
-    hang = os.environ.get("VLMBATCH_TEST_HANG")
+    hang, crash = os.environ.get("VLMBATCH_TEST_HANG"), os.environ.get("VLMBATCH_TEST_CRASH")
     if hang and any(hang in it.image for it in group):
         time.sleep(10**6)
+    if crash and any(crash in it.image for it in group):
+        os._exit(11)  # as a decoder segfault would end the process
     return prepare_group(group, tiling, max_pixels)
 
 

@@ -103,6 +103,20 @@ def test_hung_decoder_becomes_that_items_error(tmp_path: Path, random_model_dir:
     assert all(ln["error"] is None for i in (0, 1, 2, 4) for ln in by_id[f"img{i}"])
 
 
+def test_crashing_decoder_becomes_that_items_error(tmp_path: Path,
+                                                   random_model_dir: Path) -> None:
+    job = submit(tmp_path, random_model_dir, 4, per_batch=4)
+    p = cli("run", str(job), *RAY, "--no-progress", env={"VLMBATCH_TEST_CRASH": "2.png"})
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 3, err
+    by_id = {}
+    for ln in results(job):
+        by_id.setdefault(ln["id"], []).append(ln)
+    assert set(by_id) == {f"img{i}" for i in range(4)}
+    assert all("preprocessing worker died" in ln["error"] for ln in by_id["img2"])
+    assert all(ln["error"] is None for i in (0, 1, 3) for ln in by_id[f"img{i}"])
+
+
 def test_cancel_then_resume_on_ray(tmp_path: Path, random_model_dir: Path) -> None:
     job = submit(tmp_path, random_model_dir, 12, per_batch=1)
     p = cli("run", str(job), *RAY, "--no-progress", env={"VLMBATCH_TEST_SLOW_SCORE": "1"})
