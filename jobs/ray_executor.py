@@ -119,7 +119,7 @@ class ModelWorker:
 def run_job_ray(job: Path, opts: RayOptions, progress: bool = True):  # noqa: ANN201
     """Answer every pending item of ``job`` on Ray; returns the job's status."""
     ray = require_ray()
-    from jobs.job import STORE_FILE, JobConfig, _begin_run, _end_run, status
+    from jobs.job import STORE_FILE, JobConfig, _end_run, status
 
     job = Path(job)
     cfg = JobConfig.load(job)
@@ -150,8 +150,7 @@ def run_job_ray(job: Path, opts: RayOptions, progress: bool = True):  # noqa: AN
         workers = [Actor.remote(cfg.model, cfg.engine, threads)
                    for _ in range(opts.model_workers)]
         tiling = ray.get(workers[0].tiling_config.remote())
-        final = _drive(ray, store, cfg, workers, tiling, opts, c, progress, job.name,
-                       _begin_run)
+        final = _drive(ray, store, cfg, workers, tiling, opts, c, progress, job.name)
         _end_run(store, final)
     finally:
         store.close()
@@ -161,9 +160,11 @@ def run_job_ray(job: Path, opts: RayOptions, progress: bool = True):  # noqa: AN
 
 
 def _drive(ray, store: JobStore, cfg, workers: list, tiling: TilingConfig,  # noqa: ANN001, PLR0913
-           opts: RayOptions, counts, progress: bool, name: str, begin) -> str:  # noqa: ANN001
+           opts: RayOptions, counts, progress: bool, name: str) -> str:  # noqa: ANN001
+    from jobs.job import _begin_run
+
     prepare = ray.remote(num_cpus=1, max_retries=0)(_prepare)
-    begin(store, counts)
+    _begin_run(store, counts)
     bar = tqdm(total=counts.total, initial=counts.total - counts.pending, unit="img",
                disable=not progress, file=sys.stderr, desc=f"job {name} (ray)",
                dynamic_ncols=True)

@@ -33,8 +33,9 @@ class ImageError(ValueError):
 
 def check_header(data: bytes, max_pixels: int) -> tuple[int, int, str] | None:
     """Raise ImageError if the header declares more than ``max_pixels``; formats Pillow cannot
-    identify pass (their size is checked after decoding). Returns (width, height, format) as
-    stored (before EXIF orientation), or None when the header could not be read."""
+    identify pass (their size is checked after decoding). Returns (width, height, format),
+    for a JPEG after the EXIF orientation OpenCV applies (tags 5-8 swap the axes), or None
+    when the header could not be read."""
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -43,6 +44,8 @@ def check_header(data: bytes, max_pixels: int) -> tuple[int, int, str] | None:
             with Image.open(io.BytesIO(data)) as im:
                 w, h = im.size
                 fmt = im.format or ""
+                if fmt == "JPEG" and _exif_orientation(im) in (5, 6, 7, 8):
+                    w, h = h, w
     except Image.DecompressionBombError as e:  # over 2x Pillow's limit: size not returned
         limit = 2 * (Image.MAX_IMAGE_PIXELS or 0)
         if max_pixels <= limit:
@@ -103,7 +106,7 @@ def decode_for(data: bytes, need, max_pixels: int = DEFAULT_MAX_PIXELS,  # noqa:
     reduce = 1
     full = None
     if header is not None and header[2] == "JPEG":
-        w, h = _oriented(data, header[0], header[1])
+        w, h = header[:2]
         nw, nh = need(w, h)
         while reduce < 8 and w // (2 * reduce) >= nw and h // (2 * reduce) >= nh:
             reduce *= 2
@@ -117,13 +120,8 @@ def decode_for(data: bytes, need, max_pixels: int = DEFAULT_MAX_PIXELS,  # noqa:
     return img, full
 
 
-def _oriented(data: bytes, w: int, h: int) -> tuple[int, int]:
-    """(w, h) after the EXIF orientation OpenCV applies (tags 5-8 swap the axes)."""
-    from PIL import Image
-
+def _exif_orientation(im) -> int:  # noqa: ANN001
     try:
-        with Image.open(io.BytesIO(data)) as im:
-            orientation = im.getexif().get(0x0112, 1)
+        return int(im.getexif().get(0x0112, 1))
     except Exception:  # noqa: BLE001  (a broken EXIF block: OpenCV ignores it too)
-        return w, h
-    return (h, w) if orientation in (5, 6, 7, 8) else (w, h)
+        return 1
