@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from pipeline.llm import _hf_key
 from pipeline.model import normalise_key, raw_state_dict
 from quant.int4 import dequantize, pack_int32, unpack_int32
 
@@ -50,24 +51,27 @@ def quantization_config(group_size: int, method: str, samples: int) -> dict:
 
 def save_quantized(src: Path, out: Path, llm_state: dict[str, torch.Tensor],
                    qweights: dict[str, tuple[torch.Tensor, torch.Tensor]], group_size: int,
-                   method: str, samples: int, hf_key, raw_key_of) -> Path:  # noqa: ANN001
+                   method: str, samples: int) -> Path:
     """Write the quantised checkpoint to ``out``.
 
     llm_state: our language-model state dict (names like ``layers.0.q_proj.weight``);
-    qweights: ``{"layers.0.q_proj": (q, scale)}``; hf_key: our name -> normalised HF key;
-    raw_key_of: normalised key -> the key as the source files spell it.
+    qweights: ``{"layers.0.q_proj": (q, scale)}``. Language-model tensors keep the key
+    spelling of the source files (read once, here).
     """
     out.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
         if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
             shutil.copy2(f, out / f.name)
     tensors: dict[str, torch.Tensor] = {}
-    for raw, t in raw_state_dict(src).items():
+    source = raw_state_dict(src)
+    raw_key_of = {normalise_key(k): k for k in source}
+    for raw, t in source.items():
         if not is_llm_key(normalise_key(raw)):
             tensors[raw] = t
+    del source
     dtype = next(iter(llm_state.values())).dtype
     for name, t in llm_state.items():
-        key = hf_key(name)
+        key = _hf_key(name)
         if key == "lm_head.weight" and "lm_head.weight" not in raw_key_of:
             continue  # tied to the embeddings
         raw = raw_key_of.get(key, "model." + key)

@@ -15,8 +15,7 @@ from pathlib import Path
 
 from jobs.manifest import ImageItem
 from pipeline.config import ConfigError, EngineConfig, ModelConfig
-from pipeline.llm import _hf_key
-from pipeline.model import DEFAULT_MODEL, normalise_key, raw_state_dict
+from pipeline.model import DEFAULT_MODEL
 from quant.calibrate import METHODS, quantize_llm
 from quant.checkpoint import save_quantized
 
@@ -81,7 +80,5 @@ def quantize_model(model: Path | None, out: Path, method: str, items: list[Image
 
     qweights, report = quantize_llm(llm, run_calibration, method, group_size,
                                     progress=progress)
-    raw_key_of = {normalise_key(k): k for k in raw_state_dict(src)}
-    save_quantized(src, out, llm.state_dict(), qweights, group_size, method, n, _hf_key,
-                   raw_key_of)
+    save_quantized(src, out, llm.state_dict(), qweights, group_size, method, n)
     return QuantizeResult(out, method, n, len(qweights), report)
