@@ -8,9 +8,20 @@ own shape scenes (``scripts/shapes.py``: counts, positions, several tiles per im
 Training uses the project's own preprocessing (OpenCV decode/resize, InternVL tiling) so
 training and serving see the same pixels. Each step encodes a batch of images once and asks
 each up to ``--q-per-image`` questions; the loss is next-token cross-entropy on the answer and
-its ``<|im_end|>``.
+its ``<|im_end|>``, plus two auxiliary losses whose heads are thrown away (the saved model is
+a plain InternVL):
 
-    python scripts/train_default_model.py --out pipeline/default_model --minutes 45
+- *aux*: the image's shapes and colours from the mean-pooled vision features (stage 1 trains
+  the encoder on it alone);
+- *match*: at each shape or colour word of a question (" red", " circle"), whether the image
+  has that attribute, read by a linear head off the language model's hidden state after
+  ``--match-layer`` layers. A yes/no question needs the question's word bound to the image:
+  the answer's colour word ("red") and the question's (" red") are different tokens, and
+  without this loss the model sat at the question-only prior for ~1,000 steps and learnt
+  colour binding only partly in 60 minutes (0.71 on colour questions whose answer depends on
+  a match). With it, a 14-minute one-thread run on easy-vqa alone reached 0.99 on them.
+
+See README "The built-in model" for the committed command.
 """
 
 from __future__ import annotations
@@ -171,6 +182,12 @@ class Batcher:
             tokenize=False, add_generation_prompt=True)
         self.head, self.tail = pre.split("<IMG_CONTEXT>")[0], pre.split("<IMG_CONTEXT>")[1]
         self.tail_pre, self.tail_post = self.tail.split("Q")
+        # token id of each attribute word as it appears inside a question -> index in AUX
+        self.attribute = {}
+        for k, word in enumerate(AUX):
+            ids = tok.encode(" " + word, add_special_tokens=False)
+            if len(ids) == 1:
+                self.attribute[ids[0]] = k
 
     def sequence(self, n_tiles: int, question: str, answer: str) -> tuple[list[int], int]:
         enc = self.tok.encode
@@ -205,6 +222,12 @@ def main() -> None:
     ap.add_argument("--yes-no-only", action="store_true",
                     help="stage 2b on yes/no questions only")
     ap.add_argument("--warmup", type=int, default=100, help="stage 2 warm-up steps")
+    ap.add_argument("--match-weight", type=float, default=1.0,
+                    help="weight of the stage-2 match loss: at each shape or colour word of a "
+                         "question, whether the image has it, read off --match-layer")
+    ap.add_argument("--match-layer", type=int, default=2)
+    ap.add_argument("--buckets", type=int, default=3,
+                    help="length buckets the language-model batch is split into")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -269,12 +292,13 @@ def main() -> None:
 def train_lm(model, aux_head, batcher: Batcher, data: list, budget: float,  # noqa: ANN001
              args: argparse.Namespace, log_lines: list[str], tok, stage: str) -> int:  # noqa: ANN001
     """Stage 2: everything, on answer tokens (+ the auxiliary loss); cosine LR with warm-up."""
-    params = list(model.parameters()) + list(aux_head.parameters())
+    match = torch.nn.Linear(model.config.text_config.hidden_size, 1)
+    params = list(model.parameters()) + list(aux_head.parameters()) + list(match.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = args.warmup
     start = time.time()
     step = 0
-    ema = ema_aux = None
+    ema = ema_aux = ema_match = None
     order = list(range(len(data)))
     rng = random.Random(args.seed)
     pos = len(order)
@@ -288,18 +312,22 @@ def train_lm(model, aux_head, batcher: Batcher, data: list, budget: float,  # no
             pos = 0
         chosen = order[pos: pos + args.images_per_step]
         pos += args.images_per_step
-        loss, aux = train_step(model, aux_head, batcher, [data[i] for i in chosen],
-                               args.q_per_image, rng)
+        loss, aux, match_loss = train_step(
+            model, aux_head, batcher, [data[i] for i in chosen], args.q_per_image, rng,
+            match, args.match_layer, args.buckets)
         opt.zero_grad(set_to_none=True)
-        (loss + args.aux_weight * aux).backward()
+        (loss + args.aux_weight * aux + args.match_weight * match_loss).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
         ema_aux = aux.item() if ema_aux is None else 0.98 * ema_aux + 0.02 * aux.item()
+        ema_match = (match_loss.item() if ema_match is None
+                     else 0.98 * ema_match + 0.02 * match_loss.item())
         step += 1
         if step % 50 == 0:
             log_lines.append(f"stage {stage} step {step} t={time.time() - start:.0f}s "
-                             f"lr={lr:.2e} loss={ema:.4f} aux={ema_aux:.4f}")
+                             f"lr={lr:.2e} loss={ema:.4f} aux={ema_aux:.4f} "
+                             f"match={ema_match:.4f}")
             print(log_lines[-1], flush=True)
         if step % 500 == 0:
             save(model, tok, args.out)
@@ -341,7 +369,8 @@ def save(model, tok, out: Path) -> None:  # noqa: ANN001
 
 
 def train_step(model, aux_head, batcher: Batcher, items: list, q_per_image: int,  # noqa: ANN001
-               rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
+               rng: random.Random, match, match_layer: int,  # noqa: ANN001
+               buckets: int = 1) -> tuple[torch.Tensor, ...]:
     tiles = np.concatenate([d[0] for d in items])
     pixel_values = normalise(tiles)
     out = model.model.get_image_features(pixel_values=pixel_values)
@@ -350,12 +379,13 @@ def train_step(model, aux_head, batcher: Batcher, items: list, q_per_image: int,
     last = torch.tensor(np.cumsum([len(d[0]) for d in items]) - 1)
     pooled = out.last_hidden_state[last, 1:].mean(1)  # [images, C]
     target = torch.from_numpy(np.stack([d[2] for d in items]))
-    mask = torch.from_numpy(np.stack([d[3] for d in items]))
+    target_mask = torch.from_numpy(np.stack([d[3] for d in items]))
     aux = (torch.nn.functional.binary_cross_entropy_with_logits(
-        aux_head(pooled), target, reduction="none") * mask).sum() / mask.sum().clamp(min=1)
-    seqs, prompts, img_feats = [], [], []
+        aux_head(pooled), target, reduction="none") * target_mask).sum() / (
+        target_mask.sum().clamp(min=1))
+    seqs, prompts, img_feats, owner = [], [], [], []
     first = 0
-    for t, qa, *_ in items:
+    for j, (t, qa, *_) in enumerate(items):
         n = len(t)
         f = feats[first: first + n].reshape(-1, feats.shape[-1])
         first += n
@@ -366,6 +396,30 @@ def train_step(model, aux_head, batcher: Batcher, items: list, q_per_image: int,
             seqs.append(ids)
             prompts.append(n_prompt)
             img_feats.append(f)
+            owner.append(j)
+    # The language model runs on length buckets (scenes have up to 7 tiles, easy-vqa images
+    # one), so short prompts are not padded to the longest (3 buckets: ~2x faster); each loss
+    # is a sum over the buckets divided by its total count, i.e. the same mean as one padded
+    # batch.
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    chunks = [c for c in np.array_split(np.array(order), buckets) if len(c)]
+    totals = []
+    for chunk in chunks:
+        totals.append(_lm_losses(model, batcher, [seqs[i] for i in chunk],
+                                 [prompts[i] for i in chunk], [img_feats[i] for i in chunk],
+                                 target[[owner[i] for i in chunk]],
+                                 target_mask[[owner[i] for i in chunk]], match, match_layer))
+    sums = [sum(t[k][0] for t in totals) for k in range(2)]
+    counts = [sum(t[k][1] for t in totals) for k in range(2)]
+    return sums[0] / max(counts[0], 1), aux, sums[1] / max(counts[1], 1)
+
+
+def _lm_losses(model, batcher: Batcher, seqs: list[list[int]], prompts: list[int],  # noqa: ANN001
+               img_feats: list[torch.Tensor], target: torch.Tensor, target_mask: torch.Tensor,
+               match, match_layer: int) -> list[tuple[torch.Tensor, float]]:  # noqa: ANN001
+    """(sum, count) of the answer cross-entropy and of the match loss for one padded batch of
+    sequences; ``target``/``target_mask`` [len(seqs), len(AUX)] per sequence."""
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
     T = max(len(s) for s in seqs)
     pad = batcher.tok.pad_token_id
     input_ids = torch.full((len(seqs), T), pad, dtype=torch.long)
@@ -378,7 +432,21 @@ def train_step(model, aux_head, batcher: Batcher, items: list, q_per_image: int,
     embeds = model.model.get_input_embeddings()(input_ids)
     mask = (input_ids == batcher.ctx).unsqueeze(-1)
     embeds = embeds.masked_scatter(mask, torch.cat(img_feats))
-    return model(inputs_embeds=embeds, attention_mask=attn, labels=labels).loss, aux
+    out = model(inputs_embeds=embeds, attention_mask=attn, output_hidden_states=True)
+    shifted = labels[:, 1:]
+    ce = torch.nn.functional.cross_entropy(
+        out.logits[:, :-1].reshape(-1, out.logits.shape[-1]), shifted.reshape(-1),
+        ignore_index=-100, reduction="sum")
+    # match: at each attribute word of a question, whether the image has that attribute
+    attr = torch.full_like(input_ids, -1)
+    for token, k in batcher.attribute.items():
+        attr[input_ids == token] = k
+    row, col = (attr >= 0).nonzero(as_tuple=True)
+    k = attr[row, col]
+    logit = match(out.hidden_states[match_layer][row, col]).squeeze(-1)
+    w = target_mask[row, k]
+    match_sum = (bce(logit, target[row, k], reduction="none") * w).sum()
+    return [(ce, float((shifted != -100).sum())), (match_sum, float(w.sum()))]
 
 
 def preprocessor_config() -> dict:
