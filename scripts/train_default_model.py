@@ -27,6 +27,7 @@ See README "The built-in model" for the committed command.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -41,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.tokenizer import build_tokenizer  # noqa: E402
 from preprocessing.decode import decode  # noqa: E402
 from preprocessing.prepare import TilingConfig, prepare  # noqa: E402
-from scripts.shapes import COLORS, SHAPES, make_questions, make_scene  # noqa: E402
+from scripts.shapes import COLORS, SHAPES, Scene, make_questions, make_scene  # noqa: E402
 
 # Auxiliary targets: presence of each shape and colour, predicted by a throw-away linear head
 # on the mean-pooled vision features (the head is not saved). Trained end to end only, the
@@ -54,8 +55,7 @@ AUX = list(SHAPES) + list(COLORS)
 MEAN = (0.485, 0.456, 0.406)  # ImageNet statistics, as InternVL uses
 STD = (0.229, 0.224, 0.225)
 TILING = TilingConfig(tile_size=112, min_tiles=1, max_tiles=6, use_thumbnail=True)
-REDUCED = TilingConfig(tile_size=112, min_tiles=1, max_tiles=6, use_thumbnail=True,
-                       mode="reduced")
+REDUCED = dataclasses.replace(TILING, mode="reduced")
 
 
 def model_config(vocab_size: int, image_token_id: int, eos_id: int, pad_id: int):  # noqa: ANN201
@@ -141,14 +141,19 @@ def load_data(n_scenes: int, seed: int, colour_pairs: int = 1,
                      qa + balanced_questions(target, mask, rng, colour_pairs), target, mask))
     for _ in range(n_scenes):
         scene = make_scene(rng)
-        target = np.array([any(s.kind == k or s.color == k for s in scene.shapes) for k in AUX],
-                          np.float32)
+        target = scene_target(scene)
         qa = make_questions(scene, rng, 8)
         ones = np.ones(len(AUX), np.float32)
         data.append((prepare(scene.image, TILING).tiles, qa, target, ones))
         if reduced_scenes:
             data.append((prepare(scene.image, REDUCED).tiles, qa, target, ones))
     return data
+
+
+def scene_target(scene: Scene) -> np.ndarray:
+    """[len(AUX)] float32: 1 for each shape kind and colour the scene has, else 0."""
+    return np.array([any(s.kind == k or s.color == k for s in scene.shapes) for k in AUX],
+                    np.float32)
 
 
 def corpus(data: list) -> list[str]:
@@ -398,27 +403,28 @@ def train_step(model, aux_head, batcher: Batcher, items: list, q_per_image: int,
             img_feats.append(f)
             owner.append(j)
     # The language model runs on length buckets (scenes have up to 7 tiles, easy-vqa images
-    # one), so short prompts are not padded to the longest (3 buckets: ~2x faster); each loss
-    # is a sum over the buckets divided by its total count, i.e. the same mean as one padded
-    # batch.
+    # one), so short prompts are not padded to the longest (3 buckets: ~1.5x more steps in the
+    # committed run); each loss is a sum over the buckets divided by its total count, i.e. the
+    # same mean as one padded batch.
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    chunks = [c for c in np.array_split(np.array(order), buckets) if len(c)]
-    totals = []
-    for chunk in chunks:
-        totals.append(_lm_losses(model, batcher, [seqs[i] for i in chunk],
-                                 [prompts[i] for i in chunk], [img_feats[i] for i in chunk],
-                                 target[[owner[i] for i in chunk]],
-                                 target_mask[[owner[i] for i in chunk]], match, match_layer))
-    sums = [sum(t[k][0] for t in totals) for k in range(2)]
-    counts = [sum(t[k][1] for t in totals) for k in range(2)]
-    return sums[0] / max(counts[0], 1), aux, sums[1] / max(counts[1], 1)
+    ce = n_ce = match_sum = n_match = 0
+    for chunk in np.array_split(np.array(order), buckets):
+        if not len(chunk):
+            continue
+        own = [owner[i] for i in chunk]
+        c, n, m, w = _lm_losses(model, batcher, [seqs[i] for i in chunk],
+                                [prompts[i] for i in chunk], [img_feats[i] for i in chunk],
+                                target[own], target_mask[own], match, match_layer)
+        ce, n_ce, match_sum, n_match = ce + c, n_ce + n, match_sum + m, n_match + w
+    return ce / max(n_ce, 1), aux, match_sum / max(n_match, 1)
 
 
 def _lm_losses(model, batcher: Batcher, seqs: list[list[int]], prompts: list[int],  # noqa: ANN001
                img_feats: list[torch.Tensor], target: torch.Tensor, target_mask: torch.Tensor,
-               match, match_layer: int) -> list[tuple[torch.Tensor, float]]:  # noqa: ANN001
-    """(sum, count) of the answer cross-entropy and of the match loss for one padded batch of
-    sequences; ``target``/``target_mask`` [len(seqs), len(AUX)] per sequence."""
+               match, match_layer: int,  # noqa: ANN001
+               ) -> tuple[torch.Tensor, float, torch.Tensor, float]:
+    """(sum, count) of the answer cross-entropy, then of the match loss, for one padded batch
+    of sequences; ``target``/``target_mask`` [len(seqs), len(AUX)] per sequence."""
     bce = torch.nn.functional.binary_cross_entropy_with_logits
     T = max(len(s) for s in seqs)
     pad = batcher.tok.pad_token_id
@@ -446,7 +452,7 @@ def _lm_losses(model, batcher: Batcher, seqs: list[list[int]], prompts: list[int
     logit = match(out.hidden_states[match_layer][row, col]).squeeze(-1)
     w = target_mask[row, k]
     match_sum = (bce(logit, target[row, k], reduction="none") * w).sum()
-    return [(ce, float((shifted != -100).sum())), (match_sum, float(w.sum()))]
+    return ce, float((shifted != -100).sum()), match_sum, float(w.sum())
 
 
 def preprocessor_config() -> dict:

@@ -16,7 +16,7 @@ import torch
 from pipeline.model import DEFAULT_MODEL
 from preprocessing.prepare import prepare
 from scripts.shapes import make_questions, make_scene
-from scripts.train_default_model import AUX, TILING, Batcher, model_config, train_step
+from scripts.train_default_model import AUX, TILING, Batcher, model_config, scene_target, train_step
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +38,8 @@ def scene_items(n: int, seed: int) -> list[tuple]:
     items = []
     for _ in range(n):
         scene = make_scene(rng)
-        target = np.array([any(s.kind == k or s.color == k for s in scene.shapes) for k in AUX],
-                          np.float32)
-        items.append((prepare(scene.image, TILING).tiles, make_questions(scene, rng, 4), target,
-                      np.ones(len(AUX), np.float32)))
+        items.append((prepare(scene.image, TILING).tiles, make_questions(scene, rng, 4),
+                      scene_target(scene), np.ones(len(AUX), np.float32)))
     return items
 
 
