@@ -15,7 +15,8 @@ recorded after that clone, so a consumer on another stream or on the CPU never r
 half-written tensor. ``tests/cudagraph_pool`` has the GPU test that shows the guard matters.
 
 Without CUDA (or with ``use_graphs=False``) the pool calls the function directly with the same
-bucketing, padding and splitting, so the logic is tested on CPU with a fake callable.
+bucketing, padding and splitting, so the logic is tested on CPU with a fake callable. What the
+callable may do inside a capture is checked on the CPU too: ``cudagraph_pool.hazards``.
 """
 
 from __future__ import annotations
@@ -81,8 +82,14 @@ class GraphPool:
                 self.fn(static_in)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=mempool):
-                static_out = self.fn(static_in)
+            try:  # capture on the warm-up's stream: per-stream workspaces already exist there
+                with torch.cuda.graph(graph, pool=mempool, stream=stream):
+                    static_out = self.fn(static_in)
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"CUDA graph capture of batch {b} failed: {e}. The callable does host work "
+                    "inside its forward; cudagraph_pool.capture_hazards(fn, x) names the op on "
+                    "the CPU. To run without graphs: --no-cuda-graphs.") from e
             self.graphs[b] = _Graph(graph, static_in, static_out)
         torch.cuda.synchronize(self.device)
         self.graph_bytes = torch.cuda.memory_allocated(self.device) - before

@@ -123,6 +123,21 @@ class VisionEncoder(nn.Module):
         # so that .to(bf16) leaves them exact; applied in fp32 like the reference.
         self.scale = [1.0 / (255.0 * sd) for sd in s.std]
         self.shift = [-m / sd for m, sd in zip(s.mean, s.std)]
+        self._affine: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def affine(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``(scale, shift)``, each ``[1, 3, 1, 1]``, on ``device``.
+
+        Built on a device's first call and kept (a plain attribute, so ``.to()`` never casts
+        them): building them in every ``forward`` would be a host-to-device copy, which CUDA
+        graph capture cannot record (``cudagraph_pool.hazards``). The graph pool's warm-up call
+        is that first call.
+        """
+        if device not in self._affine:
+            self._affine[device] = (
+                torch.tensor(self.scale, device=device).view(1, 3, 1, 1),
+                torch.tensor(self.shift, device=device).view(1, 3, 1, 1))
+        return self._affine[device]
 
     def positions(self, grid_h: int, grid_w: int) -> torch.Tensor:
         """Position embeddings ``[1, 1 + gh*gw, C]``, bicubic-resized if the tile size differs."""
@@ -145,8 +160,7 @@ class VisionEncoder(nn.Module):
     def forward(self, tiles: torch.Tensor) -> torch.Tensor:
         # tiles: [N, S, S, 3] uint8 -> x: [N, 3, S, S] in the weights' dtype
         dtype = self.patch_embed.weight.dtype  # normalise in fp32 (as the reference), then cast
-        scale = torch.tensor(self.scale, device=tiles.device).view(1, 3, 1, 1)
-        shift = torch.tensor(self.shift, device=tiles.device).view(1, 3, 1, 1)
+        scale, shift = self.affine(tiles.device)
         x = (tiles.permute(0, 3, 1, 2).float() * scale + shift).to(dtype)
         x = self.patch_embed(x)  # [N, C, gh, gw]
         n, c, gh, gw = x.shape
