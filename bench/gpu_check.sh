@@ -1,21 +1,48 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark in one run, for a lent GPU machine (the `device` tool) or any
-# CUDA box: GPU tests, the ViT benchmark (eager fp16/bf16 vs graph pool vs TensorRT when it
-# imports), and the end-to-end QPM benchmark on CUDA. Writes a short report to $OUT (or ./out).
-# Budget: about 5 minutes on an H200; nothing is downloaded.
+# CUDA box. Nothing is downloaded: on the lent machine first run bench/gpu_wheels.sh here and
+# carry .whl (see that script). Steps, each under its own time limit:
+#   1. the GPU tests (pytest -m gpu): graph pool vs eager and the race guard, the whole engine
+#      on CUDA vs the CPU (fp32 with and without graphs, bf16, prefix cache, the CLI), the
+#      int4 tinygemm kernel, TensorRT (skipped where tensorrt is not installed);
+#   2. bench/vit.py: eager fp16/bf16 vs graph pool (vs TensorRT when it imports), batch 1..32,
+#      the built-in encoder and the InternViT-300M shape;
+#   3. bench/qpm.py on CUDA, bf16: transformers baseline vs vlmbatch rows;
+#   4. bench/quant.py --linears-only on CUDA: fp32 vs bf16 vs W4A16 (tinygemm) linears.
+# Writes the whole log to $OUT/gpu_check.txt (./out without $OUT) and ends with a table of
+# steps, exit codes and seconds. About 3-5 minutes on an H200; at most 10 (the limits).
 #
 #   bash bench/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-out}"; mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
+PY="${PYTHON:-python3}"  # the lent machine's torch lives in its python3; it may have no `python`
+log="$out/gpu_check.txt"; : > "$log"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl 2>&1 | tee -a "$log"
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+summary=()
+step() {  # step NAME LIMIT_S CMD...: full output to the log, its tail to stdout
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "== $name: $*" | tee -a "$log"
+  timeout "$limit" "$@" 2>&1 | tee -a "$log" | tail -n 30
+  local rc=${PIPESTATUS[0]}
+  summary+=("$(printf '| %-14s | %3s | %4ss |' "$name" "$rc" "$((SECONDS - t0))")")
+}
 {
-  echo "== $(date -u) $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1)"
-  python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available())"
-  echo "== GPU tests (pytest -m gpu)"
-  timeout 240 python -m pytest -q -m gpu -rs -p no:cacheprovider tests 2>&1 | tail -15
-  echo "== ViT benchmark (InternViT-300M shape, tiles/s)"
-  timeout 240 python bench/vit.py --device cuda --encoders 300m --reps 10 2>&1 | tail -20
-  echo "== W4A16 vs bf16 linears (Qwen2-0.5B layer shapes, CPU side of the same script)"
-  timeout 120 python bench/quant.py --linears-only --rounds 2 2>&1 | tail -8
-} 2>&1 | tee "$out/gpu_check.txt"
+  echo "== $(date -u) $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1)"
+  "$PY" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available(), 'transformers', transformers.__version__)"
+  "$PY" -c "import tensorrt; print('tensorrt', tensorrt.__version__)" 2>&1 | tail -1
+} 2>&1 | tee -a "$log"
+step "gpu tests" 240 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider tests
+step "vit bench" 150 "$PY" bench/vit.py --device cuda --encoders builtin,300m --reps 20
+step "qpm bench" 150 "$PY" bench/qpm.py --device cuda --dtype bfloat16 --images 200
+step "int4 linears" 60 "$PY" bench/quant.py --linears-only --device cuda --rounds 3
+{
+  echo; echo "| step | rc | time |"; echo "|---|---|---|"
+  printf '%s\n' "${summary[@]}"
+} | tee -a "$log"

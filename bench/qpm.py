@@ -8,7 +8,11 @@
     each image encoded once, batched prefill), the same path as ``vlmbatch run``;
 (c) vlmbatch with the image-aware prefix cache (the default): an image's prefix is prefilled
     once and reused by its other questions;
-(d) (c) with the vision encoder on onnxruntime (when installed).
+(d) (c) with the vision encoder on onnxruntime (CPU; on CUDA only with onnxruntime-gpu);
+(e) on CUDA, (c) with the vision encoder run eagerly instead of through the CUDA graph pool.
+
+``--device cuda --dtype bfloat16`` runs every row, the baseline included, on the GPU
+(bench/gpu_check.sh does).
 
 Both answer the first ``--images`` images of easy-vqa's *test* split (all their yes/no
 questions); the script prints QPM for each, the ratio, each one's accuracy and how often
@@ -18,6 +22,7 @@ cumulative). Same thread count for all (``--threads``). Not a test: timings on s
 machines are noisy, so compare the two rows of one run, not runs across machines.
 
     python bench/qpm.py --images 100
+    python bench/qpm.py --images 200 --device cuda --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jobs.runner import answer_group  # noqa: E402
-from pipeline.config import EngineConfig  # noqa: E402
+from pipeline.config import DTYPES, EngineConfig  # noqa: E402
 from pipeline.engine import TorchEngine  # noqa: E402
 from pipeline.evaluate import easy_vqa_items  # noqa: E402
 from pipeline.model import DEFAULT_MODEL, load_model  # noqa: E402
@@ -47,11 +52,12 @@ BASELINE_PROMPT_LENS: list = []  # the baseline prefills every prompt token
 
 
 def baseline(model_dir: Path, items: list, tok, answers: AnswerTokens,  # noqa: ANN001
-             warm: list) -> tuple[list, float]:
+             warm: list, device: str = "cpu", dtype: torch.dtype = torch.float32
+             ) -> tuple[list, float]:
     from transformers import InternVLForConditionalGeneration
 
     ref = InternVLForConditionalGeneration.from_pretrained(
-        str(model_dir), attn_implementation="sdpa").eval()
+        str(model_dir), attn_implementation="sdpa").to(device, dtype).eval()
     spec = load_model(model_dir).spec
     t = spec.tiling
     yes, no = list(answers.yes_ids), list(answers.no_ids)
@@ -66,7 +72,8 @@ def baseline(model_dir: Path, items: list, tok, answers: AnswerTokens,  # noqa: 
                     pv = pixel_values(tiles, spec.vision.mean, spec.vision.std)
                     ids = torch.tensor([prompts.build(q.text, len(tiles)).ids])
                     BASELINE_PROMPT_LENS.append(ids[0])
-                    logits = ref(input_ids=ids, pixel_values=pv).logits[0, -1]
+                    logits = ref(input_ids=ids.to(device),
+                                 pixel_values=pv.to(device, dtype)).logits[0, -1].float()
                     out.append(float(torch.sigmoid(logits[yes].logsumexp(-1)
                                                    - logits[no].logsumexp(-1))))
         return out
@@ -78,18 +85,26 @@ def baseline(model_dir: Path, items: list, tok, answers: AnswerTokens,  # noqa: 
     return out, time.perf_counter() - start
 
 
-def ours(model_dir: Path, items: list, images_per_batch: int,
-         cache: bool, warm: list, vit: str = "torch") -> tuple[list, float, TorchEngine]:
-    model = load_model(model_dir)
+def ours(model_dir: Path, items: list, images_per_batch: int, cache: bool, warm: list,
+         vit: str = "torch", device: str = "cpu", dtype: torch.dtype = torch.float32,
+         graphs: bool = True) -> tuple[list, float, TorchEngine]:
+    model = load_model(model_dir, device, dtype)
     tiling = model.spec.tiling
-    runner = make_runner(vit, model)
-    answer_group(TorchEngine(model, EngineConfig(prefix_cache=cache), runner), tiling, warm)
-    engine = TorchEngine(model, EngineConfig(prefix_cache=cache), runner)  # fresh cache, counters
+    runner = make_runner(vit, model, device, cuda_graphs=graphs)
+    cfg = EngineConfig(prefix_cache=cache, cuda_graphs=graphs)
+    answer_group(TorchEngine(model, cfg, runner), tiling, warm)
+    engine = TorchEngine(model, cfg, runner)  # fresh cache, counters
     out = []
     start = time.perf_counter()
     for g in range(0, len(items), images_per_batch):
         out += [ln["p_yes"] for ln in answer_group(engine, tiling, items[g: g + images_per_batch])]
     return out, time.perf_counter() - start, engine
+
+
+def ort_cuda() -> bool:
+    import onnxruntime
+
+    return "CUDAExecutionProvider" in onnxruntime.get_available_providers()
 
 
 def peak_rss_mib() -> float:
@@ -102,8 +117,12 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=100, help="first N easy-vqa test images")
     ap.add_argument("--images-per-batch", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (every row, baseline too)")
+    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+    cuda = args.device.startswith("cuda")
 
     items = easy_vqa_items("test")[: args.images]
     warm = easy_vqa_items("train")[:4]  # untimed warm-up for every path
@@ -113,23 +132,27 @@ def main() -> None:
     answers = AnswerTokens.from_words(tok, EngineConfig().yes_words, EngineConfig().no_words)
 
     rows = []
-    paths = [("vlmbatch, no prefix cache", False, "torch"),
-             ("vlmbatch, prefix cache", True, "torch")]
-    if importlib.util.find_spec("onnxruntime") is not None:
-        paths.append(("vlmbatch, cache, ORT ViT", True, "onnxruntime"))
-    for name, cache, vit in paths:
-        ps, secs, eng = ours(args.model, items, args.images_per_batch, cache, warm, vit)
+    paths = [("vlmbatch, no prefix cache", False, "torch", True),
+             ("vlmbatch, prefix cache", True, "torch", True)]
+    if cuda:
+        paths.append(("vlmbatch, cache, eager ViT", True, "torch", False))
+    if importlib.util.find_spec("onnxruntime") is not None and (not cuda or ort_cuda()):
+        paths.append(("vlmbatch, cache, ORT ViT", True, "onnxruntime", True))
+    for name, cache, vit, graphs in paths:
+        ps, secs, eng = ours(args.model, items, args.images_per_batch, cache, warm, vit,
+                             args.device, dtype, graphs)
         hit = f"{eng.cache.stats.hit_rate():.2f}" if eng.cache is not None else "-"
         rows.append((name, secs, ps, hit, eng.stats.prefill_tokens / n, peak_rss_mib()))
-    p_base, t_base = baseline(args.model, items, tok, answers, warm)
+    p_base, t_base = baseline(args.model, items, tok, answers, warm, args.device, dtype)
     rows.insert(0, ("baseline (transformers)", t_base, p_base, "-",
                     sum(len(p) for p in BASELINE_PROMPT_LENS) / n, peak_rss_mib()))
 
     def acc(ps: list) -> float:
         return sum(("yes" if p >= 0.5 else "no") == a for p, a in zip(ps, truth)) / n
 
-    print(f"easy-vqa test: {len(items)} images, {n} yes/no questions, "
-          f"{torch.get_num_threads()} threads, model {args.model.name}")
+    where = (torch.cuda.get_device_name() if cuda else f"{torch.get_num_threads()} threads")
+    print(f"easy-vqa test: {len(items)} images, {n} yes/no questions, {where}, {args.dtype}, "
+          f"model {args.model.name}")
     print(f"{'path':<28}{'seconds':>9}{'QPM':>9}{'x base':>8}{'accuracy':>10}{'agree':>8}"
           f"{'hit rate':>10}{'prefill/q':>11}{'peak RSS MiB':>14}")
     for name, secs, ps, hit, per_q, rss in rows:

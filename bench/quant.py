@@ -110,27 +110,37 @@ QWEN05_LINEARS = [(896, 896), (896, 128), (896, 128), (896, 896), (896, 4864), (
                   (4864, 896)]
 
 
-def linear_bench(rounds: int, group_size: int = 128) -> None:
+def linear_bench(rounds: int, group_size: int = 128, device: str = "cpu") -> None:
     """Time one Qwen2-0.5B decoder layer's linears (random weights) per kind of weight, for a
-    decode-sized batch (16 rows) and a prefill-sized one (2,048 rows)."""
+    decode-sized batch (16 rows) and a prefill-sized one (2,048 rows). On CUDA the W4A16 row
+    runs torch's tinygemm int4 kernel with bf16 activations and int8 dynamic (CPU only) is
+    left out."""
     from quant.int4 import rtn
 
+    cuda = device.startswith("cuda")
     g = torch.Generator().manual_seed(0)
-    kinds: dict[str, list] = {"fp32": [], "bf16": [], "w4a16 (int4, bf16 act)": [],
-                              "int8 dynamic": []}
+    w4 = "w4a16 (int4, bf16 act)"
+    kinds: dict[str, list] = {"fp32": [], "bf16": [], w4: []}
+    if not cuda:
+        kinds["int8 dynamic"] = []
+    act = {"bf16": torch.bfloat16, w4: torch.bfloat16 if cuda else torch.float32}
     for k, n in QWEN05_LINEARS:
         w = torch.randn(n, k, generator=g) * 0.02
         dense = torch.nn.Linear(k, n, bias=False)
         dense.weight.data.copy_(w)
-        kinds["fp32"].append(dense)
-        kinds["bf16"].append(torch.nn.Linear(k, n, bias=False).to(torch.bfloat16))
+        kinds["fp32"].append(dense.to(device))
+        kinds["bf16"].append(torch.nn.Linear(k, n, bias=False).to(device, torch.bfloat16))
         kinds["bf16"][-1].weight.data.copy_(w)
         q, scale = rtn(w, group_size)
-        kinds["w4a16 (int4, bf16 act)"].append(Int4Linear(q, scale, None, group_size))
-        kinds["int8 dynamic"].append(torch.ao.quantization.quantize_dynamic(
-            torch.nn.Sequential(dense), {torch.nn.Linear}, dtype=torch.qint8))
-    print("\nOne Qwen2-0.5B decoder layer's 7 linears (random weights), ms per call, best of "
-          f"{rounds} interleaved rounds\n")
+        kinds[w4].append(Int4Linear(q, scale, None, group_size, device, act[w4]))
+        if not cuda:
+            kinds["int8 dynamic"].append(torch.ao.quantization.quantize_dynamic(
+                torch.nn.Sequential(dense), {torch.nn.Linear}, dtype=torch.qint8))
+    reps = 50 if cuda else 5
+    where = torch.cuda.get_device_name() if cuda else f"{torch.get_num_threads()} CPU threads"
+    print(f"\nOne Qwen2-0.5B decoder layer's 7 linears (random weights), ms per call, best of "
+          f"{rounds} interleaved rounds of {reps} calls, {where}; W4A16 kernel: "
+          f"{kinds[w4][0].kernel}\n")
     print("| weights | bytes | 16 rows (decode) | 2,048 rows (prefill) |")
     print("|---|---|---|---|")
     best: dict[tuple[str, int], float] = {}
@@ -138,24 +148,25 @@ def linear_bench(rounds: int, group_size: int = 128) -> None:
         for _ in range(rounds):
             for name, mods in kinds.items():
                 for m in (16, 2048):
-                    x = torch.randn(m, 896, generator=g)
-                    xs = [x if k == 896 else torch.randn(m, k, generator=g)
+                    xs = [torch.randn(m, k, generator=g).to(device, act.get(name, torch.float32))
                           for k, _ in QWEN05_LINEARS]
-                    dt = torch.bfloat16 if name == "bf16" else torch.float32
-                    xs = [t.to(dt) for t in xs]
                     for mod, t in zip(mods, xs):  # warm
                         mod(t)
+                    if cuda:
+                        torch.cuda.synchronize()
                     t0 = time.perf_counter()
-                    for _ in range(5):
+                    for _ in range(reps):
                         for mod, t in zip(mods, xs):
                             mod(t)
-                    el = (time.perf_counter() - t0) / 5
+                    if cuda:
+                        torch.cuda.synchronize()
+                    el = (time.perf_counter() - t0) / reps
                     best[(name, m)] = min(best.get((name, m), el), el)
     for name, mods in kinds.items():
         size = sum(llm_weight_bytes(m) for m in mods)
-        print(f"| {name} | {size / 2**20:.1f} MiB | {1e3 * best[(name, 16)]:.2f} "
+        print(f"| {name} | {size / 2**20:.1f} MiB | {1e3 * best[(name, 16)]:.3f} "
               f"({best[('fp32', 16)] / best[(name, 16)]:.2f}x) | "
-              f"{1e3 * best[(name, 2048)]:.1f} ({best[('fp32', 2048)] / best[(name, 2048)]:.2f}x) |")
+              f"{1e3 * best[(name, 2048)]:.3f} ({best[('fp32', 2048)] / best[(name, 2048)]:.2f}x) |")
 
 
 def rss_child(args: argparse.Namespace) -> None:
@@ -184,13 +195,14 @@ def main() -> None:
     ap.add_argument("--no-rss", dest="rss", action="store_false")
     ap.add_argument("--linears-only", action="store_true",
                     help="only the Qwen2-0.5B linear-layer timing")
+    ap.add_argument("--device", default="cpu", help="--linears-only: cpu or cuda")
     ap.add_argument("--rss-row", help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.rss_row:
         return rss_child(args)
     if args.linears_only:
-        return linear_bench(args.rounds)
+        return linear_bench(args.rounds, device=args.device)
 
     tmp = Path(tempfile.mkdtemp(prefix="vlmbatch-quant-"))
     calib = easy_vqa_items("train", args.calib_samples)
