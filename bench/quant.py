@@ -164,9 +164,9 @@ def linear_bench(rounds: int, group_size: int = 128, device: str = "cpu") -> Non
                     best[(name, m)] = min(best.get((name, m), el), el)
     for name, mods in kinds.items():
         size = sum(llm_weight_bytes(m) for m in mods)
-        print(f"| {name} | {size / 2**20:.1f} MiB | {1e3 * best[(name, 16)]:.3f} "
-              f"({best[('fp32', 16)] / best[(name, 16)]:.2f}x) | "
-              f"{1e3 * best[(name, 2048)]:.3f} ({best[('fp32', 2048)] / best[(name, 2048)]:.2f}x) |")
+        cells = [f"{1e3 * best[(name, m)]:.3f} ({best[('fp32', m)] / best[(name, m)]:.2f}x)"
+                 for m in (16, 2048)]
+        print(f"| {name} | {size / 2**20:.1f} MiB | {cells[0]} | {cells[1]} |")
 
 
 def rss_child(args: argparse.Namespace) -> None:

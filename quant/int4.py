@@ -96,7 +96,8 @@ class Int4Linear(nn.Module):
         # fallback storage: two values per byte, [N, K/2] uint8
         self.register_buffer("nibbles", (u[:, 0::2] | (u[:, 1::2] << 4)).to(torch.uint8))
         self.register_buffer("scale", scale.to(dtype))
-        self.register_buffer("bias", None if bias is None else bias.detach().to(device, dtype).clone())
+        self.register_buffer(
+            "bias", None if bias is None else bias.detach().to(device, dtype).clone())
         self.kernel = "unpack"
         if use_kernel:
             self._try_kernel(u, scale, device)

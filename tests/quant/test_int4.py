@@ -32,7 +32,8 @@ def test_pack_roundtrip_and_layout() -> None:
 
 def test_pack_matches_compressed_tensors() -> None:
     ct = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
-    q = torch.randint(-8, 8, (32, 128), dtype=torch.int8, generator=torch.Generator().manual_seed(2))
+    g = torch.Generator().manual_seed(2)
+    q = torch.randint(-8, 8, (32, 128), dtype=torch.int8, generator=g)
     assert torch.equal(pack_int32(q), ct.pack_to_int32(q, 4))
     assert torch.equal(ct.unpack_from_int32(pack_int32(q), 4, q.shape), q)
 
@@ -95,7 +96,7 @@ def test_awq_protects_salient_channels() -> None:
     x[:, :4] *= 30  # a few channels carry large activations, as in LLMs
     w = torch.randn(96, 128, generator=g)
     s, err, err_rtn = awq_scale([w[:48], w[48:]], x, 64)
-    assert s.shape == (128,) and bool((s[:4].mean() > s[4:].mean()))
+    assert s.shape == (128,) and bool(s[:4].mean() > s[4:].mean())
     assert err < 0.8 * err_rtn
     # the reported error is the real output error of the chosen scales
     q, scale = rtn(w * s, 64)
