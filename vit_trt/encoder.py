@@ -161,7 +161,8 @@ class VisionEncoder(nn.Module):
         # tiles: [N, S, S, 3] uint8 -> x: [N, 3, S, S] in the weights' dtype
         dtype = self.patch_embed.weight.dtype  # normalise in fp32 (as the reference), then cast
         scale, shift = self.affine(tiles.device)
-        x = (tiles.permute(0, 3, 1, 2).float() * scale + shift).to(dtype)
+        # cast first: TensorRT takes a uint8 input only straight into a Cast (ONNX: Cast, Transpose)
+        x = (tiles.float().permute(0, 3, 1, 2) * scale + shift).to(dtype)
         x = self.patch_embed(x)  # [N, C, gh, gw]
         n, c, gh, gw = x.shape
         x = x.flatten(2).transpose(1, 2)  # [N, gh*gw, C]

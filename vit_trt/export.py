@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from pipeline.model import LoadedModel
+from vit_trt.encoder import VisionEncoder
 
 INPUT, OUTPUT = "tiles", "embeds"
 
@@ -39,9 +40,15 @@ def model_hash(model_dir: Path) -> str:
 
 def export_onnx(model: LoadedModel, out_dir: Path, opset: int = 17,
                 check_batch: int = 3) -> ExportResult:
-    """Export ``model.vision`` (fp32, CPU) and verify it with onnxruntime."""
+    """Export ``model.vision`` (an fp32 CPU copy of it) and verify it with onnxruntime.
+
+    ``model`` itself is left as it is (device, dtype), so a runner built after the export
+    still runs the caller's encoder.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
-    vision = model.vision.float().cpu().eval()
+    vision = VisionEncoder(model.vision.spec).eval()
+    vision.load_state_dict({k: v.detach().float().cpu()
+                            for k, v in model.vision.state_dict().items()})
     tile = model.spec.tiling.tile_size
     example = torch.randint(0, 256, (2, tile, tile, 3), dtype=torch.uint8)
     path = out_dir / "vision.onnx"

@@ -39,6 +39,17 @@ def test_export_dynamic_batch_and_error(exported) -> None:  # noqa: ANN001
         assert (runner.encode(tiles) - want).abs().max() <= 1e-4
 
 
+def test_export_leaves_the_model_as_it_was(random_model_dir: Path, tmp_path: Path) -> None:
+    """Exporting works on an fp32 CPU copy: a bf16 model stays bf16 (on CUDA: stays there)."""
+    model = load_model(random_model_dir, dtype=torch.bfloat16)
+    before = {k: v.clone() for k, v in model.vision.state_dict().items()}
+    result = export_onnx(model, tmp_path / "o")
+    assert result.max_abs_err <= 1e-4  # the export itself is fp32
+    after = model.vision.state_dict()
+    assert all(after[k].dtype == torch.bfloat16 and torch.equal(after[k], v)
+               for k, v in before.items())
+
+
 def test_engine_answers_equal_across_backends(exported) -> None:  # noqa: ANN001
     model, result = exported
     rng = np.random.default_rng(7)
