@@ -4,11 +4,14 @@
 # carry .whl (see that script). Steps, each under its own time limit:
 #   1. the GPU tests (pytest -m gpu): graph pool vs eager and the race guard, the whole engine
 #      on CUDA vs the CPU (fp32 with and without graphs, bf16, prefix cache, the CLI), the
-#      int4 tinygemm kernel, TensorRT (skipped where tensorrt is not installed);
+#      int4 tinygemm kernel, AWQ/GPTQ calibration and serving on CUDA, TensorRT (skipped
+#      where tensorrt is not installed);
 #   2. bench/vit.py: eager fp16/bf16 vs graph pool (vs TensorRT when it imports), batch 1..32,
 #      the built-in encoder and the InternViT-300M shape;
 #   3. bench/qpm.py on CUDA, bf16: transformers baseline vs vlmbatch rows;
-#   4. bench/quant.py --linears-only on CUDA: fp32 vs bf16 vs W4A16 (tinygemm) linears.
+#   4. bench/quant.py --linears-only on CUDA: fp32 vs bf16 vs W4A16 (tinygemm) linears;
+#   5. bench/attention.py on CUDA: SDPA enable_gqa vs K/V expanded per head (pipeline/llm.py
+#      expands on CUDA; this confirms or refutes that choice).
 # Writes the whole log to $OUT/gpu_check.txt (./out without $OUT) and ends with a table of
 # steps, exit codes and seconds. About 3-5 minutes on an H200; at most 10 (the limits).
 #
@@ -42,6 +45,7 @@ step "gpu tests" 240 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider tests
 step "vit bench" 150 "$PY" bench/vit.py --device cuda --encoders builtin,300m --reps 20
 step "qpm bench" 150 "$PY" bench/qpm.py --device cuda --dtype bfloat16 --images 200
 step "int4 linears" 60 "$PY" bench/quant.py --linears-only --device cuda --rounds 3
+step "gqa attention" 60 "$PY" bench/attention.py --device cuda --dtype bfloat16
 {
   echo; echo "| step | rc | time |"; echo "|---|---|---|"
   printf '%s\n' "${summary[@]}"

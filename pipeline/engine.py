@@ -218,7 +218,7 @@ class TorchEngine:
                 assert im is not None
                 x[j, lo - p.past_len: hi - p.past_len] = im.embeds[lo - p.span.start:].to(x.dtype)
                 self.stats.image_tokens_prefilled += hi - lo
-        self.stats.prefill_tokens += int(lengths.sum())
+        self.stats.prefill_tokens += sum(p.new_len for p in batch)
         past, past_lengths = self._gather_past(batch)
         logits, new_kv = self.model.llm.prefill(x, lengths, past, past_lengths)  # [B, V]
         if self.cache is not None:
@@ -249,16 +249,15 @@ class TorchEngine:
             valid = torch.cat([seen, valid], 1)
             pos += past_lengths
         out: list[list[int]] = [[] for _ in range(b)]
-        done = torch.zeros(b, dtype=torch.bool)
+        done = [False] * b
         tok = logits.argmax(-1)
         for step in range(self.cfg.max_new_tokens):
-            for j in range(b):
+            for j, t in enumerate(tok.tolist()):  # one device-to-host copy per step
                 if not done[j]:
-                    t = int(tok[j])
                     done[j] = t in self.stop_ids and not self.cfg.ignore_eos
                     if not done[j]:
                         out[j].append(t)
-            if bool(done.all()) or step == self.cfg.max_new_tokens - 1:
+            if all(done) or step == self.cfg.max_new_tokens - 1:
                 break
             x = self.model.llm.embed_tokens(tok)[:, None]  # [B, 1, D]
             step_logits, step_kv = self.model.llm.decode_step(x, pos, kv, valid)

@@ -54,6 +54,23 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
+EXPAND_KV: bool | None = None  # None: by device (below); True/False forces it (tests, bench)
+
+
+def _expand_kv(device: torch.device) -> bool:
+    """Repeat K/V per query head instead of SDPA's ``enable_gqa``?
+
+    On CUDA, SDPA with ``enable_gqa`` and a mask can only use its math kernel (flash attention
+    takes no mask, the memory-efficient kernel no GQA), which materialises the fp32
+    ``[B, H, T, S]`` scores; expanded K/V lets the memory-efficient kernel run. On the CPU,
+    ``enable_gqa`` is the faster of the two (``bench/attention.py``, 2 threads, Qwen2-0.5B heads:
+    1.0x for a long prefill, 3.6x for short prompts after a cached prefix, 19x at decode).
+    The CUDA choice follows torch's kernel rules and has not been measured yet: the same
+    benchmark runs in bench/gpu_check.sh.
+    """
+    return device.type == "cuda" if EXPAND_KV is None else EXPAND_KV
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, s: TextSpec) -> None:
         super().__init__()
@@ -83,8 +100,11 @@ class DecoderLayer(nn.Module):
         k = k * cos + _rotate_half(k) * sin
         k_all, v_all = (k, v) if past is None else (torch.cat([past[0], k], 2),
                                                     torch.cat([past[1], v], 2))
+        if s.heads != s.kv_heads and _expand_kv(q.device):
+            g = s.heads // s.kv_heads  # [B, K, S, d] -> [B, H, S, d]
+            k_all, v_all = k_all.repeat_interleave(g, 1), v_all.repeat_interleave(g, 1)
         a = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
-                                           enable_gqa=s.heads != s.kv_heads)
+                                           enable_gqa=s.heads != k_all.shape[1])
         x = x + self.o_proj(a.transpose(1, 2).reshape(b, t, -1))
         h = self.post_attention_layernorm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h)), (k, v)

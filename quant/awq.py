@@ -26,8 +26,8 @@ def awq_scale(weights: list[torch.Tensor], x: torch.Tensor, group_size: int,
 
     Returns (s [K] float32, its output MSE, the MSE of plain round-to-nearest).
     """
-    x = x.reshape(-1, x.shape[-1]).float()
     w = torch.cat([t.detach().float() for t in weights])  # [sum N_i, K]
+    x = x.reshape(-1, x.shape[-1]).float().to(w.device)  # recorded on the CPU
     ref = x @ w.t()
     x_mean = x.abs().mean(0).clamp(min=1e-8)  # [K]
     best, best_err, rtn_err = torch.ones_like(x_mean), float("inf"), float("inf")

@@ -112,7 +112,7 @@ def quantize_llm(llm: torch.nn.Module, run_calibration: Callable[[], None], meth
                     else:
                         q, scale = rtn(m.weight, group_size)
                     m.weight.copy_(dequantize(q, scale, group_size, m.weight.dtype))
-                    qweights[f"layers.{li}.{name}"] = (q, scale)
+                    qweights[f"layers.{li}.{name}"] = (q.cpu(), scale.cpu())
                 report.append(entries[g])
     return qweights, report
 
@@ -124,11 +124,11 @@ def apply_scale(layer: torch.nn.Module, group: Group, s: torch.Tensor) -> None:
     kind, name = group.producer.split(":")
     mod = getattr(layer, name)
     if kind == "norm":
-        mod.weight.div_(s.to(mod.weight.dtype))
+        mod.weight.div_(s.to(mod.weight.device, mod.weight.dtype))
     else:  # rows of the previous linear
-        mod.weight.div_(s.to(mod.weight.dtype)[:, None])
+        mod.weight.div_(s.to(mod.weight.device, mod.weight.dtype)[:, None])
         if mod.bias is not None:
-            mod.bias.div_(s.to(mod.bias.dtype))
+            mod.bias.div_(s.to(mod.bias.device, mod.bias.dtype))
     for lin in group.linears:
         w = getattr(layer, lin).weight
-        w.mul_(s.to(w.dtype))
+        w.mul_(s.to(w.device, w.dtype))

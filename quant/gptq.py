@@ -44,7 +44,7 @@ def gptq(w: torch.Tensor, h: torch.Tensor, group_size: int, damp: float = 0.01,
     n, k = w.shape
     check_groups(k, group_size)
     block = max(group_size, block - block % group_size)  # groups never straddle blocks
-    W = w.detach().to(torch.float64).clone()
+    W = w.detach().to("cpu", torch.float64).clone()  # on the CPU, beside the Hessian
     H = h.detach().to(torch.float64).clone()
     dead = torch.diag(H) == 0  # inputs never active: weight irrelevant, keep H invertible
     H[dead, dead] = 1.0

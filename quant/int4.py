@@ -112,8 +112,12 @@ class Int4Linear(nn.Module):
                 packed = ops._convert_weight_to_int4pack_for_cpu(u, 2)
                 run = ops._weight_int4pack_mm_for_cpu
             elif device.type == "cuda" and act == torch.bfloat16:
+                # tinygemm: K a multiple of inner_k_tiles * 16 (2, 4 or 8 tiles), N of 8
+                inner = next((t for t in (8, 4, 2) if self.in_features % (16 * t) == 0), None)
+                if inner is None or self.out_features % 8:
+                    return
                 packed = ops._convert_weight_to_int4pack(
-                    (u[:, 0::2] << 4 | u[:, 1::2]).to(torch.uint8), 8)
+                    (u[:, 0::2] << 4 | u[:, 1::2]).to(torch.uint8), inner)
                 run = ops._weight_int4pack_mm
             else:
                 return

@@ -2,13 +2,16 @@
 
 Written against TensorRT 10's Python API (``tensorrt``: Builder, OnnxParser, optimisation
 profiles, ``build_serialized_network``, ``Runtime.deserialize_cuda_engine``, the name-based
-``set_input_shape`` / ``set_tensor_address`` / ``execute_async_v3`` I/O). TensorRT's libraries
-come only from NVIDIA's own package index, which none of our machines reaches, and the lent
-GPU machine has no tensorrt either; ``tests/vit_trt/test_tensorrt.py`` runs wherever tensorrt
-and a GPU exist and is skipped elsewhere.
+``set_input_shape`` / ``set_tensor_address`` / ``execute_async_v3`` I/O); pinned below 11,
+which dropped the FP16/BF16 builder flags used here. TensorRT's libraries come only from
+NVIDIA's own package index (PyPI's ``tensorrt-cu1x-libs`` are stubs that download from it),
+which none of our machines reaches, and the lent GPU machine has no tensorrt either (its
+libraries are far over what a device call may carry); ``tests/vit_trt/test_runners.py``'s
+TensorRT test runs wherever tensorrt and a GPU exist and is skipped elsewhere.
 
-I/O goes through torch CUDA tensors and the current torch stream (pycuda does not build on our
-machines). The serialised plan is cached on disk under a key of model hash, TensorRT version,
+I/O goes through torch CUDA tensors on a stream of the runner's own (pycuda does not build on
+our machines), ordered after the caller's stream; ``encode`` returns once the results are
+complete. The serialised plan is cached on disk under a key of model hash, TensorRT version,
 GPU name, precision and the batch profile ``[1, opt, max]``.
 """
 
@@ -93,21 +96,27 @@ class TensorRTRunner(VitRunner):
         self.out_shape = (model.spec.tokens_per_tile, model.spec.text.hidden)
         self.device = torch.device("cuda")
 
+        # TensorRT on torch's legacy default stream would add a sync per call (it warns)
+        self.stream = torch.cuda.Stream(self.device)
+
     @torch.inference_mode()
     def encode(self, tiles: torch.Tensor) -> torch.Tensor:
         outs = []
-        stream = torch.cuda.current_stream()
-        for i in range(0, tiles.shape[0], self.max_batch):
-            x = tiles[i: i + self.max_batch].to(self.device).contiguous()
-            out = torch.empty((x.shape[0], *self.out_shape), dtype=torch.float32,
-                              device=self.device)
-            self.context.set_input_shape(self.input, tuple(x.shape))
-            self.context.set_tensor_address(self.input, x.data_ptr())
-            self.context.set_tensor_address(self.output, out.data_ptr())
-            if not self.context.execute_async_v3(stream.cuda_stream):
-                raise RuntimeError("TensorRT execution failed")
-            outs.append(out)
+        stream = self.stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # inputs and outputs allocated in this stream's order
+            for i in range(0, tiles.shape[0], self.max_batch):
+                x = tiles[i: i + self.max_batch].to(self.device).contiguous()
+                out = torch.empty((x.shape[0], *self.out_shape), dtype=torch.float32,
+                                  device=self.device)
+                self.context.set_input_shape(self.input, tuple(x.shape))
+                self.context.set_tensor_address(self.input, x.data_ptr())
+                self.context.set_tensor_address(self.output, out.data_ptr())
+                if not self.context.execute_async_v3(stream.cuda_stream):
+                    raise RuntimeError("TensorRT execution failed")
+                outs.append(out)
+            result = torch.cat(outs)
         done = torch.cuda.Event()
         done.record(stream)
         done.synchronize()  # hand on complete results only (the write-up's race)
-        return torch.cat(outs)
+        return result

@@ -65,7 +65,7 @@ def test_graphs_match_eager_on_gpu() -> None:
             assert torch.allclose(pool(x), lin(x), atol=1e-5)
 
 
-def _slow_pool(sync: bool) -> tuple[GraphPool, torch.Tensor, torch.Tensor]:
+def _slow_pool(sync: bool) -> tuple[GraphPool, object]:
     w = torch.randn(2048, 2048, device="cuda") / 45
 
     def slow(x: torch.Tensor) -> torch.Tensor:
@@ -75,30 +75,31 @@ def _slow_pool(sync: bool) -> tuple[GraphPool, torch.Tensor, torch.Tensor]:
 
     pool = GraphPool(slow, (2048,), torch.float32, "cuda", max_batch=8, sync=sync)
     pool.capture()
+    return pool, slow
+
+
+def _try(pool: GraphPool, slow) -> bool:  # noqa: ANN001
+    """One hand-on with fresh inputs: run the pool on the current stream, then read its output
+    on another stream that does not wait for the first (the write-up's race: features handed
+    on before the GPU is done). Fresh inputs each try, so memory left from an earlier try
+    (which the allocator may hand the clone again) never holds the right answer by chance.
+    True if what the reader saw is the right answer."""
     x = torch.randn(8, 2048, device="cuda")
-    want = slow(x)
-    torch.cuda.synchronize()
-    return pool, x, want
-
-
-def _consume_elsewhere(pool: GraphPool, x: torch.Tensor) -> torch.Tensor:
-    """Run the pool on the current stream, then read its output on another stream that does
-    not wait for the first (the write-up's race: features handed on before the GPU is done)."""
+    want = slow(x).cpu()  # eager; .cpu() also leaves the GPU idle before the pool runs
     out = pool(x)
     other = torch.cuda.Stream()
     with torch.cuda.stream(other):
         copy = out * 1.0
     other.synchronize()
-    return copy.cpu()
+    return torch.allclose(copy.cpu(), want, atol=1e-4)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_output_is_complete_when_handed_on() -> None:
     with torch.inference_mode():
-        pool, x, want = _slow_pool(sync=True)
-        for _ in range(5):
-            assert torch.allclose(_consume_elsewhere(pool, x), want.cpu(), atol=1e-4)
+        pool, slow = _slow_pool(sync=True)
+        assert all(_try(pool, slow) for _ in range(5))
 
 
 @pytest.mark.gpu
@@ -108,9 +109,8 @@ def test_without_the_guard_the_race_shows() -> None:
     if the GPU happens to finish first on every try, the test is reported as xfail (not as a
     pass), since it then shows nothing."""
     with torch.inference_mode():
-        pool, x, want = _slow_pool(sync=False)
-        wrong = sum(not torch.allclose(_consume_elsewhere(pool, x), want.cpu(), atol=1e-4)
-                    for _ in range(5))
+        pool, slow = _slow_pool(sync=False)
+        wrong = sum(not _try(pool, slow) for _ in range(5))
     if wrong == 0:
         pytest.xfail("the race did not show on this GPU in 5 tries")
     assert wrong > 0

@@ -84,3 +84,21 @@ def test_budget_below_one_tile_is_a_config_error(model) -> None:  # noqa: ANN001
 
     with pytest.raises(ConfigError, match="less than one tile"):
         tiling_for(model.spec, ModelConfig(max_image_tokens=model.spec.tokens_per_tile - 1))
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_expanded_kv_equals_enable_gqa(model, monkeypatch, cache: bool) -> None:  # noqa: ANN001
+    """The CUDA attention form (K/V repeated per query head) answers as the CPU one, with
+    cached prefixes and greedy generation too (the random model has 4 q / 2 kv heads)."""
+    import pipeline.llm
+
+    assert model.spec.text.heads != model.spec.text.kv_heads
+    ims = images(model, 3)
+    reqs = [Request(i, q) for i in range(3) for q in ("is there a red shape?", "no")]
+    cfg = EngineConfig(prefix_cache=cache, max_new_tokens=4, ignore_eos=True)
+    out = {}
+    for expand in (False, True):
+        monkeypatch.setattr(pipeline.llm, "EXPAND_KV", expand)
+        out[expand] = TorchEngine(model, cfg).score(ims, reqs)
+    assert max(abs(a.margin - b.margin) for a, b in zip(out[False], out[True])) <= 1e-5
+    assert [a.text for a in out[False]] == [b.text for b in out[True]]

@@ -118,13 +118,14 @@ def test_group_size_must_divide() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_int4_linear_on_cuda_uses_tinygemm() -> None:
+@pytest.mark.parametrize("n,k,group", [(256, 512, 128), (64, 96, 32)])  # 8 and 2 inner k-tiles
+def test_int4_linear_on_cuda_uses_tinygemm(n: int, k: int, group: int) -> None:
     g = torch.Generator().manual_seed(9)
-    w, b = torch.randn(256, 512, generator=g), torch.randn(256, generator=g)
-    q, scale = rtn(w, 128)
-    lin = Int4Linear(q, scale, b, 128, "cuda", torch.bfloat16)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    q, scale = rtn(w, group)
+    lin = Int4Linear(q, scale, b, group, "cuda", torch.bfloat16)
     assert lin.kernel == "int4pack-cuda"
-    x = torch.randn(33, 512, generator=g)
-    want = x @ dequantize(q, scale, 128).t() + b
+    x = torch.randn(33, k, generator=g)
+    want = x @ dequantize(q, scale, group).t() + b
     got = lin(x.to("cuda", torch.bfloat16)).float().cpu()
     assert (got - want).abs().max() / want.abs().max() < 2e-2

@@ -92,6 +92,22 @@ def test_builtin_model_quantised_answers_like_float(method: str, tmp_path: Path,
     assert same / len(got) >= 0.95 and sum(dp) / len(dp) < 0.05, (same, max(dp))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_quantize_and_serve_on_cuda(method: str, tmp_path: Path,
+                                    float_answers: list[dict]) -> None:
+    """Calibrate on CUDA (recorded inputs and Hessians live on the CPU), then serve the
+    checkpoint on CUDA in bf16 through torch's tinygemm int4 kernel."""
+    out = quantize_model(None, tmp_path / method, method, EXAMPLES, samples=60,
+                         device="cuda", progress=False).out
+    llm = load_model(out, "cuda", torch.bfloat16).llm
+    assert {m.kernel for m in llm.modules() if isinstance(m, Int4Linear)} == {"int4pack-cuda"}
+    got = answers(out, device="cuda", dtype="bfloat16")
+    same = sum(a["answer"] == b["answer"] for a, b in zip(got, float_answers))
+    assert same / len(got) >= 0.95, same
+
+
 def test_int8_dynamic_llm_answers_like_float(float_answers: list[dict]) -> None:
     got = answers(None, llm_quant="int8-dynamic")
     same = sum(a["answer"] == b["answer"] for a, b in zip(got, float_answers))
