@@ -63,8 +63,8 @@ def _expand_kv(device: torch.device) -> bool:
     On CUDA, SDPA with ``enable_gqa`` and a mask can only use its math kernel (flash attention
     takes no mask, the memory-efficient kernel no GQA), which materialises the fp32
     ``[B, H, T, S]`` scores; expanded K/V lets the memory-efficient kernel run. On the CPU,
-    ``enable_gqa`` is the faster of the two (``bench/attention.py``, 2 threads, Qwen2-0.5B heads:
-    1.0x for a long prefill, 3.6x for short prompts after a cached prefix, 19x at decode).
+    ``enable_gqa`` is the faster of the two (``bench/attention.py``, docs/engine.md: level for a
+    long prefill, 2-4x for short prompts after a cached prefix, ~20x at decode).
     The CUDA choice follows torch's kernel rules and has not been measured yet: the same
     benchmark runs in bench/gpu_check.sh.
     """
