@@ -49,6 +49,8 @@ class RunSummary:
     prefill_tokens: int = 0  # tokens the LLM computed
     prompt_tokens: int = 0  # tokens the prompts hold (what a cacheless engine computes)
     cache_hit_rate: float | None = None  # cached blocks found / looked up; None: no cache
+    graph_buckets: int = 0  # CUDA graphs captured for the vision encoder (batch sizes)
+    graph_bytes: int = 0  # device memory those graphs took at capture
 
     @property
     def qpm(self) -> float:
@@ -62,7 +64,9 @@ class RunSummary:
                 f"{self.failed_images} images failed ({self.failed_questions} questions), "
                 f"{self.seconds:.1f}s, {self.qpm:.0f} QPM; prefill "
                 f"{self.prefill_tokens / answered:.0f} of {self.prompt_tokens / answered:.0f} "
-                f"prompt tokens per question (prefix cache {cache})")
+                f"prompt tokens per question (prefix cache {cache})"
+                + (f"; vision CUDA graphs: {self.graph_buckets} batch sizes, "
+                   f"{self.graph_bytes / 2**20:.0f} MiB" if self.graph_buckets else ""))
 
 
 def load_items(cfg: RunConfig) -> list[ImageItem]:
@@ -182,6 +186,9 @@ def run(cfg: RunConfig, out: IO[str] | None = None) -> RunSummary:
         if own:
             sink.close()
     st = engine.stats
+    pool = getattr(getattr(engine, "vision", None), "pool", None)  # torch ViT on CUDA only
     return RunSummary(len(items), n_q, failed_images, failed_q, time.perf_counter() - start,
                       st.prefill_tokens, st.prompt_tokens,
-                      engine.cache.stats.hit_rate() if engine.cache is not None else None)
+                      engine.cache.stats.hit_rate() if engine.cache is not None else None,
+                      len(pool.graphs) if pool is not None else 0,
+                      pool.graph_bytes if pool is not None else 0)

@@ -143,3 +143,13 @@ def test_bad_option_is_bad_input(job: Path, random_model_dir: Path, capsys) -> N
     rc = main(["run", str(job / "m.jsonl"), "--policy", str(job / "p.yaml"), "--model",
                str(random_model_dir), "--yes", "zzqqxx", "--no-progress"])
     assert rc == EXIT_BAD_INPUT and "single token" in capsys.readouterr().err
+
+
+def test_summary_reports_graph_memory_only_when_graphs_ran() -> None:
+    from jobs.runner import RunSummary
+
+    base = dict(images=2, questions=4, failed_images=0, failed_questions=0, seconds=1.0,
+                prefill_tokens=40, prompt_tokens=80, cache_hit_rate=0.5)
+    assert "CUDA graphs" not in RunSummary(**base).text()
+    text = RunSummary(**base, graph_buckets=7, graph_bytes=3 << 20).text()
+    assert text.endswith("; vision CUDA graphs: 7 batch sizes, 3 MiB")

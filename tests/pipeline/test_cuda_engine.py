@@ -65,4 +65,6 @@ def test_prefix_cache_on_cuda_changes_nothing() -> None:
 def test_cli_runs_on_cuda(capsys: pytest.CaptureFixture) -> None:
     assert main(["run", str(RUN.manifest), "--policy", str(RUN.policy), "--device", "cuda",
                  "--dtype", "bfloat16", "--no-progress"]) == EXIT_OK
-    assert capsys.readouterr().out.count('"answer"') == 60
+    out, err = capsys.readouterr()
+    assert out.count('"answer"') == 60
+    assert "vision CUDA graphs: 7 batch sizes" in err  # buckets 1, 2, 4, 8, 16, 24, 32
