@@ -34,6 +34,12 @@ class ModelConfig:
     llm_quant: str = "none"  # "none" | "int8-dynamic" (CPU); W4A16 comes from the checkpoint
 
     def __post_init__(self) -> None:
+        try:
+            kind = torch.device(self.device).type
+        except (RuntimeError, TypeError):
+            kind = None
+        if kind not in ("cpu", "cuda"):
+            raise ConfigError(f"device {self.device!r} not supported: use cpu, cuda or cuda:N")
         if self.llm_quant not in LLM_QUANT:
             raise ConfigError(f"llm_quant {self.llm_quant!r} not one of {LLM_QUANT}")
         if self.dtype not in DTYPES:

@@ -143,6 +143,21 @@ def normalise_key(k: str) -> str:
     return k
 
 
+def check_device(device: str) -> None:
+    """Raise ModelError, saying what to do, if torch here cannot use ``device``."""
+    d = torch.device(device)
+    if d.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        why = ("a CPU-only build" if torch.version.cuda is None
+               else f"built for CUDA {torch.version.cuda}, but it sees no GPU")
+        raise ModelError(f"--device {device}: torch {torch.__version__} here is {why}; use "
+                         "--device cpu, or a machine with a GPU and a CUDA build of torch")
+    if d.index is not None and d.index >= torch.cuda.device_count():
+        raise ModelError(f"--device {device}: only {torch.cuda.device_count()} GPU(s) visible "
+                         f"(cuda:0 .. cuda:{torch.cuda.device_count() - 1})")
+
+
 def load_model(path: Path | None = None, device: str = "cpu",
                dtype: torch.dtype = torch.float32, llm_quant: str = "none") -> LoadedModel:
     """Build our modules from an HF InternVL directory (the built-in model by default).
@@ -152,6 +167,7 @@ def load_model(path: Path | None = None, device: str = "cpu",
     model's linears for torch's dynamically quantised int8 ones after loading.
     """
     path = Path(path) if path is not None else DEFAULT_MODEL
+    check_device(device)
     spec = read_spec(path)
     sd = read_state_dict(path)
     qcfg = _read_json(path / "config.json").get("quantization_config")

@@ -153,3 +153,17 @@ def test_summary_reports_graph_memory_only_when_graphs_ran() -> None:
     assert "CUDA graphs" not in RunSummary(**base).text()
     text = RunSummary(**base, graph_buckets=7, graph_bytes=3 << 20).text()
     assert text.endswith("; vision CUDA graphs: 7 batch sizes, 3 MiB")
+
+
+@pytest.mark.parametrize("device,says", [("tpu", "not supported: use cpu, cuda or cuda:N"),
+                                         ("cuda:x", "not supported")])
+def test_bad_device_is_named(device: str, says: str, capsys: pytest.CaptureFixture) -> None:
+    rc = main(["run", str(ROOT / "examples/manifest.jsonl"), "--device", device])
+    assert rc == EXIT_BAD_INPUT and says in capsys.readouterr().err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_a_gpu_says_what_to_do(capsys: pytest.CaptureFixture) -> None:
+    rc = main(["run", str(ROOT / "examples/manifest.jsonl"), "--device", "cuda"])
+    err = capsys.readouterr().err
+    assert rc == EXIT_BAD_INPUT and "--device cuda: torch" in err and "--device cpu" in err
