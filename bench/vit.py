@@ -99,9 +99,10 @@ def gpu_rows(name: str, model_dir: Path, batches: list[int], reps: int) -> None:
 
         holder = load_model(model_dir, "cuda") if name == "builtin" else None
         if holder is not None:
-            trt = TensorRTRunner(holder, profile=(1, 8, max(batches)))
-            results["tensorrt fp16"] = {b: timed(trt.encode, _tiles(b, tile), reps, True)
-                                        for b in batches}
+            for graphs in (False, True):
+                trt = TensorRTRunner(holder, profile=(1, 8, max(batches)), cuda_graphs=graphs)
+                results["tensorrt fp16" + (" graphs" if graphs else "")] = {
+                    b: timed(trt.encode, _tiles(b, tile), reps, True) for b in batches}
     except ImportError:
         print("tensorrt: not installed here, no TensorRT row")
     base = results["eager fp16"]

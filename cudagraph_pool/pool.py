@@ -15,7 +15,10 @@ recorded after that clone, so a consumer on another stream or on the CPU never r
 half-written tensor. ``tests/cudagraph_pool`` has the GPU test that shows the guard matters.
 
 Without CUDA (or with ``use_graphs=False``) the pool calls the function directly with the same
-bucketing, padding and splitting, so the logic is tested on CPU with a fake callable. What the
+bucketing, padding and splitting, so the logic is tested on CPU with a fake callable.
+
+The callable may be a torch module or anything that enqueues on the current stream, such as a
+TensorRT execution context (``vit_trt/tensorrt_runner.py``, one context per bucket). What the
 callable may do inside a capture is checked on the CPU too: ``cudagraph_pool.hazards``.
 """
 
@@ -81,6 +84,7 @@ class GraphPool:
             with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, autotune)
                 self.fn(static_in)
             torch.cuda.current_stream(self.device).wait_stream(stream)
+            stream.synchronize()  # TensorRT asks for a finished enqueue before its capture
             graph = torch.cuda.CUDAGraph()
             try:  # capture on the warm-up's stream: per-stream workspaces already exist there
                 with torch.cuda.graph(graph, pool=mempool, stream=stream):

@@ -115,5 +115,5 @@ def make_runner(backend: str, model: LoadedModel, device: str = "cpu",
     if backend == "tensorrt":
         from vit_trt.tensorrt_runner import TensorRTRunner
 
-        return TensorRTRunner(model, onnx_path)
+        return TensorRTRunner(model, onnx_path, cuda_graphs=cuda_graphs)
     raise ValueError(f"vit backend {backend!r} not one of {BACKENDS}")

@@ -65,8 +65,14 @@ def build_plan(onnx_path: Path, tile: int, profile: tuple[int, int, int],
 
 
 class TensorRTRunner(VitRunner):
+    """``encode`` through a TensorRT engine; with ``cuda_graphs`` (the default) through the
+    batch-size-bucketed graph pool, one execution context per bucket: a captured graph fixes
+    its context's input shape and tensor addresses, so contexts are not shared between graphs
+    (each holds its own activation memory, ``engine.device_memory_size``)."""
+
     def __init__(self, model: LoadedModel, onnx_path: Path | None = None,
-                 precision: str = "fp16", profile: tuple[int, int, int] = (1, 8, 32)) -> None:
+                 precision: str = "fp16", profile: tuple[int, int, int] = (1, 8, 32),
+                 cuda_graphs: bool = True) -> None:
         try:
             import tensorrt as trt
         except ImportError as e:
@@ -98,9 +104,33 @@ class TensorRTRunner(VitRunner):
 
         # TensorRT on torch's legacy default stream would add a sync per call (it warns)
         self.stream = torch.cuda.Stream(self.device)
+        self.pool = None
+        self.contexts: dict[int, object] = {}  # batch size -> its execution context (graphs)
+        if cuda_graphs:
+            from cudagraph_pool import GraphPool, default_buckets
+
+            buckets = [b for b in default_buckets(self.max_batch) if b >= profile[0]]
+            self.pool = GraphPool(self._enqueue, (tile, tile, 3), torch.uint8, self.device,
+                                  buckets=buckets)
+
+    def _enqueue(self, x: torch.Tensor) -> torch.Tensor:
+        """The pool's callable: one enqueue on the current stream, for a batch of bucket size.
+        The pool calls it once to warm up, waits, then again under capture."""
+        ctx = self.contexts.get(x.shape[0])
+        if ctx is None:
+            ctx = self.contexts[x.shape[0]] = self.engine.create_execution_context()
+            ctx.set_input_shape(self.input, tuple(x.shape))
+        out = torch.empty((x.shape[0], *self.out_shape), dtype=torch.float32, device=self.device)
+        ctx.set_tensor_address(self.input, x.data_ptr())
+        ctx.set_tensor_address(self.output, out.data_ptr())
+        if not ctx.execute_async_v3(torch.cuda.current_stream(self.device).cuda_stream):
+            raise RuntimeError("TensorRT execution failed")
+        return out
 
     @torch.inference_mode()
     def encode(self, tiles: torch.Tensor) -> torch.Tensor:
+        if self.pool is not None:  # replays on the current stream; complete when returned
+            return self.pool(tiles.to(self.device).contiguous())
         outs = []
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))

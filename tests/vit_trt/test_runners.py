@@ -76,12 +76,16 @@ def test_unknown_backend(exported) -> None:  # noqa: ANN001
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_TRT, reason="needs tensorrt and a CUDA GPU")
-def test_tensorrt_matches_torch(random_model_dir: Path) -> None:
+@pytest.mark.parametrize("graphs", [False, True])
+def test_tensorrt_matches_torch(random_model_dir: Path, graphs: bool) -> None:
     from vit_trt.tensorrt_runner import TensorRTRunner
 
     model = load_model(random_model_dir, device="cuda")
-    trt_runner = TensorRTRunner(model, precision="fp16")
-    tiles = torch.randint(0, 256, (5, 56, 56, 3), dtype=torch.uint8)
-    want = TorchRunner(model).encode(tiles).float()
-    got = trt_runner.encode(tiles)
-    assert ((got - want).abs().max() / want.abs().max()) <= 2e-2  # fp16 engine
+    trt_runner = TensorRTRunner(model, precision="fp16", cuda_graphs=graphs)
+    for n in (5, 1, 40):  # bucket 8 padded, bucket 1, split at the largest bucket (32)
+        tiles = torch.randint(0, 256, (n, 56, 56, 3), dtype=torch.uint8)
+        want = TorchRunner(model).encode(tiles).float()
+        got = trt_runner.encode(tiles)
+        assert got.shape == want.shape
+        assert ((got - want).abs().max() / want.abs().max()) <= 2e-2  # fp16 engine
+    assert (len(trt_runner.contexts) > 0) == graphs
