@@ -62,7 +62,7 @@ class GraphPool:
         self.sync = sync
         self.graphs: dict[int, _Graph] = {}
         self.calls: list[int] = []  # bucket sizes run, in order (tests and stats)
-        self.graph_bytes = 0  # device memory taken by capture
+        self.graph_bytes = 0  # device memory the graphs keep: their private pool + static inputs
 
     def bucket(self, n: int) -> int:
         """Smallest bucket >= n (n <= the largest bucket)."""
@@ -75,7 +75,7 @@ class GraphPool:
         """Capture every bucket, largest first, sharing one memory pool."""
         if not self.use_graphs or self.graphs:
             return
-        before = torch.cuda.memory_allocated(self.device)
+        self.graph_bytes = 0
         mempool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         for b in reversed(self.buckets):
@@ -86,6 +86,8 @@ class GraphPool:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             stream.synchronize()  # TensorRT asks for a finished enqueue before its capture
             graph = torch.cuda.CUDAGraph()
+            torch.cuda.empty_cache()  # as torch.cuda.graph does on entry: measure after it
+            before = torch.cuda.memory_reserved(self.device)
             try:  # capture on the warm-up's stream: per-stream workspaces already exist there
                 with torch.cuda.graph(graph, pool=mempool, stream=stream):
                     static_out = self.fn(static_in)
@@ -94,9 +96,11 @@ class GraphPool:
                     f"CUDA graph capture of batch {b} failed: {e}. The callable does host work "
                     "inside its forward; cudagraph_pool.capture_hazards(fn, x) names the op on "
                     "the CPU. To run without graphs: --no-cuda-graphs.") from e
+            # the graphs' private pool (kept reserved for replays) grows only under capture
+            self.graph_bytes += (torch.cuda.memory_reserved(self.device) - before
+                                 + static_in.nbytes)
             self.graphs[b] = _Graph(graph, static_in, static_out)
         torch.cuda.synchronize(self.device)
-        self.graph_bytes = torch.cuda.memory_allocated(self.device) - before
 
     def _run(self, chunk: torch.Tensor) -> torch.Tensor:
         n = chunk.shape[0]

@@ -105,7 +105,8 @@ class TensorRTRunner(VitRunner):
         # TensorRT on torch's legacy default stream would add a sync per call (it warns)
         self.stream = torch.cuda.Stream(self.device)
         self.pool = None
-        self.contexts: dict[int, object] = {}  # batch size -> its execution context (graphs)
+        # batch size -> (its execution context, its output buffer), for the graphs
+        self.contexts: dict[int, tuple[object, torch.Tensor]] = {}
         if cuda_graphs:
             from cudagraph_pool import GraphPool, default_buckets
 
@@ -115,14 +116,17 @@ class TensorRTRunner(VitRunner):
 
     def _enqueue(self, x: torch.Tensor) -> torch.Tensor:
         """The pool's callable: one enqueue on the current stream, for a batch of bucket size.
-        The pool calls it once to warm up, waits, then again under capture."""
-        ctx = self.contexts.get(x.shape[0])
-        if ctx is None:
-            ctx = self.contexts[x.shape[0]] = self.engine.create_execution_context()
+        The pool calls it once to warm up, waits, then again under capture, with the same
+        static input; shapes and addresses are set at the warm-up and unchanged at capture."""
+        n = x.shape[0]
+        if n not in self.contexts:
+            ctx = self.engine.create_execution_context()
+            out = torch.empty((n, *self.out_shape), dtype=torch.float32, device=self.device)
             ctx.set_input_shape(self.input, tuple(x.shape))
-        out = torch.empty((x.shape[0], *self.out_shape), dtype=torch.float32, device=self.device)
+            ctx.set_tensor_address(self.output, out.data_ptr())
+            self.contexts[n] = (ctx, out)
+        ctx, out = self.contexts[n]
         ctx.set_tensor_address(self.input, x.data_ptr())
-        ctx.set_tensor_address(self.output, out.data_ptr())
         if not ctx.execute_async_v3(torch.cuda.current_stream(self.device).cuda_stream):
             raise RuntimeError("TensorRT execution failed")
         return out
