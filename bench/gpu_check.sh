@@ -11,9 +11,10 @@
 #   3. bench/qpm.py on CUDA, bf16: transformers baseline vs vlmbatch rows;
 #   4. bench/quant.py --linears-only on CUDA: fp32 vs bf16 vs W4A16 (tinygemm) linears;
 #   5. bench/attention.py on CUDA: SDPA enable_gqa vs K/V expanded per head (pipeline/llm.py
-#      expands on CUDA; this confirms or refutes that choice).
+#      expands on CUDA; this confirms or refutes that choice);
+#   6. vlmbatch eval on CUDA, bf16: the built-in model's easy-vqa accuracy (CPU fp32: 0.9985).
 # Writes the whole log to $OUT/gpu_check.txt (./out without $OUT) and ends with a table of
-# steps, exit codes and seconds. About 3-5 minutes on an H200; at most 8 (the limits).
+# steps, exit codes and seconds. About 3-5 minutes on an H200; at most 9 (the limits).
 #
 #   bash bench/gpu_check.sh
 set -uo pipefail
@@ -41,14 +42,15 @@ step() {  # step NAME LIMIT_S CMD...: full output to the log, its tail to stdout
   "$PY" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available(), 'transformers', transformers.__version__)"
   "$PY" -c "import tensorrt; print('tensorrt', tensorrt.__version__)" 2>&1 | tail -1
 } 2>&1 | tee -a "$log"
-# limits sum to 470 s, inside a 540 s device call with the start-up and wheel install
+# limits sum to 515 s, inside a 540 s device call with the wheel install
 # (-o timeout: pytest-timeout, on the lent machine's image, stops one hung test; elsewhere a
 # warning)
 step "gpu tests" 180 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider -o timeout=90 tests
 step "vit bench" 100 "$PY" bench/vit.py --device cuda --encoders builtin,300m --reps 20
 step "qpm bench" 100 "$PY" bench/qpm.py --device cuda --dtype bfloat16 --images 200
 step "int4 linears" 45 "$PY" bench/quant.py --linears-only --device cuda --rounds 3
-step "gqa attention" 45 "$PY" bench/attention.py --device cuda --dtype bfloat16
+step "gqa attention" 30 "$PY" bench/attention.py --device cuda --dtype bfloat16
+step "eval on cuda" 60 "$PY" -m pipeline.cli eval --device cuda --dtype bfloat16 --no-progress
 {
   echo; echo "| step | rc | time |"; echo "|---|---|---|"
   printf '%s\n' "${summary[@]}"
