@@ -5,8 +5,8 @@ on a random encoder of InternViT-300M's shape (24 layers, hidden 1024, 16 heads,
 448 px tiles, patch 14; projector to 896 as InternVL3-1B).
 
 GPU (``--device cuda``, run by bench/gpu_check.sh on a lent machine): eager fp16 and bf16 vs
-the CUDA graph pool (bf16) vs TensorRT (fp16, when ``tensorrt`` imports), batch 1..32,
-InternViT-300M shape. The README states where each row has actually run.
+the CUDA graph pool (bf16; as used, with its host wait per call, and without it) vs TensorRT
+(fp16, with and without graphs, when ``tensorrt`` imports), batch 1..32, InternViT-300M shape. The README states where each row has actually run.
 
     python bench/vit.py                       # CPU
     python bench/vit.py --device cuda --encoders 300m
@@ -91,6 +91,11 @@ def gpu_rows(name: str, model_dir: Path, batches: list[int], reps: int) -> None:
         pool.capture()
         results["graph pool bf16"] = {b: timed(pool, _tiles(b, tile), reps, True)
                                       for b in batches}
+        # the guard's host wait per call (sync=True, the default) costs the CPU/GPU overlap
+        # eager keeps; this row shows what that costs (same graphs, stream order only)
+        pool.sync = False
+        results["pool, no host wait"] = {b: timed(pool, _tiles(b, tile), reps, True)
+                                         for b in batches}
         print(f"graph pool memory: {pool.graph_bytes / 2**20:.0f} MiB")
     try:
         import tensorrt  # noqa: F401
