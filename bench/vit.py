@@ -6,7 +6,8 @@ on a random encoder of InternViT-300M's shape (24 layers, hidden 1024, 16 heads,
 
 GPU (``--device cuda``, run by bench/gpu_check.sh on a lent machine): eager fp16 and bf16 vs
 the CUDA graph pool (bf16; as used, with its host wait per call, and without it) vs TensorRT
-(fp16, with and without graphs, when ``tensorrt`` imports), batch 1..32, InternViT-300M shape. The README states where each row has actually run.
+(fp16, with and without graphs, when ``tensorrt`` imports), batch 1..32, InternViT-300M shape.
+The README states where each row has actually run.
 
     python bench/vit.py                       # CPU
     python bench/vit.py --device cuda --encoders 300m
