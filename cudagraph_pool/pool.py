@@ -83,7 +83,6 @@ class GraphPool:
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, autotune)
                 self.fn(static_in)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
             stream.synchronize()  # TensorRT asks for a finished enqueue before its capture
             graph = torch.cuda.CUDAGraph()
             torch.cuda.empty_cache()  # as torch.cuda.graph does on entry: measure after it

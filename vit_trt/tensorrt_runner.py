@@ -93,7 +93,6 @@ class TensorRTRunner(VitRunner):
             plan_path.write_bytes(build_plan(onnx_path, tile, profile, precision))
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         self.engine = runtime.deserialize_cuda_engine(plan_path.read_bytes())
-        self.context = self.engine.create_execution_context()
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         is_in = [self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT for n in names]
         self.input = names[is_in.index(True)]
@@ -102,8 +101,6 @@ class TensorRTRunner(VitRunner):
         self.out_shape = (model.spec.tokens_per_tile, model.spec.text.hidden)
         self.device = torch.device("cuda")
 
-        # TensorRT on torch's legacy default stream would add a sync per call (it warns)
-        self.stream = torch.cuda.Stream(self.device)
         self.pool = None
         # batch size -> (its execution context, its output buffer), for the graphs
         self.contexts: dict[int, tuple[object, torch.Tensor]] = {}
@@ -113,6 +110,18 @@ class TensorRTRunner(VitRunner):
             buckets = [b for b in default_buckets(self.max_batch) if b >= profile[0]]
             self.pool = GraphPool(self._enqueue, (tile, tile, 3), torch.uint8, self.device,
                                   buckets=buckets)
+        else:  # one context for every batch size, on a stream of its own (TensorRT on
+            # torch's legacy default stream would add a sync per call; it warns)
+            self.context = self.engine.create_execution_context()
+            self.stream = torch.cuda.Stream(self.device)
+
+    def _launch(self, ctx, x: torch.Tensor, out: torch.Tensor,  # noqa: ANN001
+                stream: torch.cuda.Stream) -> None:
+        """Enqueue ``ctx`` reading ``x`` and writing ``out`` on ``stream``."""
+        ctx.set_tensor_address(self.input, x.data_ptr())
+        ctx.set_tensor_address(self.output, out.data_ptr())
+        if not ctx.execute_async_v3(stream.cuda_stream):
+            raise RuntimeError("TensorRT execution failed")
 
     def _enqueue(self, x: torch.Tensor) -> torch.Tensor:
         """The pool's callable: one enqueue on the current stream, for a batch of bucket size.
@@ -123,12 +132,9 @@ class TensorRTRunner(VitRunner):
             ctx = self.engine.create_execution_context()
             out = torch.empty((n, *self.out_shape), dtype=torch.float32, device=self.device)
             ctx.set_input_shape(self.input, tuple(x.shape))
-            ctx.set_tensor_address(self.output, out.data_ptr())
             self.contexts[n] = (ctx, out)
         ctx, out = self.contexts[n]
-        ctx.set_tensor_address(self.input, x.data_ptr())
-        if not ctx.execute_async_v3(torch.cuda.current_stream(self.device).cuda_stream):
-            raise RuntimeError("TensorRT execution failed")
+        self._launch(ctx, x, out, torch.cuda.current_stream(self.device))
         return out
 
     @torch.inference_mode()
@@ -144,10 +150,7 @@ class TensorRTRunner(VitRunner):
                 out = torch.empty((x.shape[0], *self.out_shape), dtype=torch.float32,
                                   device=self.device)
                 self.context.set_input_shape(self.input, tuple(x.shape))
-                self.context.set_tensor_address(self.input, x.data_ptr())
-                self.context.set_tensor_address(self.output, out.data_ptr())
-                if not self.context.execute_async_v3(stream.cuda_stream):
-                    raise RuntimeError("TensorRT execution failed")
+                self._launch(self.context, x, out, stream)
                 outs.append(out)
             result = torch.cat(outs)
         done = torch.cuda.Event()
