@@ -14,7 +14,7 @@
 #      expands on CUDA; this confirms or refutes that choice);
 #   6. vlmbatch eval on CUDA, bf16: the built-in model's easy-vqa accuracy (CPU fp32: 0.9985).
 # Writes the whole log to $OUT/gpu_check.txt (./out without $OUT) and ends with a table of
-# steps, exit codes and seconds. About 3-5 minutes on an H200; at most 9 (the limits).
+# steps, exit codes and seconds. Never run on a GPU yet; the limits sum to 515 s.
 #
 #   bash bench/gpu_check.sh
 set -uo pipefail

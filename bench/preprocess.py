@@ -14,8 +14,8 @@ process:
 (c) ours, (b) plus a CPU float normalisation, for an apples-to-apples comparison with (a);
 (d) ours, reduced-token tiling -> uint8 tiles.
 
-Images: the real photographs shipped inside scikit-image's wheel (``skimage/data``; install
-the ``bench`` extra, or ``pip install --no-deps scikit-image``: only its data files are read,
+Images: the real photographs shipped inside scikit-image's wheel (``skimage/data``;
+``pip install --no-deps scikit-image``: only its data files are read,
 skimage is never imported), each re-encoded as JPEG at 320x240, 640x480, 1024x768 and
 1920x1080, plus synthetic 4000x3000 JPEGs. Prints images/s per path, the ratios to (a),
 tokens per image per tiling mode, and (b) with 1 and 2 worker processes.

@@ -17,9 +17,10 @@
 Both answer the first ``--images`` images of easy-vqa's *test* split (all their yes/no
 questions); the script prints QPM for each, the ratio, each one's accuracy and how often
 they agree, plus the cache's block hit rate, LLM tokens prefilled per question and the
-process's peak RSS after each path (paths run in the order of the table, so the figure is
-cumulative). Same thread count for all (``--threads``). Not a test: timings on shared
-machines are noisy, so compare the two rows of one run, not runs across machines.
+process's peak RSS after each path (the vlmbatch rows run first and the baseline last, though
+it prints first, so each figure includes the paths run before it). Same thread count for all
+(``--threads``). Not a test: timings on shared machines are noisy, so compare the rows of one
+run, not runs across machines.
 
     python bench/qpm.py --images 100
     python bench/qpm.py --images 200 --device cuda --dtype bfloat16

@@ -1,8 +1,9 @@
 """A pool of CUDA graphs keyed by batch-size bucket, for a callable of fixed per-item shape.
 
 CUDA graphs replay a captured sequence of kernels with no CPU launch gaps, but only for the
-shapes they were captured with. The pool (MISSION.md seed 001 point 3; mini-sglang's
-``engine/graph.py``) therefore captures one graph per bucket (``1, 2, 4, 8, 16, ... max``),
+shapes they were captured with. The pool (the 58.com write-up's CUDA-graph step; mini-sglang's
+``engine/graph.py``) therefore captures one graph per bucket (1, 2, 4, then every multiple of
+8 up to max),
 largest first so that the smaller ones reuse its memory from one shared pool, and serves a
 batch of n items by copying it into the static input of the smallest bucket >= n, padding the
 rest with zeros, replaying, and slicing n rows of the static output. Batches larger than the

@@ -1,1 +1,2 @@
-"""Job inputs (manifests, policies, sources) and the in-process runner. Computes no tensors."""
+"""Job inputs (manifests, policies, sources, OpenAI batch files), the job store (SQLite), the
+in-process runner and the Ray executor. Computes no tensors."""

@@ -3,8 +3,8 @@
 ``run(config)`` validates every input before loading the model, then takes items in groups of
 ``images_per_batch``: each image is read, decoded and tiled (a failure becomes that item's
 error lines), the group's questions are scored in one engine call, and the results are
-written and flushed before the next group starts. Issue 6 moves this onto Ray with a job
-store; the stages stay the same.
+written and flushed before the next group starts. ``jobs/ray_executor.py`` runs the same
+stages on Ray, over the job store of ``jobs/store.py``.
 
 Output line per (image, question)::
 

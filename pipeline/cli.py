@@ -29,7 +29,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="int8-dynamic: torch dynamic int8 linears for the language model (CPU). "
                    "For W4A16 pass a checkpoint made by `vlmbatch quantize`")
     g.add_argument("--no-cuda-graphs", action="store_true",
-                   help="torch vision backend on CUDA: run eagerly, without the graph pool")
+                   help="torch/tensorrt vision backends on CUDA: run without the CUDA graph pool")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--max-tiles", type=int, default=None,
                    help="cap tiles per image (default: the checkpoint's max_patches)")

@@ -63,7 +63,7 @@ ENGINES = ("torch", "lmdeploy")
 class EngineConfig:
     engine: str = "torch"  # "torch" (ours, CPU/CUDA) | "lmdeploy" (TurboMind, GPU env only)
     vit_backend: str = "auto"  # one of VIT_BACKENDS
-    cuda_graphs: bool = True  # torch vision backend on CUDA: batch-size-bucketed graph pool
+    cuda_graphs: bool = True  # torch/tensorrt vision backends on CUDA: batch-bucketed graph pool
     max_batch_tokens: int = 8192  # padded prompt tokens per LLM forward
     max_batch_tiles: int = 64  # tiles per vision-encoder forward
     prefix_cache: bool = True  # image-aware prefix KV cache (pipeline/prefix_cache.py)

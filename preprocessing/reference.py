@@ -7,7 +7,7 @@ torchvision does not install beside our CPU torch build, so ToTensor/Normalize a
 (``/255`` then ``(x - mean) / std``); on PIL images torchvision's Resize is Pillow's resize,
 and the tiles are already tile-sized, so it is the identity here.
 
-Requires Pillow (the ``test``/``bench`` extras). Never used on the serving path.
+Uses Pillow (a core dependency). Never used on the serving path.
 """
 
 from __future__ import annotations

@@ -1,1 +1,2 @@
-"""Vision encoder (InternViT + projector on SDPA); ONNX/TensorRT runners come with issue 4."""
+"""Vision encoder (InternViT + projector on SDPA), its ONNX export, and the runners behind
+``encode(tiles)``: torch (optionally CUDA-graph pooled), onnxruntime, TensorRT."""

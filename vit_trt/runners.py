@@ -11,7 +11,9 @@
   weights, activations quantised per call), CPU;
 - ``tensorrt``: an engine built from that ONNX (``vit_trt/tensorrt_runner.py``), GPU only.
 
-``make_runner`` picks one by name; ``default_backend`` the fastest one installed for a device.
+``make_runner`` picks one by name; ``default_backend`` the one ``auto`` means: ``torch`` on the
+CPU (end to end level with onnxruntime and no extra dependency: docs/vision.md), ``tensorrt``
+on CUDA when it imports (never measured: it has not run anywhere), else ``torch``.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ class OnnxRuntimeRunner(VitRunner):
 
 
 def default_backend(device: str) -> str:
-    """The fastest backend installed for ``device`` (measured in bench/vit.py on CPU)."""
+    """What ``--vit-backend auto`` means on ``device`` (see the module docstring)."""
     import importlib.util
 
     if device.startswith("cuda") and importlib.util.find_spec("tensorrt") is not None:

@@ -9,8 +9,9 @@ which none of our machines reaches, and the lent GPU machine has no tensorrt eit
 libraries are far over what a device call may carry); ``tests/vit_trt/test_runners.py``'s
 TensorRT test runs wherever tensorrt and a GPU exist and is skipped elsewhere.
 
-I/O goes through torch CUDA tensors on a stream of the runner's own (pycuda does not build on
-our machines), ordered after the caller's stream; ``encode`` returns once the results are
+I/O goes through torch CUDA tensors (pycuda does not build on our machines): by default
+through the graph pool, which replays on the caller's current stream; with ``--no-cuda-graphs``
+on a stream of the runner's own, ordered after the caller's. ``encode`` returns once the results are
 complete. The serialised plan is cached on disk under a key of model hash, TensorRT version,
 GPU name, precision and the batch profile ``[1, opt, max]``.
 """
