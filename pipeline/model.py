@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from pipeline.llm import Qwen2LM, TextSpec
@@ -61,14 +62,20 @@ def _pair(v: int | list[int]) -> int:
     return int(v)
 
 
-def read_spec(path: Path) -> ModelSpec:
+def read_config(path: Path) -> dict:
+    """The model directory's ``config.json``; ModelError, saying what to do, if absent."""
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ModelError(
             f"no model at {path}: looked for {cfg_file}. Pass --model DIR with an HF-format "
             "InternVL checkpoint (config.json, *.safetensors, tokenizer files), or leave "
             "--model out to use the built-in model.")
-    cfg = json.loads(cfg_file.read_text())
+    return _read_json(cfg_file)
+
+
+def read_spec(path: Path) -> ModelSpec:
+    cfg_file = path / "config.json"
+    cfg = read_config(path)
     if cfg.get("model_type") != "internvl":
         raise ModelError(f"{cfg_file}: model_type {cfg.get('model_type')!r} is not supported; "
                          "vlmbatch reads HF-native InternVL checkpoints (model_type 'internvl', "
@@ -108,21 +115,35 @@ def read_spec(path: Path) -> ModelSpec:
 
 
 def _read_json(p: Path) -> dict:
-    return json.loads(p.read_text()) if p.is_file() else {}
+    """``p`` as a dict, ``{}`` if absent; ModelError naming the file if it is not a JSON object."""
+    if not p.is_file():
+        return {}
+    try:
+        d = json.loads(p.read_text())
+    except ValueError as e:  # JSONDecodeError; UnicodeDecodeError for a binary file
+        raise ModelError(f"{p} is not valid JSON ({e}); restore it from the original "
+                         "checkpoint") from e
+    if not isinstance(d, dict):
+        raise ModelError(f"{p} is not a JSON object; restore it from the original checkpoint")
+    return d
 
 
 def raw_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of the checkpoint, keys as its files spell them."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = sorted(set(_read_json(index)["weight_map"].values()))
     else:
         files = [p.name for p in sorted(path.glob("*.safetensors"))]
     if not files:
         raise ModelError(f"no *.safetensors weights in {path}")
     sd: dict[str, torch.Tensor] = {}
     for f in files:
-        sd.update(load_file(str(path / f)))
+        try:
+            sd.update(load_file(str(path / f)))
+        except SafetensorError as e:
+            raise ModelError(f"{path / f} cannot be read ({e}): the file is truncated or "
+                             "corrupt; copy or download it again") from e
     return sd
 
 
@@ -181,9 +202,9 @@ def load_model(path: Path | None = None, device: str = "cpu",
             raise ModelError(f"{path}: {e}") from e
         int4 = int4_weights(sd, group_size)
     vision = VisionEncoder(spec.vision)
-    vision.load_hf(sd)
+    _load_weights(vision, sd, path)
     llm = Qwen2LM(spec.text)
-    llm.load_hf(sd)
+    _load_weights(llm, sd, path)
     llm = llm.to(device, dtype).eval()
     if int4:
         from quant.int4 import Int4Linear
@@ -205,6 +226,33 @@ def load_model(path: Path | None = None, device: str = "cpu",
     return LoadedModel(spec, vision.to(device, dtype).eval(), llm, tok)
 
 
+class _ReadLog(dict):
+    """A state dict that remembers the last key read."""
+    last: str | None = None
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        self.last = key
+        return super().__getitem__(key)
+
+
+def _load_weights(module: VisionEncoder | Qwen2LM, sd: dict[str, torch.Tensor],
+                  path: Path) -> None:
+    """``module.load_hf(sd)``; ModelError naming the weight if config.json does not fit it."""
+    log = _ReadLog(sd)
+    try:
+        module.load_hf(log)
+    except KeyError as e:  # weights the config asks for are not in the checkpoint
+        raise ModelError(f"{path}: {e.args[0]}; config.json and the weights must come from "
+                         "the same checkpoint: restore its original config.json") from e
+    except RuntimeError as e:  # copy_ of a tensor of another shape
+        if log.last is None:
+            raise
+        raise ModelError(f"{path}: weight {log.last} has shape {tuple(sd[log.last].shape)}, "
+                         f"which the sizes in config.json do not fit ({e}); config.json and "
+                         "the weights must come from the same checkpoint: restore its original "
+                         "config.json") from e
+
+
 def _module_of(llm: Qwen2LM, key: str) -> tuple[torch.nn.Module, str]:
     """``language_model.layers.0.self_attn.q_proj.weight`` -> (our layer 0, "q_proj")."""
     parts = key.split(".")
@@ -221,6 +269,17 @@ def load_tokenizer(path: Path):  # noqa: ANN201
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        tok = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # noqa: BLE001  (transformers raises many kinds)
         raise ModelError(f"cannot load the tokenizer from {path}: {e}") from e
+    missing = [a for a in ("start_image_token", "context_image_token", "end_image_token")
+               if getattr(tok, a, None) is None
+               or tok.convert_tokens_to_ids(getattr(tok, a)) in (None, tok.unk_token_id)]
+    if missing:
+        raise ModelError(f"the tokenizer in {path} lacks InternVL's image tokens "
+                         f"({', '.join(missing)}); copy the checkpoint's tokenizer files "
+                         "(tokenizer.json, tokenizer_config.json) into the folder")
+    if getattr(tok, "chat_template", None) is None:
+        raise ModelError(f"the tokenizer in {path} has no chat template; copy the checkpoint's "
+                         "chat_template.jinja (or tokenizer_config.json) into the folder")
+    return tok

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from jobs.manifest import ImageItem
 from pipeline.config import ConfigError, EngineConfig, ModelConfig
-from pipeline.model import DEFAULT_MODEL
+from pipeline.model import DEFAULT_MODEL, ModelError, read_config
 from quant.calibrate import METHODS, quantize_llm
 from quant.checkpoint import save_quantized
 
@@ -53,7 +53,14 @@ def quantize_model(model: Path | None, out: Path, method: str, items: list[Image
 
     if method not in METHODS:
         raise ConfigError(f"--method {method!r} not one of {METHODS}")
+    if group_size < 8 or group_size % 8:
+        raise ConfigError(f"--group-size {group_size} must be a positive multiple of 8 "
+                          "(e.g. 32, 64, 128)")
     src = Path(model) if model is not None else DEFAULT_MODEL
+    if "quantization_config" in read_config(src):
+        raise ModelError(f"--model {src} is already quantised (its config.json has a "
+                         "quantization_config); quantise the original float checkpoint "
+                         "instead")
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out {out} exists and is not empty; choose a new folder")
     if out.resolve() == src.resolve():
