@@ -8,8 +8,12 @@ A job is a folder::
 ``submit`` validates the input (as ``vlmbatch run`` does) and writes both; ``run`` answers the
 pending items group by group, recording each group's results in one transaction, so a killed
 run loses only the group in flight and ``resume`` (= ``run``) finishes the rest, every item
-recorded exactly once. ``cancel`` sets a flag the running job checks between groups.
-``status`` reads the store and works from another shell while a job runs.
+recorded exactly once; ``resume --retry-failed`` first puts the failed items back in the
+queue. ``cancel`` sets a flag the running job checks between groups. ``status`` reads the
+store and works from another shell while a job runs; a run that died without marking the store
+(kill -9, a lost machine) shows as ``interrupted`` once its process is gone.
+
+Paths (manifest, images, model) are stored absolute, so a job runs from any directory.
 
 Two executors feed the same store: in this process (``run_job``'s default), or Ray workers
 (``jobs/ray_executor.py``, ``--executor ray``).
@@ -21,6 +25,7 @@ import dataclasses
 import json
 import os
 import shutil
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -54,13 +59,17 @@ def _config_json(cfg: RunConfig) -> dict:
         d = dataclasses.asdict(obj)  # type: ignore[call-overload]
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in d.items()}
 
+    def absolute(p: Path | None) -> str | None:
+        return str(Path(p).absolute()) if p else None
+
     fmt = manifest_format(cfg.manifest) if cfg.manifest else "vlmbatch"
-    return {"version": 1, "format": fmt, "model": plain(cfg.model), "engine": plain(cfg.engine),
+    model = plain(cfg.model)
+    model["path"] = absolute(cfg.model.path)
+    return {"version": 1, "format": fmt, "model": model, "engine": plain(cfg.engine),
             "images_per_batch": cfg.images_per_batch, "max_pixels": cfg.max_pixels,
             "threads": cfg.threads,
-            "source": {"manifest": str(cfg.manifest) if cfg.manifest else None,
-                       "images": str(cfg.images) if cfg.images else None,
-                       "policy": str(cfg.policy) if cfg.policy else None}}
+            "source": {"manifest": absolute(cfg.manifest), "images": absolute(cfg.images),
+                       "policy": absolute(cfg.policy)}}
 
 
 @dataclass(frozen=True)
@@ -73,7 +82,7 @@ class JobConfig:
 
     @classmethod
     def load(cls, job: Path) -> JobConfig:
-        d = json.loads((job / JOB_FILE).read_text())
+        d = read_job_file(job)
         m = dict(d["model"])
         m["path"] = Path(m["path"]) if m["path"] else None
         e = {k: tuple(v) if isinstance(v, list) else v for k, v in d["engine"].items()}
@@ -83,11 +92,15 @@ class JobConfig:
 
 def submit(cfg: RunConfig, job: Path) -> int:
     """Create the job folder; returns the number of items. Fails before writing anything if
-    the input is invalid or the folder already holds a job."""
+    the input or the model folder is invalid, or the folder already holds a job. The device
+    is checked when the job runs (it may run on another machine)."""
+    from pipeline.model import DEFAULT_MODEL, read_spec
+
     job = Path(job)
-    if job.exists() and any(job.iterdir()):
-        raise ManifestError(f"{job} already exists and is not empty; pick a new job folder "
-                            "(or `vlmbatch resume` it if it is a job)")
+    if job.exists() and (not job.is_dir() or any(job.iterdir())):
+        raise ManifestError(f"{job} already exists and is not an empty folder; pick a new job "
+                            "folder (or `vlmbatch resume` it if it is a job)")
+    read_spec(cfg.model.path or DEFAULT_MODEL)  # raises ModelError naming what is wrong
     policy = read_policy(cfg.policy) if cfg.policy else ()
     if cfg.manifest is not None:  # streamed: memory stays bounded for any manifest size
         items = ((f"{cfg.manifest}:{ln}", it) for ln, it in iter_manifest(cfg.manifest, policy))
@@ -122,7 +135,8 @@ class JobStatus:
 
     def text(self) -> str:
         rate = f"{self.qpm:.0f} QPM" if self.qpm else "QPM n/a"
-        eta = f", ETA {self.eta_s:.0f}s" if self.eta_s is not None and self.pending else ""
+        eta = (f", ETA {self.eta_s:.0f}s" if self.eta_s is not None and self.pending
+               and self.status == "running" else "")
         return (f"{self.status}: {self.done + self.failed}/{self.items} images "
                 f"({self.failed} failed, {self.pending} pending), {self.questions} questions, "
                 f"{rate}{eta}")
@@ -133,33 +147,49 @@ def status(job: Path) -> JobStatus:
     store = JobStore(Path(job) / STORE_FILE)
     try:
         c = store.counts()
-        q = store.questions_done()
+        q, answered = store.questions_done(), store.questions_answered()
         qpm = eta = None
-        start, q0 = store.get("run_started"), store.get("run_questions_at_start")
+        start, q0 = store.get("run_started"), store.get("run_answered_at_start")
         end = float(store.get("run_ended") or time.time())
-        if start and q0 is not None and end > float(start) and q > int(q0):
-            qpm = 60 * (q - int(q0)) / (end - float(start))
+        if start and q0 is not None and end > float(start) and answered > int(q0):
+            qpm = 60 * (answered - int(q0)) / (end - float(start))
             done_items = c.done + c.failed - int(store.get("run_items_at_start") or 0)
             if done_items > 0:
                 eta = c.pending * (end - float(start)) / done_items
-        return JobStatus(store.get("status") or "?", c.total, c.done, c.failed, c.pending, q,
-                         qpm, eta)
+        state = store.get("status") or "?"
+        if state == "running" and not _run_alive(store):
+            state = "interrupted"
+        return JobStatus(state, c.total, c.done, c.failed, c.pending, q, qpm, eta)
     finally:
         store.close()
 
 
-def cancel(job: Path) -> None:
+def cancel(job: Path) -> str:
+    """Ask a running job to stop after its current group; returns the job's status (the
+    flag is set only when it is ``running``)."""
+    state = status(job).status
+    if state == "running":
+        store = JobStore(Path(job) / STORE_FILE)
+        try:
+            store.set("cancel", "1")
+        finally:
+            store.close()
+    return state
+
+
+def retry_failed(job: Path) -> int:
+    """Put a job's failed items back in its queue (``resume --retry-failed``)."""
     _require_job(job)
     store = JobStore(Path(job) / STORE_FILE)
     try:
-        store.set("cancel", "1")
+        return store.requeue_failed()
     finally:
         store.close()
 
 
 def export_results(job: Path, out: IO[str]) -> int:
     _require_job(job)
-    openai = json.loads((Path(job) / JOB_FILE).read_text()).get("format") == "openai"
+    openai = read_job_file(Path(job)).get("format") == "openai"
     store = JobStore(Path(job) / STORE_FILE)
     try:
         n = 0
@@ -236,20 +266,24 @@ def run_job(job: Path, progress: bool = True, executor: str = "local",
         _begin_run(store, c)
         bar = tqdm(total=c.total, initial=c.total - c.pending, unit="img", disable=not progress,
                    file=sys.stderr, desc=f"job {job.name}", dynamic_ncols=True)
-        final = "done"
-        for group in store.pending(cfg.images_per_batch):
-            if store.get("cancel") == "1":
-                final = "cancelled"
-                break
-            by_item: dict[str, list[dict]] = {}
-            for line in answer_group(engine, tiling, group, cfg.max_pixels):
-                by_item.setdefault(line["id"], []).append(line)
-            store.record(by_item)
-            bar.update(len(group))
-            if delay:
-                time.sleep(delay)
-        bar.close()
-        _end_run(store, final)
+        final = "interrupted"  # unless the loop ends normally
+        try:
+            for group in store.pending(cfg.images_per_batch):
+                if store.get("cancel") == "1":
+                    final = "cancelled"
+                    break
+                by_item: dict[str, list[dict]] = {}
+                for line in answer_group(engine, tiling, group, cfg.max_pixels):
+                    by_item.setdefault(line["id"], []).append(line)
+                store.record(by_item)
+                bar.update(len(group))
+                if delay:
+                    time.sleep(delay)
+            else:
+                final = "done"
+        finally:
+            bar.close()
+            _end_run(store, final)
     finally:
         store.close()
     return status(job)
@@ -260,8 +294,10 @@ def _begin_run(store: JobStore, c) -> None:  # noqa: ANN001
     store.set("cancel", "0")
     store.set("status", "running")
     store.set("run_started", str(time.time()))
-    store.set("run_questions_at_start", str(store.questions_done()))
+    store.set("run_answered_at_start", str(store.questions_answered()))
     store.set("run_items_at_start", str(c.done + c.failed))
+    store.set("run_pid", str(os.getpid()))
+    store.set("run_host", socket.gethostname())
     store.db.execute("DELETE FROM meta WHERE key = 'run_ended'")
 
 
@@ -270,7 +306,37 @@ def _end_run(store: JobStore, final: str) -> None:
     store.set("run_ended", str(time.time()))
 
 
+def _run_alive(store: JobStore) -> bool:
+    """Whether the process that marked the job running still exists. Unknown (another
+    host, no pid recorded) counts as alive."""
+    pid, host = store.get("run_pid"), store.get("run_host")
+    if not pid or host != socket.gethostname():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_job_file(job: Path) -> dict:
+    try:
+        d = json.loads((Path(job) / JOB_FILE).read_text())
+    except (ValueError, OSError) as e:
+        raise ManifestError(f"{Path(job) / JOB_FILE} is not readable ({e}); the job folder is "
+                            "damaged: submit the job again") from None
+    if not isinstance(d, dict) or not {"model", "engine"} <= d.keys():
+        raise ManifestError(f"{Path(job) / JOB_FILE} lacks the job's model and engine "
+                            "settings; the job folder is damaged: submit the job again")
+    return d
+
+
 def _require_job(job: Path) -> None:
     if not is_job(job):
         raise ManifestError(f"{job} is not a vlmbatch job folder (no {JOB_FILE}); create one "
                             "with `vlmbatch submit`")
+    if not (Path(job) / STORE_FILE).is_file():
+        raise ManifestError(f"{Path(job) / STORE_FILE} is missing; the job folder is damaged: "
+                            "submit the job again")

@@ -25,6 +25,7 @@ from jobs.records import ImageItem, ManifestError, Question
 __all__ = ["ImageItem", "ManifestError", "Question", "items_from_folder", "iter_manifest",
            "manifest_format", "read_manifest", "read_policy"]
 
+QUESTION_KEYS = {"id", "text", "threshold"}
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 
 
@@ -36,6 +37,10 @@ def _question(raw: object, where: str, index: int, prefix: str = "q") -> Questio
     if not isinstance(raw, dict) or not isinstance(raw.get("text"), str) or not raw["text"]:
         raise ManifestError(f"{where}: question {index} must be a string or an object with a "
                             f"non-empty 'text', got {raw!r}")
+    unknown = sorted(set(raw) - QUESTION_KEYS)
+    if unknown:  # a misspelt "threshold" would silently fall back to 0.5
+        raise ManifestError(f"{where}: question {index} has unknown key(s) {unknown}; a "
+                            f"question object has {sorted(QUESTION_KEYS)}")
     thr = raw.get("threshold", 0.5)
     if not isinstance(thr, (int, float)) or not 0.0 <= thr <= 1.0:
         raise ManifestError(f"{where}: question {index} threshold must be a number in [0, 1], "
@@ -59,11 +64,17 @@ def _questions(raw: object, where: str, prefix: str = "q") -> tuple[Question, ..
 def read_policy(path: Path) -> tuple[Question, ...]:
     """Questions of a YAML (.yaml/.yml) or TOML (.toml) policy file."""
     path = Path(path)
+    if path.is_dir():
+        raise ManifestError(f"policy {path} is a folder; give the policy's .yaml/.toml file")
     if not path.is_file():
         raise ManifestError(f"policy file {path} not found")
     import yaml
 
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # a BOM is tolerated
+    except UnicodeDecodeError as e:
+        raise ManifestError(f"{path}: not UTF-8 ({e.reason} at byte {e.start}); save the "
+                            "policy as UTF-8") from None
     if path.suffix not in (".toml", ".yaml", ".yml"):
         raise ManifestError(f"{path}: policy must be .yaml, .yml or .toml")
     try:
@@ -95,8 +106,13 @@ def iter_manifest(path: Path, policy: tuple[Question, ...] = ()
     """(line number, item) for each line, validated as read, in bounded memory. Duplicate
     ids are the caller's check (``read_manifest`` keeps a set; the job store a UNIQUE key)."""
     path = Path(path)
+    if path.is_dir():
+        raise ManifestError(f"{path} is a folder, not a manifest (nor a job folder): for a "
+                            "folder of images use --images DIR --policy FILE")
     if not path.is_file():
         raise ManifestError(f"manifest {path} not found")
+    # absolute: a job stores its items and may run from another working directory
+    base_dir = path.parent.absolute()
     fmt: dict[str, str] = {}
     n = 0
     with path.open("rb") as f:
@@ -114,7 +130,7 @@ def iter_manifest(path: Path, policy: tuple[Question, ...] = ()
                 raise ManifestError(f"{where}: not valid JSON ({e.msg})") from e
             if not isinstance(rec, dict):
                 raise ManifestError(f"{where}: each line must be a JSON object")
-            item = _item(rec, where, lineno, path.parent, policy)
+            item = _item(rec, where, lineno, base_dir, policy)
             if (kind := "openai" if is_openai_request(rec) else "vlmbatch") != fmt.setdefault(
                     "kind", kind):
                 raise ManifestError(f"{where}: mixes OpenAI batch requests and vlmbatch lines")
@@ -159,12 +175,13 @@ def manifest_format(path: Path) -> str:
 
 def items_from_folder(folder: Path, policy: tuple[Question, ...]) -> list[ImageItem]:
     """Every image file under ``folder`` (sorted, recursive), each asked the policy."""
-    folder = Path(folder)
-    if not folder.is_dir():
+    if not Path(folder).is_dir():
         raise ManifestError(f"image folder {folder} not found")
+    folder = Path(folder).absolute()  # items keep it (see iter_manifest)
     if not policy:
         raise ManifestError("a folder of images needs --policy to say which questions to ask")
     files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
         raise ManifestError(f"no image files ({', '.join(sorted(IMAGE_SUFFIXES))}) in {folder}")
-    return [ImageItem(str(p.relative_to(folder)), str(p), policy, folder) for p in files]
+    return [ImageItem(str(p.relative_to(folder)), str(p.relative_to(folder)), policy, folder)
+            for p in files]

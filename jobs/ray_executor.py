@@ -150,8 +150,11 @@ def run_job_ray(job: Path, opts: RayOptions, progress: bool = True):  # noqa: AN
         workers = [Actor.remote(cfg.model, cfg.engine, threads)
                    for _ in range(opts.model_workers)]
         tiling = ray.get(workers[0].tiling_config.remote())
-        final = _drive(ray, store, cfg, workers, tiling, opts, c, progress, job.name)
-        _end_run(store, final)
+        final = "interrupted"  # unless _drive returns
+        try:
+            final = _drive(ray, store, cfg, workers, tiling, opts, c, progress, job.name)
+        finally:
+            _end_run(store, final)
     finally:
         store.close()
         if started_ray:

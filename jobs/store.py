@@ -8,7 +8,8 @@ twice (a retried batch) is recorded once. A killed driver loses at most the grou
 
 Tables::
 
-    meta(key, value)                          status, cancel flag, created time
+    meta(key, value)                          status, cancel flag, created time, the current
+                                              run's start, pid and host
     items(idx, item_id, spec, state, result)  idx = manifest order; spec = the ImageItem as
                                               JSON; state pending | done | failed;
                                               result = JSON list of result lines
@@ -66,9 +67,14 @@ class JobStore:
         self.path = Path(path)
         # isolation_level=None: explicit BEGIN/COMMIT, so each record() is one transaction
         self.db = sqlite3.connect(self.path, isolation_level=None, timeout=30)
-        self.db.execute("PRAGMA journal_mode=WAL")  # `status` may read while `run` writes
-        self.db.execute("PRAGMA synchronous=FULL")
-        self.db.executescript(SCHEMA)
+        try:
+            self.db.execute("PRAGMA journal_mode=WAL")  # `status` may read while `run` writes
+            self.db.execute("PRAGMA synchronous=FULL")
+            self.db.executescript(SCHEMA)
+        except sqlite3.DatabaseError as e:
+            self.db.close()
+            raise ManifestError(f"{self.path} is not a readable job store ({e}); the job "
+                                "folder is damaged: submit the job again") from None
 
     def close(self) -> None:
         self.db.close()
@@ -120,13 +126,29 @@ class JobStore:
         self.db.execute("COMMIT")
         return n
 
+    def requeue_failed(self) -> int:
+        """Mark every failed item pending again (its old lines are dropped when it is
+        recorded anew); returns how many."""
+        self.db.execute("BEGIN IMMEDIATE")
+        n = self.db.execute("UPDATE items SET state = 'pending' WHERE state = 'failed'").rowcount
+        self.db.execute("COMMIT")
+        return n
+
     def counts(self) -> Counts:
         rows = dict(self.db.execute("SELECT state, COUNT(*) FROM items GROUP BY state"))
         return Counts(rows.get("pending", 0), rows.get("done", 0), rows.get("failed", 0))
 
     def questions_done(self) -> int:
+        """Result lines recorded (answered or failed)."""
         row = self.db.execute("SELECT COALESCE(SUM(json_array_length(result)), 0) FROM items "
                               "WHERE state != 'pending'").fetchone()
+        return int(row[0])
+
+    def questions_answered(self) -> int:
+        """Result lines recorded without an error (what QPM counts)."""
+        row = self.db.execute(
+            "SELECT COUNT(*) FROM items, json_each(items.result) WHERE items.state != "
+            "'pending' AND json_extract(json_each.value, '$.error') IS NULL").fetchone()
         return int(row[0])
 
     def results(self) -> Iterator[dict]:

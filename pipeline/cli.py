@@ -1,7 +1,9 @@
 """``vlmbatch`` command line: builds the config tree and calls one function per command.
 
-Exit codes: 0 all answered; 3 finished but some items failed (their lines carry ``error``);
-2 bad input or model (message on stderr, nothing run); 1 unexpected failure.
+Exit codes: 0 all answered; 3 finished but some items failed (their lines carry ``error``),
+or a job was cancelled with items left; 2 bad input or model (message on stderr, nothing run);
+1 a file could not be read or written (message on stderr), or an unexpected failure;
+130 interrupted (Ctrl-C; results written so far are kept).
 """
 
 from __future__ import annotations
@@ -11,6 +13,17 @@ import sys
 from pathlib import Path
 
 EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT, EXIT_ITEM_ERRORS = 0, 1, 2, 3
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -30,7 +43,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    "For W4A16 pass a checkpoint made by `vlmbatch quantize`")
     g.add_argument("--no-cuda-graphs", action="store_true",
                    help="torch/tensorrt vision backends on CUDA: run without the CUDA graph pool")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights and activations (default float32; bfloat16 on GPUs)")
     g.add_argument("--max-tiles", type=int, default=None,
                    help="cap tiles per image (default: the checkpoint's max_patches)")
     g.add_argument("--tiling", default="reduced", choices=["reduced", "reference"],
@@ -45,9 +59,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="padded prompt tokens per LLM forward (default 8192)")
     g.add_argument("--images-per-batch", type=int, default=16,
                    help="images preprocessed and scored together (default 16)")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    g.add_argument("--yes", default="yes,Yes,YES,是", help="answer words counted as yes")
-    g.add_argument("--no", default="no,No,NO,否", help="answer words counted as no")
+    g.add_argument("--threads", type=positive_int, default=None,
+                   help="torch CPU threads (default: torch's, one per core)")
+    g.add_argument("--yes", default="yes,Yes,YES,是",
+                   help="comma-separated answer words counted as yes; P(yes) sums their "
+                   "first-token probabilities (default %(default)s)")
+    g.add_argument("--no", default="no,No,NO,否",
+                   help="comma-separated answer words counted as no (default %(default)s)")
     g.add_argument("--max-new-tokens", type=int, default=0,
                    help="also write a greedy text answer of up to N tokens (default 0: none)")
     g.add_argument("--ignore-eos", action="store_true",
@@ -55,8 +73,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("prefix cache")
     c.add_argument("--no-prefix-cache", action="store_true",
                    help="recompute every prompt's image tokens (for comparison)")
-    c.add_argument("--block-size", type=int, default=16, help="tokens per cache block")
-    c.add_argument("--cache-mib", type=int, default=1024, help="KV cache budget in MiB")
+    c.add_argument("--block-size", type=int, default=16,
+                   help="tokens per cache block (default 16)")
+    c.add_argument("--cache-mib", type=int, default=1024,
+                   help="KV cache budget in MiB, least recently used blocks evicted first "
+                   "(default 1024)")
 
 
 def _configs(a: argparse.Namespace):  # noqa: ANN202
@@ -122,12 +143,31 @@ def _job_exit(job: Path, progress: bool, a: argparse.Namespace | None = None) ->
     return EXIT_ITEM_ERRORS if st.failed else EXIT_OK
 
 
+# `run JOB`: options that may change between runs of a job; the rest were fixed at submit
+RUN_JOB_OPTIONS = {"command", "func", "manifest", "no_progress", "executor", "address",
+                   "preprocess_workers", "model_workers", "model_cpus", "decode_timeout"}
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     from jobs.job import is_job
     from jobs.runner import run
+    from pipeline.config import ConfigError
 
     if a.manifest is not None and is_job(a.manifest):
+        defaults = vars(build_parser().parse_args(["run"]))
+        fixed = sorted("--" + k.replace("_", "-") for k, v in vars(a).items()
+                       if k not in RUN_JOB_OPTIONS and v != defaults.get(k))
+        if fixed:
+            raise ConfigError(
+                f"{a.manifest} is a job: its input, model and engine settings were fixed at "
+                f"submit, so {', '.join(fixed)} would be ignored. Submit a new job to change "
+                "them; `vlmbatch results JOB -o FILE` writes the results to a file")
         return _job_exit(a.manifest, not a.no_progress, a)
+    if a.out is not None and a.out.is_dir():
+        raise ConfigError(f"--out {a.out} is a folder; give a file name, e.g. {a.out}/out.jsonl")
+    if a.out is not None and a.out.suffix.lower() == ".parquet":
+        raise ConfigError("`run` writes JSONL; for Parquet, `vlmbatch submit ... --job DIR "
+                          "--wait`, then `vlmbatch results DIR -o FILE.parquet`")
     if a.executor == "ray":
         return _run_on_ray(a)
     summary = run(_run_config(a, a.out))
@@ -200,13 +240,22 @@ def cmd_results(a: argparse.Namespace) -> int:
 def cmd_cancel(a: argparse.Namespace) -> int:
     from jobs.job import cancel
 
-    cancel(a.job)
-    print(f"vlmbatch: job {a.job}: cancel requested; the running job stops after its current "
-          "batch; `vlmbatch resume` continues it", file=sys.stderr)
+    state = cancel(a.job)
+    if state == "running":
+        print(f"vlmbatch: job {a.job}: cancel requested; the running job stops after its "
+              "current batch; `vlmbatch resume` continues it", file=sys.stderr)
+    else:
+        print(f"vlmbatch: job {a.job} is not running ({state}); nothing to cancel",
+              file=sys.stderr)
     return EXIT_OK
 
 
 def cmd_resume(a: argparse.Namespace) -> int:
+    from jobs.job import retry_failed
+
+    if a.retry_failed:
+        n = retry_failed(a.job)
+        print(f"vlmbatch: job {a.job}: {n} failed images queued again", file=sys.stderr)
     return _job_exit(a.job, not a.no_progress, a)
 
 
@@ -302,8 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
                              ("resume", cmd_resume, "continue an interrupted job")]:
         c = sub.add_parser(name, help=text, description=text)
         c.add_argument("job", type=Path)
-        c.add_argument("--no-progress", action="store_true")
         if name == "resume":
+            c.add_argument("--no-progress", action="store_true", help="no progress bar")
+            c.add_argument("--retry-failed", action="store_true",
+                           help="first queue the failed images again (e.g. after fixing a "
+                           "missing file or an out-of-memory batch)")
             _executor_args(c)
         c.set_defaults(func=func)
     x = sub.add_parser("results", help="export a job's results as JSONL or Parquet",
@@ -318,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="accuracy on easy-vqa's test split (yes/no questions)",
                        description="Accuracy of a model on easy-vqa's yes/no questions.")
     e.add_argument("--split", default="test", choices=["test", "train"])
-    e.add_argument("--limit", type=int, default=None, help="first N questions only")
+    e.add_argument("--limit", type=positive_int, default=None, help="first N questions only")
     e.add_argument("--no-progress", action="store_true")
     _model_args(e)
     e.set_defaults(func=cmd_eval)
@@ -342,20 +394,36 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--group-size", type=int, default=128,
                    help="input columns per scale (default 128)")
     q.add_argument("--out", type=Path, required=True, help="new model folder")
-    q.add_argument("--device", default="cpu")
-    q.add_argument("--threads", type=int, default=None)
-    q.add_argument("--no-progress", action="store_true")
+    q.add_argument("--device", default="cpu",
+                   help="where calibration runs: cpu (default) or cuda; the model is float32")
+    q.add_argument("--threads", type=positive_int, default=None,
+                   help="torch CPU threads (default: torch's, one per core)")
+    q.add_argument("--no-progress", action="store_true", help="no progress bar")
     q.set_defaults(func=cmd_quantize)
 
     x = sub.add_parser("export-vit", help="export the vision encoder to ONNX and check it",
                        description="ONNX of the vision encoder (uint8 tiles in, embeddings out, "
-                       "dynamic batch), checked with onnxruntime against torch.")
+                       "dynamic batch), checked with onnxruntime against torch. `run "
+                       "--vit-backend onnxruntime` exports on the fly; this file is for other "
+                       "runtimes, TensorRT's builder (docs/vision.md) or inspection.")
     x.add_argument("--model", type=Path, default=None,
                    help="HF-format InternVL directory (default: the built-in model)")
     x.add_argument("--out", type=Path, required=True, help="output folder")
-    x.add_argument("--opset", type=int, default=17)
+    x.add_argument("--opset", type=int, default=17, choices=range(17, 21), metavar="{17..20}",
+                   help="ONNX opset (default 17; SDPA exports as plain ops in 17-20)")
     x.set_defaults(func=cmd_export_vit)
     return p
+
+
+def _quiet_opencv() -> None:
+    """OpenCV logs its own line for every undecodable image; each is already that item's
+    ``error``, so the CLI silences OpenCV unless OPENCV_LOG_LEVEL asks otherwise."""
+    import os
+
+    if "OPENCV_LOG_LEVEL" not in os.environ:
+        import cv2
+
+        cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -365,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.scoring import AnswerWordsError
 
     args = build_parser().parse_args(argv)
+    _quiet_opencv()
     try:
         return args.func(args)
     except (ConfigError, ManifestError, ModelError, AnswerWordsError, ImportError) as e:
@@ -373,6 +442,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `vlmbatch run ... | head`
         sys.stderr.close()
         return EXIT_OK
+    except OSError as e:  # an output path that cannot be written, a full disk...
+        where = f": {e.filename}" if e.filename else ""
+        print(f"vlmbatch: error: {e.strerror or e}{where}", file=sys.stderr)
+        return EXIT_CRASH
     except KeyboardInterrupt:
         print("vlmbatch: interrupted; results written so far are kept", file=sys.stderr)
         return 130

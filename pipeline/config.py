@@ -50,6 +50,8 @@ class ModelConfig:
             raise ConfigError(f"tiling {self.tiling!r} not one of ('reference', 'reduced')")
         if self.max_image_tokens is not None and self.max_image_tokens < 1:
             raise ConfigError(f"max_image_tokens must be >= 1, got {self.max_image_tokens}")
+        if not self.upscale_limit > 0:
+            raise ConfigError(f"upscale_limit must be > 0, got {self.upscale_limit}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -113,3 +115,10 @@ class RunConfig:
             raise ConfigError(f"max_pixels must be >= 1, got {self.max_pixels}")
         if self.images_per_batch < 1:
             raise ConfigError(f"images_per_batch must be >= 1, got {self.images_per_batch}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads must be >= 1, got {self.threads}")
+        if self.out is not None:
+            for name, src in (("manifest", self.manifest), ("policy", self.policy)):
+                if src is not None and Path(src).resolve() == Path(self.out).resolve():
+                    raise ConfigError(f"--out {self.out} is the {name}: writing results there "
+                                      "would overwrite it; pick another file")

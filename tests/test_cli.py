@@ -167,3 +167,53 @@ def test_cuda_without_a_gpu_says_what_to_do(capsys: pytest.CaptureFixture) -> No
     rc = main(["run", str(ROOT / "examples/manifest.jsonl"), "--device", "cuda"])
     err = capsys.readouterr().err
     assert rc == EXIT_BAD_INPUT and "--device cuda: torch" in err and "--device cpu" in err
+
+
+def test_relative_images_folder(job: Path, random_model_dir: Path, monkeypatch) -> None:  # noqa: ANN001
+    """`--images sub/dir` given relative to the working directory (every image used to fail:
+    the folder was joined twice)."""
+    (job / "imgs").mkdir()
+    png(job / "imgs" / "a.png")
+    monkeypatch.chdir(job)
+    out = job / "r.jsonl"
+    assert main(["run", "--images", "imgs", "--policy", "p.yaml", "--model",
+                 str(random_model_dir), "-o", str(out), "--no-progress"]) == EXIT_OK
+    (line,) = [json.loads(x) for x in out.read_text().splitlines()]
+    assert line["id"] == "a.png" and line["error"] is None
+
+
+@pytest.mark.parametrize("out,says", [(".", "is a folder"), ("m.jsonl", "is the manifest"),
+                                      ("p.yaml", "is the policy"),
+                                      ("r.parquet", "`run` writes JSONL")])
+def test_bad_out_fails_before_work(job: Path, random_model_dir: Path, capsys,  # noqa: ANN001
+                                   out: str, says: str) -> None:
+    before = (job / "m.jsonl").read_text(), (job / "p.yaml").read_text()
+    rc = main(["run", str(job / "m.jsonl"), "--policy", str(job / "p.yaml"), "--model",
+               str(random_model_dir), "-o", str(job / out), "--no-progress"])
+    assert rc == EXIT_BAD_INPUT and says in capsys.readouterr().err
+    assert ((job / "m.jsonl").read_text(), (job / "p.yaml").read_text()) == before
+
+
+def test_unwritable_out_is_a_message_not_a_traceback(job: Path, random_model_dir: Path,
+                                                     capsys) -> None:  # noqa: ANN001
+    rc = main(["run", str(job / "m.jsonl"), "--policy", str(job / "p.yaml"), "--model",
+               str(random_model_dir), "-o", str(job / "good.png" / "r.jsonl"),
+               "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.startswith("vlmbatch: error: ") and "good.png" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [["run", "x.jsonl", "--threads", "-1"],
+                                  ["eval", "--limit", "0"],
+                                  ["export-vit", "--out", "o", "--opset", "5"],
+                                  ["status", "j", "--no-progress"]])
+def test_out_of_range_options_are_usage_errors(argv: list[str], capsys) -> None:  # noqa: ANN001
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and "error: " in capsys.readouterr().err
+
+
+def test_folder_given_as_manifest_points_to_images(job: Path, capsys) -> None:  # noqa: ANN001
+    assert main(["run", str(job), "--policy", str(job / "p.yaml")]) == EXIT_BAD_INPUT
+    assert "--images DIR" in capsys.readouterr().err

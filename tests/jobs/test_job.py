@@ -71,6 +71,7 @@ def test_kill_minus_9_then_resume_answers_each_item_once(tmp_path: Path,
     assert seen.status == "running" and 3 <= seen.done < 30
     p.send_signal(signal.SIGKILL)
     p.wait()
+    assert status(job).status == "interrupted"  # its process is gone
     left = store.counts()
     assert 0 < left.pending < 30, left
     assert main(["resume", str(job), "--no-progress"]) == EXIT_OK
@@ -121,3 +122,94 @@ def test_bad_manifest_leaves_no_job(tmp_path: Path, random_model_dir: Path, caps
                  str(random_model_dir)]) == EXIT_BAD_INPUT
     assert "dup.jsonl:4: id 'img1' appears twice" in capsys.readouterr().err
     assert not job.exists()
+
+
+def test_job_runs_from_another_directory(tmp_path: Path, random_model_dir: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    make_manifest(tmp_path, 2)
+    monkeypatch.chdir(tmp_path)
+    model = os.path.relpath(random_model_dir, tmp_path)
+    assert main(["submit", "m.jsonl", "--job", "job", "--model", model, "--no-progress"]) == 0
+    saved = json.loads((tmp_path / "job" / "job.json").read_text())
+    assert Path(saved["model"]["path"]).is_absolute()
+    assert Path(saved["source"]["manifest"]).is_absolute()
+    monkeypatch.chdir("/")
+    assert main(["run", str(tmp_path / "job"), "--no-progress"]) == EXIT_OK
+    assert status(tmp_path / "job").failed == 0
+
+
+def test_resume_retry_failed(tmp_path: Path, random_model_dir: Path) -> None:
+    m = make_manifest(tmp_path, 2, broken=1)  # bad0 -> missing.png
+    job = tmp_path / "job"
+    assert main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir),
+                 "--wait", "--no-progress"]) == 3
+    (tmp_path / "missing.png").write_bytes((tmp_path / "0.png").read_bytes())
+    assert main(["resume", str(job), "--no-progress"]) == 3  # failed items stay failed
+    assert main(["resume", str(job), "--retry-failed", "--no-progress"]) == EXIT_OK
+    st = status(job)
+    assert (st.done, st.failed, st.pending, st.questions) == (3, 0, 0, 5)
+    out = tmp_path / "r.jsonl"
+    main(["results", str(job), "-o", str(out)])
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [ln["id"] for ln in lines] == ["img0", "img0", "img1", "img1", "bad0"]
+    assert all(ln["error"] is None for ln in lines)
+
+
+def test_all_failed_job_reports_no_qpm(tmp_path: Path, random_model_dir: Path) -> None:
+    m = make_manifest(tmp_path, 0, broken=2)
+    job = tmp_path / "job"
+    main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir), "--wait",
+          "--no-progress"])
+    st = status(job)
+    assert st.failed == 2 and st.qpm is None and "QPM n/a" in st.text()
+
+
+def test_run_job_refuses_settings_fixed_at_submit(tmp_path: Path, random_model_dir: Path,
+                                                  capsys) -> None:  # noqa: ANN001
+    m = make_manifest(tmp_path, 1)
+    job = tmp_path / "job"
+    main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir)])
+    rc = main(["run", str(job), "--dtype", "bfloat16", "-o", str(tmp_path / "x.jsonl")])
+    err = capsys.readouterr().err
+    assert rc == EXIT_BAD_INPUT and "--dtype, --out would be ignored" in err
+    assert status(job).pending == 1
+
+
+def test_cancel_of_a_job_that_is_not_running(tmp_path: Path, random_model_dir: Path,
+                                             capsys) -> None:  # noqa: ANN001
+    m = make_manifest(tmp_path, 1)
+    job = tmp_path / "job"
+    main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir)])
+    capsys.readouterr()
+    assert main(["cancel", str(job)]) == EXIT_OK
+    assert "not running (submitted); nothing to cancel" in capsys.readouterr().err
+    assert main(["run", str(job), "--no-progress"]) == EXIT_OK  # not left cancelled
+
+
+def test_submit_checks_the_model(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    m = make_manifest(tmp_path, 1)
+    job = tmp_path / "job"
+    rc = main(["submit", str(m), "--job", str(job), "--model", str(tmp_path / "nope")])
+    assert rc == EXIT_BAD_INPUT and "nope" in capsys.readouterr().err and not job.exists()
+
+
+@pytest.mark.parametrize("damage", ["store-garbage", "store-missing", "job-json"])
+def test_damaged_job_folder_is_named(tmp_path: Path, random_model_dir: Path, capsys,  # noqa: ANN001
+                                     damage: str) -> None:
+    m = make_manifest(tmp_path, 1)
+    job = tmp_path / "job"
+    main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir)])
+    if damage == "store-garbage":
+        (job / STORE_FILE).write_bytes(b"not a database" * 100)
+    elif damage == "store-missing":
+        (job / STORE_FILE).unlink()
+    else:
+        (job / "job.json").write_text("{")
+    capsys.readouterr()
+    cmds = [["resume", "--no-progress"], ["results"]]
+    if damage != "job-json":  # status reads only the store
+        cmds.append(["status"])
+    for cmd in cmds:
+        assert main([cmd[0], str(job), *cmd[1:]]) == EXIT_BAD_INPUT
+        assert "damaged" in capsys.readouterr().err
+    assert damage != "store-missing" or not (job / STORE_FILE).exists()

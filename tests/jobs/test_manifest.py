@@ -111,3 +111,36 @@ def test_odd_sources_are_item_errors(tmp_path: Path) -> None:
     with pytest.raises(SourceError, match="bad path"):
         read_bytes("a\x00.png", tmp_path)
     assert read_bytes("data:image/png,%89PNG%00", tmp_path) == b"\x89PNG\x00"
+
+
+def test_items_keep_absolute_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Items read from relative paths still find their images from another working directory
+    (a job stores its items and may run anywhere)."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.png").write_bytes(b"A")
+    write(tmp_path / "d" / "m.jsonl", [{"image": "a.png", "questions": ["?"]}])
+    monkeypatch.chdir(tmp_path)
+    (from_manifest,) = read_manifest(Path("d/m.jsonl"))
+    (from_folder,) = items_from_folder(Path("d"), (Question("q", "?"),))
+    monkeypatch.chdir("/")
+    for it in (from_manifest, from_folder):
+        assert it.base_dir.is_absolute() and read_bytes(it.image, it.base_dir) == b"A"
+
+
+def test_unknown_question_key_is_named(tmp_path: Path) -> None:
+    m = write(tmp_path / "m.jsonl",
+              [{"image": "a.png", "questions": [{"text": "Red?", "threshhold": 0.9}]}])
+    with pytest.raises(ManifestError, match=r"m\.jsonl:1: question 0 has unknown key\(s\) "
+                                            r"\['threshhold'\]"):
+        read_manifest(m)
+
+
+def test_policy_not_utf8_or_a_folder(tmp_path: Path) -> None:
+    p = tmp_path / "p.yaml"
+    p.write_bytes("questions: [caf\xe9?]\n".encode("latin-1"))
+    with pytest.raises(ManifestError, match=r"p\.yaml: not UTF-8"):
+        read_policy(p)
+    with pytest.raises(ManifestError, match="is a folder"):
+        read_policy(tmp_path)
+    p.write_bytes(b"\xef\xbb\xbfquestions: [\"ok?\"]\n")  # a BOM is fine
+    assert read_policy(p)[0].text == "ok?"
