@@ -123,8 +123,18 @@ def _executor_args(p: argparse.ArgumentParser) -> None:
                    "fails (default 30)")
 
 
+RAY_ONLY = ("address", "preprocess_workers", "model_workers", "model_cpus", "decode_timeout")
+
+
 def _ray_options(a: argparse.Namespace):  # noqa: ANN202
     if getattr(a, "executor", "local") != "ray":
+        defaults = vars(build_parser().parse_args(["run"]))
+        given = ["--" + k.replace("_", "-") for k in RAY_ONLY
+                 if hasattr(a, k) and getattr(a, k) != defaults[k]]
+        if given:
+            from pipeline.config import ConfigError
+
+            raise ConfigError(f"{', '.join(given)}: Ray executor options; add --executor ray")
         return None
     from jobs.ray_executor import RayOptions
 
@@ -415,6 +425,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _is_job_arg(a: argparse.Namespace) -> bool:
+    from jobs.job import is_job
+
+    return getattr(a, "manifest", None) is not None and is_job(a.manifest)
+
+
 def _quiet_opencv() -> None:
     """OpenCV logs its own line for every undecodable image; each is already that item's
     ``error``, so the CLI silences OpenCV unless OPENCV_LOG_LEVEL asks otherwise."""
@@ -435,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _quiet_opencv()
     try:
+        if hasattr(args, "executor"):
+            _ray_options(args)  # Ray-only options without --executor ray are an error
         return args.func(args)
     except (ConfigError, ManifestError, ModelError, AnswerWordsError, ImportError) as e:
         print(f"vlmbatch: error: {e}", file=sys.stderr)
@@ -447,7 +465,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vlmbatch: error: {e.strerror or e}{where}", file=sys.stderr)
         return EXIT_CRASH
     except KeyboardInterrupt:
-        print("vlmbatch: interrupted; results written so far are kept", file=sys.stderr)
+        hint = ""
+        if args.func is cmd_run and not _is_job_arg(args):
+            hint = ("; the same command starts over: for work that resumes, `vlmbatch submit "
+                    "... --job DIR` then `vlmbatch resume DIR`")
+        elif args.func in (cmd_run, cmd_submit, cmd_resume):
+            hint = "; `vlmbatch resume JOB` continues the job"
+        print(f"vlmbatch: interrupted; results written so far are kept{hint}", file=sys.stderr)
         return 130
 
 

@@ -217,3 +217,40 @@ def test_out_of_range_options_are_usage_errors(argv: list[str], capsys) -> None:
 def test_folder_given_as_manifest_points_to_images(job: Path, capsys) -> None:  # noqa: ANN001
     assert main(["run", str(job), "--policy", str(job / "p.yaml")]) == EXIT_BAD_INPUT
     assert "--images DIR" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--address", "head:1"], "--address: Ray executor options; add --executor ray"),
+    (["--ignore-eos"], "give max_new_tokens (--max-new-tokens N) too")])
+def test_options_that_would_do_nothing_are_refused(argv: list[str], says: str,
+                                                   capsys) -> None:  # noqa: ANN001
+    assert main(["run", str(ROOT / "examples/manifest.jsonl"), *argv]) == EXIT_BAD_INPUT
+    assert says in capsys.readouterr().err
+
+
+def test_ctrl_c_keeps_lines_and_says_how_to_resume(tmp_path: Path) -> None:
+    """SIGINT mid-run: exit 130, every line written parses, and the message points to jobs."""
+    import os
+    import signal
+    import time
+
+    lines = []
+    for i in range(200):
+        png(tmp_path / f"{i}.png", 40 + i % 50, 60)
+        lines.append({"id": str(i), "image": f"{i}.png", "questions": ["Red?", "Round?"]})
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "r.jsonl"
+    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", str(tmp_path / "m.jsonl"),
+                          "-o", str(out), "--images-per-batch", "1", "--no-progress"], cwd=ROOT,
+                         stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 60
+    while (not out.exists() or out.stat().st_size == 0) and time.time() < deadline:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    if p.returncode == EXIT_OK:
+        pytest.skip("the run finished before the signal")
+    assert p.returncode == 130 and "vlmbatch submit" in err
+    got = [json.loads(x) for x in out.read_text().splitlines()]
+    assert 0 < len(got) < 400
