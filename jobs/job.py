@@ -30,7 +30,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 from tqdm import tqdm
 
@@ -41,7 +40,6 @@ from jobs.manifest import (
     manifest_format,
     read_policy,
 )
-from jobs.openai_batch import write_lines
 from jobs.runner import answer_group
 from jobs.store import JobStore
 from pipeline.config import EngineConfig, ModelConfig, RunConfig
@@ -143,7 +141,7 @@ class JobStatus:
 
 
 def status(job: Path) -> JobStatus:
-    _require_job(job)
+    require_job(job)
     store = JobStore(Path(job) / STORE_FILE)
     try:
         c = store.counts()
@@ -179,7 +177,7 @@ def cancel(job: Path) -> str:
 
 def retry_failed(job: Path) -> int:
     """Put a job's failed items back in its queue (``resume --retry-failed``)."""
-    _require_job(job)
+    require_job(job)
     store = JobStore(Path(job) / STORE_FILE)
     try:
         return store.requeue_failed()
@@ -187,62 +185,11 @@ def retry_failed(job: Path) -> int:
         store.close()
 
 
-def export_results(job: Path, out: IO[str]) -> int:
-    _require_job(job)
-    openai = read_job_file(Path(job)).get("format") == "openai"
-    store = JobStore(Path(job) / STORE_FILE)
-    try:
-        n = 0
-        for line in store.results():
-            out.write(write_lines([line], openai))
-            n += 1
-        return n
-    finally:
-        store.close()
-
-
-PARQUET_COLUMNS = ("id", "question_id", "question", "answer", "p_yes", "margin",
-                   "image_tokens", "error", "text")
-
-
-def export_parquet(job: Path, path: Path, rows_per_group: int = 65536) -> int:
-    """Every recorded result line as a Parquet row (columns ``PARQUET_COLUMNS``; ``text``
-    only with --max-new-tokens, else null), written in row groups: memory stays bounded."""
-    _require_job(job)
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ModuleNotFoundError as e:
-        raise ImportError("Parquet output needs pyarrow: pip install 'vlmbatch[parquet]'") from e
-    schema = pa.schema([("id", pa.string()), ("question_id", pa.string()),
-                        ("question", pa.string()), ("answer", pa.string()),
-                        ("p_yes", pa.float64()), ("margin", pa.float64()),
-                        ("image_tokens", pa.int64()), ("error", pa.string()),
-                        ("text", pa.string())])
-    store = JobStore(Path(job) / STORE_FILE)
-    n = 0
-    try:
-        with pq.ParquetWriter(str(path), schema) as writer:
-            rows: list[dict] = []
-            for line in store.results():
-                rows.append({k: line.get(k) for k in PARQUET_COLUMNS})
-                if len(rows) == rows_per_group:
-                    writer.write_table(pa.Table.from_pylist(rows, schema))
-                    n += len(rows)
-                    rows = []
-            if rows or n == 0:
-                writer.write_table(pa.Table.from_pylist(rows, schema))
-                n += len(rows)
-    finally:
-        store.close()
-    return n
-
-
 def run_job(job: Path, progress: bool = True, executor: str = "local",
             ray_options=None) -> JobStatus:  # noqa: ANN001
     """Answer every pending item (a fresh run or a resume), in this process (``local``) or
     on Ray (``ray``, ``jobs/ray_executor.py``)."""
-    _require_job(job)
+    require_job(job)
     if executor == "ray":
         from jobs.ray_executor import RayOptions, run_job_ray
 
@@ -333,7 +280,7 @@ def read_job_file(job: Path) -> dict:
     return d
 
 
-def _require_job(job: Path) -> None:
+def require_job(job: Path) -> None:
     if not is_job(job):
         raise ManifestError(f"{job} is not a vlmbatch job folder (no {JOB_FILE}); create one "
                             "with `vlmbatch submit`")

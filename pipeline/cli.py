@@ -1,4 +1,5 @@
-"""``vlmbatch`` command line: builds the config tree and calls one function per command.
+"""``vlmbatch`` command line: builds the config tree and calls one function per command
+(``COMMANDS``); the options themselves are in ``pipeline/cli_args.py``.
 
 Exit codes: 0 all answered; 3 finished but some items failed (their lines carry ``error``),
 or a job was cancelled with items left; 2 bad input or model (message on stderr, nothing run);
@@ -12,72 +13,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from pipeline.cli_args import build_parser
+
 EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT, EXIT_ITEM_ERRORS = 0, 1, 2, 3
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def _model_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--model", type=Path, default=None,
-                   help="HF-format InternVL directory (default: the built-in model)")
-    g.add_argument("--engine", default="torch", choices=["torch", "lmdeploy"],
-                   help="torch: ours (CPU/CUDA, default); lmdeploy: TurboMind, GPU env only, "
-                   "never run by us yet")
-    g.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
-    g.add_argument("--vit-backend", default="auto",
-                   choices=["auto", "torch", "onnxruntime", "onnxruntime-int8", "tensorrt"],
-                   help="vision encoder runner (default auto: tensorrt on CUDA when installed, "
-                   "else torch); onnxruntime-int8: dynamic int8 ViT on CPU")
-    g.add_argument("--llm-quant", default="none", choices=["none", "int8-dynamic"],
-                   help="int8-dynamic: torch dynamic int8 linears for the language model (CPU). "
-                   "For W4A16 pass a checkpoint made by `vlmbatch quantize`")
-    g.add_argument("--no-cuda-graphs", action="store_true",
-                   help="torch/tensorrt vision backends on CUDA: run without the CUDA graph pool")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weights and activations (default float32; bfloat16 on GPUs)")
-    g.add_argument("--max-tiles", type=int, default=None,
-                   help="cap tiles per image (default: the checkpoint's max_patches)")
-    g.add_argument("--tiling", default="reduced", choices=["reduced", "reference"],
-                   help="reduced (default): fewest tiles that keep the image's resolution, "
-                   "letterboxed (docs/preprocessing.md); reference: InternVL's "
-                   "dynamic_preprocess, for parity with the model card")
-    g.add_argument("--upscale-limit", type=float, default=1.0,
-                   help="reduced tiling: most a tile count may enlarge an image (default 1.0)")
-    g.add_argument("--max-image-tokens", type=int, default=None,
-                   help="per-image token budget the tiling must fit (thumbnail included)")
-    g.add_argument("--max-batch-tokens", type=int, default=8192,
-                   help="padded prompt tokens per LLM forward (default 8192)")
-    g.add_argument("--images-per-batch", type=int, default=16,
-                   help="images preprocessed and scored together (default 16)")
-    g.add_argument("--threads", type=positive_int, default=None,
-                   help="torch CPU threads (default: torch's, one per core)")
-    g.add_argument("--yes", default="yes,Yes,YES,是",
-                   help="comma-separated answer words counted as yes; P(yes) sums their "
-                   "first-token probabilities (default %(default)s)")
-    g.add_argument("--no", default="no,No,NO,否",
-                   help="comma-separated answer words counted as no (default %(default)s)")
-    g.add_argument("--max-new-tokens", type=int, default=0,
-                   help="also write a greedy text answer of up to N tokens (default 0: none)")
-    g.add_argument("--ignore-eos", action="store_true",
-                   help="with --max-new-tokens: always generate N tokens (for benchmarks)")
-    c = p.add_argument_group("prefix cache")
-    c.add_argument("--no-prefix-cache", action="store_true",
-                   help="recompute every prompt's image tokens (for comparison)")
-    c.add_argument("--block-size", type=int, default=16,
-                   help="tokens per cache block (default 16)")
-    c.add_argument("--cache-mib", type=int, default=1024,
-                   help="KV cache budget in MiB, least recently used blocks evicted first "
-                   "(default 1024)")
 
 
 def _configs(a: argparse.Namespace):  # noqa: ANN202
@@ -103,24 +41,6 @@ def _run_config(a: argparse.Namespace, out: Path | None):  # noqa: ANN202
                      images_per_batch=a.images_per_batch, threads=a.threads,
                      max_pixels=a.max_pixels, progress=not a.no_progress, model=model,
                      engine=engine)
-
-
-def _executor_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("executor (jobs)")
-    g.add_argument("--executor", default="local", choices=["local", "ray"],
-                   help="local: this process (default); ray: CPU preprocessing tasks feeding "
-                   "model actors (pip install 'vlmbatch[ray]'; docs/jobs.md)")
-    g.add_argument("--address", default=None,
-                   help="ray: join this cluster (default: start a local one for the run)")
-    g.add_argument("--preprocess-workers", type=int, default=1,
-                   help="ray: concurrent decode/tile tasks (default 1)")
-    g.add_argument("--model-workers", type=int, default=1,
-                   help="ray: model actors, one per GPU on a GPU cluster (default 1)")
-    g.add_argument("--model-cpus", type=float, default=1.0,
-                   help="ray: CPUs per model actor = its torch threads on CPU (default 1)")
-    g.add_argument("--decode-timeout", type=float, default=30.0,
-                   help="ray: seconds per image before a hung decode is killed and that item "
-                   "fails (default 30)")
 
 
 RAY_ONLY = ("address", "preprocess_workers", "model_workers", "model_cpus", "decode_timeout")
@@ -154,7 +74,7 @@ def _job_exit(job: Path, progress: bool, a: argparse.Namespace | None = None) ->
 
 
 # `run JOB`: options that may change between runs of a job; the rest were fixed at submit
-RUN_JOB_OPTIONS = {"command", "func", "manifest", "no_progress", "executor", "address",
+RUN_JOB_OPTIONS = {"command", "manifest", "no_progress", "executor", "address",
                    "preprocess_workers", "model_workers", "model_cpus", "decode_timeout"}
 
 
@@ -191,7 +111,8 @@ def _run_on_ray(a: argparse.Namespace) -> int:
     """`run MANIFEST --executor ray`: a job in a temporary folder, run on Ray, exported."""
     import tempfile
 
-    from jobs.job import export_results, submit
+    from jobs.export import export_results
+    from jobs.job import submit
 
     with tempfile.TemporaryDirectory(prefix="vlmbatch-job-") as tmp:
         job = Path(tmp) / "job"
@@ -227,7 +148,7 @@ def cmd_status(a: argparse.Namespace) -> int:
 
 
 def cmd_results(a: argparse.Namespace) -> int:
-    from jobs.job import export_parquet, export_results
+    from jobs.export import export_parquet, export_results
     from pipeline.config import ConfigError
 
     fmt = a.format or ("parquet" if a.out is not None and a.out.suffix == ".parquet"
@@ -316,113 +237,9 @@ def cmd_quantize(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="vlmbatch",
-        description="Ask a vision-language model yes/no questions about many images, fast.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    r = sub.add_parser("run", help="answer a manifest's (or a folder's) questions -> JSONL; "
-                       "or run a submitted job",
-                       description="Answer every question about every image; one JSONL line per "
-                       "(image, question) with answer, p_yes and error. Given a job folder "
-                       "(from `submit`), run its pending items instead.")
-    r.add_argument("manifest", type=Path, nargs="?",
-                   help='JSONL, one image per line: {"id", "image", "questions"}; or a job '
-                   "folder")
-    r.add_argument("--images", type=Path, help="a folder of images instead of a manifest")
-    r.add_argument("--policy", type=Path,
-                   help="YAML/TOML file of questions asked of every image")
-    r.add_argument("--out", "-o", type=Path, help="results JSONL (default: standard output)")
-    r.add_argument("--no-progress", action="store_true", help="no progress bar")
-    r.add_argument("--max-pixels", type=int, default=100_000_000,
-                   help="images with more pixels (read from the header) are that item's error "
-                   "(default 100,000,000)")
-    _model_args(r)
-    _executor_args(r)
-    r.set_defaults(func=cmd_run)
-
-    s = sub.add_parser("submit", help="create a resumable job (SQLite store) from a manifest",
-                       description="Validate the input and create a job folder: config + a "
-                       "store of every item. Run it with `vlmbatch run JOB` (or --wait).")
-    s.add_argument("manifest", type=Path, nargs="?", help="JSONL manifest")
-    s.add_argument("--images", type=Path, help="a folder of images instead of a manifest")
-    s.add_argument("--policy", type=Path, help="YAML/TOML file of questions")
-    s.add_argument("--job", type=Path, help="the job folder to create")
-    s.add_argument("--wait", action="store_true", help="run the job now")
-    s.add_argument("--no-progress", action="store_true")
-    s.add_argument("--max-pixels", type=int, default=100_000_000)
-    _model_args(s)
-    _executor_args(s)
-    s.set_defaults(func=cmd_submit)
-
-    for name, func, text in [("status", cmd_status, "counts, QPM and ETA of a job"),
-                             ("cancel", cmd_cancel, "stop a running job after its batch"),
-                             ("resume", cmd_resume, "continue an interrupted job")]:
-        c = sub.add_parser(name, help=text, description=text)
-        c.add_argument("job", type=Path)
-        if name == "resume":
-            c.add_argument("--no-progress", action="store_true", help="no progress bar")
-            c.add_argument("--retry-failed", action="store_true",
-                           help="first queue the failed images again (e.g. after fixing a "
-                           "missing file or an out-of-memory batch)")
-            _executor_args(c)
-        c.set_defaults(func=func)
-    x = sub.add_parser("results", help="export a job's results as JSONL or Parquet",
-                       description="Every recorded result line of a job, in manifest order.")
-    x.add_argument("job", type=Path)
-    x.add_argument("--out", "-o", type=Path, help="file (default: standard output)")
-    x.add_argument("--format", choices=["jsonl", "parquet"], default=None,
-                   help="default: parquet when --out ends in .parquet, else JSONL (OpenAI "
-                   "batch output lines for a job submitted in that format)")
-    x.set_defaults(func=cmd_results)
-
-    e = sub.add_parser("eval", help="accuracy on easy-vqa's test split (yes/no questions)",
-                       description="Accuracy of a model on easy-vqa's yes/no questions.")
-    e.add_argument("--split", default="test", choices=["test", "train"])
-    e.add_argument("--limit", type=positive_int, default=None, help="first N questions only")
-    e.add_argument("--no-progress", action="store_true")
-    _model_args(e)
-    e.set_defaults(func=cmd_eval)
-
-    q = sub.add_parser("quantize", help="write a W4A16 (AWQ/GPTQ) copy of a model, calibrated "
-                       "on your images",
-                       description="Quantise the language model's decoder linears to 4-bit "
-                       "weights (symmetric, per group) with AWQ or GPTQ, calibrated on the "
-                       "questions of a manifest, and write a compressed-tensors checkpoint that "
-                       "`vlmbatch run --model OUT` serves. The vision encoder stays as it is "
-                       "(see --vit-backend onnxruntime-int8).")
-    q.add_argument("--model", type=Path, default=None,
-                   help="HF-format InternVL directory (default: the built-in model)")
-    q.add_argument("--method", required=True, choices=["awq", "gptq", "rtn"],
-                   help="rtn: plain round-to-nearest, for comparison")
-    q.add_argument("--calib", type=Path, required=True,
-                   help="JSONL manifest of calibration images and questions")
-    q.add_argument("--policy", type=Path, help="YAML/TOML questions asked of every image")
-    q.add_argument("--samples", type=int, default=128,
-                   help="calibration (image, question) pairs (default 128)")
-    q.add_argument("--group-size", type=int, default=128,
-                   help="input columns per scale (default 128)")
-    q.add_argument("--out", type=Path, required=True, help="new model folder")
-    q.add_argument("--device", default="cpu",
-                   help="where calibration runs: cpu (default) or cuda; the model is float32")
-    q.add_argument("--threads", type=positive_int, default=None,
-                   help="torch CPU threads (default: torch's, one per core)")
-    q.add_argument("--no-progress", action="store_true", help="no progress bar")
-    q.set_defaults(func=cmd_quantize)
-
-    x = sub.add_parser("export-vit", help="export the vision encoder to ONNX and check it",
-                       description="ONNX of the vision encoder (uint8 tiles in, embeddings out, "
-                       "dynamic batch), checked with onnxruntime against torch. `run "
-                       "--vit-backend onnxruntime` exports on the fly; this file is for other "
-                       "runtimes, TensorRT's builder (docs/vision.md) or inspection.")
-    x.add_argument("--model", type=Path, default=None,
-                   help="HF-format InternVL directory (default: the built-in model)")
-    x.add_argument("--out", type=Path, required=True, help="output folder")
-    x.add_argument("--opset", type=int, default=17, choices=range(17, 21), metavar="{17..20}",
-                   help="ONNX opset (default 17; SDPA exports as plain ops in 17-20)")
-    x.set_defaults(func=cmd_export_vit)
-    return p
+COMMANDS = {"run": cmd_run, "submit": cmd_submit, "status": cmd_status, "cancel": cmd_cancel,
+            "resume": cmd_resume, "results": cmd_results, "eval": cmd_eval,
+            "quantize": cmd_quantize, "export-vit": cmd_export_vit}
 
 
 def _is_job_arg(a: argparse.Namespace) -> bool:
@@ -453,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if hasattr(args, "executor"):
             _ray_options(args)  # Ray-only options without --executor ray are an error
-        return args.func(args)
+        return COMMANDS[args.command](args)
     except (ConfigError, ManifestError, ModelError, AnswerWordsError, ImportError) as e:
         print(f"vlmbatch: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -466,10 +283,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CRASH
     except KeyboardInterrupt:
         hint = ""
-        if args.func is cmd_run and not _is_job_arg(args):
+        if args.command == "run" and not _is_job_arg(args):
             hint = ("; the same command starts over: for work that resumes, `vlmbatch submit "
                     "... --job DIR` then `vlmbatch resume DIR`")
-        elif args.func in (cmd_run, cmd_submit, cmd_resume):
+        elif args.command in ("run", "submit", "resume"):
             hint = "; `vlmbatch resume JOB` continues the job"
         print(f"vlmbatch: interrupted; results written so far are kept{hint}", file=sys.stderr)
         return 130
