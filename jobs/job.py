@@ -84,6 +84,8 @@ class JobConfig:
         m = dict(d["model"])
         m["path"] = Path(m["path"]) if m["path"] else None
         e = {k: tuple(v) if isinstance(v, list) else v for k, v in d["engine"].items()}
+        if not e.get("max_new_tokens"):  # jobs from before --ignore-eos needed it: no effect
+            e["ignore_eos"] = False
         return cls(ModelConfig(**m), EngineConfig(**e), d["images_per_batch"],
                    d["max_pixels"], d.get("threads"))
 
@@ -154,25 +156,22 @@ def status(job: Path) -> JobStatus:
             done_items = c.done + c.failed - int(store.get("run_items_at_start") or 0)
             if done_items > 0:
                 eta = c.pending * (end - float(start)) / done_items
-        state = store.get("status") or "?"
-        if state == "running" and not _run_alive(store):
-            state = "interrupted"
-        return JobStatus(state, c.total, c.done, c.failed, c.pending, q, qpm, eta)
+        return JobStatus(_state(store), c.total, c.done, c.failed, c.pending, q, qpm, eta)
     finally:
         store.close()
 
 
 def cancel(job: Path) -> str:
-    """Ask a running job to stop after its current group; returns the job's status (the
-    flag is set only when it is ``running``)."""
-    state = status(job).status
-    if state == "running":
-        store = JobStore(Path(job) / STORE_FILE)
-        try:
-            store.set("cancel", "1")
-        finally:
-            store.close()
-    return state
+    """Ask a running job to stop after its current group; returns the job's status. The flag
+    is set whenever the store says ``running``."""
+    require_job(job)
+    store = JobStore(Path(job) / STORE_FILE)
+    try:
+        if store.get("status") == "running":  # even if it looks interrupted: a stray flag is
+            store.set("cancel", "1")         # harmless (the next run clears it)
+        return _state(store)
+    finally:
+        store.close()
 
 
 def retry_failed(job: Path) -> int:
@@ -244,7 +243,7 @@ def _begin_run(store: JobStore, c) -> None:  # noqa: ANN001
     store.set("run_answered_at_start", str(store.questions_answered()))
     store.set("run_items_at_start", str(c.done + c.failed))
     store.set("run_pid", str(os.getpid()))
-    store.set("run_host", socket.gethostname())
+    store.set("run_host", _host())
     store.db.execute("DELETE FROM meta WHERE key = 'run_ended'")
 
 
@@ -253,11 +252,26 @@ def _end_run(store: JobStore, final: str) -> None:
     store.set("run_ended", str(time.time()))
 
 
+def _state(store: JobStore) -> str:
+    state = store.get("status") or "?"
+    return "interrupted" if state == "running" and not _run_alive(store) else state
+
+
+def _host() -> str:
+    """This host and pid namespace: a pid means the same process only where both match
+    (containers on one host share its name but not its pids)."""
+    try:
+        ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        ns = 0
+    return f"{socket.gethostname()}/{ns}"
+
+
 def _run_alive(store: JobStore) -> bool:
     """Whether the process that marked the job running still exists. Unknown (another
-    host, no pid recorded) counts as alive."""
+    host or pid namespace, no pid recorded) counts as alive."""
     pid, host = store.get("run_pid"), store.get("run_host")
-    if not pid or host != socket.gethostname():
+    if not pid or host != _host():
         return True
     try:
         os.kill(int(pid), 0)

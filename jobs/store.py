@@ -10,9 +10,10 @@ Tables::
 
     meta(key, value)                          status, cancel flag, created time, the current
                                               run's start, pid and host
-    items(idx, item_id, spec, state, result)  idx = manifest order; spec = the ImageItem as
-                                              JSON; state pending | done | failed;
-                                              result = JSON list of result lines
+    items(idx, item_id, spec, state, result,  idx = manifest order; spec = the ImageItem as
+          lines, answered)                    JSON; state pending | done | failed;
+                                              result = JSON list of result lines; lines and
+                                              answered count them (what status sums)
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ CREATE TABLE IF NOT EXISTS items (
     spec TEXT NOT NULL,
     state TEXT NOT NULL DEFAULT 'pending' CHECK (state IN ('pending', 'done', 'failed')),
     result TEXT,
-    updated REAL
+    updated REAL,
+    lines INTEGER NOT NULL DEFAULT 0,
+    answered INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS items_state ON items (state, idx);
 """
@@ -71,10 +74,31 @@ class JobStore:
             self.db.execute("PRAGMA journal_mode=WAL")  # `status` may read while `run` writes
             self.db.execute("PRAGMA synchronous=FULL")
             self.db.executescript(SCHEMA)
+            self._add_counts()
         except sqlite3.DatabaseError as e:
             self.db.close()
-            raise ManifestError(f"{self.path} is not a readable job store ({e}); the job "
-                                "folder is damaged: submit the job again") from None
+            if "not a database" in str(e) or "malformed" in str(e):
+                raise ManifestError(f"{self.path} is not a readable job store ({e}); the job "
+                                    "folder is damaged: submit the job again") from None
+            raise ManifestError(f"cannot open the job store {self.path}: {e} (check the "
+                                "folder's permissions and free space)") from None
+
+    def _add_counts(self) -> None:
+        """Stores written before the lines/answered columns get them, filled in."""
+        cols = {row[1] for row in self.db.execute("PRAGMA table_info(items)")}
+        if "answered" in cols:
+            return
+        self.db.execute("BEGIN IMMEDIATE")
+        if "answered" in {row[1] for row in self.db.execute("PRAGMA table_info(items)")}:
+            self.db.execute("COMMIT")  # another process added them meanwhile
+            return
+        self.db.execute("ALTER TABLE items ADD COLUMN lines INTEGER NOT NULL DEFAULT 0")
+        self.db.execute("ALTER TABLE items ADD COLUMN answered INTEGER NOT NULL DEFAULT 0")
+        self.db.execute(
+            "UPDATE items SET lines = json_array_length(result), answered = (SELECT COUNT(*) "
+            "FROM json_each(items.result) WHERE COALESCE(json_extract(value, '$.error'), '') "
+            "= '') WHERE state != 'pending'")
+        self.db.execute("COMMIT")
 
     def close(self) -> None:
         self.db.close()
@@ -117,11 +141,13 @@ class JobStore:
         self.db.execute("BEGIN IMMEDIATE")
         n = 0
         for item_id, lines in results.items():
-            state = "failed" if any(ln.get("error") for ln in lines) else "done"
+            answered = sum(1 for ln in lines if not ln.get("error"))
+            state = "done" if answered == len(lines) else "failed"
             cur = self.db.execute(
-                "UPDATE items SET state = ?, result = ?, updated = ? "
+                "UPDATE items SET state = ?, result = ?, updated = ?, lines = ?, answered = ? "
                 "WHERE item_id = ? AND state = 'pending'",
-                (state, json.dumps(lines, ensure_ascii=False), now, item_id))
+                (state, json.dumps(lines, ensure_ascii=False), now, len(lines), answered,
+                 item_id))
             n += cur.rowcount
         self.db.execute("COMMIT")
         return n
@@ -140,15 +166,14 @@ class JobStore:
 
     def questions_done(self) -> int:
         """Result lines recorded (answered or failed)."""
-        row = self.db.execute("SELECT COALESCE(SUM(json_array_length(result)), 0) FROM items "
+        row = self.db.execute("SELECT COALESCE(SUM(lines), 0) FROM items "
                               "WHERE state != 'pending'").fetchone()
         return int(row[0])
 
     def questions_answered(self) -> int:
         """Result lines recorded without an error (what QPM counts)."""
-        row = self.db.execute(
-            "SELECT COUNT(*) FROM items, json_each(items.result) WHERE items.state != "
-            "'pending' AND json_extract(json_each.value, '$.error') IS NULL").fetchone()
+        row = self.db.execute("SELECT COALESCE(SUM(answered), 0) FROM items "
+                              "WHERE state != 'pending'").fetchone()
         return int(row[0])
 
     def results(self) -> Iterator[dict]:

@@ -10,12 +10,15 @@ or a job was cancelled with items left; 2 bad input or model (message on stderr,
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from pathlib import Path
 
-from pipeline.cli_args import build_parser
+from pipeline.cli_args import build_parser, given_options
 
 EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT, EXIT_ITEM_ERRORS = 0, 1, 2, 3
+# OSErrors reported as a message even without a file name (disk full, quota, read-only...)
+USER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 def _configs(a: argparse.Namespace):  # noqa: ANN202
@@ -48,9 +51,7 @@ RAY_ONLY = ("address", "preprocess_workers", "model_workers", "model_cpus", "dec
 
 def _ray_options(a: argparse.Namespace):  # noqa: ANN202
     if getattr(a, "executor", "local") != "ray":
-        defaults = vars(build_parser().parse_args(["run"]))
-        given = ["--" + k.replace("_", "-") for k in RAY_ONLY
-                 if hasattr(a, k) and getattr(a, k) != defaults[k]]
+        given = ["--" + k.replace("_", "-") for k in RAY_ONLY if k in getattr(a, "given", ())]
         if given:
             from pipeline.config import ConfigError
 
@@ -74,25 +75,30 @@ def _job_exit(job: Path, progress: bool, a: argparse.Namespace | None = None) ->
 
 
 # `run JOB`: options that may change between runs of a job; the rest were fixed at submit
-RUN_JOB_OPTIONS = {"command", "manifest", "no_progress", "executor", "address",
+RUN_JOB_OPTIONS = {"manifest", "no_progress", "retry_failed", "executor", "address",
                    "preprocess_workers", "model_workers", "model_cpus", "decode_timeout"}
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    from jobs.job import is_job
+    from jobs.job import is_job, retry_failed
     from jobs.runner import run
     from pipeline.config import ConfigError
 
     if a.manifest is not None and is_job(a.manifest):
-        defaults = vars(build_parser().parse_args(["run"]))
-        fixed = sorted("--" + k.replace("_", "-") for k, v in vars(a).items()
-                       if k not in RUN_JOB_OPTIONS and v != defaults.get(k))
+        fixed = sorted("--" + k.replace("_", "-") for k in a.given - RUN_JOB_OPTIONS)
         if fixed:
             raise ConfigError(
                 f"{a.manifest} is a job: its input, model and engine settings were fixed at "
                 f"submit, so {', '.join(fixed)} would be ignored. Submit a new job to change "
                 "them; `vlmbatch results JOB -o FILE` writes the results to a file")
+        if a.retry_failed:
+            n = retry_failed(a.manifest)
+            print(f"vlmbatch: job {a.manifest}: {n} failed images queued again", file=sys.stderr)
         return _job_exit(a.manifest, not a.no_progress, a)
+    if a.retry_failed:
+        raise ConfigError("--retry-failed applies to a job folder (`vlmbatch run JOB "
+                          "--retry-failed`); a plain run has nothing recorded to retry")
+    cfg = _run_config(a, a.out)  # validates, --out included, before any work
     if a.out is not None and a.out.is_dir():
         raise ConfigError(f"--out {a.out} is a folder; give a file name, e.g. {a.out}/out.jsonl")
     if a.out is not None and a.out.suffix.lower() == ".parquet":
@@ -100,7 +106,7 @@ def cmd_run(a: argparse.Namespace) -> int:
                           "--wait`, then `vlmbatch results DIR -o FILE.parquet`")
     if a.executor == "ray":
         return _run_on_ray(a)
-    summary = run(_run_config(a, a.out))
+    summary = run(cfg)
     print(f"vlmbatch: {summary.text()}", file=sys.stderr)
     if a.out:
         print(f"vlmbatch: results in {a.out}", file=sys.stderr)
@@ -265,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.model import ModelError
     from pipeline.scoring import AnswerWordsError
 
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.given = given_options(argv)
     _quiet_opencv()
     try:
         if hasattr(args, "executor"):
@@ -277,15 +285,21 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `vlmbatch run ... | head`
         sys.stderr.close()
         return EXIT_OK
-    except OSError as e:  # an output path that cannot be written, a full disk...
+    except OSError as e:  # a path that cannot be written, a full disk...
+        if not e.filename and e.errno not in USER_ERRNOS:
+            raise  # not about a file the user named: keep the traceback
         where = f": {e.filename}" if e.filename else ""
         print(f"vlmbatch: error: {e.strerror or e}{where}", file=sys.stderr)
         return EXIT_CRASH
     except KeyboardInterrupt:
+        from jobs.job import is_job
+
         hint = ""
         if args.command == "run" and not _is_job_arg(args):
             hint = ("; the same command starts over: for work that resumes, `vlmbatch submit "
                     "... --job DIR` then `vlmbatch resume DIR`")
+        elif args.command == "submit" and not (args.job and is_job(args.job)):
+            hint = "; no job was created"
         elif args.command in ("run", "submit", "resume"):
             hint = "; `vlmbatch resume JOB` continues the job"
         print(f"vlmbatch: interrupted; results written so far are kept{hint}", file=sys.stderr)

@@ -94,6 +94,18 @@ def _executor_args(p: argparse.ArgumentParser) -> None:
                    "fails (default 30)")
 
 
+def given_options(argv: list[str]) -> set[str]:
+    """The option dests ``argv`` (one command line) actually sets, whatever their values:
+    the same parser with every default suppressed leaves only what was typed."""
+    p = build_parser()
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sp in action.choices.values():
+                for a in sp._actions:
+                    a.default = argparse.SUPPRESS
+    return set(vars(p.parse_args(argv))) - {"command"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="vlmbatch",
@@ -120,6 +132,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                    help="YAML/TOML file of questions asked of every image")
     r.add_argument("--out", "-o", type=Path, help="results JSONL (default: standard output)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--retry-failed", action="store_true",
+                   help="a job: first queue its failed images again (as `resume --retry-failed`)")
     r.add_argument("--max-pixels", type=int, default=100_000_000,
                    help="images with more pixels (read from the header) are that item's error "
                    "(default 100,000,000)")
@@ -151,7 +165,9 @@ def _add_job_commands(sub: argparse._SubParsersAction) -> None:
                        ("resume", "continue an interrupted job")]:
         c = sub.add_parser(name, help=text, description=text)
         c.add_argument("job", type=Path)
-        if name == "resume":
+        if name != "resume":  # accepted as before, does nothing
+            c.add_argument("--no-progress", action="store_true", help=argparse.SUPPRESS)
+        else:
             c.add_argument("--no-progress", action="store_true", help="no progress bar")
             c.add_argument("--retry-failed", action="store_true",
                            help="first queue the failed images again (e.g. after fixing a "

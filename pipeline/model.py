@@ -244,8 +244,8 @@ def _load_weights(module: VisionEncoder | Qwen2LM, sd: dict[str, torch.Tensor],
     except KeyError as e:  # weights the config asks for are not in the checkpoint
         raise ModelError(f"{path}: {e.args[0]}; config.json and the weights must come from "
                          "the same checkpoint: restore its original config.json") from e
-    except RuntimeError as e:  # copy_ of a tensor of another shape
-        if log.last is None:
+    except RuntimeError as e:  # copy_ of a tensor of another shape (not, e.g., out of memory)
+        if log.last is None or "size" not in str(e) and "shape" not in str(e):
             raise
         raise ModelError(f"{path}: weight {log.last} has shape {tuple(sd[log.last].shape)}, "
                          f"which the sizes in config.json do not fit ({e}); config.json and "

@@ -182,14 +182,15 @@ def test_relative_images_folder(job: Path, random_model_dir: Path, monkeypatch) 
     assert line["id"] == "a.png" and line["error"] is None
 
 
-@pytest.mark.parametrize("out,says", [(".", "is a folder"), ("m.jsonl", "is the manifest"),
-                                      ("p.yaml", "is the policy"),
-                                      ("r.parquet", "`run` writes JSONL")])
+@pytest.mark.parametrize("out,says,extra", [
+    (".", "is a folder", []), ("m.jsonl", "is the manifest", []),
+    ("p.yaml", "is the policy", []), ("r.parquet", "`run` writes JSONL", []),
+    ("m.jsonl", "is the manifest", ["--executor", "ray"])])
 def test_bad_out_fails_before_work(job: Path, random_model_dir: Path, capsys,  # noqa: ANN001
-                                   out: str, says: str) -> None:
+                                   out: str, says: str, extra: list[str]) -> None:
     before = (job / "m.jsonl").read_text(), (job / "p.yaml").read_text()
     rc = main(["run", str(job / "m.jsonl"), "--policy", str(job / "p.yaml"), "--model",
-               str(random_model_dir), "-o", str(job / out), "--no-progress"])
+               str(random_model_dir), "-o", str(job / out), "--no-progress", *extra])
     assert rc == EXIT_BAD_INPUT and says in capsys.readouterr().err
     assert ((job / "m.jsonl").read_text(), (job / "p.yaml").read_text()) == before
 
@@ -206,8 +207,7 @@ def test_unwritable_out_is_a_message_not_a_traceback(job: Path, random_model_dir
 
 @pytest.mark.parametrize("argv", [["run", "x.jsonl", "--threads", "-1"],
                                   ["eval", "--limit", "0"],
-                                  ["export-vit", "--out", "o", "--opset", "5"],
-                                  ["status", "j", "--no-progress"]])
+                                  ["export-vit", "--out", "o", "--opset", "5"]])
 def test_out_of_range_options_are_usage_errors(argv: list[str], capsys) -> None:  # noqa: ANN001
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -254,3 +254,21 @@ def test_ctrl_c_keeps_lines_and_says_how_to_resume(tmp_path: Path) -> None:
     assert p.returncode == 130 and "vlmbatch submit" in err
     got = [json.loads(x) for x in out.read_text().splitlines()]
     assert 0 < len(got) < 400
+
+
+def test_os_errors_named_by_the_user_are_messages_others_tracebacks(monkeypatch, capsys) -> None:  # noqa: ANN001
+    import errno
+
+    import pipeline.cli as cli
+
+    def fail(code: int):  # noqa: ANN202
+        def cmd(a) -> int:  # noqa: ANN001
+            raise OSError(code, "boom")
+        return cmd
+
+    monkeypatch.setitem(cli.COMMANDS, "status", fail(errno.ENOSPC))
+    assert main(["status", "j"]) == 1
+    assert capsys.readouterr().err == "vlmbatch: error: boom\n"
+    monkeypatch.setitem(cli.COMMANDS, "status", fail(errno.EMFILE))  # a bug, not the user's
+    with pytest.raises(OSError):
+        main(["status", "j"])

@@ -213,3 +213,62 @@ def test_damaged_job_folder_is_named(tmp_path: Path, random_model_dir: Path, cap
         assert main([cmd[0], str(job), *cmd[1:]]) == EXIT_BAD_INPUT
         assert "damaged" in capsys.readouterr().err
     assert damage != "store-missing" or not (job / STORE_FILE).exists()
+
+
+def test_cancel_reaches_a_run_that_looks_interrupted(tmp_path: Path,
+                                                     random_model_dir: Path) -> None:
+    """A run in another pid namespace looks dead from here; cancel still sets the flag."""
+    from jobs.job import cancel
+
+    m = make_manifest(tmp_path, 1)
+    job = tmp_path / "job"
+    main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir)])
+    store = JobStore(job / STORE_FILE)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    store.set("status", "running")
+    store.set("run_pid", str(dead.pid))
+    store.set("run_host", __import__("jobs.job", fromlist=["_host"])._host())
+    assert cancel(job) == "interrupted" and store.get("cancel") == "1"
+    store.close()
+
+
+def test_run_job_options(tmp_path: Path, random_model_dir: Path, capsys) -> None:  # noqa: ANN001
+    m = make_manifest(tmp_path, 1, broken=1)
+    job = tmp_path / "job"
+    main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir),
+          "--images-per-batch", "1"])
+    capsys.readouterr()
+    # typed, even at the default value: refused, not silently ignored
+    assert main(["run", str(job), "--images-per-batch", "16"]) == EXIT_BAD_INPUT
+    assert "--images-per-batch would be ignored" in capsys.readouterr().err
+    assert main(["run", str(job), "--no-progress"]) == 3
+    (tmp_path / "missing.png").write_bytes((tmp_path / "0.png").read_bytes())
+    assert main(["run", str(job), "--retry-failed", "--no-progress"]) == EXIT_OK
+    assert main(["run", str(m), "--retry-failed"]) == EXIT_BAD_INPUT
+
+
+def test_a_job_from_an_older_version_still_runs(tmp_path: Path, random_model_dir: Path) -> None:
+    """Stores without the per-item line counts get them; --ignore-eos without
+    --max-new-tokens (once accepted, no effect) no longer stops the job loading."""
+    import sqlite3
+
+    m = make_manifest(tmp_path, 2, broken=1)
+    job = tmp_path / "job"
+    main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir), "--wait",
+          "--no-progress"])
+    before = status(job)
+    db = sqlite3.connect(job / STORE_FILE)
+    db.execute("ALTER TABLE items DROP COLUMN lines")
+    db.execute("ALTER TABLE items DROP COLUMN answered")
+    db.commit()
+    db.close()
+    cfg = json.loads((job / "job.json").read_text())
+    cfg["engine"]["ignore_eos"] = True
+    (job / "job.json").write_text(json.dumps(cfg))
+    after = status(job)
+    assert (after.questions, after.failed) == (before.questions, before.failed) == (5, 1)
+    store = JobStore(job / STORE_FILE)
+    assert store.questions_answered() == 4
+    store.close()
+    assert main(["resume", str(job), "--no-progress"]) == 3
