@@ -51,7 +51,7 @@ def check_header(data: bytes, max_pixels: int) -> tuple[int, int, str] | None:
         if max_pixels <= limit:
             raise ImageError(f"image is over {limit:,} pixels ({e}), over the limit of "
                              f"{max_pixels:,}") from None
-        return
+        return None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
         return None
     if w * h > max_pixels:
