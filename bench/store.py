@@ -21,12 +21,11 @@ from pathlib import Path
 
 # the repo root first: bench/jobs.py would otherwise shadow the jobs package
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from jobs.store import JobStore  # noqa: E402
+from jobs.store import ANSWERED_OF_RESULT, JobStore  # noqa: E402
 
-PARSE = ("SELECT (SELECT COALESCE(SUM(json_array_length(result)), 0) FROM items "
-         "WHERE state != 'pending'), (SELECT COUNT(*) FROM items, json_each(items.result) "
-         "WHERE items.state != 'pending' AND COALESCE(json_extract(json_each.value, '$.error'), "
-         "'') = '')")
+# what status computed before the per-item columns (and what a migration still computes)
+PARSE = (f"SELECT COALESCE(SUM(json_array_length(result)), 0), "
+         f"COALESCE(SUM({ANSWERED_OF_RESULT}), 0) FROM items WHERE state != 'pending'")
 
 
 def main() -> None:

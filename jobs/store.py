@@ -41,6 +41,10 @@ CREATE TABLE IF NOT EXISTS items (
 );
 CREATE INDEX IF NOT EXISTS items_state ON items (state, idx);
 """
+# An item's answered lines, parsed from its stored result (record() counts them in Python
+# with the same rule: no error, or an empty one); for stores from before the column.
+ANSWERED_OF_RESULT = ("(SELECT COUNT(*) FROM json_each(items.result) "
+                      "WHERE COALESCE(json_extract(value, '$.error'), '') = '')")
 
 
 @dataclass(frozen=True)
@@ -94,10 +98,8 @@ class JobStore:
             return
         self.db.execute("ALTER TABLE items ADD COLUMN lines INTEGER NOT NULL DEFAULT 0")
         self.db.execute("ALTER TABLE items ADD COLUMN answered INTEGER NOT NULL DEFAULT 0")
-        self.db.execute(
-            "UPDATE items SET lines = json_array_length(result), answered = (SELECT COUNT(*) "
-            "FROM json_each(items.result) WHERE COALESCE(json_extract(value, '$.error'), '') "
-            "= '') WHERE state != 'pending'")
+        self.db.execute(f"UPDATE items SET lines = json_array_length(result), "
+                        f"answered = {ANSWERED_OF_RESULT} WHERE state != 'pending'")
         self.db.execute("COMMIT")
 
     def close(self) -> None:

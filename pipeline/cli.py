@@ -64,8 +64,12 @@ def _ray_options(a: argparse.Namespace):  # noqa: ANN202
 
 
 def _job_exit(job: Path, progress: bool, a: argparse.Namespace | None = None) -> int:
-    from jobs.job import run_job
+    """Run a job folder (after re-queueing its failed items with --retry-failed)."""
+    from jobs.job import retry_failed, run_job
 
+    if getattr(a, "retry_failed", False):
+        n = retry_failed(job)
+        print(f"vlmbatch: job {job}: {n} failed images queued again", file=sys.stderr)
     executor = getattr(a, "executor", "local") if a is not None else "local"
     st = run_job(job, progress, executor, _ray_options(a) if a is not None else None)
     print(f"vlmbatch: job {job}: {st.text()}", file=sys.stderr)
@@ -80,20 +84,16 @@ RUN_JOB_OPTIONS = {"manifest", "no_progress", "retry_failed", "executor", "addre
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    from jobs.job import is_job, retry_failed
     from jobs.runner import run
     from pipeline.config import ConfigError
 
-    if a.manifest is not None and is_job(a.manifest):
+    if _is_job_arg(a):
         fixed = sorted("--" + k.replace("_", "-") for k in a.given - RUN_JOB_OPTIONS)
         if fixed:
             raise ConfigError(
                 f"{a.manifest} is a job: its input, model and engine settings were fixed at "
                 f"submit, so {', '.join(fixed)} would be ignored. Submit a new job to change "
                 "them; `vlmbatch results JOB -o FILE` writes the results to a file")
-        if a.retry_failed:
-            n = retry_failed(a.manifest)
-            print(f"vlmbatch: job {a.manifest}: {n} failed images queued again", file=sys.stderr)
         return _job_exit(a.manifest, not a.no_progress, a)
     if a.retry_failed:
         raise ConfigError("--retry-failed applies to a job folder (`vlmbatch run JOB "
@@ -105,7 +105,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         raise ConfigError("`run` writes JSONL; for Parquet, `vlmbatch submit ... --job DIR "
                           "--wait`, then `vlmbatch results DIR -o FILE.parquet`")
     if a.executor == "ray":
-        return _run_on_ray(a)
+        return _run_on_ray(a, cfg)
     summary = run(cfg)
     print(f"vlmbatch: {summary.text()}", file=sys.stderr)
     if a.out:
@@ -113,8 +113,9 @@ def cmd_run(a: argparse.Namespace) -> int:
     return EXIT_ITEM_ERRORS if summary.failed_images else EXIT_OK
 
 
-def _run_on_ray(a: argparse.Namespace) -> int:
+def _run_on_ray(a: argparse.Namespace, cfg) -> int:  # noqa: ANN001
     """`run MANIFEST --executor ray`: a job in a temporary folder, run on Ray, exported."""
+    import dataclasses
     import tempfile
 
     from jobs.export import export_results
@@ -122,7 +123,7 @@ def _run_on_ray(a: argparse.Namespace) -> int:
 
     with tempfile.TemporaryDirectory(prefix="vlmbatch-job-") as tmp:
         job = Path(tmp) / "job"
-        submit(_run_config(a, None), job)
+        submit(dataclasses.replace(cfg, out=None), job)
         rc = _job_exit(job, not a.no_progress, a)
         if a.out is None:
             export_results(job, sys.stdout)
@@ -188,11 +189,6 @@ def cmd_cancel(a: argparse.Namespace) -> int:
 
 
 def cmd_resume(a: argparse.Namespace) -> int:
-    from jobs.job import retry_failed
-
-    if a.retry_failed:
-        n = retry_failed(a.job)
-        print(f"vlmbatch: job {a.job}: {n} failed images queued again", file=sys.stderr)
     return _job_exit(a.job, not a.no_progress, a)
 
 
