@@ -4,6 +4,7 @@ A job is a folder::
 
     JOB/job.json       what to run: model and engine config, batch size, pixel limit, source
     JOB/store.sqlite   every item, its state and its result lines (jobs/store.py)
+    JOB/run.lock       held (flock) by the one process running the job
 
 ``submit`` validates the input (as ``vlmbatch run`` does) and writes both; ``run`` answers the
 pending items group by group, recording each group's results in one transaction, so a killed
@@ -11,7 +12,8 @@ run loses only the group in flight and ``resume`` (= ``run``) finishes the rest,
 recorded exactly once; ``resume --retry-failed`` first puts the failed items back in the
 queue. ``cancel`` sets a flag the running job checks between groups. ``status`` reads the
 store and works from another shell while a job runs; a run that died without marking the store
-(kill -9, a lost machine) shows as ``interrupted`` once its process is gone.
+(kill -9, a lost machine) shows as ``interrupted`` once its lock is free (the kernel frees it
+when the process dies, whatever its pid becomes).
 
 Paths (manifest, images, model) are stored absolute, so a job runs from any directory.
 
@@ -22,12 +24,15 @@ Two executors feed the same store: in this process (``run_job``'s default), or R
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import shutil
 import socket
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +50,11 @@ from jobs.store import JobStore
 from pipeline.config import EngineConfig, ModelConfig, RunConfig
 from pipeline.engines import build_engine
 
-JOB_FILE, STORE_FILE = "job.json", "store.sqlite"
+JOB_FILE, STORE_FILE, LOCK_FILE = "job.json", "store.sqlite", "run.lock"
+
+
+class JobBusy(ManifestError):
+    """Another process is running the job."""
 
 
 def is_job(path: Path) -> bool:
@@ -177,25 +186,31 @@ def cancel(job: Path) -> str:
 def retry_failed(job: Path) -> int:
     """Put a job's failed items back in its queue (``resume --retry-failed``)."""
     require_job(job)
-    store = JobStore(Path(job) / STORE_FILE)
-    try:
-        return store.requeue_failed()
-    finally:
-        store.close()
+    with run_lock(Path(job)):  # not under a running job's feet
+        store = JobStore(Path(job) / STORE_FILE)
+        try:
+            return store.requeue_failed()
+        finally:
+            store.close()
 
 
 def run_job(job: Path, progress: bool = True, executor: str = "local",
             ray_options=None) -> JobStatus:  # noqa: ANN001
     """Answer every pending item (a fresh run or a resume), in this process (``local``) or
-    on Ray (``ray``, ``jobs/ray_executor.py``)."""
+    on Ray (``ray``, ``jobs/ray_executor.py``). Raises ``JobBusy`` if another process is
+    running the job."""
     require_job(job)
-    if executor == "ray":
-        from jobs.ray_executor import RayOptions, run_job_ray
-
-        return run_job_ray(job, ray_options or RayOptions(), progress)
-    if executor != "local":
+    if executor not in ("local", "ray"):
         raise ManifestError(f"executor {executor!r} not one of local, ray")
-    job = Path(job)
+    with run_lock(Path(job)):
+        if executor == "ray":
+            from jobs.ray_executor import RayOptions, run_job_ray
+
+            return run_job_ray(job, ray_options or RayOptions(), progress)
+        return _run_local(Path(job), progress)
+
+
+def _run_local(job: Path, progress: bool) -> JobStatus:
     cfg = JobConfig.load(job)
     store = JobStore(job / STORE_FILE)
     delay = float(os.environ.get("VLMBATCH_TEST_GROUP_DELAY", "0"))  # tests: widen the window
@@ -252,6 +267,54 @@ def _end_run(store: JobStore, final: str) -> None:
     store.set("run_ended", str(time.time()))
 
 
+@contextmanager
+def run_lock(job: Path, wait_s: float = 2.0) -> Iterator[None]:
+    """Hold ``JOB/run.lock`` (an exclusive flock) for a run, or raise ``JobBusy`` naming the
+    process that holds it. ``wait_s`` covers a ``status`` probing the lock at that moment.
+    The kernel drops the lock when its process dies, kill -9 included."""
+    f = open(job / LOCK_FILE, "a+")  # noqa: SIM115 (held past this frame)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
+            f.close()
+            raise JobBusy(f"job {job} is already running{_runner(job)}; `vlmbatch status "
+                          f"{job}` follows it, `vlmbatch cancel {job}` stops it") from None
+    try:
+        yield
+    finally:
+        f.close()  # releases the lock
+
+
+def _runner(job: Path) -> str:
+    """' (pid N on HOST)' of the run recorded in the store, if any."""
+    try:
+        store = JobStore(job / STORE_FILE)
+    except ManifestError:
+        return ""
+    try:
+        pid, host = store.get("run_pid"), store.get("run_host")
+    finally:
+        store.close()
+    return f" (pid {pid} on {host.split('/')[0]})" if pid and host else ""
+
+
+def _lock_held(lock: Path) -> bool:
+    """Whether some process holds ``lock``; probed with a shared flock taken and dropped at
+    once (a run starting meanwhile waits for it: ``run_lock``'s ``wait_s``)."""
+    with open(lock) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        return False
+
+
 def _state(store: JobStore) -> str:
     state = store.get("status") or "?"
     return "interrupted" if state == "running" and not _run_alive(store) else state
@@ -268,11 +331,16 @@ def _host() -> str:
 
 
 def _run_alive(store: JobStore) -> bool:
-    """Whether the process that marked the job running still exists. Unknown (another
-    host or pid namespace, no pid recorded) counts as alive."""
+    """Whether the process that marked the job running still exists. A run on this host and
+    pid namespace is alive while it holds the job's lock; elsewhere (where a shared file
+    system may not carry flocks) it is unknown, which counts as alive. Jobs last run by a
+    version without the lock are checked by pid."""
     pid, host = store.get("run_pid"), store.get("run_host")
     if not pid or host != _host():
         return True
+    lock = store.path.parent / LOCK_FILE
+    if lock.exists():
+        return _lock_held(lock)
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:

@@ -2,7 +2,8 @@
 (``COMMANDS``); the options themselves are in ``pipeline/cli_args.py``.
 
 Exit codes: 0 all answered; 3 finished but some items failed (their lines carry ``error``),
-or a job was cancelled with items left; 2 bad input or model (message on stderr, nothing run);
+or a job was cancelled with items left; 2 bad input or model, or a job another process
+is running (message on stderr, nothing run);
 1 a file could not be read or written (message on stderr), or an unexpected failure;
 130 interrupted (Ctrl-C; results written so far are kept).
 """

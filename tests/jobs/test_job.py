@@ -272,3 +272,47 @@ def test_a_job_from_an_older_version_still_runs(tmp_path: Path, random_model_dir
     assert store.questions_answered() == 4
     store.close()
     assert main(["resume", str(job), "--no-progress"]) == 3
+
+
+def test_a_second_run_of_a_running_job_is_refused(tmp_path: Path, random_model_dir: Path,
+                                                  capsys) -> None:  # noqa: ANN001
+    m = make_manifest(tmp_path, 20, broken=1)
+    job = tmp_path / "job"
+    main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir),
+          "--images-per-batch", "1", "--no-progress"])
+    p = cli("run", str(job), "--no-progress", env={"VLMBATCH_TEST_GROUP_DELAY": "0.2"})
+    store = JobStore(job / STORE_FILE)
+    deadline = time.time() + 60
+    while store.counts().done < 2 and time.time() < deadline:
+        time.sleep(0.1)
+    capsys.readouterr()
+    for cmd in (["run", str(job)], ["resume", str(job), "--retry-failed"]):
+        assert main([*cmd, "--no-progress"]) == EXIT_BAD_INPUT
+        err = capsys.readouterr().err
+        assert "already running" in err and f"pid {p.pid}" in err, err
+    assert status(job).status == "running"
+    main(["cancel", str(job)])
+    p.wait(timeout=60)
+    assert status(job).status == "cancelled"
+    assert main(["resume", str(job), "--no-progress"]) == 3  # the lock went with its process
+    assert store.counts().pending == 0
+    store.close()
+
+
+def test_status_trusts_the_lock_over_a_reused_pid(tmp_path: Path, random_model_dir: Path) -> None:
+    """A run killed with -9 whose pid now belongs to another live process (here: this one)
+    shows as interrupted, because its lock is free; while the lock is held it is running."""
+    from jobs.job import LOCK_FILE, _host, run_lock
+
+    m = make_manifest(tmp_path, 1)
+    job = tmp_path / "job"
+    main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir)])
+    store = JobStore(job / STORE_FILE)
+    store.set("status", "running")
+    store.set("run_pid", str(os.getpid()))
+    store.set("run_host", _host())
+    (job / LOCK_FILE).touch()
+    assert status(job).status == "interrupted"
+    with run_lock(job):
+        assert status(job).status == "running"
+    store.close()
