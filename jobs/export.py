@@ -1,10 +1,11 @@
-"""A job's results out of its store: JSONL (ours or OpenAI batch output lines) or Parquet.
+"""A job's results out of its store: JSONL (ours or OpenAI batch output lines), CSV or Parquet.
 
-Both stream the store in manifest order, so memory stays bounded whatever the job's size.
+All stream the store in manifest order, so memory stays bounded whatever the job's size.
 """
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 from typing import IO
 
@@ -27,13 +28,32 @@ def export_results(job: Path, out: IO[str]) -> int:
         store.close()
 
 
-PARQUET_COLUMNS = ("id", "question_id", "question", "answer", "p_yes", "margin",
-                   "image_tokens", "error", "text")
+# The columns of a result line, in order (CSV and Parquet); ``text`` only with
+# --max-new-tokens, else empty (CSV) or null (Parquet).
+RESULT_COLUMNS = ("id", "question_id", "question", "answer", "p_yes", "margin",
+                  "image_tokens", "error", "text")
+
+
+def export_csv(job: Path, out: IO[str]) -> int:
+    """Every recorded result line as a CSV row (header ``RESULT_COLUMNS``; None -> empty
+    field), for spreadsheets; ``out`` must be opened with ``newline=""``."""
+    require_job(job)
+    store = JobStore(Path(job) / STORE_FILE)
+    try:
+        writer = csv.DictWriter(out, RESULT_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        n = 0
+        for line in store.results():
+            writer.writerow(line)
+            n += 1
+        return n
+    finally:
+        store.close()
 
 
 def export_parquet(job: Path, path: Path, rows_per_group: int = 65536) -> int:
-    """Every recorded result line as a Parquet row (columns ``PARQUET_COLUMNS``; ``text``
-    only with --max-new-tokens, else null), written in row groups: memory stays bounded."""
+    """Every recorded result line as a Parquet row (columns ``RESULT_COLUMNS``), written in
+    row groups: memory stays bounded."""
     require_job(job)
     try:
         import pyarrow as pa
@@ -51,7 +71,7 @@ def export_parquet(job: Path, path: Path, rows_per_group: int = 65536) -> int:
         with pq.ParquetWriter(str(path), schema) as writer:
             rows: list[dict] = []
             for line in store.results():
-                rows.append({k: line.get(k) for k in PARQUET_COLUMNS})
+                rows.append({k: line.get(k) for k in RESULT_COLUMNS})
                 if len(rows) == rows_per_group:
                     writer.write_table(pa.Table.from_pylist(rows, schema))
                     n += len(rows)

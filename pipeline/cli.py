@@ -102,9 +102,10 @@ def cmd_run(a: argparse.Namespace) -> int:
     cfg = _run_config(a, a.out)  # validates, --out included, before any work
     if a.out is not None and a.out.is_dir():
         raise ConfigError(f"--out {a.out} is a folder; give a file name, e.g. {a.out}/out.jsonl")
-    if a.out is not None and a.out.suffix.lower() == ".parquet":
-        raise ConfigError("`run` writes JSONL; for Parquet, `vlmbatch submit ... --job DIR "
-                          "--wait`, then `vlmbatch results DIR -o FILE.parquet`")
+    if a.out is not None and a.out.suffix.lower() in (".parquet", ".csv"):
+        kind = a.out.suffix.lower()[1:]
+        raise ConfigError(f"`run` writes JSONL; for {kind}, `vlmbatch submit ... --job DIR "
+                          f"--wait`, then `vlmbatch results DIR -o FILE.{kind}`")
     if a.executor == "ray":
         return _run_on_ray(a, cfg)
     summary = run(cfg)
@@ -156,22 +157,24 @@ def cmd_status(a: argparse.Namespace) -> int:
 
 
 def cmd_results(a: argparse.Namespace) -> int:
-    from jobs.export import export_parquet, export_results
+    from jobs.export import export_csv, export_parquet, export_results
     from pipeline.config import ConfigError
 
-    fmt = a.format or ("parquet" if a.out is not None and a.out.suffix == ".parquet"
-                       else "jsonl")
+    suffix = a.out.suffix.lower() if a.out is not None else ""
+    fmt = a.format or {".parquet": "parquet", ".csv": "csv"}.get(suffix, "jsonl")
+    if a.out is not None:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "parquet":
         if a.out is None:
             raise ConfigError("--format parquet needs --out FILE.parquet")
-        a.out.parent.mkdir(parents=True, exist_ok=True)
         n = export_parquet(a.job, a.out)
-    elif a.out is None:
-        n = export_results(a.job, sys.stdout)
     else:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        with open(a.out, "w") as f:
-            n = export_results(a.job, f)
+        write = export_csv if fmt == "csv" else export_results
+        if a.out is None:
+            n = write(a.job, sys.stdout)
+        else:
+            with open(a.out, "w", newline="" if fmt == "csv" else None) as f:
+                n = write(a.job, f)
     print(f"vlmbatch: {n} result lines", file=sys.stderr)
     return EXIT_OK
 

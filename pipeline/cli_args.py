@@ -173,13 +173,14 @@ def _add_job_commands(sub: argparse._SubParsersAction) -> None:
                            help="first queue the failed images again (e.g. after fixing a "
                            "missing file or an out-of-memory batch)")
             _executor_args(c)
-    x = sub.add_parser("results", help="export a job's results as JSONL or Parquet",
+    x = sub.add_parser("results", help="export a job's results as JSONL, CSV or Parquet",
                        description="Every recorded result line of a job, in manifest order.")
     x.add_argument("job", type=Path)
     x.add_argument("--out", "-o", type=Path, help="file (default: standard output)")
-    x.add_argument("--format", choices=["jsonl", "parquet"], default=None,
-                   help="default: parquet when --out ends in .parquet, else JSONL (OpenAI "
-                   "batch output lines for a job submitted in that format)")
+    x.add_argument("--format", choices=["jsonl", "csv", "parquet"], default=None,
+                   help="default: from --out's suffix (.parquet, .csv), else JSONL (OpenAI "
+                   "batch output lines for a job submitted in that format); CSV and Parquet "
+                   "have one row per result line, in our columns for either format")
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:

@@ -316,3 +316,38 @@ def test_status_trusts_the_lock_over_a_reused_pid(tmp_path: Path, random_model_d
     with run_lock(job):
         assert status(job).status == "running"
     store.close()
+
+
+def test_results_as_csv(tmp_path: Path, random_model_dir: Path, capsys) -> None:  # noqa: ANN001
+    import csv
+    import io
+
+    m = make_manifest(tmp_path, 3, broken=1)
+    (tmp_path / "m.jsonl").write_text((tmp_path / "m.jsonl").read_text().replace(
+        '"Red?"', '"Red, \\"bright\\"?\\nor not"', 1))  # a comma, quotes and a newline
+    job = tmp_path / "job"
+    main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir), "--wait",
+          "--no-progress"])
+    lines = [json.loads(x) for x in _export(job, capsys, []).splitlines()]
+    out = tmp_path / "sub" / "r.csv"
+    assert main(["results", str(job), "-o", str(out)]) == EXIT_OK
+    with open(out, newline="") as f:
+        from_file = f.read()
+    for text in (from_file, _export(job, capsys, ["--format", "csv"])):
+        rows = list(csv.DictReader(io.StringIO(text, newline="")))
+        assert len(rows) == len(lines) == 7
+        for row, line in zip(rows, lines, strict=True):
+            for k in ("id", "question_id", "question", "answer", "error"):
+                assert row[k] == (line[k] or "")  # None -> empty field
+            if line["error"] is None:
+                assert float(row["p_yes"]) == line["p_yes"]
+                assert float(row["margin"]) == line["margin"]
+            else:
+                assert row["p_yes"] == row["margin"] == ""
+    assert lines[0]["question"] == 'Red, "bright"?\nor not'
+
+
+def _export(job: Path, capsys, args: list[str]) -> str:  # noqa: ANN001
+    capsys.readouterr()
+    assert main(["results", str(job), *args]) == EXIT_OK
+    return capsys.readouterr().out
