@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import sys
 import time
 from collections import deque
@@ -134,13 +135,7 @@ def run_job_ray(job: Path, opts: RayOptions, progress: bool = True):  # noqa: AN
 
         read_spec(cfg.model.path or DEFAULT_MODEL)  # a bad model fails here, not in an actor
         if not ray.is_initialized():
-            cpus = opts.preprocess_workers + opts.model_workers * opts.model_cpus
-            root = str(Path(__file__).resolve().parents[1])
-            env = {"PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-            env.update({k: v for k, v in os.environ.items() if k.startswith("VLMBATCH_TEST_")})
-            ray.init(address=opts.address, num_cpus=None if opts.address else math.ceil(cpus),
-                     include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": env})
+            _init_ray(ray, opts)
             started_ray = True
         threads = cfg.threads or max(1, int(opts.model_cpus))
         # one GPU per model actor when the model runs on CUDA (never run here: no GPU yet)
@@ -160,6 +155,63 @@ def run_job_ray(job: Path, opts: RayOptions, progress: bool = True):  # noqa: AN
         if started_ray:
             ray.shutdown()
     return status(job)
+
+
+def _init_ray(ray, opts: RayOptions) -> None:  # noqa: ANN001
+    """Start a local Ray instance, or join ``opts.address``; a cluster that cannot be
+    reached or joined is a ``ConfigError`` naming the address, not a traceback."""
+    from pipeline.config import ConfigError
+
+    cpus = opts.preprocess_workers + opts.model_workers * opts.model_cpus
+    root = str(Path(__file__).resolve().parents[1])
+    env = {"PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    env.update({k: v for k, v in os.environ.items() if k.startswith("VLMBATCH_TEST_")})
+    if opts.address:
+        check_reachable(opts.address)
+    try:
+        ray.init(address=opts.address, num_cpus=None if opts.address else math.ceil(cpus),
+                 include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        if not opts.address:
+            raise
+        raise ConfigError(f"--address {opts.address}: could not join the Ray cluster: "
+                          f"{_join_hint(e)}") from None
+
+
+def _join_hint(e: BaseException) -> str:
+    """What to tell the user about a failed ``ray.init(address=...)``: Ray's own words (the
+    first line of the exception), or the fix for the two causes we can recognise."""
+    chain, cause = [], e
+    while cause is not None and len(chain) < 5:
+        chain.append(str(cause))
+        cause = cause.__cause__ or cause.__context__
+    text = " ".join(chain)
+    if "ray[client]" in text:
+        return "ray:// addresses need Ray Client: pip install 'ray[client]'"
+    token = ("; a cluster with token authentication also needs RAY_AUTH_MODE=token here and "
+             "its token (~/.ray/auth_token, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH)")
+    if "AuthToken" in text or "uthentication" in text:
+        return "it asks for an authentication token" + token
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return first + ("" if os.environ.get("RAY_AUTH_MODE") == "token" else token)
+
+
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """A TCP connection to ``host:port`` or ``ray://host:port`` within ``timeout_s``, so a
+    wrong address fails in seconds instead of after Ray's own retries (minutes). ``auto`` and
+    other forms without a port are left to Ray."""
+    from pipeline.config import ConfigError
+
+    hostport = address.removeprefix("ray://")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConfigError(f"--address {address}: cannot reach {host}:{port} "
+                          f"({e.strerror or e}); is the Ray head running there (`ray start "
+                          "--head`) and the port open?") from None
 
 
 def _drive(ray, store: JobStore, cfg, workers: list, tiling: TilingConfig,  # noqa: ANN001, PLR0913

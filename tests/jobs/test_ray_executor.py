@@ -1,10 +1,15 @@
 """The Ray executor: same results as in-process, a killed model worker, a hung decoder,
-cancel and resume, Parquet export. Each test starts (and stops) a local Ray instance."""
+cancel and resume, Parquet export, joining a running cluster (`--address`). Each test starts
+(and stops) a local Ray instance, or a head with `ray start`."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -12,8 +17,8 @@ import pytest
 
 from jobs.job import STORE_FILE, cancel, status
 from jobs.store import JobStore
-from pipeline.cli import EXIT_OK, main
-from tests.jobs.test_job import cli, make_manifest
+from pipeline.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from tests.jobs.test_job import ROOT, cli, make_manifest
 
 pytest.importorskip("ray")
 
@@ -146,3 +151,50 @@ def test_run_manifest_on_ray_writes_the_same_lines(tmp_path: Path,
     assert rc == EXIT_OK
     assert_same_lines([json.loads(x) for x in out.read_text().splitlines()],
                       direct(tmp_path, random_model_dir, m))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_address_fails_fast(tmp_path: Path, random_model_dir: Path,
+                                        capsys) -> None:  # noqa: ANN001
+    job = submit(tmp_path, random_model_dir, 1)
+    port = _free_port()  # closed again: nothing listens there
+    t0 = time.monotonic()
+    rc = main(["run", str(job), *RAY, "--address", f"ray://127.0.0.1:{port}", "--no-progress"])
+    assert rc == EXIT_BAD_INPUT and time.monotonic() - t0 < 30
+    err = capsys.readouterr().err
+    assert f"cannot reach 127.0.0.1:{port}" in err and "ray start --head" in err, err
+    assert status(job).status == "submitted"
+
+
+def test_joins_a_running_cluster_by_address_and_by_ray_client(tmp_path: Path,
+                                                              random_model_dir: Path) -> None:
+    """A head started apart (`ray start --head`, as on a cluster), joined through its GCS
+    address and through Ray Client (ray://); the lines equal the in-process run's."""
+    ray_cli = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")
+    assert ray_cli, "the ray command comes with the ray package"
+    gcs, client = _free_port(), _free_port()
+    # token auth: what `ray start` turns on by default since Ray 2.5x; the driver needs it set
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "PYTHONPATH": str(ROOT)}
+    subprocess.run([ray_cli, "start", "--head", f"--port={gcs}",
+                    f"--ray-client-server-port={client}", "--num-cpus=3",
+                    "--include-dashboard=false", "--disable-usage-stats"],
+                   env=env, check=True, capture_output=True, timeout=120)
+    try:
+        m = make_manifest(tmp_path, 5, broken=1)
+        want = direct(tmp_path, random_model_dir, m)
+        for i, address in enumerate([f"127.0.0.1:{gcs}", f"ray://127.0.0.1:{client}"]):
+            job = tmp_path / f"job{i}"
+            main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir),
+                  "--images-per-batch", "2", "--no-progress"])
+            p = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(job), *RAY,
+                                "--address", address, "--no-progress"], cwd=ROOT, env=env,
+                               capture_output=True, text=True, timeout=300)
+            assert p.returncode == 3, p.stderr[-3000:]  # the broken item failed, as in-process
+            assert_same_lines(results(job), want)
+    finally:
+        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
