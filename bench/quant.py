@@ -181,7 +181,7 @@ def rss_child(args: argparse.Namespace) -> None:
     print(int(hwm.split()[1]) / 1024)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
@@ -197,13 +197,11 @@ def main() -> None:
                     help="only the Qwen2-0.5B linear-layer timing")
     ap.add_argument("--device", default="cpu", help="--linears-only: cpu or cuda")
     ap.add_argument("--rss-row", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    if args.rss_row:
-        return rss_child(args)
-    if args.linears_only:
-        return linear_bench(args.rounds, device=args.device)
+    return ap.parse_args()
 
+
+def make_rows(args: argparse.Namespace) -> list[Row]:
+    """fp32, the three W4A16 checkpoints (quantised here, timed), and the int8 rows."""
     tmp = Path(tempfile.mkdtemp(prefix="vlmbatch-quant-"))
     calib = easy_vqa_items("train", args.calib_samples)
     rows = [Row("fp32", args.model)]
@@ -213,11 +211,13 @@ def main() -> None:
                              progress=False).out
         print(f"quantize {method}: {time.perf_counter() - t0:.1f}s", flush=True)
         rows.append(Row(method, out))
-    rows += [Row("llm-int8", args.model, llm_quant="int8-dynamic"),
-             Row("vit-fp32-ort", args.model, vit="onnxruntime"),
-             Row("vit-int8", args.model, vit="onnxruntime-int8")]
+    return rows + [Row("llm-int8", args.model, llm_quant="int8-dynamic"),
+                   Row("vit-fp32-ort", args.model, vit="onnxruntime"),
+                   Row("vit-int8", args.model, vit="onnxruntime-int8")]
 
-    test = easy_vqa_items("test", args.limit)
+
+def measure_accuracy(rows: list[Row], limit: int | None) -> None:
+    test = easy_vqa_items("test", limit)
     for row in rows:
         lines = answer(row, test)
         row.p_yes = [ln["p_yes"] for ln in lines]
@@ -228,6 +228,10 @@ def main() -> None:
         print(f"{row.name}: accuracy {row.correct / len(lines):.4f}"
               + (f" (int4 kernels: {sorted(kernels)})" if kernels else ""), flush=True)
 
+
+def measure_qpm(rows: list[Row], args: argparse.Namespace) -> tuple[int, int]:
+    """Best-of-``rounds`` QPM per row, short and long answers, rows interleaved in each
+    round; peak RSS per row in a fresh process. Returns the question counts timed."""
     everything = easy_vqa_items("test")
     short_items, long_items = everything[: args.qpm_images], everything[: args.long_images]
     n_short = sum(len(it.questions) for it in short_items)
@@ -238,8 +242,8 @@ def main() -> None:
     best: dict[tuple[str, str], float] = {}
     for _ in range(args.rounds):
         for row in rows:
-            for kind, items, n, tokens in (("short", short_items, n_short, 0),
-                                           ("long", long_items, n_long, args.long_tokens)):
+            for kind, items, tokens in (("short", short_items, 0),
+                                        ("long", long_items, args.long_tokens)):
                 t0 = time.perf_counter()
                 answer(row, items, tokens)
                 dt = time.perf_counter() - t0
@@ -254,7 +258,10 @@ def main() -> None:
                                   str(args.threads), "--qpm-images", str(args.qpm_images)],
                                  capture_output=True, text=True, check=True)
             row.rss_mib = float(out.stdout.strip().splitlines()[-1])
+    return n_short, n_long
 
+
+def print_table(rows: list[Row], args: argparse.Namespace, n_short: int, n_long: int) -> None:
     ref = rows[0]
     n = len(ref.p_yes)
     print(f"\neasy-vqa test yes/no, {n} questions; calibration {args.calib_samples} train "
@@ -270,6 +277,18 @@ def main() -> None:
               f" | {dp:.4f} | {what} {row.weight_bytes / 2**20:.2f} MiB | "
               f"{row.rss_mib:.0f} MiB | {row.short_qpm:,.0f} ({row.short_qpm / ref.short_qpm:.2f}x)"
               f" | {row.long_qpm:,.0f} ({row.long_qpm / ref.long_qpm:.2f}x) |")
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    if args.rss_row:
+        return rss_child(args)
+    if args.linears_only:
+        return linear_bench(args.rounds, device=args.device)
+    rows = make_rows(args)
+    measure_accuracy(rows, args.limit)
+    print_table(rows, args, *measure_qpm(rows, args))
     linear_bench(args.rounds)
 
 

@@ -216,80 +216,117 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
 
 def _drive(ray, store: JobStore, cfg, workers: list, tiling: TilingConfig,  # noqa: ANN001, PLR0913
            opts: RayOptions, counts, progress: bool, name: str) -> str:  # noqa: ANN001
+    """Run the job's pending items through prepare tasks and model actors until none is
+    left or the job is cancelled; returns the run's final state."""
     from jobs.job import _begin_run
 
-    prepare = ray.remote(num_cpus=1, max_retries=0)(_prepare)
     _begin_run(store, counts)
     bar = tqdm(total=counts.total, initial=counts.total - counts.pending, unit="img",
                disable=not progress, file=sys.stderr, desc=f"job {name} (ray)",
                dynamic_ncols=True)
-    groups = store.pending(cfg.images_per_batch)
-    preparing: dict = {}  # ref -> (group, deadline)
-    retry: deque[list[ImageItem]] = deque()  # items to prepare one by one
-    scoring: deque = deque()  # (ref, group) in submission order
-    next_worker = 0
-    exhausted = cancelled = False
-    start, questions = time.perf_counter(), 0
+    s = _Scheduler(ray, store, cfg, workers, tiling, opts, bar)
+    try:
+        while True:
+            if not s.cancelled and store.get("cancel") == "1":
+                s.cancel()
+            s.fill()
+            if not s.preparing and not s.scoring:
+                return "cancelled" if s.cancelled else "done"
+            ready, _ = ray.wait(list(s.preparing) + [r for r, _ in s.scoring], num_returns=1,
+                                timeout=0.2)
+            s.collect_prepared(set(ready))
+            s.record_scored(set(ready))
+    finally:
+        bar.close()
 
-    def submit_prepare(group: list[ImageItem]) -> None:
-        ref = prepare.remote(group, tiling, cfg.max_pixels)
-        preparing[ref] = (group, time.monotonic() + opts.decode_timeout * len(group))
 
-    while True:
-        if not cancelled and store.get("cancel") == "1":
-            cancelled = True
-            for ref in list(preparing):
-                ray.cancel(ref, force=True)
-            preparing.clear()
-            retry.clear()
-        # keep the preprocessing workers busy, and at most 2 groups per model worker queued
-        while (not cancelled and len(preparing) < opts.preprocess_workers
-               and len(scoring) < 2 * len(workers)):
-            if retry:
-                submit_prepare([retry.popleft()])  # type: ignore[list-item]
+class _Scheduler:
+    """The driver's in-flight work: prepare tasks (``preparing``: ref -> (group, deadline)),
+    single items to prepare again (``retry``), and groups at the model actors (``scoring``,
+    in submission order, so results are recorded in manifest order)."""
+
+    def __init__(self, ray, store: JobStore, cfg, workers: list, tiling: TilingConfig,  # noqa: ANN001, PLR0913
+                 opts: RayOptions, bar: tqdm) -> None:
+        self.ray, self.store, self.cfg, self.workers = ray, store, cfg, workers
+        self.tiling, self.opts, self.bar = tiling, opts, bar
+        self.prepare = ray.remote(num_cpus=1, max_retries=0)(_prepare)
+        self.groups = store.pending(cfg.images_per_batch)
+        self.preparing: dict = {}
+        self.retry: deque[ImageItem] = deque()
+        self.scoring: deque = deque()  # (ref, group)
+        self.next_worker = 0
+        self.exhausted = self.cancelled = False
+        self.start, self.questions = time.perf_counter(), 0
+
+    def cancel(self) -> None:
+        """Stop preparing; groups already at the model are finished and recorded."""
+        self.cancelled = True
+        for ref in self.preparing:
+            self.ray.cancel(ref, force=True)
+        self.preparing.clear()
+        self.retry.clear()
+
+    def fill(self) -> None:
+        """Keep the preprocessing workers busy, with at most 2 groups per model worker
+        queued."""
+        while (not self.cancelled and len(self.preparing) < self.opts.preprocess_workers
+               and len(self.scoring) < 2 * len(self.workers)):
+            if self.retry:
+                self._submit_prepare([self.retry.popleft()])
                 continue
-            group = None if exhausted else next(groups, None)
+            group = None if self.exhausted else next(self.groups, None)
             if group is None:
-                exhausted = True
-                break
-            submit_prepare(group)
-        if not preparing and not scoring:
-            break
-        ready, _ = ray.wait(list(preparing) + [r for r, _ in scoring], num_returns=1,
-                            timeout=0.2)
+                self.exhausted = True
+                return
+            self._submit_prepare(group)
+
+    def _submit_prepare(self, group: list[ImageItem]) -> None:
+        ref = self.prepare.remote(group, self.tiling, self.cfg.max_pixels)
+        self.preparing[ref] = (group, time.monotonic() + self.opts.decode_timeout * len(group))
+
+    def collect_prepared(self, ready: set) -> None:
+        """Hand finished prepare tasks to the model workers; a task past its deadline or
+        whose worker died is killed, and its items retried one by one (a single item's
+        failure becomes its error)."""
         now = time.monotonic()
-        for ref, (group, deadline) in list(preparing.items()):
+        for ref, (group, deadline) in list(self.preparing.items()):
             done = ref in ready
             if not done and now < deadline:
                 continue
-            del preparing[ref]
+            del self.preparing[ref]
             try:
                 if not done:
-                    ray.cancel(ref, force=True)
+                    self.ray.cancel(ref, force=True)
                     raise TimeoutError
-                pg = ray.get(ref)
-            except (TimeoutError, ray.exceptions.RayError) as e:
-                reason = (f"decoding timed out after {opts.decode_timeout:g}s (worker killed)"
-                          if isinstance(e, TimeoutError) else
-                          f"preprocessing worker died ({type(e).__name__})")
+                pg = self.ray.get(ref)
+            except (TimeoutError, self.ray.exceptions.RayError) as e:
                 if len(group) > 1:
-                    retry.extend(group)  # find the culprit: one task per item
+                    self.retry.extend(group)  # find the culprit: one task per item
                     continue
-                pg = PreparedGroup(group, [None], {group[0].id: f"{group[0].image}: {reason}"})
-            scoring.append((workers[next_worker].score.remote(pg), pg.group))
-            next_worker = (next_worker + 1) % len(workers)
-        while scoring and (scoring[0][0] in ready or _is_ready(ray, scoring[0][0])):
-            ref, group = scoring.popleft()
-            lines = ray.get(ref)
+                pg = PreparedGroup(group, [None], {group[0].id: f"{group[0].image}: "
+                                                   f"{self._failure(e)}"})
+            self.scoring.append((self.workers[self.next_worker].score.remote(pg), pg.group))
+            self.next_worker = (self.next_worker + 1) % len(self.workers)
+
+    def _failure(self, e: BaseException) -> str:
+        if isinstance(e, TimeoutError):
+            return f"decoding timed out after {self.opts.decode_timeout:g}s (worker killed)"
+        return f"preprocessing worker died ({type(e).__name__})"
+
+    def record_scored(self, ready: set) -> None:
+        """Record, in submission order, every group whose model call has returned."""
+        while self.scoring and (self.scoring[0][0] in ready
+                                or _is_ready(self.ray, self.scoring[0][0])):
+            ref, group = self.scoring.popleft()
+            lines = self.ray.get(ref)
             by_item: dict[str, list[dict]] = {}
             for line in lines:
                 by_item.setdefault(line["id"], []).append(line)
-            store.record(by_item)
-            questions += len(lines)
-            bar.update(len(group))
-            bar.set_postfix(qpm=f"{60 * questions / (time.perf_counter() - start):.0f}")
-    bar.close()
-    return "cancelled" if cancelled else "done"
+            self.store.record(by_item)
+            self.questions += len(lines)
+            self.bar.update(len(group))
+            rate = 60 * self.questions / (time.perf_counter() - self.start)
+            self.bar.set_postfix(qpm=f"{rate:.0f}")
 
 
 def _is_ready(ray, ref) -> bool:  # noqa: ANN001

@@ -159,6 +159,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_listening(*ports: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    for port in ports:
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"nothing listens on {port}"
+                time.sleep(0.2)
+
+
 def test_unreachable_address_fails_fast(tmp_path: Path, random_model_dir: Path,
                                         capsys) -> None:  # noqa: ANN001
     job = submit(tmp_path, random_model_dir, 1)
@@ -185,6 +197,7 @@ def test_joins_a_running_cluster_by_address_and_by_ray_client(tmp_path: Path,
                     "--include-dashboard=false", "--disable-usage-stats"],
                    env=env, check=True, capture_output=True, timeout=120)
     try:
+        _wait_listening(gcs, client)  # the client server may start after `ray start` returns
         m = make_manifest(tmp_path, 5, broken=1)
         want = direct(tmp_path, random_model_dir, m)
         for i, address in enumerate([f"127.0.0.1:{gcs}", f"ray://127.0.0.1:{client}"]):
