@@ -24,6 +24,7 @@ Two executors feed the same store: in this process (``run_job``'s default), or R
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import json
 import os
@@ -141,6 +142,7 @@ class JobStatus:
     questions: int  # answered or failed so far
     qpm: float | None  # of the current/last run
     eta_s: float | None
+    requeued: int = 0  # failed items this run queued again (run_job(retry_failed=True))
 
     def text(self) -> str:
         rate = f"{self.qpm:.0f} QPM" if self.qpm else "QPM n/a"
@@ -187,27 +189,35 @@ def retry_failed(job: Path) -> int:
     """Put a job's failed items back in its queue (``resume --retry-failed``)."""
     require_job(job)
     with run_lock(Path(job)):  # not under a running job's feet
-        store = JobStore(Path(job) / STORE_FILE)
-        try:
-            return store.requeue_failed()
-        finally:
-            store.close()
+        return _requeue_failed(Path(job))
+
+
+def _requeue_failed(job: Path) -> int:
+    store = JobStore(job / STORE_FILE)
+    try:
+        return store.requeue_failed()
+    finally:
+        store.close()
 
 
 def run_job(job: Path, progress: bool = True, executor: str = "local",
-            ray_options=None) -> JobStatus:  # noqa: ANN001
+            ray_options=None, retry_failed: bool = False) -> JobStatus:  # noqa: ANN001
     """Answer every pending item (a fresh run or a resume), in this process (``local``) or
-    on Ray (``ray``, ``jobs/ray_executor.py``). Raises ``JobBusy`` if another process is
-    running the job."""
+    on Ray (``ray``, ``jobs/ray_executor.py``); with ``retry_failed``, first queue the failed
+    items again, under the same lock. Raises ``JobBusy`` if another process is running the
+    job."""
     require_job(job)
     if executor not in ("local", "ray"):
         raise ManifestError(f"executor {executor!r} not one of local, ray")
     with run_lock(Path(job)):
+        requeued = _requeue_failed(Path(job)) if retry_failed else 0
         if executor == "ray":
             from jobs.ray_executor import RayOptions, run_job_ray
 
-            return run_job_ray(job, ray_options or RayOptions(), progress)
-        return _run_local(Path(job), progress)
+            st = run_job_ray(job, ray_options or RayOptions(), progress)
+        else:
+            st = _run_local(Path(job), progress)
+    return dataclasses.replace(st, requeued=requeued)
 
 
 def _run_local(job: Path, progress: bool) -> JobStatus:
@@ -267,52 +277,71 @@ def _end_run(store: JobStore, final: str) -> None:
     store.set("run_ended", str(time.time()))
 
 
+# flock errors of file systems without it (some NFS, CIFS, Lustre, FUSE mounts)
+NO_FLOCK = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+
 @contextmanager
 def run_lock(job: Path, wait_s: float = 2.0) -> Iterator[None]:
     """Hold ``JOB/run.lock`` (an exclusive flock) for a run, or raise ``JobBusy`` naming the
-    process that holds it. ``wait_s`` covers a ``status`` probing the lock at that moment.
-    The kernel drops the lock when its process dies, kill -9 included."""
+    process that holds it (the holder writes ``PID HOST`` into the file). ``wait_s`` covers a
+    ``status`` probing the lock at that moment. The kernel drops the lock when its process
+    dies, kill -9 included. Where the file system has no flock the run goes on unlocked,
+    with a warning."""
     f = open(job / LOCK_FILE, "a+")  # noqa: SIM115 (held past this frame)
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            if time.monotonic() < deadline:
-                time.sleep(0.05)
-                continue
-            f.close()
-            raise JobBusy(f"job {job} is already running{_runner(job)}; `vlmbatch status "
-                          f"{job}` follows it, `vlmbatch cancel {job}` stops it") from None
     try:
+        if _take(f, job, wait_s):
+            f.truncate(0)
+            f.write(f"{os.getpid()} {_host()}\n")
+            f.flush()
         yield
     finally:
         f.close()  # releases the lock
 
 
-def _runner(job: Path) -> str:
-    """' (pid N on HOST)' of the run recorded in the store, if any."""
-    try:
-        store = JobStore(job / STORE_FILE)
-    except ManifestError:
-        return ""
-    try:
-        pid, host = store.get("run_pid"), store.get("run_host")
-    finally:
-        store.close()
-    return f" (pid {pid} on {host.split('/')[0]})" if pid and host else ""
-
-
-def _lock_held(lock: Path) -> bool:
-    """Whether some process holds ``lock``; probed with a shared flock taken and dropped at
-    once (a run starting meanwhile waits for it: ``run_lock``'s ``wait_s``)."""
-    with open(lock) as f:
+def _take(f, job: Path, wait_s: float) -> bool:  # noqa: ANN001
+    """Take the exclusive lock on ``f``: True once held, False where flock is unsupported."""
+    deadline = time.monotonic() + wait_s
+    while True:
         try:
-            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return True
-        return False
+        except BlockingIOError:
+            if time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
+            raise JobBusy(f"job {job} is already running{_runner(job)}; `vlmbatch status "
+                          f"{job}` follows it, `vlmbatch cancel {job}` stops it") from None
+        except OSError as e:
+            if e.errno not in NO_FLOCK:
+                raise
+            print(f"vlmbatch: warning: {job / LOCK_FILE}: no file locks here ({e.strerror}); "
+                  "nothing stops a second run of this job meanwhile", file=sys.stderr)
+            return False
+
+
+def _runner(job: Path) -> str:
+    """' (pid N on HOST)' of the process holding the job's lock, as it wrote it."""
+    try:
+        pid, host = (job / LOCK_FILE).read_text().split(maxsplit=1)
+    except (OSError, ValueError):
+        return ""
+    return f" (pid {pid} on {host.split('/')[0]})"
+
+
+def _lock_held(lock: Path) -> bool | None:
+    """Whether some process holds ``lock``, probed with a shared flock taken and dropped at
+    once (a run starting meanwhile waits for it: ``run_lock``'s ``wait_s``); None when it
+    cannot tell (unreadable file, no flock on this file system)."""
+    try:
+        with open(lock) as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            return False
+    except OSError:
+        return None
 
 
 def _state(store: JobStore) -> str:
@@ -334,13 +363,14 @@ def _run_alive(store: JobStore) -> bool:
     """Whether the process that marked the job running still exists. A run on this host and
     pid namespace is alive while it holds the job's lock; elsewhere (where a shared file
     system may not carry flocks) it is unknown, which counts as alive. Jobs last run by a
-    version without the lock are checked by pid."""
+    version without the lock, or where the lock cannot be probed, are checked by pid."""
     pid, host = store.get("run_pid"), store.get("run_host")
     if not pid or host != _host():
         return True
     lock = store.path.parent / LOCK_FILE
-    if lock.exists():
-        return _lock_held(lock)
+    held = _lock_held(lock) if lock.exists() else None
+    if held is not None:
+        return held
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:

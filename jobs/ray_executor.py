@@ -55,7 +55,7 @@ from preprocessing.prepare import TilingConfig
 
 @dataclass(frozen=True)
 class RayOptions:
-    address: str | None = None  # None: start a local Ray instance for this run
+    address: str | None = None  # None: $RAY_ADDRESS, else a new local instance for this run
     preprocess_workers: int = 1  # concurrent CPU preprocessing tasks
     model_workers: int = 1  # model actors (one per GPU on a GPU cluster)
     model_cpus: float = 1.0  # CPUs reserved per model actor (its torch threads, on CPU)
@@ -158,24 +158,27 @@ def run_job_ray(job: Path, opts: RayOptions, progress: bool = True):  # noqa: AN
 
 
 def _init_ray(ray, opts: RayOptions) -> None:  # noqa: ANN001
-    """Start a local Ray instance, or join ``opts.address``; a cluster that cannot be
-    reached or joined is a ``ConfigError`` naming the address, not a traceback."""
+    """Join ``opts.address`` (else ``$RAY_ADDRESS``), or start a new local Ray instance sized
+    for this run; never join a cluster by accident (``ray.init()``'s own default joins the
+    last one ``ray start`` made on this machine). A cluster that cannot be reached or joined
+    is a ``ConfigError`` naming the address, not a traceback."""
     from pipeline.config import ConfigError
 
     cpus = opts.preprocess_workers + opts.model_workers * opts.model_cpus
     root = str(Path(__file__).resolve().parents[1])
     env = {"PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     env.update({k: v for k, v in os.environ.items() if k.startswith("VLMBATCH_TEST_")})
-    if opts.address:
-        check_reachable(opts.address)
+    address = opts.address or os.environ.get("RAY_ADDRESS") or None
+    named = f"--address {opts.address}" if opts.address else f"RAY_ADDRESS={address}"
+    if address:
+        check_reachable(address, named)
     try:
-        ray.init(address=opts.address, num_cpus=None if opts.address else math.ceil(cpus),
+        ray.init(address=address or "local", num_cpus=None if address else math.ceil(cpus),
                  include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        if not opts.address:
+    except (ConnectionError, RuntimeError, ValueError, ray.exceptions.RayError) as e:
+        if not address:
             raise
-        raise ConfigError(f"--address {opts.address}: could not join the Ray cluster: "
-                          f"{_join_hint(e)}") from None
+        raise ConfigError(f"{named}: could not join the Ray cluster: {_join_hint(e)}") from None
 
 
 def _join_hint(e: BaseException) -> str:
@@ -188,15 +191,17 @@ def _join_hint(e: BaseException) -> str:
     text = " ".join(chain)
     if "ray[client]" in text:
         return "ray:// addresses need Ray Client: pip install 'ray[client]'"
-    token = ("; a cluster with token authentication also needs RAY_AUTH_MODE=token here and "
-             "its token (~/.ray/auth_token, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH)")
-    if "AuthToken" in text or "uthentication" in text:
-        return "it asks for an authentication token" + token
+    token = ("RAY_AUTH_MODE=token here and the cluster's token (~/.ray/auth_token, "
+             "RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH)")
+    if "token" in text.lower() and "uthentica" in text:
+        return f"token authentication failed: the driver needs {token}"
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return first + ("" if os.environ.get("RAY_AUTH_MODE") == "token" else token)
+    if "timeout" in text.lower() and os.environ.get("RAY_AUTH_MODE") != "token":
+        return f"{first} (if the cluster uses token authentication: {token})"
+    return first
 
 
-def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+def check_reachable(address: str, named: str, timeout_s: float = 5.0) -> None:
     """A TCP connection to ``host:port`` or ``ray://host:port`` within ``timeout_s``, so a
     wrong address fails in seconds instead of after Ray's own retries (minutes). ``auto`` and
     other forms without a port are left to Ray."""
@@ -209,7 +214,7 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as e:
-        raise ConfigError(f"--address {address}: cannot reach {host}:{port} "
+        raise ConfigError(f"{named}: cannot reach {host}:{port} "
                           f"({e.strerror or e}); is the Ray head running there (`ray start "
                           "--head`) and the port open?") from None
 

@@ -66,13 +66,14 @@ def _ray_options(a: argparse.Namespace):  # noqa: ANN202
 
 def _job_exit(job: Path, progress: bool, a: argparse.Namespace | None = None) -> int:
     """Run a job folder (after re-queueing its failed items with --retry-failed)."""
-    from jobs.job import retry_failed, run_job
+    from jobs.job import run_job
 
-    if getattr(a, "retry_failed", False):
-        n = retry_failed(job)
-        print(f"vlmbatch: job {job}: {n} failed images queued again", file=sys.stderr)
     executor = getattr(a, "executor", "local") if a is not None else "local"
-    st = run_job(job, progress, executor, _ray_options(a) if a is not None else None)
+    retry = getattr(a, "retry_failed", False)
+    st = run_job(job, progress, executor, _ray_options(a) if a is not None else None, retry)
+    if retry:
+        print(f"vlmbatch: job {job}: {st.requeued} failed images were queued again",
+              file=sys.stderr)
     print(f"vlmbatch: job {job}: {st.text()}", file=sys.stderr)
     if st.pending:
         return EXIT_ITEM_ERRORS  # cancelled with work left

@@ -83,7 +83,8 @@ def _executor_args(p: argparse.ArgumentParser) -> None:
                    "model actors (pip install 'vlmbatch[ray]'; docs/jobs.md)")
     g.add_argument("--address", default=None,
                    help="ray: join this cluster: HOST:PORT (its GCS), ray://HEAD:10001 (Ray "
-                   "Client) or auto (default: start a local one for the run)")
+                   "Client) or auto (default: $RAY_ADDRESS, else a new local instance for the "
+                   "run)")
     g.add_argument("--preprocess-workers", type=int, default=1,
                    help="ray: concurrent decode/tile tasks (default 1)")
     g.add_argument("--model-workers", type=int, default=1,

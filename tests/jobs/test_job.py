@@ -276,7 +276,7 @@ def test_a_job_from_an_older_version_still_runs(tmp_path: Path, random_model_dir
 
 def test_a_second_run_of_a_running_job_is_refused(tmp_path: Path, random_model_dir: Path,
                                                   capsys) -> None:  # noqa: ANN001
-    m = make_manifest(tmp_path, 20, broken=1)
+    m = make_manifest(tmp_path, 60, broken=1)  # 12 s at least: each refusal waits 2 s
     job = tmp_path / "job"
     main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir),
           "--images-per-batch", "1", "--no-progress"])
@@ -351,3 +351,51 @@ def _export(job: Path, capsys, args: list[str]) -> str:  # noqa: ANN001
     capsys.readouterr()
     assert main(["results", str(job), *args]) == EXIT_OK
     return capsys.readouterr().out
+
+
+def test_a_file_system_without_flock_runs_unlocked(tmp_path: Path, random_model_dir: Path,
+                                                   capsys, monkeypatch) -> None:  # noqa: ANN001
+    import errno
+    import fcntl
+
+    from jobs.job import _host
+
+    def no_flock(*_: object) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    m = make_manifest(tmp_path, 2)
+    job = tmp_path / "job"
+    main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir)])
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    capsys.readouterr()
+    assert main(["run", str(job), "--no-progress"]) == EXIT_OK
+    assert "no file locks here" in capsys.readouterr().err
+    store = JobStore(job / STORE_FILE)
+    store.set("status", "running")  # status falls back to the pid the run recorded
+    store.set("run_host", _host())
+    store.set("run_pid", str(os.getpid()))
+    assert status(job).status == "running"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    store.set("run_pid", str(dead.pid))
+    assert status(job).status == "interrupted"
+    store.close()
+
+
+def test_busy_names_the_lock_holder_not_the_last_run(tmp_path: Path, random_model_dir: Path,
+                                                      capsys) -> None:  # noqa: ANN001
+    """While a new run loads its model it holds the lock but has not yet marked the store,
+    which still names the previous run: the message names the lock's holder."""
+    from jobs.job import run_lock
+
+    m = make_manifest(tmp_path, 1)
+    job = tmp_path / "job"
+    main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir)])
+    store = JobStore(job / STORE_FILE)
+    store.set("run_pid", "424242")
+    store.close()
+    capsys.readouterr()
+    with run_lock(job):
+        assert main(["run", str(job), "--no-progress"]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert f"pid {os.getpid()} on" in err and "424242" not in err, err

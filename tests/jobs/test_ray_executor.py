@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -171,43 +173,82 @@ def _wait_listening(*ports: int, timeout_s: float = 60) -> None:
                 time.sleep(0.2)
 
 
-def test_unreachable_address_fails_fast(tmp_path: Path, random_model_dir: Path,
-                                        capsys) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("via", ["--address", "RAY_ADDRESS"])
+def test_unreachable_address_fails_fast(tmp_path: Path, random_model_dir: Path, capsys,  # noqa: ANN001
+                                        monkeypatch, via: str) -> None:  # noqa: ANN001
     job = submit(tmp_path, random_model_dir, 1)
     port = _free_port()  # closed again: nothing listens there
+    address = f"ray://127.0.0.1:{port}"
+    args = ["--address", address] if via == "--address" else []
+    if via == "RAY_ADDRESS":
+        monkeypatch.setenv("RAY_ADDRESS", address)
     t0 = time.monotonic()
-    rc = main(["run", str(job), *RAY, "--address", f"ray://127.0.0.1:{port}", "--no-progress"])
+    rc = main(["run", str(job), *RAY, *args, "--no-progress"])
     assert rc == EXIT_BAD_INPUT and time.monotonic() - t0 < 30
     err = capsys.readouterr().err
-    assert f"cannot reach 127.0.0.1:{port}" in err and "ray start --head" in err, err
+    assert f"{via}{' ' if args else '='}{address}: cannot reach 127.0.0.1:{port}" in err, err
+    assert "ray start --head" in err
     assert status(job).status == "submitted"
+
+
+def test_missing_auth_token_is_named(tmp_path: Path, random_model_dir: Path) -> None:
+    """Token auth on, no token anywhere: exit 2 saying so (Ray raises its own error type)."""
+    job = submit(tmp_path, random_model_dir, 1)
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "HOME": str(home), "RAY_AUTH_MODE": "token"}
+    for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
+        env.pop(k, None)
+    with socket.socket() as listener:  # something answers TCP there: the check passes
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        p = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(job), *RAY,
+                            "--address", f"127.0.0.1:{port}", "--no-progress"], cwd=ROOT,
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == EXIT_BAD_INPUT, p.stderr[-3000:]
+    assert "token authentication failed" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_joins_a_running_cluster_by_address_and_by_ray_client(tmp_path: Path,
                                                               random_model_dir: Path) -> None:
     """A head started apart (`ray start --head`, as on a cluster), joined through its GCS
-    address and through Ray Client (ray://); the lines equal the in-process run's."""
+    address and through Ray Client (ray://); without --address a run starts its own instance
+    beside it instead of joining it. The lines equal the in-process run's."""
     ray_cli = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")
     assert ray_cli, "the ray command comes with the ray package"
     gcs, client = _free_port(), _free_port()
-    # token auth: what `ray start` turns on by default since Ray 2.5x; the driver needs it set
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "PYTHONPATH": str(ROOT)}
-    subprocess.run([ray_cli, "start", "--head", f"--port={gcs}",
-                    f"--ray-client-server-port={client}", "--num-cpus=3",
-                    "--include-dashboard=false", "--disable-usage-stats"],
-                   env=env, check=True, capture_output=True, timeout=120)
+    # token auth, with a token of the test's own (no ~/.ray/auth_token needed or touched)
+    (tmp_path / "home").mkdir()
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+           "PYTHONPATH": str(ROOT), "HOME": str(tmp_path / "home")}
+    env.pop("RAY_ADDRESS", None)
+    # --block in its own session: stopping it stops this head only (`ray stop` would stop
+    # every Ray instance on the machine)
+    head = subprocess.Popen([ray_cli, "start", "--head", "--block", f"--port={gcs}",
+                             f"--ray-client-server-port={client}", "--num-cpus=3",
+                             "--include-dashboard=false", "--disable-usage-stats"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
     try:
-        _wait_listening(gcs, client)  # the client server may start after `ray start` returns
+        _wait_listening(gcs, client)
         m = make_manifest(tmp_path, 5, broken=1)
         want = direct(tmp_path, random_model_dir, m)
-        for i, address in enumerate([f"127.0.0.1:{gcs}", f"ray://127.0.0.1:{client}"]):
+        joins = [["--address", f"127.0.0.1:{gcs}"], ["--address", f"ray://127.0.0.1:{client}"],
+                 []]
+        for i, address in enumerate(joins):
             job = tmp_path / f"job{i}"
             main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir),
                   "--images-per-batch", "2", "--no-progress"])
             p = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(job), *RAY,
-                                "--address", address, "--no-progress"], cwd=ROOT, env=env,
+                                *address, "--no-progress"], cwd=ROOT, env=env,
                                capture_output=True, text=True, timeout=300)
             assert p.returncode == 3, p.stderr[-3000:]  # the broken item failed, as in-process
             assert_same_lines(results(job), want)
     finally:
-        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
