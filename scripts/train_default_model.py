@@ -204,7 +204,7 @@ class Batcher:
         return ids, n_prompt
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--minutes", type=float, default=45.0, help="wall-clock training budget")
@@ -235,30 +235,38 @@ def main() -> None:
                     help="length buckets the language-model batch is split into")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+def new_or_saved_model(args: argparse.Namespace, data: list):  # noqa: ANN201
+    """(tokenizer, model, config): a fresh model with a tokenizer trained on ``data``, or
+    the model at ``--init`` (then only stage 2b runs)."""
+    from transformers import InternVLForConditionalGeneration
+
+    if args.init is not None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(args.init))
+        model = InternVLForConditionalGeneration.from_pretrained(str(args.init))
+        args.vision_minutes = args.open_minutes = 0.0
+        return tok, model, model.config
+    tok = build_tokenizer(corpus(data), vocab_size=512)
+    cfg = model_config(len(tok), tok.convert_tokens_to_ids("<IMG_CONTEXT>"),
+                       tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id)
+    return tok, InternVLForConditionalGeneration(cfg), cfg
+
+
+def main() -> None:
+    args = parse_args()
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     torch.set_num_threads(args.threads)
-    from transformers import InternVLForConditionalGeneration
-
     t0 = time.time()
     data = load_data(args.scenes, args.seed, args.colour_pairs, args.reduced_scenes)
     if args.yes_no_only:
         data = [(d[0], [qa for qa in d[1] if qa[1] in ("yes", "no")], d[2], d[3]) for d in data]
         data = [d for d in data if d[1]]
-    if args.init is not None:  # continue training a saved model: stage 2b only
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(args.init))
-        model = InternVLForConditionalGeneration.from_pretrained(str(args.init))
-        cfg = model.config
-        args.vision_minutes = args.open_minutes = 0.0
-    else:
-        tok = build_tokenizer(corpus(data), vocab_size=512)
-        cfg = model_config(len(tok), tok.convert_tokens_to_ids("<IMG_CONTEXT>"),
-                           tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id)
-        model = InternVLForConditionalGeneration(cfg)
+    tok, model, cfg = new_or_saved_model(args, data)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     batcher = Batcher(tok, cfg.image_seq_length)
