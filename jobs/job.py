@@ -143,12 +143,13 @@ class JobStatus:
     qpm: float | None  # of the current/last run
     eta_s: float | None
     requeued: int = 0  # failed items this run queued again (run_job(retry_failed=True))
+    runner: str = ""  # ' (pid N on HOST)' of the process running the job, when running
 
     def text(self) -> str:
         rate = f"{self.qpm:.0f} QPM" if self.qpm else "QPM n/a"
         eta = (f", ETA {self.eta_s:.0f}s" if self.eta_s is not None and self.pending
                and self.status == "running" else "")
-        return (f"{self.status}: {self.done + self.failed}/{self.items} images "
+        return (f"{self.status}{self.runner}: {self.done + self.failed}/{self.items} images "
                 f"({self.failed} failed, {self.pending} pending), {self.questions} questions, "
                 f"{rate}{eta}")
 
@@ -167,7 +168,10 @@ def status(job: Path) -> JobStatus:
             done_items = c.done + c.failed - int(store.get("run_items_at_start") or 0)
             if done_items > 0:
                 eta = c.pending * (end - float(start)) / done_items
-        return JobStatus(_state(store), c.total, c.done, c.failed, c.pending, q, qpm, eta)
+        state = _state(store)
+        runner = _runner(Path(job)) if state == "running" else ""
+        return JobStatus(state, c.total, c.done, c.failed, c.pending, q, qpm, eta,
+                         runner=runner)
     finally:
         store.close()
 

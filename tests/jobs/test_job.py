@@ -291,6 +291,7 @@ def test_a_second_run_of_a_running_job_is_refused(tmp_path: Path, random_model_d
         err = capsys.readouterr().err
         assert "already running" in err and f"pid {p.pid}" in err, err
     assert status(job).status == "running"
+    assert status(job).text().startswith(f"running (pid {p.pid} on ")
     main(["cancel", str(job)])
     p.wait(timeout=60)
     assert status(job).status == "cancelled"
