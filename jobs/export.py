@@ -5,46 +5,25 @@ All stream the store in manifest order, so memory stays bounded whatever the job
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 from typing import IO
 
 from jobs.job import STORE_FILE, read_job_file, require_job
-from jobs.openai_batch import write_lines
+from jobs.sinks import RESULT_COLUMNS, line_writer
 from jobs.store import JobStore
 
 
-def export_results(job: Path, out: IO[str]) -> int:
+def export_text(job: Path, out: IO[str], fmt: str = "jsonl") -> int:
+    """Every recorded result line to ``out`` as JSONL (OpenAI batch output lines for a job
+    submitted in that format) or CSV (our columns for either; ``jobs/sinks.py``)."""
     require_job(job)
     openai = read_job_file(Path(job)).get("format") == "openai"
+    write = line_writer(out, fmt, openai)
     store = JobStore(Path(job) / STORE_FILE)
     try:
         n = 0
         for line in store.results():
-            out.write(write_lines([line], openai))
-            n += 1
-        return n
-    finally:
-        store.close()
-
-
-# The columns of a result line, in order (CSV and Parquet); ``text`` only with
-# --max-new-tokens, else empty (CSV) or null (Parquet).
-RESULT_COLUMNS = ("id", "question_id", "question", "answer", "p_yes", "margin",
-                  "image_tokens", "error", "text")
-
-
-def export_csv(job: Path, out: IO[str]) -> int:
-    """Every recorded result line as a CSV row (header ``RESULT_COLUMNS``; None -> empty
-    field), for spreadsheets; ``out`` must be opened with ``newline=""``."""
-    require_job(job)
-    store = JobStore(Path(job) / STORE_FILE)
-    try:
-        writer = csv.DictWriter(out, RESULT_COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        n = 0
-        for line in store.results():
-            writer.writerow(line)
+            write([line])
             n += 1
         return n
     finally:

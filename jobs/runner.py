@@ -1,4 +1,4 @@
-"""In-process job runner: items -> preprocess -> engine -> JSONL results, with progress.
+"""In-process job runner: items -> preprocess -> engine -> JSONL (or CSV) results, with progress.
 
 ``run(config)`` validates every input before loading the model, then takes items in groups of
 ``images_per_batch``: each image is read, decoded and tiled (a failure becomes that item's
@@ -30,7 +30,7 @@ from jobs.manifest import (
     read_manifest,
     read_policy,
 )
-from jobs.openai_batch import write_lines
+from jobs.sinks import format_of, line_writer, open_text
 from jobs.sources import SourceError, read_bytes
 from pipeline.config import RunConfig
 from pipeline.engine import Request
@@ -157,14 +157,14 @@ def run(cfg: RunConfig, out: IO[str] | None = None) -> RunSummary:
     """Run a whole job in this process. Raises ManifestError/ModelError before any work."""
     items = load_items(cfg)
     openai = cfg.manifest is not None and manifest_format(cfg.manifest) == "openai"
-    if cfg.out is not None:
-        cfg.out.parent.mkdir(parents=True, exist_ok=True)
+    fmt = format_of(cfg.out)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     engine, tiling = build_engine(cfg.model, cfg.engine)
     n_q = sum(len(it.questions) for it in items)
     own = out is None and cfg.out is not None
-    sink = open(cfg.out, "w") if own else (out or sys.stdout)  # type: ignore[arg-type]
+    sink = open_text(cfg.out, fmt) if own else (out or sys.stdout)  # type: ignore[arg-type]
+    write = line_writer(sink, fmt, openai)
     failed_images = failed_q = 0
     start = time.perf_counter()
     bar = tqdm(total=n_q, unit="q", disable=not cfg.progress, file=sys.stderr,
@@ -172,7 +172,7 @@ def run(cfg: RunConfig, out: IO[str] | None = None) -> RunSummary:
     try:
         for group in _groups(items, cfg.images_per_batch):
             lines = answer_group(engine, tiling, group, cfg.max_pixels)
-            sink.write(write_lines(lines, openai))
+            write(lines)
             sink.flush()
             bad = {ln["id"] for ln in lines if ln["error"]}
             failed_images += len(bad)

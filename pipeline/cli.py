@@ -103,10 +103,11 @@ def cmd_run(a: argparse.Namespace) -> int:
     cfg = _run_config(a, a.out)  # validates, --out included, before any work
     if a.out is not None and a.out.is_dir():
         raise ConfigError(f"--out {a.out} is a folder; give a file name, e.g. {a.out}/out.jsonl")
-    if a.out is not None and a.out.suffix.lower() in (".parquet", ".csv"):
-        kind = a.out.suffix.lower()[1:]
-        raise ConfigError(f"`run` writes JSONL; for {kind}, `vlmbatch submit ... --job DIR "
-                          f"--wait`, then `vlmbatch results DIR -o FILE.{kind}`")
+    if a.out is not None and a.out.suffix.lower() == ".parquet":
+        raise ConfigError("`run` streams JSONL or CSV (a Parquet file is readable only once "
+                          "closed, so a killed run would leave nothing); for Parquet, "
+                          "`vlmbatch submit ... --job DIR --wait`, then `vlmbatch results DIR "
+                          "-o FILE.parquet`")
     if a.executor == "ray":
         return _run_on_ray(a, cfg)
     summary = run(cfg)
@@ -121,19 +122,19 @@ def _run_on_ray(a: argparse.Namespace, cfg) -> int:  # noqa: ANN001
     import dataclasses
     import tempfile
 
-    from jobs.export import export_results
+    from jobs.export import export_text
     from jobs.job import submit
+    from jobs.sinks import format_of, open_text
 
     with tempfile.TemporaryDirectory(prefix="vlmbatch-job-") as tmp:
         job = Path(tmp) / "job"
         submit(dataclasses.replace(cfg, out=None), job)
         rc = _job_exit(job, not a.no_progress, a)
         if a.out is None:
-            export_results(job, sys.stdout)
+            export_text(job, sys.stdout)
         else:
-            a.out.parent.mkdir(parents=True, exist_ok=True)
-            with open(a.out, "w") as f:
-                export_results(job, f)
+            with open_text(a.out, format_of(a.out)) as f:
+                export_text(job, f, format_of(a.out))
             print(f"vlmbatch: results in {a.out}", file=sys.stderr)
     return rc
 
@@ -158,24 +159,21 @@ def cmd_status(a: argparse.Namespace) -> int:
 
 
 def cmd_results(a: argparse.Namespace) -> int:
-    from jobs.export import export_csv, export_parquet, export_results
+    from jobs.export import export_parquet, export_text
+    from jobs.sinks import format_of, open_text
     from pipeline.config import ConfigError
 
-    suffix = a.out.suffix.lower() if a.out is not None else ""
-    fmt = a.format or {".parquet": "parquet", ".csv": "csv"}.get(suffix, "jsonl")
-    if a.out is not None:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
+    fmt = a.format or format_of(a.out)
     if fmt == "parquet":
         if a.out is None:
             raise ConfigError("--format parquet needs --out FILE.parquet")
+        a.out.parent.mkdir(parents=True, exist_ok=True)
         n = export_parquet(a.job, a.out)
+    elif a.out is None:
+        n = export_text(a.job, sys.stdout, fmt)
     else:
-        write = export_csv if fmt == "csv" else export_results
-        if a.out is None:
-            n = write(a.job, sys.stdout)
-        else:
-            with open(a.out, "w", newline="" if fmt == "csv" else None) as f:
-                n = write(a.job, f)
+        with open_text(a.out, fmt) as f:
+            n = export_text(a.job, f, fmt)
     print(f"vlmbatch: {n} result lines", file=sys.stderr)
     return EXIT_OK
 

@@ -132,7 +132,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--images", type=Path, help="a folder of images instead of a manifest")
     r.add_argument("--policy", type=Path,
                    help="YAML/TOML file of questions asked of every image")
-    r.add_argument("--out", "-o", type=Path, help="results JSONL (default: standard output)")
+    r.add_argument("--out", "-o", type=Path, help="results file: JSONL, or CSV when it ends "
+                   "in .csv (default: JSONL on standard output)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--retry-failed", action="store_true",
                    help="a job: first queue its failed images again (as `resume --retry-failed`)")

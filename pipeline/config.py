@@ -101,7 +101,7 @@ class RunConfig:
     manifest: Path | None = None
     images: Path | None = None  # a folder of images, asked the policy's questions
     policy: Path | None = None
-    out: Path | None = None  # JSONL results; None: standard output
+    out: Path | None = None  # JSONL (or CSV: .csv) results; None: standard output
     images_per_batch: int = 16  # images preprocessed and scored together
     max_pixels: int = 100_000_000  # larger images are that item's error (bomb guard)
     threads: int | None = None  # torch intra-op threads; None: torch's default

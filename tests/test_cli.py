@@ -184,8 +184,7 @@ def test_relative_images_folder(job: Path, random_model_dir: Path, monkeypatch) 
 
 @pytest.mark.parametrize("out,says,extra", [
     (".", "is a folder", []), ("m.jsonl", "is the manifest", []),
-    ("p.yaml", "is the policy", []), ("r.parquet", "`run` writes JSONL", []),
-    ("r.CSV", "for csv, `vlmbatch submit", []),
+    ("p.yaml", "is the policy", []), ("r.parquet", "`run` streams JSONL or CSV", []),
     ("m.jsonl", "is the manifest", ["--executor", "ray"])])
 def test_bad_out_fails_before_work(job: Path, random_model_dir: Path, capsys,  # noqa: ANN001
                                    out: str, says: str, extra: list[str]) -> None:

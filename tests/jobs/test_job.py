@@ -319,7 +319,7 @@ def test_status_trusts_the_lock_over_a_reused_pid(tmp_path: Path, random_model_d
     store.close()
 
 
-def test_results_as_csv(tmp_path: Path, random_model_dir: Path, capsys) -> None:  # noqa: ANN001
+def test_results_and_run_as_csv(tmp_path: Path, random_model_dir: Path, capsys) -> None:  # noqa: ANN001
     import csv
     import io
 
@@ -346,6 +346,11 @@ def test_results_as_csv(tmp_path: Path, random_model_dir: Path, capsys) -> None:
             else:
                 assert row["p_yes"] == row["margin"] == ""
     assert lines[0]["question"] == 'Red, "bright"?\nor not'
+    direct = tmp_path / "direct.CSV"  # `run` streams the same CSV, group by group
+    assert main(["run", str(m), "-o", str(direct), "--model", str(random_model_dir),
+                 "--no-progress"]) == 3
+    with open(direct, newline="") as f:
+        assert f.read() == from_file
 
 
 def _export(job: Path, capsys, args: list[str]) -> str:  # noqa: ANN001
