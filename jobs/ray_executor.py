@@ -8,6 +8,9 @@ Data flow (one *group* = ``images_per_batch`` pending items, read lazily from th
             --PreparedGroup (tiles in Ray's object store)--> ModelWorker actor (engine.score)
             --result lines--> driver: store.record()  (one transaction per group)
 
+The tiles never pass through the driver: it fetches only a prepare task's small "done"
+object, then hands the tiles' ObjectRef to an actor, which Ray resolves there.
+
 Why plain tasks and actors, not Ray Data: the job store, not Ray, is the source of truth for
 what is done. Exactly-once needs the driver to record each group atomically when its result
 arrives, to skip items recorded meanwhile, and to turn a hung or crashing decoder into that
@@ -78,13 +81,17 @@ def require_ray():  # noqa: ANN201
     return ray
 
 
-def _prepare(group: list[ImageItem], tiling: TilingConfig, max_pixels: int) -> PreparedGroup:
+def _prepare(group: list[ImageItem], tiling: TilingConfig,
+             max_pixels: int) -> tuple[int, PreparedGroup]:
+    """A prepare task with two return objects (``num_returns=2``): a small one the driver
+    fetches to learn that the task succeeded, and the tiles, which go from the object store
+    straight to a model actor without passing through the driver."""
     hang, crash = os.environ.get("VLMBATCH_TEST_HANG"), os.environ.get("VLMBATCH_TEST_CRASH")
     if hang and any(hang in it.image for it in group):
         time.sleep(10**6)
     if crash and any(crash in it.image for it in group):
         os._exit(11)  # as a decoder segfault would end the process
-    return prepare_group(group, tiling, max_pixels)
+    return len(group), prepare_group(group, tiling, max_pixels)
 
 
 class ModelWorker:
@@ -246,17 +253,17 @@ def _drive(ray, store: JobStore, cfg, workers: list, tiling: TilingConfig,  # no
 
 
 class _Scheduler:
-    """The driver's in-flight work: prepare tasks (``preparing``: ref -> (group, deadline)),
-    single items to prepare again (``retry``), and groups at the model actors (``scoring``,
-    in submission order, so results are recorded in manifest order)."""
+    """The driver's in-flight work: prepare tasks (``preparing``: done ref -> (group,
+    deadline, tiles ref)), single items to prepare again (``retry``), and groups at the model
+    actors (``scoring``, in submission order, so results are recorded in manifest order)."""
 
     def __init__(self, ray, store: JobStore, cfg, workers: list, tiling: TilingConfig,  # noqa: ANN001, PLR0913
                  opts: RayOptions, bar: tqdm) -> None:
         self.ray, self.store, self.cfg, self.workers = ray, store, cfg, workers
         self.tiling, self.opts, self.bar = tiling, opts, bar
-        self.prepare = ray.remote(num_cpus=1, max_retries=0)(_prepare)
+        self.prepare = ray.remote(num_cpus=1, max_retries=0, num_returns=2)(_prepare)
         self.groups = store.pending(cfg.images_per_batch)
-        self.preparing: dict = {}
+        self.preparing: dict = {}  # done ref -> (group, deadline, tiles ref)
         self.retry: deque[ImageItem] = deque()
         self.scoring: deque = deque()  # (ref, group)
         self.next_worker = 0
@@ -286,15 +293,16 @@ class _Scheduler:
             self._submit_prepare(group)
 
     def _submit_prepare(self, group: list[ImageItem]) -> None:
-        ref = self.prepare.remote(group, self.tiling, self.cfg.max_pixels)
-        self.preparing[ref] = (group, time.monotonic() + self.opts.decode_timeout * len(group))
+        done, tiles = self.prepare.remote(group, self.tiling, self.cfg.max_pixels)
+        deadline = time.monotonic() + self.opts.decode_timeout * len(group)
+        self.preparing[done] = (group, deadline, tiles)
 
     def collect_prepared(self, ready: set) -> None:
         """Hand finished prepare tasks to the model workers; a task past its deadline or
         whose worker died is killed, and its items retried one by one (a single item's
         failure becomes its error)."""
         now = time.monotonic()
-        for ref, (group, deadline) in list(self.preparing.items()):
+        for ref, (group, deadline, tiles) in list(self.preparing.items()):
             done = ref in ready
             if not done and now < deadline:
                 continue
@@ -303,14 +311,15 @@ class _Scheduler:
                 if not done:
                     self.ray.cancel(ref, force=True)
                     raise TimeoutError
-                pg = self.ray.get(ref)
+                self.ray.get(ref)  # raises if the task failed; the tiles stay where they are
             except (TimeoutError, self.ray.exceptions.RayError) as e:
                 if len(group) > 1:
                     self.retry.extend(group)  # find the culprit: one task per item
                     continue
-                pg = PreparedGroup(group, [None], {group[0].id: f"{group[0].image}: "
-                                                   f"{self._failure(e)}"})
-            self.scoring.append((self.workers[self.next_worker].score.remote(pg), pg.group))
+                tiles = PreparedGroup(group, [None], {group[0].id: f"{group[0].image}: "
+                                                      f"{self._failure(e)}"})
+            # an ObjectRef argument reaches the actor as its value, fetched there
+            self.scoring.append((self.workers[self.next_worker].score.remote(tiles), group))
             self.next_worker = (self.next_worker + 1) % len(self.workers)
 
     def _failure(self, e: BaseException) -> str:
