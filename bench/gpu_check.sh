@@ -12,7 +12,9 @@
 #   4. bench/quant.py --linears-only on CUDA: fp32 vs bf16 vs W4A16 (tinygemm) linears;
 #   5. bench/attention.py on CUDA: SDPA enable_gqa vs K/V expanded per head (pipeline/llm.py
 #      expands on CUDA; this confirms or refutes that choice);
-#   6. vlmbatch eval on CUDA, bf16: the built-in model's easy-vqa accuracy (CPU fp32: 0.9985).
+#   6. vlmbatch eval on CUDA, bf16: the built-in model's easy-vqa accuracy (CPU fp32: 0.9985);
+#   7. bench/prefetch.py on CUDA: `run` with 0 vs 2 vs 8 preprocessing threads preparing the
+#      next groups while the GPU answers (CPU, 2 cores, 1 torch thread: 1.59x with 1 thread).
 # Writes the whole log to $OUT/gpu_check.txt (./out without $OUT) and ends with a table of
 # steps, exit codes and seconds. Never run on a GPU yet; the limits sum to 515 s.
 #
@@ -46,11 +48,13 @@ step() {  # step NAME LIMIT_S CMD...: full output to the log, its tail to stdout
 # (-o timeout: pytest-timeout, on the lent machine's image, stops one hung test; elsewhere a
 # warning)
 step "gpu tests" 180 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider -o timeout=90 tests
-step "vit bench" 100 "$PY" bench/vit.py --device cuda --encoders builtin,300m --reps 20
-step "qpm bench" 100 "$PY" bench/qpm.py --device cuda --dtype bfloat16 --images 200
+step "vit bench" 85 "$PY" bench/vit.py --device cuda --encoders builtin,300m --reps 20
+step "qpm bench" 85 "$PY" bench/qpm.py --device cuda --dtype bfloat16 --images 200
 step "int4 linears" 45 "$PY" bench/quant.py --linears-only --device cuda --rounds 3
 step "gqa attention" 30 "$PY" bench/attention.py --device cuda --dtype bfloat16
-step "eval on cuda" 60 "$PY" -m pipeline.cli eval --device cuda --dtype bfloat16 --no-progress
+step "eval on cuda" 50 "$PY" -m pipeline.cli eval --device cuda --dtype bfloat16 --no-progress
+step "prefetch" 40 "$PY" bench/prefetch.py --device cuda --dtype bfloat16 --images 48 \
+  --threads-list 0,2,8 --rounds 2
 {
   echo; echo "| step | rc | time |"; echo "|---|---|---|"
   printf '%s\n' "${summary[@]}"

@@ -46,9 +46,9 @@ from jobs.manifest import (
     manifest_format,
     read_policy,
 )
-from jobs.runner import answer_group
+from jobs.runner import prepared_groups, score_group
 from jobs.store import JobStore
-from pipeline.config import EngineConfig, ModelConfig, RunConfig
+from pipeline.config import EngineConfig, ModelConfig, RunConfig, preprocess_threads_for
 from pipeline.engines import build_engine
 
 JOB_FILE, STORE_FILE, LOCK_FILE = "job.json", "store.sqlite", "run.lock"
@@ -75,7 +75,7 @@ def _config_json(cfg: RunConfig) -> dict:
     model["path"] = absolute(cfg.model.path)
     return {"version": 1, "format": fmt, "model": model, "engine": plain(cfg.engine),
             "images_per_batch": cfg.images_per_batch, "max_pixels": cfg.max_pixels,
-            "threads": cfg.threads,
+            "threads": cfg.threads, "preprocess_threads": cfg.preprocess_threads,
             "source": {"manifest": absolute(cfg.manifest), "images": absolute(cfg.images),
                        "policy": absolute(cfg.policy)}}
 
@@ -87,6 +87,7 @@ class JobConfig:
     images_per_batch: int
     max_pixels: int
     threads: int | None
+    preprocess_threads: int | None = None  # None: auto (jobs from before the option too)
 
     @classmethod
     def load(cls, job: Path) -> JobConfig:
@@ -97,7 +98,7 @@ class JobConfig:
         if not e.get("max_new_tokens"):  # jobs from before --ignore-eos needed it: no effect
             e["ignore_eos"] = False
         return cls(ModelConfig(**m), EngineConfig(**e), d["images_per_batch"],
-                   d["max_pixels"], d.get("threads"))
+                   d["max_pixels"], d.get("threads"), d.get("preprocess_threads"))
 
 
 def submit(cfg: RunConfig, job: Path) -> int:
@@ -242,21 +243,25 @@ def _run_local(job: Path, progress: bool) -> JobStatus:
         bar = tqdm(total=c.total, initial=c.total - c.pending, unit="img", disable=not progress,
                    file=sys.stderr, desc=f"job {job.name}", dynamic_ncols=True)
         final = "interrupted"  # unless the loop ends normally
+        threads = preprocess_threads_for(cfg.preprocess_threads, cfg.model.device)
+        groups = prepared_groups(store.pending(cfg.images_per_batch), tiling, cfg.max_pixels,
+                                 threads)  # groups prepared ahead stay pending if we stop
         try:
-            for group in store.pending(cfg.images_per_batch):
+            for pg in groups:
                 if store.get("cancel") == "1":
                     final = "cancelled"
                     break
                 by_item: dict[str, list[dict]] = {}
-                for line in answer_group(engine, tiling, group, cfg.max_pixels):
+                for line in score_group(engine, pg):
                     by_item.setdefault(line["id"], []).append(line)
                 store.record(by_item)
-                bar.update(len(group))
+                bar.update(len(pg.group))
                 if delay:
                     time.sleep(delay)
             else:
                 final = "done"
         finally:
+            groups.close()  # stops the preprocessing threads
             bar.close()
             _end_run(store, final)
     finally:

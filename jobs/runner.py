@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO
 
@@ -32,7 +34,7 @@ from jobs.manifest import (
 )
 from jobs.sinks import format_of, line_writer, open_text
 from jobs.sources import SourceError, read_bytes
-from pipeline.config import RunConfig
+from pipeline.config import RunConfig, preprocess_threads_for
 from pipeline.engine import Request
 from pipeline.engines import Engine, build_engine
 from preprocessing.decode import DEFAULT_MAX_PIXELS, ImageError
@@ -100,15 +102,52 @@ class PreparedGroup:
 
 def prepare_group(group: list[ImageItem], tiling: TilingConfig,
                   max_pixels: int = DEFAULT_MAX_PIXELS) -> PreparedGroup:
-    images: list[PreparedImage | None] = []
-    errors: dict[str, str] = {}
-    for item in group:
-        try:
-            images.append(prepare_item(item, tiling, max_pixels))
-        except (SourceError, ImageError) as e:
-            images.append(None)
-            errors[item.id] = f"{item.image}: {e}"
+    return _collect(group, [_prepare_or_error(it, tiling, max_pixels) for it in group])
+
+
+def _prepare_or_error(item: ImageItem, tiling: TilingConfig,
+                      max_pixels: int) -> PreparedImage | str:
+    """The item's tiles, or why it has none (an unreadable or undecodable image)."""
+    try:
+        return prepare_item(item, tiling, max_pixels)
+    except (SourceError, ImageError) as e:
+        return f"{item.image}: {e}"
+
+
+def _collect(group: list[ImageItem], done: list[PreparedImage | str]) -> PreparedGroup:
+    images = [None if isinstance(d, str) else d for d in done]
+    errors = {it.id: d for it, d in zip(group, done) if isinstance(d, str)}
     return PreparedGroup(group, images, errors)
+
+
+def prepared_groups(groups: Iterable[list[ImageItem]], tiling: TilingConfig, max_pixels: int,
+                    threads: int, ahead: int = 2) -> Iterator[PreparedGroup]:
+    """``groups`` prepared, in order. ``threads == 0``: each group is prepared when asked
+    for, in this thread. Otherwise a pool of ``threads`` threads prepares the items of the
+    next ``ahead`` groups while the caller scores the current one, so decoding and tiling
+    overlap the model and each other (OpenCV and NumPy release the GIL). ``groups`` is
+    advanced in the calling thread only (it may read a SQLite store). Closing the generator
+    (the caller stops early) cancels what has not started and waits for what has."""
+    if threads == 0:
+        for group in groups:
+            yield prepare_group(group, tiling, max_pixels)
+        return
+    source = iter(groups)
+    queue: deque[tuple[list[ImageItem], list[Future]]] = deque()
+    with ThreadPoolExecutor(threads, thread_name_prefix="vlmbatch-prepare") as pool:
+        try:
+            while True:
+                while len(queue) <= ahead and (group := next(source, None)) is not None:
+                    queue.append((group, [pool.submit(_prepare_or_error, it, tiling, max_pixels)
+                                          for it in group]))
+                if not queue:
+                    return
+                group, futures = queue.popleft()
+                yield _collect(group, [f.result() for f in futures])
+        finally:
+            for _, futures in queue:
+                for f in futures:
+                    f.cancel()
 
 
 def score_group(engine: Engine, pg: PreparedGroup) -> list[dict]:
@@ -169,9 +208,11 @@ def run(cfg: RunConfig, out: IO[str] | None = None) -> RunSummary:
     start = time.perf_counter()
     bar = tqdm(total=n_q, unit="q", disable=not cfg.progress, file=sys.stderr,
                desc="answering", dynamic_ncols=True)
+    groups = prepared_groups(_groups(items, cfg.images_per_batch), tiling, cfg.max_pixels,
+                             preprocess_threads_for(cfg.preprocess_threads, cfg.model.device))
     try:
-        for group in _groups(items, cfg.images_per_batch):
-            lines = answer_group(engine, tiling, group, cfg.max_pixels)
+        for pg in groups:
+            lines = score_group(engine, pg)
             write(lines)
             sink.flush()
             bad = {ln["id"] for ln in lines if ln["error"]}
@@ -182,6 +223,7 @@ def run(cfg: RunConfig, out: IO[str] | None = None) -> RunSummary:
             bar.set_postfix(qpm=f"{(bar.n - failed_q) / max(minutes, 1e-9):.0f}",
                             errors=failed_images)
     finally:
+        groups.close()  # stops the preprocessing threads (Ctrl-C, a failed write)
         bar.close()
         if own:
             sink.close()

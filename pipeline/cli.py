@@ -43,6 +43,7 @@ def _run_config(a: argparse.Namespace, out: Path | None):  # noqa: ANN202
     model, engine = _configs(a)
     return RunConfig(manifest=a.manifest, images=a.images, policy=a.policy, out=out,
                      images_per_batch=a.images_per_batch, threads=a.threads,
+                     preprocess_threads=a.preprocess_threads,
                      max_pixels=a.max_pixels, progress=not a.no_progress, model=model,
                      engine=engine)
 
@@ -203,7 +204,8 @@ def cmd_eval(a: argparse.Namespace) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     model, engine = _configs(a)
-    r = evaluate(model, engine, a.split, a.limit, a.images_per_batch, not a.no_progress)
+    r = evaluate(model, engine, a.split, a.limit, a.images_per_batch, not a.no_progress,
+                 a.preprocess_threads)
     print(f"easy-vqa {a.split} yes/no accuracy: {r.accuracy:.4f} ({r.correct}/{r.questions}) "
           f"in {r.seconds:.1f}s ({60 * r.questions / r.seconds:.0f} QPM)")
     return EXIT_OK

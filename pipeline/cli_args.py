@@ -11,15 +11,20 @@ import argparse
 from pathlib import Path
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
+def positive_int(text: str, least: int = 1) -> int:
+    """argparse type: an integer >= 1 (>= ``least``)."""
     try:
         v = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    if v < least:
+        raise argparse.ArgumentTypeError(f"must be >= {least}, got {v}")
     return v
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return positive_int(text, least=0)
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -57,6 +62,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="images preprocessed and scored together (default 16)")
     g.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads (default: torch's, one per core)")
+    g.add_argument("--preprocess-threads", type=non_negative_int, default=None,
+                   help="threads decoding and tiling the next image groups while the model "
+                   "answers the current one; 0: none (default: 2 on CPU, up to 8 on CUDA)")
     g.add_argument("--yes", default="yes,Yes,YES,是",
                    help="comma-separated answer words counted as yes; P(yes) sums their "
                    "first-token probabilities (default %(default)s)")

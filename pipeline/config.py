@@ -5,6 +5,7 @@ Validation lives in ``__post_init__`` so a bad value fails before any model is l
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,6 +106,10 @@ class RunConfig:
     images_per_batch: int = 16  # images preprocessed and scored together
     max_pixels: int = 100_000_000  # larger images are that item's error (bomb guard)
     threads: int | None = None  # torch intra-op threads; None: torch's default
+    # threads decoding and tiling the next groups while the model scores the current one;
+    # 0: none (each group prepared in the main thread before it is scored); None: auto
+    # (preprocess_threads_for)
+    preprocess_threads: int | None = None
     progress: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -120,8 +125,19 @@ class RunConfig:
             raise ConfigError(f"images_per_batch must be >= 1, got {self.images_per_batch}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads must be >= 1, got {self.threads}")
+        if self.preprocess_threads is not None and self.preprocess_threads < 0:
+            raise ConfigError(f"preprocess_threads must be >= 0, got {self.preprocess_threads}")
         if self.out is not None:
             for name, src in (("manifest", self.manifest), ("policy", self.policy)):
                 if src is not None and Path(src).resolve() == Path(self.out).resolve():
                     raise ConfigError(f"--out {self.out} is the {name}: writing results there "
                                       "would overwrite it; pick another file")
+
+
+def preprocess_threads_for(given: int | None, device: str) -> int:
+    """``given``, or by default 2 on CPU (where the model's torch threads want the cores:
+    bench/prefetch.py on 2 cores, 1.10x for large JPEGs, 1.00x for small images) and up to 8
+    on CUDA (the model leaves the CPU free, so decoding can take every core)."""
+    if given is not None:
+        return given
+    return min(8, os.cpu_count() or 1) if device.startswith("cuda") else 2

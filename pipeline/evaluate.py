@@ -8,15 +8,17 @@ engine), so the figure is the accuracy a user gets.
 from __future__ import annotations
 
 import time
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
 from jobs.manifest import ImageItem, Question
-from jobs.runner import answer_group
-from pipeline.config import EngineConfig, ModelConfig
+from jobs.runner import prepared_groups, score_group
+from pipeline.config import EngineConfig, ModelConfig, preprocess_threads_for
 from pipeline.engines import build_engine
+from preprocessing.decode import DEFAULT_MAX_PIXELS
 
 
 @dataclass(frozen=True)
@@ -53,17 +55,20 @@ def easy_vqa_items(split: str = "test", limit: int | None = None) -> list[ImageI
 
 def evaluate(model_cfg: ModelConfig, engine_cfg: EngineConfig, split: str = "test",
              limit: int | None = None, images_per_batch: int = 16,
-             progress: bool = True) -> EvalResult:
+             progress: bool = True, preprocess_threads: int | None = None) -> EvalResult:
     items = easy_vqa_items(split, limit)
     engine, tiling = build_engine(model_cfg, engine_cfg)
     total = correct = 0
     start = time.perf_counter()
     bar = tqdm(total=sum(len(it.questions) for it in items), unit="q", disable=not progress,
                desc=f"easy-vqa {split}")
-    for g in range(0, len(items), images_per_batch):
-        for line in answer_group(engine, tiling, items[g: g + images_per_batch]):
-            total += 1
-            correct += line["answer"] == line["question_id"].split(":")[1]
-            bar.update(1)
+    groups = (items[g: g + images_per_batch] for g in range(0, len(items), images_per_batch))
+    threads = preprocess_threads_for(preprocess_threads, model_cfg.device)
+    with closing(prepared_groups(groups, tiling, DEFAULT_MAX_PIXELS, threads)) as prepared:
+        for pg in prepared:
+            for line in score_group(engine, pg):
+                total += 1
+                correct += line["answer"] == line["question_id"].split(":")[1]
+                bar.update(1)
     bar.close()
     return EvalResult(total, correct, time.perf_counter() - start)
