@@ -64,7 +64,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads (default: torch's, one per core)")
     g.add_argument("--preprocess-threads", type=non_negative_int, default=None,
                    help="threads decoding and tiling the next image groups while the model "
-                   "answers the current one; 0: none (default: 2 on CPU, up to 8 on CUDA)")
+                   "answers the current one, in-process (Ray: --preprocess-workers); 0: none "
+                   "(default: 2 on CPU, up to 8 on CUDA)")
     g.add_argument("--yes", default="yes,Yes,YES,是",
                    help="comma-separated answer words counted as yes; P(yes) sums their "
                    "first-token probabilities (default %(default)s)")
