@@ -15,11 +15,13 @@ Output line per (image, question)::
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
+from queue import SimpleQueue
 from typing import IO
 
 import torch
@@ -123,31 +125,68 @@ def _collect(group: list[ImageItem], done: list[PreparedImage | str]) -> Prepare
 def prepared_groups(groups: Iterable[list[ImageItem]], tiling: TilingConfig, max_pixels: int,
                     threads: int, ahead: int = 2) -> Iterator[PreparedGroup]:
     """``groups`` prepared, in order. ``threads == 0``: each group is prepared when asked
-    for, in this thread. Otherwise a pool of ``threads`` threads prepares the items of the
-    next ``ahead`` groups while the caller scores the current one, so decoding and tiling
-    overlap the model and each other (OpenCV and NumPy release the GIL). ``groups`` is
-    advanced in the calling thread only (it may read a SQLite store). Closing the generator
-    (the caller stops early) cancels what has not started and waits for what has."""
+    for, in this thread. Otherwise ``threads`` daemon threads prepare the items of the next
+    ``ahead`` groups while the caller scores the current one, so decoding and tiling overlap
+    the model and each other (OpenCV and NumPy release the GIL); at most ``ahead + 2``
+    groups' tiles are alive at once (the caller's previous one until it lets go). ``groups``
+    is advanced in the calling thread only (it may read a SQLite store). Closing the
+    generator, or an exception, cancels what has not started and does not wait for what has:
+    a read stuck on a hung mount cannot hold up Ctrl-C (its thread dies with the process)."""
     if threads == 0:
         for group in groups:
             yield prepare_group(group, tiling, max_pixels)
         return
     source = iter(groups)
+    pool = _DaemonPool(threads)
     queue: deque[tuple[list[ImageItem], list[Future]]] = deque()
-    with ThreadPoolExecutor(threads, thread_name_prefix="vlmbatch-prepare") as pool:
-        try:
-            while True:
-                while len(queue) <= ahead and (group := next(source, None)) is not None:
-                    queue.append((group, [pool.submit(_prepare_or_error, it, tiling, max_pixels)
-                                          for it in group]))
-                if not queue:
-                    return
-                group, futures = queue.popleft()
-                yield _collect(group, [f.result() for f in futures])
-        finally:
-            for _, futures in queue:
-                for f in futures:
-                    f.cancel()
+    try:
+        while True:
+            while len(queue) <= ahead and (group := next(source, None)) is not None:
+                queue.append((group, [pool.submit(_prepare_or_error, it, tiling, max_pixels)
+                                      for it in group]))
+            if not queue:
+                return
+            group, futures = queue[0]
+            done = [f.result() for f in futures]
+            queue.popleft()
+            yield _collect(group, done)
+    finally:
+        for _, futures in queue:
+            for f in futures:
+                f.cancel()
+        pool.stop()
+
+
+class _DaemonPool:
+    """A few daemon threads running submitted calls, FIFO, each result in a ``Future``. Unlike
+    ``ThreadPoolExecutor`` (whose threads Python joins at exit), a thread blocked in a read
+    never keeps the process alive."""
+
+    def __init__(self, threads: int) -> None:
+        self.jobs: SimpleQueue = SimpleQueue()
+        for i in range(threads):
+            threading.Thread(target=self._work, name=f"vlmbatch-prepare-{i}",
+                             daemon=True).start()
+        self.threads = threads
+
+    def submit(self, fn: Callable, *args: object) -> Future:
+        f: Future = Future()
+        self.jobs.put((f, fn, args))
+        return f
+
+    def stop(self) -> None:
+        for _ in range(self.threads):
+            self.jobs.put(None)
+
+    def _work(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            f, fn, args = job
+            if not f.set_running_or_notify_cancel():
+                continue  # cancelled before it started
+            try:
+                f.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001  (handed to whoever waits on f)
+                f.set_exception(e)
 
 
 def score_group(engine: Engine, pg: PreparedGroup) -> list[dict]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import stat
 from pathlib import Path
 from urllib.parse import unquote, unquote_to_bytes, urlparse
 
@@ -38,7 +39,9 @@ def read_bytes(source: str, base_dir: Path) -> bytes:
         if not path.is_absolute():
             path = base_dir / path
     try:
-        return path.read_bytes()
+        mode = path.stat().st_mode
+        if stat.S_ISREG(mode):  # not a FIFO or device, whose read could block forever
+            return path.read_bytes()
     except FileNotFoundError:
         raise SourceError(f"file not found: {path}") from None
     except IsADirectoryError:
@@ -47,3 +50,6 @@ def read_bytes(source: str, base_dir: Path) -> bytes:
         raise SourceError(f"cannot read {path}: {e.strerror or e}") from None
     except ValueError as e:  # e.g. a NUL byte in the path
         raise SourceError(f"bad path {str(path)!r}: {e}") from None
+    if stat.S_ISDIR(mode):
+        raise SourceError(f"is a directory, not an image: {path}")
+    raise SourceError(f"not a regular file (a pipe, socket or device?): {path}")

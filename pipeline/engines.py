@@ -6,6 +6,7 @@ wraps a TurboMind pipeline (``pipeline/lmdeploy_engine.py``, GPU env only, never
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 from pipeline.config import ConfigError, EngineConfig, ModelConfig
@@ -55,7 +56,8 @@ def build_engine(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> tuple[Engi
         tiling = tiling_for(spec, model_cfg)
         answers = AnswerTokens.from_words(tok, engine_cfg.yes_words, engine_cfg.no_words)
         return LMDeployEngine(str(path), tok, answers, spec.tokens_per_tile, tiling.max_tiles,
-                              engine_cfg.max_new_tokens), tiling
+                              engine_cfg.max_new_tokens), dataclasses.replace(tiling,
+                                                                            keep_pixels=True)
     model = load_model(model_cfg.path, model_cfg.device, model_cfg.torch_dtype,
                        model_cfg.llm_quant)
     backend = engine_cfg.vit_backend

@@ -23,8 +23,14 @@ import warnings
 
 import cv2
 import numpy as np
+from PIL import Image
 
 DEFAULT_MAX_PIXELS = 100_000_000  # 100 MP: a 10000 x 10000 image
+
+# Pillow's own decompression-bomb warning: our max_pixels decides. Set once, here, because
+# warnings.catch_warnings() is not thread-safe and headers are checked in preprocessing
+# threads (jobs.runner.prepared_groups).
+warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
 
 class ImageError(ValueError):
@@ -39,13 +45,11 @@ def check_header(data: bytes, max_pixels: int) -> tuple[int, int, str] | None:
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with warnings.catch_warnings():  # Pillow's own bomb warning; our limit decides
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as im:
-                w, h = im.size
-                fmt = im.format or ""
-                if fmt == "JPEG" and _exif_orientation(im) in (5, 6, 7, 8):
-                    w, h = h, w
+        with Image.open(io.BytesIO(data)) as im:
+            w, h = im.size
+            fmt = im.format or ""
+            if fmt == "JPEG" and _exif_orientation(im) in (5, 6, 7, 8):
+                w, h = h, w
     except Image.DecompressionBombError as e:  # over 2x Pillow's limit: size not returned
         limit = 2 * (Image.MAX_IMAGE_PIXELS or 0)
         if max_pixels <= limit:

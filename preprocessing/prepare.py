@@ -29,6 +29,9 @@ class TilingConfig:
     use_thumbnail: bool = True
     mode: str = "reference"  # "reduced" | "reference" (InternVL dynamic_preprocess)
     upscale_limit: float = 1.0  # reduced mode: most a tile count may enlarge the image
+    # keep the decoded image in PreparedImage.pixels, for engines that re-tile themselves
+    # (lmdeploy); off, a group holds only its tiles
+    keep_pixels: bool = False
 
     def __post_init__(self) -> None:
         if self.tile_size <= 0 or not 1 <= self.min_tiles <= self.max_tiles:
@@ -63,8 +66,9 @@ class PreparedImage:
     content_hash: str  # xxh3-128 hex of the decoded pixels and their shape
     width: int  # of the full image (EXIF-oriented), which the grid was planned on
     height: int
-    # the decoded [H, W, 3] image, for engines that re-tile; a large JPEG's is DCT-reduced
-    # (at least as large as the tiles need), so it may be smaller than width x height
+    # the decoded [H, W, 3] image (only with TilingConfig.keep_pixels), for engines that
+    # re-tile; a large JPEG's is DCT-reduced (at least as large as the tiles need), so it
+    # may be smaller than width x height
     pixels: np.ndarray | None = None
 
     @property
@@ -121,7 +125,7 @@ def prepare(img: np.ndarray, cfg: TilingConfig,
     fw, fh = full_size or (w, h)
     grid = cfg.plan(fw, fh)
     return PreparedImage(cut_tiles(img, grid, cfg.tile_size), grid, content_hash(img), fw, fh,
-                         pixels=img)
+                         pixels=img if cfg.keep_pixels else None)
 
 
 def prepare_bytes(data: bytes, cfg: TilingConfig, max_pixels: int) -> PreparedImage:

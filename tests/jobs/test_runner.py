@@ -4,16 +4,20 @@ equal to groups prepared one by one in the main thread."""
 from __future__ import annotations
 
 import json
+import os
+import threading
+import time
 from pathlib import Path
 
 import cv2
 import numpy as np
 import pytest
 
+import jobs.runner
 from jobs.manifest import ImageItem, Question
-from jobs.runner import PreparedGroup, prepare_group, prepared_groups
+from jobs.runner import PreparedGroup, prepare_group, prepare_item, prepared_groups
 from pipeline.cli import main
-from preprocessing.prepare import TilingConfig
+from preprocessing.prepare import PreparedImage, TilingConfig
 
 TILING = TilingConfig(tile_size=56)
 
@@ -55,6 +59,59 @@ def test_prefetched_groups_equal_serial_ones_in_order(tmp_path: Path, threads: i
     assert sum(len(g.errors) for g in got) == 4  # the missing files, as errors
 
 
+def slow_prepare(calls: list, gate: threading.Event | None = None):  # noqa: ANN201
+    def prepare(item: ImageItem, *_: object) -> PreparedImage:
+        calls.append(item.id)
+        if gate is not None and item.id == "i2":
+            gate.wait()  # as a read on a hung mount would
+        time.sleep(0.1)
+        return prepare_item(item, TILING)
+    return prepare
+
+
+def test_closing_cancels_what_has_not_started(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    calls: list[str] = []
+    monkeypatch.setattr(jobs.runner, "prepare_item", slow_prepare(calls))
+    its = items(tmp_path, 12, seed=5)
+    gen = prepared_groups(groups_of(its, 2), TILING, 10**8, threads=1, ahead=2)
+    next(gen)
+    gen.close()
+    time.sleep(1.0)  # what was queued would have run by now
+    assert len(calls) <= 3, calls  # the first group, and at most the one then running
+
+
+def test_a_stuck_preparation_does_not_hold_up_closing(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    gate = threading.Event()
+    monkeypatch.setattr(jobs.runner, "prepare_item", slow_prepare([], gate))
+    gen = prepared_groups(groups_of(items(tmp_path, 6, seed=6), 2), TILING, 10**8, threads=1)
+    next(gen)  # i0, i1; i2 then blocks its thread
+    closer = threading.Thread(target=gen.close, daemon=True)
+    closer.start()
+    closer.join(5)
+    alive = closer.is_alive()
+    gate.set()
+    assert not alive, "closing waited for a stuck read (Ctrl-C would hang)"
+
+
+def test_a_pipe_is_refused_not_read(tmp_path: Path) -> None:
+    from jobs.sources import SourceError, read_bytes
+
+    fifo = tmp_path / "pipe.png"
+    os.mkfifo(fifo)
+    result: list = []
+
+    def read() -> None:
+        try:
+            read_bytes(str(fifo), tmp_path)
+        except SourceError as e:
+            result.append(str(e))
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(5)
+    assert not t.is_alive() and "not a regular file" in result[0]
+
+
 def test_stopping_early_reads_only_a_few_groups_ahead(tmp_path: Path) -> None:
     its = items(tmp_path, 40, seed=7)
     pulled = []
@@ -72,8 +129,6 @@ def test_stopping_early_reads_only_a_few_groups_ahead(tmp_path: Path) -> None:
 
 
 def test_an_unexpected_error_reaches_the_caller(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
-    import jobs.runner
-
     def boom(*_: object) -> None:
         raise RuntimeError("a bug, not a bad image")
 

@@ -110,7 +110,7 @@ def test_dct_reduced_decode_matches_full_decode(mode: str, size: tuple[int, int]
 
     w, h = size
     data = jpeg(photo_like(h, w))
-    cfg = TilingConfig(tile_size=448, max_tiles=12, mode=mode)
+    cfg = TilingConfig(tile_size=448, max_tiles=12, mode=mode, keep_pixels=True)
     fast = prepare_bytes(data, cfg, 10**9)
     full = prepare(decode(data), cfg)
     assert fast.pixels is not None and fast.pixels.shape[0] < h  # the fast path was taken
@@ -125,7 +125,7 @@ def test_dct_reduced_decode_follows_exif_orientation() -> None:
     exif = Image.Exif()
     exif[0x0112] = 6  # shown rotated by 90 degrees
     data = jpeg(photo_like(2000, 4000), exif=exif.tobytes())
-    cfg = TilingConfig(tile_size=448, max_tiles=12)
+    cfg = TilingConfig(tile_size=448, max_tiles=12, keep_pixels=True)
     fast, full = prepare_bytes(data, cfg, 10**9), prepare(decode(data), cfg)
     assert fast.pixels.shape[0] > fast.pixels.shape[1]  # portrait, as displayed
     assert (fast.width, fast.height) == (2000, 4000) and fast.grid == full.grid
@@ -140,7 +140,14 @@ def test_no_reduction_when_tiles_need_every_pixel(fmt: str) -> None:
 
     img = photo_like(500, 700)
     data = jpeg(img) if fmt == "JPEG" else encode(img, "PNG")
-    cfg = TilingConfig(tile_size=448, max_tiles=12)
+    cfg = TilingConfig(tile_size=448, max_tiles=12, keep_pixels=True)
     fast, full = prepare_bytes(data, cfg, 10**9), prepare(decode(data), cfg)
     assert fast.pixels.shape == full.pixels.shape
     assert np.array_equal(fast.tiles, full.tiles) and fast.content_hash == full.content_hash
+
+
+def test_pixels_are_kept_only_when_asked() -> None:
+    img = photo_like(300, 200)
+    assert prepare(img, TilingConfig(tile_size=56)).pixels is None  # tiles only: less memory
+    kept = prepare(img, TilingConfig(tile_size=56, keep_pixels=True)).pixels
+    assert kept is not None and np.array_equal(kept, img)
