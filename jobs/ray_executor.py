@@ -254,8 +254,9 @@ def _drive(ray, store: JobStore, cfg, workers: list, tiling: TilingConfig,  # no
 
 class _Scheduler:
     """The driver's in-flight work: prepare tasks (``preparing``: done ref -> (group,
-    deadline, tiles ref)), single items to prepare again (``retry``), and groups at the model
-    actors (``scoring``, in submission order, so results are recorded in manifest order)."""
+    deadline, tiles ref)), single items to prepare again (``retry``), groups whose tiles were
+    lost with their node (``again``), and groups at the model actors (``scoring``, in
+    submission order, so results are recorded in manifest order)."""
 
     def __init__(self, ray, store: JobStore, cfg, workers: list, tiling: TilingConfig,  # noqa: ANN001, PLR0913
                  opts: RayOptions, bar: tqdm) -> None:
@@ -265,6 +266,8 @@ class _Scheduler:
         self.groups = store.pending(cfg.images_per_batch)
         self.preparing: dict = {}  # done ref -> (group, deadline, tiles ref)
         self.retry: deque[ImageItem] = deque()
+        self.again: deque[list[ImageItem]] = deque()  # groups whose tiles were lost
+        self.lost: dict[str, int] = {}  # first item id -> times its group's tiles were lost
         self.scoring: deque = deque()  # (ref, group)
         self.next_worker = 0
         self.exhausted = self.cancelled = False
@@ -277,12 +280,16 @@ class _Scheduler:
             self.ray.cancel(ref, force=True)
         self.preparing.clear()
         self.retry.clear()
+        self.again.clear()
 
     def fill(self) -> None:
         """Keep the preprocessing workers busy, with at most 2 groups per model worker
         queued."""
         while (not self.cancelled and len(self.preparing) < self.opts.preprocess_workers
                and len(self.scoring) < 2 * len(self.workers)):
+            if self.again:
+                self._submit_prepare(self.again.popleft())
+                continue
             if self.retry:
                 self._submit_prepare([self.retry.popleft()])
                 continue
@@ -322,6 +329,16 @@ class _Scheduler:
             self.scoring.append((self.workers[self.next_worker].score.remote(tiles), group))
             self.next_worker = (self.next_worker + 1) % len(self.workers)
 
+    def _lost_tiles(self, e: BaseException, group: list[ImageItem], most: int = 3) -> bool:
+        """Whether a model call failed because its tiles were lost (the node that prepared
+        them died; prepare tasks are not retried, so Ray cannot rebuild them), at most
+        ``most`` times for this group: then the group is prepared again."""
+        lost = self.ray.exceptions.ObjectLostError
+        if not (isinstance(e, lost) or isinstance(getattr(e, "cause", None), lost)):
+            return False
+        n = self.lost[group[0].id] = self.lost.get(group[0].id, 0) + 1
+        return n <= most
+
     def _failure(self, e: BaseException) -> str:
         if isinstance(e, TimeoutError):
             return f"decoding timed out after {self.opts.decode_timeout:g}s (worker killed)"
@@ -332,7 +349,13 @@ class _Scheduler:
         while self.scoring and (self.scoring[0][0] in ready
                                 or _is_ready(self.ray, self.scoring[0][0])):
             ref, group = self.scoring.popleft()
-            lines = self.ray.get(ref)
+            try:
+                lines = self.ray.get(ref)
+            except self.ray.exceptions.RayError as e:
+                if not self._lost_tiles(e, group):
+                    raise
+                self.again.append(group)  # its items are still pending: prepare them again
+                continue
             by_item: dict[str, list[dict]] = {}
             for line in lines:
                 by_item.setdefault(line["id"], []).append(line)

@@ -252,3 +252,74 @@ def test_joins_a_running_cluster_by_address_and_by_ray_client(tmp_path: Path,
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
             head.wait()
+
+
+class _Ref:
+    def __init__(self, value: object = None, error: BaseException | None = None) -> None:
+        self.value, self.error = value, error
+
+
+class _FakeRay:
+    """Just enough of Ray for ``_Scheduler``: calls run at once; ``score`` loses its tiles
+    (as when the node that prepared them dies) the first ``lose`` times it sees a group."""
+
+    import ray.exceptions as exceptions  # noqa: PLC0415
+
+    def __init__(self, lose: int) -> None:
+        self.lose, self.losses = lose, 0
+
+    def remote(self, **_: object):  # noqa: ANN201
+        def wrap(fn):  # noqa: ANN001, ANN202
+            class Task:
+                @staticmethod
+                def remote(*args: object) -> tuple[_Ref, _Ref]:
+                    n, tiles = fn(*args)
+                    return _Ref(n), _Ref(tiles)
+            return Task
+        return wrap
+
+    def get(self, ref: _Ref) -> object:
+        if ref.error is not None:
+            raise ref.error
+        return ref.value
+
+    def score(self, tiles: _Ref) -> _Ref:
+        if self.losses < self.lose:
+            self.losses += 1
+            lost = self.exceptions.ObjectReconstructionFailedError("tiles")
+            return _Ref(error=self.exceptions.RayTaskError("score", "", lost))
+        return _Ref([{"id": it.id, "question_id": q.id, "error": None}
+                     for it in tiles.value.group for q in it.questions])
+
+
+@pytest.mark.parametrize("lose,ok", [(2, True), (4, False)])
+def test_tiles_lost_with_their_node_are_prepared_again(tmp_path: Path, random_model_dir: Path,
+                                                       lose: int, ok: bool) -> None:
+    from tqdm import tqdm
+
+    from jobs.job import JobConfig
+    from jobs.ray_executor import RayOptions, _Scheduler
+    from preprocessing.prepare import TilingConfig
+
+    job = submit(tmp_path, random_model_dir, 4, per_batch=2)
+    fake = _FakeRay(lose)
+    worker = type("W", (), {"score": type("S", (), {"remote": staticmethod(fake.score)})})
+    store = JobStore(job / STORE_FILE)
+    s = _Scheduler(fake, store, JobConfig.load(job), [worker], TilingConfig(tile_size=56),
+                   RayOptions(), tqdm(disable=True))
+
+    def drive() -> None:
+        while True:
+            s.fill()
+            if not s.preparing and not s.scoring:
+                return
+            s.collect_prepared(set(s.preparing))
+            s.record_scored({r for r, _ in s.scoring})
+
+    if ok:  # lost twice, prepared again each time: every item recorded once
+        drive()
+        assert store.counts().done == 4 and store.counts().pending == 0
+    else:  # the first group lost 4 times: more than 3 retries, the error is raised
+        with pytest.raises(fake.exceptions.RayTaskError):
+            drive()
+    store.close()
