@@ -170,7 +170,7 @@ def status(job: Path) -> JobStatus:
             if done_items > 0:
                 eta = c.pending * (end - float(start)) / done_items
         state = _state(store)
-        runner = _runner(Path(job)) if state == "running" else ""
+        runner = (_runner(Path(job)) or _recorded_runner(store)) if state == "running" else ""
         return JobStatus(state, c.total, c.done, c.failed, c.pending, q, qpm, eta,
                          runner=runner)
     finally:
@@ -336,6 +336,13 @@ def _runner(job: Path) -> str:
     except (OSError, ValueError):
         return ""
     return f" (pid {pid} on {host.split('/')[0]})"
+
+
+def _recorded_runner(store: JobStore) -> str:
+    """' (pid N on HOST)' as the run recorded it in the store (where the lock file holds
+    none: a file system without flock)."""
+    pid, host = store.get("run_pid"), store.get("run_host")
+    return f" (pid {pid} on {host.split('/')[0]})" if pid and host else ""
 
 
 def _lock_held(lock: Path) -> bool | None:

@@ -52,6 +52,12 @@ RAY_ONLY = ("address", "preprocess_workers", "model_workers", "model_cpus", "dec
 
 
 def _ray_options(a: argparse.Namespace):  # noqa: ANN202
+    if getattr(a, "executor", "local") == "ray" and "preprocess_threads" in getattr(
+            a, "given", ()):
+        from pipeline.config import ConfigError
+
+        raise ConfigError("--preprocess-threads applies to in-process runs; with --executor "
+                          "ray, decoding runs in Ray tasks: use --preprocess-workers")
     if getattr(a, "executor", "local") != "ray":
         given = ["--" + k.replace("_", "-") for k in RAY_ONLY if k in getattr(a, "given", ())]
         if given:

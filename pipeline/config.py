@@ -140,4 +140,7 @@ def preprocess_threads_for(given: int | None, device: str) -> int:
     on CUDA (the model leaves the CPU free, so decoding can take every core)."""
     if given is not None:
         return given
-    return min(8, os.cpu_count() or 1) if device.startswith("cuda") else 2
+    if not device.startswith("cuda"):
+        return 2
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return min(8, cores or 1)  # the cores this process may use, not the machine's
