@@ -2,9 +2,10 @@
 
 ``run(config)`` validates every input before loading the model, then takes items in groups of
 ``images_per_batch``: each image is read, decoded and tiled (a failure becomes that item's
-error lines), the group's questions are scored in one engine call, and the results are
-written and flushed before the next group starts. ``jobs/ray_executor.py`` runs the same
-stages on Ray, over the job store of ``jobs/store.py``.
+error lines) by ``prepared_groups``, on preprocessing threads that work on the next groups
+while the model answers this one; the group's questions are scored in one engine call, and
+the results are written and flushed before the next group's are. ``jobs/ray_executor.py``
+runs the same stages on Ray, over the job store of ``jobs/store.py``.
 
 Output line per (image, question)::
 
