@@ -24,21 +24,17 @@ Two executors feed the same store: in this process (``run_job``'s default), or R
 from __future__ import annotations
 
 import dataclasses
-import errno
-import fcntl
 import json
 import os
 import shutil
-import socket
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
+from jobs.lock import host_id, recorded_runner, run_alive, run_lock, runner_of
 from jobs.manifest import (
     ManifestError,
     items_from_folder,
@@ -51,11 +47,7 @@ from jobs.store import JobStore
 from pipeline.config import EngineConfig, ModelConfig, RunConfig, preprocess_threads_for
 from pipeline.engines import build_engine
 
-JOB_FILE, STORE_FILE, LOCK_FILE = "job.json", "store.sqlite", "run.lock"
-
-
-class JobBusy(ManifestError):
-    """Another process is running the job."""
+JOB_FILE, STORE_FILE = "job.json", "store.sqlite"
 
 
 def is_job(path: Path) -> bool:
@@ -170,7 +162,7 @@ def status(job: Path) -> JobStatus:
             if done_items > 0:
                 eta = c.pending * (end - float(start)) / done_items
         state = _state(store)
-        runner = (_runner(Path(job)) or _recorded_runner(store)) if state == "running" else ""
+        runner = (runner_of(Path(job)) or recorded_runner(store)) if state == "running" else ""
         return JobStatus(state, c.total, c.done, c.failed, c.pending, q, qpm, eta,
                          runner=runner)
     finally:
@@ -277,7 +269,7 @@ def _begin_run(store: JobStore, c) -> None:  # noqa: ANN001
     store.set("run_answered_at_start", str(store.questions_answered()))
     store.set("run_items_at_start", str(c.done + c.failed))
     store.set("run_pid", str(os.getpid()))
-    store.set("run_host", _host())
+    store.set("run_host", host_id())
     store.db.execute("DELETE FROM meta WHERE key = 'run_ended'")
 
 
@@ -286,114 +278,9 @@ def _end_run(store: JobStore, final: str) -> None:
     store.set("run_ended", str(time.time()))
 
 
-# flock errors of file systems without it (some NFS, CIFS, Lustre, FUSE mounts)
-NO_FLOCK = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
-
-
-@contextmanager
-def run_lock(job: Path, wait_s: float = 2.0) -> Iterator[None]:
-    """Hold ``JOB/run.lock`` (an exclusive flock) for a run, or raise ``JobBusy`` naming the
-    process that holds it (the holder writes ``PID HOST`` into the file). ``wait_s`` covers a
-    ``status`` probing the lock at that moment. The kernel drops the lock when its process
-    dies, kill -9 included. Where the file system has no flock the run goes on unlocked,
-    with a warning."""
-    f = open(job / LOCK_FILE, "a+")  # noqa: SIM115 (held past this frame)
-    try:
-        if _take(f, job, wait_s):
-            f.truncate(0)
-            f.write(f"{os.getpid()} {_host()}\n")
-            f.flush()
-        yield
-    finally:
-        f.close()  # releases the lock
-
-
-def _take(f, job: Path, wait_s: float) -> bool:  # noqa: ANN001
-    """Take the exclusive lock on ``f``: True once held, False where flock is unsupported."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() < deadline:
-                time.sleep(0.05)
-                continue
-            raise JobBusy(f"job {job} is already running{_runner(job)}; `vlmbatch status "
-                          f"{job}` follows it, `vlmbatch cancel {job}` stops it") from None
-        except OSError as e:
-            if e.errno not in NO_FLOCK:
-                raise
-            print(f"vlmbatch: warning: {job / LOCK_FILE}: no file locks here ({e.strerror}); "
-                  "nothing stops a second run of this job meanwhile", file=sys.stderr)
-            return False
-
-
-def _runner(job: Path) -> str:
-    """' (pid N on HOST)' of the process holding the job's lock, as it wrote it."""
-    try:
-        pid, host = (job / LOCK_FILE).read_text().split(maxsplit=1)
-    except (OSError, ValueError):
-        return ""
-    return f" (pid {pid} on {host.split('/')[0]})"
-
-
-def _recorded_runner(store: JobStore) -> str:
-    """' (pid N on HOST)' as the run recorded it in the store (where the lock file holds
-    none: a file system without flock)."""
-    pid, host = store.get("run_pid"), store.get("run_host")
-    return f" (pid {pid} on {host.split('/')[0]})" if pid and host else ""
-
-
-def _lock_held(lock: Path) -> bool | None:
-    """Whether some process holds ``lock``, probed with a shared flock taken and dropped at
-    once (a run starting meanwhile waits for it: ``run_lock``'s ``wait_s``); None when it
-    cannot tell (unreadable file, no flock on this file system)."""
-    try:
-        with open(lock) as f:
-            try:
-                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return True
-            return False
-    except OSError:
-        return None
-
-
 def _state(store: JobStore) -> str:
     state = store.get("status") or "?"
-    return "interrupted" if state == "running" and not _run_alive(store) else state
-
-
-def _host() -> str:
-    """This host and pid namespace: a pid means the same process only where both match
-    (containers on one host share its name but not its pids)."""
-    try:
-        ns = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        ns = 0
-    return f"{socket.gethostname()}/{ns}"
-
-
-def _run_alive(store: JobStore) -> bool:
-    """Whether the process that marked the job running still exists. A run on this host and
-    pid namespace is alive while it holds the job's lock; elsewhere (where a shared file
-    system may not carry flocks) it is unknown, which counts as alive. Jobs last run by a
-    version without the lock, or where the lock cannot be probed, are checked by pid."""
-    pid, host = store.get("run_pid"), store.get("run_host")
-    if not pid or host != _host():
-        return True
-    lock = store.path.parent / LOCK_FILE
-    held = _lock_held(lock) if lock.exists() else None
-    if held is not None:
-        return held
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return "interrupted" if state == "running" and not run_alive(store) else state
 
 
 def read_job_file(job: Path) -> dict:

@@ -228,7 +228,7 @@ def test_cancel_reaches_a_run_that_looks_interrupted(tmp_path: Path,
     dead.wait()
     store.set("status", "running")
     store.set("run_pid", str(dead.pid))
-    store.set("run_host", __import__("jobs.job", fromlist=["_host"])._host())
+    store.set("run_host", __import__("jobs.lock", fromlist=["host_id"]).host_id())
     assert cancel(job) == "interrupted" and store.get("cancel") == "1"
     store.close()
 
@@ -303,7 +303,7 @@ def test_a_second_run_of_a_running_job_is_refused(tmp_path: Path, random_model_d
 def test_status_trusts_the_lock_over_a_reused_pid(tmp_path: Path, random_model_dir: Path) -> None:
     """A run killed with -9 whose pid now belongs to another live process (here: this one)
     shows as interrupted, because its lock is free; while the lock is held it is running."""
-    from jobs.job import LOCK_FILE, _host, run_lock
+    from jobs.lock import LOCK_FILE, host_id, run_lock
 
     m = make_manifest(tmp_path, 1)
     job = tmp_path / "job"
@@ -311,7 +311,7 @@ def test_status_trusts_the_lock_over_a_reused_pid(tmp_path: Path, random_model_d
     store = JobStore(job / STORE_FILE)
     store.set("status", "running")
     store.set("run_pid", str(os.getpid()))
-    store.set("run_host", _host())
+    store.set("run_host", host_id())
     (job / LOCK_FILE).touch()
     assert status(job).status == "interrupted"
     with run_lock(job):
@@ -364,7 +364,7 @@ def test_a_file_system_without_flock_runs_unlocked(tmp_path: Path, random_model_
     import errno
     import fcntl
 
-    from jobs.job import _host
+    from jobs.lock import host_id
 
     def no_flock(*_: object) -> None:
         raise OSError(errno.ENOLCK, "No locks available")
@@ -378,7 +378,7 @@ def test_a_file_system_without_flock_runs_unlocked(tmp_path: Path, random_model_
     assert "no file locks here" in capsys.readouterr().err
     store = JobStore(job / STORE_FILE)
     store.set("status", "running")  # status falls back to the pid the run recorded
-    store.set("run_host", _host())
+    store.set("run_host", host_id())
     store.set("run_pid", str(os.getpid()))
     assert status(job).text().startswith(f"running (pid {os.getpid()} on ")  # from the store
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -392,7 +392,7 @@ def test_busy_names_the_lock_holder_not_the_last_run(tmp_path: Path, random_mode
                                                       capsys) -> None:  # noqa: ANN001
     """While a new run loads its model it holds the lock but has not yet marked the store,
     which still names the previous run: the message names the lock's holder."""
-    from jobs.job import run_lock
+    from jobs.lock import run_lock
 
     m = make_manifest(tmp_path, 1)
     job = tmp_path / "job"
