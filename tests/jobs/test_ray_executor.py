@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -225,9 +226,13 @@ def test_joins_a_running_cluster_by_address_and_by_ray_client(tmp_path: Path,
     env.pop("RAY_ADDRESS", None)
     # --block in its own session: stopping it stops this head only (`ray stop` would stop
     # every Ray instance on the machine)
+    # its own temp dir (short: Ray's socket paths must fit 107 bytes), so that another Ray on
+    # the machine and this head do not share /tmp/ray's "current cluster" file
+    temp = tempfile.mkdtemp(prefix="vr", dir="/tmp")
     head = subprocess.Popen([ray_cli, "start", "--head", "--block", f"--port={gcs}",
                              f"--ray-client-server-port={client}", "--num-cpus=3",
-                             "--include-dashboard=false", "--disable-usage-stats"],
+                             f"--temp-dir={temp}", "--include-dashboard=false",
+                             "--disable-usage-stats"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
@@ -252,6 +257,7 @@ def test_joins_a_running_cluster_by_address_and_by_ray_client(tmp_path: Path,
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
             head.wait()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 class _Ref:
