@@ -164,6 +164,19 @@ def test_all_failed_job_reports_no_qpm(tmp_path: Path, random_model_dir: Path) -
     assert st.failed == 2 and st.qpm is None and "QPM n/a" in st.text()
 
 
+def test_preprocess_threads_are_kept_with_the_job(tmp_path: Path,
+                                                 random_model_dir: Path) -> None:
+    from jobs.job import JobConfig
+
+    m = make_manifest(tmp_path, 3, broken=1)
+    job = tmp_path / "job"
+    assert main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir),
+                 "--preprocess-threads", "0", "--images-per-batch", "2"]) == EXIT_OK
+    assert JobConfig.load(job).preprocess_threads == 0
+    assert main(["run", str(job), "--no-progress"]) == 3  # the missing image
+    assert status(job).done == 3
+
+
 def test_run_job_refuses_settings_fixed_at_submit(tmp_path: Path, random_model_dir: Path,
                                                   capsys) -> None:  # noqa: ANN001
     m = make_manifest(tmp_path, 1)
@@ -250,7 +263,8 @@ def test_run_job_options(tmp_path: Path, random_model_dir: Path, capsys) -> None
 
 def test_a_job_from_an_older_version_still_runs(tmp_path: Path, random_model_dir: Path) -> None:
     """Stores without the per-item line counts get them; --ignore-eos without
-    --max-new-tokens (once accepted, no effect) no longer stops the job loading."""
+    --max-new-tokens (once accepted, no effect) no longer stops the job loading; a job.json
+    without preprocess_threads loads with the default."""
     import sqlite3
 
     m = make_manifest(tmp_path, 2, broken=1)
@@ -265,7 +279,11 @@ def test_a_job_from_an_older_version_still_runs(tmp_path: Path, random_model_dir
     db.close()
     cfg = json.loads((job / "job.json").read_text())
     cfg["engine"]["ignore_eos"] = True
+    del cfg["preprocess_threads"]  # older than the option: the default (auto)
     (job / "job.json").write_text(json.dumps(cfg))
+    from jobs.job import JobConfig
+
+    assert JobConfig.load(job).preprocess_threads is None
     after = status(job)
     assert (after.questions, after.failed) == (before.questions, before.failed) == (5, 1)
     store = JobStore(job / STORE_FILE)
