@@ -182,14 +182,9 @@ def cancel(job: Path) -> str:
         store.close()
 
 
-def retry_failed(job: Path) -> int:
-    """Put a job's failed items back in its queue (``resume --retry-failed``)."""
-    require_job(job)
-    with run_lock(Path(job)):  # not under a running job's feet
-        return _requeue_failed(Path(job))
-
-
 def _requeue_failed(job: Path) -> int:
+    """Put a job's failed items back in its queue (``run_job(retry_failed=True)``, under
+    its lock)."""
     store = JobStore(job / STORE_FILE)
     try:
         return store.requeue_failed()

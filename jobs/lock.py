@@ -78,14 +78,18 @@ def runner_of(job: Path) -> str:
         pid, host = (job / LOCK_FILE).read_text().split(maxsplit=1)
     except (OSError, ValueError):
         return ""
-    return f" (pid {pid} on {host.split('/')[0]})"
+    return _who(pid, host)
 
 
 def recorded_runner(store: JobStore) -> str:
-    """' (pid N on HOST)' as the run recorded it in the store (where the lock file holds
-    none: a file system without flock)."""
-    pid, host = store.get("run_pid"), store.get("run_host")
-    return f" (pid {pid} on {host.split('/')[0]})" if pid and host else ""
+    """The same as the run recorded it in the store (where the lock file holds none: a file
+    system without flock)."""
+    return _who(store.get("run_pid"), store.get("run_host"))
+
+
+def _who(pid: str | None, host: str | None) -> str:
+    """' (pid N on HOST)', the host without its pid namespace (``host_id``)."""
+    return f" (pid {pid} on {host.split('/')[0].strip()})" if pid and host else ""
 
 
 def _lock_held(lock: Path) -> bool | None:
