@@ -94,6 +94,7 @@ RUN_JOB_OPTIONS = {"manifest", "no_progress", "retry_failed", "executor", "addre
 
 def cmd_run(a: argparse.Namespace) -> int:
     from jobs.runner import run
+    from jobs.sinks import format_of
     from pipeline.config import ConfigError
 
     if _is_job_arg(a):
@@ -110,7 +111,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     cfg = _run_config(a, a.out)  # validates, --out included, before any work
     if a.out is not None and a.out.is_dir():
         raise ConfigError(f"--out {a.out} is a folder; give a file name, e.g. {a.out}/out.jsonl")
-    if a.out is not None and a.out.suffix.lower() == ".parquet":
+    if format_of(a.out) == "parquet":
         raise ConfigError("`run` streams JSONL or CSV (a Parquet file is readable only once "
                           "closed, so a killed run would leave nothing); for Parquet, "
                           "`vlmbatch submit ... --job DIR --wait`, then `vlmbatch results DIR "
@@ -140,8 +141,9 @@ def _run_on_ray(a: argparse.Namespace, cfg) -> int:  # noqa: ANN001
         if a.out is None:
             export_text(job, sys.stdout)
         else:
-            with open_text(a.out, format_of(a.out)) as f:
-                export_text(job, f, format_of(a.out))
+            fmt = format_of(a.out)
+            with open_text(a.out, fmt) as f:
+                export_text(job, f, fmt)
             print(f"vlmbatch: results in {a.out}", file=sys.stderr)
     return rc
 
