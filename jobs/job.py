@@ -44,7 +44,13 @@ from jobs.manifest import (
 )
 from jobs.runner import prepared_groups, score_group
 from jobs.store import JobStore
-from pipeline.config import EngineConfig, ModelConfig, RunConfig, preprocess_threads_for
+from pipeline.config import (
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    RunConfig,
+    preprocess_threads_for,
+)
 from pipeline.engines import build_engine
 
 JOB_FILE, STORE_FILE = "job.json", "store.sqlite"
@@ -91,6 +97,19 @@ class JobConfig:
             e["ignore_eos"] = False
         return cls(ModelConfig(**m), EngineConfig(**e), d["images_per_batch"],
                    d["max_pixels"], d.get("threads"), d.get("preprocess_threads"))
+
+    def for_run(self, threads: int | None, preprocess_threads: int | None) -> JobConfig:
+        """This config with one run's thread counts in place of those given at submit (None:
+        keep them). Threads change no answer, only speed, and a job may run on another
+        machine than the one it was submitted on; nothing is written back."""
+        if preprocess_threads is not None and preprocess_threads < 0:
+            raise ConfigError(f"preprocess_threads must be >= 0, got {preprocess_threads}")
+        if threads is not None and threads < 1:
+            raise ConfigError(f"threads must be >= 1, got {threads}")
+        return dataclasses.replace(
+            self, threads=self.threads if threads is None else threads,
+            preprocess_threads=(self.preprocess_threads if preprocess_threads is None
+                                else preprocess_threads))
 
 
 def submit(cfg: RunConfig, job: Path) -> int:
@@ -193,27 +212,29 @@ def _requeue_failed(job: Path) -> int:
 
 
 def run_job(job: Path, progress: bool = True, executor: str = "local",
-            ray_options=None, retry_failed: bool = False) -> JobStatus:  # noqa: ANN001
+            ray_options=None, retry_failed: bool = False, threads: int | None = None,  # noqa: ANN001
+            preprocess_threads: int | None = None) -> JobStatus:
     """Answer every pending item (a fresh run or a resume), in this process (``local``) or
     on Ray (``ray``, ``jobs/ray_executor.py``); with ``retry_failed``, first queue the failed
-    items again, under the same lock. Raises ``JobBusy`` if another process is running the
-    job."""
+    items again, under the same lock. ``threads``/``preprocess_threads`` replace the job's
+    own for this run (``JobConfig.for_run``). Raises ``JobBusy`` if another process is
+    running the job."""
     require_job(job)
     if executor not in ("local", "ray"):
         raise ManifestError(f"executor {executor!r} not one of local, ray")
+    cfg = JobConfig.load(Path(job)).for_run(threads, preprocess_threads)
     with run_lock(Path(job)):
         requeued = _requeue_failed(Path(job)) if retry_failed else 0
         if executor == "ray":
             from jobs.ray_executor import RayOptions, run_job_ray
 
-            st = run_job_ray(job, ray_options or RayOptions(), progress)
+            st = run_job_ray(job, ray_options or RayOptions(), progress, cfg)
         else:
-            st = _run_local(Path(job), progress)
+            st = _run_local(Path(job), progress, cfg)
     return dataclasses.replace(st, requeued=requeued)
 
 
-def _run_local(job: Path, progress: bool) -> JobStatus:
-    cfg = JobConfig.load(job)
+def _run_local(job: Path, progress: bool, cfg: JobConfig) -> JobStatus:
     store = JobStore(job / STORE_FILE)
     delay = float(os.environ.get("VLMBATCH_TEST_GROUP_DELAY", "0"))  # tests: widen the window
     try:

@@ -123,13 +123,15 @@ class ModelWorker:
         return score_group(self.engine, pg)
 
 
-def run_job_ray(job: Path, opts: RayOptions, progress: bool = True):  # noqa: ANN201
-    """Answer every pending item of ``job`` on Ray; returns the job's status."""
+def run_job_ray(job: Path, opts: RayOptions, progress: bool = True,  # noqa: ANN201
+                cfg=None):  # noqa: ANN001
+    """Answer every pending item of ``job`` on Ray; returns the job's status. ``cfg``: the
+    job's ``JobConfig`` with this run's settings (default: as submitted)."""
     ray = require_ray()
     from jobs.job import STORE_FILE, JobConfig, _end_run, status
 
     job = Path(job)
-    cfg = JobConfig.load(job)
+    cfg = cfg or JobConfig.load(job)
     store = JobStore(job / STORE_FILE)
     started_ray = False
     try:

@@ -77,7 +77,8 @@ def _job_exit(job: Path, progress: bool, a: argparse.Namespace | None = None) ->
 
     executor = getattr(a, "executor", "local") if a is not None else "local"
     retry = getattr(a, "retry_failed", False)
-    st = run_job(job, progress, executor, _ray_options(a) if a is not None else None, retry)
+    st = run_job(job, progress, executor, _ray_options(a) if a is not None else None, retry,
+                 getattr(a, "threads", None), getattr(a, "preprocess_threads", None))
     if retry:
         print(f"vlmbatch: job {job}: {st.requeued} failed images were queued again",
               file=sys.stderr)
@@ -89,7 +90,8 @@ def _job_exit(job: Path, progress: bool, a: argparse.Namespace | None = None) ->
 
 # `run JOB`: options that may change between runs of a job; the rest were fixed at submit
 RUN_JOB_OPTIONS = {"manifest", "no_progress", "retry_failed", "executor", "address",
-                   "preprocess_workers", "model_workers", "model_cpus", "decode_timeout"}
+                   "preprocess_workers", "model_workers", "model_cpus", "decode_timeout",
+                   "threads", "preprocess_threads"}
 
 
 def cmd_run(a: argparse.Namespace) -> int:

@@ -60,12 +60,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="padded prompt tokens per LLM forward (default 8192)")
     g.add_argument("--images-per-batch", type=int, default=16,
                    help="images preprocessed and scored together (default 16)")
-    g.add_argument("--threads", type=positive_int, default=None,
-                   help="torch CPU threads (default: torch's, one per core)")
-    g.add_argument("--preprocess-threads", type=non_negative_int, default=None,
-                   help="threads decoding and tiling the next image groups while the model "
-                   "answers the current one, in-process (Ray: --preprocess-workers); 0: none "
-                   "(default: 2 on CPU, up to 8 on CUDA)")
+    _thread_args(g)
     g.add_argument("--yes", default="yes,Yes,YES,是",
                    help="comma-separated answer words counted as yes; P(yes) sums their "
                    "first-token probabilities (default %(default)s)")
@@ -83,6 +78,17 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--cache-mib", type=int, default=1024,
                    help="KV cache budget in MiB, least recently used blocks evicted first "
                    "(default 1024)")
+
+
+def _thread_args(g: argparse._ActionsContainer, note: str = "") -> None:
+    """``--threads`` and ``--preprocess-threads``: speed only, so a job's run may change them."""
+    torch_default = note or "torch's, one per core"
+    g.add_argument("--threads", type=positive_int, default=None,
+                   help=f"torch CPU threads (default: {torch_default})")
+    g.add_argument("--preprocess-threads", type=non_negative_int, default=None,
+                   help="threads decoding and tiling the next image groups while the model "
+                   "answers the current one, in-process (Ray: --preprocess-workers); 0: none "
+                   f"(default: {note or '2 on CPU, up to 8 on CUDA'})")
 
 
 def _executor_args(p: argparse.ArgumentParser) -> None:
@@ -184,6 +190,7 @@ def _add_job_commands(sub: argparse._SubParsersAction) -> None:
             c.add_argument("--retry-failed", action="store_true",
                            help="first queue the failed images again (e.g. after fixing a "
                            "missing file or an out-of-memory batch)")
+            _thread_args(c, "as submitted")
             _executor_args(c)
     x = sub.add_parser("results", help="export a job's results as JSONL, CSV or Parquet",
                        description="Every recorded result line of a job, in manifest order.")

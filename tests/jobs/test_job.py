@@ -164,17 +164,42 @@ def test_all_failed_job_reports_no_qpm(tmp_path: Path, random_model_dir: Path) -
     assert st.failed == 2 and st.qpm is None and "QPM n/a" in st.text()
 
 
-def test_preprocess_threads_are_kept_with_the_job(tmp_path: Path,
-                                                 random_model_dir: Path) -> None:
+def test_thread_counts_are_kept_with_the_job_and_a_run_may_change_them(
+        tmp_path: Path, random_model_dir: Path, monkeypatch) -> None:  # noqa: ANN001
+    """Submit stores --threads/--preprocess-threads; `run JOB` and `resume` may give others
+    for that run only (threads change speed, not answers), and job.json is left as it was."""
+    import jobs.job as job_mod
     from jobs.job import JobConfig
 
+    used: list[tuple[str, int]] = []  # calls to torch.set_num_threads and prepared_groups
+    real = job_mod.prepared_groups
+
+    def spy(groups, tiling, max_pixels, threads):  # noqa: ANN001, ANN202
+        used.append(("prepare", threads))
+        return real(groups, tiling, max_pixels, threads)
+
+    import torch
+
+    monkeypatch.setattr(job_mod, "prepared_groups", spy)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: used.append(("set", n)))
     m = make_manifest(tmp_path, 3, broken=1)
     job = tmp_path / "job"
     assert main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir),
-                 "--preprocess-threads", "0", "--images-per-batch", "2"]) == EXIT_OK
-    assert JobConfig.load(job).preprocess_threads == 0
-    assert main(["run", str(job), "--no-progress"]) == 3  # the missing image
-    assert status(job).done == 3
+                 "--threads", "1", "--preprocess-threads", "0", "--images-per-batch", "2"]) \
+        == EXIT_OK
+    saved = (job / "job.json").read_text()
+    assert (JobConfig.load(job).threads, JobConfig.load(job).preprocess_threads) == (1, 0)
+    assert main(["run", str(job), "--no-progress", "--threads", "2",
+                 "--preprocess-threads", "3"]) == 3  # the missing image
+    (tmp_path / "missing.png").write_bytes((tmp_path / "0.png").read_bytes())
+    assert main(["resume", str(job), "--no-progress", "--retry-failed",
+                 "--preprocess-threads", "1"]) == EXIT_OK
+    # the second run: --threads as submitted
+    assert used == [("set", 2), ("prepare", 3), ("set", 1), ("prepare", 1)]
+    assert (job / "job.json").read_text() == saved
+    assert status(job).done == 4
+    with pytest.raises(job_mod.ConfigError, match="preprocess_threads must be >= 0"):
+        JobConfig.load(job).for_run(None, -1)
 
 
 def test_run_job_refuses_settings_fixed_at_submit(tmp_path: Path, random_model_dir: Path,
