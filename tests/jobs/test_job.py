@@ -34,6 +34,17 @@ def make_manifest(folder: Path, n: int, broken: int = 0) -> Path:
     return folder / "m.jsonl"
 
 
+def submit_job(folder: Path, model: Path, n: int, *options: str, broken: int = 0,
+               rc: int = EXIT_OK) -> tuple[Path, Path]:
+    """``make_manifest(folder, n, broken)`` submitted as the job ``folder/job`` with ``model``
+    and ``options`` (``--wait`` runs it: ``rc`` is then 3 when an item fails); returns
+    (manifest, job)."""
+    m = make_manifest(folder, n, broken)
+    job = folder / "job"
+    assert main(["submit", str(m), "--job", str(job), "--model", str(model), *options]) == rc
+    return m, job
+
+
 def cli(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:  # noqa: ANN003
     return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT,
                             env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
@@ -58,10 +69,7 @@ def test_submit_run_results_match_direct_run(tmp_path: Path, random_model_dir: P
 
 def test_kill_minus_9_then_resume_answers_each_item_once(tmp_path: Path,
                                                          random_model_dir: Path) -> None:
-    m = make_manifest(tmp_path, 30)
-    job = tmp_path / "job"
-    assert main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir),
-                 "--images-per-batch", "1", "--no-progress"]) == EXIT_OK
+    _, job = submit_job(tmp_path, random_model_dir, 30, "--images-per-batch", "1", "--no-progress")
     p = cli("run", str(job), "--no-progress", env={"VLMBATCH_TEST_GROUP_DELAY": "0.2"})
     store = JobStore(job / STORE_FILE)
     deadline = time.time() + 60
@@ -83,10 +91,7 @@ def test_kill_minus_9_then_resume_answers_each_item_once(tmp_path: Path,
 
 
 def test_cancel_stops_and_resume_continues(tmp_path: Path, random_model_dir: Path) -> None:
-    m = make_manifest(tmp_path, 30)
-    job = tmp_path / "job"
-    main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir),
-          "--images-per-batch", "1", "--no-progress"])
+    _, job = submit_job(tmp_path, random_model_dir, 30, "--images-per-batch", "1", "--no-progress")
     p = cli("run", str(job), "--no-progress", env={"VLMBATCH_TEST_GROUP_DELAY": "0.2"})
     store = JobStore(job / STORE_FILE)
     while store.counts().done < 2:
@@ -101,9 +106,7 @@ def test_cancel_stops_and_resume_continues(tmp_path: Path, random_model_dir: Pat
 
 
 def test_job_errors(tmp_path: Path, random_model_dir: Path, capsys) -> None:  # noqa: ANN001
-    m = make_manifest(tmp_path, 1)
-    job = tmp_path / "job"
-    main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir)])
+    m, job = submit_job(tmp_path, random_model_dir, 1)
     assert main(["submit", str(m), "--job", str(job)]) == EXIT_BAD_INPUT
     assert "already exists" in capsys.readouterr().err
     assert main(["status", str(tmp_path)]) == EXIT_BAD_INPUT
@@ -139,10 +142,8 @@ def test_job_runs_from_another_directory(tmp_path: Path, random_model_dir: Path,
 
 
 def test_resume_retry_failed(tmp_path: Path, random_model_dir: Path) -> None:
-    m = make_manifest(tmp_path, 2, broken=1)  # bad0 -> missing.png
-    job = tmp_path / "job"
-    assert main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir),
-                 "--wait", "--no-progress"]) == 3
+    _, job = submit_job(tmp_path, random_model_dir, 2, "--wait", "--no-progress", broken=1,
+                        rc=3)  # bad0 -> missing.png
     (tmp_path / "missing.png").write_bytes((tmp_path / "0.png").read_bytes())
     assert main(["resume", str(job), "--no-progress"]) == 3  # failed items stay failed
     assert main(["resume", str(job), "--retry-failed", "--no-progress"]) == EXIT_OK
@@ -156,10 +157,7 @@ def test_resume_retry_failed(tmp_path: Path, random_model_dir: Path) -> None:
 
 
 def test_all_failed_job_reports_no_qpm(tmp_path: Path, random_model_dir: Path) -> None:
-    m = make_manifest(tmp_path, 0, broken=2)
-    job = tmp_path / "job"
-    main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir), "--wait",
-          "--no-progress"])
+    _, job = submit_job(tmp_path, random_model_dir, 0, "--wait", "--no-progress", broken=2, rc=3)
     st = status(job)
     assert st.failed == 2 and st.qpm is None and "QPM n/a" in st.text()
 
@@ -182,11 +180,8 @@ def test_thread_counts_are_kept_with_the_job_and_a_run_may_change_them(
 
     monkeypatch.setattr(job_mod, "prepared_groups", spy)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: used.append(("set", n)))
-    m = make_manifest(tmp_path, 3, broken=1)
-    job = tmp_path / "job"
-    assert main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir),
-                 "--threads", "1", "--preprocess-threads", "0", "--images-per-batch", "2"]) \
-        == EXIT_OK
+    _, job = submit_job(tmp_path, random_model_dir, 3, "--threads", "1",
+                        "--preprocess-threads", "0", "--images-per-batch", "2", broken=1)
     saved = (job / "job.json").read_text()
     assert (JobConfig.load(job).threads, JobConfig.load(job).preprocess_threads) == (1, 0)
     assert main(["run", str(job), "--no-progress", "--threads", "2",
@@ -204,9 +199,7 @@ def test_thread_counts_are_kept_with_the_job_and_a_run_may_change_them(
 
 def test_run_job_refuses_settings_fixed_at_submit(tmp_path: Path, random_model_dir: Path,
                                                   capsys) -> None:  # noqa: ANN001
-    m = make_manifest(tmp_path, 1)
-    job = tmp_path / "job"
-    main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir)])
+    _, job = submit_job(tmp_path, random_model_dir, 1)
     rc = main(["run", str(job), "--dtype", "bfloat16", "-o", str(tmp_path / "x.jsonl")])
     err = capsys.readouterr().err
     assert rc == EXIT_BAD_INPUT and "--dtype, --out would be ignored" in err
@@ -215,9 +208,7 @@ def test_run_job_refuses_settings_fixed_at_submit(tmp_path: Path, random_model_d
 
 def test_cancel_of_a_job_that_is_not_running(tmp_path: Path, random_model_dir: Path,
                                              capsys) -> None:  # noqa: ANN001
-    m = make_manifest(tmp_path, 1)
-    job = tmp_path / "job"
-    main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir)])
+    _, job = submit_job(tmp_path, random_model_dir, 1)
     capsys.readouterr()
     assert main(["cancel", str(job)]) == EXIT_OK
     assert "not running (submitted); nothing to cancel" in capsys.readouterr().err
@@ -234,9 +225,7 @@ def test_submit_checks_the_model(tmp_path: Path, capsys) -> None:  # noqa: ANN00
 @pytest.mark.parametrize("damage", ["store-garbage", "store-missing", "job-json"])
 def test_damaged_job_folder_is_named(tmp_path: Path, random_model_dir: Path, capsys,  # noqa: ANN001
                                      damage: str) -> None:
-    m = make_manifest(tmp_path, 1)
-    job = tmp_path / "job"
-    main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir)])
+    _, job = submit_job(tmp_path, random_model_dir, 1)
     if damage == "store-garbage":
         (job / STORE_FILE).write_bytes(b"not a database" * 100)
     elif damage == "store-missing":
@@ -258,9 +247,7 @@ def test_cancel_reaches_a_run_that_looks_interrupted(tmp_path: Path,
     """A run in another pid namespace looks dead from here; cancel still sets the flag."""
     from jobs.job import cancel
 
-    m = make_manifest(tmp_path, 1)
-    job = tmp_path / "job"
-    main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir)])
+    _, job = submit_job(tmp_path, random_model_dir, 1)
     store = JobStore(job / STORE_FILE)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -272,10 +259,7 @@ def test_cancel_reaches_a_run_that_looks_interrupted(tmp_path: Path,
 
 
 def test_run_job_options(tmp_path: Path, random_model_dir: Path, capsys) -> None:  # noqa: ANN001
-    m = make_manifest(tmp_path, 1, broken=1)
-    job = tmp_path / "job"
-    main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir),
-          "--images-per-batch", "1"])
+    m, job = submit_job(tmp_path, random_model_dir, 1, "--images-per-batch", "1", broken=1)
     capsys.readouterr()
     # typed, even at the default value: refused, not silently ignored
     assert main(["run", str(job), "--images-per-batch", "16"]) == EXIT_BAD_INPUT
@@ -292,10 +276,7 @@ def test_a_job_from_an_older_version_still_runs(tmp_path: Path, random_model_dir
     without preprocess_threads loads with the default."""
     import sqlite3
 
-    m = make_manifest(tmp_path, 2, broken=1)
-    job = tmp_path / "job"
-    main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir), "--wait",
-          "--no-progress"])
+    _, job = submit_job(tmp_path, random_model_dir, 2, "--wait", "--no-progress", broken=1, rc=3)
     before = status(job)
     db = sqlite3.connect(job / STORE_FILE)
     db.execute("ALTER TABLE items DROP COLUMN lines")
@@ -319,10 +300,8 @@ def test_a_job_from_an_older_version_still_runs(tmp_path: Path, random_model_dir
 
 def test_a_second_run_of_a_running_job_is_refused(tmp_path: Path, random_model_dir: Path,
                                                   capsys) -> None:  # noqa: ANN001
-    m = make_manifest(tmp_path, 60, broken=1)  # 12 s at least: each refusal waits 2 s
-    job = tmp_path / "job"
-    main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir),
-          "--images-per-batch", "1", "--no-progress"])
+    _, job = submit_job(tmp_path, random_model_dir, 60, "--images-per-batch", "1", "--no-progress",
+                        broken=1)  # 12 s at least: each refusal waits 2 s
     p = cli("run", str(job), "--no-progress", env={"VLMBATCH_TEST_GROUP_DELAY": "0.2"})
     store = JobStore(job / STORE_FILE)
     deadline = time.time() + 60
@@ -348,9 +327,7 @@ def test_status_trusts_the_lock_over_a_reused_pid(tmp_path: Path, random_model_d
     shows as interrupted, because its lock is free; while the lock is held it is running."""
     from jobs.lock import LOCK_FILE, host_id, run_lock
 
-    m = make_manifest(tmp_path, 1)
-    job = tmp_path / "job"
-    main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir)])
+    _, job = submit_job(tmp_path, random_model_dir, 1)
     store = JobStore(job / STORE_FILE)
     store.set("status", "running")
     store.set("run_pid", str(os.getpid()))
@@ -412,9 +389,7 @@ def test_a_file_system_without_flock_runs_unlocked(tmp_path: Path, random_model_
     def no_flock(*_: object) -> None:
         raise OSError(errno.ENOLCK, "No locks available")
 
-    m = make_manifest(tmp_path, 2)
-    job = tmp_path / "job"
-    main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir)])
+    _, job = submit_job(tmp_path, random_model_dir, 2)
     monkeypatch.setattr(fcntl, "flock", no_flock)
     capsys.readouterr()
     assert main(["run", str(job), "--no-progress"]) == EXIT_OK
@@ -437,9 +412,7 @@ def test_busy_names_the_lock_holder_not_the_last_run(tmp_path: Path, random_mode
     which still names the previous run: the message names the lock's holder."""
     from jobs.lock import run_lock
 
-    m = make_manifest(tmp_path, 1)
-    job = tmp_path / "job"
-    main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir)])
+    _, job = submit_job(tmp_path, random_model_dir, 1)
     store = JobStore(job / STORE_FILE)
     store.set("run_pid", "424242")
     store.close()

@@ -21,7 +21,7 @@ import pytest
 from jobs.job import STORE_FILE, cancel, status
 from jobs.store import JobStore
 from pipeline.cli import EXIT_BAD_INPUT, EXIT_OK, main
-from tests.jobs.test_job import ROOT, cli, make_manifest
+from tests.jobs.test_job import ROOT, cli, make_manifest, submit_job
 
 pytest.importorskip("ray")
 
@@ -29,11 +29,8 @@ RAY = ["--executor", "ray", "--model-cpus", "1"]
 
 
 def submit(tmp_path: Path, model: Path, n: int, broken: int = 0, per_batch: int = 2) -> Path:
-    m = make_manifest(tmp_path, n, broken=broken)
-    job = tmp_path / "job"
-    assert main(["submit", str(m), "--job", str(job), "--model", str(model),
-                 "--images-per-batch", str(per_batch), "--no-progress"]) == EXIT_OK
-    return job
+    return submit_job(tmp_path, model, n, "--images-per-batch", str(per_batch), "--no-progress",
+                      broken=broken)[1]
 
 
 def results(job: Path) -> list[dict]:
