@@ -5,19 +5,25 @@ Exit codes: 0 all answered; 3 finished but some items failed (their lines carry 
 or a job was cancelled with items left; 2 bad input or model, or a job another process
 is running (message on stderr, nothing run);
 1 a file could not be read or written (message on stderr), or an unexpected failure;
-130 interrupted (Ctrl-C; results written so far are kept).
+130 interrupted (Ctrl-C), 143 terminated (SIGTERM): results written so far are kept, a job
+is left resumable.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from pipeline.cli_args import build_parser, given_options
 
 EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT, EXIT_ITEM_ERRORS = 0, 1, 2, 3
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # 128 + SIGINT, 128 + SIGTERM
 # OSErrors reported as a message even without a file name (disk full, quota, read-only...)
 USER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 
@@ -277,15 +283,43 @@ def _quiet_opencv() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    args.given = given_options(argv)
+    _quiet_opencv()
+    with _sigterm_as_interrupt():
+        return _main(args)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's preemption, `kill`, `docker stop`), raised in the main thread
+    so that a run ends as after Ctrl-C: the job marked interrupted, its lock freed, the
+    output file closed on whole lines; exit 143."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set in the main thread
+        return
+
+    def raise_terminated(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, previous)  # a second SIGTERM is not held up by cleanup
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args: argparse.Namespace) -> int:
     from jobs.manifest import ManifestError
     from pipeline.config import ConfigError
     from pipeline.model import ModelError
     from pipeline.scoring import AnswerWordsError
 
-    argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
-    args.given = given_options(argv)
-    _quiet_opencv()
     try:
         if hasattr(args, "executor"):
             _ray_options(args)  # Ray-only options without --executor ray are an error
@@ -302,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         where = f": {e.filename}" if e.filename else ""
         print(f"vlmbatch: error: {e.strerror or e}{where}", file=sys.stderr)
         return EXIT_CRASH
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         from jobs.job import is_job
 
         hint = ""
@@ -313,8 +347,9 @@ def main(argv: list[str] | None = None) -> int:
             hint = "; no job was created"
         elif args.command in ("run", "submit", "resume"):
             hint = "; `vlmbatch resume JOB` continues the job"
-        print(f"vlmbatch: interrupted; results written so far are kept{hint}", file=sys.stderr)
-        return 130
+        what = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        print(f"vlmbatch: {what}; results written so far are kept{hint}", file=sys.stderr)
+        return EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

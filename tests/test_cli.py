@@ -229,8 +229,12 @@ def test_options_that_would_do_nothing_are_refused(argv: list[str], says: str,
     assert says in capsys.readouterr().err
 
 
-def test_ctrl_c_keeps_lines_and_says_how_to_resume(tmp_path: Path) -> None:
-    """SIGINT mid-run: exit 130, every line written parses, and the message points to jobs."""
+@pytest.mark.parametrize("sig, rc, says", [("SIGINT", 130, "interrupted"),
+                                           ("SIGTERM", 143, "terminated (SIGTERM)")])
+def test_ctrl_c_keeps_lines_and_says_how_to_resume(tmp_path: Path, sig: str, rc: int,
+                                                   says: str) -> None:
+    """SIGINT or SIGTERM mid-run: exit 130 or 143, every line written parses, and the
+    message points to jobs."""
     import os
     import signal
     import time
@@ -248,13 +252,14 @@ def test_ctrl_c_keeps_lines_and_says_how_to_resume(tmp_path: Path) -> None:
     deadline = time.time() + 60
     while (not out.exists() or out.stat().st_size == 0) and time.time() < deadline:
         time.sleep(0.05)
-    p.send_signal(signal.SIGINT)
+    p.send_signal(getattr(signal, sig))
     _, err = p.communicate(timeout=60)
     if p.returncode == EXIT_OK:
         pytest.skip("the run finished before the signal")
-    assert p.returncode == 130 and "vlmbatch submit" in err
-    got = [json.loads(x) for x in out.read_text().splitlines()]
-    assert 0 < len(got) < 400
+    assert p.returncode == rc and f"vlmbatch: {says}" in err and "vlmbatch submit" in err
+    text = out.read_text()
+    got = [json.loads(x) for x in text.splitlines()]
+    assert 0 < len(got) < 400 and text.endswith("\n")
 
 
 def test_os_errors_named_by_the_user_are_messages_others_tracebacks(monkeypatch, capsys) -> None:  # noqa: ANN001

@@ -90,6 +90,29 @@ def test_kill_minus_9_then_resume_answers_each_item_once(tmp_path: Path,
     store.close()
 
 
+def test_sigterm_marks_the_job_interrupted_and_resume_finishes_it(
+        tmp_path: Path, random_model_dir: Path) -> None:
+    """A scheduler's SIGTERM (preemption, `docker stop`): exit 143, the store itself says
+    interrupted (not inferred from a dead pid), no item is half-recorded, resume finishes."""
+    _, job = submit_job(tmp_path, random_model_dir, 30, "--images-per-batch", "1",
+                        "--no-progress")
+    p = cli("run", str(job), "--no-progress", env={"VLMBATCH_TEST_GROUP_DELAY": "0.2"})
+    store = JobStore(job / STORE_FILE)
+    deadline = time.time() + 60
+    while store.counts().done < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 143 and "terminated (SIGTERM)" in err, err
+    assert "vlmbatch resume JOB" in err
+    assert store.get("status") == "interrupted"
+    left = store.counts()
+    assert 0 < left.pending < 30 and left.done + left.pending == 30
+    assert main(["resume", str(job), "--no-progress"]) == EXIT_OK
+    assert status(job).done == 30
+    store.close()
+
+
 def test_cancel_stops_and_resume_continues(tmp_path: Path, random_model_dir: Path) -> None:
     _, job = submit_job(tmp_path, random_model_dir, 30, "--images-per-batch", "1", "--no-progress")
     p = cli("run", str(job), "--no-progress", env={"VLMBATCH_TEST_GROUP_DELAY": "0.2"})
