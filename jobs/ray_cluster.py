@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import socket
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,6 +36,7 @@ def init_ray(ray, opts: RayOptions) -> None:  # noqa: ANN001
     named = f"--address {opts.address}" if opts.address else f"RAY_ADDRESS={address}"
     if address:
         check_reachable(address, named)
+    ours = signal.getsignal(signal.SIGTERM)
     try:
         ray.init(address=address or "local", num_cpus=None if address else math.ceil(cpus),
                  include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
@@ -41,6 +44,11 @@ def init_ray(ray, opts: RayOptions) -> None:  # noqa: ANN001
         if not address:
             raise
         raise ConfigError(f"{named}: could not join the Ray cluster: {_join_hint(e)}") from None
+    finally:
+        # ray.init replaces the SIGTERM handler with sys.exit(15); the CLI's own one ends the
+        # run as Ctrl-C does (exit 143, job marked interrupted), so it is put back
+        if callable(ours) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, ours)
 
 
 def _join_hint(e: BaseException) -> str:

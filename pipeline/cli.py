@@ -294,7 +294,11 @@ def main(argv: list[str] | None = None) -> int:
 class Terminated(KeyboardInterrupt):
     """SIGTERM (a scheduler's preemption, `kill`, `docker stop`), raised in the main thread
     so that a run ends as after Ctrl-C: the job marked interrupted, its lock freed, the
-    output file closed on whole lines; exit 143."""
+    output file closed on whole lines; exit 143. Ray's blocking calls turn any
+    KeyboardInterrupt into a plain one, so what was received is also kept in ``SIGTERMS``."""
+
+
+SIGTERMS: list[int] = []  # one entry per SIGTERM received by this process's CLI
 
 
 @contextlib.contextmanager
@@ -305,8 +309,10 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
     def raise_terminated(signum: int, frame: object) -> None:
         signal.signal(signal.SIGTERM, previous)  # a second SIGTERM is not held up by cleanup
+        SIGTERMS.append(signum)
         raise Terminated()
 
+    SIGTERMS.clear()
     previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:
         yield
@@ -336,7 +342,7 @@ def _main(args: argparse.Namespace) -> int:
         where = f": {e.filename}" if e.filename else ""
         print(f"vlmbatch: error: {e.strerror or e}{where}", file=sys.stderr)
         return EXIT_CRASH
-    except KeyboardInterrupt as e:
+    except KeyboardInterrupt:
         from jobs.job import is_job
 
         hint = ""
@@ -347,9 +353,9 @@ def _main(args: argparse.Namespace) -> int:
             hint = "; no job was created"
         elif args.command in ("run", "submit", "resume"):
             hint = "; `vlmbatch resume JOB` continues the job"
-        what = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        what = "terminated (SIGTERM)" if SIGTERMS else "interrupted"
         print(f"vlmbatch: {what}; results written so far are kept{hint}", file=sys.stderr)
-        return EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED
+        return EXIT_TERMINATED if SIGTERMS else EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -142,6 +142,25 @@ def test_cancel_then_resume_on_ray(tmp_path: Path, random_model_dir: Path) -> No
     assert os.path.exists(job / STORE_FILE)
 
 
+def test_sigterm_on_ray_ends_the_run_as_ctrl_c_does(tmp_path: Path,
+                                                    random_model_dir: Path) -> None:
+    """ray.init installs its own SIGTERM handler (sys.exit(15)); ours is put back, so the
+    driver exits 143 with the job marked interrupted, and the job resumes (here in-process)."""
+    job = submit(tmp_path, random_model_dir, 12, per_batch=1)
+    p = cli("run", str(job), *RAY, "--no-progress", env={"VLMBATCH_TEST_SLOW_SCORE": "1"})
+    deadline = time.time() + 120
+    while status(job).done < 1 and time.time() < deadline:
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 143 and "terminated (SIGTERM)" in err, err
+    store = JobStore(job / STORE_FILE)
+    assert store.get("status") == "interrupted" and 0 < store.counts().done < 12
+    store.close()
+    assert main(["resume", str(job), "--no-progress"]) == EXIT_OK
+    assert status(job).done == 12
+
+
 def test_run_manifest_on_ray_writes_the_same_lines(tmp_path: Path,
                                                     random_model_dir: Path) -> None:
     m = make_manifest(tmp_path, 3)
