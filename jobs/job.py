@@ -34,7 +34,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from jobs.lock import host_id, recorded_runner, run_alive, run_lock, runner_of
+from jobs.lock import host_id, recorded_runner, run_alive, run_lock, runner_of, who
 from jobs.manifest import (
     ManifestError,
     items_from_folder,
@@ -155,15 +155,25 @@ class JobStatus:
     qpm: float | None  # of the current/last run
     eta_s: float | None
     requeued: int = 0  # failed items this run queued again (run_job(retry_failed=True))
-    runner: str = ""  # ' (pid N on HOST)' of the process running the job, when running
+    runner: tuple[int, str] | None = None  # (pid, host) running the job, when running
 
     def text(self) -> str:
         rate = f"{self.qpm:.0f} QPM" if self.qpm else "QPM n/a"
         eta = (f", ETA {self.eta_s:.0f}s" if self.eta_s is not None and self.pending
                and self.status == "running" else "")
-        return (f"{self.status}{self.runner}: {self.done + self.failed}/{self.items} images "
-                f"({self.failed} failed, {self.pending} pending), {self.questions} questions, "
-                f"{rate}{eta}")
+        return (f"{self.status}{who(self.runner)}: {self.done + self.failed}/{self.items} "
+                f"images ({self.failed} failed, {self.pending} pending), {self.questions} "
+                f"questions, {rate}{eta}")
+
+    def as_json(self) -> dict:
+        """``status --json``: these fields, ``runner`` as {"pid", "host"} or null, and
+        ``eta_s`` null unless the job is running with items left (as ``text`` shows it)."""
+        d = dataclasses.asdict(self)
+        d["runner"] = dict(zip(("pid", "host"), self.runner)) if self.runner else None
+        if not (self.status == "running" and self.pending):
+            d["eta_s"] = None
+        del d["requeued"]  # about one run_job call, not the job
+        return d
 
 
 def status(job: Path) -> JobStatus:
@@ -181,7 +191,7 @@ def status(job: Path) -> JobStatus:
             if done_items > 0:
                 eta = c.pending * (end - float(start)) / done_items
         state = _state(store)
-        runner = (runner_of(Path(job)) or recorded_runner(store)) if state == "running" else ""
+        runner = (runner_of(Path(job)) or recorded_runner(store)) if state == "running" else None
         return JobStatus(state, c.total, c.done, c.failed, c.pending, q, qpm, eta,
                          runner=runner)
     finally:

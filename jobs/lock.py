@@ -62,7 +62,7 @@ def _take(f, job: Path, wait_s: float) -> bool:  # noqa: ANN001
             if time.monotonic() < deadline:
                 time.sleep(0.05)
                 continue
-            raise JobBusy(f"job {job} is already running{runner_of(job)}; `vlmbatch status "
+            raise JobBusy(f"job {job} is already running{who(runner_of(job))}; `vlmbatch status "
                           f"{job}` follows it, `vlmbatch cancel {job}` stops it") from None
         except OSError as e:
             if e.errno not in NO_FLOCK:
@@ -72,24 +72,32 @@ def _take(f, job: Path, wait_s: float) -> bool:  # noqa: ANN001
             return False
 
 
-def runner_of(job: Path) -> str:
-    """' (pid N on HOST)' of the process holding the job's lock, as it wrote it."""
+def runner_of(job: Path) -> tuple[int, str] | None:
+    """(pid, host) of the process holding the job's lock, as it wrote them."""
     try:
         pid, host = (job / LOCK_FILE).read_text().split(maxsplit=1)
+        return _runner(pid, host)
     except (OSError, ValueError):
-        return ""
-    return _who(pid, host)
+        return None
 
 
-def recorded_runner(store: JobStore) -> str:
-    """The same as the run recorded it in the store (where the lock file holds none: a file
-    system without flock)."""
-    return _who(store.get("run_pid"), store.get("run_host"))
+def recorded_runner(store: JobStore) -> tuple[int, str] | None:
+    """The same as the run recorded them in the store (where the lock file holds none: a
+    file system without flock)."""
+    try:
+        return _runner(store.get("run_pid"), store.get("run_host"))
+    except ValueError:
+        return None
 
 
-def _who(pid: str | None, host: str | None) -> str:
-    """' (pid N on HOST)', the host without its pid namespace (``host_id``)."""
-    return f" (pid {pid} on {host.split('/')[0].strip()})" if pid and host else ""
+def _runner(pid: str | None, host: str | None) -> tuple[int, str] | None:
+    """The host without its pid namespace (``host_id``)."""
+    return (int(pid), host.split("/")[0].strip()) if pid and host else None
+
+
+def who(runner: tuple[int, str] | None) -> str:
+    """' (pid N on HOST)', or '' for no runner."""
+    return f" (pid {runner[0]} on {runner[1]})" if runner else ""
 
 
 def _lock_held(lock: Path) -> bool | None:

@@ -169,9 +169,12 @@ def cmd_submit(a: argparse.Namespace) -> int:
 
 
 def cmd_status(a: argparse.Namespace) -> int:
+    import json
+
     from jobs.job import status
 
-    print(status(a.job).text())
+    st = status(a.job)
+    print(json.dumps({"job": str(a.job), **st.as_json()}) if a.json else st.text())
     return EXIT_OK
 
 

@@ -183,6 +183,10 @@ def _add_job_commands(sub: argparse._SubParsersAction) -> None:
                        ("resume", "continue an interrupted job")]:
         c = sub.add_parser(name, help=text, description=text)
         c.add_argument("job", type=Path)
+        if name == "status":
+            c.add_argument("--json", action="store_true",
+                           help="one JSON object: status, items, done, failed, pending, "
+                           "questions, qpm, eta_s, runner ({pid, host} or null)")
         if name != "resume":  # accepted as before, does nothing
             c.add_argument("--no-progress", action="store_true", help=argparse.SUPPRESS)
         else:

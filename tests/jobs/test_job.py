@@ -337,9 +337,19 @@ def test_a_second_run_of_a_running_job_is_refused(tmp_path: Path, random_model_d
         assert "already running" in err and f"pid {p.pid}" in err, err
     assert status(job).status == "running"
     assert status(job).text().startswith(f"running (pid {p.pid} on ")
+    assert main(["status", str(job), "--json"]) == EXIT_OK
+    seen = json.loads(capsys.readouterr().out)
+    assert seen["status"] == "running" and seen["runner"]["pid"] == p.pid
+    assert seen["runner"]["host"] and seen["eta_s"] > 0 and seen["qpm"] > 0
     main(["cancel", str(job)])
     p.wait(timeout=60)
     assert status(job).status == "cancelled"
+    capsys.readouterr()
+    assert main(["status", str(job), "--json"]) == EXIT_OK
+    seen = json.loads(capsys.readouterr().out)
+    assert seen["job"] == str(job) and seen["status"] == "cancelled"
+    assert seen["runner"] is None and seen["eta_s"] is None
+    assert seen["items"] == 61 and seen["done"] + seen["failed"] + seen["pending"] == 61
     assert main(["resume", str(job), "--no-progress"]) == 3  # the lock went with its process
     assert store.counts().pending == 0
     store.close()
