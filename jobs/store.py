@@ -22,6 +22,7 @@ import json
 import sqlite3
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,35 +93,41 @@ class JobStore:
         cols = {row[1] for row in self.db.execute("PRAGMA table_info(items)")}
         if "answered" in cols:
             return
-        self.db.execute("BEGIN IMMEDIATE")
-        if "answered" in {row[1] for row in self.db.execute("PRAGMA table_info(items)")}:
-            self.db.execute("COMMIT")  # another process added them meanwhile
-            return
-        self.db.execute("ALTER TABLE items ADD COLUMN lines INTEGER NOT NULL DEFAULT 0")
-        self.db.execute("ALTER TABLE items ADD COLUMN answered INTEGER NOT NULL DEFAULT 0")
-        self.db.execute(f"UPDATE items SET lines = json_array_length(result), "
-                        f"answered = {ANSWERED_OF_RESULT} WHERE state != 'pending'")
-        self.db.execute("COMMIT")
+        with self._transaction():
+            if "answered" in {row[1] for row in self.db.execute("PRAGMA table_info(items)")}:
+                return  # another process added them meanwhile
+            self.db.execute("ALTER TABLE items ADD COLUMN lines INTEGER NOT NULL DEFAULT 0")
+            self.db.execute("ALTER TABLE items ADD COLUMN answered INTEGER NOT NULL DEFAULT 0")
+            self.db.execute(f"UPDATE items SET lines = json_array_length(result), "
+                            f"answered = {ANSWERED_OF_RESULT} WHERE state != 'pending'")
 
     def close(self) -> None:
         self.db.close()
 
+    @contextmanager
+    def _transaction(self, begin: str = "BEGIN IMMEDIATE") -> Iterator[None]:
+        """One transaction: committed if the block ends normally, rolled back on any
+        exception, Ctrl-C and SIGTERM included (else later writes, such as the run's final
+        status, would join the open transaction and be lost when the store closes)."""
+        self.db.execute(begin)
+        try:
+            yield
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
     def add_items(self, items: Iterable[tuple[str, ImageItem]]) -> int:
         """Insert (where, item) pairs in one transaction: all or nothing. A repeated id raises
         ManifestError naming ``where`` (e.g. ``manifest.jsonl:12``)."""
-        self.db.execute("BEGIN")
         n = 0
-        try:
+        with self._transaction("BEGIN"):
             for n, (where, item) in enumerate(items, 1):
                 try:
                     self.db.execute("INSERT INTO items (item_id, spec) VALUES (?, ?)",
                                     (item.id, item_to_json(item)))
                 except sqlite3.IntegrityError:
                     raise ManifestError(f"{where}: id {item.id!r} appears twice") from None
-        except BaseException:
-            self.db.execute("ROLLBACK")
-            raise
-        self.db.execute("COMMIT")
         return n
 
     def pending(self, batch: int) -> Iterator[list[ImageItem]]:
@@ -140,27 +147,25 @@ class JobStore:
         """Store each item's result lines and mark it done/failed, in one transaction.
         Returns how many items were recorded (items no longer pending are skipped)."""
         now = time.time()
-        self.db.execute("BEGIN IMMEDIATE")
         n = 0
-        for item_id, lines in results.items():
-            answered = sum(1 for ln in lines if not ln.get("error"))
-            state = "done" if answered == len(lines) else "failed"
-            cur = self.db.execute(
-                "UPDATE items SET state = ?, result = ?, updated = ?, lines = ?, answered = ? "
-                "WHERE item_id = ? AND state = 'pending'",
-                (state, json.dumps(lines, ensure_ascii=False), now, len(lines), answered,
-                 item_id))
-            n += cur.rowcount
-        self.db.execute("COMMIT")
+        with self._transaction():
+            for item_id, lines in results.items():
+                answered = sum(1 for ln in lines if not ln.get("error"))
+                state = "done" if answered == len(lines) else "failed"
+                cur = self.db.execute(
+                    "UPDATE items SET state = ?, result = ?, updated = ?, lines = ?, "
+                    "answered = ? WHERE item_id = ? AND state = 'pending'",
+                    (state, json.dumps(lines, ensure_ascii=False), now, len(lines), answered,
+                     item_id))
+                n += cur.rowcount
         return n
 
     def requeue_failed(self) -> int:
         """Mark every failed item pending again (its old lines are dropped when it is
         recorded anew); returns how many."""
-        self.db.execute("BEGIN IMMEDIATE")
-        n = self.db.execute("UPDATE items SET state = 'pending' WHERE state = 'failed'").rowcount
-        self.db.execute("COMMIT")
-        return n
+        with self._transaction():
+            return self.db.execute(
+                "UPDATE items SET state = 'pending' WHERE state = 'failed'").rowcount
 
     def counts(self) -> Counts:
         rows = dict(self.db.execute("SELECT state, COUNT(*) FROM items GROUP BY state"))
