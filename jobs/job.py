@@ -49,6 +49,7 @@ from pipeline.config import (
     EngineConfig,
     ModelConfig,
     RunConfig,
+    check_threads,
     preprocess_threads_for,
 )
 from pipeline.engines import build_engine
@@ -102,10 +103,7 @@ class JobConfig:
         """This config with one run's thread counts in place of those given at submit (None:
         keep them). Threads change no answer, only speed, and a job may run on another
         machine than the one it was submitted on; nothing is written back."""
-        if preprocess_threads is not None and preprocess_threads < 0:
-            raise ConfigError(f"preprocess_threads must be >= 0, got {preprocess_threads}")
-        if threads is not None and threads < 1:
-            raise ConfigError(f"threads must be >= 1, got {threads}")
+        check_threads(threads, preprocess_threads)
         return dataclasses.replace(
             self, threads=self.threads if threads is None else threads,
             preprocess_threads=(self.preprocess_threads if preprocess_threads is None
@@ -226,19 +224,23 @@ def run_job(job: Path, progress: bool = True, executor: str = "local",
             preprocess_threads: int | None = None) -> JobStatus:
     """Answer every pending item (a fresh run or a resume), in this process (``local``) or
     on Ray (``ray``, ``jobs/ray_executor.py``); with ``retry_failed``, first queue the failed
-    items again, under the same lock. ``threads``/``preprocess_threads`` replace the job's
-    own for this run (``JobConfig.for_run``). Raises ``JobBusy`` if another process is
+    items again, under the same lock. In-process, ``threads``/``preprocess_threads`` replace
+    the job's own for this run (``JobConfig.for_run``); on Ray, where each model actor runs
+    ``model_cpus`` torch threads, they are refused. Raises ``JobBusy`` if another process is
     running the job."""
     require_job(job)
     if executor not in ("local", "ray"):
         raise ManifestError(f"executor {executor!r} not one of local, ray")
+    if executor == "ray" and (threads, preprocess_threads) != (None, None):
+        raise ConfigError("threads and preprocess_threads apply to in-process runs; on Ray "
+                          "use model_cpus (--model-cpus) and preprocess_workers")
     cfg = JobConfig.load(Path(job)).for_run(threads, preprocess_threads)
     with run_lock(Path(job)):
         requeued = _requeue_failed(Path(job)) if retry_failed else 0
         if executor == "ray":
             from jobs.ray_executor import RayOptions, run_job_ray
 
-            st = run_job_ray(job, ray_options or RayOptions(), progress, cfg)
+            st = run_job_ray(job, ray_options or RayOptions(), progress)
         else:
             st = _run_local(Path(job), progress, cfg)
     return dataclasses.replace(st, requeued=requeued)

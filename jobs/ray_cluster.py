@@ -44,6 +44,10 @@ def init_ray(ray, opts: RayOptions) -> None:  # noqa: ANN001
         if not address:
             raise
         raise ConfigError(f"{named}: could not join the Ray cluster: {_join_hint(e)}") from None
+    except SystemExit as e:  # a SIGTERM while Ray starts, through Ray's handler: ours decides
+        if e.code == signal.SIGTERM and callable(ours):
+            ours(signal.SIGTERM, None)
+        raise
     finally:
         # ray.init replaces the SIGTERM handler with sys.exit(15); the CLI's own one ends the
         # run as Ctrl-C does (exit 143, job marked interrupted), so it is put back

@@ -123,15 +123,15 @@ class ModelWorker:
         return score_group(self.engine, pg)
 
 
-def run_job_ray(job: Path, opts: RayOptions, progress: bool = True,  # noqa: ANN201
-                cfg=None):  # noqa: ANN001
-    """Answer every pending item of ``job`` on Ray; returns the job's status. ``cfg``: the
-    job's ``JobConfig`` with this run's settings (default: as submitted)."""
+def run_job_ray(job: Path, opts: RayOptions, progress: bool = True):  # noqa: ANN201
+    """Answer every pending item of ``job`` on Ray; returns the job's status. Each model
+    actor runs ``opts.model_cpus`` torch threads (what Ray reserves for it), whatever
+    ``--threads`` the job was submitted with."""
     ray = require_ray()
     from jobs.job import STORE_FILE, JobConfig, _end_run, status
 
     job = Path(job)
-    cfg = cfg or JobConfig.load(job)
+    cfg = JobConfig.load(job)
     store = JobStore(job / STORE_FILE)
     started_ray = False
     try:
@@ -145,7 +145,7 @@ def run_job_ray(job: Path, opts: RayOptions, progress: bool = True,  # noqa: ANN
         if not ray.is_initialized():
             init_ray(ray, opts)
             started_ray = True
-        threads = cfg.threads or max(1, int(opts.model_cpus))
+        threads = max(1, int(opts.model_cpus))  # Ray's reservation, not the job's --threads
         # one GPU per model actor when the model runs on CUDA (never run here: no GPU yet)
         gpus = 1 if cfg.model.device.startswith("cuda") else 0
         Actor = ray.remote(num_cpus=opts.model_cpus, num_gpus=gpus, max_restarts=3,

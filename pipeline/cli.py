@@ -58,19 +58,22 @@ RAY_ONLY = ("address", "preprocess_workers", "model_workers", "model_cpus", "dec
 
 
 def _ray_options(a: argparse.Namespace):  # noqa: ANN202
-    if getattr(a, "executor", "local") == "ray" and "preprocess_threads" in getattr(
-            a, "given", ()):
-        from pipeline.config import ConfigError
+    """``RayOptions`` for ``--executor ray``, else None; options typed for the other
+    executor are refused (``ConfigError``), not ignored."""
+    from pipeline.config import ConfigError
 
+    given = getattr(a, "given", set())
+    if getattr(a, "executor", "local") != "ray":
+        ray_only = ["--" + k.replace("_", "-") for k in RAY_ONLY if k in given]
+        if ray_only:
+            raise ConfigError(f"{', '.join(ray_only)}: Ray executor options; add --executor ray")
+        return None
+    if "preprocess_threads" in given:
         raise ConfigError("--preprocess-threads applies to in-process runs; with --executor "
                           "ray, decoding runs in Ray tasks: use --preprocess-workers")
-    if getattr(a, "executor", "local") != "ray":
-        given = ["--" + k.replace("_", "-") for k in RAY_ONLY if k in getattr(a, "given", ())]
-        if given:
-            from pipeline.config import ConfigError
-
-            raise ConfigError(f"{', '.join(given)}: Ray executor options; add --executor ray")
-        return None
+    if "threads" in given:
+        raise ConfigError("--threads applies to in-process runs; with --executor ray, each "
+                          "model actor runs --model-cpus torch threads (what Ray reserves)")
     from jobs.ray_executor import RayOptions
 
     return RayOptions(a.address, a.preprocess_workers, a.model_workers, a.model_cpus,
@@ -83,8 +86,9 @@ def _job_exit(job: Path, progress: bool, a: argparse.Namespace | None = None) ->
 
     executor = getattr(a, "executor", "local") if a is not None else "local"
     retry = getattr(a, "retry_failed", False)
-    st = run_job(job, progress, executor, _ray_options(a) if a is not None else None, retry,
-                 getattr(a, "threads", None), getattr(a, "preprocess_threads", None))
+    st = run_job(job, progress, executor, _ray_options(a) if a is not None else None,
+                 retry_failed=retry, threads=getattr(a, "threads", None),
+                 preprocess_threads=getattr(a, "preprocess_threads", None))
     if retry:
         print(f"vlmbatch: job {job}: {st.requeued} failed images were queued again",
               file=sys.stderr)
@@ -142,16 +146,24 @@ def _run_on_ray(a: argparse.Namespace, cfg) -> int:  # noqa: ANN001
     from jobs.job import submit
     from jobs.sinks import format_of, open_text
 
-    with tempfile.TemporaryDirectory(prefix="vlmbatch-job-") as tmp:
-        job = Path(tmp) / "job"
-        submit(dataclasses.replace(cfg, out=None), job)
-        rc = _job_exit(job, not a.no_progress, a)
+    def export(job: Path) -> None:
         if a.out is None:
             export_text(job, sys.stdout)
         else:
             fmt = format_of(a.out)
             with open_text(a.out, fmt) as f:
                 export_text(job, f, fmt)
+
+    with tempfile.TemporaryDirectory(prefix="vlmbatch-job-") as tmp:
+        job = Path(tmp) / "job"
+        submit(dataclasses.replace(cfg, out=None), job)
+        try:
+            rc = _job_exit(job, not a.no_progress, a)
+        except KeyboardInterrupt:  # Ctrl-C, SIGTERM: the lines answered so far, as in-process
+            export(job)
+            raise
+        export(job)
+        if a.out is not None:
             print(f"vlmbatch: results in {a.out}", file=sys.stderr)
     return rc
 
@@ -180,20 +192,21 @@ def cmd_status(a: argparse.Namespace) -> int:
 
 def cmd_results(a: argparse.Namespace) -> int:
     from jobs.export import export_parquet, export_text
-    from jobs.sinks import format_of, open_text
+    from jobs.sinks import format_of, open_text, replaced_on_success
     from pipeline.config import ConfigError
 
     fmt = a.format or format_of(a.out)
-    if fmt == "parquet":
-        if a.out is None:
-            raise ConfigError("--format parquet needs --out FILE.parquet")
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        n = export_parquet(a.job, a.out)
-    elif a.out is None:
+    if fmt == "parquet" and a.out is None:
+        raise ConfigError("--format parquet needs --out FILE.parquet")
+    if a.out is None:
         n = export_text(a.job, sys.stdout, fmt)
-    else:
-        with open_text(a.out, fmt) as f:
-            n = export_text(a.job, f, fmt)
+    else:  # all or nothing: an interrupted export leaves --out as it was
+        with replaced_on_success(a.out) as part:
+            if fmt == "parquet":
+                n = export_parquet(a.job, part)
+            else:
+                with open_text(part, fmt) as f:
+                    n = export_text(a.job, f, fmt)
     print(f"vlmbatch: {n} result lines", file=sys.stderr)
     return EXIT_OK
 
@@ -306,8 +319,11 @@ SIGTERMS: list[int] = []  # one entry per SIGTERM received by this process's CLI
 
 @contextlib.contextmanager
 def _sigterm_as_interrupt() -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers can only be set in the main thread
+    SIGTERMS.clear()
+    inherited = signal.getsignal(signal.SIGTERM)
+    if (threading.current_thread() is not threading.main_thread()
+            or inherited in (signal.SIG_IGN, None)):
+        yield  # handlers can only be set in the main thread; an ignored SIGTERM stays so
         return
 
     def raise_terminated(signum: int, frame: object) -> None:
@@ -315,7 +331,6 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         SIGTERMS.append(signum)
         raise Terminated()
 
-    SIGTERMS.clear()
     previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:
         yield
@@ -346,19 +361,28 @@ def _main(args: argparse.Namespace) -> int:
         print(f"vlmbatch: error: {e.strerror or e}{where}", file=sys.stderr)
         return EXIT_CRASH
     except KeyboardInterrupt:
-        from jobs.job import is_job
+        return _interrupted(args)
 
-        hint = ""
-        if args.command == "run" and not _is_job_arg(args):
-            hint = ("; the same command starts over: for work that resumes, `vlmbatch submit "
-                    "... --job DIR` then `vlmbatch resume DIR`")
-        elif args.command == "submit" and not (args.job and is_job(args.job)):
-            hint = "; no job was created"
-        elif args.command in ("run", "submit", "resume"):
-            hint = "; `vlmbatch resume JOB` continues the job"
-        what = "terminated (SIGTERM)" if SIGTERMS else "interrupted"
-        print(f"vlmbatch: {what}; results written so far are kept{hint}", file=sys.stderr)
-        return EXIT_TERMINATED if SIGTERMS else EXIT_INTERRUPTED
+
+def _interrupted(args: argparse.Namespace) -> int:
+    """After Ctrl-C or SIGTERM: say what was kept and how to go on; exit 130 or 143."""
+    from jobs.job import is_job
+
+    what = "terminated (SIGTERM)" if SIGTERMS else "interrupted"
+    kept = "results written so far are kept"
+    hint = ""
+    if args.command == "run" and not _is_job_arg(args):
+        hint = ("; the same command starts over: for work that resumes, `vlmbatch submit "
+                "... --job DIR` then `vlmbatch resume DIR`")
+    elif args.command == "submit" and not (args.job and is_job(args.job)):
+        hint = "; no job was created"
+    elif args.command in ("run", "submit", "resume"):
+        hint = "; `vlmbatch resume JOB` continues the job"
+    elif args.command == "results":
+        kept = ("--out is left as it was (an export is written whole or not at all); run "
+                "`vlmbatch results` again")
+    print(f"vlmbatch: {what}; {kept}{hint}", file=sys.stderr)
+    return EXIT_TERMINATED if SIGTERMS else EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

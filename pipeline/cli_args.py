@@ -140,7 +140,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                        "or run a submitted job",
                        description="Answer every question about every image; one JSONL line per "
                        "(image, question) with answer, p_yes and error. Given a job folder "
-                       "(from `submit`), run its pending items instead.")
+                       "(from `submit`), run its pending items instead: with a job only --threads, "
+                       "--preprocess-threads (default: as submitted), --retry-failed and the "
+                       "executor options may be given; the rest was fixed at submit.")
     r.add_argument("manifest", type=Path, nargs="?",
                    help='JSONL, one image per line: {"id", "image", "questions"}; or a job '
                    "folder")

@@ -123,15 +123,20 @@ class RunConfig:
             raise ConfigError(f"max_pixels must be >= 1, got {self.max_pixels}")
         if self.images_per_batch < 1:
             raise ConfigError(f"images_per_batch must be >= 1, got {self.images_per_batch}")
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError(f"threads must be >= 1, got {self.threads}")
-        if self.preprocess_threads is not None and self.preprocess_threads < 0:
-            raise ConfigError(f"preprocess_threads must be >= 0, got {self.preprocess_threads}")
+        check_threads(self.threads, self.preprocess_threads)
         if self.out is not None:
             for name, src in (("manifest", self.manifest), ("policy", self.policy)):
                 if src is not None and Path(src).resolve() == Path(self.out).resolve():
                     raise ConfigError(f"--out {self.out} is the {name}: writing results there "
                                       "would overwrite it; pick another file")
+
+
+def check_threads(threads: int | None, preprocess_threads: int | None) -> None:
+    """ConfigError unless each count is None (the default) or in range."""
+    if threads is not None and threads < 1:
+        raise ConfigError(f"threads must be >= 1, got {threads}")
+    if preprocess_threads is not None and preprocess_threads < 0:
+        raise ConfigError(f"preprocess_threads must be >= 0, got {preprocess_threads}")
 
 
 def preprocess_threads_for(given: int | None, device: str) -> int:

@@ -222,7 +222,8 @@ def test_folder_given_as_manifest_points_to_images(job: Path, capsys) -> None:  
 @pytest.mark.parametrize("argv,says", [
     (["--address", "head:1"], "--address: Ray executor options; add --executor ray"),
     (["--ignore-eos"], "give max_new_tokens (--max-new-tokens N) too"),
-    (["--executor", "ray", "--preprocess-threads", "4"], "use --preprocess-workers")])
+    (["--executor", "ray", "--preprocess-threads", "4"], "use --preprocess-workers"),
+    (["--executor", "ray", "--threads", "4"], "runs --model-cpus torch threads")])
 def test_options_that_would_do_nothing_are_refused(argv: list[str], says: str,
                                                    capsys) -> None:  # noqa: ANN001
     assert main(["run", str(ROOT / "examples/manifest.jsonl"), *argv]) == EXIT_BAD_INPUT

@@ -454,3 +454,46 @@ def test_busy_names_the_lock_holder_not_the_last_run(tmp_path: Path, random_mode
         assert main(["run", str(job), "--no-progress"]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert f"pid {os.getpid()} on" in err and "424242" not in err, err
+
+
+@pytest.mark.parametrize("name", ["r.jsonl", "r.csv", "r.parquet"])
+def test_an_interrupted_export_leaves_out_as_it_was(tmp_path: Path, random_model_dir: Path,
+                                                    capsys, monkeypatch, name: str) -> None:  # noqa: ANN001
+    """`results -o` writes a temporary file beside --out and renames it only when complete:
+    interrupted (Ctrl-C; SIGTERM takes the same path), --out keeps its old content and no
+    temporary file is left; a complete export then replaces it."""
+    if name.endswith(".parquet"):
+        pytest.importorskip("pyarrow")
+    _, job = submit_job(tmp_path, random_model_dir, 3, "--wait", "--no-progress")
+    out = tmp_path / "o" / name
+    out.parent.mkdir()
+    out.write_text("old\n")
+    real = JobStore.results
+
+    def interrupted(self):  # noqa: ANN001, ANN202
+        it = real(self)
+        yield next(it)
+        yield next(it)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(JobStore, "results", interrupted)
+    capsys.readouterr()
+    assert main(["results", str(job), "-o", str(out)]) == 130
+    assert "--out is left as it was" in capsys.readouterr().err
+    assert out.read_text() == "old\n" and sorted(p.name for p in out.parent.iterdir()) == [name]
+    monkeypatch.setattr(JobStore, "results", real)
+    assert main(["results", str(job), "-o", str(out)]) == EXIT_OK
+    assert out.read_bytes() != b"old\n" and sorted(p.name for p in out.parent.iterdir()) == [name]
+
+
+def test_thread_counts_are_refused_on_ray(tmp_path: Path, random_model_dir: Path) -> None:
+    """On Ray each model actor runs --model-cpus threads (Ray's reservation): a run's
+    --threads would be ignored or oversubscribe, so it is refused (no Ray needed to check)."""
+    from jobs.job import run_job
+    from pipeline.config import ConfigError
+
+    _, job = submit_job(tmp_path, random_model_dir, 1)
+    with pytest.raises(ConfigError, match="apply to in-process runs"):
+        run_job(job, False, "ray", threads=2)
+    assert main(["run", str(job), "--executor", "ray", "--threads", "2"]) == EXIT_BAD_INPUT
+    assert status(job).pending == 1

@@ -172,6 +172,56 @@ def test_run_manifest_on_ray_writes_the_same_lines(tmp_path: Path,
                       direct(tmp_path, random_model_dir, m))
 
 
+def test_sigterm_on_a_ray_run_of_a_manifest_keeps_the_lines_answered(
+        tmp_path: Path, random_model_dir: Path) -> None:
+    """`run MANIFEST --executor ray` answers through a temporary job; on SIGTERM the lines
+    answered so far still reach --out, whole, as in-process."""
+    m = make_manifest(tmp_path, 12)
+    out = tmp_path / "ray.jsonl"
+    t0 = time.time()
+    p = cli("run", str(m), "-o", str(out), "--model", str(random_model_dir),
+            "--images-per-batch", "1", "--no-progress", *RAY,
+            env={"VLMBATCH_TEST_SLOW_SCORE": "1"})
+    deadline = time.time() + 120
+    while time.time() < deadline:  # until the run's temporary job has recorded a group
+        stores = [f for f in Path(tempfile.gettempdir()).glob("vlmbatch-job-*/job/store.sqlite")
+                  if f.stat().st_mtime >= t0]
+        if stores:
+            store = JobStore(stores[0])
+            done = store.counts().done
+            store.close()
+            if done:
+                break
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 143 and "terminated (SIGTERM)" in err, err
+    text = out.read_text()
+    got = [json.loads(x) for x in text.splitlines()]
+    assert text.endswith("\n") and 0 < len(got) < 24 and len(got) % 2 == 0
+
+
+def test_a_sigterm_while_ray_starts_is_ours_not_rays(monkeypatch) -> None:  # noqa: ANN001
+    """ray.init's own handler turns a SIGTERM into SystemExit(15) while it starts Ray;
+    init_ray hands it to the CLI's handler instead (exit 143, 'terminated')."""
+    from jobs.ray_cluster import init_ray
+    from jobs.ray_executor import RayOptions
+    from pipeline.cli import SIGTERMS, Terminated, _sigterm_as_interrupt
+
+    class RayStartingWhenTerminated:
+        class exceptions:  # noqa: N801
+            RayError = RuntimeError
+
+        @staticmethod
+        def init(**_: object) -> None:
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(signal.SIGTERM))  # as Ray does
+            raise SystemExit(signal.SIGTERM)
+
+    with _sigterm_as_interrupt(), pytest.raises(Terminated):
+        init_ray(RayStartingWhenTerminated, RayOptions())
+    assert SIGTERMS == [signal.SIGTERM]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
