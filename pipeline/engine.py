@@ -69,7 +69,8 @@ class _Plan:
     req: int  # index into requests
     prompt: Prompt
     span: ImageSpan
-    past: list[torch.Tensor] = field(default_factory=list)  # block KVs [L, 2, K, n, d]
+    # cached block KVs [L, 2, K, n, d]: views into the cache pool, pinned until _release
+    past: list[torch.Tensor] = field(default_factory=list)
     past_len: int = 0
     blocks: list[tuple[int, BlockId]] = field(default_factory=list)  # (start, block) to cache
     chain: list[BlockKey] = field(default_factory=list)  # keys of the whole shared prefix
@@ -128,18 +129,37 @@ class TorchEngine:
         for phase in self._phases(requests, prompts):
             plans = [self._plan(i, prompts[i], images[requests[i].image], prefixes)
                      for i in phase]
-            need = sorted({requests[p.req].image for p in plans
-                           if p.past_len < p.span.start + p.span.length} - embeds.keys())
-            embeds.update(zip(need, self.encode([images[i] for i in need])))
-            plans.sort(key=lambda p: p.new_len, reverse=True)
-            for batch in self._batches(plans):
-                p_yes, margin, texts = self._prefill(
-                    batch, [embeds.get(requests[p.req].image) for p in batch])
-                for j, p in enumerate(batch):
-                    results[p.req] = Score(float(p_yes[j]), float(margin[j]),
-                                           p.prompt.image_len, texts[j])
+            try:
+                self._run_phase(plans, requests, images, embeds, results)
+            finally:
+                self._release(plans)  # what an exception left pinned
         self.stats.prompt_tokens += sum(len(p.ids) for p in prompts)
         return results  # type: ignore[return-value]
+
+    def _run_phase(self, plans: list[_Plan], requests: list[Request],
+                   images: list[PreparedImage], embeds: dict[int, ImageEmbeds],
+                   results: list[Score | None]) -> None:
+        """Encode what the plans need, prefill them in batches, fill ``results``."""
+        need = sorted({requests[p.req].image for p in plans
+                       if p.past_len < p.span.start + p.span.length} - embeds.keys())
+        embeds.update(zip(need, self.encode([images[i] for i in need])))
+        plans.sort(key=lambda p: p.new_len, reverse=True)
+        for batch in self._batches(plans):
+            p_yes, margin, texts = self._prefill(
+                batch, [embeds.get(requests[p.req].image) for p in batch])
+            self._release(batch)  # their cached KV was copied into the batch's past
+            for j, p in enumerate(batch):
+                results[p.req] = Score(float(p_yes[j]), float(margin[j]),
+                                       p.prompt.image_len, texts[j])
+
+    def _release(self, plans: list[_Plan]) -> None:
+        """Unpin the cached blocks these plans looked up (once: ``past`` is emptied)."""
+        if self.cache is None:
+            return
+        for p in plans:
+            if p.past:
+                self.cache.unpin(p.chain[: len(p.past)])
+                p.past = []
 
     def _phases(self, requests: list[Request], prompts: list[Prompt]) -> list[list[int]]:
         """Leaders (first question of each image) before followers, in chunks of images whose
@@ -152,8 +172,9 @@ class TorchEngine:
             by_image.setdefault(r.image, []).append(i)
         chunks: list[list[int]] = [[]]
         used = 0
-        for image, reqs in by_image.items():
-            need = prompts[reqs[0]].prefix_len * self.kv_bytes_per_token
+        bs = self.cache.block_size
+        for image, reqs in by_image.items():  # a slot per block, the partial one included
+            need = -(-prompts[reqs[0]].prefix_len // bs) * bs * self.kv_bytes_per_token
             if chunks[-1] and used + need > self.cache.budget_bytes // 2:
                 chunks.append([])
                 used = 0
@@ -289,9 +310,10 @@ class TorchEngine:
         k_all = torch.stack([k for k, _ in new_kv], 1)  # [B, L, K, T, d]
         v_all = torch.stack([v for _, v in new_kv], 1)
         for j, p in enumerate(batch):
-            for start, blk in p.blocks:
-                lo = start - p.past_len
+            for start, blk in p.blocks:  # pinned while the chain goes in: a pool too small
+                lo = start - p.past_len  # for it keeps its head, not its tail
                 hi = lo + len(blk.ids)
                 kv = torch.stack([k_all[j, :, :, lo:hi], v_all[j, :, :, lo:hi]], 1)
-                self.cache.insert(blk, kv.clone())  # [L, 2, K, n, d]
+                self.cache.insert(blk, kv, pin=True)  # [L, 2, K, n, d], copied into the pool
+            self.cache.unpin([blk.key for _, blk in p.blocks])
             self.cache.touch(p.chain)

@@ -1,4 +1,4 @@
-"""Image-aware prefix KV cache: full blocks of prompt KV keyed by content, LRU under a byte budget.
+"""Image-aware prefix KV cache: blocks of prompt KV keyed by content, in a fixed pool, LRU.
 
 A prompt's token ids are cut into blocks of ``block_size``. The engine caches the full blocks
 of a prompt's shared prefix and the partial block that ends it (at ``</img>``). The key of
@@ -13,9 +13,16 @@ the same tiling always do. Because the chain runs from the first token, a hit on
 blocks 0..i-1 match too.
 
 On a hit, the stored token ids and extra keys are compared with the request's (a hash
-collision must never return wrong KV). Each entry holds the block's KV for all layers,
-``[layers, 2, kv_heads, block_size, head_dim]``; ``bytes`` counts their storage and the least
-recently used entries are evicted while it exceeds ``budget_bytes``.
+collision must never return wrong KV).
+
+Storage is one pool tensor ``[slots, layers, 2, kv_heads, block_size, head_dim]`` made at the
+first insert, ``slots = budget_bytes // bytes of a full block``; an entry owns one slot (a
+partial block uses its first tokens). One allocation instead of one per block: cached and
+freed blocks no longer interleave with the engine's temporaries in the allocator, which on
+CPU held the process ~2x the budget above it (glibc's heap cannot shrink around them;
+``docs/engine.md``). When no slot is free the least recently used *unpinned* entry is
+evicted. ``lookup`` returns views into the pool and pins what it found: a pinned slot is not
+reused until ``unpin``, so KV handed to a plan stays valid while later batches insert.
 """
 
 from __future__ import annotations
@@ -86,7 +93,8 @@ def block_ids(ids: Sequence[int], images: Sequence[ImageSpan], block_size: int,
 @dataclass
 class _Entry:
     block: BlockId
-    kv: torch.Tensor  # [layers, 2, kv_heads, tokens, head_dim], tokens == len(block.ids)
+    slot: int  # its KV: pool[slot, :, :, :, :len(block.ids)]
+    pins: int = 0  # lookups not yet unpinned: the slot must not be reused
 
 
 class PrefixCache:
@@ -95,20 +103,35 @@ class PrefixCache:
             raise ValueError("block_size must be >= 1 and budget_bytes >= 0")
         self.block_size = block_size
         self.budget_bytes = budget_bytes
-        self.bytes = 0
         self.stats = CacheStats()
         self._entries: OrderedDict[BlockKey, _Entry] = OrderedDict()
+        self._pool: torch.Tensor | None = None  # [slots, L, 2, K, block_size, d]
+        self._free: list[int] = []
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot (a full block's KV); 0 before the first insert."""
+        if self._pool is None:
+            return 0
+        return self._pool.shape[1:].numel() * self._pool.element_size()
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the slots in use (the pool itself is ``budget_bytes`` at most)."""
+        return len(self._entries) * self.slot_bytes
+
     def clear(self) -> None:
-        """Drop every block (counters kept); e.g. between benchmark rounds."""
+        """Drop every block (counters and the pool kept); e.g. between benchmark rounds."""
         self._entries.clear()
-        self.bytes = 0
+        if self._pool is not None:
+            self._free = list(range(len(self._pool) - 1, -1, -1))
 
     def lookup(self, blocks: Sequence[BlockId]) -> list[torch.Tensor]:
-        """KV of the longest cached prefix of ``blocks`` (marks them recently used)."""
+        """KV ``[L, 2, K, n, d]`` of the longest cached prefix of ``blocks``: views into the
+        pool, pinned (``unpin`` them once read) and marked recently used."""
         found: list[torch.Tensor] = []
         for b in blocks:
             e = self._entries.get(b.key)
@@ -120,9 +143,18 @@ class PrefixCache:
                 self.stats.misses += 1
                 break
             self.stats.hits += 1
-            found.append(e.kv)
+            e.pins += 1
+            assert self._pool is not None
+            found.append(self._pool[e.slot, :, :, :, : len(b.ids)])
         self.touch([b.key for b in blocks[: len(found)]])
         return found
+
+    def unpin(self, keys: Sequence[BlockKey]) -> None:
+        """Release what a ``lookup`` returned for these keys (its first ``len(found)``)."""
+        for key in keys:
+            e = self._entries.get(key)
+            if e is not None and e.pins > 0:
+                e.pins -= 1
 
     def touch(self, chain: Sequence[BlockKey]) -> None:
         """Mark a chain recently used, its first block most recently: eviction then takes a
@@ -131,18 +163,41 @@ class PrefixCache:
             if key in self._entries:
                 self._entries.move_to_end(key)
 
-    def insert(self, block: BlockId, kv: torch.Tensor) -> None:
-        """Store one block's KV ``[layers, 2, kv_heads, block_size, head_dim]``."""
+    def insert(self, block: BlockId, kv: torch.Tensor, pin: bool = False) -> None:
+        """Copy one block's KV ``[layers, 2, kv_heads, n, head_dim]`` (``n = len(block.ids)
+        <= block_size``) into a slot; with ``pin``, pinned as by ``lookup`` (so inserting
+        the rest of a chain cannot evict its head). Skipped when the pool has no slot
+        (budget below one block) or every slot is pinned."""
         if block.key in self._entries:
             self._entries.move_to_end(block.key)
+            self._entries[block.key].pins += pin
             return
-        size = kv.numel() * kv.element_size()
-        if size > self.budget_bytes:
+        if self._pool is None:
+            self._make_pool(kv)
+        assert self._pool is not None
+        if kv.shape[:3] != self._pool.shape[1:4] or kv.shape[4] != self._pool.shape[5]:
+            raise ValueError(f"block KV {tuple(kv.shape)} does not fit the cache's slots "
+                             f"{tuple(self._pool.shape[1:])}")
+        slot = self._free.pop() if self._free else self._evict()
+        if slot is None:
             return
-        self._entries[block.key] = _Entry(block, kv)
-        self.bytes += size
+        self._pool[slot, :, :, :, : kv.shape[3]].copy_(kv)
+        self._entries[block.key] = _Entry(block, slot, int(pin))
         self.stats.inserts += 1
-        while self.bytes > self.budget_bytes:
-            _, old = self._entries.popitem(last=False)
-            self.bytes -= old.kv.numel() * old.kv.element_size()
-            self.stats.evictions += 1
+
+    def _make_pool(self, kv: torch.Tensor) -> None:
+        layers, two, heads, _, dim = kv.shape
+        slot = layers * two * heads * self.block_size * dim * kv.element_size()
+        slots = self.budget_bytes // slot
+        # torch.empty: on CPU, pages become resident only as slots are first written
+        self._pool = kv.new_empty((slots, layers, two, heads, self.block_size, dim))
+        self._free = list(range(slots - 1, -1, -1))  # popped from the end: slot 0 first
+
+    def _evict(self) -> int | None:
+        """Free the least recently used unpinned entry's slot; None if there is none."""
+        for key, e in self._entries.items():
+            if e.pins == 0:
+                del self._entries[key]
+                self.stats.evictions += 1
+                return e.slot
+        return None

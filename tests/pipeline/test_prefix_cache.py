@@ -117,3 +117,46 @@ def test_lru_and_collision_check() -> None:
     assert len(cache.lookup(chain)) == 1
     forged = type(a)(a.key, a.parent, (9, 9, 9, 9), a.extra)  # same key, other tokens
     assert cache.lookup([forged]) == [] and cache.stats.collisions == 1
+
+
+def test_pinned_blocks_keep_their_kv_until_unpinned() -> None:
+    """The pool reuses slots: what lookup handed out is pinned, so later inserts evict
+    around it and the views stay valid; unpinned, it is evictable again."""
+    def kv(value: float, n: int = 4) -> torch.Tensor:
+        return torch.full((1, 2, 1, n, 2), value)
+
+    cache = PrefixCache(block_size=4, budget_bytes=128)  # two 64-byte slots
+    a, b, c, d, e = (block_ids([i] * 4, [], 4)[0] for i in range(1, 6))
+    cache.insert(a, kv(1.0))
+    cache.insert(b, kv(2.0))
+    (held,) = cache.lookup([a])
+    cache.insert(c, kv(3.0))  # evicts b
+    cache.insert(d, kv(4.0))  # a is pinned: evicts c
+    assert torch.equal(held, kv(1.0)) and cache.stats.evictions == 2
+    cache.lookup([d])  # now both slots are pinned: nothing can go in
+    cache.insert(e, kv(5.0))
+    assert cache.lookup([e]) == [] and torch.equal(held, kv(1.0))
+    cache.unpin([a.key, d.key])
+    cache.unpin([d.key])  # the second lookup of d
+    cache.insert(e, kv(5.0))  # a is least recent and free again
+    assert cache.lookup([a]) == [] and torch.equal(cache.lookup([e])[0], kv(5.0))
+    assert cache.bytes == 128 <= cache.budget_bytes
+
+
+def test_partial_blocks_chains_larger_than_the_pool_and_bad_shapes() -> None:
+    cache = PrefixCache(block_size=4, budget_bytes=2 * 64)
+    chain = block_ids([7] * 11, [], 4, tail=True)  # 4 + 4 + 3 tokens: three blocks
+    for i, blk in enumerate(chain):  # as the engine inserts a chain: pinned until done
+        cache.insert(blk, torch.full((1, 2, 1, len(blk.ids), 2), float(i)), pin=True)
+    cache.unpin([b.key for b in chain])
+    got = cache.lookup(chain)  # the pool holds two: the head and the next, not the tail
+    assert len(got) == 2 and [float(g[0, 0, 0, 0, 0]) for g in got] == [0.0, 1.0]
+    small = PrefixCache(block_size=4, budget_bytes=3 * 64)
+    small.insert(chain[2], torch.full((1, 2, 1, 3, 2), 9.0))  # a partial block: 3 tokens
+    (part,) = small.lookup([chain[2]])
+    assert part.shape == (1, 2, 1, 3, 2) and torch.equal(part, torch.full((1, 2, 1, 3, 2), 9.0))
+    with pytest.raises(ValueError, match="does not fit"):
+        small.insert(chain[0], torch.zeros(2, 2, 1, 4, 2))  # another model's KV
+    none = PrefixCache(block_size=4, budget_bytes=63)  # below one slot: caches nothing
+    none.insert(chain[0], torch.zeros(1, 2, 1, 4, 2))
+    assert none.lookup([chain[0]]) == [] and none.bytes == 0
