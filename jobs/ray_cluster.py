@@ -58,7 +58,8 @@ def init_ray(ray, opts: RayOptions) -> None:  # noqa: ANN001
 def _join_hint(e: BaseException) -> str:
     """What to tell the user about a failed ``ray.init(address=...)``: Ray's own words (the
     first line of the exception), or the fix for the two causes we can recognise."""
-    chain, cause = [], e
+    chain: list[str] = []
+    cause: BaseException | None = e
     while cause is not None and len(chain) < 5:
         chain.append(str(cause))
         cause = cause.__cause__ or cause.__context__

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from queue import SimpleQueue
@@ -124,7 +124,7 @@ def _collect(group: list[ImageItem], done: list[PreparedImage | str]) -> Prepare
 
 
 def prepared_groups(groups: Iterable[list[ImageItem]], tiling: TilingConfig, max_pixels: int,
-                    threads: int, ahead: int = 2) -> Iterator[PreparedGroup]:
+                    threads: int, ahead: int = 2) -> Generator[PreparedGroup, None, None]:
     """``groups`` prepared, in order. ``threads == 0``: each group is prepared when asked
     for, in this thread. Otherwise ``threads`` daemon threads prepare the items of the next
     ``ahead`` groups while the caller scores the current one, so decoding and tiling overlap

@@ -62,7 +62,7 @@ def _ray_options(a: argparse.Namespace):  # noqa: ANN202
     executor are refused (``ConfigError``), not ignored."""
     from pipeline.config import ConfigError
 
-    given = getattr(a, "given", set())
+    given: set[str] = getattr(a, "given", set())
     if getattr(a, "executor", "local") != "ray":
         ray_only = ["--" + k.replace("_", "-") for k in RAY_ONLY if k in given]
         if ray_only:
