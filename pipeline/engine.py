@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pipeline.config import EngineConfig
+from pipeline.config import ConfigError, EngineConfig
 from pipeline.llm import KV
 from pipeline.model import LoadedModel
 from pipeline.prefix_cache import BlockId, BlockKey, ImageSpan, PrefixCache, block_ids
@@ -99,6 +99,22 @@ class TorchEngine:
         s = model.spec.text
         itemsize = next(model.llm.parameters()).element_size()
         self.kv_bytes_per_token = s.layers * 2 * s.kv_heads * s.head_dim * itemsize
+        if self.cache is not None:
+            self._allocate_cache()
+
+    def _allocate_cache(self) -> None:
+        """The prefix cache's KV pool, now: a --cache-mib that cannot be had fails here,
+        with what to do, rather than in every batch."""
+        assert self.cache is not None
+        s = self.model.spec.text
+        try:
+            self.cache.allocate((s.layers, 2, s.kv_heads, s.head_dim),
+                                self.model.llm.embed_tokens.weight.dtype, self.device)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"--cache-mib {self.cfg.cache_bytes >> 20}: the prefix cache's "
+                              f"KV pool does not fit on {self.device} ({why}); give a smaller "
+                              "--cache-mib, or --no-prefix-cache") from None
 
     @torch.inference_mode()
     def encode(self, images: list[PreparedImage]) -> list[ImageEmbeds]:
@@ -127,9 +143,10 @@ class TorchEngine:
         embeds: dict[int, ImageEmbeds] = {}
         prefixes: dict[str, list[BlockId]] = {}
         for phase in self._phases(requests, prompts):
-            plans = [self._plan(i, prompts[i], images[requests[i].image], prefixes)
-                     for i in phase]
+            plans: list[_Plan] = []
             try:
+                for i in phase:  # each lookup pins: appended at once, so released below
+                    plans.append(self._plan(i, prompts[i], images[requests[i].image], prefixes))
                 self._run_phase(plans, requests, images, embeds, results)
             finally:
                 self._release(plans)  # what an exception left pinned
@@ -310,10 +327,14 @@ class TorchEngine:
         k_all = torch.stack([k for k, _ in new_kv], 1)  # [B, L, K, T, d]
         v_all = torch.stack([v for _, v in new_kv], 1)
         for j, p in enumerate(batch):
-            for start, blk in p.blocks:  # pinned while the chain goes in: a pool too small
-                lo = start - p.past_len  # for it keeps its head, not its tail
-                hi = lo + len(blk.ids)
-                kv = torch.stack([k_all[j, :, :, lo:hi], v_all[j, :, :, lo:hi]], 1)
-                self.cache.insert(blk, kv, pin=True)  # [L, 2, K, n, d], copied into the pool
-            self.cache.unpin([blk.key for _, blk in p.blocks])
+            pinned: list[BlockKey] = []
+            try:  # pinned while the chain goes in: a pool too small for it keeps its head
+                for start, blk in p.blocks:
+                    lo = start - p.past_len
+                    hi = lo + len(blk.ids)
+                    kv = torch.stack([k_all[j, :, :, lo:hi], v_all[j, :, :, lo:hi]], 1)
+                    if self.cache.insert(blk, kv, pin=True):  # [L, 2, K, n, d], copied
+                        pinned.append(blk.key)
+            finally:  # also after an error (e.g. out of memory): the runner goes on
+                self.cache.unpin(pinned)
             self.cache.touch(p.chain)

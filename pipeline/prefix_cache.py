@@ -124,7 +124,8 @@ class PrefixCache:
         return len(self._entries) * self.slot_bytes
 
     def clear(self) -> None:
-        """Drop every block (counters and the pool kept); e.g. between benchmark rounds."""
+        """Drop every block (counters and the pool kept); e.g. between benchmark rounds, never
+        while a lookup's blocks are still pinned."""
         self._entries.clear()
         if self._pool is not None:
             self._free = list(range(len(self._pool) - 1, -1, -1))
@@ -163,35 +164,50 @@ class PrefixCache:
             if key in self._entries:
                 self._entries.move_to_end(key)
 
-    def insert(self, block: BlockId, kv: torch.Tensor, pin: bool = False) -> None:
+    def insert(self, block: BlockId, kv: torch.Tensor, pin: bool = False) -> bool:
         """Copy one block's KV ``[layers, 2, kv_heads, n, head_dim]`` (``n = len(block.ids)
-        <= block_size``) into a slot; with ``pin``, pinned as by ``lookup`` (so inserting
-        the rest of a chain cannot evict its head). Skipped when the pool has no slot
+        <= block_size``, the pool's dtype) into a slot; with ``pin``, pinned as by
+        ``lookup`` (so inserting the rest of a chain cannot evict its head). Returns whether
+        the block is cached (and pinned, with ``pin``): False when the pool has no slot
         (budget below one block) or every slot is pinned."""
-        if block.key in self._entries:
+        e = self._entries.get(block.key)
+        if e is not None:
             self._entries.move_to_end(block.key)
-            self._entries[block.key].pins += pin
-            return
+            e.pins += pin
+            return True
         if self._pool is None:
-            self._make_pool(kv)
+            self.allocate(kv.shape[:3] + kv.shape[4:], kv.dtype, kv.device)
         assert self._pool is not None
-        if kv.shape[:3] != self._pool.shape[1:4] or kv.shape[4] != self._pool.shape[5]:
-            raise ValueError(f"block KV {tuple(kv.shape)} does not fit the cache's slots "
-                             f"{tuple(self._pool.shape[1:])}")
+        if (kv.shape[:3] + kv.shape[4:] != self._pool.shape[1:4] + self._pool.shape[5:]
+                or kv.shape[3] > self.block_size or kv.dtype != self._pool.dtype):
+            raise ValueError(f"block KV {tuple(kv.shape)} {kv.dtype} does not fit the cache's "
+                             f"slots {tuple(self._pool.shape[1:])} {self._pool.dtype}")
         slot = self._free.pop() if self._free else self._evict()
         if slot is None:
-            return
-        self._pool[slot, :, :, :, : kv.shape[3]].copy_(kv)
+            return False
+        try:
+            self._pool[slot, :, :, :, : kv.shape[3]].copy_(kv)
+        except BaseException:
+            self._free.append(slot)
+            raise
         self._entries[block.key] = _Entry(block, slot, int(pin))
         self.stats.inserts += 1
+        return True
 
-    def _make_pool(self, kv: torch.Tensor) -> None:
-        layers, two, heads, _, dim = kv.shape
-        slot = layers * two * heads * self.block_size * dim * kv.element_size()
+    def allocate(self, block_shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        """Make the pool for blocks of ``block_shape = (layers, 2, kv_heads, head_dim)``:
+        ``budget_bytes`` at most. On CPU its pages become resident only as slots are first
+        written; on CUDA it is taken at once. The engine calls this when it is built, so a
+        budget that cannot be had fails there, not in every batch."""
+        layers, two, heads, dim = block_shape
+        slot = layers * two * heads * self.block_size * dim * dtype.itemsize
         slots = self.budget_bytes // slot
-        # torch.empty: on CPU, pages become resident only as slots are first written
-        self._pool = kv.new_empty((slots, layers, two, heads, self.block_size, dim))
+        with torch.inference_mode(False):  # written under the engine's inference_mode later
+            self._pool = torch.empty((slots, layers, two, heads, self.block_size, dim),
+                                     dtype=dtype, device=device)
         self._free = list(range(slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self._entries.clear()
 
     def _evict(self) -> int | None:
         """Free the least recently used unpinned entry's slot; None if there is none."""

@@ -160,3 +160,56 @@ def test_partial_blocks_chains_larger_than_the_pool_and_bad_shapes() -> None:
     none = PrefixCache(block_size=4, budget_bytes=63)  # below one slot: caches nothing
     none.insert(chain[0], torch.zeros(1, 2, 1, 4, 2))
     assert none.lookup([chain[0]]) == [] and none.bytes == 0
+
+
+def pins(engine: TorchEngine) -> int:
+    assert engine.cache is not None
+    return sum(e.pins for e in engine.cache._entries.values())
+
+
+def test_many_batches_under_a_tight_pool_read_no_reused_slot(model) -> None:  # noqa: ANN001
+    """Several batches per phase (small --max-batch-tokens) over a pool of a few slots: the
+    later batches' cached KV was looked up before the earlier batches inserted, so only
+    pinning keeps it from being overwritten (without it, margins drift by ~4e-3). Greedy
+    text too; no pin is left once score returns."""
+    ims = images(model)
+    qs = QUESTIONS + ["red?", "a circle?", "blue?", "round?"]
+    reqs = [Request(i, q) for i in range(len(ims)) for q in qs]
+    cfg = dict(max_new_tokens=4, max_batch_tokens=60, ignore_eos=True)
+    off = TorchEngine(model, EngineConfig(prefix_cache=False, **cfg)).score(ims, reqs)
+    tight = TorchEngine(model, EngineConfig(block_size=4, cache_bytes=3_000, **cfg))
+    for _ in range(2):
+        on = tight.score(ims, reqs)
+        assert [s.text for s in on] == [s.text for s in off]
+        assert max(abs(a.margin - b.margin) for a, b in zip(on, off)) <= 1e-5
+        assert pins(tight) == 0
+    assert tight.cache is not None and tight.cache.stats.hits > 0
+
+
+def test_an_error_while_inserting_leaves_no_pin(model, monkeypatch) -> None:  # noqa: ANN001
+    """The runner keeps the engine after a failed group (e.g. out of memory): pins taken by
+    that group's lookups and inserts must all be released, or slots leak for good."""
+    ims = images(model)
+    engine = TorchEngine(model, EngineConfig(block_size=4, cache_bytes=3_000))
+    assert engine.cache is not None
+    engine.score(ims, [Request(i, q) for i in range(len(ims)) for q in QUESTIONS])
+    real, calls = engine.cache.insert, []
+
+    def failing(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        if len(calls) == 2:  # the second block of the first new image's chain
+            raise RuntimeError("out of memory (simulated)")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(engine.cache, "insert", failing)
+    more = images(model, seed=6)  # new images: inserts, and lookups of the shared text
+    with pytest.raises(RuntimeError, match="simulated"):
+        engine.score(more, [Request(i, q) for i in range(len(more)) for q in QUESTIONS])
+    assert len(calls) == 2 and pins(engine) == 0
+
+
+def test_a_cache_budget_that_cannot_be_allocated_is_a_config_error(model) -> None:  # noqa: ANN001
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--cache-mib .* smaller --cache-mib"):
+        TorchEngine(model, EngineConfig(cache_bytes=1 << 52))  # 4 PiB
