@@ -76,8 +76,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--block-size", type=int, default=16,
                    help="tokens per cache block (default 16)")
     c.add_argument("--cache-mib", type=int, default=1024,
-                   help="KV cache budget in MiB: one pool of this size (on CUDA taken at the "
-                   "first insert), least recently used blocks evicted first (default 1024)")
+                   help="KV cache budget in MiB: one pool of this size (on CUDA taken when the "
+                   "engine starts), least recently used blocks evicted first (default 1024)")
 
 
 def _thread_args(g: argparse._ActionsContainer, note: str = "") -> None:

@@ -15,8 +15,9 @@ blocks 0..i-1 match too.
 On a hit, the stored token ids and extra keys are compared with the request's (a hash
 collision must never return wrong KV).
 
-Storage is one pool tensor ``[slots, layers, 2, kv_heads, block_size, head_dim]`` made at the
-first insert, ``slots = budget_bytes // bytes of a full block``; an entry owns one slot (a
+Storage is one pool tensor ``[slots, layers, 2, kv_heads, block_size, head_dim]`` made by
+``allocate`` (the engine calls it when built; else the first insert does),
+``slots = budget_bytes // bytes of a full block``; an entry owns one slot (a
 partial block uses its first tokens). One allocation instead of one per block: cached and
 freed blocks no longer interleave with the engine's temporaries in the allocator, which on
 CPU held the process ~2x the budget above it (glibc's heap cannot shrink around them;
