@@ -139,6 +139,7 @@ class TorchEngine:
     def score(self, images: list[PreparedImage], requests: list[Request]) -> list[Score]:
         prompts = [self.prompts.build(r.question, images[r.image].grid.num_tiles)
                    for r in requests]
+        self.stats.prompt_tokens += sum(len(p.ids) for p in prompts)  # what was asked
         results: list[Score | None] = [None] * len(requests)
         embeds: dict[int, ImageEmbeds] = {}
         prefixes: dict[str, list[BlockId]] = {}
@@ -150,7 +151,6 @@ class TorchEngine:
                 self._run_phase(plans, requests, images, embeds, results)
             finally:
                 self._release(plans)  # what an exception left pinned
-        self.stats.prompt_tokens += sum(len(p.ids) for p in prompts)
         return results  # type: ignore[return-value]
 
     def _run_phase(self, plans: list[_Plan], requests: list[Request],

@@ -219,6 +219,10 @@ def load_model(path: Path | None = None, device: str = "cpu",
                              "int8 linears); use a W4A16 checkpoint on CUDA")
         if int4:
             raise ModelError(f"{path} is already quantised; int8-dynamic needs a float model")
+        if dtype != torch.float32:
+            raise ModelError(f"llm_quant int8-dynamic takes float32 activations (torch's "
+                             f"dynamic int8 linears), not {str(dtype).removeprefix('torch.')}; "
+                             "drop --dtype or use --dtype float32")
         llm = torch.ao.quantization.quantize_dynamic(llm, {torch.nn.Linear}, dtype=torch.qint8)
     elif llm_quant != "none":
         raise ModelError(f"llm_quant {llm_quant!r} not one of none, int8-dynamic")

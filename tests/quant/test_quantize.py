@@ -114,6 +114,18 @@ def test_int8_dynamic_llm_answers_like_float(float_answers: list[dict]) -> None:
     assert same / len(got) >= 0.95
 
 
+def test_int8_dynamic_refuses_a_half_precision_model(capsys) -> None:  # noqa: ANN001
+    """torch's dynamic int8 linears take float32 activations: bf16 failed every batch with
+    "expected scalar type Float"; now it is refused before any work, naming the fix."""
+    from pipeline.model import ModelError
+
+    with pytest.raises(ModelError, match="float32 activations.*not bfloat16"):
+        load_model(None, "cpu", torch.bfloat16, llm_quant="int8-dynamic")
+    assert main(["run", str(ROOT / "examples/manifest.jsonl"), "--dtype", "float16",
+                 "--llm-quant", "int8-dynamic", "--no-progress"]) == 2
+    assert "use --dtype float32" in capsys.readouterr().err
+
+
 def test_int8_vit_runner_close_to_torch() -> None:
     pytest.importorskip("onnxruntime")
     from vit_trt.runners import make_runner
