@@ -10,9 +10,7 @@ for null; JSONL keeps each line as it is.
 from __future__ import annotations
 
 import csv
-import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -40,21 +38,6 @@ def line_writer(out: IO[str], fmt: str, openai: bool = False) -> Callable[[list[
     if fmt != "jsonl":
         raise ValueError(f"format {fmt!r} not one of {TEXT_FORMATS}")
     return lambda lines: out.write(write_lines(lines, openai))  # type: ignore[func-returns-value]
-
-
-@contextmanager
-def replaced_on_success(path: Path) -> Iterator[Path]:
-    """A temporary path beside ``path`` to write a whole file to; renamed onto ``path`` when
-    the block ends normally, deleted on any exception (Ctrl-C and SIGTERM included), so
-    ``path`` is either the complete new file or left as it was. For exports that can be run
-    again (``vlmbatch results``), not for ``run``'s stream, whose partial lines are kept."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    part = path.with_name(f".{path.name}.{os.getpid()}.part")
-    try:
-        yield part
-        os.replace(part, path)
-    finally:
-        part.unlink(missing_ok=True)
 
 
 def open_text(path: Path, fmt: str) -> IO[str]:

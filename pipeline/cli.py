@@ -192,7 +192,8 @@ def cmd_status(a: argparse.Namespace) -> int:
 
 def cmd_results(a: argparse.Namespace) -> int:
     from jobs.export import export_parquet, export_text
-    from jobs.sinks import format_of, open_text, replaced_on_success
+    from jobs.sinks import format_of, open_text
+    from pipeline.atomic import replaced_on_success
     from pipeline.config import ConfigError
 
     fmt = a.format or format_of(a.out)
@@ -378,9 +379,11 @@ def _interrupted(args: argparse.Namespace) -> int:
         hint = "; no job was created"
     elif args.command in ("run", "submit", "resume"):
         hint = "; `vlmbatch resume JOB` continues the job"
-    elif args.command == "results":
-        kept = ("--out is left as it was (an export is written whole or not at all); run "
-                "`vlmbatch results` again")
+    elif args.command in ("results", "quantize", "export-vit"):
+        kept = ("--out is left as it was (written whole or not at all); run the command "
+                "again")
+    elif args.command == "eval":
+        kept = "nothing was written"
     print(f"vlmbatch: {what}; {kept}{hint}", file=sys.stderr)
     return EXIT_TERMINATED if SIGTERMS else EXIT_INTERRUPTED
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from jobs.manifest import ImageItem
+from pipeline.atomic import replaced_on_success
 from pipeline.config import ConfigError, EngineConfig, ModelConfig
 from pipeline.model import DEFAULT_MODEL, ModelError, read_config
 from quant.calibrate import METHODS, quantize_llm
@@ -87,5 +88,6 @@ def quantize_model(model: Path | None, out: Path, method: str, items: list[Image
 
     qweights, report = quantize_llm(llm, run_calibration, method, group_size,
                                     progress=progress)
-    save_quantized(src, out, llm.state_dict(), qweights, group_size, method, n)
+    with replaced_on_success(out) as part:  # an interrupted save leaves no half checkpoint
+        save_quantized(src, part, llm.state_dict(), qweights, group_size, method, n)
     return QuantizeResult(out, method, n, len(qweights), report)

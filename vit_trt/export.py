@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.atomic import replaced_on_success
 from pipeline.model import LoadedModel
 from vit_trt.encoder import VisionEncoder
 
@@ -45,24 +46,25 @@ def export_onnx(model: LoadedModel, out_dir: Path, opset: int = 17,
     ``model`` itself is left as it is (device, dtype), so a runner built after the export
     still runs the caller's encoder.
     """
-    out_dir.mkdir(parents=True, exist_ok=True)
     vision = VisionEncoder(model.vision.spec).eval()
     vision.load_state_dict({k: v.detach().float().cpu()
                             for k, v in model.vision.state_dict().items()})
     tile = model.spec.tiling.tile_size
     example = torch.randint(0, 256, (2, tile, tile, 3), dtype=torch.uint8)
     path = out_dir / "vision.onnx"
-    with torch.inference_mode(), warnings.catch_warnings():
-        # shapes other than the batch are constants of the graph, as intended
-        warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        torch.onnx.export(vision, (example,), str(path), input_names=[INPUT],
-                          output_names=[OUTPUT], opset_version=opset, dynamo=False,
-                          dynamic_axes={INPUT: {0: "batch"}, OUTPUT: {0: "batch"}})
-    err = check_onnx(path, vision, tile, check_batch)
+    with replaced_on_success(path) as part:  # whole or not at all, as vision.json below
+        with torch.inference_mode(), warnings.catch_warnings():
+            # shapes other than the batch are constants of the graph, as intended
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            torch.onnx.export(vision, (example,), str(part), input_names=[INPUT],
+                              output_names=[OUTPUT], opset_version=opset, dynamo=False,
+                              dynamic_axes={INPUT: {0: "batch"}, OUTPUT: {0: "batch"}})
+        err = check_onnx(part, vision, tile, check_batch)
     meta = {"model_hash": model_hash(model.spec.path), "tile_size": tile,
             "tokens_per_tile": model.spec.tokens_per_tile, "hidden": model.spec.text.hidden,
             "opset": opset, "input": INPUT, "output": OUTPUT, "max_abs_err_vs_torch": err}
-    (out_dir / "vision.json").write_text(json.dumps(meta, indent=2) + "\n")
+    with replaced_on_success(out_dir / "vision.json") as part:
+        part.write_text(json.dumps(meta, indent=2) + "\n")
     return ExportResult(path, err)
 
 

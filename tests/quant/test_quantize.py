@@ -114,6 +114,31 @@ def test_int8_dynamic_llm_answers_like_float(float_answers: list[dict]) -> None:
     assert same / len(got) >= 0.95
 
 
+def test_an_interrupted_quantize_leaves_no_checkpoint(random_model_dir: Path, tmp_path: Path,
+                                                     monkeypatch) -> None:  # noqa: ANN001
+    """Killed while saving (here: after the weights, before config.json gets its
+    quantization_config), --out must not hold a checkpoint that looks whole: it is written
+    beside, then renamed; a second try into the same --out works."""
+    import quant.quantize as qmod
+
+    real = qmod.save_quantized
+
+    def interrupted(src, out, *args):  # noqa: ANN001, ANN002, ANN202
+        out.mkdir()
+        (out / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(qmod, "save_quantized", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(random_model_dir, tmp_path / "q", "awq", EXAMPLES, samples=4,
+                       group_size=32, progress=False)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(qmod, "save_quantized", real)
+    out = quantize_model(random_model_dir, tmp_path / "q", "awq", EXAMPLES, samples=4,
+                         group_size=32, progress=False).out
+    assert "quantization_config" in json.loads((out / "config.json").read_text())
+
+
 def test_int8_dynamic_refuses_a_half_precision_model(capsys) -> None:  # noqa: ANN001
     """torch's dynamic int8 linears take float32 activations: bf16 failed every batch with
     "expected scalar type Float"; now it is refused before any work, naming the fix."""
