@@ -280,10 +280,10 @@ def _run_local(job: Path, progress: bool, cfg: JobConfig) -> JobStatus:
                     time.sleep(delay)
             else:
                 final = "done"
-        finally:
+        finally:  # the job's state first: a second signal may cut the rest short
+            _end_run(store, final)
             groups.close()  # stops the preprocessing threads
             bar.close()
-            _end_run(store, final)
     finally:
         store.close()
     return status(job)
