@@ -1,11 +1,16 @@
 """Job inputs: JSONL manifests, policy files (YAML/TOML) and folders of images.
 
 Manifest line: ``{"id": ..., "image": <path | file:// URL | data: URL>, "questions": [...]}``
-where a question is a string or ``{"id", "text", "threshold"?}``. Relative paths are resolved
-against the manifest's folder. A policy names questions applied to every image:
+where a question is a string or ``{"id", "text", "threshold"?, "max_new_tokens"?}``
+(``max_new_tokens``: also generate up to that many answer tokens for this question, e.g. an
+explanation for the few questions that need one; default the run's ``--max-new-tokens``).
+Relative paths are resolved against the manifest's folder. A policy names questions applied
+to every image:
 
     questions:
       - {id: red, text: "Is there a red shape?", threshold: 0.5}
+      - {id: beds, text: "Are there more than 3 beds? Answer yes or no, then explain.",
+         max_new_tokens: 64}
 
 Validation is complete before any work starts: a malformed line raises ``ManifestError``
 naming the file and line number. Reading image bytes happens later, per item, so a missing
@@ -25,7 +30,7 @@ from jobs.records import ImageItem, ManifestError, Question
 __all__ = ["ImageItem", "ManifestError", "Question", "items_from_folder", "iter_manifest",
            "manifest_format", "read_manifest", "read_policy"]
 
-QUESTION_KEYS = {"id", "text", "threshold"}
+QUESTION_KEYS = {"id", "text", "threshold", "max_new_tokens"}
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 
 
@@ -45,8 +50,12 @@ def _question(raw: object, where: str, index: int, prefix: str = "q") -> Questio
     if not isinstance(thr, (int, float)) or not 0.0 <= thr <= 1.0:
         raise ManifestError(f"{where}: question {index} threshold must be a number in [0, 1], "
                             f"got {thr!r}")
+    gen = raw.get("max_new_tokens")
+    if gen is not None and (not isinstance(gen, int) or isinstance(gen, bool) or gen < 0):
+        raise ManifestError(f"{where}: question {index} max_new_tokens must be a whole number "
+                            f">= 0, got {gen!r}")
     return Question(id=str(raw.get("id", f"{prefix}{index}")), text=raw["text"],
-                    threshold=float(thr))
+                    threshold=float(thr), max_new_tokens=gen)
 
 
 def _questions(raw: object, where: str, prefix: str = "q") -> tuple[Question, ...]:

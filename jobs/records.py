@@ -15,6 +15,9 @@ class Question:
     id: str
     text: str
     threshold: float = 0.5
+    # greedy answer tokens to generate for this question (an explanation after the yes/no);
+    # None: the run's --max-new-tokens (0 by default: P(yes) only)
+    max_new_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -199,7 +199,8 @@ def score_group(engine: Engine, pg: PreparedGroup) -> list[dict]:
         if im is not None:
             index[item.id] = len(prepared)
             prepared.append(im)
-    requests = [Request(index[it.id], q.text) for it in pg.group if it.id in index
+    requests = [Request(index[it.id], q.text, q.max_new_tokens) for it in pg.group
+                if it.id in index
                 for q in it.questions]
     try:
         scores = iter(engine.score(prepared, requests))

@@ -61,7 +61,8 @@ class Counts:
 
 def item_to_json(item: ImageItem) -> str:
     return json.dumps({"id": item.id, "image": item.image, "base_dir": str(item.base_dir),
-                       "questions": [[q.id, q.text, q.threshold] for q in item.questions]})
+                       "questions": [[q.id, q.text, q.threshold, q.max_new_tokens]
+                                     for q in item.questions]})
 
 
 def item_from_json(text: str) -> ImageItem:

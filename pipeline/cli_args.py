@@ -67,7 +67,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no", default="no,No,NO,否",
                    help="comma-separated answer words counted as no (default %(default)s)")
     g.add_argument("--max-new-tokens", type=int, default=0,
-                   help="also write a greedy text answer of up to N tokens (default 0: none)")
+                   help="also write a greedy text answer of up to N tokens (default 0: none); "
+                   "a question's own max_new_tokens (policy/manifest) overrides it")
     g.add_argument("--ignore-eos", action="store_true",
                    help="with --max-new-tokens: always generate N tokens (for benchmarks)")
     c = p.add_argument_group("prefix cache")

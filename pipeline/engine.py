@@ -46,6 +46,7 @@ class ImageEmbeds:
 class Request:
     image: int  # index into the images passed to ``score``
     question: str
+    max_new_tokens: int | None = None  # answer tokens to generate; None: the engine's
 
 
 @dataclass(frozen=True)
@@ -162,12 +163,17 @@ class TorchEngine:
         embeds.update(zip(need, self.encode([images[i] for i in need])))
         plans.sort(key=lambda p: p.new_len, reverse=True)
         for batch in self._batches(plans):
+            limits = [self._limit(requests[p.req]) for p in batch]
             p_yes, margin, texts = self._prefill(
-                batch, [embeds.get(requests[p.req].image) for p in batch])
+                batch, [embeds.get(requests[p.req].image) for p in batch], limits)
             self._release(batch)  # their cached KV was copied into the batch's past
             for j, p in enumerate(batch):
                 results[p.req] = Score(float(p_yes[j]), float(margin[j]),
                                        p.prompt.image_len, texts[j])
+
+    def _limit(self, r: Request) -> int:
+        """Answer tokens to generate for ``r``: its own limit, else the engine's."""
+        return self.cfg.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens
 
     def _release(self, plans: list[_Plan]) -> None:
         """Unpin the cached blocks these plans looked up (once: ``past`` is emptied)."""
@@ -241,7 +247,7 @@ class TorchEngine:
             batches.append(cur)
         return batches
 
-    def _prefill(self, batch: list[_Plan], images: list[ImageEmbeds | None]
+    def _prefill(self, batch: list[_Plan], images: list[ImageEmbeds | None], limits: list[int]
                  ) -> tuple[torch.Tensor, torch.Tensor, list[str | None]]:
         b, t = len(batch), max(p.new_len for p in batch)
         ids = torch.zeros((b, t), dtype=torch.long)
@@ -263,14 +269,23 @@ class TorchEngine:
             self._insert(batch, new_kv)
         p_yes, margin = yes_no(logits, self.answers)
         texts: list[str | None] = [None] * len(batch)
-        if self.cfg.max_new_tokens > 0:
-            texts = self._generate(logits, past, past_lengths, new_kv, lengths)
+        rows = [j for j, n in enumerate(limits) if n > 0]  # only these decode
+        if rows:
+            sel = torch.tensor(rows, device=self.device)
+            sub_past = None if past is None else [(k[sel], v[sel]) for k, v in past]
+            sub_lengths = None if past_lengths is None else past_lengths[sel]
+            generated = self._generate(logits[sel], sub_past, sub_lengths,
+                                       [(k[sel], v[sel]) for k, v in new_kv], lengths[sel],
+                                       [limits[j] for j in rows])
+            for j, text in zip(rows, generated):
+                texts[j] = text
         return p_yes.cpu(), margin.cpu(), texts
 
     def _generate(self, logits: torch.Tensor, past: list[KV] | None,
                   past_lengths: torch.Tensor | None, new_kv: list[KV],
-                  lengths: torch.Tensor) -> list[str | None]:
-        """Greedy decode after a prefill, batched; stops at an end token or max_new_tokens.
+                  lengths: torch.Tensor, limits: list[int]) -> list[str | None]:
+        """Greedy decode after a prefill, batched; row j stops at an end token or after
+        ``limits[j]`` tokens (all >= 1).
 
         Keys are [past (padded to P) | new (padded to T) | generated]; ``valid`` masks the
         padding holes. Positions continue each row's own length.
@@ -279,7 +294,8 @@ class TorchEngine:
         kv = new_kv if past is None else [
             (torch.cat([pk, nk], 2), torch.cat([pv, nv], 2))
             for (pk, pv), (nk, nv) in zip(past, new_kv)]
-        valid = torch.arange(lengths.max(), device=self.device)[None] < lengths[:, None]
+        width = new_kv[0][0].shape[2]  # T of the whole batch: rows may be a subset of it
+        valid = torch.arange(width, device=self.device)[None] < lengths[:, None]
         pos = lengths.clone()
         if past is not None and past_lengths is not None:
             p = past[0][0].shape[2]
@@ -289,13 +305,14 @@ class TorchEngine:
         out: list[list[int]] = [[] for _ in range(b)]
         done = [False] * b
         tok = logits.argmax(-1)
-        for step in range(self.cfg.max_new_tokens):
+        for _ in range(max(limits)):
             for j, t in enumerate(tok.tolist()):  # one device-to-host copy per step
                 if not done[j]:
                     done[j] = t in self.stop_ids and not self.cfg.ignore_eos
                     if not done[j]:
                         out[j].append(t)
-            if all(done) or step == self.cfg.max_new_tokens - 1:
+                        done[j] = len(out[j]) >= limits[j]
+            if all(done):
                 break
             x = self.model.llm.embed_tokens(tok)[:, None]  # [B, 1, D]
             step_logits, step_kv = self.model.llm.decode_step(x, pos, kv, valid)

@@ -60,6 +60,20 @@ def gen_config_kwargs(max_new_tokens: int) -> dict[str, Any]:
             "output_logits": "generation", "ignore_eos": max_new_tokens <= 1}
 
 
+def infer_by_limit(pipe: Any, generation_config: Any, prompts: list, limits: list[int]
+                   ) -> list[Any]:
+    """``pipe.infer`` once per distinct answer-token limit (one ``GenerationConfig`` each,
+    as its documented API takes), responses back in the prompts' order."""
+    responses: list[Any] = [None] * len(prompts)
+    for n in sorted(set(limits)):
+        rows = [j for j, m in enumerate(limits) if m == n]
+        got = pipe.infer([prompts[j] for j in rows],
+                         gen_config=generation_config(**gen_config_kwargs(n)))
+        for j, resp in zip(rows, got):
+            responses[j] = resp
+    return responses
+
+
 def build_messages(pixels: np.ndarray, question: str, max_tiles: int) -> list[dict[str, Any]]:
     """OpenAI-style messages lmdeploy accepts (serve/processors/multimodal.py): an
     ``image_url`` part holding a PIL image, with ``max_dynamic_patch`` as a per-image
@@ -105,11 +119,11 @@ class LMDeployEngine:
         self.pipe = lmdeploy.pipeline(
             model_path, backend_config=lmdeploy.TurbomindEngineConfig(
                 **engine_config_kwargs(self.cfg)))
-        self.gen = lmdeploy.GenerationConfig(**gen_config_kwargs(max_new_tokens))
+        self.lmdeploy = lmdeploy
+        self.max_new_tokens = max_new_tokens
         self.answers = answers
         self.tokens_per_tile = tokens_per_tile
         self.max_tiles = max_tiles
-        self.want_text = max_new_tokens > 0
         self.stats = EngineStats()
         self.cache = None  # lmdeploy's own; Response.cached_tokens reports its hits
 
@@ -120,8 +134,9 @@ class LMDeployEngine:
             if im.pixels is None:
                 raise ValueError("the lmdeploy engine needs PreparedImage.pixels")
             prompts.append(build_messages(im.pixels, r.question, self.max_tiles))
-        responses = self.pipe.infer(prompts, gen_config=self.gen)
+        limits = [self.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens
+                  for r in requests]
+        responses = infer_by_limit(self.pipe, self.lmdeploy.GenerationConfig, prompts, limits)
         return [score_response(resp, self.answers,
-                               images[r.image].grid.num_tiles * self.tokens_per_tile,
-                               self.want_text)
-                for r, resp in zip(requests, responses)]
+                               images[r.image].grid.num_tiles * self.tokens_per_tile, n > 0)
+                for r, resp, n in zip(requests, responses, limits)]

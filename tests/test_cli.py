@@ -279,3 +279,29 @@ def test_os_errors_named_by_the_user_are_messages_others_tracebacks(monkeypatch,
     monkeypatch.setitem(cli.COMMANDS, "status", fail(errno.EMFILE))  # a bug, not the user's
     with pytest.raises(OSError):
         main(["status", "j"])
+
+
+def test_a_question_can_ask_for_an_explanation(tmp_path: Path) -> None:
+    """A policy question with its own max_new_tokens gets a text answer; the others only
+    P(yes), unchanged. The built-in model answers 'yes'/'no' in words, so a text landing on
+    another row of the batch would disagree with that row's answer."""
+    policy = tmp_path / "p.yaml"
+    policy.write_text("questions:\n"
+                      '  - {id: red, text: "Is there a red shape?", max_new_tokens: 4}\n'
+                      '  - {id: circle, text: "Does the image contain a circle?"}\n'
+                      '  - {id: several, text: "Is there more than one shape?", '
+                      "max_new_tokens: 2}\n")
+    outs = {}
+    for name, extra in (("mixed", []), ("all", ["--max-new-tokens", "4"]), ("none", [])):
+        out = tmp_path / f"{name}.jsonl"
+        pol = policy if name == "mixed" else ROOT / "examples/policy.yaml"
+        assert main(["run", str(ROOT / "examples/manifest.jsonl"), "--policy", str(pol),
+                     "-o", str(out), "--no-progress", *extra]) == EXIT_OK
+        outs[name] = [json.loads(x) for x in out.read_text().splitlines()]
+    for got, every, plain in zip(outs["mixed"], outs["all"], outs["none"]):
+        assert (got["p_yes"], got["answer"]) == (plain["p_yes"], plain["answer"])
+        if got["question_id"] in ("red", "several"):  # the manifest's own q0, q1: no text
+            assert got["text"] == every["text"] == got["answer"], (got, every)
+        else:
+            assert "text" not in got
+    assert {ln["text"] for ln in outs["mixed"] if "text" in ln} == {"yes", "no"}

@@ -497,3 +497,20 @@ def test_thread_counts_are_refused_on_ray(tmp_path: Path, random_model_dir: Path
         run_job(job, False, "ray", threads=2)
     assert main(["run", str(job), "--executor", "ray", "--threads", "2"]) == EXIT_BAD_INPUT
     assert status(job).pending == 1
+
+
+def test_a_questions_max_new_tokens_survives_the_store(tmp_path: Path, random_model_dir: Path,
+                                                       capsys) -> None:  # noqa: ANN001
+    """Per-question generation limits go through submit's store to the run: only that
+    question's lines carry text."""
+    m = make_manifest(tmp_path, 2)
+    lines = [json.loads(x) for x in m.read_text().splitlines()]
+    for ln in lines:
+        ln["questions"] = [{"id": "why", "text": "Why?", "max_new_tokens": 3}, "Red?"]
+    m.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    job = tmp_path / "job"
+    assert main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir),
+                 "--wait", "--no-progress"]) == EXIT_OK
+    got = [json.loads(x) for x in _export(job, capsys, []).splitlines()]
+    assert [("text" in ln) for ln in got] == [True, False, True, False]
+    assert all(isinstance(ln["text"], str) for ln in got if ln["question_id"] == "why")

@@ -144,3 +144,16 @@ def test_policy_not_utf8_or_a_folder(tmp_path: Path) -> None:
         read_policy(tmp_path)
     p.write_bytes(b"\xef\xbb\xbfquestions: [\"ok?\"]\n")  # a BOM is fine
     assert read_policy(p)[0].text == "ok?"
+
+
+@pytest.mark.parametrize("bad", ["-1", "2.5", "true", '"8"'])
+def test_a_questions_max_new_tokens_is_a_whole_number(tmp_path: Path, bad: str) -> None:
+    m = tmp_path / "m.jsonl"
+    m.write_text('{"id": "a", "image": "a.png", "questions": [{"text": "Why?", '
+                 '"max_new_tokens": 16}, "Red?"]}\n')
+    (q1, q2), = [it.questions for it in read_manifest(m)]
+    assert (q1.max_new_tokens, q2.max_new_tokens) == (16, None)
+    m.write_text('{"id": "a", "image": "a.png", "questions": [{"text": "Why?", '
+                 f'"max_new_tokens": {bad}}}]}}\n')
+    with pytest.raises(ManifestError, match=r"m.jsonl:1: question 0 max_new_tokens must be"):
+        read_manifest(m)

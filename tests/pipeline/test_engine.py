@@ -102,3 +102,27 @@ def test_expanded_kv_equals_enable_gqa(model, monkeypatch, cache: bool) -> None:
         out[expand] = TorchEngine(model, cfg).score(ims, reqs)
     assert max(abs(a.margin - b.margin) for a, b in zip(out[False], out[True])) <= 1e-5
     assert [a.text for a in out[False]] == [b.text for b in out[True]]
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_per_question_generation_equals_the_global_setting(model, cache: bool) -> None:  # noqa: ANN001
+    """A question's own max_new_tokens (the few that need an explanation) generates what
+    the engine-wide --max-new-tokens would for it, token for token; the other rows of the
+    same batches only get P(yes), which is unchanged."""
+    ims = images(model, 3)
+    qs = ["is there a red shape?", "no", "does the image contain a circle?"]
+    plain = [Request(i, q) for i in range(3) for q in qs]
+    limit = {0: 6, 2: 3}  # by question index; question 1 gets no text
+    mixed = [Request(i, q, limit.get(k)) for i in range(3) for k, q in enumerate(qs)]
+    none = TorchEngine(model, EngineConfig(prefix_cache=cache)).score(ims, plain)
+    got = TorchEngine(model, EngineConfig(prefix_cache=cache)).score(ims, mixed)
+    ref = {n: TorchEngine(model, EngineConfig(prefix_cache=cache, max_new_tokens=n)).score(
+        ims, plain) for n in (3, 6)}
+    assert max(abs(a.margin - b.margin) for a, b in zip(got, none)) <= 1e-5
+    for j, r in enumerate(mixed):
+        want = None if r.max_new_tokens is None else ref[r.max_new_tokens][j].text
+        assert got[j].text == want, (j, got[j].text, want)
+    assert sum(s.text is not None for s in got) == 6
+    # a request may also turn generation off where the engine has it on
+    off = TorchEngine(model, EngineConfig(prefix_cache=cache, max_new_tokens=6))
+    assert [s.text for s in off.score(ims, [Request(0, "no", 0)])] == [None]

@@ -19,6 +19,7 @@ from pipeline.lmdeploy_engine import (
     build_messages,
     engine_config_kwargs,
     gen_config_kwargs,
+    infer_by_limit,
     score_response,
 )
 from pipeline.scoring import AnswerTokens
@@ -38,6 +39,21 @@ def test_gen_config_asks_for_first_token_logits() -> None:
                                     "output_logits": "generation", "ignore_eos": True}
     assert gen_config_kwargs(32)["max_new_tokens"] == 32
     assert gen_config_kwargs(32)["ignore_eos"] is False
+
+
+def test_requests_with_different_answer_lengths_go_in_one_call_per_length() -> None:
+    """One GenerationConfig per pipe.infer call (its documented form); responses come back
+    in the requests' order."""
+    calls = []
+
+    class Pipe:
+        def infer(self, prompts, gen_config):  # noqa: ANN001, ANN202
+            calls.append((list(prompts), gen_config["max_new_tokens"]))
+            return [f"{p}@{gen_config['max_new_tokens']}" for p in prompts]
+
+    got = infer_by_limit(Pipe(), dict, ["a", "b", "c", "d"], [0, 64, 0, 8])
+    assert got == ["a@1", "b@64", "c@1", "d@8"]
+    assert calls == [(["a", "c"], 1), (["d"], 8), (["b"], 64)]
 
 
 def test_messages_carry_the_decoded_image_and_tile_cap() -> None:
