@@ -1,8 +1,8 @@
 """Per-question text answers: what it costs when only a few questions want an explanation.
 
-The write-up's workload (MISSION.md, seed 001): >98% of answers are a few tokens, ~2% run to
-hundreds. Three ways to run the same requests through the torch engine, in one process,
-interleaved, best of ``--rounds``:
+The workload of the 58.com write-up this project starts from (docs/engine.md): >98% of
+answers are a few tokens, ~2% run to hundreds. Three ways to run the same requests through
+the torch engine, in one process, interleaved, best of ``--rounds``:
 
 - P(yes) only (no text);
 - every request decodes ``--tokens`` tokens (``--max-new-tokens`` for the whole run);

@@ -10,7 +10,8 @@ runs the same stages on Ray, over the job store of ``jobs/store.py``.
 Output line per (image, question)::
 
     {"id", "question_id", "question", "answer": "yes"|"no"|null, "p_yes", "margin",
-     "image_tokens", "error": null | "message", "text" (only with --max-new-tokens)}
+     "image_tokens", "error": null | "message", "text" (only where the question's
+     max_new_tokens, else --max-new-tokens, is > 0)}
 """
 
 from __future__ import annotations

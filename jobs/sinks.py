@@ -2,9 +2,10 @@
 at a time by ``vlmbatch run`` (``jobs/runner.py``) and ``vlmbatch results``
 (``jobs/export.py``, which also writes Parquet).
 
-A result line is a dict with the keys ``RESULT_COLUMNS`` (``text`` only with
---max-new-tokens). CSV has those columns in that order, a header row, and an empty field
-for null; JSONL keeps each line as it is.
+A result line is a dict with the keys ``RESULT_COLUMNS`` (``text`` only on lines whose
+question generates text: its ``max_new_tokens``, else --max-new-tokens). CSV has those
+columns in that order, a header row, and an empty field for null; JSONL keeps each line as
+it is.
 """
 
 from __future__ import annotations

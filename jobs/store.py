@@ -61,8 +61,14 @@ class Counts:
 
 def item_to_json(item: ImageItem) -> str:
     return json.dumps({"id": item.id, "image": item.image, "base_dir": str(item.base_dir),
-                       "questions": [[q.id, q.text, q.threshold, q.max_new_tokens]
-                                     for q in item.questions]})
+                       "questions": [_question_json(q) for q in item.questions]})
+
+
+def _question_json(q: Question) -> list:
+    """[id, text, threshold], plus max_new_tokens when set (stores stay readable by
+    versions that know three fields, unless a question uses the fourth)."""
+    fields = [q.id, q.text, q.threshold]
+    return fields if q.max_new_tokens is None else [*fields, q.max_new_tokens]
 
 
 def item_from_json(text: str) -> ImageItem:

@@ -90,7 +90,8 @@ class EngineConfig:
             raise ConfigError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.ignore_eos and not self.max_new_tokens:
             raise ConfigError("ignore_eos (--ignore-eos) only applies to generated text: give "
-                              "max_new_tokens (--max-new-tokens N) too")
+                              "max_new_tokens (--max-new-tokens N) too (a question's own "
+                              "max_new_tokens, 0 included, still overrides it)")
         if self.cache_bytes < 0:
             raise ConfigError(f"cache_bytes must be >= 0, got {self.cache_bytes}")
         if not self.yes_words or not self.no_words:

@@ -268,18 +268,29 @@ class TorchEngine:
         if self.cache is not None:
             self._insert(batch, new_kv)
         p_yes, margin = yes_no(logits, self.answers)
-        texts: list[str | None] = [None] * len(batch)
-        rows = [j for j, n in enumerate(limits) if n > 0]  # only these decode
-        if rows:
-            sel = torch.tensor(rows, device=self.device)
-            sub_past = None if past is None else [(k[sel], v[sel]) for k, v in past]
-            sub_lengths = None if past_lengths is None else past_lengths[sel]
-            generated = self._generate(logits[sel], sub_past, sub_lengths,
-                                       [(k[sel], v[sel]) for k, v in new_kv], lengths[sel],
-                                       [limits[j] for j in rows])
-            for j, text in zip(rows, generated):
-                texts[j] = text
+        texts = self._texts(limits, logits, past, past_lengths, new_kv, lengths)
         return p_yes.cpu(), margin.cpu(), texts
+
+    def _texts(self, limits: list[int], logits: torch.Tensor, past: list[KV] | None,
+               past_lengths: torch.Tensor | None, new_kv: list[KV], lengths: torch.Tensor
+               ) -> list[str | None]:
+        """Greedy text for the rows whose limit is > 0 (None for the others): ``_generate``
+        on those rows of the prefill's logits and KV only."""
+        rows = [j for j, n in enumerate(limits) if n > 0]
+        if not rows:
+            return [None] * len(limits)
+        if len(rows) < len(limits):  # a subset: its rows of everything (a copy)
+            sel = torch.tensor(rows, device=self.device)
+            logits, lengths = logits[sel], lengths[sel]
+            past = None if past is None else [(k[sel], v[sel]) for k, v in past]
+            past_lengths = None if past_lengths is None else past_lengths[sel]
+            new_kv = [(k[sel], v[sel]) for k, v in new_kv]
+        generated = self._generate(logits, past, past_lengths, new_kv, lengths,
+                                   [limits[j] for j in rows])
+        texts: list[str | None] = [None] * len(limits)
+        for j, text in zip(rows, generated):
+            texts[j] = text
+        return texts
 
     def _generate(self, logits: torch.Tensor, past: list[KV] | None,
                   past_lengths: torch.Tensor | None, new_kv: list[KV],

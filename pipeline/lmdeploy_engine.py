@@ -60,18 +60,13 @@ def gen_config_kwargs(max_new_tokens: int) -> dict[str, Any]:
             "output_logits": "generation", "ignore_eos": max_new_tokens <= 1}
 
 
-def infer_by_limit(pipe: Any, generation_config: Any, prompts: list, limits: list[int]
-                   ) -> list[Any]:
-    """``pipe.infer`` once per distinct answer-token limit (one ``GenerationConfig`` each,
-    as its documented API takes), responses back in the prompts' order."""
-    responses: list[Any] = [None] * len(prompts)
-    for n in sorted(set(limits)):
-        rows = [j for j, m in enumerate(limits) if m == n]
-        got = pipe.infer([prompts[j] for j in rows],
-                         gen_config=generation_config(**gen_config_kwargs(n)))
-        for j, resp in zip(rows, got):
-            responses[j] = resp
-    return responses
+def gen_configs(generation_config: Any, limits: list[int]) -> Any:
+    """What ``pipe.infer(prompts, gen_config=...)`` takes for these per-request answer-token
+    limits: one ``GenerationConfig`` when they agree, else a list, one per prompt (lmdeploy's
+    ``Pipeline.infer`` accepts ``GenerationConfig | list[GenerationConfig]`` and pairs a list
+    with the prompts), so long and short answers share one continuous batch."""
+    made = {n: generation_config(**gen_config_kwargs(n)) for n in set(limits)}
+    return made[limits[0]] if len(made) == 1 else [made[n] for n in limits]
 
 
 def build_messages(pixels: np.ndarray, question: str, max_tiles: int) -> list[dict[str, Any]]:
@@ -136,7 +131,8 @@ class LMDeployEngine:
             prompts.append(build_messages(im.pixels, r.question, self.max_tiles))
         limits = [self.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens
                   for r in requests]
-        responses = infer_by_limit(self.pipe, self.lmdeploy.GenerationConfig, prompts, limits)
+        responses = self.pipe.infer(prompts,
+                                    gen_config=gen_configs(self.lmdeploy.GenerationConfig, limits))
         return [score_response(resp, self.answers,
                                images[r.image].grid.num_tiles * self.tokens_per_tile, n > 0)
                 for r, resp, n in zip(requests, responses, limits)]

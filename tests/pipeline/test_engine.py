@@ -126,3 +126,23 @@ def test_per_question_generation_equals_the_global_setting(model, cache: bool) -
     # a request may also turn generation off where the engine has it on
     off = TorchEngine(model, EngineConfig(prefix_cache=cache, max_new_tokens=6))
     assert [s.text for s in off.score(ims, [Request(0, "no", 0)])] == [None]
+
+
+def test_a_lone_decoding_row_that_is_not_the_longest(model) -> None:  # noqa: ANN001
+    """One row of a batch decodes while the others only score: its past is shorter than the
+    batch's padded past (some images cached, some not) and its new tokens fewer than the
+    batch's width, so the masks must use the batch's widths with the row's own lengths."""
+    ims = images(model, 4)
+    qs = ["is there a red shape?", "no"]
+    plain = [Request(i, q) for i in range(4) for q in qs]
+    want = TorchEngine(model, EngineConfig(prefix_cache=False, max_new_tokens=5)).score(
+        ims, plain)
+    for lone in range(len(plain)):
+        engine = TorchEngine(model, EngineConfig())
+        engine.score([ims[0], ims[3]], [Request(0, "warm?"), Request(1, "warm?")])
+        reqs = [Request(r.image, r.question, 5 if j == lone else None)
+                for j, r in enumerate(plain)]
+        got = engine.score(ims, reqs)
+        assert [s.text for s in got] == [want[lone].text if j == lone else None
+                                         for j in range(len(plain))]
+        assert max(abs(a.margin - b.margin) for a, b in zip(got, want)) <= 1e-4

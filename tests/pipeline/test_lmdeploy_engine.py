@@ -19,7 +19,7 @@ from pipeline.lmdeploy_engine import (
     build_messages,
     engine_config_kwargs,
     gen_config_kwargs,
-    infer_by_limit,
+    gen_configs,
     score_response,
 )
 from pipeline.scoring import AnswerTokens
@@ -41,19 +41,36 @@ def test_gen_config_asks_for_first_token_logits() -> None:
     assert gen_config_kwargs(32)["ignore_eos"] is False
 
 
-def test_requests_with_different_answer_lengths_go_in_one_call_per_length() -> None:
-    """One GenerationConfig per pipe.infer call (its documented form); responses come back
-    in the requests' order."""
+def test_per_request_answer_lengths_go_in_one_infer_call(monkeypatch) -> None:  # noqa: ANN001
+    """A question's own max_new_tokens reaches lmdeploy as a per-prompt GenerationConfig
+    list (one call, one continuous batch); only rows that asked for text get it."""
+    import sys
+    from types import ModuleType
+
+    from pipeline.engine import Request
+    from pipeline.lmdeploy_engine import LMDeployEngine
+
     calls = []
 
     class Pipe:
         def infer(self, prompts, gen_config):  # noqa: ANN001, ANN202
-            calls.append((list(prompts), gen_config["max_new_tokens"]))
-            return [f"{p}@{gen_config['max_new_tokens']}" for p in prompts]
+            calls.append(gen_config)
+            return [SimpleNamespace(logits=torch.zeros(1, 10), text=f"t{j}",
+                                    finish_reason="stop") for j in range(len(prompts))]
 
-    got = infer_by_limit(Pipe(), dict, ["a", "b", "c", "d"], [0, 64, 0, 8])
-    assert got == ["a@1", "b@64", "c@1", "d@8"]
-    assert calls == [(["a", "c"], 1), (["d"], 8), (["b"], 64)]
+    fake = ModuleType("lmdeploy")
+    fake.pipeline = lambda path, backend_config: Pipe()  # type: ignore[attr-defined]
+    fake.TurbomindEngineConfig = dict  # type: ignore[attr-defined]
+    fake.GenerationConfig = dict  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "lmdeploy", fake)
+    engine = LMDeployEngine("m", None, AnswerTokens((1,), (2,)), 16, 6, max_new_tokens=0)
+    px = np.zeros((20, 20, 3), dtype=np.uint8)
+    im = SimpleNamespace(pixels=px, grid=SimpleNamespace(num_tiles=1))
+    got = engine.score([im], [Request(0, "a?"), Request(0, "why?", 64), Request(0, "b?")])
+    assert [s.text for s in got] == [None, "t1", None]
+    (cfg,) = calls
+    assert [c["max_new_tokens"] for c in cfg] == [1, 64, 1] and cfg[0] is cfg[2]
+    assert gen_configs(dict, [0, 0]) == gen_config_kwargs(0)  # all alike: one config
 
 
 def test_messages_carry_the_decoded_image_and_tile_cap() -> None:
