@@ -14,9 +14,10 @@ image share its prefix cache entry, keyed by pixel content.
 
 Output line: ``{"id", "custom_id", "response": {"status_code": 200, "request_id", "body":
 <chat.completion>}, "error": null}``; a failed item gets ``"response": null`` and
-``"error": {"code", "message"}``. The completion's content is ``"yes"``/``"no"`` (or the
-generated text with ``--max-new-tokens``); ``p_yes`` and ``margin`` ride along in the body
-under ``"vlmbatch"``.
+``"error": {"code", "message"}``. The completion's content is ``"yes"``/``"no"``, or the
+generated text when the request's ``max_completion_tokens``/``max_tokens`` is above 1 (up to
+that many tokens) or ``--max-new-tokens`` is set; ``p_yes`` and ``margin`` ride along in the
+body under ``"vlmbatch"``.
 """
 
 from __future__ import annotations
@@ -59,7 +60,22 @@ def parse_request(rec: dict, where: str, base_dir: Path) -> ImageItem:
     question = " ".join(t.strip() for t in texts if t.strip())
     if not question:
         raise ManifestError(f"{where}: no text part to ask")
-    return ImageItem(str(rec["custom_id"]), images[0], (Question("q0", question),), base_dir)
+    return ImageItem(str(rec["custom_id"]), images[0],
+                     (Question("q0", question, max_new_tokens=_answer_tokens(rec, where)),),
+                     base_dir)
+
+
+def _answer_tokens(rec: dict, where: str) -> int | None:
+    """``max_completion_tokens`` (else ``max_tokens``) above 1: a text answer of up to that
+    many tokens, as an OpenAI-compatible server would give. 1 or absent: the yes/no answer
+    (what yes/no clients ask with ``max_tokens: 1``), with ``--max-new-tokens`` applying."""
+    body = rec["body"]
+    n = body.get("max_completion_tokens", body.get("max_tokens"))
+    if n is None:
+        return None
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ManifestError(f"{where}: body.max_tokens must be a whole number >= 1, got {n!r}")
+    return n if n > 1 else None
 
 
 def to_output(line: dict) -> dict:

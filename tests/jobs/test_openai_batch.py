@@ -57,6 +57,37 @@ def test_bad_requests_name_the_line(tmp_path: Path, bad: dict, msg: str) -> None
         read_manifest(m)
 
 
+def test_max_tokens_above_one_asks_for_a_text_answer(tmp_path: Path, png_url: str,
+                                                      random_model_dir: Path) -> None:
+    """max_tokens 1 (yes/no clients) keeps the thresholded answer; more asks for a text
+    answer of up to that many tokens, as an OpenAI-compatible server gives."""
+    long = request("r2", png_url)
+    long["body"]["max_tokens"] = 5
+    newer = request("r3", png_url)
+    del newer["body"]["max_tokens"]
+    newer["body"]["max_completion_tokens"] = 3
+    m = write(tmp_path / "b.jsonl", [request("r1", png_url), long, newer])
+    assert [it.questions[0].max_new_tokens for it in read_manifest(m)] == [None, 5, 3]
+    plain = write(tmp_path / "p.jsonl", [request(c, png_url) for c in ("r1", "r2", "r3")])
+
+    def contents(manifest: Path, *extra: str) -> list[str]:
+        out = tmp_path / "o.jsonl"
+        assert main(["run", str(manifest), "-o", str(out), "--model", str(random_model_dir),
+                     "--no-progress", *extra]) == 0
+        return [json.loads(x)["response"]["body"]["choices"][0]["message"]["content"]
+                for x in out.read_text().splitlines()]
+
+    got = contents(m)
+    assert got[0] in ("yes", "no") and got[1:] != ["yes", "no"]
+    # r2 and r3 answer as max_tokens 1 requests do under --max-new-tokens 5 and 3
+    assert (got[1], got[2]) == (contents(plain, "--max-new-tokens", "5")[1],
+                                contents(plain, "--max-new-tokens", "3")[2])
+    bad = request("r4", png_url)
+    bad["body"]["max_tokens"] = 0
+    with pytest.raises(ManifestError, match=r"b2\.jsonl:1: body\.max_tokens must be"):
+        read_manifest(write(tmp_path / "b2.jsonl", [bad]))
+
+
 def test_policy_and_mixing_are_refused(tmp_path: Path) -> None:
     m = write(tmp_path / "b.jsonl", [request("r", "a.png")])
     with pytest.raises(ManifestError, match="policy does not apply"):
