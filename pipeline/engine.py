@@ -97,9 +97,6 @@ class TorchEngine:
                                      tok.convert_tokens_to_ids("<|endoftext|>"))
                          if i is not None and i != tok.unk_token_id}
         self.stats = EngineStats()
-        s = model.spec.text
-        itemsize = next(model.llm.parameters()).element_size()
-        self.kv_bytes_per_token = s.layers * 2 * s.kv_heads * s.head_dim * itemsize
         if self.cache is not None:
             self._allocate_cache()
 
@@ -197,7 +194,7 @@ class TorchEngine:
         used = 0
         bs = self.cache.block_size
         for image, reqs in by_image.items():  # a slot per block, the partial one included
-            need = -(-prompts[reqs[0]].prefix_len // bs) * bs * self.kv_bytes_per_token
+            need = -(-prompts[reqs[0]].prefix_len // bs) * self.cache.slot_bytes
             if chunks[-1] and used + need > self.cache.budget_bytes // 2:
                 chunks.append([])
                 used = 0
