@@ -142,17 +142,11 @@ def _run_on_ray(a: argparse.Namespace, cfg) -> int:  # noqa: ANN001
     import dataclasses
     import tempfile
 
-    from jobs.export import export_text
     from jobs.job import submit
-    from jobs.sinks import format_of, open_text
+    from jobs.sinks import format_of
 
     def export(job: Path) -> None:
-        if a.out is None:
-            export_text(job, sys.stdout)
-        else:
-            fmt = format_of(a.out)
-            with open_text(a.out, fmt) as f:
-                export_text(job, f, fmt)
+        _export_text(job, a.out, format_of(a.out))
 
     with tempfile.TemporaryDirectory(prefix="vlmbatch-job-") as tmp:
         job = Path(tmp) / "job"
@@ -190,9 +184,20 @@ def cmd_status(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _export_text(job: Path, out: Path | None, fmt: str) -> int:
+    """A job's result lines as JSONL or CSV to ``out`` (standard output for None)."""
+    from jobs.export import export_text
+    from jobs.sinks import open_text
+
+    if out is None:
+        return export_text(job, sys.stdout, fmt)
+    with open_text(out, fmt) as f:
+        return export_text(job, f, fmt)
+
+
 def cmd_results(a: argparse.Namespace) -> int:
-    from jobs.export import export_parquet, export_text
-    from jobs.sinks import format_of, open_text
+    from jobs.export import export_parquet
+    from jobs.sinks import format_of
     from pipeline.atomic import replaced_on_success
     from pipeline.config import ConfigError
 
@@ -200,14 +205,11 @@ def cmd_results(a: argparse.Namespace) -> int:
     if fmt == "parquet" and a.out is None:
         raise ConfigError("--format parquet needs --out FILE.parquet")
     if a.out is None:
-        n = export_text(a.job, sys.stdout, fmt)
+        n = _export_text(a.job, None, fmt)
     else:  # all or nothing: an interrupted export leaves --out as it was
         with replaced_on_success(a.out) as part:
-            if fmt == "parquet":
-                n = export_parquet(a.job, part)
-            else:
-                with open_text(part, fmt) as f:
-                    n = export_text(a.job, f, fmt)
+            n = (export_parquet(a.job, part) if fmt == "parquet"
+                 else _export_text(a.job, part, fmt))
     print(f"vlmbatch: {n} result lines", file=sys.stderr)
     return EXIT_OK
 
