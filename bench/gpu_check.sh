@@ -16,7 +16,8 @@
 #   7. bench/prefetch.py on CUDA: `run` with 0 vs 2 vs 8 preprocessing threads preparing the
 #      next groups while the GPU answers (CPU, 2 cores, 1 torch thread: 1.59x with 1 thread).
 # Writes the whole log to $OUT/gpu_check.txt (./out without $OUT) and ends with a table of
-# steps, exit codes and seconds. Never run on a GPU yet; the limits sum to 515 s.
+# steps, exit codes and seconds; bench/qpm.py also writes one profile per vlmbatch path there.
+# The limits sum to 530 s; on the H200 the whole script ran in about 2 minutes (docs/gpu.md).
 #
 #   bash bench/gpu_check.sh
 set -uo pipefail
@@ -44,17 +45,18 @@ step() {  # step NAME LIMIT_S CMD...: full output to the log, its tail to stdout
   "$PY" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available(), 'transformers', transformers.__version__)"
   "$PY" -c "import tensorrt; print('tensorrt', tensorrt.__version__)" 2>&1 | tail -1
 } 2>&1 | tee -a "$log"
-# limits sum to 515 s, inside a 540 s device call with the wheel install
+# limits sum to 530 s, inside a 560 s device call with the wheel install
 # (-o timeout: pytest-timeout, on the lent machine's image, stops one hung test; elsewhere a
 # warning)
-step "gpu tests" 180 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider -o timeout=90 tests
-step "vit bench" 85 "$PY" bench/vit.py --device cuda --encoders builtin,300m --reps 20
-step "qpm bench" 85 "$PY" bench/qpm.py --device cuda --dtype bfloat16 --images 200
+step "gpu tests" 120 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider -o timeout=90 tests
+step "vit bench" 120 "$PY" bench/vit.py --device cuda --encoders builtin,300m --reps 20 --rounds 3
+step "qpm bench" 120 "$PY" bench/qpm.py --device cuda --dtype bfloat16 --images 500 --rounds 3 \
+  --profile "$out"
 step "int4 linears" 45 "$PY" bench/quant.py --linears-only --device cuda --rounds 3
-step "gqa attention" 30 "$PY" bench/attention.py --device cuda --dtype bfloat16
-step "eval on cuda" 50 "$PY" -m pipeline.cli eval --device cuda --dtype bfloat16 --no-progress
-step "prefetch" 40 "$PY" bench/prefetch.py --device cuda --dtype bfloat16 --images 48 \
-  --threads-list 0,2,8 --rounds 2
+step "gqa attention" 25 "$PY" bench/attention.py --device cuda --dtype bfloat16
+step "eval on cuda" 40 "$PY" -m pipeline.cli eval --device cuda --dtype bfloat16 --no-progress
+step "prefetch" 60 "$PY" bench/prefetch.py --device cuda --dtype bfloat16 --images 96 \
+  --threads-list 0,2,8,16 --rounds 2
 {
   echo; echo "| step | rc | time |"; echo "|---|---|---|"
   printf '%s\n' "${summary[@]}"

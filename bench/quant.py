@@ -120,10 +120,12 @@ def linear_bench(rounds: int, group_size: int = 128, device: str = "cpu") -> Non
     cuda = device.startswith("cuda")
     g = torch.Generator().manual_seed(0)
     w4 = "w4a16 (int4, bf16 act)"
-    kinds: dict[str, list] = {"fp32": [], "bf16": [], w4: []}
+    w4u = "w4, unpacked per call"  # the fallback: dequantise, then a dense matmul
+    kinds: dict[str, list] = {"fp32": [], "bf16": [], w4: [], w4u: []}
     if not cuda:
         kinds["int8 dynamic"] = []
-    act = {"bf16": torch.bfloat16, w4: torch.bfloat16 if cuda else torch.float32}
+    act = {"bf16": torch.bfloat16, w4: torch.bfloat16 if cuda else torch.float32,
+           w4u: torch.bfloat16 if cuda else torch.float32}
     for k, n in QWEN05_LINEARS:
         w = torch.randn(n, k, generator=g) * 0.02
         dense = torch.nn.Linear(k, n, bias=False)
@@ -133,6 +135,8 @@ def linear_bench(rounds: int, group_size: int = 128, device: str = "cpu") -> Non
         kinds["bf16"][-1].weight.data.copy_(w)
         q, scale = rtn(w, group_size)
         kinds[w4].append(Int4Linear(q, scale, None, group_size, device, act[w4]))
+        kinds[w4u].append(Int4Linear(q, scale, None, group_size, device, act[w4u],
+                                     use_kernel=False))
         if not cuda:
             kinds["int8 dynamic"].append(torch.ao.quantization.quantize_dynamic(
                 torch.nn.Sequential(dense), {torch.nn.Linear}, dtype=torch.qint8))

@@ -25,6 +25,7 @@ callable may do inside a capture is checked on the CPU too: ``cudagraph_pool.haz
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,7 +63,9 @@ class GraphPool:
         self.use_graphs = on_cuda if use_graphs is None else (use_graphs and on_cuda)
         self.sync = sync
         self.graphs: dict[int, _Graph] = {}
-        self.calls: list[int] = []  # bucket sizes run, in order (tests and stats)
+        # bucket sizes of the most recent runs, in order (tests and stats); bounded, as a long
+        # job calls the pool millions of times
+        self.calls: deque[int] = deque(maxlen=4096)
         self.graph_bytes = 0  # device memory the graphs keep: their private pool + static inputs
 
     def bucket(self, n: int) -> int:
