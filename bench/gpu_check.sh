@@ -10,14 +10,16 @@
 #      the built-in encoder and the InternViT-300M shape;
 #   3. bench/qpm.py on CUDA, bf16: transformers baseline vs vlmbatch rows;
 #   4. bench/quant.py --linears-only on CUDA: fp32 vs bf16 vs W4A16 (tinygemm) linears;
-#   5. bench/attention.py on CUDA: SDPA enable_gqa vs K/V expanded per head (pipeline/llm.py
-#      expands on CUDA; this confirms or refutes that choice);
+#   5. bench/attention.py on CUDA: SDPA enable_gqa vs K/V expanded per head (enable_gqa won on
+#      the H200, so pipeline/llm.py never expands);
 #   6. vlmbatch eval on CUDA, bf16: the built-in model's easy-vqa accuracy (CPU fp32: 0.9985);
-#   7. bench/prefetch.py on CUDA: `run` with 0 vs 2 vs 8 preprocessing threads preparing the
-#      next groups while the GPU answers (CPU, 2 cores, 1 torch thread: 1.59x with 1 thread).
+#   7. bench/prefetch.py on CUDA: `run` with 0, 2, 8 and 16 preprocessing threads preparing
+#      the next groups while the GPU answers;
+#   8. bench/qpm.py again on a random-weight model of InternVL3-1B's shape: speed at real size.
+# STEPS="gpu tests,qpm bench" runs only the steps named (a rerun inside the device budget).
 # Writes the whole log to $OUT/gpu_check.txt (./out without $OUT) and ends with a table of
 # steps, exit codes and seconds; bench/qpm.py also writes one profile per vlmbatch path there.
-# The limits sum to 530 s; on the H200 the whole script ran in about 2 minutes (docs/gpu.md).
+# Each step has its own time limit; on the H200 the script ran in about 4 minutes (docs/gpu.md).
 #
 #   bash bench/gpu_check.sh
 set -uo pipefail
@@ -34,6 +36,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 summary=()
 step() {  # step NAME LIMIT_S CMD...: full output to the log, its tail to stdout
   local name=$1 limit=$2; shift 2
+  if [[ -n "${STEPS:-}" && ",$STEPS," != *",$name,"* ]]; then return; fi
   local t0=$SECONDS
   echo "== $name: $*" | tee -a "$log"
   timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$log" | tail -n 30
@@ -45,13 +48,15 @@ step() {  # step NAME LIMIT_S CMD...: full output to the log, its tail to stdout
   "$PY" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available(), 'transformers', transformers.__version__)"
   "$PY" -c "import tensorrt; print('tensorrt', tensorrt.__version__)" 2>&1 | tail -1
 } 2>&1 | tee -a "$log"
-# limits sum to 530 s, inside a 560 s device call with the wheel install
+# limits sum to 680 s; the whole script ran in about 4 minutes on the H200
 # (-o timeout: pytest-timeout, on the lent machine's image, stops one hung test; elsewhere a
 # warning)
 step "gpu tests" 120 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider -o timeout=90 tests
 step "vit bench" 120 "$PY" bench/vit.py --device cuda --encoders builtin,300m --reps 20 --rounds 3
 step "qpm bench" 120 "$PY" bench/qpm.py --device cuda --dtype bfloat16 --images 500 --rounds 3 \
   --profile "$out"
+step "qpm 1b-shape" 150 "$PY" bench/qpm.py --device cuda --dtype bfloat16 --images 100 \
+  --rounds 2 --random-shape internvl3-1b
 step "int4 linears" 45 "$PY" bench/quant.py --linears-only --device cuda --rounds 3
 step "gqa attention" 25 "$PY" bench/attention.py --device cuda --dtype bfloat16
 step "eval on cuda" 40 "$PY" -m pipeline.cli eval --device cuda --dtype bfloat16 --no-progress

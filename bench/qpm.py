@@ -36,6 +36,7 @@ import argparse
 import importlib.util
 import resource
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -166,6 +167,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     ap.add_argument("--rounds", type=int, default=1,
                     help="timed rounds per vlmbatch path, best kept (the baseline runs once)")
+    ap.add_argument("--random-shape", choices=["internvl3-1b"], default=None,
+                    help="answer with a random-weight model of this shape instead of --model "
+                    "(speed at real size; accuracy then means nothing): built in a temporary "
+                    "folder, saved in --dtype")
     ap.add_argument("--profile", type=Path, default=None, metavar="DIR",
                     help="also write a torch.profiler table per vlmbatch path into DIR")
     args = ap.parse_args()
@@ -173,6 +178,14 @@ def main() -> None:
     dtype = DTYPES[args.dtype]
     cuda = args.device.startswith("cuda")
 
+    if args.random_shape:
+        from pipeline.random_model import INTERNVL3_1B, save_random_internvl
+
+        tmp = tempfile.TemporaryDirectory(prefix="vlmbatch-random-")
+        t0 = time.perf_counter()
+        shape = dict(INTERNVL3_1B)
+        args.model = save_random_internvl(Path(tmp.name), dtype=dtype, **shape)  # type: ignore[arg-type]
+        print(f"random {args.random_shape} saved in {time.perf_counter() - t0:.0f} s")
     items = easy_vqa_items("test")[: args.images]
     # untimed warm-up for every path, one group: the shapes the timed groups have
     warm = easy_vqa_items("train")[: args.images_per_batch]

@@ -70,8 +70,8 @@ class _Plan:
     req: int  # index into requests
     prompt: Prompt
     span: ImageSpan
-    # cached block KVs [L, 2, K, n, d]: views into the cache pool, pinned until _release
-    past: list[torch.Tensor] = field(default_factory=list)
+    # cache pool slots of the cached part of the prefix, in order; pinned until _release
+    slots: list[int] = field(default_factory=list)
     past_len: int = 0
     blocks: list[tuple[int, BlockId]] = field(default_factory=list)  # (start, block) to cache
     chain: list[BlockKey] = field(default_factory=list)  # keys of the whole shared prefix
@@ -177,9 +177,9 @@ class TorchEngine:
         if self.cache is None:
             return
         for p in plans:
-            if p.past:
-                self.cache.unpin(p.chain[: len(p.past)])
-                p.past = []
+            if p.slots:
+                self.cache.unpin(p.chain[: len(p.slots)])
+                p.slots = []
 
     def _phases(self, requests: list[Request], prompts: list[Prompt]) -> list[list[int]]:
         """Leaders (first question of each image) before followers, in chunks of images whose
@@ -224,10 +224,10 @@ class TorchEngine:
                                limit=prompt.prefix_len, tail=True)
             prefixes[image.cache_key] = blocks
         plan.chain = [b.key for b in blocks]
-        plan.past = self.cache.lookup(blocks)
-        plan.past_len = sum(len(b.ids) for b in blocks[: len(plan.past)])
+        plan.slots = self.cache.lookup_slots(blocks)
+        plan.past_len = sum(len(b.ids) for b in blocks[: len(plan.slots)])
         plan.blocks = [(k * self.cache.block_size, b)
-                       for k, b in enumerate(blocks) if k >= len(plan.past)]
+                       for k, b in enumerate(blocks) if k >= len(plan.slots)]
         return plan
 
     def _batches(self, plans: list[_Plan]) -> list[list[_Plan]]:
@@ -334,17 +334,22 @@ class TorchEngine:
         return [dec(ids, skip_special_tokens=True) for ids in out]
 
     def _gather_past(self, batch: list[_Plan]) -> tuple[list[KV] | None, torch.Tensor | None]:
-        """Cached block KVs -> per layer (k, v) [B, K, P, d], zero-padded to the longest."""
+        """Cached prefixes -> per layer (k, v) ``[B, K, P, d]``, P the longest prefix; one
+        gather from the pool for the whole batch. Row j's keys past its own ``past_len``
+        (another slot's or a padding slot's, all finite) are masked by ``past_lengths``."""
         longest = max(p.past_len for p in batch)
         if longest == 0:
             return None, None
-        ref = next(p.past[0] for p in batch if p.past)
-        layers, _, kv_heads, _, d = ref.shape
-        buf = ref.new_zeros((len(batch), layers, 2, kv_heads, longest, d))
-        for j, p in enumerate(batch):
-            if p.past:
-                buf[j, ..., : p.past_len, :] = torch.cat(p.past, dim=3)
-        past = [(buf[:, i, 0], buf[:, i, 1]) for i in range(layers)]
+        assert self.cache is not None
+        nb = max(len(p.slots) for p in batch)
+        fill = next(p.slots[0] for p in batch if p.slots)  # a slot in use: finite
+        idx = torch.tensor([p.slots + [fill] * (nb - len(p.slots)) for p in batch])
+        pool = self.cache.pool  # [S, L, 2, K, bs, d]
+        _, layers, _, kv_heads, bs, d = pool.shape
+        g = pool[idx.to(pool.device)]  # [B, nb, L, 2, K, bs, d]
+        g = g.permute(2, 3, 0, 4, 1, 5, 6).reshape(layers, 2, len(batch), kv_heads, nb * bs, d)
+        g = g[..., :longest, :]
+        past = [(g[i, 0], g[i, 1]) for i in range(layers)]
         return past, torch.tensor([p.past_len for p in batch], device=self.device)
 
     def _insert(self, batch: list[_Plan], new_kv: list[KV]) -> None:

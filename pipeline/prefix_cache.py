@@ -134,7 +134,15 @@ class PrefixCache:
     def lookup(self, blocks: Sequence[BlockId]) -> list[torch.Tensor]:
         """KV ``[L, 2, K, n, d]`` of the longest cached prefix of ``blocks``: views into the
         pool, pinned (``unpin`` them once read) and marked recently used."""
-        found: list[torch.Tensor] = []
+        pool = self._pool
+        return [pool[slot, :, :, :, : len(b.ids)]  # type: ignore[index]
+                for slot, b in zip(self.lookup_slots(blocks), blocks)]
+
+    def lookup_slots(self, blocks: Sequence[BlockId]) -> list[int]:
+        """As ``lookup``, but the pool slots of the longest cached prefix of ``blocks``
+        (pinned; read them through ``pool``). Only a chain's last block may be partial, so
+        the prefix's tokens are the slots' first ``sum(len(b.ids))`` positions in order."""
+        found: list[int] = []
         for b in blocks:
             e = self._entries.get(b.key)
             if e is not None and (e.block.ids, e.block.extra, e.block.parent) != (
@@ -146,10 +154,18 @@ class PrefixCache:
                 break
             self.stats.hits += 1
             e.pins += 1
-            assert self._pool is not None
-            found.append(self._pool[e.slot, :, :, :, : len(b.ids)])
+            found.append(e.slot)
         self.touch([b.key for b in blocks[: len(found)]])
         return found
+
+    @property
+    def pool(self) -> torch.Tensor:
+        """The KV pool ``[slots, L, 2, K, block_size, d]``. Every position of a slot in use
+        is finite: a partial block's unused tail is zeroed when it goes in, so a gather of
+        whole slots may read past a prefix's end (and mask it) without meeting NaN."""
+        if self._pool is None:
+            raise RuntimeError("the prefix cache's pool is not allocated yet")
+        return self._pool
 
     def unpin(self, keys: Sequence[BlockKey]) -> None:
         """Release what a ``lookup`` returned for these keys (its first ``len(found)``)."""
@@ -188,6 +204,8 @@ class PrefixCache:
             return False
         try:
             self._pool[slot, :, :, :, : kv.shape[3]].copy_(kv)
+            if kv.shape[3] < self.block_size:  # see ``pool``: no stale or uninitialised tail
+                self._pool[slot, :, :, :, kv.shape[3]:].zero_()
         except BaseException:
             self._free.append(slot)
             raise

@@ -11,6 +11,7 @@ and the image embeddings of that image fill exactly that span.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 _MARK = "\x00QUESTION\x00"
@@ -46,12 +47,18 @@ class PromptBuilder:
         self._head = enc(head) + [tokenizer.convert_tokens_to_ids(tokenizer.start_image_token)]
         self._end = [tokenizer.convert_tokens_to_ids(tokenizer.end_image_token)]
         self._tail = enc(tail)
+        # a policy asks the same few questions of every image: tokenize each once (bounded,
+        # for manifests whose questions are all different)
+        self._question = functools.lru_cache(maxsize=4096)(self._encode_question)
 
     def _encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
 
+    def _encode_question(self, question: str) -> tuple[int, ...]:
+        return tuple(self._encode(self._between + question))
+
     def build(self, question: str, num_tiles: int) -> Prompt:
         n = self.tokens_per_tile * num_tiles
-        ids = (self._head + [self.image_token_id] * n + self._end
-               + self._encode(self._between + question) + self._tail)
-        return Prompt(tuple(ids), len(self._head), n)
+        ids = (*self._head, *[self.image_token_id] * n, *self._end, *self._question(question),
+               *self._tail)
+        return Prompt(ids, len(self._head), n)

@@ -162,6 +162,26 @@ def test_partial_blocks_chains_larger_than_the_pool_and_bad_shapes() -> None:
     assert none.lookup([chain[0]]) == [] and none.bytes == 0
 
 
+def test_a_pool_of_nan_garbage_never_reaches_an_answer(model) -> None:  # noqa: ANN001
+    """The engine gathers whole slots for a batch and masks what lies past each row's
+    prefix. A CUDA pool starts as uninitialised memory, so fill it with NaN: answers and
+    greedy text must still equal the cacheless run (without zeroing a partial block's tail on
+    insert, NaN reaches every row that reads that block: SDPA's mask adds -inf to NaN)."""
+    ims = images(model)
+    reqs = [Request(i, q) for i in range(len(ims)) for q in QUESTIONS]
+    cfg = dict(max_new_tokens=3, ignore_eos=True)
+    off = TorchEngine(model, EngineConfig(prefix_cache=False, **cfg)).score(ims, reqs)
+    for bs in (4, 7):  # 7: prefixes end in partial blocks
+        on = TorchEngine(model, EngineConfig(block_size=bs, **cfg))
+        assert on.cache is not None
+        on.cache.pool.fill_(float("nan"))
+        for _ in range(2):
+            got = on.score(ims, reqs)
+            assert [s.text for s in got] == [s.text for s in off]
+            assert max(abs(a.margin - b.margin) for a, b in zip(got, off)) <= 1e-5
+        assert on.cache.stats.hits > 0
+
+
 def pins(engine: TorchEngine) -> int:
     assert engine.cache is not None
     return sum(e.pins for e in engine.cache._entries.values())
