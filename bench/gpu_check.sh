@@ -16,7 +16,8 @@
 #   7. bench/prefetch.py on CUDA: `run` with 0, 2, 8 and 16 preprocessing threads preparing
 #      the next groups while the GPU answers;
 #   8. bench/qpm.py again on a random-weight model of InternVL3-1B's shape: speed at real size.
-# STEPS="gpu tests,qpm bench" runs only the steps named (a rerun inside the device budget).
+# STEPS="gpu tests,qpm bench" runs only the steps named (a rerun inside the device budget);
+# QPM_IMAGES sets the built-in model's QPM run's images (default 500).
 # Writes the whole log to $OUT/gpu_check.txt (./out without $OUT) and ends with a table of
 # steps, exit codes and seconds; bench/qpm.py also writes one profile per vlmbatch path there.
 # Each step has its own time limit; on the H200 the script ran in about 4 minutes (docs/gpu.md).
@@ -53,10 +54,10 @@ step() {  # step NAME LIMIT_S CMD...: full output to the log, its tail to stdout
 # warning)
 step "gpu tests" 120 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider -o timeout=90 tests
 step "vit bench" 120 "$PY" bench/vit.py --device cuda --encoders builtin,300m --reps 20 --rounds 3
-step "qpm bench" 120 "$PY" bench/qpm.py --device cuda --dtype bfloat16 --images 500 --rounds 3 \
-  --profile "$out"
+step "qpm bench" 120 "$PY" bench/qpm.py --device cuda --dtype bfloat16 \
+  --images "${QPM_IMAGES:-500}" --rounds 3 --profile "$out"
 step "qpm 1b-shape" 150 "$PY" bench/qpm.py --device cuda --dtype bfloat16 --images 100 \
-  --rounds 2 --random-shape internvl3-1b
+  --rounds 2 --random-shape internvl3-1b --profile "$out/1b"
 step "int4 linears" 45 "$PY" bench/quant.py --linears-only --device cuda --rounds 3
 step "gqa attention" 25 "$PY" bench/attention.py --device cuda --dtype bfloat16
 step "eval on cuda" 40 "$PY" -m pipeline.cli eval --device cuda --dtype bfloat16 --no-progress

@@ -4,7 +4,7 @@
 # opencv, xxhash, pyyaml, tqdm, pillow, pyarrow, pytest; see the device tool's KINDS.md), for
 # its Python 3.12 on x86-64. bench/gpu_check.sh installs whatever .whl/ holds. Then:
 #
-#   run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=540)
+#   run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=560)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude

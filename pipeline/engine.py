@@ -17,6 +17,12 @@ Flow of one ``score`` call::
 
 Counters (``EngineStats``) make the savings visible and testable: tiles encoded, tokens
 prefilled, image tokens prefilled.
+
+On CUDA the host must not wait for the GPU between batches, or the two take turns instead of
+overlapping: host-to-device copies are non-blocking (``_to_device``), answer token indices
+live on the device (``scoring``), and a call's P(yes) and margins are read back once, after
+its last batch is queued. What still waits: the graph pool's guard after each vision call,
+that read-back, and each decode step of a text answer (it needs the chosen token).
 """
 
 from __future__ import annotations
@@ -114,6 +120,12 @@ class TorchEngine:
                               f"KV pool does not fit on {self.device} ({why}); give a smaller "
                               "--cache-mib, or --no-prefix-cache") from None
 
+    def _to_device(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        """A small host list as a tensor on the engine's device, without waiting for the GPU
+        (``torch.tensor(..., device=cuda)`` copies synchronously; from pageable memory a
+        non-blocking copy is staged before it returns, so the list may go at once)."""
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
     @torch.inference_mode()
     def encode(self, images: list[PreparedImage]) -> list[ImageEmbeds]:
         """Run the vision encoder over all tiles, at most ``max_batch_tiles`` per forward."""
@@ -138,35 +150,48 @@ class TorchEngine:
         prompts = [self.prompts.build(r.question, images[r.image].grid.num_tiles)
                    for r in requests]
         self.stats.prompt_tokens += sum(len(p.ids) for p in prompts)  # what was asked
-        results: list[Score | None] = [None] * len(requests)
         embeds: dict[int, ImageEmbeds] = {}
         prefixes: dict[str, list[BlockId]] = {}
+        done: list[tuple[list[_Plan], torch.Tensor, list[str | None]]] = []
         for phase in self._phases(requests, prompts):
             plans: list[_Plan] = []
             try:
                 for i in phase:  # each lookup pins: appended at once, so released below
                     plans.append(self._plan(i, prompts[i], images[requests[i].image], prefixes))
-                self._run_phase(plans, requests, images, embeds, results)
+                done += self._run_phase(plans, requests, images, embeds)
             finally:
                 self._release(plans)  # what an exception left pinned
+        results: list[Score | None] = [None] * len(requests)
+        if not done:
+            return results  # type: ignore[return-value]
+        host = torch.cat([s for _, s, _ in done]).cpu()  # [rows, 2]: the call's one wait
+        row = 0
+        for batch, _, texts in done:
+            for j, p in enumerate(batch):
+                p_yes, margin = host[row].tolist()
+                results[p.req] = Score(p_yes, margin, p.prompt.image_len, texts[j])
+                row += 1
         return results  # type: ignore[return-value]
 
     def _run_phase(self, plans: list[_Plan], requests: list[Request],
-                   images: list[PreparedImage], embeds: dict[int, ImageEmbeds],
-                   results: list[Score | None]) -> None:
-        """Encode what the plans need, prefill them in batches, fill ``results``."""
+                   images: list[PreparedImage], embeds: dict[int, ImageEmbeds]
+                   ) -> list[tuple[list[_Plan], torch.Tensor, list[str | None]]]:
+        """Encode what the plans need and queue their prefills in batches: per batch, its
+        plans, ``[B, 2]`` (p_yes, margin) on the device and its texts."""
         need = sorted({requests[p.req].image for p in plans
                        if p.past_len < p.span.start + p.span.length} - embeds.keys())
         embeds.update(zip(need, self.encode([images[i] for i in need])))
         plans.sort(key=lambda p: p.new_len, reverse=True)
+        done: list[tuple[list[_Plan], torch.Tensor, list[str | None]]] = []
         for batch in self._batches(plans):
             limits = [self._limit(requests[p.req]) for p in batch]
-            p_yes, margin, texts = self._prefill(
+            scores, texts = self._prefill(
                 batch, [embeds.get(requests[p.req].image) for p in batch], limits)
-            self._release(batch)  # their cached KV was copied into the batch's past
-            for j, p in enumerate(batch):
-                results[p.req] = Score(float(p_yes[j]), float(margin[j]),
-                                       p.prompt.image_len, texts[j])
+            # their cached KV was gathered into the batch's past: a later insert into the
+            # same slots is queued after that gather on the same stream
+            self._release(batch)
+            done.append((batch, scores, texts))
+        return done
 
     def _limit(self, r: Request) -> int:
         """Answer tokens to generate for ``r``: its own limit, else the engine's."""
@@ -245,13 +270,13 @@ class TorchEngine:
         return batches
 
     def _prefill(self, batch: list[_Plan], images: list[ImageEmbeds | None], limits: list[int]
-                 ) -> tuple[torch.Tensor, torch.Tensor, list[str | None]]:
-        b, t = len(batch), max(p.new_len for p in batch)
-        ids = torch.zeros((b, t), dtype=torch.long)
-        for j, p in enumerate(batch):
-            ids[j, : p.new_len] = torch.tensor(p.prompt.ids[p.past_len:])
-        lengths = torch.tensor([p.new_len for p in batch], device=self.device)
-        x = self.model.llm.embed_tokens(ids.to(self.device))  # [B, T, D]
+                 ) -> tuple[torch.Tensor, list[str | None]]:
+        """One forward over ``batch``: ([B, 2] (p_yes, margin) on the device, texts)."""
+        t = max(p.new_len for p in batch)
+        ids = self._to_device([list(p.prompt.ids[p.past_len:]) + [0] * (t - p.new_len)
+                               for p in batch])  # [B, T], right-padded
+        lengths = self._to_device([p.new_len for p in batch])
+        x = self.model.llm.embed_tokens(ids)  # [B, T, D]
         for j, (p, im) in enumerate(zip(batch, images)):
             lo = max(p.span.start, p.past_len)
             hi = p.span.start + p.span.length
@@ -266,7 +291,7 @@ class TorchEngine:
             self._insert(batch, new_kv)
         p_yes, margin = yes_no(logits, self.answers)
         texts = self._texts(limits, logits, past, past_lengths, new_kv, lengths)
-        return p_yes.cpu(), margin.cpu(), texts
+        return torch.stack([p_yes, margin], 1), texts
 
     def _texts(self, limits: list[int], logits: torch.Tensor, past: list[KV] | None,
                past_lengths: torch.Tensor | None, new_kv: list[KV], lengths: torch.Tensor
@@ -277,7 +302,7 @@ class TorchEngine:
         if not rows:
             return [None] * len(limits)
         if len(rows) < len(limits):  # a subset: its rows of everything (a copy)
-            sel = torch.tensor(rows, device=self.device)
+            sel = self._to_device(rows)
             logits, lengths = logits[sel], lengths[sel]
             past = None if past is None else [(k[sel], v[sel]) for k, v in past]
             past_lengths = None if past_lengths is None else past_lengths[sel]
@@ -343,14 +368,14 @@ class TorchEngine:
         assert self.cache is not None
         nb = max(len(p.slots) for p in batch)
         fill = next(p.slots[0] for p in batch if p.slots)  # a slot in use: finite
-        idx = torch.tensor([p.slots + [fill] * (nb - len(p.slots)) for p in batch])
+        idx = self._to_device([p.slots + [fill] * (nb - len(p.slots)) for p in batch])
         pool = self.cache.pool  # [S, L, 2, K, bs, d]
         _, layers, _, kv_heads, bs, d = pool.shape
-        g = pool[idx.to(pool.device)]  # [B, nb, L, 2, K, bs, d]
+        g = pool[idx]  # [B, nb, L, 2, K, bs, d]
         g = g.permute(2, 3, 0, 4, 1, 5, 6).reshape(layers, 2, len(batch), kv_heads, nb * bs, d)
         g = g[..., :longest, :]
         past = [(g[i, 0], g[i, 1]) for i in range(layers)]
-        return past, torch.tensor([p.past_len for p in batch], device=self.device)
+        return past, self._to_device([p.past_len for p in batch])
 
     def _insert(self, batch: list[_Plan], new_kv: list[KV]) -> None:
         assert self.cache is not None

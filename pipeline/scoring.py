@@ -8,6 +8,7 @@ The logit margin ``logsumexp(yes) - logsumexp(no)`` is kept for calibration.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -41,10 +42,17 @@ class AnswerTokens:
         return cls(y, n)
 
 
+@functools.lru_cache(maxsize=64)
+def _index(ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Token ids as an index tensor on ``device``, built once: indexing with a Python list
+    would copy it to the GPU in every call, and that copy waits for the GPU to finish."""
+    return torch.tensor(ids, dtype=torch.long).to(device)
+
+
 def yes_no(logits: torch.Tensor, tokens: AnswerTokens) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] -> (p_yes [B], margin [B]), float32."""
+    """logits [B, V] -> (p_yes [B], margin [B]), float32, on the logits' device."""
     logits = logits.float()
-    ly = logits[:, list(tokens.yes_ids)].logsumexp(-1)
-    ln = logits[:, list(tokens.no_ids)].logsumexp(-1)
+    ly = logits.index_select(1, _index(tokens.yes_ids, logits.device)).logsumexp(-1)
+    ln = logits.index_select(1, _index(tokens.no_ids, logits.device)).logsumexp(-1)
     margin = ly - ln
     return torch.sigmoid(margin), margin
