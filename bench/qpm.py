@@ -101,7 +101,7 @@ def ours(model_dir: Path, items: list, images_per_batch: int, cache: bool, warm:
     answered first, untimed, in groups of the same size (shapes, allocator, graph capture)."""
     model = load_model(model_dir, device, dtype)
     tiling = model.spec.tiling
-    runner = make_runner(vit, model, device, cuda_graphs=graphs)
+    runner = make_runner(vit, model, device, cuda_graphs=graphs, stream_ordered=True)  # as `run`
     cfg = EngineConfig(prefix_cache=cache, cuda_graphs=graphs, **(engine_kw or {}))
 
     def run(engine: TorchEngine, its: list) -> list:

@@ -32,7 +32,10 @@ BACKENDS = ("torch", "onnxruntime", "onnxruntime-int8", "tensorrt")
 
 class VitRunner(ABC):
     """Invariant: ``encode`` returns exactly one embedding row block per input tile, in order,
-    and the result is complete (safe to read from any stream or the CPU) when returned."""
+    and the result is complete (safe to read from any stream or the CPU) when returned; a
+    ``TorchRunner`` built ``stream_ordered`` promises only that work queued after it on the
+    current CUDA stream sees it complete (what ``TorchEngine`` needs: it reads the result on
+    that stream), which spares the host a wait per call."""
 
     @abstractmethod
     def encode(self, tiles: torch.Tensor) -> torch.Tensor:
@@ -40,7 +43,8 @@ class VitRunner(ABC):
 
 
 class TorchRunner(VitRunner):
-    def __init__(self, model: LoadedModel, cuda_graphs: bool = False, max_batch: int = 32) -> None:
+    def __init__(self, model: LoadedModel, cuda_graphs: bool = False, max_batch: int = 32,
+                 stream_ordered: bool = False) -> None:
         self.vision = model.vision
         p = next(self.vision.parameters())
         self.device = p.device
@@ -49,8 +53,10 @@ class TorchRunner(VitRunner):
             from cudagraph_pool import GraphPool
 
             tile = model.spec.tiling.tile_size
+            # the pool's guard (a host wait on an event after each call) protects readers on
+            # other streams or the CPU; a stream-ordered consumer needs none
             self.pool = GraphPool(self.vision, (tile, tile, 3), torch.uint8, self.device,
-                                  max_batch=max_batch)
+                                  max_batch=max_batch, sync=not stream_ordered)
 
     @torch.inference_mode()
     def encode(self, tiles: torch.Tensor) -> torch.Tensor:
@@ -106,9 +112,12 @@ def default_backend(device: str) -> str:
 
 
 def make_runner(backend: str, model: LoadedModel, device: str = "cpu",
-                onnx_path: Path | None = None, cuda_graphs: bool = True) -> VitRunner:
+                onnx_path: Path | None = None, cuda_graphs: bool = True,
+                stream_ordered: bool = False) -> VitRunner:
+    """``stream_ordered``: see ``VitRunner`` (the torch backend only; the others always
+    return complete results)."""
     if backend == "torch":
-        return TorchRunner(model, cuda_graphs=cuda_graphs)
+        return TorchRunner(model, cuda_graphs=cuda_graphs, stream_ordered=stream_ordered)
     if backend in ("onnxruntime", "onnxruntime-int8"):
         try:
             return OnnxRuntimeRunner(model, onnx_path, device, int8=backend.endswith("int8"))
