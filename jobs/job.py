@@ -31,6 +31,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -62,7 +63,7 @@ def is_job(path: Path) -> bool:
 
 
 def _config_json(cfg: RunConfig) -> dict:
-    def plain(obj: object) -> object:
+    def plain(obj: object) -> dict[str, Any]:
         d = dataclasses.asdict(obj)  # type: ignore[call-overload]
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in d.items()}
 
@@ -93,7 +94,8 @@ class JobConfig:
         d = read_job_file(job)
         m = dict(d["model"])
         m["path"] = Path(m["path"]) if m["path"] else None
-        e = {k: tuple(v) if isinstance(v, list) else v for k, v in d["engine"].items()}
+        e: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
+                             for k, v in d["engine"].items()}
         if not e.get("max_new_tokens"):  # jobs from before --ignore-eos needed it: no effect
             e["ignore_eos"] = False
         return cls(ModelConfig(**m), EngineConfig(**e), d["images_per_batch"],

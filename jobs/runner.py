@@ -24,7 +24,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from queue import SimpleQueue
-from typing import IO
+from typing import IO, Any
 
 import torch
 from tqdm import tqdm
@@ -143,9 +143,9 @@ def prepared_groups(groups: Iterable[list[ImageItem]], tiling: TilingConfig, max
     queue: deque[tuple[list[ImageItem], list[Future]]] = deque()
     try:
         while True:
-            while len(queue) <= ahead and (group := next(source, None)) is not None:
-                queue.append((group, [pool.submit(_prepare_or_error, it, tiling, max_pixels)
-                                      for it in group]))
+            while len(queue) <= ahead and (nxt := next(source, None)) is not None:
+                queue.append((nxt, [pool.submit(_prepare_or_error, it, tiling, max_pixels)
+                                    for it in nxt]))
             if not queue:
                 return
             group, futures = queue[0]
@@ -214,9 +214,10 @@ def score_group(engine: Engine, pg: PreparedGroup) -> list[dict]:
     lines = []
     for item in pg.group:
         for q in item.questions:
-            line = {"id": item.id, "question_id": q.id, "question": q.text, "answer": None,
-                    "p_yes": None, "margin": None, "image_tokens": None,
-                    "error": errors.get(item.id)}
+            line: dict[str, Any] = {
+                "id": item.id, "question_id": q.id, "question": q.text, "answer": None,
+                "p_yes": None, "margin": None, "image_tokens": None,
+                "error": errors.get(item.id)}
             if item.id in index:
                 s = next(scores)
                 line.update(answer="yes" if s.p_yes >= q.threshold else "no",

@@ -38,7 +38,11 @@ def line_writer(out: IO[str], fmt: str, openai: bool = False) -> Callable[[list[
         return writer.writerows
     if fmt != "jsonl":
         raise ValueError(f"format {fmt!r} not one of {TEXT_FORMATS}")
-    return lambda lines: out.write(write_lines(lines, openai))  # type: ignore[func-returns-value]
+
+    def write(lines: list[dict]) -> None:
+        out.write(write_lines(lines, openai))
+
+    return write
 
 
 def open_text(path: Path, fmt: str) -> IO[str]:

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from pipeline.engine import EngineStats, Request, Score
+from pipeline.prefix_cache import PrefixCache
 from pipeline.scoring import AnswerTokens, yes_no
 from preprocessing.prepare import PreparedImage
 
@@ -120,7 +121,8 @@ class LMDeployEngine:
         self.tokens_per_tile = tokens_per_tile
         self.max_tiles = max_tiles
         self.stats = EngineStats()
-        self.cache = None  # lmdeploy's own; Response.cached_tokens reports its hits
+        # lmdeploy keeps its own cache; Response.cached_tokens reports its hits
+        self.cache: PrefixCache | None = None
 
     def score(self, images: list[PreparedImage], requests: list[Request]) -> list[Score]:
         prompts = []

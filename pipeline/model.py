@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -51,7 +52,7 @@ class LoadedModel:
     spec: ModelSpec
     vision: VisionEncoder
     llm: Qwen2LM
-    tokenizer: object  # a transformers tokenizer
+    tokenizer: Any  # a transformers tokenizer
 
 
 def _pair(v: int | list[int]) -> int:

@@ -45,7 +45,7 @@ def save_random_internvl(path: Path, *, vision: dict, text: dict, tile: int, pat
         vision_config=dict(image_size=tile, patch_size=patch, **vision),
         text_config=dict(model_type="qwen2", vocab_size=len(tok), tie_word_embeddings=True,
                          pad_token_id=tok.pad_token_id, **text),
-        image_token_id=tok.convert_tokens_to_ids("<IMG_CONTEXT>"),
+        image_token_id=int(tok.convert_tokens_to_ids("<IMG_CONTEXT>")),  # type: ignore[arg-type]
         image_seq_length=(tile // patch) ** 2 // 4,
         tie_word_embeddings=True,
     )

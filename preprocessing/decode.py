@@ -118,6 +118,7 @@ def decode_for(data: bytes, need, max_pixels: int = DEFAULT_MAX_PIXELS,  # noqa:
     img = _imdecode(data, max_pixels, reduce)
     if reduce == 1:
         return img, None
+    assert full is not None  # set wherever reduce > 1
     ih, iw = img.shape[:2]
     if abs(iw - -(-full[0] // reduce)) > 1 or abs(ih - -(-full[1] // reduce)) > 1:
         return _imdecode(data, max_pixels, 1), None  # orientation not as read: play safe

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -27,6 +28,9 @@ from tqdm import tqdm
 from quant.awq import awq_scale
 from quant.gptq import Hessian, gptq
 from quant.int4 import dequantize, rtn
+
+if TYPE_CHECKING:
+    from pipeline.llm import Qwen2LM
 
 METHODS = ("awq", "gptq", "rtn")
 QWeights = dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -68,7 +72,7 @@ class _Recorder:
             self.hessian.add(x)
 
 
-def quantize_llm(llm: torch.nn.Module, run_calibration: Callable[[], None], method: str,
+def quantize_llm(llm: Qwen2LM, run_calibration: Callable[[], None], method: str,
                  group_size: int = 128, max_rows: int = 8192,
                  progress: bool = True) -> tuple[QWeights, list[dict]]:
     """Quantise every decoder-layer linear of ``llm`` (our ``Qwen2LM``) in place.
@@ -108,7 +112,9 @@ def quantize_llm(llm: torch.nn.Module, run_calibration: Callable[[], None], meth
                 for name in g.linears:
                     m = getattr(layer, name)
                     if method == "gptq":
-                        q, scale = gptq(m.weight, recs[g].hessian.h, group_size)
+                        hess = recs[g].hessian
+                        assert hess is not None  # gptq keeps a Hessian, never rows
+                        q, scale = gptq(m.weight, hess.h, group_size)
                     else:
                         q, scale = rtn(m.weight, group_size)
                     m.weight.copy_(dequantize(q, scale, group_size, m.weight.dtype))

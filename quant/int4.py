@@ -82,6 +82,10 @@ class Int4Linear(nn.Module):
     x: ``[..., K]`` of the layer's dtype; returns ``[..., N]``.
     """
 
+    nibbles: torch.Tensor | None  # [N, K/2] uint8 (the unpack path) or None (a kernel's)
+    scale: torch.Tensor  # [N, K/group_size]
+    bias: torch.Tensor | None
+
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  group_size: int, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, use_kernel: bool = True) -> None:
@@ -138,6 +142,7 @@ class Int4Linear(nn.Module):
 
     def _dequant(self) -> torch.Tensor:
         n = self.nibbles
+        assert n is not None, "a layer on a kernel keeps no nibbles"
         u = torch.stack([n & 0xF, n >> 4], -1).reshape(self.out_features, self.in_features)
         q = u.to(torch.int8) - 8
         return dequantize(q, self.scale, self.group_size, self.dtype)

@@ -212,14 +212,14 @@ class VisionEncoder(nn.Module):
         missing = []
         with torch.no_grad():
             for ours, t in own.items():
-                theirs = m.get(ours)
-                if theirs in sd:
-                    t.copy_(sd[theirs])
+                hf = m.get(ours)
+                if hf is not None and hf in sd:
+                    t.copy_(sd[hf])
                 elif ours.endswith("bias") and ours.split(".")[-2] in ("q_proj", "k_proj",
                                                                       "v_proj"):
                     t.zero_()  # attention_bias=False checkpoints carry no q/k/v bias
                 else:
-                    missing.append(theirs or ours)
+                    missing.append(hf or ours)
         if missing:
             raise KeyError(f"checkpoint lacks vision weights: {missing[:5]} "
                            f"({len(missing)} missing)")
