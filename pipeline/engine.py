@@ -121,10 +121,15 @@ class TorchEngine:
                               "--cache-mib, or --no-prefix-cache") from None
 
     def _to_device(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
-        """A small host list as a tensor on the engine's device, without waiting for the GPU
-        (``torch.tensor(..., device=cuda)`` copies synchronously; from pageable memory a
-        non-blocking copy is staged before it returns, so the list may go at once)."""
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+        """A host list as a tensor on the engine's device, without waiting for the GPU:
+        ``torch.tensor(..., device=cuda)`` copies synchronously, and a non-blocking copy from
+        pageable memory may still wait when the driver stages a large one. So on CUDA the
+        values go through pinned memory (torch's host allocator keeps the block until the
+        copy is done)."""
+        t = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def encode(self, images: list[PreparedImage]) -> list[ImageEmbeds]:
@@ -164,11 +169,11 @@ class TorchEngine:
         results: list[Score | None] = [None] * len(requests)
         if not done:
             return results  # type: ignore[return-value]
-        host = torch.cat([s for _, s, _ in done]).cpu()  # [rows, 2]: the call's one wait
+        host = torch.cat([s for _, s, _ in done]).tolist()  # [rows][2]: the call's one wait
         row = 0
         for batch, _, texts in done:
             for j, p in enumerate(batch):
-                p_yes, margin = host[row].tolist()
+                p_yes, margin = host[row]
                 results[p.req] = Score(p_yes, margin, p.prompt.image_len, texts[j])
                 row += 1
         return results  # type: ignore[return-value]

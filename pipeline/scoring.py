@@ -46,7 +46,8 @@ class AnswerTokens:
 def _index(ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """Token ids as an index tensor on ``device``, built once: indexing with a Python list
     would copy it to the GPU in every call, and that copy waits for the GPU to finish."""
-    return torch.tensor(ids, dtype=torch.long).to(device)
+    with torch.inference_mode(False):  # kept: a normal tensor, usable outside inference mode
+        return torch.tensor(ids, dtype=torch.long).to(device)
 
 
 def yes_no(logits: torch.Tensor, tokens: AnswerTokens) -> tuple[torch.Tensor, torch.Tensor]:

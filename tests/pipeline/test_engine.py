@@ -146,3 +146,24 @@ def test_a_lone_decoding_row_that_is_not_the_longest(model) -> None:  # noqa: AN
         assert [s.text for s in got] == [want[lone].text if j == lone else None
                                          for j in range(len(plain))]
         assert max(abs(a.margin - b.margin) for a, b in zip(got, want)) <= 1e-4
+
+
+def test_yes_no_reads_the_right_logits_in_and_out_of_inference_mode() -> None:
+    """P(yes) = softmax over the union, restricted to yes; the cached answer-token index is
+    built once (first inside inference mode, as the engine does) and still serves logits
+    that need gradients (calibration code may want them)."""
+    import torch
+
+    from pipeline.scoring import yes_no
+
+    tokens = AnswerTokens((1, 3), (0,))
+    logits = torch.tensor([[2.0, 0.5, -1.0, 1.5, 9.0]])
+    with torch.inference_mode():
+        p, m = yes_no(logits, tokens)
+    want = torch.logsumexp(torch.tensor([0.5, 1.5]), 0) - 2.0
+    assert abs(float(m[0]) - float(want)) < 1e-6
+    assert abs(float(p[0]) - float(torch.sigmoid(want))) < 1e-6
+    g = logits.clone().requires_grad_(True)
+    p, _ = yes_no(g, tokens)
+    p.sum().backward()
+    assert g.grad is not None and g.grad[0, 4] == 0 and g.grad[0, 2] == 0
