@@ -21,8 +21,9 @@ prefilled, image tokens prefilled.
 On CUDA the host must not wait for the GPU between batches, or the two take turns instead of
 overlapping: host-to-device copies are non-blocking (``_to_device``), answer token indices
 live on the device (``scoring``), and a call's P(yes) and margins are read back once, after
-its last batch is queued. What still waits: the graph pool's guard after each vision call,
-that read-back, and each decode step of a text answer (it needs the chosen token).
+its last batch is queued. What still waits: that read-back, each decode step of a text
+answer (it needs the chosen token), and the graph pool's guard after each vision call unless
+the runner is stream-ordered (``build_engine`` builds it so).
 """
 
 from __future__ import annotations
