@@ -67,24 +67,17 @@ class _RMSNorm(RMSNorm):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
-EXPAND_KV: bool | None = None  # None: never (below); True/False forces it (tests, bench)
-
-
-def _expand_kv(device: torch.device) -> bool:
-    """Repeat K/V per query head instead of SDPA's ``enable_gqa``?
-
-    No, on both devices, measured with ``bench/attention.py`` at Qwen2-0.5B's layout:
-    - CPU: ``enable_gqa`` level for a long prefill, 2-4x faster for short prompts after a
-      cached prefix, ~20x at decode (docs/engine.md);
-    - CUDA (H200, bf16, bench/gpu_check.sh, 2026-11-30): ``enable_gqa`` takes the math kernel
-      (flash takes no mask, memory-efficient no GQA) and expanded K/V the memory-efficient
-      one, yet ``enable_gqa`` is still faster: expanding costs 0.61x (16 prompts of 32 after
-      512 cached), 0.79x (4 x 1024) and 0.21x (decode, 64 rows after 600), because the
-      ``repeat_interleave`` copy costs more than the kernel saves at these sizes.
-    The override stays so that tests check both forms agree.
-    """
-    del device  # kept in the signature: the choice was per device and may be again
-    return bool(EXPAND_KV)
+# Repeat K/V per query head instead of SDPA's ``enable_gqa``? No, on both devices, measured
+# with ``bench/attention.py`` at Qwen2-0.5B's layout:
+# - CPU: ``enable_gqa`` level for a long prefill, 2-4x faster for short prompts after a cached
+#   prefix, ~20x at decode (docs/engine.md);
+# - CUDA (H200, bf16, bench/gpu_check.sh, 2026-11-30): ``enable_gqa`` takes the math kernel
+#   (flash takes no mask, memory-efficient no GQA) and expanded K/V the memory-efficient one,
+#   yet ``enable_gqa`` is still faster: expanding costs 0.61x (16 prompts of 32 after 512
+#   cached), 0.79x (4 x 1024) and 0.21x (decode, 64 rows after 600), because the
+#   ``repeat_interleave`` copy costs more than the kernel saves at these sizes.
+# Kept as a switch so that tests check both forms agree.
+EXPAND_KV = False
 
 
 class DecoderLayer(nn.Module):
@@ -116,7 +109,7 @@ class DecoderLayer(nn.Module):
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         k_all, v_all = (k, v) if past is None else (torch.cat([past[0], k], 2),
                                                     torch.cat([past[1], v], 2))
-        if s.heads != s.kv_heads and _expand_kv(q.device):
+        if s.heads != s.kv_heads and EXPAND_KV:
             g = s.heads // s.kv_heads  # [B, K, S, d] -> [B, H, S, d]
             k_all, v_all = k_all.repeat_interleave(g, 1), v_all.repeat_interleave(g, 1)
         a = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
