@@ -184,8 +184,7 @@ def main() -> None:
 
         tmp = tempfile.TemporaryDirectory(prefix="vlmbatch-random-")
         t0 = time.perf_counter()
-        shape = dict(INTERNVL3_1B)
-        args.model = save_random_internvl(Path(tmp.name), dtype=dtype, **shape)  # type: ignore[arg-type]
+        args.model = save_random_internvl(Path(tmp.name), dtype=dtype, **INTERNVL3_1B)  # type: ignore[arg-type]
         print(f"random {args.random_shape} saved in {time.perf_counter() - t0:.0f} s")
     items = easy_vqa_items("test")[: args.images]
     # untimed warm-up for every path, one group: the shapes the timed groups have

@@ -88,6 +88,10 @@ class _Plan:
         return len(self.prompt.ids) - self.past_len
 
 
+# per queued batch: its plans, [B, 2] (p_yes, margin) on the device, its texts
+_Queued = list[tuple[list[_Plan], torch.Tensor, list[str | None]]]
+
+
 class TorchEngine:
     def __init__(self, model: LoadedModel, cfg: EngineConfig,
                  vision: VitRunner | None = None) -> None:
@@ -158,7 +162,7 @@ class TorchEngine:
         self.stats.prompt_tokens += sum(len(p.ids) for p in prompts)  # what was asked
         embeds: dict[int, ImageEmbeds] = {}
         prefixes: dict[str, list[BlockId]] = {}
-        done: list[tuple[list[_Plan], torch.Tensor, list[str | None]]] = []
+        done: _Queued = []
         for phase in self._phases(requests, prompts):
             plans: list[_Plan] = []
             try:
@@ -181,14 +185,14 @@ class TorchEngine:
 
     def _run_phase(self, plans: list[_Plan], requests: list[Request],
                    images: list[PreparedImage], embeds: dict[int, ImageEmbeds]
-                   ) -> list[tuple[list[_Plan], torch.Tensor, list[str | None]]]:
+                   ) -> _Queued:
         """Encode what the plans need and queue their prefills in batches: per batch, its
         plans, ``[B, 2]`` (p_yes, margin) on the device and its texts."""
         need = sorted({requests[p.req].image for p in plans
                        if p.past_len < p.span.start + p.span.length} - embeds.keys())
         embeds.update(zip(need, self.encode([images[i] for i in need])))
         plans.sort(key=lambda p: p.new_len, reverse=True)
-        done: list[tuple[list[_Plan], torch.Tensor, list[str | None]]] = []
+        done: _Queued = []
         for batch in self._batches(plans):
             limits = [self._limit(requests[p.req]) for p in batch]
             scores, texts = self._prefill(
