@@ -27,9 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pipeline.build import build_engine  # noqa: E402
 from pipeline.config import EngineConfig, ModelConfig  # noqa: E402
-from pipeline.engine import Request  # noqa: E402
-from pipeline.engines import build_engine  # noqa: E402
+from pipeline.records import Request  # noqa: E402
 from preprocessing.prepare import prepare  # noqa: E402
 
 
@@ -55,13 +55,13 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(1)
     libc = ctypes.CDLL("libc.so.6") if a.trim else None
-    engine, tiling = build_engine(ModelConfig(), EngineConfig(cache_bytes=a.cache_mib << 20))
+    engine = build_engine(ModelConfig(), EngineConfig(cache_bytes=a.cache_mib << 20))
     rng = np.random.default_rng(0)
     print(f"{a.images} images, 16 per group, 1 question each, --cache-mib {a.cache_mib}"
           f"{', malloc_trim after each group' if a.trim else ''}")
     print(f"{'group':>6} {'RSS MiB':>8} {'cache MiB':>10} {'blocks':>7} {'evictions':>10}")
     for g in range(a.images // 16):
-        ims = [prepare(image(rng), tiling) for _ in range(16)]
+        ims = [prepare(image(rng), engine.image_plan) for _ in range(16)]
         engine.score(ims, [Request(i, "Is there a red shape?") for i in range(16)])
         if libc is not None:
             libc.malloc_trim(0)

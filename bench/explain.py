@@ -30,9 +30,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cache_memory import image  # noqa: E402
+from pipeline.build import build_engine  # noqa: E402
 from pipeline.config import EngineConfig, ModelConfig  # noqa: E402
-from pipeline.engine import Request  # noqa: E402
-from pipeline.engines import build_engine  # noqa: E402
+from pipeline.records import Request  # noqa: E402
 from preprocessing.prepare import prepare  # noqa: E402
 
 QUESTIONS = ["Is there a red shape?", "Is there a circle?", "Is there a blue shape?",
@@ -48,10 +48,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    engine, tiling = build_engine(ModelConfig(), EngineConfig(max_new_tokens=a.tokens,
+    engine = build_engine(ModelConfig(), EngineConfig(max_new_tokens=a.tokens,
                                                               ignore_eos=True))
     rng = np.random.default_rng(0)
-    ims = [prepare(image(rng), tiling) for _ in range(a.images)]
+    ims = [prepare(image(rng), engine.image_plan) for _ in range(a.images)]
     pairs = [(i, q) for i in range(len(ims)) for q in QUESTIONS]
     rows = {
         "P(yes) only": [Request(i, q, 0) for i, q in pairs],

@@ -60,7 +60,7 @@ step "qpm 1b-shape" 150 "$PY" bench/qpm.py --device cuda --dtype bfloat16 --imag
   --rounds 2 --random-shape internvl3-1b --profile "$out/1b"
 step "int4 linears" 45 "$PY" bench/quant.py --linears-only --device cuda --rounds 3
 step "gqa attention" 25 "$PY" bench/attention.py --device cuda --dtype bfloat16
-step "eval on cuda" 40 "$PY" -m pipeline.cli eval --device cuda --dtype bfloat16 --no-progress
+step "eval on cuda" 40 "$PY" -m vlmbatch.cli eval --device cuda --dtype bfloat16 --no-progress
 step "prefetch" 60 "$PY" bench/prefetch.py --device cuda --dtype bfloat16 --images 96 \
   --threads-list 0,2,8,16 --rounds 2
 {

@@ -74,7 +74,7 @@ def run(job: Path, extra: list[str], threads: int) -> tuple[float, float]:
     """(wall seconds, peak tree RSS MiB) of `vlmbatch run JOB extra...`."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "run", str(job), "--no-progress",
+    p = subprocess.Popen([sys.executable, "-m", "vlmbatch.cli", "run", str(job), "--no-progress",
                           *extra], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     peak = [0.0]
 
@@ -105,8 +105,9 @@ def main() -> None:
     ap.add_argument("--rss-only", action="store_true",
                     help="one in-process and one Ray (2 workers) run, for peak memory")
     args = ap.parse_args()
+    from jobs.config import RunConfig
     from jobs.job import status, submit
-    from pipeline.config import EngineConfig, ModelConfig, RunConfig
+    from pipeline.config import EngineConfig, ModelConfig
 
     t0 = time.perf_counter()
     manifest = make_images(args.work / f"data{args.items}_{args.min_size}_{args.max_size}",

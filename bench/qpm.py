@@ -45,15 +45,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jobs.runner import answer_group  # noqa: E402
-from pipeline.config import DTYPES, EngineConfig  # noqa: E402
-from pipeline.engine import TorchEngine  # noqa: E402
-from pipeline.evaluate import easy_vqa_items  # noqa: E402
-from pipeline.model import DEFAULT_MODEL, load_model  # noqa: E402
 from pipeline.prompt import PromptBuilder  # noqa: E402
-from pipeline.scoring import AnswerTokens  # noqa: E402
-from preprocessing.reference import pillow_tiles, pixel_values  # noqa: E402
 from vit_trt.runners import make_runner  # noqa: E402
+
+from pipeline.config import DEFAULT_MODEL, DTYPES, EngineConfig  # noqa: E402
+from pipeline.drive import answer_group  # noqa: E402
+from pipeline.evaluate import easy_vqa_items  # noqa: E402
+from pipeline.loading import load_model  # noqa: E402
+from pipeline.scoring import AnswerTokens  # noqa: E402
+from pipeline.torch_engine import TorchEngine  # noqa: E402
+from preprocessing.reference import pillow_tiles, pixel_values  # noqa: E402
 
 BASELINE_PROMPT_LENS: list = []  # the baseline prefills every prompt token
 
@@ -180,7 +181,7 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
 
     if args.random_shape:
-        from pipeline.random_model import INTERNVL3_1B, save_random_internvl
+        from models.internvl.random import INTERNVL3_1B, save_random_internvl
 
         tmp = tempfile.TemporaryDirectory(prefix="vlmbatch-random-")
         t0 = time.perf_counter()

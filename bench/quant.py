@@ -38,13 +38,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jobs.runner import answer_group  # noqa: E402
-from pipeline.config import EngineConfig, ModelConfig  # noqa: E402
-from pipeline.engines import build_engine  # noqa: E402
-from pipeline.evaluate import easy_vqa_items  # noqa: E402
-from pipeline.model import DEFAULT_MODEL  # noqa: E402
+from pipeline.build import build_engine  # noqa: E402
+from pipeline.config import DEFAULT_MODEL, EngineConfig, ModelConfig  # noqa: E402
+from pipeline.drive import answer_group  # noqa: E402
+from pipeline.evaluate import easy_vqa_set  # noqa: E402
+from pipeline.quantize import quantize_model  # noqa: E402
 from quant.int4 import Int4Linear  # noqa: E402
-from quant.quantize import quantize_model  # noqa: E402
 
 
 @dataclass
@@ -87,22 +86,22 @@ def llm_weight_bytes(llm: torch.nn.Module) -> int:
 
 
 def vit_bytes(row: Row) -> int:
-    runner = row.engine()[0].vision
+    runner = row.engine().vision
     session = getattr(runner, "session", None)
     if session is None:
-        vision = row.engine()[0].model.vision
+        vision = row.engine().model.vision
         return sum(p.numel() * p.element_size() for p in vision.parameters())
     return Path(runner.onnx_path).stat().st_size
 
 
-def answer(row: Row, items: list, long_tokens: int = 0, per_batch: int = 16) -> list[dict]:
-    engine, tiling = row.engine(long_tokens)
-    if hasattr(engine, "cache") and engine.cache is not None:
+def answer(row: Row, items: list, long_tokens: int = 0, per_batch: int = 16) -> list:
+    engine = row.engine(long_tokens)
+    if engine.cache is not None:
         engine.cache.clear()
-    lines = []
+    answers = []
     for g in range(0, len(items), per_batch):
-        lines += answer_group(engine, tiling, items[g: g + per_batch])
-    return lines
+        answers += answer_group(engine, items[g: g + per_batch])
+    return answers
 
 
 # One decoder layer of Qwen2-0.5B (the LLM of InternVL2.5-1B): (in, out) of q k v o gate up down.
@@ -177,7 +176,7 @@ def rss_child(args: argparse.Namespace) -> None:
     """--rss-row: load one row, answer the QPM subset, print peak RSS (MiB)."""
     spec = json.loads(args.rss_row)
     row = Row(spec["name"], Path(spec["model"]), spec["llm_quant"], spec["vit"])
-    answer(row, easy_vqa_items("test")[: args.qpm_images])
+    answer(row, easy_vqa_set("test").items[: args.qpm_images])
     # VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss over from the parent
     # across fork + exec, so every child would report the benchmark's own peak.
     hwm = next(ln for ln in Path("/proc/self/status").read_text().splitlines()
@@ -207,7 +206,7 @@ def parse_args() -> argparse.Namespace:
 def make_rows(args: argparse.Namespace) -> list[Row]:
     """fp32, the three W4A16 checkpoints (quantised here, timed), and the int8 rows."""
     tmp = Path(tempfile.mkdtemp(prefix="vlmbatch-quant-"))
-    calib = easy_vqa_items("train", args.calib_samples)
+    calib = easy_vqa_set("train", args.calib_samples).items
     rows = [Row("fp32", args.model)]
     for method in ("rtn", "awq", "gptq"):
         t0 = time.perf_counter()
@@ -221,12 +220,13 @@ def make_rows(args: argparse.Namespace) -> list[Row]:
 
 
 def measure_accuracy(rows: list[Row], limit: int | None) -> None:
-    test = easy_vqa_items("test", limit)
+    test = easy_vqa_set("test", limit)
     for row in rows:
-        lines = answer(row, test)
-        row.p_yes = [ln["p_yes"] for ln in lines]
-        row.correct = sum(ln["answer"] == ln["question_id"].split(":")[1] for ln in lines)
-        llm = row.engine()[0].model.llm
+        lines = answer(row, test.items)
+        row.p_yes = [a.p_yes for a in lines]
+        row.correct = sum(a.answer == test.expected[(a.image_id, a.question_id)]
+                          for a in lines)
+        llm = row.engine().model.llm
         row.weight_bytes = vit_bytes(row) if row.vit != "torch" else llm_weight_bytes(llm)
         kernels = {m.kernel for m in llm.modules() if isinstance(m, Int4Linear)}
         print(f"{row.name}: accuracy {row.correct / len(lines):.4f}"
@@ -236,7 +236,7 @@ def measure_accuracy(rows: list[Row], limit: int | None) -> None:
 def measure_qpm(rows: list[Row], args: argparse.Namespace) -> tuple[int, int]:
     """Best-of-``rounds`` QPM per row, short and long answers, rows interleaved in each
     round; peak RSS per row in a fresh process. Returns the question counts timed."""
-    everything = easy_vqa_items("test")
+    everything = easy_vqa_set("test").items
     short_items, long_items = everything[: args.qpm_images], everything[: args.long_images]
     n_short = sum(len(it.questions) for it in short_items)
     n_long = sum(len(it.questions) for it in long_items)

@@ -21,39 +21,40 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jobs.manifest import ImageItem, Question  # noqa: E402
-from jobs.runner import answer_group  # noqa: E402
-from pipeline.config import EngineConfig, ModelConfig  # noqa: E402
-from pipeline.engines import build_engine  # noqa: E402
-from pipeline.evaluate import easy_vqa_items  # noqa: E402
-from pipeline.model import DEFAULT_MODEL  # noqa: E402
+from pipeline.build import build_engine  # noqa: E402
+from pipeline.config import DEFAULT_MODEL, EngineConfig, ModelConfig  # noqa: E402
+from pipeline.drive import answer_group  # noqa: E402
+from pipeline.evaluate import EvalSet, easy_vqa_set  # noqa: E402
+from pipeline.records import ImageItem, Question  # noqa: E402
 from scripts.shapes import make_questions, make_scene  # noqa: E402
 
 HELD_OUT_SEED = 987_654  # training draws scenes from seed 0
 
 
-def scene_items(n: int, folder: Path) -> list[ImageItem]:
+def scene_items(n: int, folder: Path) -> EvalSet:
     rng = np.random.default_rng(HELD_OUT_SEED)
-    items = []
+    items, expected = [], {}
     for i in range(n):
         scene = make_scene(rng)
         path = folder / f"s{i}.png"
         cv2.imwrite(str(path), cv2.cvtColor(scene.image, cv2.COLOR_RGB2BGR))
-        qs = tuple(Question(f"{k}:{a}", q) for k, (q, a) in
-                   enumerate(make_questions(scene, rng, 6)))
-        items.append(ImageItem(str(i), str(path), qs, folder))
-    return items
+        qa = make_questions(scene, rng, 6)
+        items.append(ImageItem(str(i), str(path),
+                               tuple(Question(str(k), q) for k, (q, _) in enumerate(qa)),
+                               folder))
+        expected.update({(str(i), str(k)): a for k, (_, a) in enumerate(qa)})
+    return EvalSet(items, expected)
 
 
-def run(items: list[ImageItem], model: Path, tiling: str) -> tuple[float, float, float]:
-    engine, t = build_engine(ModelConfig(model, tiling=tiling), EngineConfig())
+def run(data: EvalSet, model: Path, tiling: str) -> tuple[float, float, float]:
+    engine = build_engine(ModelConfig(model, tiling=tiling), EngineConfig())
     right = total = tokens = 0
     start = time.perf_counter()
-    for g in range(0, len(items), 16):
-        for ln in answer_group(engine, t, items[g: g + 16]):
+    for g in range(0, len(data.items), 16):
+        for a in answer_group(engine, data.items[g: g + 16]):
             total += 1
-            right += ln["answer"] == ln["question_id"].split(":")[1]
-            tokens += ln["image_tokens"]
+            right += a.answer == data.expected[(a.image_id, a.question_id)]
+            tokens += a.image_tokens
     secs = time.perf_counter() - start
     return right / total, tokens / total, 60 * total / secs
 
@@ -67,7 +68,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        sets = {"easy-vqa test (yes/no)": easy_vqa_items("test", args.easy_limit),
+        sets = {"easy-vqa test (yes/no)": easy_vqa_set("test", args.easy_limit),
                 f"held-out scenes ({args.scenes})": scene_items(args.scenes, Path(tmp))}
         print(f"{'set':<28}{'tiling':<11}{'accuracy':>10}{'img tok/q':>11}{'QPM':>9}")
         for name, items in sets.items():

@@ -22,14 +22,17 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.model import DEFAULT_MODEL, load_model  # noqa: E402
-from vit_trt.encoder import VisionEncoder, VisionSpec  # noqa: E402
+from models.internvl.vision import VisionEncoder, VisionSpec  # noqa: E402
+from pipeline.config import DEFAULT_MODEL  # noqa: E402
+from pipeline.loading import load_model, vision_model  # noqa: E402
+from vit_trt import VisionModel  # noqa: E402
+from vit_trt.export import export_onnx  # noqa: E402
+from vit_trt.onnx_runner import OnnxRuntimeRunner  # noqa: E402
 
 INTERNVIT_300M = VisionSpec(
     hidden=1024, layers=24, heads=16, intermediate=4096, patch=14, image_size=448,
@@ -44,6 +47,12 @@ def encoder(name: str, model_dir: Path) -> tuple[torch.nn.Module, int]:
         return m.vision, m.spec.tiling.tile_size
     torch.manual_seed(0)
     return VisionEncoder(INTERNVIT_300M).eval(), 448
+
+
+def vision_of(vision: VisionEncoder, tile: int, model_dir: Path) -> VisionModel:
+    """A bare encoder as a runner's ``VisionModel`` (tile in, tokens x text hidden out)."""
+    return VisionModel(vision, (tile, tile, 3),
+                       (vision.spec.tokens_per_tile(tile), vision.spec.text_hidden), model_dir)
 
 
 def timed(fn, tiles: torch.Tensor, reps: int, cuda: bool) -> float:  # noqa: ANN001
@@ -61,17 +70,11 @@ def timed(fn, tiles: torch.Tensor, reps: int, cuda: bool) -> float:  # noqa: ANN
 
 
 def cpu_rows(name: str, model_dir: Path, batches: list[int], reps: int) -> None:
-    from vit_trt.export import export_onnx
-    from vit_trt.runners import OnnxRuntimeRunner
-
     vision, tile = encoder(name, model_dir)
-    holder = SimpleNamespace(vision=vision, spec=SimpleNamespace(
-        tiling=SimpleNamespace(tile_size=tile), path=model_dir,
-        tokens_per_tile=vision.spec.tokens_per_tile(tile),
-        text=SimpleNamespace(hidden=vision.spec.text_hidden)))
+    holder = vision_of(vision, tile, model_dir)
     with tempfile.TemporaryDirectory() as tmp:
-        export = export_onnx(holder, Path(tmp), check_batch=1)  # type: ignore[arg-type]
-        ort = OnnxRuntimeRunner(holder, export.onnx_path)  # type: ignore[arg-type]
+        export = export_onnx(holder, Path(tmp), check_batch=1)
+        ort = OnnxRuntimeRunner(holder, export.onnx_path)
         for b in batches:
             tiles = torch.randint(0, 256, (b, tile, tile, 3), dtype=torch.uint8)
             with torch.inference_mode():
@@ -103,7 +106,8 @@ def gpu_rows(name: str, model_dir: Path, batches: list[int], reps: int, rounds: 
 
         from vit_trt.tensorrt_runner import TensorRTRunner
 
-        holder = load_model(model_dir, "cuda") if name == "builtin" else None
+        holder = (vision_model(load_model(model_dir, "cuda")) if name == "builtin"
+                  else None)
         if holder is not None:
             for graphs in (False, True):
                 trt = TensorRTRunner(holder, profile=(1, 8, max(batches)), cuda_graphs=graphs)

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from jobs.records import ManifestError
+from jobs.errors import ManifestError
 from jobs.store import JobStore
 
 LOCK_FILE = "run.lock"

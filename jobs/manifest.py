@@ -24,17 +24,23 @@ import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
+import yaml
+
+from jobs.errors import ManifestError
 from jobs.openai_batch import is_openai_request, parse_request
-from jobs.records import ImageItem, ManifestError, Question
+from pipeline.records import ImageItem, Question
 
 __all__ = ["ImageItem", "ManifestError", "Question", "items_from_folder", "iter_manifest",
-           "manifest_format", "read_manifest", "read_policy"]
+           "manifest_format", "parse_question", "read_manifest", "read_policy"]
 
 QUESTION_KEYS = {"id", "text", "threshold", "max_new_tokens"}
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 
 
-def _question(raw: object, where: str, index: int, prefix: str = "q") -> Question:
+def parse_question(raw: object, where: str, index: int, prefix: str = "q") -> Question:
+    """A question given as a string or ``{"id", "text", "threshold"?, "max_new_tokens"?}``;
+    ManifestError naming ``where`` and ``index`` otherwise. Without an id it is
+    ``{prefix}{index}``."""
     if isinstance(raw, str):
         if not raw.strip():
             raise ManifestError(f"{where}: question {index} is empty")
@@ -63,7 +69,7 @@ def _questions(raw: object, where: str, prefix: str = "q") -> tuple[Question, ..
     p0, p1... in a policy, so the two never collide by default."""
     if not isinstance(raw, list):
         raise ManifestError(f"{where}: 'questions' must be a list, got {type(raw).__name__}")
-    qs = tuple(_question(q, where, i, prefix) for i, q in enumerate(raw))
+    qs = tuple(parse_question(q, where, i, prefix) for i, q in enumerate(raw))
     ids = [q.id for q in qs]
     if len(set(ids)) != len(ids):
         raise ManifestError(f"{where}: question ids repeat: {ids}")
@@ -77,8 +83,6 @@ def read_policy(path: Path) -> tuple[Question, ...]:
         raise ManifestError(f"policy {path} is a folder; give the policy's .yaml/.toml file")
     if not path.is_file():
         raise ManifestError(f"policy file {path} not found")
-    import yaml
-
     try:
         text = path.read_text(encoding="utf-8-sig")  # a BOM is tolerated
     except UnicodeDecodeError as e:

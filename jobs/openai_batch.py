@@ -14,10 +14,12 @@ image share its prefix cache entry, keyed by pixel content.
 
 Output line: ``{"id", "custom_id", "response": {"status_code": 200, "request_id", "body":
 <chat.completion>}, "error": null}``; a failed item gets ``"response": null`` and
-``"error": {"code", "message"}``. The completion's content is ``"yes"``/``"no"``, or the
-generated text when the request's ``max_completion_tokens``/``max_tokens`` is above 1 (up to
-that many tokens) or ``--max-new-tokens`` is set; ``p_yes`` and ``margin`` ride along in the
-body under ``"vlmbatch"``.
+``"error": {"code", "message"}``, the code naming its ``ErrorKind`` (``decode_error``,
+``source_error``, ``too_large_error``, ``engine_error``, ...). The completion's content is
+``"yes"``/``"no"``, or the generated text when the request's
+``max_completion_tokens``/``max_tokens`` is above 1 (up to that many tokens) or
+``--max-new-tokens`` is set; ``p_yes`` and ``margin`` ride along in the body under
+``"vlmbatch"``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jobs.records import ImageItem, ManifestError, Question
+from jobs.errors import ManifestError
+from pipeline.records import Answer, ImageItem, Question
 
 
 def is_openai_request(rec: dict) -> bool:
@@ -78,23 +81,24 @@ def _answer_tokens(rec: dict, where: str) -> int | None:
     return n if n > 1 else None
 
 
-def to_output(line: dict) -> dict:
-    """One of our result lines -> one OpenAI batch output line."""
-    rid = f"vlmbatch-{line['id']}"
-    if line["error"]:
-        return {"id": rid, "custom_id": line["id"], "response": None,
-                "error": {"code": "image_error", "message": line["error"]}}
-    content = line.get("text") if line.get("text") is not None else line["answer"]
+def to_output(a: Answer) -> dict:
+    """One answer -> one OpenAI batch output line."""
+    rid = f"vlmbatch-{a.image_id}"
+    if a.error:
+        kind = a.error_kind.value if a.error_kind is not None else "unknown"
+        return {"id": rid, "custom_id": a.image_id, "response": None,
+                "error": {"code": f"{kind}_error", "message": a.error}}
+    content = a.text if a.text is not None else a.answer
     body = {"id": rid, "object": "chat.completion", "model": "vlmbatch",
             "choices": [{"index": 0, "finish_reason": "stop",
                          "message": {"role": "assistant", "content": content}}],
             "usage": {"prompt_tokens": None, "completion_tokens": None, "total_tokens": None},
-            "vlmbatch": {"p_yes": line["p_yes"], "margin": line["margin"],
-                         "image_tokens": line["image_tokens"]}}
-    return {"id": rid, "custom_id": line["id"],
+            "vlmbatch": {"p_yes": a.p_yes, "margin": a.margin, "image_tokens": a.image_tokens}}
+    return {"id": rid, "custom_id": a.image_id,
             "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
 
 
-def write_lines(lines: list[dict], openai: bool) -> str:
-    return "".join(json.dumps(to_output(ln) if openai else ln, ensure_ascii=False) + "\n"
-                   for ln in lines)
+def write_lines(answers: list[Answer], openai: bool) -> str:
+    """JSONL text of ``answers``: our result lines, or OpenAI batch output lines."""
+    return "".join(json.dumps(to_output(a) if openai else a.line(), ensure_ascii=False) + "\n"
+                   for a in answers)

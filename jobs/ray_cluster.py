@@ -15,23 +15,20 @@ import signal
 import socket
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from jobs.ray_executor import RayOptions
+from jobs.config import RayOptions
+from pipeline.config import ConfigError
 
 
-def init_ray(ray, opts: RayOptions) -> None:  # noqa: ANN001
+def init_ray(ray: Any, opts: RayOptions) -> None:
     """Join ``opts.address`` (else ``$RAY_ADDRESS``), or start a new local Ray instance sized
     for this run; never join a cluster by accident (``ray.init()``'s own default joins the
     last one ``ray start`` made on this machine). A cluster that cannot be reached or joined
     is a ``ConfigError`` naming the address, not a traceback."""
-    from pipeline.config import ConfigError
-
     cpus = opts.preprocess_workers + opts.model_workers * opts.model_cpus
     root = str(Path(__file__).resolve().parents[1])  # the repo root, for the workers' imports
     env = {"PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    env.update({k: v for k, v in os.environ.items() if k.startswith("VLMBATCH_TEST_")})
     address = opts.address or os.environ.get("RAY_ADDRESS") or None
     named = f"--address {opts.address}" if opts.address else f"RAY_ADDRESS={address}"
     if address:
@@ -80,8 +77,6 @@ def check_reachable(address: str, named: str, timeout_s: float = 5.0) -> None:
     """A TCP connection to ``host:port`` or ``ray://host:port`` within ``timeout_s``, so a
     wrong address fails in seconds instead of after Ray's own retries (minutes). ``auto`` and
     other forms without a port are left to Ray."""
-    from pipeline.config import ConfigError
-
     hostport = address.removeprefix("ray://")
     host, sep, port = hostport.rpartition(":")
     if not sep or not port.isdigit() or not host:

@@ -1,6 +1,6 @@
 """Run a job on Ray: CPU preprocessing tasks feed model actors; the driver records results.
 
-    run_job_ray(job, RayOptions(preprocess_workers=2))      # `vlmbatch run JOB --executor ray`
+    run_job_ray(job, cfg, progress, hooks)      # `vlmbatch run JOB --executor ray`
 
 Data flow (one *group* = ``images_per_batch`` pending items, read lazily from the store)::
 
@@ -29,109 +29,83 @@ Invariants:
   (``max_restarts``/``max_task_retries``); results are recorded only by the driver, only for
   items still pending, so a retried group is never recorded twice.
 
-Fault injection for tests (environment variables, read by the workers):
-``VLMBATCH_TEST_KILL_MODEL_AT=N`` and ``VLMBATCH_TEST_KILL_MARKER=FILE``: the model worker
-exits abruptly on its N-th call, once (the marker file records that it did);
-``VLMBATCH_TEST_HANG=TEXT``: preparing an item whose image source contains TEXT sleeps forever;
-``VLMBATCH_TEST_CRASH=TEXT``: ... ends its worker process abruptly;
-``VLMBATCH_TEST_SLOW_SCORE=1``: each model call sleeps 0.5 s (a window to cancel in).
+Fault injection for tests: a ``pipeline.hooks.FaultHooks`` passed in travels (pickled) to the
+prepare tasks (``before_prepare``: hang or crash on an item) and the model actors
+(``before_score``: die on the N-th call, or be slow); production passes none.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import torch
 from tqdm import tqdm
 
-from jobs.manifest import ImageItem
+from jobs.config import RunConfig
+from jobs.folder import STORE_FILE, status
+from jobs.lock import host_id
 from jobs.ray_cluster import init_ray
-from jobs.runner import PreparedGroup, prepare_group
-from jobs.store import JobStore
-from preprocessing.prepare import TilingConfig
+from jobs.store import Counts, JobStore, by_item
+from pipeline.build import build_engine
+from pipeline.config import EngineConfig, ModelConfig
+from pipeline.drive import PreparedGroup, prepare_group, score_group
+from pipeline.hooks import FaultHooks
+from pipeline.loading import read_spec
+from pipeline.records import Answer, ErrorKind, ImageItem, ItemError
+from preprocessing.prepare import ImagePlan
 
 
-@dataclass(frozen=True)
-class RayOptions:
-    address: str | None = None  # None: $RAY_ADDRESS, else a new local instance for this run
-    preprocess_workers: int = 1  # concurrent CPU preprocessing tasks
-    model_workers: int = 1  # model actors (one per GPU on a GPU cluster)
-    model_cpus: float = 1.0  # CPUs reserved per model actor (its torch threads, on CPU)
-    decode_timeout: float = 30.0  # seconds per item before a prepare task is killed
-
-    def __post_init__(self) -> None:
-        from pipeline.config import ConfigError
-
-        if self.preprocess_workers < 1 or self.model_workers < 1:
-            raise ConfigError("--preprocess-workers and --model-workers must be >= 1")
-        if self.decode_timeout <= 0 or self.model_cpus <= 0:
-            raise ConfigError("--decode-timeout and --model-cpus must be > 0")
-
-
-def require_ray():  # noqa: ANN201
-    try:
+def require_ray() -> Any:
+    try:  # optional dependency: the ray extra
         import ray
     except ModuleNotFoundError as e:
         raise ImportError("--executor ray needs Ray: pip install 'vlmbatch[ray]'") from e
     return ray
 
 
-def _prepare(group: list[ImageItem], tiling: TilingConfig,
-             max_pixels: int) -> tuple[int, PreparedGroup]:
+def _prepare(group: list[ImageItem], plan: ImagePlan, max_pixels: int,
+             hooks: FaultHooks) -> tuple[int, PreparedGroup]:
     """A prepare task with two return objects (``num_returns=2``): a small one the driver
     fetches to learn that the task succeeded, and the tiles, which go from the object store
     straight to a model actor without passing through the driver."""
-    hang, crash = os.environ.get("VLMBATCH_TEST_HANG"), os.environ.get("VLMBATCH_TEST_CRASH")
-    if hang and any(hang in it.image for it in group):
-        time.sleep(10**6)
-    if crash and any(crash in it.image for it in group):
-        os._exit(11)  # as a decoder segfault would end the process
-    return len(group), prepare_group(group, tiling, max_pixels)
+    for it in group:
+        hooks.prepare(it)
+    return len(group), prepare_group(group, plan, max_pixels)
 
 
 class ModelWorker:
     """Holds one engine; ``score`` runs stage 2 of a group. Ray makes it an actor."""
 
-    def __init__(self, model_cfg, engine_cfg, threads: int | None) -> None:  # noqa: ANN001
-        import torch
-
-        from pipeline.engines import build_engine
-
+    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, threads: int | None,
+                 hooks: FaultHooks) -> None:
         if threads:
             torch.set_num_threads(threads)
-        self.engine, self.tiling = build_engine(model_cfg, engine_cfg)
+        self.engine = build_engine(model_cfg, engine_cfg)
+        self.hooks = hooks
         self.calls = 0
 
-    def tiling_config(self) -> TilingConfig:
-        return self.tiling
+    def image_plan(self) -> ImagePlan:
+        return self.engine.image_plan
 
-    def score(self, pg: PreparedGroup) -> list[dict]:
-        from jobs.runner import score_group
-
+    def score(self, pg: PreparedGroup) -> list[Answer]:
         self.calls += 1
-        at, marker = os.environ.get("VLMBATCH_TEST_KILL_MODEL_AT"), \
-            os.environ.get("VLMBATCH_TEST_KILL_MARKER")
-        if at and marker and self.calls == int(at) and not Path(marker).exists():
-            Path(marker).write_text("killed once\n")
-            os._exit(1)  # as if the process were killed mid-batch
-        if os.environ.get("VLMBATCH_TEST_SLOW_SCORE"):
-            time.sleep(0.5)  # tests: a window for cancel
+        self.hooks.score(self.calls)
         return score_group(self.engine, pg)
 
 
-def run_job_ray(job: Path, opts: RayOptions, progress: bool = True):  # noqa: ANN201
-    """Answer every pending item of ``job`` on Ray; returns the job's status. Each model
-    actor runs ``opts.model_cpus`` torch threads (what Ray reserves for it), whatever
-    ``--threads`` the job was submitted with."""
+def run_job_ray(job: Path, cfg: RunConfig, progress: bool = True,
+                hooks: FaultHooks | None = None) -> Any:
+    """Answer every pending item of ``job`` on Ray (``cfg.executor.ray``); returns the job's
+    status. Each model actor runs ``model_cpus`` torch threads (what Ray reserves for it),
+    whatever ``--threads`` the job was submitted with."""
     ray = require_ray()
-    from jobs.job import STORE_FILE, JobConfig, _end_run, status
-
+    hooks = hooks or FaultHooks()
+    opts = cfg.executor.ray
     job = Path(job)
-    cfg = JobConfig.load(job)
     store = JobStore(job / STORE_FILE)
     started_ray = False
     try:
@@ -139,9 +113,7 @@ def run_job_ray(job: Path, opts: RayOptions, progress: bool = True):  # noqa: AN
         if c.pending == 0:
             store.set("status", "done")
             return status(job)
-        from pipeline.model import DEFAULT_MODEL, read_spec
-
-        read_spec(cfg.model.path or DEFAULT_MODEL)  # a bad model fails here, not in an actor
+        read_spec(cfg.model.path)  # a bad model fails here, not in an actor
         if not ray.is_initialized():
             init_ray(ray, opts)
             started_ray = True
@@ -150,14 +122,14 @@ def run_job_ray(job: Path, opts: RayOptions, progress: bool = True):  # noqa: AN
         gpus = 1 if cfg.model.device.startswith("cuda") else 0
         Actor = ray.remote(num_cpus=opts.model_cpus, num_gpus=gpus, max_restarts=3,
                            max_task_retries=3)(ModelWorker)
-        workers = [Actor.remote(cfg.model, cfg.engine, threads)
+        workers = [Actor.remote(cfg.model, cfg.engine, threads, hooks)
                    for _ in range(opts.model_workers)]
-        tiling = ray.get(workers[0].tiling_config.remote())
+        plan = ray.get(workers[0].image_plan.remote())
         final = "interrupted"  # unless _drive returns
         try:
-            final = _drive(ray, store, cfg, workers, tiling, opts, c, progress, job.name)
+            final = _drive(ray, store, cfg, workers, plan, c, progress, job.name, hooks)
         finally:
-            _end_run(store, final)
+            store.end_run(final)
     finally:
         store.close()
         if started_ray:
@@ -165,17 +137,16 @@ def run_job_ray(job: Path, opts: RayOptions, progress: bool = True):  # noqa: AN
     return status(job)
 
 
-def _drive(ray, store: JobStore, cfg, workers: list, tiling: TilingConfig,  # noqa: ANN001, PLR0913
-           opts: RayOptions, counts, progress: bool, name: str) -> str:  # noqa: ANN001
+def _drive(ray: Any, store: JobStore, cfg: RunConfig, workers: list,  # noqa: PLR0913
+           plan: ImagePlan, counts: Counts, progress: bool, name: str,
+           hooks: FaultHooks) -> str:
     """Run the job's pending items through prepare tasks and model actors until none is
     left or the job is cancelled; returns the run's final state."""
-    from jobs.job import _begin_run
-
-    _begin_run(store, counts)
+    store.begin_run(counts, host_id())
     bar = tqdm(total=counts.total, initial=counts.total - counts.pending, unit="img",
                disable=not progress, file=sys.stderr, desc=f"job {name} (ray)",
                dynamic_ncols=True)
-    s = _Scheduler(ray, store, cfg, workers, tiling, opts, bar)
+    s = _Scheduler(ray, store, cfg, workers, plan, bar, hooks)
     try:
         while True:
             if not s.cancelled and store.get("cancel") == "1":
@@ -197,10 +168,10 @@ class _Scheduler:
     lost with their node (``again``), and groups at the model actors (``scoring``, in
     submission order, so results are recorded in manifest order)."""
 
-    def __init__(self, ray, store: JobStore, cfg, workers: list, tiling: TilingConfig,  # noqa: ANN001, PLR0913
-                 opts: RayOptions, bar: tqdm) -> None:
+    def __init__(self, ray: Any, store: JobStore, cfg: RunConfig, workers: list,  # noqa: PLR0913
+                 plan: ImagePlan, bar: tqdm, hooks: FaultHooks) -> None:
         self.ray, self.store, self.cfg, self.workers = ray, store, cfg, workers
-        self.tiling, self.opts, self.bar = tiling, opts, bar
+        self.plan, self.opts, self.bar, self.hooks = plan, cfg.executor.ray, bar, hooks
         self.prepare = ray.remote(num_cpus=1, max_retries=0, num_returns=2)(_prepare)
         self.groups = store.pending(cfg.images_per_batch)
         self.preparing: dict = {}  # done ref -> (group, deadline, tiles ref)
@@ -239,7 +210,7 @@ class _Scheduler:
             self._submit_prepare(group)
 
     def _submit_prepare(self, group: list[ImageItem]) -> None:
-        done, tiles = self.prepare.remote(group, self.tiling, self.cfg.max_pixels)
+        done, tiles = self.prepare.remote(group, self.plan, self.cfg.max_pixels, self.hooks)
         deadline = time.monotonic() + self.opts.decode_timeout * len(group)
         self.preparing[done] = (group, deadline, tiles)
 
@@ -262,8 +233,7 @@ class _Scheduler:
                 if len(group) > 1:
                     self.retry.extend(group)  # find the culprit: one task per item
                     continue
-                tiles = PreparedGroup(group, [None], {group[0].id: f"{group[0].image}: "
-                                                      f"{self._failure(e)}"})
+                tiles = PreparedGroup(group, [None], {group[0].id: self._failure(group[0], e)})
             # an ObjectRef argument reaches the actor as its value, fetched there
             self.scoring.append((self.workers[self.next_worker].score.remote(tiles), group))
             self.next_worker = (self.next_worker + 1) % len(self.workers)
@@ -278,10 +248,12 @@ class _Scheduler:
         n = self.lost[group[0].id] = self.lost.get(group[0].id, 0) + 1
         return n <= most
 
-    def _failure(self, e: BaseException) -> str:
+    def _failure(self, item: ImageItem, e: BaseException) -> ItemError:
         if isinstance(e, TimeoutError):
-            return f"decoding timed out after {self.opts.decode_timeout:g}s (worker killed)"
-        return f"preprocessing worker died ({type(e).__name__})"
+            return ItemError(ErrorKind.DECODE_TIMEOUT, f"{item.source}: decoding timed out after "
+                             f"{self.opts.decode_timeout:g}s (worker killed)")
+        return ItemError(ErrorKind.DECODER_CRASHED,
+                         f"{item.source}: preprocessing worker died ({type(e).__name__})")
 
     def record_scored(self, ready: set) -> None:
         """Record, in submission order, every group whose model call has returned."""
@@ -289,22 +261,19 @@ class _Scheduler:
                                 or _is_ready(self.ray, self.scoring[0][0])):
             ref, group = self.scoring.popleft()
             try:
-                lines = self.ray.get(ref)
+                answers = self.ray.get(ref)
             except self.ray.exceptions.RayError as e:
                 if not self._lost_tiles(e, group):
                     raise
                 self.again.append(group)  # its items are still pending: prepare them again
                 continue
-            by_item: dict[str, list[dict]] = {}
-            for line in lines:
-                by_item.setdefault(line["id"], []).append(line)
-            self.store.record(by_item)
-            self.questions += len(lines)
+            self.store.record(by_item(answers))
+            self.questions += len(answers)
             self.bar.update(len(group))
             rate = 60 * self.questions / (time.perf_counter() - self.start)
             self.bar.set_postfix(qpm=f"{rate:.0f}")
 
 
-def _is_ready(ray, ref) -> bool:  # noqa: ANN001
+def _is_ready(ray: Any, ref: Any) -> bool:
     ready, _ = ray.wait([ref], timeout=0)
     return bool(ready)

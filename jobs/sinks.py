@@ -1,11 +1,11 @@
-"""Where result lines go: JSONL (ours, or OpenAI batch output lines) or CSV, written a group
-at a time by ``vlmbatch run`` (``jobs/runner.py``) and ``vlmbatch results``
+"""Where answers go: JSONL (our result lines, or OpenAI batch output lines) or CSV, written a
+group at a time by ``vlmbatch run`` (``jobs/runner.py``) and ``vlmbatch results``
 (``jobs/export.py``, which also writes Parquet).
 
-A result line is a dict with the keys ``RESULT_COLUMNS`` (``text`` only on lines whose
-question generates text: its ``max_new_tokens``, else --max-new-tokens). CSV has those
-columns in that order, a header row, and an empty field for null; JSONL keeps each line as
-it is.
+Every format is derived from ``pipeline.records.Answer``: a JSONL line is ``Answer.line()``
+(``text`` only where the question generates text: its ``max_new_tokens``, else
+--max-new-tokens); CSV has the columns ``RESULT_COLUMNS`` (``Answer.COLUMNS``) in that
+order, a header row, and an empty field for null.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import IO
 
 from jobs.openai_batch import write_lines
+from pipeline.records import Answer
 
-RESULT_COLUMNS = ("id", "question_id", "question", "answer", "p_yes", "margin",
-                  "image_tokens", "error", "text")
+RESULT_COLUMNS = tuple(name for name, _ in Answer.COLUMNS)
 TEXT_FORMATS = ("jsonl", "csv")
 
 
@@ -28,19 +28,24 @@ def format_of(path: Path | None) -> str:
     return {".parquet": "parquet", ".csv": "csv"}.get(suffix, "jsonl")
 
 
-def line_writer(out: IO[str], fmt: str, openai: bool = False) -> Callable[[list[dict]], None]:
-    """A function writing a list of result lines to ``out`` in ``fmt`` (one of
+def line_writer(out: IO[str], fmt: str, openai: bool = False
+                ) -> Callable[[list[Answer]], None]:
+    """A function writing a list of answers to ``out`` in ``fmt`` (one of
     ``TEXT_FORMATS``; CSV writes its header now). For CSV, open ``out`` with ``newline=""``
     (``open_text``). ``openai``: JSONL as OpenAI batch output lines."""
     if fmt == "csv":
         writer = csv.DictWriter(out, RESULT_COLUMNS, extrasaction="ignore")
         writer.writeheader()
-        return writer.writerows
+
+        def rows(answers: list[Answer]) -> None:
+            writer.writerows(a.line() for a in answers)
+
+        return rows
     if fmt != "jsonl":
         raise ValueError(f"format {fmt!r} not one of {TEXT_FORMATS}")
 
-    def write(lines: list[dict]) -> None:
-        out.write(write_lines(lines, openai))
+    def write(answers: list[Answer]) -> None:
+        out.write(write_lines(answers, openai))
 
     return write
 

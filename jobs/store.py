@@ -19,6 +19,7 @@ Tables::
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
 from collections.abc import Iterable, Iterator
@@ -26,7 +27,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.records import ImageItem, ManifestError, Question
+from jobs.errors import ManifestError
+from pipeline.records import Answer, ImageItem, Question
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -59,7 +61,18 @@ class Counts:
         return self.pending + self.done + self.failed
 
 
+def by_item(answers: list[Answer]) -> dict[str, list[Answer]]:
+    """A group's answers keyed by image id, in order (what ``JobStore.record`` takes)."""
+    out: dict[str, list[Answer]] = {}
+    for a in answers:
+        out.setdefault(a.image_id, []).append(a)
+    return out
+
+
 def item_to_json(item: ImageItem) -> str:
+    if not isinstance(item.image, str):
+        raise ManifestError(f"item {item.id!r}: a job stores image paths or URLs, not "
+                            f"{type(item.image).__name__}")
     return json.dumps({"id": item.id, "image": item.image, "base_dir": str(item.base_dir),
                        "questions": [_question_json(q) for q in item.questions]})
 
@@ -150,20 +163,20 @@ class JobStore:
             last = rows[-1][0]
             yield [item_from_json(spec) for _, spec in rows]
 
-    def record(self, results: dict[str, list[dict]]) -> int:
-        """Store each item's result lines and mark it done/failed, in one transaction.
-        Returns how many items were recorded (items no longer pending are skipped)."""
+    def record(self, results: dict[str, list[Answer]]) -> int:
+        """Store each item's answers and mark it done/failed, in one transaction. Returns
+        how many items were recorded (items no longer pending are skipped)."""
         now = time.time()
         n = 0
         with self._transaction():
-            for item_id, lines in results.items():
-                answered = sum(1 for ln in lines if not ln.get("error"))
-                state = "done" if answered == len(lines) else "failed"
+            for item_id, answers in results.items():
+                answered = sum(1 for a in answers if not a.error)
+                state = "done" if answered == len(answers) else "failed"
+                text = json.dumps([a.record() for a in answers], ensure_ascii=False)
                 cur = self.db.execute(
                     "UPDATE items SET state = ?, result = ?, updated = ?, lines = ?, "
                     "answered = ? WHERE item_id = ? AND state = 'pending'",
-                    (state, json.dumps(lines, ensure_ascii=False), now, len(lines), answered,
-                     item_id))
+                    (state, text, now, len(answers), answered, item_id))
                 n += cur.rowcount
         return n
 
@@ -190,11 +203,12 @@ class JobStore:
                               "WHERE state != 'pending'").fetchone()
         return int(row[0])
 
-    def results(self) -> Iterator[dict]:
-        """Every recorded result line, in manifest then question order."""
+    def answers(self) -> Iterator[Answer]:
+        """Every recorded answer, in manifest then question order."""
         for (text,) in self.db.execute(
                 "SELECT result FROM items WHERE state != 'pending' ORDER BY idx"):
-            yield from json.loads(text)
+            for d in json.loads(text):
+                yield Answer.from_record(d)
 
     def get(self, key: str, default: str | None = None) -> str | None:
         row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
@@ -203,3 +217,21 @@ class JobStore:
     def set(self, key: str, value: str) -> None:
         self.db.execute("INSERT INTO meta (key, value) VALUES (?, ?) "
                         "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (key, value))
+
+    def begin_run(self, c: Counts, host: str) -> None:
+        """Mark a run as started by this process on ``host`` (what ``status`` computes QPM,
+        ETA and the runner from)."""
+        self.set("cancel", "0")
+        self.set("status", "running")
+        self.set("run_started", str(time.time()))
+        self.set("run_answered_at_start", str(self.questions_answered()))
+        self.set("run_items_at_start", str(c.done + c.failed))
+        self.set("run_pid", str(os.getpid()))
+        self.set("run_host", host)
+        self.db.execute("DELETE FROM meta WHERE key = 'run_ended'")
+
+    def end_run(self, final: str) -> None:
+        """Mark the run ended: ``final`` (interrupted, cancelled), or done if nothing is
+        pending."""
+        self.set("status", final if self.counts().pending else "done")
+        self.set("run_ended", str(time.time()))

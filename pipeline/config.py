@@ -1,29 +1,48 @@
-"""One typed, frozen config tree. The CLI builds it; ``jobs.runner.run(config)`` consumes it.
+"""The engine side of the one frozen config tree: ``ModelConfig`` (which checkpoint, where,
+how its images are prepared) and ``EngineConfig`` (how it is run). ``jobs.config.RunConfig``
+holds both, with the run's input, output and executor; the CLI builds it.
 
-Validation lives in ``__post_init__`` so a bad value fails before any model is loaded.
+Validation lives in ``__post_init__`` so a bad value fails before any model is loaded. Each
+choice list is written once here (or in the registry that owns it) and read by the CLI's
+``choices``; each default is the dataclass field's, which the CLI reads too.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from pipeline.engine import ENGINES
+from preprocessing.prepare import TILING_MODES
+from vit_trt import RUNNERS
 
 
 class ConfigError(ValueError):
     """A bad option or config value, found before any work starts."""
 
 
+DEFAULT_MODEL = Path(__file__).resolve().parent / "default_model"
 LLM_QUANT = ("none", "int8-dynamic")
-VIT_BACKENDS = ("auto", "torch", "onnxruntime", "onnxruntime-int8", "tensorrt")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def vit_backends() -> tuple[str, ...]:
+    """``--vit-backend`` choices: ``auto`` and every registered runner."""
+    return ("auto", *RUNNERS.names())
+
+
+def default_of(cls: type, name: str) -> Any:
+    """The default of dataclass ``cls``'s field ``name`` (what the CLI shows and uses)."""
+    return next(f.default for f in fields(cls) if f.name == name)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: Path | None = None  # None: the built-in model
+    path: Path | None = None  # None: the built-in model (DEFAULT_MODEL)
     device: str = "cpu"
     dtype: str = "float32"
     max_tiles: int | None = None  # override the checkpoint's max tiles per image
@@ -47,8 +66,8 @@ class ModelConfig:
             raise ConfigError(f"dtype {self.dtype!r} not one of {sorted(DTYPES)}")
         if self.max_tiles is not None and self.max_tiles < 1:
             raise ConfigError(f"max_tiles must be >= 1, got {self.max_tiles}")
-        if self.tiling not in ("reference", "reduced"):
-            raise ConfigError(f"tiling {self.tiling!r} not one of ('reference', 'reduced')")
+        if self.tiling not in TILING_MODES:
+            raise ConfigError(f"tiling {self.tiling!r} not one of {TILING_MODES}")
         if self.max_image_tokens is not None and self.max_image_tokens < 1:
             raise ConfigError(f"max_image_tokens must be >= 1, got {self.max_image_tokens}")
         if not self.upscale_limit > 0:
@@ -58,17 +77,21 @@ class ModelConfig:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
-
-ENGINES = ("torch", "lmdeploy")
+    @property
+    def model_dir(self) -> Path:
+        return self.path if self.path is not None else DEFAULT_MODEL
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    engine: str = "torch"  # "torch" (ours, CPU/CUDA) | "lmdeploy" (TurboMind, GPU env only)
-    vit_backend: str = "auto"  # one of VIT_BACKENDS
+    engine: str = "torch"  # one of ENGINES: torch (ours, CPU/CUDA), lmdeploy (GPU env only)
+    vit_backend: str = "auto"  # one of vit_backends()
     cuda_graphs: bool = True  # torch/tensorrt vision backends on CUDA: batch-bucketed graph pool
     max_batch_tokens: int = 8192  # padded prompt tokens per LLM forward
     max_batch_tiles: int = 64  # tiles per vision-encoder forward
+    # largest vision batch a runner prepares for: the graph pool's largest bucket, the
+    # TensorRT profile's maximum; larger forwards are split
+    vit_max_batch: int = 32
     prefix_cache: bool = True  # image-aware prefix KV cache (pipeline/prefix_cache.py)
     block_size: int = 16  # tokens per cache block
     cache_bytes: int = 1 << 30  # LRU budget for cached KV
@@ -80,12 +103,14 @@ class EngineConfig:
     no_words: tuple[str, ...] = ("no", "No", "NO", "否")
 
     def __post_init__(self) -> None:
-        if min(self.max_batch_tokens, self.max_batch_tiles, self.block_size) < 1:
-            raise ConfigError("max_batch_tokens, max_batch_tiles and block_size must be >= 1")
-        if self.vit_backend not in VIT_BACKENDS:
-            raise ConfigError(f"vit_backend {self.vit_backend!r} not one of {VIT_BACKENDS}")
+        if min(self.max_batch_tokens, self.max_batch_tiles, self.block_size,
+               self.vit_max_batch) < 1:
+            raise ConfigError("max_batch_tokens, max_batch_tiles, vit_max_batch and block_size "
+                              "must be >= 1")
+        if self.vit_backend not in vit_backends():
+            raise ConfigError(f"vit_backend {self.vit_backend!r} not one of {vit_backends()}")
         if self.engine not in ENGINES:
-            raise ConfigError(f"engine {self.engine!r} not one of {ENGINES}")
+            raise ConfigError(f"engine {self.engine!r} not one of {ENGINES.names()}")
         if self.max_new_tokens < 0:
             raise ConfigError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.ignore_eos and not self.max_new_tokens:
@@ -96,40 +121,6 @@ class EngineConfig:
             raise ConfigError(f"cache_bytes must be >= 0, got {self.cache_bytes}")
         if not self.yes_words or not self.no_words:
             raise ConfigError("yes_words and no_words must not be empty")
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    manifest: Path | None = None
-    images: Path | None = None  # a folder of images, asked the policy's questions
-    policy: Path | None = None
-    out: Path | None = None  # JSONL (or CSV: .csv) results; None: standard output
-    images_per_batch: int = 16  # images preprocessed and scored together
-    max_pixels: int = 100_000_000  # larger images are that item's error (bomb guard)
-    threads: int | None = None  # torch intra-op threads; None: torch's default
-    # threads decoding and tiling the next groups while the model scores the current one;
-    # 0: none (each group prepared in the main thread before it is scored); None: auto
-    # (preprocess_threads_for)
-    preprocess_threads: int | None = None
-    progress: bool = True
-    model: ModelConfig = field(default_factory=ModelConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-
-    def __post_init__(self) -> None:
-        if (self.manifest is None) == (self.images is None):
-            raise ConfigError("give exactly one input: a manifest, or --images DIR with --policy")
-        if self.images is not None and self.policy is None:
-            raise ConfigError("--images DIR needs --policy FILE to say which questions to ask")
-        if self.max_pixels < 1:
-            raise ConfigError(f"max_pixels must be >= 1, got {self.max_pixels}")
-        if self.images_per_batch < 1:
-            raise ConfigError(f"images_per_batch must be >= 1, got {self.images_per_batch}")
-        check_threads(self.threads, self.preprocess_threads)
-        if self.out is not None:
-            for name, src in (("manifest", self.manifest), ("policy", self.policy)):
-                if src is not None and Path(src).resolve() == Path(self.out).resolve():
-                    raise ConfigError(f"--out {self.out} is the {name}: writing results there "
-                                      "would overwrite it; pick another file")
 
 
 def check_threads(threads: int | None, preprocess_threads: int | None) -> None:

@@ -24,16 +24,22 @@ What lmdeploy 0.16.0 allows, and so what this adapter does:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
-from pipeline.engine import EngineStats, Request, Score
-from pipeline.prefix_cache import PrefixCache
+from models.internvl.family import InternVLSpec
+from models.io import ModelError
+from pipeline.config import EngineConfig, ModelConfig
+from pipeline.engine import ENGINES, Engine, EngineStats
+from pipeline.loading import image_plan_for, read_spec
+from pipeline.records import Request, Score
 from pipeline.scoring import AnswerTokens, yes_no
-from preprocessing.prepare import PreparedImage
+from preprocessing.prepare import PreparedImage, TilingConfig
 
 
 @dataclass(frozen=True)
@@ -74,8 +80,6 @@ def build_messages(pixels: np.ndarray, question: str, max_tiles: int) -> list[di
     """OpenAI-style messages lmdeploy accepts (serve/processors/multimodal.py): an
     ``image_url`` part holding a PIL image, with ``max_dynamic_patch`` as a per-image
     parameter read by InternVL's preprocess, then the question."""
-    from PIL import Image
-
     image = Image.fromarray(pixels)
     return [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": image, "max_dynamic_patch": max_tiles}},
@@ -95,7 +99,7 @@ def score_response(response: Any, answers: AnswerTokens, image_tokens: int,
 
 
 def require_lmdeploy() -> Any:
-    try:
+    try:  # optional dependency: a separate GPU env
         import lmdeploy
     except ImportError as e:
         raise ImportError(
@@ -104,11 +108,13 @@ def require_lmdeploy() -> Any:
     return lmdeploy
 
 
-class LMDeployEngine:
-    """Scores (image, question) requests with an lmdeploy TurboMind pipeline."""
+class LMDeployEngine(Engine):
+    """Scores (image, question) requests with an lmdeploy TurboMind pipeline. lmdeploy keeps
+    its own prefix cache (``Response.cached_tokens`` reports its hits), so ``summary()`` has
+    no hit rate."""
 
     def __init__(self, model_path: str, tokenizer: Any, answers: AnswerTokens,
-                 tokens_per_tile: int, max_tiles: int, max_new_tokens: int = 0,
+                 tokens_per_tile: int, image_plan: TilingConfig, max_new_tokens: int = 0,
                  cfg: LMDeployConfig | None = None) -> None:
         lmdeploy = require_lmdeploy()
         self.cfg = cfg or LMDeployConfig()
@@ -119,10 +125,10 @@ class LMDeployEngine:
         self.max_new_tokens = max_new_tokens
         self.answers = answers
         self.tokens_per_tile = tokens_per_tile
-        self.max_tiles = max_tiles
+        # lmdeploy re-tiles the decoded image itself, so the plan keeps the pixels
+        self.image_plan = dataclasses.replace(image_plan, keep_pixels=True)
+        self.max_tiles = image_plan.max_tiles
         self.stats = EngineStats()
-        # lmdeploy keeps its own cache; Response.cached_tokens reports its hits
-        self.cache: PrefixCache | None = None
 
     def score(self, images: list[PreparedImage], requests: list[Request]) -> list[Score]:
         prompts = []
@@ -138,3 +144,19 @@ class LMDeployEngine:
         return [score_response(resp, self.answers,
                                images[r.image].grid.num_tiles * self.tokens_per_tile, n > 0)
                 for r, resp, n in zip(requests, responses, limits)]
+
+
+@ENGINES.register("lmdeploy")
+def build_lmdeploy(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> LMDeployEngine:
+    """An lmdeploy TurboMind pipeline on an InternVL checkpoint."""
+    require_lmdeploy()  # before reading the model: fail fast and say what to install
+    family, spec = read_spec(model_cfg.path)
+    if not isinstance(spec, InternVLSpec):
+        raise ModelError(f"--engine lmdeploy is wired for InternVL checkpoints only, not "
+                         f"{spec.model_type!r}")
+    tok = family.load_tokenizer(model_cfg.model_dir)
+    plan = image_plan_for(family, spec, model_cfg)
+    assert isinstance(plan, TilingConfig)
+    answers = AnswerTokens.from_words(tok, engine_cfg.yes_words, engine_cfg.no_words)
+    return LMDeployEngine(str(model_cfg.model_dir), tok, answers, spec.tokens_per_tile, plan,
+                          engine_cfg.max_new_tokens)

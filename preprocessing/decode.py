@@ -23,13 +23,13 @@ import warnings
 
 import cv2
 import numpy as np
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 DEFAULT_MAX_PIXELS = 100_000_000  # 100 MP: a 10000 x 10000 image
 
 # Pillow's own decompression-bomb warning: our max_pixels decides. Set once, here, because
 # warnings.catch_warnings() is not thread-safe and headers are checked in preprocessing
-# threads (jobs.runner.prepared_groups).
+# threads (pipeline.drive.prepared_groups).
 warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
 
@@ -37,13 +37,15 @@ class ImageError(ValueError):
     """An image could not be read or decoded; the message names the reason."""
 
 
+class ImageTooLarge(ImageError):
+    """The image has more pixels than the run's limit (``--max-pixels``): the bomb guard."""
+
+
 def check_header(data: bytes, max_pixels: int) -> tuple[int, int, str] | None:
     """Raise ImageError if the header declares more than ``max_pixels``; formats Pillow cannot
     identify pass (their size is checked after decoding). Returns (width, height, format),
     for a JPEG after the EXIF orientation OpenCV applies (tags 5-8 swap the axes), or None
     when the header could not be read."""
-    from PIL import Image, UnidentifiedImageError
-
     try:
         with Image.open(io.BytesIO(data)) as im:
             w, h = im.size
@@ -53,14 +55,14 @@ def check_header(data: bytes, max_pixels: int) -> tuple[int, int, str] | None:
     except Image.DecompressionBombError as e:  # over 2x Pillow's limit: size not returned
         limit = 2 * (Image.MAX_IMAGE_PIXELS or 0)
         if max_pixels <= limit:
-            raise ImageError(f"image is over {limit:,} pixels ({e}), over the limit of "
-                             f"{max_pixels:,}") from None
+            raise ImageTooLarge(f"image is over {limit:,} pixels ({e}), over the limit of "
+                                f"{max_pixels:,}") from None
         return None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
         return None
     if w * h > max_pixels:
-        raise ImageError(f"image is {w}x{h} = {w * h:,} pixels, over the limit of "
-                         f"{max_pixels:,} (raise --max-pixels to allow it)")
+        raise ImageTooLarge(f"image is {w}x{h} = {w * h:,} pixels, over the limit of "
+                            f"{max_pixels:,} (raise --max-pixels to allow it)")
     return w, h, fmt
 
 
@@ -90,8 +92,8 @@ def _imdecode(data: bytes, max_pixels: int, reduce: int) -> np.ndarray:
     if bgr is None:
         raise ImageError(f"not a decodable image ({len(data)} bytes; truncated or unknown format)")
     if bgr.shape[0] * bgr.shape[1] > max_pixels:  # formats whose header Pillow cannot read
-        raise ImageError(f"image is {bgr.shape[1]}x{bgr.shape[0]} pixels, over the limit of "
-                         f"{max_pixels:,} (raise --max-pixels to allow it)")
+        raise ImageTooLarge(f"image is {bgr.shape[1]}x{bgr.shape[0]} pixels, over the limit "
+                            f"of {max_pixels:,} (raise --max-pixels to allow it)")
     return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB, dst=bgr)  # in place: no second full-size copy
 
 

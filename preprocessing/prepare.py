@@ -2,13 +2,19 @@
 
 Tiles stay uint8 ``[N, S, S, 3]``; normalisation happens inside the vision encoder, on its
 device. The content hash covers the decoded pixels and their shape, so two images with equal
-pixels share a hash whatever their file format; the prefix cache (issue 5) keys on it.
+pixels share a hash whatever their file format; the prefix cache keys on it.
+
+An *image plan* (``ImagePlan``) is what a model family says about its images: how many
+pixels of a ``w x h`` image it can use (``need``, so a large JPEG is decoded only that big)
+and how decoded pixels become its ``PreparedImage`` (``prepare``). ``TilingConfig`` is
+InternVL's plan; ``prepare_bytes`` and the drive loop use only the protocol.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import xxhash
@@ -51,6 +57,11 @@ class TilingConfig:
             return min(width, math.ceil(width * s)), min(height, math.ceil(height * s))
         return min(width, g.cols * self.tile_size), min(height, g.rows * self.tile_size)
 
+    def prepare(self, img: np.ndarray,
+                full_size: tuple[int, int] | None = None) -> PreparedImage:
+        """``prepare(img, self, full_size)``: the ``ImagePlan`` method."""
+        return prepare(img, self, full_size)
+
     def plan(self, width: int, height: int) -> TileGrid:
         if self.mode == "reduced":
             return plan_reduced(width, height, self.tile_size, self.min_tiles, self.max_tiles,
@@ -78,6 +89,15 @@ class PreparedImage:
         thumb = "+t" if g.thumbnail else ""
         box = "L" if g.letterbox else ""
         return f"{self.content_hash}:{g.cols}x{g.rows}{thumb}{box}@{self.tiles.shape[1]}"
+
+
+class ImagePlan(Protocol):
+    """How a model family's images are prepared (see the module docstring)."""
+
+    def need(self, width: int, height: int) -> tuple[int, int]: ...
+
+    def prepare(self, img: np.ndarray,
+                full_size: tuple[int, int] | None = None) -> PreparedImage: ...
 
 
 def content_hash(img: np.ndarray) -> str:
@@ -128,8 +148,9 @@ def prepare(img: np.ndarray, cfg: TilingConfig,
                          pixels=img if cfg.keep_pixels else None)
 
 
-def prepare_bytes(data: bytes, cfg: TilingConfig, max_pixels: int) -> PreparedImage:
-    """Encoded image -> tiles, decoding a large JPEG only at the size its tiles need
-    (DCT-domain reduction, ``decode_for``): the fast path ``vlmbatch run`` takes."""
-    img, full = decode_for(data, cfg.need, max_pixels)
-    return prepare(img, cfg, full)
+def prepare_bytes(data: bytes, plan: ImagePlan, max_pixels: int) -> PreparedImage:
+    """Encoded image -> the plan's ``PreparedImage``, decoding a large JPEG only at the size
+    the plan needs (DCT-domain reduction, ``decode_for``): the fast path ``vlmbatch run``
+    takes."""
+    img, full = decode_for(data, plan.need, max_pixels)
+    return plan.prepare(img, full)

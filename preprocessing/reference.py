@@ -16,6 +16,7 @@ import io
 
 import numpy as np
 import torch
+from PIL import Image
 
 from preprocessing.tiling import closest_grid
 
@@ -23,8 +24,6 @@ from preprocessing.tiling import closest_grid
 def pillow_tiles(data: bytes, tile: int, min_tiles: int, max_tiles: int,
                  use_thumbnail: bool = True) -> list:
     """Encoded bytes -> list of ``tile`` x ``tile`` PIL RGB images, InternVL order."""
-    from PIL import Image
-
     image = Image.open(io.BytesIO(data)).convert("RGB")
     w, h = image.size
     cols, rows = closest_grid(w, h, tile, min_tiles, max_tiles)

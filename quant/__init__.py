@@ -1,13 +1,15 @@
-"""Offline quantisation (``vlmbatch quantize``); the runtime only loads what this writes.
+"""Offline quantisation (``vlmbatch quantize``, driven by ``pipeline/quantize.py``) and the
+runtime modules its checkpoints load into.
 
 Modules, in data-flow order:
 
-- ``quantize.py``: the command: calibration items -> engine -> ``calibrate`` -> ``checkpoint``;
 - ``calibrate.py``: layer-by-layer pass over the language model, hooks on its linears,
   multimodal calibration through the serving engine;
 - ``gptq.py`` / ``awq.py``: the two algorithms (papers' definitions, tested as such);
 - ``int4.py``: symmetric group-wise int4 (quantise, pack in compressed-tensors' layout) and
-  ``Int4Linear``, the W4A16 layer the loader (``pipeline/model.py``) builds on CPU or CUDA;
+  ``Int4Linear``, the W4A16 layer on CPU or CUDA;
+- ``runtime.py``: the swap of a loaded float decoder's linears for ``Int4Linear`` or torch's
+  dynamic int8 ones (``pipeline/build.py`` calls it; no loader imports this package);
 - ``checkpoint.py``: writing and reading compressed-tensors ``pack-quantized`` checkpoints.
 
 The int8 paths need no checkpoint: ``--llm-quant int8-dynamic`` (torch dynamic int8 linears,

@@ -1,6 +1,6 @@
 """Multimodal calibration and the layer-by-layer AWQ / GPTQ pass over the language model.
 
-Calibration runs the real serving path (``jobs.runner.answer_group`` -> ``TorchEngine``) on
+Calibration runs the real serving path (``pipeline.drive.answer_group`` -> ``TorchEngine``) on
 the user's own images and questions, with the prefix cache off so every prompt is prefilled
 whole: the language model sees image embeddings exactly as it will when serving. Forward
 hooks on one decoder layer's linears record what they read; then that layer is quantised,
@@ -20,17 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
+from models.qwen2 import Qwen2LM
 from quant.awq import awq_scale
 from quant.gptq import Hessian, gptq
 from quant.int4 import dequantize, rtn
-
-if TYPE_CHECKING:
-    from pipeline.llm import Qwen2LM
 
 METHODS = ("awq", "gptq", "rtn")
 QWeights = dict[str, tuple[torch.Tensor, torch.Tensor]]

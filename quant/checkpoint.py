@@ -12,7 +12,8 @@ the block vLLM and LMDeploy read. That those engines load our files is not yet c
 
 Reading (``int4_weights``): from a state dict with normalised keys, the ``(q, scale)`` of each
 packed linear, and the dequantised ``.weight`` put back so the ordinary loader can run; the
-model loader then swaps those linears for ``quant.int4.Int4Linear``.
+loader (``pipeline/build.py``) then swaps those linears for ``quant.int4.Int4Linear`` with
+``quant.runtime.convert_for_runtime``.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from pipeline.llm import _hf_key
-from pipeline.model import normalise_key, raw_state_dict
+from models.base import ModelFamily
+from models.io import raw_state_dict
+from models.qwen2 import hf_key
 from quant.int4 import dequantize, pack_int32, unpack_int32
 
 SUFFIXES = ("weight_packed", "weight_scale", "weight_shape")
@@ -49,14 +51,15 @@ def quantization_config(group_size: int, method: str, samples: int) -> dict:
     }
 
 
-def save_quantized(src: Path, out: Path, llm_state: dict[str, torch.Tensor],
+def save_quantized(src: Path, out: Path, family: ModelFamily,
+                   llm_state: dict[str, torch.Tensor],
                    qweights: dict[str, tuple[torch.Tensor, torch.Tensor]], group_size: int,
                    method: str, samples: int) -> Path:
     """Write the quantised checkpoint to ``out``.
 
     llm_state: our language-model state dict (names like ``layers.0.q_proj.weight``);
     qweights: ``{"layers.0.q_proj": (q, scale)}``. Language-model tensors keep the key
-    spelling of the source files (read once, here).
+    spelling of the source files (read once, here; ``family`` normalises them).
     """
     out.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
@@ -64,14 +67,14 @@ def save_quantized(src: Path, out: Path, llm_state: dict[str, torch.Tensor],
             shutil.copy2(f, out / f.name)
     tensors: dict[str, torch.Tensor] = {}
     source = raw_state_dict(src)
-    raw_key_of = {normalise_key(k): k for k in source}
+    raw_key_of = {family.normalise_key(k): k for k in source}
     for raw, t in source.items():
-        if not is_llm_key(normalise_key(raw)):
+        if not family.is_llm_key(family.normalise_key(raw)):
             tensors[raw] = t
     del source
     dtype = next(iter(llm_state.values())).dtype
     for name, t in llm_state.items():
-        key = _hf_key(name)
+        key = hf_key(name)
         if key == "lm_head.weight" and "lm_head.weight" not in raw_key_of:
             continue  # tied to the embeddings
         raw = raw_key_of.get(key, "model." + key)
@@ -89,10 +92,6 @@ def save_quantized(src: Path, out: Path, llm_state: dict[str, torch.Tensor],
     cfg["quantization_config"] = quantization_config(group_size, method, samples)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out
-
-
-def is_llm_key(k: str) -> bool:
-    return k.startswith("language_model.") or k == "lm_head.weight"
 
 
 def check_config(cfg: dict) -> int:

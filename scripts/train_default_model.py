@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.tokenizer import build_tokenizer  # noqa: E402
+from models.internvl.tokenizer import build_tokenizer  # noqa: E402
 from preprocessing.decode import decode  # noqa: E402
 from preprocessing.prepare import TilingConfig, prepare  # noqa: E402
 from scripts.shapes import COLORS, SHAPES, Scene, make_questions, make_scene  # noqa: E402

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.random_model import save_random_internvl
+from models.internvl.random import save_random_internvl
 
 
 def make_model_dir(path: Path, *, tile: int = 56, patch: int = 14, vision_layers: int = 2,

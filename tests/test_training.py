@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.model import DEFAULT_MODEL
+from pipeline.config import DEFAULT_MODEL
 from preprocessing.prepare import prepare
 from scripts.shapes import make_questions, make_scene
 from scripts.train_default_model import AUX, TILING, Batcher, model_config, scene_target, train_step

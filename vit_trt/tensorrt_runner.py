@@ -24,8 +24,9 @@ from pathlib import Path
 
 import torch
 
-from pipeline.model import LoadedModel
-from vit_trt.runners import VitRunner
+from cudagraph_pool import GraphPool, default_buckets
+from vit_trt.base import RUNNERS, RunnerOptions, VisionModel, VitRunner
+from vit_trt.export import export_onnx, model_hash
 
 CACHE_DIR = Path(os.environ.get("VLMBATCH_CACHE", Path.home() / ".cache" / "vlmbatch")) / "trt"
 
@@ -39,7 +40,7 @@ def plan_key(model_hash: str, trt_version: str, gpu: str, precision: str,
 def build_plan(onnx_path: Path, tile: int, profile: tuple[int, int, int],
                precision: str = "fp16", workspace_gib: int = 4) -> bytes:
     """ONNX -> serialised TensorRT plan with a dynamic batch profile ``(min, opt, max)``."""
-    import tensorrt as trt
+    import tensorrt as trt  # optional dependency: NVIDIA's index only
 
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
@@ -71,25 +72,26 @@ class TensorRTRunner(VitRunner):
     its context's input shape and tensor addresses, so contexts are not shared between graphs
     (each holds its own activation memory, ``engine.device_memory_size``)."""
 
-    def __init__(self, model: LoadedModel, onnx_path: Path | None = None,
+    def __init__(self, vision: VisionModel, onnx_path: Path | None = None,
                  precision: str = "fp16", profile: tuple[int, int, int] = (1, 8, 32),
                  cuda_graphs: bool = True) -> None:
-        try:
+        try:  # optional dependency: NVIDIA's index only
             import tensorrt as trt
         except ImportError as e:
             raise ImportError("--vit-backend tensorrt needs TensorRT 10 (from NVIDIA's package "
                               "index) and a CUDA GPU") from e
-        from vit_trt.export import export_onnx, model_hash
-
         if not torch.cuda.is_available():
             raise RuntimeError("--vit-backend tensorrt needs a CUDA GPU")
-        tile = model.spec.tiling.tile_size
-        key = plan_key(model_hash(model.spec.path), trt.__version__,
+        if len(vision.item_shape) != 3 or vision.item_shape[0] != vision.item_shape[1]:
+            raise ValueError(f"the TensorRT runner takes square tiles [S, S, 3], not "
+                             f"{vision.item_shape}")
+        tile = vision.item_shape[0]
+        key = plan_key(model_hash(vision.source), trt.__version__,
                        torch.cuda.get_device_name(), precision, profile)
         plan_path = CACHE_DIR / f"{key}.plan"
         if not plan_path.is_file():
             if onnx_path is None:
-                onnx_path = export_onnx(model, CACHE_DIR / key).onnx_path
+                onnx_path = export_onnx(vision, CACHE_DIR / key).onnx_path
             plan_path.parent.mkdir(parents=True, exist_ok=True)
             plan_path.write_bytes(build_plan(onnx_path, tile, profile, precision))
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
@@ -99,15 +101,13 @@ class TensorRTRunner(VitRunner):
         self.input = names[is_in.index(True)]
         self.output = names[is_in.index(False)]
         self.max_batch = profile[2]
-        self.out_shape = (model.spec.tokens_per_tile, model.spec.text.hidden)
+        self.out_shape = vision.out_shape
         self.device = torch.device("cuda")
 
         self.pool = None
         # batch size -> (its execution context, its output buffer), for the graphs
         self.contexts: dict[int, tuple[object, torch.Tensor]] = {}
         if cuda_graphs:
-            from cudagraph_pool import GraphPool, default_buckets
-
             buckets = [b for b in default_buckets(self.max_batch) if b >= profile[0]]
             self.pool = GraphPool(self._enqueue, (tile, tile, 3), torch.uint8, self.device,
                                   buckets=buckets)
@@ -158,3 +158,11 @@ class TensorRTRunner(VitRunner):
         done.record(stream)
         done.synchronize()  # hand on complete results only (the write-up's race)
         return result
+
+
+@RUNNERS.register("tensorrt")
+def _tensorrt(vision: VisionModel, opts: RunnerOptions) -> TensorRTRunner:
+    # the optimisation profile [1, opt, max]: max is the largest batch the runner prepares for
+    top = opts.max_batch
+    return TensorRTRunner(vision, opts.onnx_path, profile=(1, min(8, top), top),
+                          cuda_graphs=opts.cuda_graphs)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from cudagraph_pool import capture_hazards
-from pipeline.model import load_model
+from models.internvl.vision import VisionEncoder
+from pipeline.loading import load_model
 from tests.conftest import make_model_dir
-from vit_trt.encoder import VisionEncoder
 
 HAZARDS = {
     "torch.tensor": (lambda t: t * torch.tensor([2.0]), "host data"),

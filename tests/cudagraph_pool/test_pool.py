@@ -81,11 +81,15 @@ def _slow_pool(sync: bool) -> tuple[GraphPool, object]:
 def _try(pool: GraphPool, slow) -> bool:  # noqa: ANN001
     """One hand-on with fresh inputs: run the pool on the current stream, then read its output
     on another stream that does not wait for the first (the write-up's race: features handed
-    on before the GPU is done). Fresh inputs each try, so memory left from an earlier try
-    (which the allocator may hand the clone again) never holds the right answer by chance.
-    True if what the reader saw is the right answer."""
+    on before the GPU is done). The current stream is first held ~50 ms by a GPU sleep, so
+    the replay and its clone are still queued when the reader runs: without the guard the
+    reader sees unfinished memory every time, not only when timing happens to allow it.
+    Fresh inputs each try, so memory left from an earlier try (which the allocator may hand
+    the clone again) never holds the right answer by chance. True if what the reader saw is
+    the right answer."""
     x = torch.randn(8, 2048, device="cuda")
     want = slow(x).cpu()  # eager; .cpu() also leaves the GPU idle before the pool runs
+    torch.cuda._sleep(100_000_000)  # GPU cycles on the current stream, ahead of the replay
     out = pool(x)
     other = torch.cuda.Stream()
     with torch.cuda.stream(other):
@@ -105,12 +109,11 @@ def test_output_is_complete_when_handed_on() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_without_the_guard_the_race_shows() -> None:
-    """The same consumer without the event guard reads unfinished results. Timing-dependent:
-    if the GPU happens to finish first on every try, the test is reported as xfail (not as a
-    pass), since it then shows nothing."""
+    """The same consumer without the event guard reads unfinished results, on every try: the
+    GPU sleep in ``_try`` keeps the producer's stream busy past the read, so this fails if
+    the pool ever handed on complete results without its guard (and so proves the guard
+    test above is not passing by luck)."""
     with torch.inference_mode():
         pool, slow = _slow_pool(sync=False)
         wrong = sum(not _try(pool, slow) for _ in range(5))
-    if wrong == 0:
-        pytest.xfail("the race did not show on this GPU in 5 tries")
-    assert wrong > 0
+    assert wrong == 5

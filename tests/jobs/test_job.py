@@ -14,9 +14,11 @@ import cv2
 import numpy as np
 import pytest
 
-from jobs.job import STORE_FILE, status
+from jobs.config import ExecutorConfig
+from jobs.folder import STORE_FILE
+from jobs.job import status
 from jobs.store import JobStore
-from pipeline.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from vlmbatch.cli import EXIT_BAD_INPUT, EXIT_OK, main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,8 +47,12 @@ def submit_job(folder: Path, model: Path, n: int, *options: str, broken: int = 0
     return m, job
 
 
-def cli(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:  # noqa: ANN003
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT,
+def cli(*args: str, env: dict | None = None, faults: dict | None = None,
+        **kw) -> subprocess.Popen:  # noqa: ANN003
+    """``vlmbatch ARGS`` in a subprocess; ``faults``: hooks for it (``tests/faults.py``)."""
+    cmd = (["-m", "vlmbatch.cli"] if faults is None
+           else ["-m", "tests.faults", json.dumps(faults), "--"])
+    return subprocess.Popen([sys.executable, *cmd, *args], cwd=ROOT,
                             env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kw)
 
@@ -70,7 +76,7 @@ def test_submit_run_results_match_direct_run(tmp_path: Path, random_model_dir: P
 def test_kill_minus_9_then_resume_answers_each_item_once(tmp_path: Path,
                                                          random_model_dir: Path) -> None:
     _, job = submit_job(tmp_path, random_model_dir, 30, "--images-per-batch", "1", "--no-progress")
-    p = cli("run", str(job), "--no-progress", env={"VLMBATCH_TEST_GROUP_DELAY": "0.2"})
+    p = cli("run", str(job), "--no-progress", faults={"group_delay": 0.2})
     store = JobStore(job / STORE_FILE)
     deadline = time.time() + 60
     while store.counts().done < 3 and time.time() < deadline:
@@ -96,7 +102,7 @@ def test_sigterm_marks_the_job_interrupted_and_resume_finishes_it(
     interrupted (not inferred from a dead pid), no item is half-recorded, resume finishes."""
     _, job = submit_job(tmp_path, random_model_dir, 30, "--images-per-batch", "1",
                         "--no-progress")
-    p = cli("run", str(job), "--no-progress", env={"VLMBATCH_TEST_GROUP_DELAY": "0.2"})
+    p = cli("run", str(job), "--no-progress", faults={"group_delay": 0.2})
     store = JobStore(job / STORE_FILE)
     deadline = time.time() + 60
     while store.counts().done < 2 and time.time() < deadline:
@@ -115,7 +121,7 @@ def test_sigterm_marks_the_job_interrupted_and_resume_finishes_it(
 
 def test_cancel_stops_and_resume_continues(tmp_path: Path, random_model_dir: Path) -> None:
     _, job = submit_job(tmp_path, random_model_dir, 30, "--images-per-batch", "1", "--no-progress")
-    p = cli("run", str(job), "--no-progress", env={"VLMBATCH_TEST_GROUP_DELAY": "0.2"})
+    p = cli("run", str(job), "--no-progress", faults={"group_delay": 0.2})
     store = JobStore(job / STORE_FILE)
     while store.counts().done < 2:
         time.sleep(0.05)
@@ -156,9 +162,9 @@ def test_job_runs_from_another_directory(tmp_path: Path, random_model_dir: Path,
     monkeypatch.chdir(tmp_path)
     model = os.path.relpath(random_model_dir, tmp_path)
     assert main(["submit", "m.jsonl", "--job", "job", "--model", model, "--no-progress"]) == 0
-    saved = json.loads((tmp_path / "job" / "job.json").read_text())
+    saved = json.loads((tmp_path / "job" / "job.json").read_text())["config"]
     assert Path(saved["model"]["path"]).is_absolute()
-    assert Path(saved["source"]["manifest"]).is_absolute()
+    assert Path(saved["manifest"]).is_absolute()
     monkeypatch.chdir("/")
     assert main(["run", str(tmp_path / "job"), "--no-progress"]) == EXIT_OK
     assert status(tmp_path / "job").failed == 0
@@ -190,7 +196,7 @@ def test_thread_counts_are_kept_with_the_job_and_a_run_may_change_them(
     """Submit stores --threads/--preprocess-threads; `run JOB` and `resume` may give others
     for that run only (threads change speed, not answers), and job.json is left as it was."""
     import jobs.job as job_mod
-    from jobs.job import JobConfig
+    from jobs.folder import load_config
 
     used: list[tuple[str, int]] = []  # calls to torch.set_num_threads and prepared_groups
     real = job_mod.prepared_groups
@@ -206,7 +212,7 @@ def test_thread_counts_are_kept_with_the_job_and_a_run_may_change_them(
     _, job = submit_job(tmp_path, random_model_dir, 3, "--threads", "1",
                         "--preprocess-threads", "0", "--images-per-batch", "2", broken=1)
     saved = (job / "job.json").read_text()
-    assert (JobConfig.load(job).threads, JobConfig.load(job).preprocess_threads) == (1, 0)
+    assert (load_config(job).threads, load_config(job).preprocess_threads) == (1, 0)
     assert main(["run", str(job), "--no-progress", "--threads", "2",
                  "--preprocess-threads", "3"]) == 3  # the missing image
     (tmp_path / "missing.png").write_bytes((tmp_path / "0.png").read_bytes())
@@ -217,7 +223,7 @@ def test_thread_counts_are_kept_with_the_job_and_a_run_may_change_them(
     assert (job / "job.json").read_text() == saved
     assert status(job).done == 4
     with pytest.raises(job_mod.ConfigError, match="preprocess_threads must be >= 0"):
-        JobConfig.load(job).for_run(None, -1)
+        load_config(job).for_run(None, -1)
 
 
 def test_run_job_refuses_settings_fixed_at_submit(tmp_path: Path, random_model_dir: Path,
@@ -294,9 +300,10 @@ def test_run_job_options(tmp_path: Path, random_model_dir: Path, capsys) -> None
 
 
 def test_a_job_from_an_older_version_still_runs(tmp_path: Path, random_model_dir: Path) -> None:
-    """Stores without the per-item line counts get them; --ignore-eos without
-    --max-new-tokens (once accepted, no effect) no longer stops the job loading; a job.json
-    without preprocess_threads loads with the default."""
+    """Stores without the per-item line counts get them; a version-1 job.json (flat model,
+    engine and source keys) loads: --ignore-eos without --max-new-tokens (once accepted, no
+    effect) no longer stops it loading, and settings it lacks (preprocess_threads,
+    vit_max_batch) take their defaults."""
     import sqlite3
 
     _, job = submit_job(tmp_path, random_model_dir, 2, "--wait", "--no-progress", broken=1, rc=3)
@@ -306,13 +313,19 @@ def test_a_job_from_an_older_version_still_runs(tmp_path: Path, random_model_dir
     db.execute("ALTER TABLE items DROP COLUMN answered")
     db.commit()
     db.close()
-    cfg = json.loads((job / "job.json").read_text())
-    cfg["engine"]["ignore_eos"] = True
-    del cfg["preprocess_threads"]  # older than the option: the default (auto)
-    (job / "job.json").write_text(json.dumps(cfg))
-    from jobs.job import JobConfig
+    new = json.loads((job / "job.json").read_text())["config"]
+    engine = {**new["engine"], "ignore_eos": True}
+    del engine["vit_max_batch"]  # older than the option
+    v1 = {"version": 1, "format": "vlmbatch", "model": new["model"], "engine": engine,
+          "images_per_batch": new["images_per_batch"], "max_pixels": new["max_pixels"],
+          "threads": None, "source": {"manifest": new["manifest"], "images": None,
+                                      "policy": None}}  # and no preprocess_threads
+    (job / "job.json").write_text(json.dumps(v1))
+    from jobs.folder import load_config
 
-    assert JobConfig.load(job).preprocess_threads is None
+    old = load_config(job)
+    assert old.preprocess_threads is None and old.engine.vit_max_batch == 32
+    assert old.engine.ignore_eos is False and old.manifest == Path(new["manifest"])
     after = status(job)
     assert (after.questions, after.failed) == (before.questions, before.failed) == (5, 1)
     store = JobStore(job / STORE_FILE)
@@ -325,7 +338,7 @@ def test_a_second_run_of_a_running_job_is_refused(tmp_path: Path, random_model_d
                                                   capsys) -> None:  # noqa: ANN001
     _, job = submit_job(tmp_path, random_model_dir, 60, "--images-per-batch", "1", "--no-progress",
                         broken=1)  # 12 s at least: each refusal waits 2 s
-    p = cli("run", str(job), "--no-progress", env={"VLMBATCH_TEST_GROUP_DELAY": "0.2"})
+    p = cli("run", str(job), "--no-progress", faults={"group_delay": 0.2})
     store = JobStore(job / STORE_FILE)
     deadline = time.time() + 60
     while store.counts().done < 2 and time.time() < deadline:
@@ -468,7 +481,7 @@ def test_an_interrupted_export_leaves_out_as_it_was(tmp_path: Path, random_model
     out = tmp_path / "o" / name
     out.parent.mkdir()
     out.write_text("old\n")
-    real = JobStore.results
+    real = JobStore.answers
 
     def interrupted(self):  # noqa: ANN001, ANN202
         it = real(self)
@@ -476,12 +489,12 @@ def test_an_interrupted_export_leaves_out_as_it_was(tmp_path: Path, random_model
         yield next(it)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(JobStore, "results", interrupted)
+    monkeypatch.setattr(JobStore, "answers", interrupted)
     capsys.readouterr()
     assert main(["results", str(job), "-o", str(out)]) == 130
     assert "--out is left as it was" in capsys.readouterr().err
     assert out.read_text() == "old\n" and sorted(p.name for p in out.parent.iterdir()) == [name]
-    monkeypatch.setattr(JobStore, "results", real)
+    monkeypatch.setattr(JobStore, "answers", real)
     assert main(["results", str(job), "-o", str(out)]) == EXIT_OK
     assert out.read_bytes() != b"old\n" and sorted(p.name for p in out.parent.iterdir()) == [name]
 
@@ -494,7 +507,7 @@ def test_thread_counts_are_refused_on_ray(tmp_path: Path, random_model_dir: Path
 
     _, job = submit_job(tmp_path, random_model_dir, 1)
     with pytest.raises(ConfigError, match="apply to in-process runs"):
-        run_job(job, False, "ray", threads=2)
+        run_job(job, False, ExecutorConfig("ray"), threads=2)
     assert main(["run", str(job), "--executor", "ray", "--threads", "2"]) == EXIT_BAD_INPUT
     assert status(job).pending == 1
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from jobs.manifest import ManifestError, Question, items_from_folder, read_manifest, read_policy
-from jobs.sources import SourceError, read_bytes
+from preprocessing.sources import SourceError, read_bytes
 
 
 def write(path: Path, lines: list) -> Path:

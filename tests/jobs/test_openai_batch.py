@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jobs.manifest import ManifestError, Question, manifest_format, read_manifest
-from pipeline.cli import EXIT_ITEM_ERRORS, main
+from vlmbatch.cli import EXIT_ITEM_ERRORS, main
 
 
 def request(cid: str, url: str, text: str = "Is there a red shape?") -> dict:

@@ -18,10 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from jobs.job import STORE_FILE, cancel, status
+from jobs.folder import STORE_FILE
+from jobs.job import cancel, status
 from jobs.store import JobStore
-from pipeline.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from pipeline.records import Answer
 from tests.jobs.test_job import ROOT, cli, make_manifest, submit_job
+from vlmbatch.cli import EXIT_BAD_INPUT, EXIT_OK, main
 
 pytest.importorskip("ray")
 
@@ -36,7 +38,7 @@ def submit(tmp_path: Path, model: Path, n: int, broken: int = 0, per_batch: int 
 def results(job: Path) -> list[dict]:
     store = JobStore(job / STORE_FILE)
     try:
-        return list(store.results())
+        return [a.line() for a in store.answers()]
     finally:
         store.close()
 
@@ -84,7 +86,7 @@ def test_model_worker_killed_mid_batch_job_completes(tmp_path: Path,
     job = submit(tmp_path, random_model_dir, 8)
     marker = tmp_path / "killed"
     p = cli("run", str(job), *RAY, "--no-progress",
-            env={"VLMBATCH_TEST_KILL_MODEL_AT": "2", "VLMBATCH_TEST_KILL_MARKER": str(marker)})
+            faults={"kill_model_at": [2, str(marker)]})
     _, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
     assert marker.exists()  # the worker really died once
@@ -97,7 +99,7 @@ def test_model_worker_killed_mid_batch_job_completes(tmp_path: Path,
 def test_hung_decoder_becomes_that_items_error(tmp_path: Path, random_model_dir: Path) -> None:
     job = submit(tmp_path, random_model_dir, 5, per_batch=3)
     p = cli("run", str(job), *RAY, "--decode-timeout", "3", "--no-progress",
-            env={"VLMBATCH_TEST_HANG": "3.png"})
+            faults={"hang_on": "3.png"})
     _, err = p.communicate(timeout=300)
     assert p.returncode == 3, err  # finished, one item failed
     by_id = {}
@@ -111,7 +113,7 @@ def test_hung_decoder_becomes_that_items_error(tmp_path: Path, random_model_dir:
 def test_crashing_decoder_becomes_that_items_error(tmp_path: Path,
                                                    random_model_dir: Path) -> None:
     job = submit(tmp_path, random_model_dir, 4, per_batch=4)
-    p = cli("run", str(job), *RAY, "--no-progress", env={"VLMBATCH_TEST_CRASH": "2.png"})
+    p = cli("run", str(job), *RAY, "--no-progress", faults={"crash_on": "2.png"})
     _, err = p.communicate(timeout=300)
     assert p.returncode == 3, err
     by_id = {}
@@ -124,7 +126,7 @@ def test_crashing_decoder_becomes_that_items_error(tmp_path: Path,
 
 def test_cancel_then_resume_on_ray(tmp_path: Path, random_model_dir: Path) -> None:
     job = submit(tmp_path, random_model_dir, 12, per_batch=1)
-    p = cli("run", str(job), *RAY, "--no-progress", env={"VLMBATCH_TEST_SLOW_SCORE": "1"})
+    p = cli("run", str(job), *RAY, "--no-progress", faults={"slow_score": 0.5})
     deadline = time.time() + 120
     while status(job).done < 1 and time.time() < deadline:
         time.sleep(0.2)
@@ -147,7 +149,7 @@ def test_sigterm_on_ray_ends_the_run_as_ctrl_c_does(tmp_path: Path,
     """ray.init installs its own SIGTERM handler (sys.exit(15)); ours is put back, so the
     driver exits 143 with the job marked interrupted, and the job resumes (here in-process)."""
     job = submit(tmp_path, random_model_dir, 12, per_batch=1)
-    p = cli("run", str(job), *RAY, "--no-progress", env={"VLMBATCH_TEST_SLOW_SCORE": "1"})
+    p = cli("run", str(job), *RAY, "--no-progress", faults={"slow_score": 0.5})
     deadline = time.time() + 120
     while status(job).done < 1 and time.time() < deadline:
         time.sleep(0.2)
@@ -181,7 +183,7 @@ def test_sigterm_on_a_ray_run_of_a_manifest_keeps_the_lines_answered(
     t0 = time.time()
     p = cli("run", str(m), "-o", str(out), "--model", str(random_model_dir),
             "--images-per-batch", "1", "--no-progress", *RAY,
-            env={"VLMBATCH_TEST_SLOW_SCORE": "1"})
+            faults={"slow_score": 0.5})
     deadline = time.time() + 120
     while time.time() < deadline:  # until the run's temporary job has recorded a group
         stores = [f for f in Path(tempfile.gettempdir()).glob("vlmbatch-job-*/job/store.sqlite")
@@ -204,9 +206,9 @@ def test_sigterm_on_a_ray_run_of_a_manifest_keeps_the_lines_answered(
 def test_a_sigterm_while_ray_starts_is_ours_not_rays(monkeypatch) -> None:  # noqa: ANN001
     """ray.init's own handler turns a SIGTERM into SystemExit(15) while it starts Ray;
     init_ray hands it to the CLI's handler instead (exit 143, 'terminated')."""
+    from jobs.config import RayOptions
     from jobs.ray_cluster import init_ray
-    from jobs.ray_executor import RayOptions
-    from pipeline.cli import SIGTERMS, Terminated, _sigterm_as_interrupt
+    from vlmbatch.cli import SIGTERMS, Terminated, _sigterm_as_interrupt
 
     class RayStartingWhenTerminated:
         class exceptions:  # noqa: N801
@@ -270,7 +272,7 @@ def test_missing_auth_token_is_named(tmp_path: Path, random_model_dir: Path) -> 
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]
-        p = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(job), *RAY,
+        p = subprocess.run([sys.executable, "-m", "vlmbatch.cli", "run", str(job), *RAY,
                             "--address", f"127.0.0.1:{port}", "--no-progress"], cwd=ROOT,
                            env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == EXIT_BAD_INPUT, p.stderr[-3000:]
@@ -311,7 +313,7 @@ def test_joins_a_running_cluster_by_address_and_by_ray_client(tmp_path: Path,
             job = tmp_path / f"job{i}"
             main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir),
                   "--images-per-batch", "2", "--no-progress"])
-            p = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(job), *RAY,
+            p = subprocess.run([sys.executable, "-m", "vlmbatch.cli", "run", str(job), *RAY,
                                 *address, "--no-progress"], cwd=ROOT, env=env,
                                capture_output=True, text=True, timeout=300)
             assert p.returncode == 3, p.stderr[-3000:]  # the broken item failed, as in-process
@@ -360,7 +362,7 @@ class _FakeRay:
             self.losses += 1
             lost = self.exceptions.ObjectReconstructionFailedError("tiles")
             return _Ref(error=self.exceptions.RayTaskError("score", "", lost))
-        return _Ref([{"id": it.id, "question_id": q.id, "error": None}
+        return _Ref([Answer(it.id, q.id, q.text, "yes", 1.0, 1.0, 1)
                      for it in tiles.value.group for q in it.questions])
 
 
@@ -369,16 +371,17 @@ def test_tiles_lost_with_their_node_are_prepared_again(tmp_path: Path, random_mo
                                                        lose: int, ok: bool) -> None:
     from tqdm import tqdm
 
-    from jobs.job import JobConfig
-    from jobs.ray_executor import RayOptions, _Scheduler
+    from jobs.folder import load_config
+    from jobs.ray_executor import _Scheduler
+    from pipeline.hooks import NO_HOOKS
     from preprocessing.prepare import TilingConfig
 
     job = submit(tmp_path, random_model_dir, 4, per_batch=2)
     fake = _FakeRay(lose)
     worker = type("W", (), {"score": type("S", (), {"remote": staticmethod(fake.score)})})
     store = JobStore(job / STORE_FILE)
-    s = _Scheduler(fake, store, JobConfig.load(job), [worker], TilingConfig(tile_size=56),
-                   RayOptions(), tqdm(disable=True))
+    s = _Scheduler(fake, store, load_config(job), [worker], TilingConfig(tile_size=56),
+                   tqdm(disable=True), NO_HOOKS)
 
     def drive() -> None:
         while True:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs.records import ImageItem, Question
 from jobs.store import JobStore
+from pipeline.records import Answer, ImageItem, Question
 
 
 class InterruptedAfterFirst(dict):
@@ -28,8 +28,8 @@ def store_of(path: Path, n: int) -> JobStore:
     return store
 
 
-def line(item: str) -> dict:
-    return {"id": item, "question_id": "q0", "answer": "yes", "error": None}
+def line(item: str) -> Answer:
+    return Answer(item, "q0", "Red?", "yes", 0.9, 2.0, 16)
 
 
 def test_an_interrupted_record_is_rolled_back_and_later_writes_are_kept(tmp_path: Path) -> None:

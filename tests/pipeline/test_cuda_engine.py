@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobs.runner import answer_group, load_items
-from pipeline.cli import EXIT_OK, main
-from pipeline.config import EngineConfig, ModelConfig, RunConfig
-from pipeline.engines import build_engine
+from jobs.config import RunConfig
+from jobs.runner import load_items
+from pipeline.build import build_engine
+from pipeline.config import EngineConfig, ModelConfig
+from pipeline.drive import answer_group
+from vlmbatch.cli import EXIT_OK, main
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = RunConfig(manifest=ROOT / "examples" / "manifest.jsonl",
@@ -26,9 +28,9 @@ pytestmark = [pytest.mark.gpu,
 
 
 def answers(device: str, dtype: str = "float32", **engine: object) -> tuple[list[dict], object]:
-    eng, tiling = build_engine(ModelConfig(device=device, dtype=dtype),
-                               EngineConfig(vit_backend="torch", **engine))  # type: ignore[arg-type]
-    return answer_group(eng, tiling, load_items(RUN)), eng
+    eng = build_engine(ModelConfig(device=device, dtype=dtype),
+                       EngineConfig(vit_backend="torch", **engine))  # type: ignore[arg-type]
+    return [a.line() for a in answer_group(eng, load_items(RUN))], eng
 
 
 @pytest.fixture(scope="module")

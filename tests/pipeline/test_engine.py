@@ -7,10 +7,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from models.io import ModelError
 from pipeline.config import EngineConfig
-from pipeline.engine import Request, TorchEngine
-from pipeline.model import ModelError, load_model
+from pipeline.loading import load_model
+from pipeline.records import Request
 from pipeline.scoring import AnswerTokens
+from pipeline.torch_engine import TorchEngine
 from preprocessing.prepare import prepare
 
 
@@ -69,9 +71,10 @@ def test_missing_and_unknown_models(tmp_path: Path) -> None:
 @pytest.mark.parametrize("budget", [4, 8, 12, 20, 52])
 def test_max_image_tokens_is_honoured(model, mode: str, budget: int) -> None:  # noqa: ANN001
     from pipeline.config import ModelConfig
-    from pipeline.engines import tiling_for
+    from pipeline.loading import image_plan_for
 
-    tiling = tiling_for(model.spec, ModelConfig(tiling=mode, max_image_tokens=budget))
+    tiling = image_plan_for(model.family, model.spec,
+                            ModelConfig(tiling=mode, max_image_tokens=budget))
     tpt = model.spec.tokens_per_tile
     rng = np.random.default_rng(budget)
     for w, h in rng.integers(10, 3000, size=(100, 2)):
@@ -80,17 +83,18 @@ def test_max_image_tokens_is_honoured(model, mode: str, budget: int) -> None:  #
 
 def test_budget_below_one_tile_is_a_config_error(model) -> None:  # noqa: ANN001
     from pipeline.config import ConfigError, ModelConfig
-    from pipeline.engines import tiling_for
+    from pipeline.loading import image_plan_for
 
     with pytest.raises(ConfigError, match="less than one tile"):
-        tiling_for(model.spec, ModelConfig(max_image_tokens=model.spec.tokens_per_tile - 1))
+        image_plan_for(model.family, model.spec,
+                       ModelConfig(max_image_tokens=model.spec.tokens_per_tile - 1))
 
 
 @pytest.mark.parametrize("cache", [False, True])
 def test_expanded_kv_equals_enable_gqa(model, monkeypatch, cache: bool) -> None:  # noqa: ANN001
     """The CUDA attention form (K/V repeated per query head) answers as the CPU one, with
     cached prefixes and greedy generation too (the random model has 4 q / 2 kv heads)."""
-    import pipeline.llm
+    import models.qwen2
 
     assert model.spec.text.heads != model.spec.text.kv_heads
     ims = images(model, 3)
@@ -98,7 +102,7 @@ def test_expanded_kv_equals_enable_gqa(model, monkeypatch, cache: bool) -> None:
     cfg = EngineConfig(prefix_cache=cache, max_new_tokens=4, ignore_eos=True)
     out = {}
     for expand in (False, True):
-        monkeypatch.setattr(pipeline.llm, "EXPAND_KV", expand)
+        monkeypatch.setattr(models.qwen2, "EXPAND_KV", expand)
         out[expand] = TorchEngine(model, cfg).score(ims, reqs)
     assert max(abs(a.margin - b.margin) for a, b in zip(out[False], out[True])) <= 1e-5
     assert [a.text for a in out[False]] == [b.text for b in out[True]]

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.cli import EXIT_BAD_INPUT, main
 from pipeline.lmdeploy_engine import (
     LMDeployConfig,
     build_messages,
@@ -23,6 +22,7 @@ from pipeline.lmdeploy_engine import (
     score_response,
 )
 from pipeline.scoring import AnswerTokens
+from vlmbatch.cli import EXIT_BAD_INPUT, main
 
 HAS_LMDEPLOY = importlib.util.find_spec("lmdeploy") is not None
 
@@ -47,8 +47,9 @@ def test_per_request_answer_lengths_go_in_one_infer_call(monkeypatch) -> None:  
     import sys
     from types import ModuleType
 
-    from pipeline.engine import Request
     from pipeline.lmdeploy_engine import LMDeployEngine
+    from pipeline.records import Request
+    from preprocessing.prepare import TilingConfig
 
     calls = []
 
@@ -63,7 +64,9 @@ def test_per_request_answer_lengths_go_in_one_infer_call(monkeypatch) -> None:  
     fake.TurbomindEngineConfig = dict  # type: ignore[attr-defined]
     fake.GenerationConfig = dict  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "lmdeploy", fake)
-    engine = LMDeployEngine("m", None, AnswerTokens((1,), (2,)), 16, 6, max_new_tokens=0)
+    engine = LMDeployEngine("m", None, AnswerTokens((1,), (2,)), 16,
+                            TilingConfig(tile_size=56, max_tiles=6), max_new_tokens=0)
+    assert engine.image_plan.keep_pixels and engine.max_tiles == 6
     px = np.zeros((20, 20, 3), dtype=np.uint8)
     im = SimpleNamespace(pixels=px, grid=SimpleNamespace(num_tiles=1))
     got = engine.score([im], [Request(0, "a?"), Request(0, "why?", 64), Request(0, "b?")])
@@ -108,7 +111,10 @@ def test_cli_says_how_to_get_lmdeploy(tmp_path, capsys) -> None:  # noqa: ANN001
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_LMDEPLOY, reason="lmdeploy is not installed (GPU env only)")
 def test_real_lmdeploy_types() -> None:
+    """Our keyword arguments build lmdeploy's real config types and land where we meant."""
     import lmdeploy
 
-    lmdeploy.TurbomindEngineConfig(**engine_config_kwargs(LMDeployConfig(model_format="awq")))
-    lmdeploy.GenerationConfig(**gen_config_kwargs(0))
+    eng = lmdeploy.TurbomindEngineConfig(**engine_config_kwargs(LMDeployConfig(model_format="awq")))
+    assert (eng.enable_prefix_caching, eng.model_format, eng.tp) == (True, "awq", 1)
+    gen = lmdeploy.GenerationConfig(**gen_config_kwargs(0))
+    assert (gen.max_new_tokens, gen.do_sample, gen.output_logits) == (1, False, "generation")

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from jobs.manifest import read_manifest
-from pipeline.cli import main
-from pipeline.config import ConfigError
-from pipeline.model import DEFAULT_MODEL, ModelError, load_model
-from quant.quantize import quantize_model
+from models.io import ModelError
+from pipeline.config import DEFAULT_MODEL, ConfigError
+from pipeline.loading import load_model
+from pipeline.quantize import quantize_model
+from vlmbatch.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = ROOT / "examples/manifest.jsonl"

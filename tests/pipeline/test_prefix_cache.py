@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from pipeline.config import EngineConfig
-from pipeline.engine import Request, TorchEngine
-from pipeline.model import load_model
+from pipeline.loading import load_model
 from pipeline.prefix_cache import ImageSpan, PrefixCache, block_ids
+from pipeline.records import Request
+from pipeline.torch_engine import TorchEngine
 from preprocessing.prepare import PreparedImage, prepare
 
 QUESTIONS = ["is there a red shape?", "Does the image contain a circle?", "no", "yes or no"]

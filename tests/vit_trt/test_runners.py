@@ -10,13 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.cli import EXIT_OK, main
+from common.registry import UnknownName
 from pipeline.config import EngineConfig
-from pipeline.engine import Request, TorchEngine
-from pipeline.model import load_model
+from pipeline.loading import load_model, vision_model
+from pipeline.records import Request
+from pipeline.torch_engine import TorchEngine
 from preprocessing.prepare import prepare
+from vit_trt import RunnerOptions, make_runner
 from vit_trt.export import export_onnx
-from vit_trt.runners import OnnxRuntimeRunner, TorchRunner, make_runner
+from vit_trt.onnx_runner import OnnxRuntimeRunner
+from vit_trt.torch_runner import TorchRunner
+from vlmbatch.cli import EXIT_OK, main
 
 HAS_TRT = importlib.util.find_spec("tensorrt") is not None and torch.cuda.is_available()
 
@@ -24,7 +28,7 @@ HAS_TRT = importlib.util.find_spec("tensorrt") is not None and torch.cuda.is_ava
 @pytest.fixture(scope="module")
 def exported(random_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     model = load_model(random_model_dir)
-    return model, export_onnx(model, tmp_path_factory.mktemp("onnx"))
+    return model, export_onnx(vision_model(model), tmp_path_factory.mktemp("onnx"))
 
 
 def test_export_dynamic_batch_and_error(exported) -> None:  # noqa: ANN001
@@ -32,10 +36,10 @@ def test_export_dynamic_batch_and_error(exported) -> None:  # noqa: ANN001
     assert result.max_abs_err <= 1e-4
     meta = json.loads((result.onnx_path.parent / "vision.json").read_text())
     assert meta["tokens_per_tile"] == model.spec.tokens_per_tile
-    runner = OnnxRuntimeRunner(model, result.onnx_path)
+    runner = OnnxRuntimeRunner(vision_model(model), result.onnx_path)
     for n in (1, 5, 9):  # none of these is the export batch (2)
         tiles = torch.randint(0, 256, (n, 56, 56, 3), dtype=torch.uint8)
-        want = TorchRunner(model).encode(tiles)
+        want = TorchRunner(vision_model(model)).encode(tiles)
         assert (runner.encode(tiles) - want).abs().max() <= 1e-4
 
 
@@ -43,7 +47,7 @@ def test_export_leaves_the_model_as_it_was(random_model_dir: Path, tmp_path: Pat
     """Exporting works on an fp32 CPU copy: a bf16 model stays bf16 (on CUDA: stays there)."""
     model = load_model(random_model_dir, dtype=torch.bfloat16)
     before = {k: v.clone() for k, v in model.vision.state_dict().items()}
-    result = export_onnx(model, tmp_path / "o")
+    result = export_onnx(vision_model(model), tmp_path / "o")
     assert result.max_abs_err <= 1e-4  # the export itself is fp32
     after = model.vision.state_dict()
     assert all(after[k].dtype == torch.bfloat16 and torch.equal(after[k], v)
@@ -57,7 +61,8 @@ def test_engine_answers_equal_across_backends(exported) -> None:  # noqa: ANN001
            for w, h in [(56, 56), (150, 60)]]
     reqs = [Request(i, q) for i in range(2) for q in ("red?", "Is there a circle?")]
     torch_m = [s.margin for s in TorchEngine(model, EngineConfig()).score(ims, reqs)]
-    ort = TorchEngine(model, EngineConfig(), OnnxRuntimeRunner(model, result.onnx_path))
+    ort = TorchEngine(model, EngineConfig(),
+                      OnnxRuntimeRunner(vision_model(model), result.onnx_path))
     ort_m = [s.margin for s in ort.score(ims, reqs)]
     assert np.abs(np.array(torch_m) - np.array(ort_m)).max() <= 1e-4
 
@@ -70,8 +75,8 @@ def test_cli_export(random_model_dir: Path, tmp_path: Path, capsys) -> None:  # 
 
 
 def test_unknown_backend(exported) -> None:  # noqa: ANN001
-    with pytest.raises(ValueError, match="not one of"):
-        make_runner("nope", exported[0])
+    with pytest.raises(UnknownName, match="unknown vision backend 'nope'; one of: .*torch"):
+        make_runner("nope", vision_model(exported[0]), RunnerOptions())
 
 
 @pytest.mark.gpu
@@ -81,10 +86,10 @@ def test_tensorrt_matches_torch(random_model_dir: Path, graphs: bool) -> None:
     from vit_trt.tensorrt_runner import TensorRTRunner
 
     model = load_model(random_model_dir, device="cuda")
-    trt_runner = TensorRTRunner(model, precision="fp16", cuda_graphs=graphs)
+    trt_runner = TensorRTRunner(vision_model(model), precision="fp16", cuda_graphs=graphs)
     for n in (5, 1, 40):  # bucket 8 padded, bucket 1, split at the largest bucket (32)
         tiles = torch.randint(0, 256, (n, 56, 56, 3), dtype=torch.uint8)
-        want = TorchRunner(model).encode(tiles).float()
+        want = TorchRunner(vision_model(model)).encode(tiles).float()
         got = trt_runner.encode(tiles)
         assert got.shape == want.shape
         assert ((got - want).abs().max() / want.abs().max()) <= 2e-2  # fp16 engine

@@ -5,7 +5,8 @@
 Loads the model into the torch engine (float32 by default, prefix cache off), takes the first
 ``samples`` questions of the calibration items, runs ``quant.calibrate.quantize_llm`` and
 writes the checkpoint with ``quant.checkpoint.save_quantized``. Offline only: serving loads
-the result (``pipeline.model.load_model``) and never quantises.
+the result (``pipeline.loading.load_model``) and never quantises. Here rather than in
+``quant/`` because calibration runs the serving engine, which sits above it.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from jobs.manifest import ImageItem
-from pipeline.atomic import replaced_on_success
-from pipeline.config import ConfigError, EngineConfig, ModelConfig
-from pipeline.model import DEFAULT_MODEL, ModelError, read_config
+from common.atomic import replaced_on_success
+from models.io import ModelError, read_config
+from pipeline.config import DEFAULT_MODEL, ConfigError, EngineConfig, ModelConfig
+from pipeline.drive import answer_group
+from pipeline.records import ErrorKind, ImageItem
+from pipeline.torch_engine import TorchEngine, build_torch
 from quant.calibrate import METHODS, quantize_llm
 from quant.checkpoint import save_quantized
 
@@ -49,9 +52,6 @@ def calibration_items(items: list[ImageItem], samples: int) -> list[ImageItem]:
 def quantize_model(model: Path | None, out: Path, method: str, items: list[ImageItem],
                    samples: int = 128, group_size: int = 128, device: str = "cpu",
                    images_per_batch: int = 16, progress: bool = True) -> QuantizeResult:
-    from jobs.runner import answer_group
-    from pipeline.engines import build_engine
-
     if method not in METHODS:
         raise ConfigError(f"--method {method!r} not one of {METHODS}")
     if group_size < 8 or group_size % 8:
@@ -68,9 +68,9 @@ def quantize_model(model: Path | None, out: Path, method: str, items: list[Image
         raise ConfigError("--out must differ from --model")
     calib = calibration_items(items, samples)
     n = sum(len(it.questions) for it in calib)
-    engine, tiling = build_engine(ModelConfig(src, device),
-                                  EngineConfig(vit_backend="torch", prefix_cache=False))
-    llm = engine.model.llm  # type: ignore[attr-defined]
+    engine: TorchEngine = build_torch(ModelConfig(src, device),
+                                      EngineConfig(vit_backend="torch", prefix_cache=False))
+    llm = engine.model.llm
     spec = llm.spec
     for size in (spec.hidden, spec.intermediate, spec.heads * spec.head_dim):
         if size % group_size:
@@ -79,15 +79,17 @@ def quantize_model(model: Path | None, out: Path, method: str, items: list[Image
 
     def run_calibration() -> None:
         for g in range(0, len(calib), images_per_batch):
-            lines = answer_group(engine, tiling, calib[g: g + images_per_batch])
-            failed = [ln for ln in lines if ln["error"]]
-            if failed and failed[0]["error"].startswith("engine failed"):
-                raise RuntimeError(f"calibration forward failed: {failed[0]['error']}")
-            if len(failed) == len(lines):
-                raise ConfigError(f"no calibration image could be read: {failed[0]['error']}")
+            answers = answer_group(engine, calib[g: g + images_per_batch])
+            failed = [a for a in answers if a.error]
+            engine_failed = [a for a in failed if a.error_kind is ErrorKind.ENGINE]
+            if engine_failed:
+                raise RuntimeError(f"calibration forward failed: {engine_failed[0].error}")
+            if len(failed) == len(answers):
+                raise ConfigError(f"no calibration image could be read: {failed[0].error}")
 
     qweights, report = quantize_llm(llm, run_calibration, method, group_size,
                                     progress=progress)
     with replaced_on_success(out) as part:  # an interrupted save leaves no half checkpoint
-        save_quantized(src, part, llm.state_dict(), qweights, group_size, method, n)
+        save_quantized(src, part, engine.model.family, llm.state_dict(), qweights, group_size,
+                       method, n)
     return QuantizeResult(out, method, n, len(qweights), report)

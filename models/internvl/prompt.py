@@ -1,36 +1,26 @@
-"""Prompt building: chat template around one image and one question, as token ids.
+"""InternVL prompts: chat template around one image and one question, as token ids.
 
 The model's own chat template renders a user turn holding an image part and a text part; the
 image part's placeholder (``<IMG_CONTEXT>``) is expanded to ``<img>`` + N x ``<IMG_CONTEXT>`` +
 ``</img>`` with N = tokens per tile x tiles, exactly as transformers' ``InternVLProcessor``
 does. Everything around the question is tokenized once; per request only the question is.
 
-Invariant: ``Prompt.ids[image_start : image_start + image_len]`` are all the image token id,
-and the image embeddings of that image fill exactly that span.
+The ``Prompt`` record and its invariant are in ``models/base.py``.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from typing import Any
+
+from models.base import Prompt
+from preprocessing.prepare import PreparedImage
 
 _MARK = "\x00QUESTION\x00"
 
 
-@dataclass(frozen=True)
-class Prompt:
-    ids: tuple[int, ...]
-    image_start: int  # index of the first <IMG_CONTEXT>
-    image_len: int  # number of <IMG_CONTEXT> tokens
-
-    @property
-    def prefix_len(self) -> int:
-        """Tokens shared by every question about the same image: up to and with </img>."""
-        return self.image_start + self.image_len + 1
-
-
-class PromptBuilder:
-    def __init__(self, tokenizer, tokens_per_tile: int, image_token_id: int) -> None:  # noqa: ANN001
+class InternVLPrompts:
+    def __init__(self, tokenizer: Any, tokens_per_tile: int, image_token_id: int) -> None:
         self.tok = tokenizer
         self.tokens_per_tile = tokens_per_tile
         self.image_token_id = image_token_id
@@ -57,7 +47,10 @@ class PromptBuilder:
     def _encode_question(self, question: str) -> tuple[int, ...]:
         return tuple(self._encode(self._between + question))
 
-    def build(self, question: str, num_tiles: int) -> Prompt:
+    def build(self, question: str, image: PreparedImage) -> Prompt:
+        return self.build_for_tiles(question, image.grid.num_tiles)
+
+    def build_for_tiles(self, question: str, num_tiles: int) -> Prompt:
         n = self.tokens_per_tile * num_tiles
         ids = (*self._head, *[self.image_token_id] * n, *self._end, *self._question(question),
                *self._tail)

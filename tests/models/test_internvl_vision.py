@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import InternVLForConditionalGeneration
 
-from pipeline.model import load_model
+from pipeline.loading import load_model
 from tests.conftest import make_model_dir, reference_pixels
 
 VARIANTS = {
@@ -59,8 +59,10 @@ def test_internvit_300m_shape() -> None:
     random weights, one tile: ours equals transformers. About a minute on 2 CPU cores."""
     from transformers import InternVLConfig
 
-    from pipeline.model import normalise_key
-    from vit_trt.encoder import VisionEncoder
+    from models.internvl.family import InternVL
+    from models.internvl.vision import VisionEncoder
+
+    normalise_key = InternVL().normalise_key
 
     cfg = InternVLConfig(
         vision_config=dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
@@ -91,8 +93,8 @@ def read_spec_from_config(cfg: dict):  # noqa: ANN201
     import json
     import tempfile
 
-    from pipeline.model import read_spec
+    from pipeline.loading import read_spec
 
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(cfg))
-        return read_spec(Path(tmp)).vision
+        return read_spec(Path(tmp))[1].vision

@@ -13,8 +13,9 @@ import torch
 from transformers import InternVLForConditionalGeneration
 
 from pipeline.config import EngineConfig
-from pipeline.engine import Request, TorchEngine
-from pipeline.model import load_model
+from pipeline.loading import load_model
+from pipeline.records import Request
+from pipeline.torch_engine import TorchEngine
 from preprocessing.prepare import prepare
 from tests.conftest import reference_pixels
 
@@ -39,9 +40,8 @@ def reference_ids(tok, question: str, n_tokens: int) -> list[int]:  # noqa: ANN0
 
 def test_prompt_matches_processor_expansion(models) -> None:  # noqa: ANN001
     ours, _ = models
-    engine = TorchEngine(ours, EngineConfig())
     for n_tiles in (1, 3, 7):
-        p = engine.prompts.build(QUESTIONS[1], n_tiles)
+        p = ours.prompts.build_for_tiles(QUESTIONS[1], n_tiles)
         assert list(p.ids) == reference_ids(ours.tokenizer, QUESTIONS[1],
                                              n_tiles * ours.spec.tokens_per_tile)
         span = p.ids[p.image_start: p.image_start + p.image_len]
@@ -77,7 +77,7 @@ def test_full_logits_match(models) -> None:  # noqa: ANN001
     im = prepare(np.random.default_rng(1).integers(0, 256, (90, 200, 3), dtype=np.uint8),
                  ours.spec.tiling)
     engine = TorchEngine(ours, EngineConfig())
-    p = engine.prompts.build(QUESTIONS[0], im.grid.num_tiles)
+    p = ours.prompts.build(QUESTIONS[0], im)
     emb = engine.encode([im])
     with torch.no_grad():
         x = ours.llm.embed_tokens(torch.tensor([p.ids]))
@@ -116,7 +116,7 @@ def test_greedy_text_matches_transformers_generate(models, cache: bool,  # noqa:
             out = ref.generate(input_ids=torch.tensor([ids]),
                                pixel_values=reference_pixels(torch.from_numpy(im.tiles)),
                                max_new_tokens=6, do_sample=False,
-                               eos_token_id=sorted(engine.stop_ids),
+                               eos_token_id=sorted(engine.runner.stop_ids),
                                pad_token_id=ours.tokenizer.pad_token_id)
         want = ours.tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
         assert s.text == want

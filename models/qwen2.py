@@ -1,5 +1,9 @@
 """Qwen2 decoder (the language model of InternVL2.5/3) for batched prefill, on SDPA.
 
+Shared by the families whose text model is Qwen2; ``hf_key`` maps our parameter names to
+the HF decoder's (``language_model.`` prefixed, the normalised form every family's
+``normalise_key`` produces).
+
 The engine feeds ``inputs_embeds`` (text embeddings with image embeddings written into the
 ``<IMG_CONTEXT>`` span) for a right-padded batch and reads the hidden state of each sequence's
 last real token. Weights and maths follow transformers' ``Qwen2Model`` (RMSNorm, rotary
@@ -17,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vit_trt.encoder import RMSNorm
+from models.layers import FusedRMSNorm, rope, rotary
 
 KV = tuple[torch.Tensor, torch.Tensor]  # (k, v), each [B, K, T, d]
 
@@ -37,34 +41,6 @@ class TextSpec:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
-
-
-def rotary(positions: torch.Tensor, head_dim: int, theta: float,
-           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [B, T] -> (cos, sin) each [B, 1, T, d] in ``dtype``, computed in float32,
-    for ``_rope``. ``sin``'s first half is negated: transformers' ``rotate_half(x) * sin`` is
-    ``cat(-x2, x1) * cat(s, s)``, which equals ``roll(x, d/2) * cat(-s, s)`` exactly, and a
-    roll is one kernel where the negation and concatenation were two (the sign is applied
-    once per forward here instead of twice per layer)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
-                                             device=positions.device) / head_dim)
-    freqs = positions.float()[..., None] * inv_freq  # [B, T, d/2]
-    cos, sin = freqs.cos(), freqs.sin()
-    return (torch.cat([cos, cos], dim=-1)[:, None].to(dtype),
-            torch.cat([-sin, sin], dim=-1)[:, None].to(dtype))
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of ``x [B, heads, T, d]`` with ``rotary``'s (cos, sin)."""
-    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
-
-
-class _RMSNorm(RMSNorm):
-    """Qwen2's RMSNorm (float32 statistics, weight applied in the model's dtype) through
-    torch's ``rms_norm``: one op where the hand-written form dispatches six."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 # Repeat K/V per query head instead of SDPA's ``enable_gqa``? No, on both devices, measured
@@ -92,8 +68,8 @@ class DecoderLayer(nn.Module):
         self.gate_proj = nn.Linear(s.hidden, s.intermediate, bias=False)
         self.up_proj = nn.Linear(s.hidden, s.intermediate, bias=False)
         self.down_proj = nn.Linear(s.intermediate, s.hidden, bias=False)
-        self.input_layernorm = _RMSNorm(s.hidden, s.eps)
-        self.post_attention_layernorm = _RMSNorm(s.hidden, s.eps)
+        self.input_layernorm = FusedRMSNorm(s.hidden, s.eps)
+        self.post_attention_layernorm = FusedRMSNorm(s.hidden, s.eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 past: KV | None = None) -> tuple[torch.Tensor, KV]:
@@ -106,7 +82,7 @@ class DecoderLayer(nn.Module):
         k = self.k_proj(h).view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
         v = self.v_proj(h).view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
         # (one pass over torch.cat([q, k], 1) measured 7x slower on the CPU: a strided cat)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
         k_all, v_all = (k, v) if past is None else (torch.cat([past[0], k], 2),
                                                     torch.cat([past[1], v], 2))
         if s.heads != s.kv_heads and EXPAND_KV:
@@ -125,7 +101,7 @@ class Qwen2LM(nn.Module):
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab, spec.hidden)
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.layers))
-        self.norm = _RMSNorm(spec.hidden, spec.eps)
+        self.norm = FusedRMSNorm(spec.hidden, spec.eps)
         self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
         if spec.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -192,7 +168,7 @@ class Qwen2LM(nn.Module):
             for name, t in own.items():
                 if name == "lm_head.weight" and self.spec.tie_embeddings:
                     continue
-                key = _hf_key(name)
+                key = hf_key(name)
                 if key in sd:
                     t.copy_(sd[key])
                 else:
@@ -206,7 +182,7 @@ _SUBMODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn
               "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
-def _hf_key(name: str) -> str:
+def hf_key(name: str) -> str:
     """Our parameter name -> the HF Qwen2 key (``layers.0.q_proj.weight`` ->
     ``language_model.layers.0.self_attn.q_proj.weight``)."""
     if name == "lm_head.weight":

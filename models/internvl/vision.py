@@ -8,7 +8,7 @@ device. Output is LLM-ready image embeddings ``[N, T, D_text]`` with
 The weights and the maths are those of transformers' ``InternVLModel.get_image_features``
 (vision tower, CLS dropped, pixel shuffle, projector); ``tests/vit_trt`` checks equality on
 random weights. Attention is ``torch.nn.functional.scaled_dot_product_attention`` (no flash-attn
-function), so the module exports to ONNX (issue 4).
+function), so the module exports to ONNX (``vit_trt/export.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from models.layers import RMSNorm, activation
 
 
 @dataclass(frozen=True)
@@ -45,27 +47,6 @@ class VisionSpec:
         return int((tile // self.patch) ** 2 * self.downsample**2)
 
 
-def _act(name: str):  # noqa: ANN202
-    table = {"gelu": F.gelu, "silu": F.silu, "relu": F.relu,
-             "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
-    if name not in table:
-        raise ValueError(f"unsupported activation {name!r}; supported: {sorted(table)}")
-    return table[name]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
 def _norm(spec: VisionSpec, dim: int) -> nn.Module:
     return RMSNorm(dim, spec.eps) if spec.norm_type == "rms_norm" else nn.LayerNorm(dim, spec.eps)
 
@@ -86,7 +67,7 @@ class VisionLayer(nn.Module):
         self.fc2 = nn.Linear(s.intermediate, s.hidden)
         self.ls1 = nn.Parameter(torch.ones(s.hidden))
         self.ls2 = nn.Parameter(torch.ones(s.hidden))
-        self.act = _act(s.act)
+        self.act = activation(s.act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [N, L, C]
@@ -118,7 +99,7 @@ class VisionEncoder(nn.Module):
         self.proj_norm = nn.LayerNorm(s.hidden * r * r)
         self.proj1 = nn.Linear(s.hidden * r * r, s.text_hidden)
         self.proj2 = nn.Linear(s.text_hidden, s.text_hidden)
-        self.proj_act = _act(s.projector_act)
+        self.proj_act = activation(s.projector_act)
         # x_norm = x_uint8 * scale + shift  ==  (x / 255 - mean) / std, kept as Python floats
         # so that .to(bf16) leaves them exact; applied in fp32 like the reference.
         self.scale = [1.0 / (255.0 * sd) for sd in s.std]

@@ -1,8 +1,8 @@
 """Random-weight InternVL checkpoints (HF-native layout) for tests and benchmarks.
 
-``save_random_internvl`` writes what ``pipeline.model.load_model`` and transformers'
+``save_random_internvl`` writes what ``pipeline.build.load_model`` and transformers'
 ``InternVLForConditionalGeneration`` both read: config, safetensors weights (seeded), our own
-byte-level BPE tokenizer (``pipeline.tokenizer``) and a preprocessor config. Nothing is
+byte-level BPE tokenizer (``models/internvl/tokenizer.py``) and a preprocessor config. Nothing is
 downloaded. The tests use tiny shapes (tests/conftest.py); ``INTERNVL3_1B`` is the shape of
 InternVL3-1B (InternViT-300M, 448 px tiles, 256 tokens per tile, Qwen2-0.5B), for measuring
 speed at real size (``bench/qpm.py --random-shape internvl3-1b``). Its answers mean nothing,
@@ -16,8 +16,9 @@ import json
 from pathlib import Path
 
 import torch
+from transformers import InternVLConfig, InternVLForConditionalGeneration
 
-from pipeline.tokenizer import build_tokenizer
+from models.internvl.tokenizer import build_tokenizer
 
 CORPUS = ["is there a red shape?", "does the image contain a circle?", "yes", "no", "Yes", "No",
           "<|im_start|>user\n", "<|im_start|>assistant\n", "what color is the triangle?"] * 20
@@ -38,8 +39,6 @@ def save_random_internvl(path: Path, *, vision: dict, text: dict, tile: int, pat
                          max_tiles: int, seed: int = 0, dtype: torch.dtype = torch.float32,
                          vocab_size: int = 300) -> Path:
     """Save a seeded random InternVL with ``vision``/``text`` config keywords into ``path``."""
-    from transformers import InternVLConfig, InternVLForConditionalGeneration
-
     tok = build_tokenizer(CORPUS, vocab_size=vocab_size)
     cfg = InternVLConfig(
         vision_config=dict(image_size=tile, patch_size=patch, **vision),

@@ -1,14 +1,34 @@
 """The ``vlmbatch`` argument parser: every command's options, their defaults and help.
 
-It only parses: ``pipeline/cli.py`` maps ``args.command`` to the function that builds the
-config tree and runs it. Option names follow vLLM/LMDeploy where they exist
-(``--max-new-tokens``, ``--dtype``, ``--device``).
+It only parses: ``vlmbatch/cli.py`` maps ``args.command`` to the function that builds the
+config tree and runs it (``vlmbatch/commands.py``). Option names follow vLLM/LMDeploy where
+they exist (``--max-new-tokens``, ``--dtype``, ``--device``). Every default is read from the
+config dataclasses and every choice list from the registry or tuple that owns it, so neither
+is written twice.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from jobs.config import EXECUTORS, RayOptions, RunConfig
+from pipeline.config import DTYPES, LLM_QUANT, EngineConfig, ModelConfig, default_of, vit_backends
+from pipeline.engine import ENGINES
+from pipeline.quantize import quantize_model
+from preprocessing.prepare import TILING_MODES
+from quant.calibrate import METHODS
+from vit_trt.export import export_onnx
+
+M, E, R = ModelConfig(), EngineConfig(), RayOptions()  # the defaults
+
+
+def param_default(fn: Callable, name: str) -> Any:
+    """The default of ``fn``'s parameter ``name`` (commands whose options are a function's)."""
+    return inspect.signature(fn).parameters[name].default
 
 
 def positive_int(text: str, least: int = 1) -> int:
@@ -28,57 +48,74 @@ def non_negative_int(text: str) -> int:
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
+    """The model, its images and the engine: ``ModelConfig`` and ``EngineConfig``."""
     g = p.add_argument_group("model")
-    g.add_argument("--model", type=Path, default=None,
-                   help="HF-format InternVL directory (default: the built-in model)")
-    g.add_argument("--engine", default="torch", choices=["torch", "lmdeploy"],
-                   help="torch: ours (CPU/CUDA, default); lmdeploy: TurboMind, GPU env only, "
-                   "never run by us yet")
-    g.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
-    g.add_argument("--vit-backend", default="auto",
-                   choices=["auto", "torch", "onnxruntime", "onnxruntime-int8", "tensorrt"],
-                   help="vision encoder runner (default auto: tensorrt on CUDA when installed, "
-                   "else torch); onnxruntime-int8: dynamic int8 ViT on CPU")
-    g.add_argument("--llm-quant", default="none", choices=["none", "int8-dynamic"],
+    g.add_argument("--model", type=Path, default=M.path,
+                   help="HF-format checkpoint directory, e.g. an InternVL '-hf' release "
+                   "(default: the built-in model)")
+    g.add_argument("--device", default=M.device,
+                   help="torch device, e.g. cpu or cuda (default %(default)s)")
+    g.add_argument("--dtype", default=M.dtype, choices=list(DTYPES),
+                   help="weights and activations (default float32; bfloat16 on GPUs)")
+    g.add_argument("--llm-quant", default=M.llm_quant, choices=LLM_QUANT,
                    help="int8-dynamic: torch dynamic int8 linears for the language model (CPU). "
                    "For W4A16 pass a checkpoint made by `vlmbatch quantize`")
-    g.add_argument("--no-cuda-graphs", action="store_true",
-                   help="torch/tensorrt vision backends on CUDA: run without the CUDA graph pool")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weights and activations (default float32; bfloat16 on GPUs)")
-    g.add_argument("--max-tiles", type=int, default=None,
+    g.add_argument("--max-tiles", type=int, default=M.max_tiles,
                    help="cap tiles per image (default: the checkpoint's max_patches)")
-    g.add_argument("--tiling", default="reduced", choices=["reduced", "reference"],
+    g.add_argument("--tiling", default=M.tiling, choices=TILING_MODES,
                    help="reduced (default): fewest tiles that keep the image's resolution, "
                    "letterboxed (docs/preprocessing.md); reference: InternVL's "
                    "dynamic_preprocess, for parity with the model card")
-    g.add_argument("--upscale-limit", type=float, default=1.0,
-                   help="reduced tiling: most a tile count may enlarge an image (default 1.0)")
-    g.add_argument("--max-image-tokens", type=int, default=None,
+    g.add_argument("--upscale-limit", type=float, default=M.upscale_limit,
+                   help="reduced tiling: most a tile count may enlarge an image (default "
+                   "%(default)s)")
+    g.add_argument("--max-image-tokens", type=int, default=M.max_image_tokens,
                    help="per-image token budget the tiling must fit (thumbnail included)")
-    g.add_argument("--max-batch-tokens", type=int, default=8192,
-                   help="padded prompt tokens per LLM forward (default 8192)")
-    g.add_argument("--images-per-batch", type=int, default=16,
-                   help="images preprocessed and scored together (default 16)")
+    g.add_argument("--images-per-batch", type=int,
+                   default=default_of(RunConfig, "images_per_batch"),
+                   help="images preprocessed and scored together (default %(default)s)")
     _thread_args(g)
-    g.add_argument("--yes", default="yes,Yes,YES,是",
+    _engine_args(p.add_argument_group("engine"))
+    _cache_args(p.add_argument_group("prefix cache"))
+
+
+def _engine_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--engine", default=E.engine, choices=ENGINES.names(),
+                   help="torch: ours (CPU/CUDA, default); lmdeploy: TurboMind, GPU env only, "
+                   "never run by us yet")
+    g.add_argument("--vit-backend", default=E.vit_backend, choices=vit_backends(),
+                   help="vision encoder runner (default auto: tensorrt on CUDA when installed, "
+                   "else torch); onnxruntime-int8: dynamic int8 ViT on CPU")
+    g.add_argument("--no-cuda-graphs", action="store_true",
+                   help="torch/tensorrt vision backends on CUDA: run without the CUDA graph pool")
+    g.add_argument("--vit-max-batch", type=positive_int, default=E.vit_max_batch,
+                   help="largest vision batch prepared for: the CUDA graph pool's largest "
+                   "bucket and the TensorRT profile's maximum (default %(default)s)")
+    g.add_argument("--max-batch-tiles", type=positive_int, default=E.max_batch_tiles,
+                   help="tiles per vision-encoder forward (default %(default)s)")
+    g.add_argument("--max-batch-tokens", type=int, default=E.max_batch_tokens,
+                   help="padded prompt tokens per LLM forward (default %(default)s)")
+    g.add_argument("--yes", default=",".join(E.yes_words),
                    help="comma-separated answer words counted as yes; P(yes) sums their "
                    "first-token probabilities (default %(default)s)")
-    g.add_argument("--no", default="no,No,NO,否",
+    g.add_argument("--no", default=",".join(E.no_words),
                    help="comma-separated answer words counted as no (default %(default)s)")
-    g.add_argument("--max-new-tokens", type=int, default=0,
+    g.add_argument("--max-new-tokens", type=int, default=E.max_new_tokens,
                    help="also write a greedy text answer of up to N tokens (default 0: none); "
                    "a question's own max_new_tokens (policy/manifest) overrides it")
     g.add_argument("--ignore-eos", action="store_true",
                    help="with --max-new-tokens: always generate N tokens (for benchmarks)")
-    c = p.add_argument_group("prefix cache")
+
+
+def _cache_args(c: argparse._ArgumentGroup) -> None:
     c.add_argument("--no-prefix-cache", action="store_true",
                    help="recompute every prompt's image tokens (for comparison)")
-    c.add_argument("--block-size", type=int, default=16,
-                   help="tokens per cache block (default 16)")
-    c.add_argument("--cache-mib", type=int, default=1024,
+    c.add_argument("--block-size", type=int, default=E.block_size,
+                   help="tokens per cache block (default %(default)s)")
+    c.add_argument("--cache-mib", type=int, default=E.cache_bytes >> 20,
                    help="KV cache budget in MiB: one pool of this size (on CUDA taken when the "
-                   "engine starts), least recently used blocks evicted first (default 1024)")
+                   "engine starts), least recently used blocks evicted first (default "
+                   "%(default)s)")
 
 
 def _thread_args(g: argparse._ActionsContainer, note: str = "") -> None:
@@ -94,22 +131,23 @@ def _thread_args(g: argparse._ActionsContainer, note: str = "") -> None:
 
 def _executor_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("executor (jobs)")
-    g.add_argument("--executor", default="local", choices=["local", "ray"],
+    g.add_argument("--executor", default=EXECUTORS[0], choices=EXECUTORS,
                    help="local: this process (default); ray: CPU preprocessing tasks feeding "
                    "model actors (pip install 'vlmbatch[ray]'; docs/jobs.md)")
-    g.add_argument("--address", default=None,
+    g.add_argument("--address", default=R.address,
                    help="ray: join this cluster: HOST:PORT (its GCS), ray://HEAD:10001 (Ray "
                    "Client) or auto (default: $RAY_ADDRESS, else a new local instance for the "
                    "run)")
-    g.add_argument("--preprocess-workers", type=int, default=1,
-                   help="ray: concurrent decode/tile tasks (default 1)")
-    g.add_argument("--model-workers", type=int, default=1,
-                   help="ray: model actors, one per GPU on a GPU cluster (default 1)")
-    g.add_argument("--model-cpus", type=float, default=1.0,
-                   help="ray: CPUs per model actor = its torch threads on CPU (default 1)")
-    g.add_argument("--decode-timeout", type=float, default=30.0,
+    g.add_argument("--preprocess-workers", type=int, default=R.preprocess_workers,
+                   help="ray: concurrent decode/tile tasks (default %(default)s)")
+    g.add_argument("--model-workers", type=int, default=R.model_workers,
+                   help="ray: model actors, one per GPU on a GPU cluster (default %(default)s)")
+    g.add_argument("--model-cpus", type=float, default=R.model_cpus,
+                   help="ray: CPUs per model actor = its torch threads on CPU (default "
+                   "%(default)s)")
+    g.add_argument("--decode-timeout", type=float, default=R.decode_timeout,
                    help="ray: seconds per image before a hung decode is killed and that item "
-                   "fails (default 30)")
+                   "fails (default %(default)s)")
 
 
 def given_options(argv: list[str]) -> set[str]:
@@ -155,9 +193,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--retry-failed", action="store_true",
                    help="a job: first queue its failed images again (as `resume --retry-failed`)")
-    r.add_argument("--max-pixels", type=int, default=100_000_000,
+    r.add_argument("--max-pixels", type=int, default=default_of(RunConfig, "max_pixels"),
                    help="images with more pixels (read from the header) are that item's error "
-                   "(default 100,000,000)")
+                   "(default %(default)s)")
     _model_args(r)
     _executor_args(r)
 
@@ -173,8 +211,8 @@ def _add_submit(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--job", type=Path, help="the job folder to create")
     s.add_argument("--wait", action="store_true", help="run the job now")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
-    s.add_argument("--max-pixels", type=int, default=100_000_000,
-                   help="images with more pixels are that item's error (default 100,000,000)")
+    s.add_argument("--max-pixels", type=int, default=default_of(RunConfig, "max_pixels"),
+                   help="images with more pixels are that item's error (default %(default)s)")
     _model_args(s)
     _executor_args(s)
 
@@ -229,16 +267,17 @@ def _add_quantize(sub: argparse._SubParsersAction) -> None:
                        "`vlmbatch run --model OUT` serves. The vision encoder stays as it is "
                        "(see --vit-backend onnxruntime-int8).")
     q.add_argument("--model", type=Path, default=None,
-                   help="HF-format InternVL directory (default: the built-in model)")
-    q.add_argument("--method", required=True, choices=["awq", "gptq", "rtn"],
+                   help="HF-format checkpoint directory (default: the built-in model)")
+    q.add_argument("--method", required=True, choices=METHODS,
                    help="rtn: plain round-to-nearest, for comparison")
     q.add_argument("--calib", type=Path, required=True,
                    help="JSONL manifest of calibration images and questions")
     q.add_argument("--policy", type=Path, help="YAML/TOML questions asked of every image")
-    q.add_argument("--samples", type=int, default=128,
-                   help="calibration (image, question) pairs (default 128)")
-    q.add_argument("--group-size", type=int, default=128,
-                   help="input columns per scale (default 128)")
+    q.add_argument("--samples", type=int, default=param_default(quantize_model, "samples"),
+                   help="calibration (image, question) pairs (default %(default)s)")
+    q.add_argument("--group-size", type=int,
+                   default=param_default(quantize_model, "group_size"),
+                   help="input columns per scale (default %(default)s)")
     q.add_argument("--out", type=Path, required=True, help="new model folder")
     q.add_argument("--device", default="cpu",
                    help="where calibration runs: cpu (default) or cuda; the model is float32")
@@ -255,7 +294,8 @@ def _add_export_vit(sub: argparse._SubParsersAction) -> None:
                        "--vit-backend onnxruntime` exports on the fly; this file is for other "
                        "runtimes, TensorRT's builder (docs/vision.md) or inspection.")
     x.add_argument("--model", type=Path, default=None,
-                   help="HF-format InternVL directory (default: the built-in model)")
+                   help="HF-format checkpoint directory (default: the built-in model)")
     x.add_argument("--out", type=Path, required=True, help="output folder")
-    x.add_argument("--opset", type=int, default=17, choices=range(17, 21), metavar="{17..20}",
-                   help="ONNX opset (default 17; SDPA exports as plain ops in 17-20)")
+    x.add_argument("--opset", type=int, default=param_default(export_onnx, "opset"),
+                   choices=range(17, 21), metavar="{17..20}",
+                   help="ONNX opset (default %(default)s; SDPA exports as plain ops in 17-20)")

@@ -1,0 +1,93 @@
+"""Reading a checkpoint folder: its JSON files and safetensors weights, with errors that say
+what to do. Every model family loads through here, so a truncated file or a config that
+does not fit its weights reads the same whatever the family.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+
+class ModelError(RuntimeError):
+    """The model directory is missing, incomplete or of an unsupported kind."""
+
+
+def read_json(p: Path) -> dict:
+    """``p`` as a dict, ``{}`` if absent; ModelError naming the file if it is not a JSON object."""
+    if not p.is_file():
+        return {}
+    try:
+        d = json.loads(p.read_text())
+    except ValueError as e:  # JSONDecodeError; UnicodeDecodeError for a binary file
+        raise ModelError(f"{p} is not valid JSON ({e}); restore it from the original "
+                         "checkpoint") from e
+    if not isinstance(d, dict):
+        raise ModelError(f"{p} is not a JSON object; restore it from the original checkpoint")
+    return d
+
+
+def read_config(path: Path) -> dict:
+    """The model directory's ``config.json``; ModelError, saying what to do, if absent."""
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelError(
+            f"no model at {path}: looked for {cfg_file}. Pass --model DIR with an HF-format "
+            "checkpoint (config.json, *.safetensors, tokenizer files), or leave --model out to "
+            "use the built-in model.")
+    return read_json(cfg_file)
+
+
+def raw_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint (one file or a sharded index), keys as its files spell
+    them."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(read_json(index)["weight_map"].values()))
+    else:
+        files = [p.name for p in sorted(path.glob("*.safetensors"))]
+    if not files:
+        raise ModelError(f"no *.safetensors weights in {path}")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            sd.update(load_file(str(path / f)))
+        except SafetensorError as e:
+            raise ModelError(f"{path / f} cannot be read ({e}): the file is truncated or "
+                             "corrupt; copy or download it again") from e
+    return sd
+
+
+class LoadsHF(Protocol):
+    def load_hf(self, sd: dict[str, torch.Tensor]) -> None: ...
+
+
+class _ReadLog(dict):
+    """A state dict that remembers the last key read."""
+    last: str | None = None
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        self.last = key
+        return super().__getitem__(key)
+
+
+def load_weights(module: LoadsHF, sd: dict[str, torch.Tensor], path: Path) -> None:
+    """``module.load_hf(sd)``; ModelError naming the weight if config.json does not fit it."""
+    log = _ReadLog(sd)
+    try:
+        module.load_hf(log)
+    except KeyError as e:  # weights the config asks for are not in the checkpoint
+        raise ModelError(f"{path}: {e.args[0]}; config.json and the weights must come from "
+                         "the same checkpoint: restore its original config.json") from e
+    except RuntimeError as e:  # copy_ of a tensor of another shape (not, e.g., out of memory)
+        if log.last is None or "size" not in str(e) and "shape" not in str(e):
+            raise
+        raise ModelError(f"{path}: weight {log.last} has shape {tuple(sd[log.last].shape)}, "
+                         f"which the sizes in config.json do not fit ({e}); config.json and "
+                         "the weights must come from the same checkpoint: restore its original "
+                         "config.json") from e

@@ -1,0 +1,68 @@
+"""Layers shared by the model families: RMSNorm (two forms), rotary position embedding, and
+activations by their config names. Each matches transformers' definition of the same layer
+(tested through the families' reference checks)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu, "silu": F.silu, "relu": F.relu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation a config names (``hidden_act``); ValueError listing the known ones."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unsupported activation {name!r}; supported: {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / rms(x)``, statistics in float32, written out op by op (the form that
+    exports to every ONNX opset and that InternViT's ``rms_norm`` layers use)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class FusedRMSNorm(RMSNorm):
+    """The same maths through torch's ``rms_norm``: one op where the written-out form
+    dispatches six (the decoder's hot path; float32 statistics, weight applied in the
+    model's dtype, as Qwen2's RMSNorm)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+def rotary(positions: torch.Tensor, head_dim: int, theta: float,
+           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [B, T] -> (cos, sin) each [B, 1, T, d] in ``dtype``, computed in float32,
+    for ``rope``. ``sin``'s first half is negated: transformers' ``rotate_half(x) * sin`` is
+    ``cat(-x2, x1) * cat(s, s)``, which equals ``roll(x, d/2) * cat(-s, s)`` exactly, and a
+    roll is one kernel where the negation and concatenation were two (the sign is applied
+    once per forward here instead of twice per layer)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
+                                             device=positions.device) / head_dim)
+    freqs = positions.float()[..., None] * inv_freq  # [B, T, d/2]
+    cos, sin = freqs.cos(), freqs.sin()
+    return (torch.cat([cos, cos], dim=-1)[:, None].to(dtype),
+            torch.cat([-sin, sin], dim=-1)[:, None].to(dtype))
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x [B, heads, T, d]`` with ``rotary``'s (cos, sin)."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin

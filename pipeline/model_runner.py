@@ -1,0 +1,213 @@
+"""The torch engine's tensor half (nano-vllm's ``ModelRunner``): the vision encoder over
+the images a phase needs, one prefill forward per batch (text embeddings with image
+embeddings written into the uncached part of each image span, the cached prefixes gathered
+from the KV pool in one gather, new prefix blocks copied in), P(yes) and margin from the
+first generated position, and greedy decoding for the rows that want text. What to run and
+in which batches is the planner's (``pipeline/planner.py``).
+
+On CUDA the host must not wait for the GPU between batches, or the two take turns instead of
+overlapping: host-to-device copies are non-blocking (``to_device``), answer token indices
+live on the device (``scoring``), and results stay on the device until the engine reads a
+call's back once. What still waits: each decode step of a text answer (it needs the chosen
+token), and the graph pool's guard after each vision call unless the runner is
+stream-ordered (``pipeline/torch_engine.py`` builds it so).
+
+Shapes: B rows, T new tokens (padded), P cached prefix (padded), L layers, K kv heads, d
+head dim, D hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from models.base import LoadedModel
+from models.qwen2 import KV
+from pipeline.engine import EngineStats
+from pipeline.planner import Plan
+from pipeline.prefix_cache import BlockKey, PrefixCache
+from pipeline.scoring import AnswerTokens, yes_no
+from preprocessing.prepare import PreparedImage
+from vit_trt import VitRunner
+
+
+@dataclass(frozen=True)
+class ImageEmbeds:
+    cache_key: str
+    embeds: torch.Tensor  # [num_tiles * tokens_per_tile, D_text]
+
+
+class ModelRunner:
+    def __init__(self, model: LoadedModel, vision: VitRunner, cache: PrefixCache | None,
+                 answers: AnswerTokens, stats: EngineStats, max_batch_tiles: int,
+                 ignore_eos: bool = False) -> None:
+        self.model = model
+        self.vision = vision
+        self.cache = cache
+        self.answers = answers
+        self.stats = stats
+        self.max_batch_tiles = max_batch_tiles
+        self.ignore_eos = ignore_eos
+        self.device = next(model.llm.parameters()).device
+        tok = model.tokenizer
+        self.stop_ids = {i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"),
+                                     tok.convert_tokens_to_ids("<|endoftext|>"))
+                         if i is not None and i != tok.unk_token_id}
+
+    def to_device(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        """A host list as a tensor on the engine's device, without waiting for the GPU:
+        ``torch.tensor(..., device=cuda)`` copies synchronously, and a non-blocking copy from
+        pageable memory may still wait when the driver stages a large one. So on CUDA the
+        values go through pinned memory (torch's host allocator keeps the block until the
+        copy is done)."""
+        t = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def encode(self, images: list[PreparedImage]) -> list[ImageEmbeds]:
+        """Run the vision encoder over all images' rows (tiles), at most ``max_batch_tiles``
+        per forward; one ``ImageEmbeds`` per image, its rows' tokens flattened in order."""
+        if not images:
+            return []
+        tiles = np.concatenate([im.tiles for im in images])  # [N, S, S, 3]
+        outs = []
+        for start in range(0, len(tiles), self.max_batch_tiles):
+            chunk = torch.from_numpy(tiles[start: start + self.max_batch_tiles])
+            outs.append(self.vision.encode(chunk).to(self.device))  # [n, T, D]
+        self.stats.vision_tiles += len(tiles)
+        feats = torch.cat(outs)
+        result, first = [], 0
+        for im in images:
+            n = len(im.tiles)
+            result.append(ImageEmbeds(im.cache_key, feats[first: first + n].flatten(0, 1)))
+            first += n
+        return result
+
+    def prefill(self, batch: list[Plan], images: list[ImageEmbeds | None], limits: list[int]
+                 ) -> tuple[torch.Tensor, list[str | None]]:
+        """One forward over ``batch``: ([B, 2] (p_yes, margin) on the device, texts)."""
+        t = max(p.new_len for p in batch)
+        ids = self.to_device([list(p.prompt.ids[p.past_len:]) + [0] * (t - p.new_len)
+                               for p in batch])  # [B, T], right-padded
+        lengths = self.to_device([p.new_len for p in batch])
+        x = self.model.llm.embed_tokens(ids)  # [B, T, D]
+        for j, (p, im) in enumerate(zip(batch, images)):
+            lo = max(p.span.start, p.past_len)
+            hi = p.span.start + p.span.length
+            if hi > lo:
+                assert im is not None
+                x[j, lo - p.past_len: hi - p.past_len] = im.embeds[lo - p.span.start:].to(x.dtype)
+                self.stats.image_tokens_prefilled += hi - lo
+        self.stats.prefill_tokens += sum(p.new_len for p in batch)
+        past, past_lengths = self._gather_past(batch)
+        logits, new_kv = self.model.llm.prefill(x, lengths, past, past_lengths)  # [B, V]
+        if self.cache is not None:
+            self._insert(batch, new_kv)
+        p_yes, margin = yes_no(logits, self.answers)
+        texts = self._texts(limits, logits, past, past_lengths, new_kv, lengths)
+        return torch.stack([p_yes, margin], 1), texts
+
+    def _texts(self, limits: list[int], logits: torch.Tensor, past: list[KV] | None,
+               past_lengths: torch.Tensor | None, new_kv: list[KV], lengths: torch.Tensor
+               ) -> list[str | None]:
+        """Greedy text for the rows whose limit is > 0 (None for the others): ``_generate``
+        on those rows of the prefill's logits and KV only."""
+        rows = [j for j, n in enumerate(limits) if n > 0]
+        if not rows:
+            return [None] * len(limits)
+        if len(rows) < len(limits):  # a subset: its rows of everything (a copy)
+            sel = self.to_device(rows)
+            logits, lengths = logits[sel], lengths[sel]
+            past = None if past is None else [(k[sel], v[sel]) for k, v in past]
+            past_lengths = None if past_lengths is None else past_lengths[sel]
+            new_kv = [(k[sel], v[sel]) for k, v in new_kv]
+        generated = self._generate(logits, past, past_lengths, new_kv, lengths,
+                                   [limits[j] for j in rows])
+        texts: list[str | None] = [None] * len(limits)
+        for j, text in zip(rows, generated):
+            texts[j] = text
+        return texts
+
+    def _generate(self, logits: torch.Tensor, past: list[KV] | None,
+                  past_lengths: torch.Tensor | None, new_kv: list[KV],
+                  lengths: torch.Tensor, limits: list[int]) -> list[str | None]:
+        """Greedy decode after a prefill, batched; row j stops at an end token or after
+        ``limits[j]`` tokens (all >= 1).
+
+        Keys are [past (padded to P) | new (padded to T) | generated]; ``valid`` masks the
+        padding holes. Positions continue each row's own length.
+        """
+        b = logits.shape[0]
+        kv = new_kv if past is None else [
+            (torch.cat([pk, nk], 2), torch.cat([pv, nv], 2))
+            for (pk, pv), (nk, nv) in zip(past, new_kv)]
+        width = new_kv[0][0].shape[2]  # T of the whole batch: rows may be a subset of it
+        valid = torch.arange(width, device=self.device)[None] < lengths[:, None]
+        pos = lengths.clone()
+        if past is not None and past_lengths is not None:
+            p = past[0][0].shape[2]
+            seen = torch.arange(p, device=self.device)[None] < past_lengths[:, None]
+            valid = torch.cat([seen, valid], 1)
+            pos += past_lengths
+        out: list[list[int]] = [[] for _ in range(b)]
+        done = [False] * b
+        tok = logits.argmax(-1)
+        for _ in range(max(limits)):
+            for j, t in enumerate(tok.tolist()):  # one device-to-host copy per step
+                if not done[j]:
+                    done[j] = t in self.stop_ids and not self.ignore_eos
+                    if not done[j]:
+                        out[j].append(t)
+                        done[j] = len(out[j]) >= limits[j]
+            if all(done):
+                break
+            x = self.model.llm.embed_tokens(tok)[:, None]  # [B, 1, D]
+            step_logits, step_kv = self.model.llm.decode_step(x, pos, kv, valid)
+            kv = [(torch.cat([k, sk], 2), torch.cat([v, sv], 2))
+                  for (k, v), (sk, sv) in zip(kv, step_kv)]
+            valid = torch.cat([valid, torch.ones((b, 1), dtype=torch.bool,
+                                                 device=self.device)], 1)
+            pos += 1
+            tok = step_logits.argmax(-1)
+        dec = self.model.tokenizer.decode
+        return [dec(ids, skip_special_tokens=True) for ids in out]
+
+    def _gather_past(self, batch: list[Plan]) -> tuple[list[KV] | None, torch.Tensor | None]:
+        """Cached prefixes -> per layer (k, v) ``[B, K, P, d]``, P the longest prefix; one
+        gather from the pool for the whole batch. Row j's keys past its own ``past_len``
+        (another slot's or a padding slot's, all finite) are masked by ``past_lengths``."""
+        longest = max(p.past_len for p in batch)
+        if longest == 0:
+            return None, None
+        assert self.cache is not None
+        nb = max(len(p.slots) for p in batch)
+        fill = next(p.slots[0] for p in batch if p.slots)  # a slot in use: finite
+        idx = self.to_device([p.slots + [fill] * (nb - len(p.slots)) for p in batch])
+        pool = self.cache.pool  # [S, L, 2, K, bs, d]
+        _, layers, _, kv_heads, bs, d = pool.shape
+        g = pool[idx]  # [B, nb, L, 2, K, bs, d]
+        g = g.permute(2, 3, 0, 4, 1, 5, 6).reshape(layers, 2, len(batch), kv_heads, nb * bs, d)
+        g = g[..., :longest, :]
+        past = [(g[i, 0], g[i, 1]) for i in range(layers)]
+        return past, self.to_device([p.past_len for p in batch])
+
+    def _insert(self, batch: list[Plan], new_kv: list[KV]) -> None:
+        assert self.cache is not None
+        k_all = torch.stack([k for k, _ in new_kv], 1)  # [B, L, K, T, d]
+        v_all = torch.stack([v for _, v in new_kv], 1)
+        for j, p in enumerate(batch):
+            pinned: list[BlockKey] = []
+            try:  # pinned while the chain goes in: a pool too small for it keeps its head
+                for start, blk in p.blocks:
+                    lo = start - p.past_len
+                    hi = lo + len(blk.ids)
+                    kv = torch.stack([k_all[j, :, :, lo:hi], v_all[j, :, :, lo:hi]], 1)
+                    if self.cache.insert(blk, kv, pin=True):  # [L, 2, K, n, d], copied
+                        pinned.append(blk.key)
+            finally:  # also after an error (e.g. out of memory): the runner goes on
+                self.cache.unpin(pinned)
+            self.cache.touch(p.chain)

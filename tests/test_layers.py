@@ -1,0 +1,195 @@
+"""The layers of ``docs/structure.md``: a package imports only from the rows below its own,
+no two modules import each other (directly or round a cycle), and an import inside a
+function is only ever of an optional dependency, with a comment saying so.
+
+Every module of the packages is parsed with ``ast`` (nothing imported), function-level
+imports included, ``if TYPE_CHECKING:`` blocks excepted. The checker runs on the real tree
+and on copies with one bad import injected, so each rule is shown to fail when broken.
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# top to bottom; a package imports only from packages on lower rows (or from itself)
+LAYERS: list[tuple[str, ...]] = [
+    ("vlmbatch",),
+    ("jobs",),
+    ("pipeline",),
+    ("vit_trt", "quant"),
+    ("models",),
+    ("preprocessing", "cudagraph_pool", "common"),
+]
+ROW = {pkg: i for i, row in enumerate(LAYERS) for pkg in row}
+# the only modules a function may import (extras or a separate env), each with a comment
+OPTIONAL = {"onnxruntime", "onnx", "ray", "tensorrt", "lmdeploy", "pyarrow"}
+
+
+def modules(root: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the layered packages."""
+    out = {}
+    for pkg in ROW:
+        for f in sorted((root / pkg).rglob("*.py")):
+            parts = list(f.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = f
+    return out
+
+
+def _type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def imports(tree: ast.Module) -> list[tuple[ast.stmt, bool]]:
+    """(import statement, at module level?) outside ``if TYPE_CHECKING:`` blocks."""
+    found: list[tuple[ast.stmt, bool]] = []
+
+    def visit(node: ast.AST, top: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _type_checking(child):
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.append((child, top))
+            inner = top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                   ast.Lambda))
+            visit(child, inner)
+
+    visit(tree, True)
+    return found
+
+
+def targets(stmt: ast.stmt, known: dict[str, Path]) -> list[str]:
+    """The modules an import statement names (``from a import b`` names ``a.b`` when that
+    is a module, else ``a``)."""
+    if isinstance(stmt, ast.Import):
+        return [a.name for a in stmt.names]
+    assert isinstance(stmt, ast.ImportFrom)
+    base = stmt.module or ""
+    return [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in stmt.names]
+
+
+def _commented(lines: list[str], lineno: int) -> bool:
+    """The import's line, or the nearest line above it that is not blank or another import
+    (a ``try:`` around a few imports), says ``optional``."""
+    i = lineno - 1
+    if "optional" in lines[i]:
+        return True
+    j = i - 1
+    while j >= 0 and (not lines[j].strip() or lines[j].split()[0] in ("import", "from")):
+        j -= 1
+    return j >= 0 and "optional" in lines[j]
+
+
+def violations(root: Path) -> list[str]:
+    known = modules(root)
+    bad: list[str] = []
+    graph: dict[str, set[str]] = {m: set() for m in known}
+    for mod, path in known.items():
+        text = path.read_text()
+        lines = text.splitlines()
+        for stmt, top in imports(ast.parse(text)):
+            for target in targets(stmt, known):
+                pkg, own = target.split(".")[0], mod.split(".")[0]
+                where = f"{path.relative_to(root)}:{stmt.lineno}"
+                if pkg in ROW and pkg != own and ROW[pkg] <= ROW[own]:
+                    bad.append(f"{where}: {own} (row {ROW[own] + 1}) imports {target} "
+                               f"(row {ROW[pkg] + 1}): not below it")
+                if target in known:
+                    graph[mod].add(target)
+                if not top and (pkg not in OPTIONAL or not _commented(lines, stmt.lineno)):
+                    bad.append(f"{where}: function-level import of {target} (only optional "
+                               f"dependencies {sorted(OPTIONAL)}, with a comment)")
+    bad += [f"import cycle: {' -> '.join(c)}" for c in cycles(graph)]
+    return bad
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module, or a module importing
+    itself (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph[v]:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return out
+
+
+def test_the_tree_follows_the_layers() -> None:
+    assert violations(ROOT) == []
+
+
+@pytest.fixture()
+def tree(tmp_path: Path) -> Path:
+    """A copy of the layered packages' sources, for injecting bad imports."""
+    for pkg in ROW:
+        shutil.copytree(ROOT / pkg, tmp_path / pkg,
+                        ignore=shutil.ignore_patterns("__pycache__", "default_model"))
+    return tmp_path
+
+
+def _append(path: Path, text: str) -> None:
+    path.write_text(path.read_text() + text)
+
+
+def test_an_upward_import_fails(tree: Path) -> None:
+    _append(tree / "models" / "io.py", "\nfrom vlmbatch.cli import main  # noqa\n")
+    upward, cycle = violations(tree)  # vlmbatch.cli imports models.io in the end: a cycle too
+    assert upward.startswith("models/io.py:") and "imports vlmbatch.cli (row 1)" in upward
+    assert cycle.startswith("import cycle: ") and "models.io" in cycle
+
+
+def test_a_sibling_import_fails(tree: Path) -> None:
+    _append(tree / "quant" / "int4.py", "\nimport vit_trt.base  # noqa\n")
+    assert any("quant (row 4) imports vit_trt.base (row 4)" in b for b in violations(tree))
+
+
+def test_a_cycle_fails(tree: Path) -> None:
+    _append(tree / "pipeline" / "scoring.py", "\nimport pipeline.planner  # noqa\n")
+    _append(tree / "pipeline" / "planner.py", "\nimport pipeline.scoring  # noqa\n")
+    assert violations(tree) == ["import cycle: pipeline.planner -> pipeline.scoring"]
+
+
+def test_a_hidden_function_level_import_fails(tree: Path) -> None:
+    _append(tree / "jobs" / "sinks.py", "\n\ndef f() -> None:\n    import yaml  # noqa\n")
+    (bad,) = violations(tree)
+    assert "jobs/sinks.py" in bad and "function-level import of yaml" in bad
+
+
+def test_an_optional_import_needs_its_comment(tree: Path) -> None:
+    _append(tree / "jobs" / "sinks.py", "\n\ndef f() -> None:\n    import pyarrow\n")
+    assert len(violations(tree)) == 1
+    _append(tree / "jobs" / "sinks.py", "\n\ndef g() -> None:\n    import ray  # optional: ray\n")
+    assert len(violations(tree)) == 1  # only the first one, uncommented

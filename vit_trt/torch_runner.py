@@ -1,0 +1,33 @@
+"""The ``torch`` vision backend: the family's module, on CUDA optionally through the graph
+pool (one graph per batch-size bucket, ``cudagraph_pool``)."""
+
+from __future__ import annotations
+
+import torch
+
+from cudagraph_pool import GraphPool
+from vit_trt.base import RUNNERS, RunnerOptions, VisionModel, VitRunner
+
+
+class TorchRunner(VitRunner):
+    def __init__(self, vision: VisionModel, cuda_graphs: bool = False, max_batch: int = 32,
+                 stream_ordered: bool = False) -> None:
+        self.vision = vision.module
+        self.device = vision.device
+        self.pool: GraphPool | None = None
+        if cuda_graphs and self.device.type == "cuda":
+            # the pool's guard (a host wait on an event after each call) protects readers on
+            # other streams or the CPU; a stream-ordered consumer needs none
+            self.pool = GraphPool(self.vision, vision.item_shape, torch.uint8, self.device,
+                                  max_batch=max_batch, sync=not stream_ordered)
+
+    @torch.inference_mode()
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        x = pixels.to(self.device, non_blocking=True)
+        return self.pool(x) if self.pool is not None else self.vision(x)
+
+
+@RUNNERS.register("torch")
+def _torch(vision: VisionModel, opts: RunnerOptions) -> TorchRunner:
+    return TorchRunner(vision, cuda_graphs=opts.cuda_graphs, max_batch=opts.max_batch,
+                       stream_ordered=opts.stream_ordered)

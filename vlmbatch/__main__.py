@@ -1,0 +1,7 @@
+"""``python -m vlmbatch``: the command line."""
+
+import sys
+
+from vlmbatch.cli import main
+
+sys.exit(main())
