@@ -38,6 +38,7 @@ from tqdm import tqdm
 from jobs.lock import host_id, recorded_runner, run_alive, run_lock, runner_of, who
 from jobs.manifest import (
     ManifestError,
+    first_line,
     items_from_folder,
     iter_manifest,
     manifest_format,
@@ -124,15 +125,21 @@ def submit(cfg: RunConfig, job: Path) -> int:
                             "folder (or `vlmbatch resume` it if it is a job)")
     read_spec(cfg.model.path or DEFAULT_MODEL)  # raises ModelError naming what is wrong
     policy = read_policy(cfg.policy) if cfg.policy else ()
-    if cfg.manifest is not None:  # streamed: memory stays bounded for any manifest size
-        items = ((f"{cfg.manifest}:{ln}", it) for ln, it in iter_manifest(cfg.manifest, policy))
+    manifest = cfg.manifest
+
+    def first(item_id: str) -> str:  # a repeated id's first line (only ids are stored)
+        assert manifest is not None
+        return f"line {first_line(manifest, item_id, policy)}"
+
+    if manifest is not None:  # streamed: memory stays bounded for any manifest size
+        items = ((f"{manifest}:{ln}", it) for ln, it in iter_manifest(manifest, policy))
     else:
         assert cfg.images is not None
         items = ((str(cfg.images), it) for it in items_from_folder(cfg.images, policy))
     job.mkdir(parents=True, exist_ok=True)
     store = JobStore(job / STORE_FILE)
     try:
-        n = store.add_items(items)
+        n = store.add_items(items, first if manifest is not None else None)
         store.set("status", "submitted")
         store.set("created", str(time.time()))
     except BaseException:

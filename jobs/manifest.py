@@ -27,8 +27,8 @@ from pathlib import Path
 from jobs.openai_batch import is_openai_request, parse_request
 from jobs.records import ImageItem, ManifestError, Question, brief, check_id, check_unicode
 
-__all__ = ["ImageItem", "ManifestError", "Question", "items_from_folder", "iter_manifest",
-           "manifest_format", "read_manifest", "read_policy"]
+__all__ = ["ImageItem", "ManifestError", "Question", "first_line", "items_from_folder",
+           "iter_manifest", "manifest_format", "read_manifest", "read_policy"]
 
 QUESTION_KEYS = {"id", "text", "threshold", "max_new_tokens"}
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
@@ -104,11 +104,11 @@ def read_policy(path: Path) -> tuple[Question, ...]:
 def read_manifest(path: Path, policy: tuple[Question, ...] = ()) -> list[ImageItem]:
     """Parse and validate every line; policy questions follow each line's own questions."""
     items: list[ImageItem] = []
-    seen: set[str] = set()
+    seen: dict[str, int] = {}  # id -> line
     for lineno, item in iter_manifest(path, policy):
-        if item.id in seen:
-            raise ManifestError(f"{path}:{lineno}: id {item.id!r} appears twice")
-        seen.add(item.id)
+        if (first := seen.setdefault(item.id, lineno)) != lineno:
+            raise ManifestError(f"{path}:{lineno}: id {brief(item.id)} appears twice (first "
+                                f"on line {first})")
         items.append(item)
     return items
 
@@ -174,6 +174,12 @@ def _item(rec: dict, where: str, lineno: int, base_dir: Path,
         raise ManifestError(f"{where}: no questions (give 'questions' or --policy)")
     return ImageItem(check_id(rec.get("id", lineno), where, "id"), rec["image"], own + policy,
                      base_dir)
+
+
+def first_line(path: Path, item_id: str, policy: tuple[Question, ...] = ()) -> int:
+    """The line of the first item with ``item_id``, for a repeated id's message when the ids
+    were not kept (a job's store finds the repeat): rescans, so call it on that error only."""
+    return next(ln for ln, it in iter_manifest(path, policy) if it.id == item_id)
 
 
 def manifest_format(path: Path) -> str:
