@@ -746,7 +746,7 @@ def test_deep_nesting_in_a_manifest(tmp_path: Path, where: str) -> None:
 @pytest.mark.parametrize("suffix", [".yaml", ".toml"])
 def test_deep_nesting_in_a_policy(tmp_path: Path, suffix: str) -> None:
     p = tmp_path / f"p{suffix}"
-    for depth in DEPTHS if suffix == ".toml" else [10, 500, 5000, 100_000]:  # yaml: ~0.5 s each
+    for depth in DEPTHS if suffix == ".toml" else [10, 500, 100_000]:  # yaml: ~0.5 s each
         nest = "[" * depth + "1" + "]" * depth
         p.write_text(f"questions: {nest}\n" if suffix == ".yaml" else f"questions = {nest}\n")
         assert isinstance(policy_checked(p), ManifestError)
@@ -771,8 +771,9 @@ def test_huge_strings(tmp_path: Path, where: str) -> None:
                             "content": [{"type": "image_url", "image_url": big}, big]}]}},
                            False),
              "key": ({big: big, "image": "a", "questions": ["q"]}, True)}
-    if where == "policy text":
+    if where == "policy text":  # 1 MiB: PyYAML reads ~3 MB/s
         p = tmp_path / "p.yaml"
+        big = big[-(1 << 20):]
         p.write_text(f'questions: ["{big}", {{text: q, id: ["{big}"]}}]\n')
         assert isinstance(policy_checked(p), ManifestError)
         return
