@@ -34,8 +34,14 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jobs.manifest import ImageItem, ManifestError, Question, manifest_format, read_manifest, \
-    read_policy
+from jobs.manifest import (
+    ImageItem,
+    ManifestError,
+    Question,
+    manifest_format,
+    read_manifest,
+    read_policy,
+)
 
 MAX_MESSAGE = 2000  # characters: a refusal names the value, it does not echo megabytes
 
