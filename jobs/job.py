@@ -19,7 +19,7 @@ import dataclasses
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -38,7 +38,13 @@ from jobs.folder import (
     write_job_file,
 )
 from jobs.lock import host_id, run_lock
-from jobs.manifest import items_from_folder, iter_manifest, manifest_format, read_policy
+from jobs.manifest import (
+    first_line,
+    items_from_folder,
+    iter_manifest,
+    manifest_format,
+    read_policy,
+)
 from jobs.ray_executor import run_job_ray
 from jobs.store import JobStore, by_item
 from pipeline.build import build_engine
@@ -62,13 +68,19 @@ def _absolute(cfg: RunConfig) -> RunConfig:
                                model=dataclasses.replace(cfg.model, path=ab(cfg.model.path)))
 
 
-def _items(cfg: RunConfig) -> Iterator[tuple[str, ImageItem]]:
-    """(where, item) of the run's input, streamed: memory stays bounded for any manifest."""
+def _items(cfg: RunConfig) -> tuple[Iterator[tuple[str, ImageItem]],
+                                     Callable[[str], str] | None]:
+    """(where, item) of the run's input, streamed (memory stays bounded for any manifest),
+    and for a manifest where a repeated id was first (only ids are stored)."""
     policy = read_policy(cfg.policy) if cfg.policy else ()
-    if cfg.manifest is not None:
-        return ((f"{cfg.manifest}:{ln}", it) for ln, it in iter_manifest(cfg.manifest, policy))
+    manifest = cfg.manifest
+    if manifest is not None:
+        def first(item_id: str) -> str:
+            return f"line {first_line(manifest, item_id, policy)}"
+
+        return ((f"{manifest}:{ln}", it) for ln, it in iter_manifest(manifest, policy)), first
     assert cfg.images is not None
-    return ((str(cfg.images), it) for it in items_from_folder(cfg.images, policy))
+    return ((str(cfg.images), it) for it in items_from_folder(cfg.images, policy)), None
 
 
 def submit(cfg: RunConfig, job: Path) -> int:
@@ -80,11 +92,11 @@ def submit(cfg: RunConfig, job: Path) -> int:
         raise ManifestError(f"{job} already exists and is not an empty folder; pick a new job "
                             "folder (or `vlmbatch resume` it if it is a job)")
     read_spec(cfg.model.path)  # raises ModelError naming what is wrong
-    items = _items(cfg)
+    items, first = _items(cfg)
     job.mkdir(parents=True, exist_ok=True)
     store = JobStore(job / STORE_FILE)
     try:
-        n = store.add_items(items)
+        n = store.add_items(items, first)
         store.set("status", "submitted")
         store.set("created", str(time.time()))
     except BaseException:

@@ -26,12 +26,12 @@ from pathlib import Path
 
 import yaml
 
-from jobs.errors import ManifestError
+from jobs.errors import ManifestError, brief, check_id, check_unicode
 from jobs.openai_batch import is_openai_request, parse_request
 from pipeline.records import ImageItem, Question
 
-__all__ = ["ImageItem", "ManifestError", "Question", "items_from_folder", "iter_manifest",
-           "manifest_format", "parse_question", "read_manifest", "read_policy"]
+__all__ = ["ImageItem", "ManifestError", "Question", "first_line", "items_from_folder",
+           "iter_manifest", "manifest_format", "parse_question", "read_manifest", "read_policy"]
 
 QUESTION_KEYS = {"id", "text", "threshold", "max_new_tokens"}
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
@@ -45,22 +45,24 @@ def parse_question(raw: object, where: str, index: int, prefix: str = "q") -> Qu
         if not raw.strip():
             raise ManifestError(f"{where}: question {index} is empty")
         return Question(id=f"{prefix}{index}", text=raw)
-    if not isinstance(raw, dict) or not isinstance(raw.get("text"), str) or not raw["text"]:
+    if not isinstance(raw, dict) or not isinstance(raw.get("text"), str) \
+            or not raw["text"].strip():
         raise ManifestError(f"{where}: question {index} must be a string or an object with a "
-                            f"non-empty 'text', got {raw!r}")
-    unknown = sorted(set(raw) - QUESTION_KEYS)
+                            f"non-empty 'text', got {brief(raw)}")
+    unknown = sorted(set(raw) - QUESTION_KEYS, key=str)  # YAML keys may be 1, null...
     if unknown:  # a misspelt "threshold" would silently fall back to 0.5
-        raise ManifestError(f"{where}: question {index} has unknown key(s) {unknown}; a "
+        raise ManifestError(f"{where}: question {index} has unknown key(s) {brief(unknown)}; a "
                             f"question object has {sorted(QUESTION_KEYS)}")
     thr = raw.get("threshold", 0.5)
-    if not isinstance(thr, (int, float)) or not 0.0 <= thr <= 1.0:
+    if isinstance(thr, bool) or not isinstance(thr, (int, float)) or not 0.0 <= thr <= 1.0:
         raise ManifestError(f"{where}: question {index} threshold must be a number in [0, 1], "
-                            f"got {thr!r}")
+                            f"got {brief(thr)}")
     gen = raw.get("max_new_tokens")
     if gen is not None and (not isinstance(gen, int) or isinstance(gen, bool) or gen < 0):
         raise ManifestError(f"{where}: question {index} max_new_tokens must be a whole number "
-                            f">= 0, got {gen!r}")
-    return Question(id=str(raw.get("id", f"{prefix}{index}")), text=raw["text"],
+                            f">= 0, got {brief(gen)}")
+    qid = check_id(raw.get("id", f"{prefix}{index}"), where, f"question {index} id")
+    return Question(id=qid, text=raw["text"],
                     threshold=float(thr), max_new_tokens=gen)
 
 
@@ -72,7 +74,7 @@ def _questions(raw: object, where: str, prefix: str = "q") -> tuple[Question, ..
     qs = tuple(parse_question(q, where, i, prefix) for i, q in enumerate(raw))
     ids = [q.id for q in qs]
     if len(set(ids)) != len(ids):
-        raise ManifestError(f"{where}: question ids repeat: {ids}")
+        raise ManifestError(f"{where}: question ids repeat: {brief(ids)}")
     return qs
 
 
@@ -92,11 +94,12 @@ def read_policy(path: Path) -> tuple[Question, ...]:
         raise ManifestError(f"{path}: policy must be .yaml, .yml or .toml")
     try:
         data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
-    except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
-        raise ManifestError(f"{path}: cannot parse policy: {e}") from e
+    except (yaml.YAMLError, ValueError, RecursionError) as e:  # TOMLDecodeError: a ValueError
+        raise ManifestError(f"{path}: cannot parse policy: {_reason(e)}") from None
     if not isinstance(data, dict) or "questions" not in data:
         raise ManifestError(f"{path}: a policy needs a top-level 'questions' list")
     qs = _questions(data["questions"], str(path), prefix="p")
+    check_unicode((s for q in qs for s in (q.id, q.text)), str(path))
     if not qs:
         raise ManifestError(f"{path}: the policy has no questions")
     return qs
@@ -105,11 +108,11 @@ def read_policy(path: Path) -> tuple[Question, ...]:
 def read_manifest(path: Path, policy: tuple[Question, ...] = ()) -> list[ImageItem]:
     """Parse and validate every line; policy questions follow each line's own questions."""
     items: list[ImageItem] = []
-    seen: set[str] = set()
+    seen: dict[str, int] = {}  # id -> line
     for lineno, item in iter_manifest(path, policy):
-        if item.id in seen:
-            raise ManifestError(f"{path}:{lineno}: id {item.id!r} appears twice")
-        seen.add(item.id)
+        if (first := seen.setdefault(item.id, lineno)) != lineno:
+            raise ManifestError(f"{path}:{lineno}: id {brief(item.id)} appears twice (first "
+                                f"on line {first})")
         items.append(item)
     return items
 
@@ -131,8 +134,8 @@ def iter_manifest(path: Path, policy: tuple[Question, ...] = ()
     with path.open("rb") as f:
         for lineno, raw_line in enumerate(f, 1):
             where = f"{path}:{lineno}"
-            try:
-                line = raw_line.decode("utf-8")
+            try:  # a BOM (Windows editors write one) is tolerated, as in a policy
+                line = raw_line.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 raise ManifestError(f"{where}: not UTF-8 ({e.reason} at byte {e.start})") from e
             if not line.strip():
@@ -141,9 +144,13 @@ def iter_manifest(path: Path, policy: tuple[Question, ...] = ()
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ManifestError(f"{where}: not valid JSON ({e.msg})") from e
+            except (ValueError, RecursionError) as e:  # 4,300+ digit numbers; deep nesting
+                raise ManifestError(f"{where}: not valid JSON ({_reason(e)})") from None
             if not isinstance(rec, dict):
                 raise ManifestError(f"{where}: each line must be a JSON object")
             item = _item(rec, where, lineno, base_dir, policy)
+            asked = [t for q in item.questions for t in (q.id, q.text)]
+            check_unicode([item.id, item.source, *asked], where)  # item.image: a string here
             if (kind := "openai" if is_openai_request(rec) else "vlmbatch") != fmt.setdefault(
                     "kind", kind):
                 raise ManifestError(f"{where}: mixes OpenAI batch requests and vlmbatch lines")
@@ -165,11 +172,18 @@ def _item(rec: dict, where: str, lineno: int, base_dir: Path,
     own = _questions(rec.get("questions", []), where)
     clash = {o.id for o in own} & {q.id for q in policy}
     if clash:
-        raise ManifestError(f"{where}: question id(s) {sorted(clash)} are used by both "
+        raise ManifestError(f"{where}: question id(s) {brief(sorted(clash))} are used by both "
                             "this line and the policy; rename one")
     if not own + policy:
         raise ManifestError(f"{where}: no questions (give 'questions' or --policy)")
-    return ImageItem(str(rec.get("id", lineno)), rec["image"], own + policy, base_dir)
+    return ImageItem(check_id(rec.get("id", lineno), where, "id"), rec["image"], own + policy,
+                     base_dir)
+
+
+def first_line(path: Path, item_id: str, policy: tuple[Question, ...] = ()) -> int:
+    """The line of the first item with ``item_id``, for a repeated id's message when the ids
+    were not kept (a job's store finds the repeat): rescans, so call it on that error only."""
+    return next(ln for ln, it in iter_manifest(path, policy) if it.id == item_id)
 
 
 def manifest_format(path: Path) -> str:
@@ -179,11 +193,16 @@ def manifest_format(path: Path) -> str:
             if raw.strip():
                 try:
                     rec = json.loads(raw)
-                except ValueError:
+                except (ValueError, RecursionError):  # iter_manifest names what is wrong
                     return "vlmbatch"
                 return "openai" if isinstance(rec, dict) and is_openai_request(rec) \
                     else "vlmbatch"
     return "vlmbatch"
+
+
+def _reason(e: Exception) -> str:
+    """A parser's exception in a few words (RecursionError's own message names no input)."""
+    return "nested too deeply" if isinstance(e, RecursionError) else str(e).split("; use ")[0]
 
 
 def items_from_folder(folder: Path, policy: tuple[Question, ...]) -> list[ImageItem]:

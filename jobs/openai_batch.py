@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jobs.errors import ManifestError
+from jobs.errors import ManifestError, brief, check_id
 from pipeline.records import Answer, ImageItem, Question
 
 
@@ -37,18 +37,23 @@ def is_openai_request(rec: dict) -> bool:
 
 def parse_request(rec: dict, where: str, base_dir: Path) -> ImageItem:
     if rec.get("url", "/v1/chat/completions") != "/v1/chat/completions":
-        raise ManifestError(f"{where}: url {rec.get('url')!r} is not supported; "
+        raise ManifestError(f"{where}: url {brief(rec.get('url'))} is not supported; "
                             "only /v1/chat/completions")
     messages = rec["body"].get("messages") if isinstance(rec["body"], dict) else None
     if not isinstance(messages, list) or not messages:
         raise ManifestError(f"{where}: body.messages must be a non-empty list")
     texts, images = [], []
-    for msg in messages:
-        content = msg.get("content") if isinstance(msg, dict) else None
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise ManifestError(f"{where}: body.messages[{i}] must be an object, got {brief(msg)}")
+        content = msg.get("content")
         parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if msg.get("role") != "user" or not isinstance(parts, list):
             continue  # system/assistant turns carry no image or question here
         for part in parts:
+            if not isinstance(part, dict):
+                raise ManifestError(f"{where}: body.messages[{i}] has a content part that is "
+                                    f"not an object: {brief(part)}")
             if part.get("type") == "text" and isinstance(part.get("text"), str):
                 texts.append(part["text"])
             elif part.get("type") == "image_url":
@@ -63,7 +68,7 @@ def parse_request(rec: dict, where: str, base_dir: Path) -> ImageItem:
     question = " ".join(t.strip() for t in texts if t.strip())
     if not question:
         raise ManifestError(f"{where}: no text part to ask")
-    return ImageItem(str(rec["custom_id"]), images[0],
+    return ImageItem(check_id(rec["custom_id"], where, "custom_id"), images[0],
                      (Question("q0", question, max_new_tokens=_answer_tokens(rec, where)),),
                      base_dir)
 
@@ -77,7 +82,7 @@ def _answer_tokens(rec: dict, where: str) -> int | None:
     if n is None:
         return None
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ManifestError(f"{where}: body.max_tokens must be a whole number >= 1, got {n!r}")
+        raise ManifestError(f"{where}: body.max_tokens must be a whole number >= 1, got {brief(n)}")
     return n if n > 1 else None
 
 

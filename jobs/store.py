@@ -22,7 +22,7 @@ import json
 import os
 import sqlite3
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,9 +137,11 @@ class JobStore:
             raise
         self.db.execute("COMMIT")
 
-    def add_items(self, items: Iterable[tuple[str, ImageItem]]) -> int:
+    def add_items(self, items: Iterable[tuple[str, ImageItem]],
+                  first: Callable[[str], str] | None = None) -> int:
         """Insert (where, item) pairs in one transaction: all or nothing. A repeated id raises
-        ManifestError naming ``where`` (e.g. ``manifest.jsonl:12``)."""
+        ManifestError naming ``where`` (e.g. ``manifest.jsonl:12``) and ``first(id)``, where
+        the id came first (e.g. ``line 3``)."""
         n = 0
         with self._transaction("BEGIN"):
             for n, (where, item) in enumerate(items, 1):
@@ -147,7 +149,8 @@ class JobStore:
                     self.db.execute("INSERT INTO items (item_id, spec) VALUES (?, ?)",
                                     (item.id, item_to_json(item)))
                 except sqlite3.IntegrityError:
-                    raise ManifestError(f"{where}: id {item.id!r} appears twice") from None
+                    also = f" (first on {first(item.id)})" if first else ""
+                    raise ManifestError(f"{where}: id {item.id!r} appears twice{also}") from None
         return n
 
     def pending(self, batch: int) -> Iterator[list[ImageItem]]:

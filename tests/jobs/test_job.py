@@ -152,7 +152,7 @@ def test_bad_manifest_leaves_no_job(tmp_path: Path, random_model_dir: Path, caps
     job = tmp_path / "job"
     assert main(["submit", str(dup), "--job", str(job), "--model",
                  str(random_model_dir)]) == EXIT_BAD_INPUT
-    assert "dup.jsonl:4: id 'img1' appears twice" in capsys.readouterr().err
+    assert "dup.jsonl:4: id 'img1' appears twice (first on line 2)" in capsys.readouterr().err
     assert not job.exists()
 
 
