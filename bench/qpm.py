@@ -26,13 +26,13 @@ it encoded, LLM tokens it prefilled after what it had cached; padding not counte
 attention), per question and per second, and with ``--peak-tflops`` (790 by default on CUDA:
 the H200's measured bf16 matrix rate; none on the CPU) the fraction of that peak.
 
-Both answer the first ``--images`` images of easy-vqa's *test* split (all their yes/no
+All rows answer the first ``--images`` images of easy-vqa's *test* split (all their yes/no
 questions); the script prints QPM for each, the ratios, each one's accuracy and how often
-they agree with batched transformers, plus the cache's block hit rate, LLM tokens prefilled per question and the
-process's peak RSS after each path (the vlmbatch rows run first and the baselines last, though
-they print first, so each figure includes the paths run before it). Same thread count for all
-(``--threads``). Not a test: timings on shared machines are noisy, so compare the rows of one
-run, not runs across machines.
+they agree with batched transformers, plus the cache's block hit rate, LLM tokens prefilled
+per question and the process's peak RSS after each path (the vlmbatch rows run first and the
+baselines last, though they print first, so each figure includes the paths run before it).
+Same thread count for all (``--threads``). Not a test: timings on shared machines are noisy,
+so compare the rows of one run, not runs across machines.
 
 Each vlmbatch path first answers one untimed group of training images (graph capture,
 allocator, kernel choice at the timed shapes); ``--rounds N`` times it N times, each with a fresh
@@ -40,7 +40,7 @@ engine (empty cache), and keeps the best; the batched baseline gets the same war
 best of ``--rounds``; the per-question baseline warms on 4 images and runs once (it is the
 slow one). ``--profile DIR`` adds one profiled round per vlmbatch path.
 
-    python bench/qpm.py --images 100
+    python bench/qpm.py --images 60 --rounds 3
     python bench/qpm.py --images 500 --device cuda --dtype bfloat16 --rounds 3
 """
 
@@ -267,7 +267,8 @@ def main() -> None:
     print_checks(rows, args.dtype)
 
 
-def print_table(rows: list[tuple], truth: list[str], spec, peak: float | None) -> None:  # noqa: ANN001
+def print_table(rows: list[tuple], truth: list[str], spec,  # noqa: ANN001
+                peak: float | None) -> None:
     n = len(truth)
     t_b, p_b = rows[0][1], rows[0][2]
     t_q = rows[1][1]

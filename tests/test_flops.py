@@ -75,7 +75,8 @@ def test_vision_matches_flop_counter(random_model_dir) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("new,cached", [(11, 0), (11, 7), (1, 40)])
-def test_prefill_matches_flop_counter(random_model_dir, new: int, cached: int) -> None:  # noqa: ANN001
+def test_prefill_matches_flop_counter(random_model_dir,  # noqa: ANN001
+                                     new: int, cached: int) -> None:
     m = load_model(random_model_dir)
     t = m.spec.text
     g = torch.Generator().manual_seed(0)
