@@ -96,12 +96,16 @@ def _round16(n: int) -> int:
 class Fp8Linear(nn.Module):
     """``y = x @ W.T + b`` with e4m3 weights and per-token e4m3 activations.
 
-    x: ``[..., K]`` (any float dtype); returns ``[..., N]`` in x's dtype.
+    x: ``[..., K]`` (any float dtype); returns ``[..., N]`` in x's dtype. The backend (and so
+    the padding) is fixed at build: build on the device that serves. The weight and its scales
+    are kept as integer bit patterns (uint8, int32) so that a model's ``.to(dtype)`` moves
+    them but never casts them (it casts every floating buffer, e4m3 included); the bias
+    follows the model's dtype.
     """
 
-    weight_fp8: torch.Tensor  # [N, K] e4m3 ("reference") or [Np, Kp] zero-padded ("scaled_mm")
-    weight_scale: torch.Tensor  # [N] or [Np] float32
-    bias: torch.Tensor | None  # [N], the original linear's dtype
+    weight_bits: torch.Tensor  # [N, K] e4m3 as uint8 ("reference"), [Np, Kp] zero-padded
+    scale_bits: torch.Tensor  # [N] or [Np] float32 as int32
+    bias: torch.Tensor | None  # [N]
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
                  backend: str | None = None) -> None:
@@ -115,9 +119,19 @@ class Fp8Linear(nn.Module):
             kp, np_ = _round16(self.in_features), _round16(self.out_features)
             w = F.pad(w.float(), (0, kp - self.in_features, 0, np_ - self.out_features))
         q, scale = quantize_rows(w)
-        self.register_buffer("weight_fp8", q.contiguous())
-        self.register_buffer("weight_scale", scale.view(-1).contiguous())
+        self.register_buffer("weight_bits", q.contiguous().view(torch.uint8))
+        self.register_buffer("scale_bits", scale.reshape(-1).contiguous().view(torch.int32))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    @property
+    def weight_fp8(self) -> torch.Tensor:
+        """``[N, K]`` (or padded ``[Np, Kp]``) e4m3, row-major."""
+        return self.weight_bits.view(FP8)
+
+    @property
+    def weight_scale(self) -> torch.Tensor:
+        """``[N]`` (or ``[Np]``) float32 per-output-channel scales."""
+        return self.scale_bits.view(torch.float32)
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, backend: str | None = None) -> Fp8Linear:

@@ -160,6 +160,22 @@ def test_convert_include_exclude() -> None:
     assert convert_linears_fp8(lm, include=["layers.0.*"]) == ["layers.0.down_proj"]
 
 
+def test_model_dtype_cast_keeps_fp8_weights_and_scales() -> None:
+    """``model.to(bf16)`` casts every floating buffer; the e4m3 weight and its float32 scales
+    must come through unchanged (only the bias follows the model's dtype)."""
+    torch.manual_seed(6)
+    lin = nn.Linear(64, 32)
+    f = Fp8Linear.from_linear(lin)
+    w, s = f.weight_fp8.clone(), f.weight_scale.clone()
+    f.to(torch.bfloat16)
+    assert f.weight_fp8.dtype == FP8 and torch.equal(f.weight_fp8.view(torch.uint8),
+                                                      w.view(torch.uint8))
+    assert f.weight_scale.dtype == torch.float32 and torch.equal(f.weight_scale, s)
+    assert f.bias is not None and f.bias.dtype == torch.bfloat16
+    x = torch.randn(3, 64)
+    assert f(x.to(torch.bfloat16)).dtype == torch.bfloat16
+
+
 def test_require_fp8(monkeypatch: pytest.MonkeyPatch) -> None:
     assert require_fp8("cpu") == "reference"
     with pytest.raises(Fp8Unavailable, match="CUDA"):
