@@ -3,7 +3,7 @@ model card, with ``InternVLForConditionalGeneration`` on SDPA attention.
 
 - ``per_question``: one forward per question, the image decoded and tiled again each time
   (the naive loop; the bench's second reference).
-- ``batched``: what a competent user writes (the bench's headline reference). Tiles made once
+- ``Batched``: what a competent user writes (the bench's headline reference). Tiles made once
   per image with the model card's Pillow path (``preprocessing/reference.py``); prompts
   left-padded and batched (``batch`` per forward), ``position_ids`` from the attention mask
   as ``generate`` builds them, ``logits_to_keep=1``. Left padding puts every row's last real
@@ -110,64 +110,85 @@ def _left_pad(rows: list[tuple[int, ...]], pad: int) -> tuple[torch.Tensor, torc
     return ids, mask
 
 
-def batched(ref: Any, spec: Any, prompts: Any, answers: Any, items: list, warm: list,
-            batch: int = 16, rounds: int = 1, reuse_features: bool = True,
-            pad_id: int = 0) -> BaselineRun:
-    """``batch`` prompts per forward, left-padded; best of ``rounds`` timed rounds."""
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
+class Batched:
+    """The batched baseline, warmed up at construction; ``round()`` times one round (a fresh
+    pass over ``items``: tiles and features are made again each round)."""
 
-    reuse_features = reuse_features and can_pass_features(ref)
-    device, dtype = ref.device, ref.dtype
-    yes, no = list(answers.yes_ids), list(answers.no_ids)
+    def __init__(self, ref: Any, spec: Any, prompts: Any, answers: Any, items: list,
+                 warm: list, batch: int = 16, reuse_features: bool = True,
+                 pad_id: int = 0) -> None:
+        self.ref, self.spec, self.prompts, self.items = ref, spec, prompts, items
+        self.batch, self.pad_id = batch, pad_id
+        self.reuse = reuse_features and can_pass_features(ref)
+        self.yes, self.no = list(answers.yes_ids), list(answers.no_ids)
+        self.vision = ("features once per image (mm_encoder_outputs)" if self.reuse
+                       else "vision tower per prompt (pixel_values)")
+        self.times: list[float] = []
+        self.p_yes: list[float] = []
+        self.work = Work()
+        self._answer(warm, Work())
 
-    def answer(its: list, work: Work) -> list[float]:
+    def round(self) -> None:
+        work = Work()
+        start = time.perf_counter()
+        self.p_yes = self._answer(self.items, work)
+        self.times.append(time.perf_counter() - start)
+        self.work = work
+
+    def result(self) -> BaselineRun:
+        return BaselineRun(self.p_yes, min(self.times), self.work, self.vision)
+
+    @torch.inference_mode()
+    def _answer(self, its: list, work: Work) -> list[float]:
         pairs = [(i, q) for i, it in enumerate(its) for q in it.questions]
         last = {i: k for k, (i, _) in enumerate(pairs)}  # an image's last question
         pvs: dict[int, torch.Tensor] = {}  # image -> [tiles, 3, S, S], made once
         feats: dict[int, torch.Tensor] = {}  # image -> [tiles, T, D], encoded once
         out: list[float] = []
-        for lo in range(0, len(pairs), batch):
-            chunk = pairs[lo: lo + batch]
+        for lo in range(0, len(pairs), self.batch):
+            chunk = pairs[lo: lo + self.batch]
             images = list(dict.fromkeys(i for i, _ in chunk))
             for i in images:
                 if i not in pvs:
-                    pvs[i] = _tiles(spec, its[i].image)
-            rows = [prompts.build(q.text, len(pvs[i])).ids for i, q in chunk]
-            ids, mask = _left_pad(rows, pad_id)
-            assert bool(mask[:, -1].all()), "left padding: the last column is real"
-            kw: dict[str, Any] = dict(
-                input_ids=ids.to(device), attention_mask=mask.to(device),
-                position_ids=(mask.cumsum(-1) - 1).clamp(min=0).to(device), logits_to_keep=1)
-            if reuse_features:
-                new = [i for i in images if i not in feats]
-                if new:
-                    f = ref.get_image_features(
-                        pixel_values=torch.cat([pvs[i] for i in new]).to(device, dtype)
-                    ).pooler_output  # [tiles of the new images, T, D]
-                    feats.update(zip(new, f.split([len(pvs[i]) for i in new])))
-                    work.vision_tiles += len(f)
-                image = torch.cat([feats[i] for i, _ in chunk])
-                kw["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(
-                    pooler_output=image)}
+                    pvs[i] = _tiles(self.spec, its[i].image)
+            rows = [self.prompts.build(q.text, len(pvs[i])).ids for i, q in chunk]
+            kw = self._inputs(rows)
+            if self.reuse:
+                kw["mm_encoder_outputs"] = {"image": self._features(chunk, images, pvs, feats,
+                                                                    work)}
             else:
-                kw["pixel_values"] = torch.cat([pvs[i] for i, _ in chunk]).to(device, dtype)
+                kw["pixel_values"] = torch.cat([pvs[i] for i, _ in chunk]).to(
+                    self.ref.device, self.ref.dtype)
                 work.vision_tiles += len(kw["pixel_values"])
-            out += _p_yes(ref(**kw).logits[:, -1], yes, no)  # [B, V] at each last real token
+            logits = self.ref(**kw).logits[:, -1]  # [B, V] at each row's last real token
+            out += _p_yes(logits, self.yes, self.no)
             work.prefills += [(len(r), 0) for r in rows]
             for i in images:
-                if last[i] < lo + batch:  # all its questions answered
+                if last[i] < lo + self.batch:  # all its questions answered
                     pvs.pop(i)
                     feats.pop(i, None)
         return out
 
-    with torch.inference_mode():
-        answer(warm, Work())
-        best = float("inf")
-        for _ in range(rounds):
-            work = Work()
-            start = time.perf_counter()
-            out = answer(items, work)
-            best = min(best, time.perf_counter() - start)
-    how = ("features once per image (mm_encoder_outputs)" if reuse_features
-           else "vision tower per prompt (pixel_values)")
-    return BaselineRun(out, best, work, how)
+    def _inputs(self, rows: list[tuple[int, ...]]) -> dict[str, Any]:
+        """Left-padded ids, mask, positions from the mask (as ``generate`` builds them)."""
+        ids, mask = _left_pad(rows, self.pad_id)
+        assert bool(mask[:, -1].all()), "left padding: the last column is real"
+        device = self.ref.device
+        return dict(input_ids=ids.to(device), attention_mask=mask.to(device),
+                    position_ids=(mask.cumsum(-1) - 1).clamp(min=0).to(device),
+                    logits_to_keep=1)
+
+    def _features(self, chunk: list, images: list[int], pvs: dict, feats: dict,
+                  work: Work) -> Any:
+        """The chunk's image features, prompt by prompt; new images encoded in one call."""
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        new = [i for i in images if i not in feats]
+        if new:
+            f = self.ref.get_image_features(
+                pixel_values=torch.cat([pvs[i] for i in new]).to(self.ref.device,
+                                                                 self.ref.dtype)
+            ).pooler_output  # [tiles of the new images, T, D]
+            feats.update(zip(new, f.split([len(pvs[i]) for i in new])))
+            work.vision_tiles += len(f)
+        return BaseModelOutputWithPooling(pooler_output=torch.cat([feats[i] for i, _ in chunk]))

@@ -29,16 +29,18 @@ the H200's measured bf16 matrix rate; none on the CPU) the fraction of that peak
 All rows answer the first ``--images`` images of easy-vqa's *test* split (all their yes/no
 questions); the script prints QPM for each, the ratios, each one's accuracy and how often
 they agree with batched transformers, plus the cache's block hit rate, LLM tokens prefilled
-per question and the process's peak RSS after each path (the vlmbatch rows run first and the
-baselines last, though they print first, so each figure includes the paths run before it).
+per question and the process's peak RSS after each row's set-up and warm-up (vlmbatch rows
+first, then the transformers model, so each figure includes the rows set up before it).
 Same thread count for all (``--threads``). Not a test: timings on shared machines are noisy,
 so compare the rows of one run, not runs across machines.
 
-Each vlmbatch path first answers one untimed group of training images (graph capture,
-allocator, kernel choice at the timed shapes); ``--rounds N`` times it N times, each with a fresh
-engine (empty cache), and keeps the best; the batched baseline gets the same warm-up group and
-best of ``--rounds``; the per-question baseline warms on 4 images and runs once (it is the
-slow one). ``--profile DIR`` adds one profiled round per vlmbatch path.
+Every row but the per-question baseline first answers one untimed group of training images
+(graph capture, allocator, kernel choice at the timed shapes). ``--rounds N`` then times N
+rounds of each, interleaved (round 1 of every row, then round 2, the order rotated), each
+vlmbatch round with a fresh engine (empty cache), and keeps each row's best: a slow spell of
+a shared machine then lands on every row, not on one. The per-question baseline warms on 4
+images and runs once, last (it is the slow one). ``--profile DIR`` adds one profiled round
+per vlmbatch path.
 
     python bench/qpm.py --images 60 --rounds 3
     python bench/qpm.py --images 500 --device cuda --dtype bfloat16 --rounds 3
@@ -59,7 +61,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.flops import workload_flops  # noqa: E402
-from bench.hf_baseline import Work, batched, load_reference, per_question  # noqa: E402
+from bench.hf_baseline import Batched, Work, load_reference, per_question  # noqa: E402
 from jobs.runner import answer_group  # noqa: E402
 from pipeline.config import DTYPES, EngineConfig  # noqa: E402
 from pipeline.engine import TorchEngine  # noqa: E402
@@ -93,39 +95,47 @@ def _work(engine: TorchEngine, calls: list) -> Work:
     return Work(engine.stats.vision_tiles, prefills)
 
 
-def ours(model_dir: Path, items: list, images_per_batch: int, cache: bool, warm: list,
-         vit: str = "torch", device: str = "cpu", dtype: torch.dtype = torch.float32,
-         graphs: bool = True, rounds: int = 1, profile: Path | None = None,
-         engine_kw: dict | None = None) -> tuple[list, float, TorchEngine, Work]:
-    """Answers ``items`` in groups; returns P(yes), the best of ``rounds`` timings (each round a
-    fresh engine: empty cache, zeroed counters), the last round's engine and its work.
-    ``warm`` is answered first, untimed, in groups of the same size (shapes, allocator, graph
-    capture)."""
-    model = load_model(model_dir, device, dtype)
-    tiling = model.spec.tiling
-    runner = make_runner(vit, model, device, cuda_graphs=graphs, stream_ordered=True)  # as `run`
-    cfg = EngineConfig(prefix_cache=cache, cuda_graphs=graphs, **(engine_kw or {}))
-    calls = _record_prefills(model)
+class VlmbatchPath:
+    """One vlmbatch row: its model, vision runner and engine config, warmed up at construction
+    on ``warm`` (graph capture, allocator, kernel choice at the timed shapes, in groups of the
+    timed size); ``round()`` times one round over ``items`` with a fresh engine (empty cache,
+    zeroed counters) and keeps its P(yes), engine and work."""
 
-    def run(engine: TorchEngine, its: list) -> list:
+    def __init__(self, name: str, model_dir: Path, items: list, images_per_batch: int,
+                 cache: bool, warm: list, vit: str = "torch", device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, graphs: bool = True,
+                 engine_kw: dict | None = None) -> None:
+        self.name, self.items, self.images_per_batch = name, items, images_per_batch
+        self.model = load_model(model_dir, device, dtype)
+        self.runner = make_runner(vit, self.model, device, cuda_graphs=graphs,
+                                  stream_ordered=True)  # as `run`
+        self.cfg = EngineConfig(prefix_cache=cache, cuda_graphs=graphs, **(engine_kw or {}))
+        self.calls = _record_prefills(self.model)
+        self.times: list[float] = []
+        self.p_yes: list = []
+        self._run(self.engine(), warm)
+        self.rss = peak_rss_mib()
+
+    def engine(self) -> TorchEngine:
+        return TorchEngine(self.model, self.cfg, self.runner)
+
+    def _run(self, engine: TorchEngine, its: list) -> list:
         out = []
-        for g in range(0, len(its), images_per_batch):
-            group = its[g: g + images_per_batch]
-            out += [ln["p_yes"] for ln in answer_group(engine, tiling, group)]
+        for g in range(0, len(its), self.images_per_batch):
+            group = its[g: g + self.images_per_batch]
+            out += [ln["p_yes"] for ln in answer_group(engine, self.model.spec.tiling, group)]
         return out
 
-    run(TorchEngine(model, cfg, runner), warm)
-    best = float("inf")
-    for _ in range(rounds):
-        engine = TorchEngine(model, cfg, runner)
-        calls.clear()
+    def round(self) -> None:
+        engine = self.engine()
+        self.calls.clear()
         start = time.perf_counter()
-        out = run(engine, items)
-        best = min(best, time.perf_counter() - start)
-    work = _work(engine, calls)
-    if profile is not None:
-        write_profile(profile, lambda: run(TorchEngine(model, cfg, runner), items))
-    return out, best, engine, work
+        self.p_yes = self._run(engine, self.items)
+        self.times.append(time.perf_counter() - start)
+        self.last_engine, self.work = engine, _work(engine, self.calls)
+
+    def profile(self, path: Path) -> None:
+        write_profile(path, lambda: self._run(self.engine(), self.items))
 
 
 def write_profile(path: Path, fn) -> None:  # noqa: ANN001
@@ -194,9 +204,8 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def vlmbatch_rows(args: argparse.Namespace, items: list, warm: list, dtype: torch.dtype,
-                  n: int) -> list[tuple]:
-    """(name, seconds, p_yes, hit rate, prefill tokens per question, work, peak RSS)."""
+def vlmbatch_paths(args: argparse.Namespace, items: list, warm: list,
+                   dtype: torch.dtype) -> list[VlmbatchPath]:
     cuda = args.device.startswith("cuda")
     paths: list[tuple] = [("vlmbatch, no prefix cache", False, "torch", True, {}),
                           ("vlmbatch, prefix cache", True, "torch", True, {})]
@@ -207,33 +216,46 @@ def vlmbatch_rows(args: argparse.Namespace, items: list, warm: list, dtype: torc
                       {"max_batch_tokens": 65536}))
     if importlib.util.find_spec("onnxruntime") is not None and (not cuda or ort_cuda()):
         paths.append(("vlmbatch, cache, ORT ViT", True, "onnxruntime", True, {}))
-    rows = []
-    for name, cache, vit, graphs, kw in paths:
-        slug = "".join(c if c.isalnum() else "-" for c in name).strip("-")
-        ps, secs, eng, work = ours(args.model, items, args.images_per_batch, cache, warm, vit,
-                                   args.device, dtype, graphs, args.rounds,
-                                   args.profile / f"profile-{slug}.txt" if args.profile
-                                   else None, kw)
-        hit = f"{eng.cache.stats.hit_rate():.2f}" if eng.cache is not None else "-"
-        rows.append((name, secs, ps, hit, eng.stats.prefill_tokens / n, work, peak_rss_mib()))
-    return rows
+    return [VlmbatchPath(name, args.model, items, args.images_per_batch, cache, warm, vit,
+                         args.device, dtype, graphs, kw)
+            for name, cache, vit, graphs, kw in paths]
 
 
-def baseline_rows(args: argparse.Namespace, items: list, warm: list, dtype: torch.dtype,
-                  n: int, spec, tok) -> tuple[list[tuple], str]:  # noqa: ANN001
-    """The two transformers rows, batched first; and how the batched one ran its vision."""
+def timed_rows(args: argparse.Namespace, items: list, warm: list, dtype: torch.dtype,
+               n: int, spec, tok) -> tuple[list[tuple], str]:  # noqa: ANN001
+    """Every row as (name, seconds, p_yes, hit rate, prefill tokens per question, work,
+    peak RSS), batched transformers first; and how that row ran its vision tower.
+
+    The timed rounds are interleaved: round r of every row, then round r + 1, the order
+    rotated each round, so that a slow spell on a shared machine is spread over the rows
+    instead of landing on one; each row keeps its best. The per-question baseline runs once,
+    last (it is the slow one)."""
     answers = AnswerTokens.from_words(tok, EngineConfig().yes_words, EngineConfig().no_words)
     prompts = PromptBuilder(tok, spec.tokens_per_tile, spec.image_token_id)
+    ours = vlmbatch_paths(args, items, warm, dtype)
     ref = load_reference(args.model, args.device, dtype)
-    rows = []
-    b = batched(ref, spec, prompts, answers, items, warm, args.baseline_batch, args.rounds,
+    b = Batched(ref, spec, prompts, answers, items, warm, args.baseline_batch,
                 args.baseline_vit == "once", tok.pad_token_id or 0)
     rss_b = peak_rss_mib()
+    timed: list = [b, *ours]
+    for r in range(args.rounds):
+        for path in timed[r % len(timed):] + timed[: r % len(timed)]:
+            path.round()
+    if args.profile is not None:
+        for path in ours:
+            slug = "".join(c if c.isalnum() else "-" for c in path.name).strip("-")
+            path.profile(args.profile / f"profile-{slug}.txt")
     q = per_question(ref, spec, prompts, answers, items, warm[:4])
-    for name, r, rss in (("transformers, batched", b, rss_b),
+    rows = []
+    for name, r, rss in (("transformers, batched", b.result(), rss_b),
                          ("transformers, per question", q, peak_rss_mib())):
         per_q = sum(t for t, _ in r.work.prefills) / n
         rows.append((name, r.seconds, r.p_yes, "-", per_q, r.work, rss))
+    for path in ours:
+        eng = path.last_engine
+        hit = f"{eng.cache.stats.hit_rate():.2f}" if eng.cache is not None else "-"
+        rows.append((path.name, min(path.times), path.p_yes, hit, eng.stats.prefill_tokens / n,
+                     path.work, path.rss))
     return rows, b.vision
 
 
@@ -256,9 +278,7 @@ def main() -> None:
     truth = [q.id.split(":")[1] for it in items for q in it.questions]
     n = len(truth)
     host = load_model(args.model)  # spec and tokenizer
-    ours_rows = vlmbatch_rows(args, items, warm, dtype, n)
-    base_rows, how = baseline_rows(args, items, warm, dtype, n, host.spec, host.tokenizer)
-    rows = base_rows + ours_rows
+    rows, how = timed_rows(args, items, warm, dtype, n, host.spec, host.tokenizer)
     where = (torch.cuda.get_device_name() if cuda else f"{torch.get_num_threads()} threads")
     print(f"easy-vqa test: {len(items)} images, {n} yes/no questions, {where}, {args.dtype}, "
           f"model {args.model.name}; batched baseline: {args.baseline_batch} prompts per "
