@@ -4,11 +4,12 @@
 # carry .whl (see that script). Steps, each under its own time limit:
 #   1. the GPU tests (pytest -m gpu): graph pool vs eager and the race guard, the whole engine
 #      on CUDA vs the CPU (fp32 with and without graphs, bf16, prefix cache, the CLI), the
-#      int4 tinygemm kernel, AWQ/GPTQ calibration and serving on CUDA, TensorRT (skipped
-#      where tensorrt is not installed);
+#      int4 tinygemm kernel, AWQ/GPTQ calibration and serving on CUDA, FP8 _scaled_mm vs its
+#      reference (quant/fp8.py), TensorRT (skipped where tensorrt is not installed);
 #   2. bench/vit.py: eager fp16/bf16 vs graph pool (vs TensorRT when it imports), batch 1..32,
 #      the built-in encoder and the InternViT-300M shape;
-#   3. bench/qpm.py on CUDA, bf16: transformers baseline vs vlmbatch rows;
+#   3. bench/qpm.py on CUDA, bf16: batched and per-question transformers vs vlmbatch rows,
+#      with FLOPs per question and the fraction of 790 TFLOP/s;
 #   4. bench/quant.py --linears-only on CUDA: fp32 vs bf16 vs W4A16 (tinygemm) linears;
 #   5. bench/attention.py on CUDA: SDPA enable_gqa vs K/V expanded per head (enable_gqa won on
 #      the H200, so pipeline/llm.py never expands);
@@ -49,14 +50,14 @@ step() {  # step NAME LIMIT_S CMD...: full output to the log, its tail to stdout
   "$PY" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available(), 'transformers', transformers.__version__)"
   "$PY" -c "import tensorrt; print('tensorrt', tensorrt.__version__)" 2>&1 | tail -1
 } 2>&1 | tee -a "$log"
-# limits sum to 680 s; the whole script ran in about 4 minutes on the H200
+# limits sum to 740 s; the whole script ran in about 4 minutes on the H200
 # (-o timeout: pytest-timeout, on the lent machine's image, stops one hung test; elsewhere a
 # warning)
 step "gpu tests" 120 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider -o timeout=90 tests
 step "vit bench" 120 "$PY" bench/vit.py --device cuda --encoders builtin,300m --reps 20 --rounds 3
-step "qpm bench" 120 "$PY" bench/qpm.py --device cuda --dtype bfloat16 \
+step "qpm bench" 150 "$PY" bench/qpm.py --device cuda --dtype bfloat16 \
   --images "${QPM_IMAGES:-500}" --rounds 3 --profile "$out"
-step "qpm 1b-shape" 150 "$PY" bench/qpm.py --device cuda --dtype bfloat16 --images 100 \
+step "qpm 1b-shape" 180 "$PY" bench/qpm.py --device cuda --dtype bfloat16 --images 100 \
   --rounds 2 --random-shape internvl3-1b --profile "$out/1b"
 step "int4 linears" 45 "$PY" bench/quant.py --linears-only --device cuda --rounds 3
 step "gqa attention" 25 "$PY" bench/attention.py --device cuda --dtype bfloat16

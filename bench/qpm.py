@@ -1,10 +1,16 @@
-"""QPM benchmark: a transformers-style baseline vs vlmbatch, same questions, one process.
+"""QPM benchmark: transformers baselines vs vlmbatch, same questions, one process.
 
-(a) baseline, written the way a transformers user would from InternVL's model card: per
-    question, Pillow decode + ``dynamic_preprocess`` + ToTensor/Normalize, then one
-    ``InternVLForConditionalGeneration`` forward (SDPA attention) on that single prompt;
-    P(yes) from the last position's logits.
-(b) vlmbatch without the prefix cache: ``jobs.runner.answer_group`` (OpenCV preprocessing,
+(a) batched transformers (the headline ratio, "x batched"), what a competent transformers user
+    writes (``bench/hf_baseline.py``): ``InternVLForConditionalGeneration`` on SDPA, Pillow
+    tiles made once per image (the model card's path), ``--baseline-batch`` prompts per
+    forward, left-padded, P(yes) from each row's last real token; each image's features
+    computed once and passed back for all its questions (``mm_encoder_outputs``, a forward
+    argument of transformers 5), or with ``--baseline-vit per-prompt`` its pixel values
+    passed per prompt (the vision tower run per question). The bench checks that its P(yes)
+    equals (a')'s within 1e-4 in fp32 and prints the check;
+(a') per-question transformers ("x per-q"), the naive loop: per question, Pillow decode +
+    ``dynamic_preprocess`` + ToTensor/Normalize, then one forward on that single prompt;
+(b) vlmbatch without the prefix cache: ``pipeline.drive.answer_group`` (OpenCV preprocessing,
     each image encoded once, batched prefill), the same path as ``vlmbatch run``;
 (c) vlmbatch with the image-aware prefix cache (the default): an image's prefix is prefilled
     once and reused by its other questions;
@@ -12,22 +18,31 @@
 (e) on CUDA, (c) with the vision encoder run eagerly instead of through the CUDA graph pool;
 (f) on CUDA, (c) with ``max_batch_tokens`` 65,536 instead of 8,192 (fewer, larger forwards).
 
-``--device cuda --dtype bfloat16`` runs every row, the baseline included, on the GPU
+``--device cuda --dtype bfloat16`` runs every row, the baselines included, on the GPU
 (bench/gpu_check.sh does).
 
-Both answer the first ``--images`` images of easy-vqa's *test* split (all their yes/no
-questions); the script prints QPM for each, the ratio, each one's accuracy and how often
-they agree, plus the cache's block hit rate, LLM tokens prefilled per question and the
-process's peak RSS after each path (the vlmbatch rows run first and the baseline last, though
-it prints first, so each figure includes the paths run before it). Same thread count for all
-(``--threads``). Not a test: timings on shared machines are noisy, so compare the rows of one
-run, not runs across machines.
+FLOPs (``bench/flops.py``): per row, the model FLOPs of what that path computed (vision tiles
+it encoded, LLM tokens it prefilled after what it had cached; padding not counted, causal
+attention), per question and per second, and with ``--peak-tflops`` (790 by default on CUDA:
+the H200's measured bf16 matrix rate; none on the CPU) the fraction of that peak.
 
-Each vlmbatch path first answers one untimed group of training images (graph capture,
-allocator, kernel choice at the timed shapes); ``--rounds N`` times it N times, each with a fresh
-engine (empty cache), and keeps the best; ``--profile DIR`` adds one profiled round per path.
+All rows answer the first ``--images`` images of easy-vqa's *test* split (all their yes/no
+questions); the script prints QPM for each, the ratios, each one's accuracy and how often
+they agree with batched transformers, plus the cache's block hit rate, LLM tokens prefilled
+per question and the process's peak RSS after each row's set-up and warm-up (vlmbatch rows
+first, then the transformers model, so each figure includes the rows set up before it).
+Same thread count for all (``--threads``). Not a test: timings on shared machines are noisy,
+so compare the rows of one run, not runs across machines.
 
-    python bench/qpm.py --images 100
+Every row but the per-question baseline first answers one untimed group of training images
+(graph capture, allocator, kernel choice at the timed shapes). ``--rounds N`` then times N
+rounds of each, interleaved (round 1 of every row, then round 2, the order rotated), each
+vlmbatch round with a fresh engine (empty cache), and keeps each row's best: a slow spell of
+a shared machine then lands on every row, not on one. The per-question baseline warms on 4
+images and runs once, last (it is the slow one). ``--profile DIR`` adds one profiled round
+per vlmbatch path.
+
+    python bench/qpm.py --images 60 --rounds 3
     python bench/qpm.py --images 500 --device cuda --dtype bfloat16 --rounds 3
 """
 
@@ -45,83 +60,82 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.prompt import PromptBuilder  # noqa: E402
-from vit_trt.runners import make_runner  # noqa: E402
-
+from bench.flops import workload_flops  # noqa: E402
+from bench.hf_baseline import Batched, Work, load_reference, per_question  # noqa: E402
+from models.internvl.random import INTERNVL3_1B, save_random_internvl  # noqa: E402
 from pipeline.config import DEFAULT_MODEL, DTYPES, EngineConfig  # noqa: E402
 from pipeline.drive import answer_group  # noqa: E402
-from pipeline.evaluate import easy_vqa_items  # noqa: E402
-from pipeline.loading import load_model  # noqa: E402
+from pipeline.evaluate import easy_vqa_set  # noqa: E402
+from pipeline.loading import load_model, vision_model  # noqa: E402
 from pipeline.scoring import AnswerTokens  # noqa: E402
 from pipeline.torch_engine import TorchEngine  # noqa: E402
-from preprocessing.reference import pillow_tiles, pixel_values  # noqa: E402
-
-BASELINE_PROMPT_LENS: list = []  # the baseline prefills every prompt token
+from vit_trt import RunnerOptions, make_runner  # noqa: E402
 
 
-def baseline(model_dir: Path, items: list, tok, answers: AnswerTokens,  # noqa: ANN001
-             warm: list, device: str = "cpu", dtype: torch.dtype = torch.float32
-             ) -> tuple[list, float]:
-    from transformers import InternVLForConditionalGeneration
+def _record_prefills(model) -> list:  # noqa: ANN001
+    """Wrap ``model.llm.prefill`` to keep each call's (lengths, past_lengths) tensors, as
+    they are (no read-back, so no host wait on CUDA): the work of a round, for its FLOPs."""
+    calls: list = []
+    inner = model.llm.prefill
 
-    ref = InternVLForConditionalGeneration.from_pretrained(
-        str(model_dir), attn_implementation="sdpa").to(device, dtype).eval()
-    spec = load_model(model_dir).spec
-    t = spec.tiling
-    yes, no = list(answers.yes_ids), list(answers.no_ids)
-    prompts = PromptBuilder(tok, spec.tokens_per_tile, spec.image_token_id)
-    def answer(item_list: list) -> list[float]:
+    def prefill(embeds, lengths, past=None, past_lengths=None):  # noqa: ANN001, ANN202
+        calls.append((lengths, past_lengths))
+        return inner(embeds, lengths, past, past_lengths)
+
+    model.llm.prefill = prefill
+    return calls
+
+
+def _work(engine: TorchEngine, calls: list) -> Work:
+    """A round's work from its engine's counters and the recorded prefill calls."""
+    prefills = []
+    for lengths, past in calls:
+        new = lengths.tolist()
+        prefills += zip(new, past.tolist() if past is not None else [0] * len(new))
+    return Work(engine.stats.vision_tiles, prefills)
+
+
+class VlmbatchPath:
+    """One vlmbatch row: its model, vision runner and engine config, warmed up at construction
+    on ``warm`` (graph capture, allocator, kernel choice at the timed shapes, in groups of the
+    timed size); ``round()`` times one round over ``items`` with a fresh engine (empty cache,
+    zeroed counters) and keeps its P(yes), engine and work."""
+
+    def __init__(self, name: str, model_dir: Path, items: list, images_per_batch: int,
+                 cache: bool, warm: list, vit: str = "torch", device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, graphs: bool = True,
+                 engine_kw: dict | None = None) -> None:
+        self.name, self.items, self.images_per_batch = name, items, images_per_batch
+        self.model = load_model(model_dir, device, dtype)
+        self.runner = make_runner(vit, vision_model(self.model), RunnerOptions(
+            device, graphs, stream_ordered=True))  # as `run`
+        self.cfg = EngineConfig(prefix_cache=cache, cuda_graphs=graphs, **(engine_kw or {}))
+        self.calls = _record_prefills(self.model)
+        self.times: list[float] = []
+        self.p_yes: list = []
+        self._run(self.engine(), warm)
+        self.rss = peak_rss_mib()
+
+    def engine(self) -> TorchEngine:
+        return TorchEngine(self.model, self.cfg, self.runner)
+
+    def _run(self, engine: TorchEngine, its: list) -> list:
         out = []
-        with torch.inference_mode():
-            for item in item_list:
-                for q in item.questions:
-                    data = Path(item.image).read_bytes()  # per question, as a naive loop does
-                    tiles = pillow_tiles(data, t.tile_size, t.min_tiles, t.max_tiles)
-                    pv = pixel_values(tiles, spec.vision.mean, spec.vision.std)
-                    ids = torch.tensor([prompts.build(q.text, len(tiles)).ids])
-                    BASELINE_PROMPT_LENS.append(ids[0])
-                    logits = ref(input_ids=ids.to(device),
-                                 pixel_values=pv.to(device, dtype)).logits[0, -1].float()
-                    out.append(float(torch.sigmoid(logits[yes].logsumexp(-1)
-                                                   - logits[no].logsumexp(-1))))
+        for g in range(0, len(its), self.images_per_batch):
+            group = its[g: g + self.images_per_batch]
+            out += [a.p_yes for a in answer_group(engine, group)]
         return out
 
-    answer(warm)
-    BASELINE_PROMPT_LENS.clear()
-    start = time.perf_counter()
-    out = answer(items)
-    return out, time.perf_counter() - start
-
-
-def ours(model_dir: Path, items: list, images_per_batch: int, cache: bool, warm: list,
-         vit: str = "torch", device: str = "cpu", dtype: torch.dtype = torch.float32,
-         graphs: bool = True, rounds: int = 1, profile: Path | None = None,
-         engine_kw: dict | None = None) -> tuple[list, float, TorchEngine]:
-    """Answers ``items`` in groups; returns P(yes), the best of ``rounds`` timings (each round a
-    fresh engine: empty cache, zeroed counters) and the last round's engine. ``warm`` is
-    answered first, untimed, in groups of the same size (shapes, allocator, graph capture)."""
-    model = load_model(model_dir, device, dtype)
-    tiling = model.spec.tiling
-    runner = make_runner(vit, model, device, cuda_graphs=graphs, stream_ordered=True)  # as `run`
-    cfg = EngineConfig(prefix_cache=cache, cuda_graphs=graphs, **(engine_kw or {}))
-
-    def run(engine: TorchEngine, its: list) -> list:
-        out = []
-        for g in range(0, len(its), images_per_batch):
-            group = its[g: g + images_per_batch]
-            out += [ln["p_yes"] for ln in answer_group(engine, tiling, group)]
-        return out
-
-    run(TorchEngine(model, cfg, runner), warm)
-    best = float("inf")
-    for _ in range(rounds):
-        engine = TorchEngine(model, cfg, runner)
+    def round(self) -> None:
+        engine = self.engine()
+        self.calls.clear()
         start = time.perf_counter()
-        out = run(engine, items)
-        best = min(best, time.perf_counter() - start)
-    if profile is not None:
-        write_profile(profile, lambda: run(TorchEngine(model, cfg, runner), items))
-    return out, best, engine
+        self.p_yes = self._run(engine, self.items)
+        self.times.append(time.perf_counter() - start)
+        self.last_engine, self.work = engine, _work(engine, self.calls)
+
+    def profile(self, path: Path) -> None:
+        write_profile(path, lambda: self._run(self.engine(), self.items))
 
 
 def write_profile(path: Path, fn) -> None:  # noqa: ANN001
@@ -159,43 +173,40 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     ap.add_argument("--images", type=int, default=100, help="first N easy-vqa test images")
     ap.add_argument("--images-per-batch", type=int, default=16)
+    ap.add_argument("--baseline-batch", type=int, default=16,
+                    help="prompts per forward of the batched transformers baseline")
+    ap.add_argument("--baseline-vit", choices=["once", "per-prompt"], default="once",
+                    help="batched baseline: each image's features computed once and passed "
+                    "back (mm_encoder_outputs), or its pixel values passed per prompt")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--device", default="cpu", help="cpu or cuda (every row, baseline too)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (every row, baselines too)")
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     ap.add_argument("--rounds", type=int, default=1,
-                    help="timed rounds per vlmbatch path, best kept (the baseline runs once)")
+                    help="timed rounds per vlmbatch path and for the batched baseline, best "
+                    "kept (the per-question baseline runs once)")
     ap.add_argument("--random-shape", choices=["internvl3-1b"], default=None,
                     help="answer with a random-weight model of this shape instead of --model "
                     "(speed at real size; accuracy then means nothing): built in a temporary "
                     "folder, saved in --dtype")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="peak TFLOP/s for the fraction column (default: 790 on CUDA, the "
+                    "H200's measured bf16 matrix rate; none on the CPU)")
     ap.add_argument("--profile", type=Path, default=None, metavar="DIR",
                     help="also write a torch.profiler table per vlmbatch path into DIR")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    dtype = DTYPES[args.dtype]
+    if args.peak_tflops is None and args.device.startswith("cuda"):
+        args.peak_tflops = 790.0
+    return args
+
+
+def vlmbatch_paths(args: argparse.Namespace, items: list, warm: list,
+                   dtype: torch.dtype) -> list[VlmbatchPath]:
     cuda = args.device.startswith("cuda")
-
-    if args.random_shape:
-        from models.internvl.random import INTERNVL3_1B, save_random_internvl
-
-        tmp = tempfile.TemporaryDirectory(prefix="vlmbatch-random-")
-        t0 = time.perf_counter()
-        args.model = save_random_internvl(Path(tmp.name), dtype=dtype, **INTERNVL3_1B)  # type: ignore[arg-type]
-        print(f"random {args.random_shape} saved in {time.perf_counter() - t0:.0f} s")
-    items = easy_vqa_items("test")[: args.images]
-    # untimed warm-up for every path, one group: the shapes the timed groups have
-    warm = easy_vqa_items("train")[: args.images_per_batch]
-    truth = [q.id.split(":")[1] for it in items for q in it.questions]
-    n = len(truth)
-    tok = load_model(args.model).tokenizer
-    answers = AnswerTokens.from_words(tok, EngineConfig().yes_words, EngineConfig().no_words)
-
-    rows = []
     paths: list[tuple] = [("vlmbatch, no prefix cache", False, "torch", True, {}),
                           ("vlmbatch, prefix cache", True, "torch", True, {})]
     if cuda:
@@ -205,31 +216,112 @@ def main() -> None:
                       {"max_batch_tokens": 65536}))
     if importlib.util.find_spec("onnxruntime") is not None and (not cuda or ort_cuda()):
         paths.append(("vlmbatch, cache, ORT ViT", True, "onnxruntime", True, {}))
-    for name, cache, vit, graphs, kw in paths:
-        slug = "".join(c if c.isalnum() else "-" for c in name).strip("-")
-        ps, secs, eng = ours(args.model, items, args.images_per_batch, cache, warm, vit,
-                             args.device, dtype, graphs, args.rounds,
-                             args.profile / f"profile-{slug}.txt" if args.profile else None, kw)
+    return [VlmbatchPath(name, args.model, items, args.images_per_batch, cache, warm, vit,
+                         args.device, dtype, graphs, kw)
+            for name, cache, vit, graphs, kw in paths]
+
+
+def timed_rows(args: argparse.Namespace, items: list, warm: list, dtype: torch.dtype,
+               n: int, host) -> tuple[list[tuple], str]:  # noqa: ANN001
+    """Every row as (name, seconds, p_yes, hit rate, prefill tokens per question, work,
+    peak RSS), batched transformers first; and how that row ran its vision tower.
+
+    The timed rounds are interleaved: round r of every row, then round r + 1, the order
+    rotated each round, so that a slow spell on a shared machine is spread over the rows
+    instead of landing on one; each row keeps its best. The per-question baseline runs once,
+    last (it is the slow one)."""
+    spec, tok, prompts = host.spec, host.tokenizer, host.prompts
+    answers = AnswerTokens.from_words(tok, EngineConfig().yes_words, EngineConfig().no_words)
+    ours = vlmbatch_paths(args, items, warm, dtype)
+    ref = load_reference(args.model, args.device, dtype)
+    b = Batched(ref, spec, prompts, answers, items, warm, args.baseline_batch,
+                args.baseline_vit == "once", tok.pad_token_id or 0)
+    rss_b = peak_rss_mib()
+    timed: list = [b, *ours]
+    for r in range(args.rounds):
+        for path in timed[r % len(timed):] + timed[: r % len(timed)]:
+            path.round()
+    if args.profile is not None:
+        for path in ours:
+            slug = "".join(c if c.isalnum() else "-" for c in path.name).strip("-")
+            path.profile(args.profile / f"profile-{slug}.txt")
+    q = per_question(ref, spec, prompts, answers, items, warm[:4])
+    rows = []
+    for name, r, rss in (("transformers, batched", b.result(), rss_b),
+                         ("transformers, per question", q, peak_rss_mib())):
+        per_q = sum(t for t, _ in r.work.prefills) / n
+        rows.append((name, r.seconds, r.p_yes, "-", per_q, r.work, rss))
+    for path in ours:
+        eng = path.last_engine
         hit = f"{eng.cache.stats.hit_rate():.2f}" if eng.cache is not None else "-"
-        rows.append((name, secs, ps, hit, eng.stats.prefill_tokens / n, peak_rss_mib()))
-    p_base, t_base = baseline(args.model, items, tok, answers, warm[:4], args.device, dtype)
-    rows.insert(0, ("baseline (transformers)", t_base, p_base, "-",
-                    sum(len(p) for p in BASELINE_PROMPT_LENS) / n, peak_rss_mib()))
+        rows.append((path.name, min(path.times), path.p_yes, hit, eng.stats.prefill_tokens / n,
+                     path.work, path.rss))
+    return rows, b.vision
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+    cuda = args.device.startswith("cuda")
+
+    if args.random_shape:
+        tmp = tempfile.TemporaryDirectory(prefix="vlmbatch-random-")
+        t0 = time.perf_counter()
+        args.model = save_random_internvl(Path(tmp.name), dtype=dtype, **INTERNVL3_1B)  # type: ignore[arg-type]
+        print(f"random {args.random_shape} saved in {time.perf_counter() - t0:.0f} s")
+    data = easy_vqa_set("test")
+    items = data.items[: args.images]
+    # untimed warm-up for every path, one group: the shapes the timed groups have
+    warm = easy_vqa_set("train").items[: args.images_per_batch]
+    truth = [data.expected[(it.id, q.id)] for it in items for q in it.questions]
+    n = len(truth)
+    host = load_model(args.model)  # spec and tokenizer
+    rows, how = timed_rows(args, items, warm, dtype, n, host)
+    where = (torch.cuda.get_device_name() if cuda else f"{torch.get_num_threads()} threads")
+    print(f"easy-vqa test: {len(items)} images, {n} yes/no questions, {where}, {args.dtype}, "
+          f"model {args.model.name}; batched baseline: {args.baseline_batch} prompts per "
+          f"forward, {how}")
+    print_table(rows, truth, host.spec, args.peak_tflops)
+    print_checks(rows, args.dtype)
+
+
+def print_table(rows: list[tuple], truth: list[str], spec,  # noqa: ANN001
+                peak: float | None) -> None:
+    n = len(truth)
+    t_b, p_b = rows[0][1], rows[0][2]
+    t_q = rows[1][1]
 
     def acc(ps: list) -> float:
         return sum(("yes" if p >= 0.5 else "no") == a for p, a in zip(ps, truth)) / n
 
-    where = (torch.cuda.get_device_name() if cuda else f"{torch.get_num_threads()} threads")
-    print(f"easy-vqa test: {len(items)} images, {n} yes/no questions, {where}, {args.dtype}, "
-          f"model {args.model.name}")
-    print(f"{'path':<28}{'seconds':>9}{'QPM':>9}{'x base':>8}{'accuracy':>10}{'agree':>8}"
-          f"{'hit rate':>10}{'prefill/q':>11}{'peak RSS MiB':>14}")
-    for name, secs, ps, hit, per_q, rss in rows:
-        agree = sum((a >= 0.5) == (b >= 0.5) for a, b in zip(ps, p_base)) / n
-        print(f"{name:<28}{secs:>9.2f}{60 * n / secs:>9.0f}{t_base / secs:>8.2f}"
+    print(f"{'path':<28}{'seconds':>9}{'QPM':>9}{'x batched':>10}{'x per-q':>9}{'accuracy':>10}"
+          f"{'agree':>8}{'hit rate':>10}{'prefill/q':>11}{'peak RSS MiB':>14}")
+    for name, secs, ps, hit, per_q, _, rss in rows:
+        agree = sum((a >= 0.5) == (b >= 0.5) for a, b in zip(ps, p_b)) / n
+        print(f"{name:<28}{secs:>9.2f}{60 * n / secs:>9.0f}{t_b / secs:>10.2f}{t_q / secs:>9.2f}"
               f"{acc(ps):>10.4f}{agree:>8.4f}{hit:>10}{per_q:>11.1f}{rss:>14.0f}")
-    max_dp = max(abs(a - b) for a, b in zip(rows[2][2], p_base))
-    print(f"max |dP(yes)| vlmbatch (cache) vs baseline: {max_dp:.4f} "
+    print(f"\nmodel FLOPs (bench/flops.py: matmuls, causal attention, no padding); "
+          f"peak {f'{peak:g} TFLOP/s' if peak else 'not given (--peak-tflops)'}")
+    print(f"{'path':<28}{'vision tiles':>13}{'LLM tokens':>12}{'GFLOP/q':>10}{'TFLOP/s':>10}"
+          f"{'of peak':>9}")
+    for name, secs, _, _, _, work, _ in rows:
+        flops = workload_flops(spec, work.vision_tiles, work.prefills)
+        rate = flops / secs / 1e12
+        frac = f"{rate / peak:.2%}" if peak else "-"
+        print(f"{name:<28}{work.vision_tiles:>13}{sum(t for t, _ in work.prefills):>12}"
+              f"{flops / n / 1e9:>10.3f}{rate:>10.4f}{frac:>9}")
+
+
+def print_checks(rows: list[tuple], dtype: str) -> None:
+    p_b, p_q = rows[0][2], rows[1][2]
+    d = max(abs(a - b) for a, b in zip(p_b, p_q))
+    verdict = ("OK" if d <= 1e-4 else "FAILED") if dtype == "float32" else "(bound is for fp32)"
+    print(f"\ncheck: batched transformers P(yes) = per-question transformers P(yes) within "
+          f"1e-4: max |dP(yes)| = {d:.2e} {verdict}")
+    cache = next(r for r in rows if r[0] == "vlmbatch, prefix cache")
+    max_dp = max(abs(a - b) for a, b in zip(cache[2], p_b))
+    print(f"max |dP(yes)| vlmbatch (cache) vs batched transformers: {max_dp:.4f} "
           "(OpenCV vs Pillow resize; the models are the same)")
 
 
