@@ -39,7 +39,7 @@ from models.qwen_vl.layers import (
 from models.qwen_vl.spec import VisionSpec
 from models.qwen_vl.vision_grid import (
     Grid,
-    check_grids,
+    as_grids,
     frame_lengths,
     interpolate_positions,
     patch_coords,
@@ -165,9 +165,7 @@ class VisionTower(nn.Module):
     def forward(self, patches: torch.Tensor,
                 grid_thw: Sequence[Grid] | torch.Tensor) -> VisionOutput:
         s = self.spec
-        grids = [tuple(int(v) for v in g) for g in
-                 (grid_thw.tolist() if isinstance(grid_thw, torch.Tensor) else grid_thw)]
-        check_grids(grids, s.merge)  # type: ignore[arg-type]
+        grids = as_grids(grid_thw, s.merge)
         n, dev = patches.shape[0], patches.device
         if n != sum(t * h * w for t, h, w in grids):
             raise ValueError(f"{n} patch rows do not fit grids {grids}")
@@ -175,8 +173,8 @@ class VisionTower(nn.Module):
         x = self.patch_embed((patches.float() * scale + shift).to(self.patch_embed.weight.dtype))
         if self.pos_embed is not None:
             x = x + interpolate_positions(self.pos_embed.weight, grids, s.merge).to(x.dtype)
-        cos, sin = self.rotary(grids, dev)  # type: ignore[arg-type]
-        full = Segments.of(frame_lengths(grids), dev)  # type: ignore[arg-type]
+        cos, sin = self.rotary(grids, dev)
+        full = Segments.of(frame_lengths(grids), dev)
         window, back = full, None
         if s.window:
             perm, lengths = window_order(grids, s.merge, s.window // s.merge // s.patch)

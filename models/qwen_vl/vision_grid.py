@@ -18,11 +18,17 @@ import torch.nn.functional as F
 Grid = tuple[int, int, int]
 
 
-def check_grids(grids: Sequence[Grid], merge: int) -> None:
-    for t, h, w in grids:
+def as_grids(grid_thw: Sequence[Sequence[int]] | torch.Tensor, merge: int) -> list[Grid]:
+    """``grid_thw`` (a sequence of triples or an [n, 3] tensor) as checked Python triples."""
+    rows = grid_thw.tolist() if isinstance(grid_thw, torch.Tensor) else grid_thw
+    grids = []
+    for g in rows:
+        t, h, w = (int(x) for x in g)
         if min(t, h, w) <= 0 or h % merge or w % merge:
             raise ValueError(f"grid (t, h, w) = {(t, h, w)}: need positive sides, h and w "
                              f"multiples of the merge size {merge}")
+        grids.append((t, h, w))
+    return grids
 
 
 def patch_coords(grids: Sequence[Grid], merge: int,
