@@ -121,13 +121,16 @@ class QwenVLText(nn.Module):
         self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
         if spec.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.axes = mrope_axes(spec)
+        # a buffer (moves with .to(device), never cast): indexing with a Python list would copy
+        # the index to the device on every call, which a CUDA graph cannot capture
+        self.axes: torch.Tensor
+        self.register_buffer("axes", torch.tensor(mrope_axes(spec)), persistent=False)
 
     def rotary(self, positions: torch.Tensor,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [3, B, T] long -> (cos, sin) each [B, 1, T, d] in ``dtype``."""
         inv = inverse_frequencies(self.spec.head_dim, self.spec.rope_theta, positions.device)
-        per_pair = positions.permute(1, 2, 0)[..., self.axes].float()  # [B, T, d/2]
+        per_pair = positions.index_select(0, self.axes).permute(1, 2, 0).float()  # [B, T, d/2]
         cos, sin = rope_tables(per_pair * inv, dtype)
         return cos[:, None], sin[:, None]
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    PreTrainedConfig,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLConfig,
@@ -42,7 +43,7 @@ def _text(kind: str) -> dict:
     return t
 
 
-def config(kind: str):  # noqa: ANN201  (a transformers config)
+def config(kind: str) -> PreTrainedConfig:
     ids = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
                vision_end_token_id=END)
     v = dict(depth=3, num_heads=2, initializer_range=0.1)

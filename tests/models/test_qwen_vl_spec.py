@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -45,7 +46,7 @@ def test_saved_config(pair: Pair) -> None:
     assert pre.factor == (32 if cfg.model_type == "qwen3_vl" else 28)
 
 
-def test_hub_layout_qwen2_vl(tmp_path) -> None:  # noqa: ANN001
+def test_hub_layout_qwen2_vl(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(HUB_QWEN2_VL))
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(HUB_QWEN2_VL_PRE))
     spec = read_spec(tmp_path)
