@@ -1,0 +1,77 @@
+"""M-RoPE position ids of a prompt holding one image (transformers' ``get_rope_index``, the
+single-image case), and how they continue while decoding.
+
+A prompt is ``text_before (s tokens, ending with <|vision_start|>) + n image pads + text_after
+(starting with <|vision_end|>)``. Positions, on the (t, h, w) axes:
+
+- text before the image: 0..s-1 on all three axes;
+- the image's tokens, in the tower's output order (merge units row-major): t = s (a still
+  image has one temporal step), h = s + unit row, w = s + unit column;
+- text after: all three axes continue from (the largest image position) + 1, i.e. from
+  s + max(gh, gw) / merge.
+
+Qwen2.5-VL's ``tokens_per_second`` / ``second_per_grid_t`` scale only the temporal index of
+*videos*; for an image the temporal index is 0 before the offset whatever they are (and
+transformers 5.24 uses an interval of 1 for images), so they do not enter here.
+
+``delta`` = (largest position + 1) - prompt length; the token at sequence index i >= L (a
+generated one) has position i + delta on all three axes. Positions of a prompt do not depend
+on what follows, so the positions of a cached prefix are the first entries of the whole
+prompt's positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+Grid = tuple[int, int, int]
+
+
+def image_positions(start: int, grid_thw: Grid, merge: int) -> torch.Tensor:
+    """[3, n] long positions of one image's n = gh*gw/merge**2 tokens, offset by ``start``."""
+    t, h, w = grid_thw
+    if t != 1:
+        raise ValueError(f"grid_thw {grid_thw}: only still images (t = 1) are supported")
+    if h % merge or w % merge:
+        raise ValueError(f"grid_thw {grid_thw}: h and w must be multiples of {merge}")
+    gh, gw = h // merge, w // merge
+    rows = torch.arange(gh).repeat_interleave(gw)
+    cols = torch.arange(gw).repeat(gh)
+    return start + torch.stack([torch.zeros_like(rows), rows, cols])
+
+
+def prompt_positions(ids: Sequence[int], image_token_id: int, grid_thw: Grid | None,
+                     merge: int) -> tuple[torch.Tensor, int]:
+    """``ids`` holding at most one run of ``image_token_id`` -> (positions [3, L] long, delta).
+
+    The run must be exactly the image's token count long; with no image (``grid_thw`` None),
+    positions are 0..L-1 on every axis and delta is 0.
+    """
+    at = [i for i, x in enumerate(ids) if x == image_token_id]
+    if grid_thw is None:
+        if at:
+            raise ValueError(f"{len(at)} image tokens but no grid_thw")
+        pos = torch.arange(len(ids)).expand(3, -1).clone()
+        return pos, 0
+    s = at[0] if at else -1
+    img = image_positions(s, grid_thw, merge)
+    if not at or at != list(range(s, s + img.shape[1])):
+        raise ValueError(f"need one contiguous run of {img.shape[1]} image tokens "
+                         f"{image_token_id} for grid {grid_thw}; found {len(at)}")
+    after = len(ids) - s - img.shape[1]
+    nxt = int(img.max()) + 1
+    pos = torch.cat([torch.arange(s).expand(3, -1), img,
+                     (nxt + torch.arange(after)).expand(3, -1)], dim=1)
+    return pos, nxt + after - len(ids)
+
+
+def batch_positions(rows: Sequence[torch.Tensor], length: int | None = None) -> torch.Tensor:
+    """Per-row positions [3, L_b] -> [3, B, T] right-padded with zeros (T = max L_b or
+    ``length``), the ``positions`` argument of a batched prefill."""
+    t = max(r.shape[1] for r in rows) if length is None else length
+    out = torch.zeros(3, len(rows), t, dtype=torch.long)
+    for b, r in enumerate(rows):
+        out[:, b, : r.shape[1]] = r
+    return out

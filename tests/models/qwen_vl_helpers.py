@@ -1,0 +1,111 @@
+"""Tiny random Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoints built by the tests (no download).
+
+Sizes are picked so that every code path is exercised with few weights: the decoder's head
+dim 16 gives 8 rotary pairs split (2, 3, 3) over t/h/w; Qwen2.5-VL's 56 px windows are 2x2
+merge units, so every grid used has several windows and a ragged edge; Qwen3-VL's learned
+position table is 4x4 (resampled to every grid) and DeepStack feeds 2 of 3 decoder layers.
+Weights are drawn with a larger spread than transformers' default (0.02) so that logits are
+O(1) and a wrong position, mask or window changes them far above the tolerances.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import (
+    PreTrainedConfig,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+)
+
+KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+VOCAB = 320
+IMAGE, VIDEO, START, END, EOS = 310, 311, 312, 313, 314
+# preprocessor_config.json of the test checkpoints: small pixel budgets, so grids stay small
+PIXELS = {"qwen2_vl": (56 * 56, 28 * 28 * 40), "qwen2_5_vl": (56 * 56, 28 * 28 * 40),
+          "qwen3_vl": (64 * 64, 32 * 32 * 40)}
+
+
+def _text(kind: str) -> dict:
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    t = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, rope_parameters=rope,
+             bos_token_id=EOS, eos_token_id=EOS, pad_token_id=0, initializer_range=0.1)
+    if kind == "qwen3_vl":
+        rope["mrope_interleaved"] = True
+        t["head_dim"] = 16
+    return t
+
+
+def config(kind: str) -> PreTrainedConfig:
+    ids = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
+               vision_end_token_id=END)
+    v = dict(depth=3, num_heads=2, initializer_range=0.1)
+    if kind == "qwen2_vl":
+        return Qwen2VLConfig(vision_config=dict(v, embed_dim=32, hidden_size=64, mlp_ratio=2),
+                             text_config=_text(kind), **ids)
+    if kind == "qwen2_5_vl":
+        return Qwen2_5_VLConfig(
+            vision_config=dict(v, hidden_size=32, intermediate_size=48, out_hidden_size=64,
+                               window_size=56, fullatt_block_indexes=[1]),
+            text_config=_text(kind), **ids)
+    return Qwen3VLConfig(
+        vision_config=dict(v, hidden_size=32, intermediate_size=48, out_hidden_size=64,
+                           num_position_embeddings=16, deepstack_visual_indexes=[0, 2]),
+        text_config=_text(kind), **ids)
+
+
+def reference_model(kind: str, seed: int = 0) -> torch.nn.Module:
+    classes = {"qwen2_vl": Qwen2VLForConditionalGeneration,
+               "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+               "qwen3_vl": Qwen3VLForConditionalGeneration}
+    torch.manual_seed(seed)
+    model = classes[kind](config(kind)).eval()
+    with torch.no_grad():  # norms' weights away from 1, biases away from 0
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def save_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
+    """``save_pretrained`` of a tiny random model + a preprocessor config; returns ``path``."""
+    reference_model(kind, seed).save_pretrained(path)
+    lo, hi = PIXELS[kind]
+    patch = 16 if kind == "qwen3_vl" else 14
+    mean = [0.5] * 3 if kind == "qwen3_vl" else [0.48145466, 0.4578275, 0.40821073]
+    std = [0.5] * 3 if kind == "qwen3_vl" else [0.26862954, 0.26130258, 0.27577711]
+    (path / "preprocessor_config.json").write_text(json.dumps(dict(
+        image_processor_type="Qwen2VLImageProcessor", patch_size=patch, merge_size=2,
+        temporal_patch_size=2, size={"shortest_edge": lo, "longest_edge": hi},
+        image_mean=mean, image_std=std)))
+    return path
+
+
+def reference_pixels(patches: torch.Tensor, mean: tuple[float, ...],
+                     std: tuple[float, ...]) -> torch.Tensor:
+    """uint8 patch rows [N, C*T*P*P] -> normalised float32 rows, as the image processor
+    computes them (rescale by 1/255, then (x - mean) / std per channel)."""
+    per = patches.shape[1] // 3
+    m = torch.tensor(mean, dtype=torch.float32).repeat_interleave(per)
+    s = torch.tensor(std, dtype=torch.float32).repeat_interleave(per)
+    return (patches.float() * (1 / 255) - m) / s
+
+
+def prompt_ids(n_before: int, n_image: int, n_after: int, seed: int = 0) -> list[int]:
+    """Random text ids, then <|vision_start|> + n_image pads + <|vision_end|>, then text;
+    ``n_before`` / ``n_after`` count the start / end tokens."""
+    g = torch.Generator().manual_seed(seed)
+    text = torch.randint(1, 300, (n_before + n_after,), generator=g).tolist()
+    return (text[: n_before - 1] + [START] + [IMAGE] * n_image + [END]
+            + text[n_before - 1: n_before + n_after - 2])
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
