@@ -16,7 +16,16 @@
 #   6. vlmbatch eval on CUDA, bf16: the built-in model's easy-vqa accuracy (CPU fp32: 0.9985);
 #   7. bench/prefetch.py on CUDA: `run` with 0, 2, 8 and 16 preprocessing threads preparing
 #      the next groups while the GPU answers;
-#   8. bench/qpm.py again on a random-weight model of InternVL3-1B's shape: speed at real size.
+#   8. bench/qpm.py again on a random-weight model of InternVL3-1B's shape: speed at real size,
+#      with the fp8 row (W8A8 e4m3 linears);
+#   9. the same shape on shape scenes of 448-1344 px (1-12 tiles), 6 questions each: where the
+#      prefix cache should pay (choose the cache's GPU default from this row);
+#  10. vlmbatch eval --quant fp8: the built-in model's accuracy with FP8 linears (the CPU
+#      reference of the same arithmetic gave 0.9985, as fp32);
+#  11. bench/vit.py --compile on the InternViT-300M shape, batches 1, 4, 32 (torch.compile per
+#      bucket, captured by the graph pool; each bucket compiles first: minutes).
+# Not run unless named in STEPS (too long for one lease): "qpm 8b-shape" (a random model of
+# InternVL3-8B's shape: ~50 GB of host memory while it is built, ~16 GB on disk in bf16).
 # STEPS="gpu tests,qpm bench" runs only the steps named (a rerun inside the device budget);
 # QPM_IMAGES sets the built-in model's QPM run's images (default 500).
 # Writes the whole log to $OUT/gpu_check.txt (./out without $OUT) and ends with a table of
@@ -36,9 +45,11 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 summary=()
+OPTIONAL=",qpm 8b-shape,"  # steps that run only when STEPS names them
 step() {  # step NAME LIMIT_S CMD...: full output to the log, its tail to stdout
   local name=$1 limit=$2; shift 2
   if [[ -n "${STEPS:-}" && ",$STEPS," != *",$name,"* ]]; then return; fi
+  if [[ -z "${STEPS:-}" && "$OPTIONAL" == *",$name,"* ]]; then return; fi
   local t0=$SECONDS
   echo "== $name: $*" | tee -a "$log"
   timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$log" | tail -n 30
@@ -50,7 +61,8 @@ step() {  # step NAME LIMIT_S CMD...: full output to the log, its tail to stdout
   "$PY" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available(), 'transformers', transformers.__version__)"
   "$PY" -c "import tensorrt; print('tensorrt', tensorrt.__version__)" 2>&1 | tail -1
 } 2>&1 | tee -a "$log"
-# limits sum to 740 s; the whole script ran in about 4 minutes on the H200
+# limits of the default steps sum to 1,210 s (too much for one 10-minute call: split with
+# STEPS); before steps 9-11 were added, the whole script ran in about 4 minutes on the H200
 # (-o timeout: pytest-timeout, on the lent machine's image, stops one hung test; elsewhere a
 # warning)
 step "gpu tests" 120 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider -o timeout=90 tests
@@ -58,12 +70,21 @@ step "vit bench" 120 "$PY" bench/vit.py --device cuda --encoders builtin,300m --
 step "qpm bench" 150 "$PY" bench/qpm.py --device cuda --dtype bfloat16 \
   --images "${QPM_IMAGES:-500}" --rounds 3 --profile "$out"
 step "qpm 1b-shape" 180 "$PY" bench/qpm.py --device cuda --dtype bfloat16 --images 100 \
-  --rounds 2 --random-shape internvl3-1b --profile "$out/1b"
+  --rounds 2 --random-shape internvl3-1b --fp8 --profile "$out/1b"
+step "qpm 1b-scenes" 150 "$PY" bench/qpm.py --device cuda --dtype bfloat16 --images 48 \
+  --rounds 2 --random-shape internvl3-1b --scene-sizes 448x448,896x672,1344x896 \
+  --questions-per-image 6
 step "int4 linears" 45 "$PY" bench/quant.py --linears-only --device cuda --rounds 3
 step "gqa attention" 25 "$PY" bench/attention.py --device cuda --dtype bfloat16
-step "eval on cuda" 40 "$PY" -m vlmbatch.cli eval --device cuda --dtype bfloat16 --no-progress
+step "eval on cuda" 40 "$PY" -m vlmbatch eval --device cuda --dtype bfloat16 --no-progress
+step "eval fp8" 40 "$PY" -m vlmbatch eval --device cuda --dtype bfloat16 --quant fp8 --no-progress
 step "prefetch" 60 "$PY" bench/prefetch.py --device cuda --dtype bfloat16 --images 96 \
   --threads-list 0,2,8,16 --rounds 2
+step "vit compile" 240 "$PY" bench/vit.py --device cuda --encoders 300m --compile \
+  --batches 1,4,32 --reps 20 --rounds 2
+step "qpm 8b-shape" 420 "$PY" bench/qpm.py --device cuda --dtype bfloat16 --images 48 \
+  --rounds 2 --random-shape internvl3-8b --scene-sizes 448x448,896x672 \
+  --questions-per-image 6 --fp8
 {
   echo; echo "| step | rc | time |"; echo "|---|---|---|"
   printf '%s\n' "${summary[@]}"

@@ -62,7 +62,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.flops import workload_flops  # noqa: E402
 from bench.hf_baseline import Batched, Work, load_reference, per_question  # noqa: E402
-from models.internvl.random import INTERNVL3_1B, save_random_internvl  # noqa: E402
+from bench.scenes import parse_sizes, scene_set  # noqa: E402
+from models.internvl.random import SHAPES, save_random_internvl  # noqa: E402
 from pipeline.config import DEFAULT_MODEL, DTYPES, EngineConfig  # noqa: E402
 from pipeline.drive import answer_group  # noqa: E402
 from pipeline.evaluate import easy_vqa_set  # noqa: E402
@@ -104,9 +105,9 @@ class VlmbatchPath:
     def __init__(self, name: str, model_dir: Path, items: list, images_per_batch: int,
                  cache: bool, warm: list, vit: str = "torch", device: str = "cpu",
                  dtype: torch.dtype = torch.float32, graphs: bool = True,
-                 engine_kw: dict | None = None) -> None:
+                 engine_kw: dict | None = None, quant: str = "none") -> None:
         self.name, self.items, self.images_per_batch = name, items, images_per_batch
-        self.model = load_model(model_dir, device, dtype)
+        self.model = load_model(model_dir, device, dtype, quant=quant)
         self.runner = make_runner(vit, vision_model(self.model), RunnerOptions(
             device, graphs, stream_ordered=True))  # as `run`
         self.cfg = EngineConfig(prefix_cache=cache, cuda_graphs=graphs, **(engine_kw or {}))
@@ -189,13 +190,24 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=1,
                     help="timed rounds per vlmbatch path and for the batched baseline, best "
                     "kept (the per-question baseline runs once)")
-    ap.add_argument("--random-shape", choices=["internvl3-1b"], default=None,
+    ap.add_argument("--random-shape", choices=list(SHAPES), default=None,
                     help="answer with a random-weight model of this shape instead of --model "
                     "(speed at real size; accuracy then means nothing): built in a temporary "
-                    "folder, saved in --dtype")
+                    "folder, saved in --dtype (8b: ~16 GB on disk in bf16, ~50 GB of host "
+                    "memory while it is built)")
+    ap.add_argument("--scene-sizes", default=None, metavar="WxH,...",
+                    help="instead of easy-vqa's 64 px images: --images shape scenes cycling "
+                    "through these sizes (448x448,896x672,1344x896: 1-12 tiles), each asked "
+                    "--questions-per-image questions")
+    ap.add_argument("--questions-per-image", type=int, default=6,
+                    help="with --scene-sizes: questions per scene (default 6)")
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="peak TFLOP/s for the fraction column (default: 790 on CUDA, the "
                     "H200's measured bf16 matrix rate; none on the CPU)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="add a row with --quant fp8 (decoder and ViT linears W8A8 e4m3)")
+    ap.add_argument("--compile-vit", action="store_true",
+                    help="add a row with --vit-backend compile (torch.compile per bucket)")
     ap.add_argument("--profile", type=Path, default=None, metavar="DIR",
                     help="also write a torch.profiler table per vlmbatch path into DIR")
     args = ap.parse_args()
@@ -216,9 +228,16 @@ def vlmbatch_paths(args: argparse.Namespace, items: list, warm: list,
                       {"max_batch_tokens": 65536}))
     if importlib.util.find_spec("onnxruntime") is not None and (not cuda or ort_cuda()):
         paths.append(("vlmbatch, cache, ORT ViT", True, "onnxruntime", True, {}))
-    return [VlmbatchPath(name, args.model, items, args.images_per_batch, cache, warm, vit,
+    if args.compile_vit:
+        paths.append(("vlmbatch, cache, compiled ViT", True, "compile", True, {}))
+    made = [VlmbatchPath(name, args.model, items, args.images_per_batch, cache, warm, vit,
                          args.device, dtype, graphs, kw)
             for name, cache, vit, graphs, kw in paths]
+    if args.fp8:  # W8A8 e4m3 linears; on the CPU the (slow) reference of the GPU's arithmetic
+        made.append(VlmbatchPath("vlmbatch, cache, fp8", args.model, items,
+                                 args.images_per_batch, True, warm, "torch", args.device,
+                                 dtype, True, {}, quant="fp8"))
+    return made
 
 
 def timed_rows(args: argparse.Namespace, items: list, warm: list, dtype: torch.dtype,
@@ -268,18 +287,29 @@ def main() -> None:
     if args.random_shape:
         tmp = tempfile.TemporaryDirectory(prefix="vlmbatch-random-")
         t0 = time.perf_counter()
-        args.model = save_random_internvl(Path(tmp.name), dtype=dtype, **INTERNVL3_1B)  # type: ignore[arg-type]
+        args.model = save_random_internvl(Path(tmp.name), dtype=dtype,
+                                          **SHAPES[args.random_shape])  # type: ignore[arg-type]
         print(f"random {args.random_shape} saved in {time.perf_counter() - t0:.0f} s")
-    data = easy_vqa_set("test")
+    if args.scene_sizes:
+        folder = tempfile.TemporaryDirectory(prefix="vlmbatch-scenes-")
+        sizes = parse_sizes(args.scene_sizes)
+        data = scene_set(sizes, -(-args.images // len(sizes)), args.questions_per_image,
+                         Path(folder.name))
+        warm_dir = Path(folder.name) / "warm"  # other scenes of the same sizes
+        warm_dir.mkdir()
+        warm = scene_set(sizes, -(-args.images_per_batch // len(sizes)),
+                         args.questions_per_image, warm_dir, seed=7).items[: args.images_per_batch]
+    else:  # untimed warm-up for every path, one group: the shapes the timed groups have
+        data = easy_vqa_set("test")
+        warm = easy_vqa_set("train").items[: args.images_per_batch]
     items = data.items[: args.images]
-    # untimed warm-up for every path, one group: the shapes the timed groups have
-    warm = easy_vqa_set("train").items[: args.images_per_batch]
     truth = [data.expected[(it.id, q.id)] for it in items for q in it.questions]
     n = len(truth)
     host = load_model(args.model)  # spec and tokenizer
     rows, how = timed_rows(args, items, warm, dtype, n, host)
     where = (torch.cuda.get_device_name() if cuda else f"{torch.get_num_threads()} threads")
-    print(f"easy-vqa test: {len(items)} images, {n} yes/no questions, {where}, {args.dtype}, "
+    what = f"scenes {args.scene_sizes}" if args.scene_sizes else "easy-vqa test"
+    print(f"{what}: {len(items)} images, {n} yes/no questions, {where}, {args.dtype}, "
           f"model {args.model.name}; batched baseline: {args.baseline_batch} prompts per "
           f"forward, {how}")
     print_table(rows, truth, host.spec, args.peak_tflops)

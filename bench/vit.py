@@ -31,6 +31,7 @@ from models.internvl.vision import VisionEncoder, VisionSpec  # noqa: E402
 from pipeline.config import DEFAULT_MODEL  # noqa: E402
 from pipeline.loading import load_model, vision_model  # noqa: E402
 from vit_trt import VisionModel  # noqa: E402
+from vit_trt.compile_runner import CompiledRunner  # noqa: E402
 from vit_trt.export import export_onnx  # noqa: E402
 from vit_trt.onnx_runner import OnnxRuntimeRunner  # noqa: E402
 
@@ -69,9 +70,11 @@ def timed(fn, tiles: torch.Tensor, reps: int, cuda: bool) -> float:  # noqa: ANN
     return reps * tiles.shape[0] / (time.perf_counter() - start)
 
 
-def cpu_rows(name: str, model_dir: Path, batches: list[int], reps: int) -> None:
+def cpu_rows(name: str, model_dir: Path, batches: list[int], reps: int,
+             compiled: bool) -> None:
     vision, tile = encoder(name, model_dir)
     holder = vision_of(vision, tile, model_dir)
+    comp = CompiledRunner(holder, max_batch=max(batches)) if compiled else None
     with tempfile.TemporaryDirectory() as tmp:
         export = export_onnx(holder, Path(tmp), check_batch=1)
         ort = OnnxRuntimeRunner(holder, export.onnx_path)
@@ -80,10 +83,13 @@ def cpu_rows(name: str, model_dir: Path, batches: list[int], reps: int) -> None:
             with torch.inference_mode():
                 eager = timed(vision, tiles, reps, False)
             o = timed(ort.encode, tiles, reps, False)
-            print(f"{name:<9}{'cpu':<6}{b:>6}{eager:>14.1f}{o:>14.1f}{o / eager:>8.2f}")
+            c = timed(comp.encode, tiles, reps, False) if comp is not None else float("nan")
+            print(f"{name:<9}{'cpu':<6}{b:>6}{eager:>14.1f}{o:>14.1f}{o / eager:>8.2f}"
+                  f"{c:>14.1f}{c / eager:>8.2f}")
 
 
-def gpu_rows(name: str, model_dir: Path, batches: list[int], reps: int, rounds: int) -> None:
+def gpu_rows(name: str, model_dir: Path, batches: list[int], reps: int, rounds: int,
+             compiled: bool) -> None:
     import copy
 
     from cudagraph_pool import GraphPool
@@ -101,6 +107,10 @@ def gpu_rows(name: str, model_dir: Path, batches: list[int], reps: int, rounds: 
     nowait.sync = False
     paths = {"eager fp16": fp16, "eager bf16": bf16, "graph pool bf16": pool,
              "pool, no host wait": nowait}
+    if compiled:  # torch.compile per bucket, captured by the same pool (each bucket compiles
+        # on its first call, inside timed()'s warm-up)
+        paths["compile bf16 graphs"] = CompiledRunner(
+            vision_of(bf16, tile, model_dir), max_batch=max(batches)).encode
     try:
         import tensorrt  # noqa: F401
 
@@ -151,16 +161,25 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="calls per timing")
     ap.add_argument("--rounds", type=int, default=3,
                     help="GPU: interleaved rounds per batch size, best kept")
+    ap.add_argument("--batches", default=None,
+                    help="comma-separated batch sizes (default: 1..32 on GPU; CPU: 1,8,32 "
+                    "for the built-in encoder, 1 for the 300M shape)")
+    ap.add_argument("--compile", action="store_true",
+                    help="add the --vit-backend compile path (torch.compile per bucket; each "
+                    "bucket compiles on its first call: minutes for the 300M shape)")
     args = ap.parse_args()
     names = args.encoders.split(",")
+    given = [int(b) for b in args.batches.split(",")] if args.batches else None
     if args.device.startswith("cuda"):
         for name in names:
-            gpu_rows(name, args.model, [1, 2, 4, 8, 16, 32], args.reps, args.rounds)
+            gpu_rows(name, args.model, given or [1, 2, 4, 8, 16, 32], args.reps, args.rounds,
+                     args.compile)
         return
     print(f"{'encoder':<9}{'dev':<6}{'batch':>6}{'torch tiles/s':>14}{'ort tiles/s':>14}"
-          f"{'ratio':>8}   ({torch.get_num_threads()} threads)")
+          f"{'ratio':>8}{'compile t/s':>14}{'ratio':>8}   ({torch.get_num_threads()} threads)")
     for name in names:
-        cpu_rows(name, args.model, [1, 8, 32] if name == "builtin" else [1], args.reps)
+        batches = given or ([1, 8, 32] if name == "builtin" else [1])
+        cpu_rows(name, args.model, batches, args.reps, args.compile)
 
 
 if __name__ == "__main__":

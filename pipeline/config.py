@@ -27,6 +27,7 @@ class ConfigError(ValueError):
 
 DEFAULT_MODEL = Path(__file__).resolve().parent / "default_model"
 LLM_QUANT = ("none", "int8-dynamic")
+QUANT = ("none", "fp8")  # W8A8 of the decoder's and the vision encoder's linears
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -52,6 +53,9 @@ class ModelConfig:
     upscale_limit: float = 1.0  # reduced tiling: most a tile count may enlarge an image
     max_image_tokens: int | None = None  # per-image token budget (thumbnail included)
     llm_quant: str = "none"  # "none" | "int8-dynamic" (CPU); W4A16 comes from the checkpoint
+    # "fp8": e4m3 W8A8 linears (decoder and vision encoder) through torch._scaled_mm on CUDA
+    # (compute capability >= 8.9); on the CPU a slow reference of the same arithmetic
+    quant: str = "none"
 
     def __post_init__(self) -> None:
         try:
@@ -62,6 +66,11 @@ class ModelConfig:
             raise ConfigError(f"device {self.device!r} not supported: use cpu, cuda or cuda:N")
         if self.llm_quant not in LLM_QUANT:
             raise ConfigError(f"llm_quant {self.llm_quant!r} not one of {LLM_QUANT}")
+        if self.quant not in QUANT:
+            raise ConfigError(f"quant {self.quant!r} not one of {QUANT}")
+        if self.quant != "none" and self.llm_quant != "none":
+            raise ConfigError(f"--quant {self.quant} and --llm-quant {self.llm_quant} both "
+                              "quantise the decoder's linears; give one")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} not one of {sorted(DTYPES)}")
         if self.max_tiles is not None and self.max_tiles < 1:

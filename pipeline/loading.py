@@ -18,6 +18,7 @@ from models.io import ModelError, raw_state_dict
 from pipeline.config import DEFAULT_MODEL, ConfigError, ModelConfig
 from preprocessing.prepare import ImagePlan
 from quant.checkpoint import check_config, int4_weights
+from quant.fp8 import Fp8Unavailable, convert_linears_fp8, require_fp8
 from quant.runtime import QuantError, convert_for_runtime, int8_dynamic
 from vit_trt import VisionModel
 
@@ -46,10 +47,15 @@ def read_spec(path: Path | None = None) -> tuple[ModelFamily, ModelSpec]:
 
 
 def load_model(path: Path | None = None, device: str = "cpu",
-               dtype: torch.dtype = torch.float32, llm_quant: str = "none") -> LoadedModel:
-    """Build our modules from a checkpoint folder (the built-in model by default)."""
+               dtype: torch.dtype = torch.float32, llm_quant: str = "none",
+               quant: str = "none") -> LoadedModel:
+    """Build our modules from a checkpoint folder (the built-in model by default).
+
+    ``quant="fp8"``: every linear of the decoder (but the LM head) and of the vision encoder
+    becomes an ``Fp8Linear`` (``quant/fp8.py``) after loading."""
     path = Path(path) if path is not None else DEFAULT_MODEL
     check_device(device)
+    backend = _fp8_backend(device, quant)
     family, cfg = family_for(path)
     spec = family.read_spec(path, cfg)
     sd = {family.normalise_key(k): t for k, t in raw_state_dict(path).items()}
@@ -72,9 +78,27 @@ def load_model(path: Path | None = None, device: str = "cpu",
         llm = int8_dynamic(llm)  # type: ignore[assignment]
     elif llm_quant != "none":
         raise ModelError(f"llm_quant {llm_quant!r} not one of none, int8-dynamic")
+    vision = vision.to(device, dtype).eval()
+    if backend is not None:
+        if int4:
+            raise ModelError(f"{path} is already quantised (W4A16); --quant fp8 needs a float "
+                             "model")
+        convert_linears_fp8(llm, backend=backend)
+        convert_linears_fp8(vision, backend=backend)
     tok = family.load_tokenizer(path)
-    return LoadedModel(spec, family, vision.to(device, dtype).eval(), llm, tok,
-                       family.prompt_builder(tok, spec))
+    return LoadedModel(spec, family, vision, llm, tok, family.prompt_builder(tok, spec))
+
+
+def _fp8_backend(device: str, quant: str) -> str | None:
+    """The FP8 path ``quant`` asks for on ``device`` (None: no FP8); ModelError if none."""
+    if quant == "none":
+        return None
+    if quant != "fp8":
+        raise ModelError(f"quant {quant!r} not one of none, fp8")
+    try:
+        return require_fp8(device)
+    except Fp8Unavailable as e:
+        raise ModelError(str(e)) from None
 
 
 def _check_int8(path: Path, device: str, dtype: torch.dtype, packed: bool) -> None:

@@ -143,7 +143,7 @@ class TorchEngine(Engine):
 def build_torch(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> TorchEngine:
     """Our engine on ``model_cfg``'s checkpoint and device."""
     model = load_model(model_cfg.path, model_cfg.device, model_cfg.torch_dtype,
-                       model_cfg.llm_quant)
+                       model_cfg.llm_quant, model_cfg.quant)
     plan = image_plan_for(model.family, model.spec, model_cfg)
     # stream-ordered: the engine reads the embeddings on the stream that made them, so the graph
     # pool's host wait per call would only stall the host (16% of a profiled round at

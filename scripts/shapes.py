@@ -61,12 +61,18 @@ def _draw(img: np.ndarray, s: Shape, rng: np.random.Generator) -> None:
         cv2.fillPoly(img, [pts.astype(np.int32)], col, cv2.LINE_AA)
 
 
-def make_scene(rng: np.random.Generator, max_shapes: int = 3) -> Scene:
-    """One random scene; canvas 48..400 px a side, aspect ratio up to 1:4."""
-    short = int(rng.integers(48, 200))
-    long_ = int(short * rng.choice([1.0, 1.0, 1.33, 1.5, 2.0, 3.0, 4.0]))
-    long_ = min(long_, 400)
-    h, w = (short, long_) if rng.random() < 0.5 else (long_, short)
+def make_scene(rng: np.random.Generator, max_shapes: int = 3,
+               size: tuple[int, int] | None = None) -> Scene:
+    """One random scene; canvas 48..400 px a side, aspect ratio up to 1:4, or ``size``
+    (width, height) when given (then the rng draws no size: the default's draws are
+    unchanged)."""
+    if size is None:
+        short = int(rng.integers(48, 200))
+        long_ = int(short * rng.choice([1.0, 1.0, 1.33, 1.5, 2.0, 3.0, 4.0]))
+        long_ = min(long_, 400)
+        h, w = (short, long_) if rng.random() < 0.5 else (long_, short)
+    else:
+        w, h = size
     bg = rng.integers(200, 256, size=3)
     img = np.empty((h, w, 3), np.uint8)
     img[:] = bg

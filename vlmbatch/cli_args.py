@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from jobs.config import EXECUTORS, RayOptions, RunConfig
-from pipeline.config import DTYPES, LLM_QUANT, EngineConfig, ModelConfig, default_of, vit_backends
+from pipeline.config import (
+    DTYPES,
+    LLM_QUANT,
+    QUANT,
+    EngineConfig,
+    ModelConfig,
+    default_of,
+    vit_backends,
+)
 from pipeline.engine import ENGINES
 from pipeline.quantize import quantize_model
 from preprocessing.prepare import TILING_MODES
@@ -60,6 +68,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--llm-quant", default=M.llm_quant, choices=LLM_QUANT,
                    help="int8-dynamic: torch dynamic int8 linears for the language model (CPU). "
                    "For W4A16 pass a checkpoint made by `vlmbatch quantize`")
+    g.add_argument("--quant", default=M.quant, choices=QUANT,
+                   help="fp8: e4m3 W8A8 linears in the decoder and the vision encoder "
+                   "(torch._scaled_mm; CUDA compute capability >= 8.9; on the CPU a slow "
+                   "reference of the same arithmetic, for accuracy checks)")
     g.add_argument("--max-tiles", type=int, default=M.max_tiles,
                    help="cap tiles per image (default: the checkpoint's max_patches)")
     g.add_argument("--tiling", default=M.tiling, choices=TILING_MODES,

@@ -41,7 +41,7 @@ RUN_JOB_OPTIONS = {"manifest", "no_progress", "retry_failed", "executor", *RAY_O
 
 def model_configs(a: argparse.Namespace) -> tuple[ModelConfig, EngineConfig]:
     model = ModelConfig(a.model, a.device, a.dtype, a.max_tiles, a.tiling, a.upscale_limit,
-                        a.max_image_tokens, a.llm_quant)
+                        a.max_image_tokens, a.llm_quant, a.quant)
     engine = EngineConfig(engine=a.engine, vit_backend=a.vit_backend,
                           cuda_graphs=not a.no_cuda_graphs, max_batch_tokens=a.max_batch_tokens,
                           max_batch_tiles=a.max_batch_tiles, vit_max_batch=a.vit_max_batch,

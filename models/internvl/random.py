@@ -1,11 +1,12 @@
 """Random-weight InternVL checkpoints (HF-native layout) for tests and benchmarks.
 
-``save_random_internvl`` writes what ``pipeline.build.load_model`` and transformers'
+``save_random_internvl`` writes what ``pipeline.loading.load_model`` and transformers'
 ``InternVLForConditionalGeneration`` both read: config, safetensors weights (seeded), our own
 byte-level BPE tokenizer (``models/internvl/tokenizer.py``) and a preprocessor config. Nothing is
-downloaded. The tests use tiny shapes (tests/conftest.py); ``INTERNVL3_1B`` is the shape of
-InternVL3-1B (InternViT-300M, 448 px tiles, 256 tokens per tile, Qwen2-0.5B), for measuring
-speed at real size (``bench/qpm.py --random-shape internvl3-1b``). Its answers mean nothing,
+downloaded. The tests use tiny shapes (tests/conftest.py); ``SHAPES`` holds the shapes of
+InternVL3-1B (InternViT-300M, 448 px tiles, 256 tokens per tile, Qwen2-0.5B), -2B and -8B
+(Qwen2.5-1.5B and -7B decoders), for measuring speed at real size (``bench/qpm.py
+--random-shape internvl3-1b``; an 8B random model is ~16 GB in bf16). Its answers mean nothing,
 and its vocabulary is the tokenizer's few hundred tokens rather than Qwen2's 151,655 (the LM
 head runs at one position per question, so this changes little).
 """
@@ -33,6 +34,20 @@ INTERNVL3_1B = dict(
               num_key_value_heads=2, intermediate_size=4864, max_position_embeddings=32768,
               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
 )
+
+
+# Qwen2.5-1.5B / Qwen2.5-7B decoders of InternVL3-2B / -8B (from the published configs, as
+# remembered: not read from a downloaded file); the vision tower is InternViT-300M in all three
+_QWEN25_1P5B = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                    num_key_value_heads=2, intermediate_size=8960, max_position_embeddings=32768,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+_QWEN25_7B = dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                  num_key_value_heads=4, intermediate_size=18944, max_position_embeddings=32768,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+INTERNVL3_2B = {**INTERNVL3_1B, "text": _QWEN25_1P5B}
+INTERNVL3_8B = {**INTERNVL3_1B, "text": _QWEN25_7B}
+SHAPES = {"internvl3-1b": INTERNVL3_1B, "internvl3-2b": INTERNVL3_2B,
+          "internvl3-8b": INTERNVL3_8B}
 
 
 def save_random_internvl(path: Path, *, vision: dict, text: dict, tile: int, patch: int,

@@ -1,0 +1,44 @@
+"""Shape scenes at chosen sizes, with K yes/no questions each and their answers: the
+real-size workload of ``bench/qpm.py --scene-sizes`` (photos of 448-1344 px make 1-12
+tiles, and a moderation policy asks several questions of each image, which is where the
+prefix cache should pay). Drawn by ``scripts/shapes.py`` (easy-vqa's palette), written as
+PNGs so that every path, the Pillow baselines included, reads the same files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+from pipeline.evaluate import EvalSet
+from pipeline.records import ImageItem, Question
+from scripts.shapes import make_questions, make_scene
+
+
+def parse_sizes(text: str) -> list[tuple[int, int]]:
+    """``"448x448,1344x896"`` -> [(448, 448), (1344, 896)] (width x height)."""
+    out = []
+    for part in text.split(","):
+        w, _, h = part.strip().lower().partition("x")
+        out.append((int(w), int(h)))
+    return out
+
+
+def scene_set(sizes: list[tuple[int, int]], per_size: int, questions: int, folder: Path,
+              seed: int = 123) -> EvalSet:
+    """``per_size`` scenes of each size, ``questions`` questions each, saved under
+    ``folder``; ids ``s{i}``, question ids ``0..K-1``."""
+    rng = np.random.default_rng(seed)
+    items, expected = [], {}
+    for i in range(len(sizes) * per_size):
+        size = sizes[i % len(sizes)]
+        scene = make_scene(rng, size=size)
+        path = folder / f"s{i}.png"
+        cv2.imwrite(str(path), cv2.cvtColor(scene.image, cv2.COLOR_RGB2BGR))
+        qa = make_questions(scene, rng, questions)
+        items.append(ImageItem(f"s{i}", str(path),
+                               tuple(Question(str(k), q) for k, (q, _) in enumerate(qa)),
+                               folder))
+        expected.update({(f"s{i}", str(k)): a for k, (_, a) in enumerate(qa)})
+    return EvalSet(items, expected)
