@@ -52,7 +52,7 @@ from jobs.ray_cluster import init_ray
 from jobs.store import Counts, JobStore, by_item
 from pipeline.build import build_engine
 from pipeline.config import EngineConfig, ModelConfig
-from pipeline.drive import PreparedGroup, prepare_group, score_group
+from pipeline.drive import PreparedGroup, prepare_task, score_group
 from pipeline.hooks import FaultHooks
 from pipeline.loading import read_spec
 from pipeline.records import Answer, ErrorKind, ImageItem, ItemError
@@ -65,16 +65,6 @@ def require_ray() -> Any:
     except ModuleNotFoundError as e:
         raise ImportError("--executor ray needs Ray: pip install 'vlmbatch[ray]'") from e
     return ray
-
-
-def _prepare(group: list[ImageItem], plan: ImagePlan, max_pixels: int,
-             hooks: FaultHooks) -> tuple[int, PreparedGroup]:
-    """A prepare task with two return objects (``num_returns=2``): a small one the driver
-    fetches to learn that the task succeeded, and the tiles, which go from the object store
-    straight to a model actor without passing through the driver."""
-    for it in group:
-        hooks.prepare(it)
-    return len(group), prepare_group(group, plan, max_pixels)
 
 
 class ModelWorker:
@@ -172,7 +162,9 @@ class _Scheduler:
                  plan: ImagePlan, bar: tqdm, hooks: FaultHooks) -> None:
         self.ray, self.store, self.cfg, self.workers = ray, store, cfg, workers
         self.plan, self.opts, self.bar, self.hooks = plan, cfg.executor.ray, bar, hooks
-        self.prepare = ray.remote(num_cpus=1, max_retries=0, num_returns=2)(_prepare)
+        # a module-level function of a light module: a new prepare worker imports
+        # pipeline.drive (numpy, OpenCV), not torch and the models, before its deadline runs
+        self.prepare = ray.remote(num_cpus=1, max_retries=0, num_returns=2)(prepare_task)
         self.groups = store.pending(cfg.images_per_batch)
         self.preparing: dict = {}  # done ref -> (group, deadline, tiles ref)
         self.retry: deque[ImageItem] = deque()

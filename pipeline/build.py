@@ -1,11 +1,16 @@
-"""``build_engine``: the configured engine, by name from the ``ENGINES`` registry (every
-engine module registers itself when ``pipeline`` is imported)."""
+"""``build_engine``: the configured engine, by name from the ``ENGINES`` registry. Every
+engine module registers itself when imported; this module imports them all, so whoever
+builds an engine (or lists the engines: the CLI's choices) imports this."""
 
 from __future__ import annotations
 
 from common.registry import UnknownName
+from pipeline import lmdeploy_engine as _lmdeploy  # noqa: F401  (registers "lmdeploy")
+from pipeline import torch_engine as _torch  # noqa: F401  (registers "torch")
 from pipeline.config import ConfigError, EngineConfig, ModelConfig
 from pipeline.engine import ENGINES, Engine
+
+__all__ = ["ENGINES", "build_engine"]
 
 
 def build_engine(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> Engine:

@@ -23,6 +23,7 @@ from queue import SimpleQueue
 import numpy as np
 
 from pipeline.engine import Engine
+from pipeline.hooks import FaultHooks
 from pipeline.records import Answer, ErrorKind, ImageItem, ItemError, Request
 from preprocessing.decode import DEFAULT_MAX_PIXELS, ImageError, ImageTooLarge
 from preprocessing.prepare import ImagePlan, PreparedImage, prepare_bytes
@@ -77,6 +78,18 @@ def _collect(group: list[ImageItem], done: list[PreparedImage | ItemError]) -> P
 def prepare_group(group: list[ImageItem], plan: ImagePlan,
                   max_pixels: int = DEFAULT_MAX_PIXELS) -> PreparedGroup:
     return _collect(group, [_prepare_or_error(it, plan, max_pixels) for it in group])
+
+
+def prepare_task(group: list[ImageItem], plan: ImagePlan, max_pixels: int,
+                 hooks: FaultHooks) -> tuple[int, PreparedGroup]:
+    """A Ray prepare task (``jobs/ray_executor.py``) with two return objects
+    (``num_returns=2``): a small one the driver fetches to learn that the task succeeded, and
+    the tiles, which go from the object store straight to a model actor without passing
+    through the driver. Here, in a module whose imports are light, because a fresh worker
+    imports it before the task's deadline starts to count its work."""
+    for it in group:
+        hooks.prepare(it)
+    return len(group), prepare_group(group, plan, max_pixels)
 
 
 def prepared_groups(groups: Iterable[list[ImageItem]], plan: ImagePlan, max_pixels: int,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs.config import EXECUTORS, RayOptions, RunConfig
+from pipeline.build import ENGINES
 from pipeline.config import (
     DTYPES,
     LLM_QUANT,
@@ -25,7 +26,6 @@ from pipeline.config import (
     default_of,
     vit_backends,
 )
-from pipeline.engine import ENGINES
 from pipeline.quantize import quantize_model
 from preprocessing.prepare import TILING_MODES
 from quant.calibrate import METHODS
