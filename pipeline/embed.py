@@ -25,6 +25,7 @@ embedded, whatever the pooling) is not encoded nor its image tokens prefilled tw
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -33,6 +34,7 @@ from models.embedding import EmbeddingSpec, read_embedding_spec, read_projection
 from models.io import read_config
 from pipeline.config import ConfigError, EmbedConfig
 from pipeline.engine import Engine
+from pipeline.loading import read_spec
 from pipeline.model_runner import ImageEmbeds
 from pipeline.planner import Plan
 from pipeline.pooling import PoolRange, mean_rows, pool_range, unit
@@ -64,6 +66,22 @@ def resolve(cfg: EmbedConfig, spec: EmbeddingSpec, image_prompt: str) -> Resolve
                           "--force-dimensions truncates anyway")
     return Resolved(cfg.pooling or spec.pooling, cfg.dimensions, cfg.multi_vector,
                     cfg.prompt or image_prompt, spec)
+
+
+def check_embed_config(path: Path | None, cfg: EmbedConfig) -> Resolved:
+    """``cfg`` resolved on the checkpoint at ``path`` (None: ``load_model``'s default),
+    weights not read: what ``submit --task embed`` checks before any work."""
+    family, spec = read_spec(path)
+    declared = read_embedding_spec(spec.path, read_config(spec.path), family.default_pooling)
+    return resolve(cfg, declared, family.image_prompt)
+
+
+def embedding_checkpoint(path: Path | None) -> bool:
+    """Whether the checkpoint at ``path`` declares itself an embedding model (a pooling,
+    Matryoshka sizes or a projection layer; ``models/embedding.py``)."""
+    family, spec = read_spec(path)
+    return read_embedding_spec(spec.path, read_config(spec.path),
+                               family.default_pooling).declared
 
 
 class Embedder:
