@@ -20,6 +20,7 @@ states, with the family's default pooling), and ``declared`` is False so the CLI
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,8 +78,19 @@ def _declared_pooling(path: Path, config: dict) -> tuple[str | None, bool]:
 
 
 def _modules(path: Path) -> list[dict]:
-    mods = read_json(path / "modules.json") if (path / "modules.json").is_file() else {}
-    return [] if not mods else list(mods.values()) if isinstance(mods, dict) else mods
+    """sentence-transformers' ``modules.json``: a list of ``{"type", "path", ...}``."""
+    f = path / "modules.json"
+    if not f.is_file():
+        return []
+    try:
+        mods = json.loads(f.read_text())
+    except ValueError as e:
+        raise ModelError(f"{f} is not valid JSON ({e}); restore it from the original "
+                         "checkpoint") from e
+    if not isinstance(mods, list) or not all(isinstance(m, dict) for m in mods):
+        raise ModelError(f"{f} is not a list of modules; restore it from the original "
+                         "checkpoint")
+    return mods
 
 
 def _sentence_transformers_pooling(cfg_file: Path, cfg: dict) -> str:

@@ -22,6 +22,11 @@ from pipeline.records import Embedding, EmbedItem, EmbedRequest, ErrorKind, Imag
 from preprocessing.decode import DEFAULT_MAX_PIXELS
 from preprocessing.prepare import ImagePlan, PreparedImage
 
+# inputs per embedder call unless a run says otherwise: one prompt per input (a yes/no group
+# of 16 images holds 16 x its questions), so a larger group fills the same prefill batches
+# and costs fewer, larger forwards
+EMBED_GROUP = 64
+
 
 @dataclass
 class PreparedEmbedGroup:

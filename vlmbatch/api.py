@@ -52,7 +52,7 @@ from pipeline.config import (
 )
 from pipeline.drive import prepared_groups, score_group
 from pipeline.embed import Embedder, build_embedder
-from pipeline.embed_drive import embed_group, prepared_embed_groups
+from pipeline.embed_drive import EMBED_GROUP, embed_group, prepared_embed_groups
 from pipeline.records import Answer, Embedding, EmbedItem, ImageItem, Question
 
 T = TypeVar("T")
@@ -84,6 +84,7 @@ class VLM:
         self.engine_config = EngineConfig(**{k: v for k, v in options.items()
                                              if k in _ENGINE_FIELDS})
         self.images_per_batch = images_per_batch or default_of(RunConfig, "images_per_batch")
+        self.embed_batch = images_per_batch or EMBED_GROUP  # inputs per embedder call
         self.max_pixels = max_pixels or default_of(RunConfig, "max_pixels")
         self.preprocess_threads = preprocess_threads_for(preprocess_threads, device)
         if threads:
@@ -143,8 +144,7 @@ class VLM:
         Streamed and batched as ``vlmbatch embed`` does it, over the same engine (and prefix
         cache) as ``ask``."""
         embedder = self.embedder(EmbedConfig(**options))
-        groups = _groups((_embed_item(i, x) for i, x in enumerate(inputs)),
-                         self.images_per_batch)
+        groups = _groups((_embed_item(i, x) for i, x in enumerate(inputs)), self.embed_batch)
         with closing(prepared_embed_groups(groups, embedder.image_plan, self.max_pixels,
                                            self.preprocess_threads)) as prepared:
             for peg in prepared:

@@ -26,6 +26,7 @@ from jobs.runner import run
 from jobs.sinks import format_of, open_text
 from pipeline.config import DEFAULT_EMBED_MODEL, ConfigError, EmbedConfig, EngineConfig, ModelConfig
 from pipeline.embed import embedding_checkpoint
+from pipeline.embed_drive import EMBED_GROUP
 from pipeline.evaluate import evaluate
 from pipeline.hooks import NO_HOOKS, FaultHooks
 from pipeline.loading import load_model, vision_model
@@ -86,17 +87,20 @@ def run_config(a: argparse.Namespace, out: Path | None) -> RunConfig:
     model, engine = model_configs(a)
     task = getattr(a, "task", "answer")
     embed = EmbedConfig()
+    per_batch = a.images_per_batch
     if task == "embed":
         embed = embed_config(a)
         if a.model is None:  # the built-in embedding model, not the chat one
             model = dataclasses.replace(model, path=DEFAULT_EMBED_MODEL)
+        if "images_per_batch" not in a.given:
+            per_batch = EMBED_GROUP  # one prompt per input: larger groups
     else:
         typed = ["--" + k.replace("_", "-") for k in EMBED_OPTIONS if k in a.given]
         if typed:
             raise ConfigError(f"{', '.join(typed)}: embedding options; add --task embed")
         refuse_embedding_model(model.path)
     return RunConfig(manifest=a.manifest, images=a.images, policy=a.policy, out=out,
-                     images_per_batch=a.images_per_batch, threads=a.threads,
+                     images_per_batch=per_batch, threads=a.threads,
                      preprocess_threads=a.preprocess_threads, max_pixels=a.max_pixels,
                      progress=not a.no_progress, model=model, engine=engine,
                      executor=executor_config(a), task=task, embed=embed)

@@ -45,7 +45,7 @@ from pipeline.config import (
     preprocess_threads_for,
 )
 from pipeline.embed import Embedder, build_embedder
-from pipeline.embed_drive import embed_group, prepared_embed_groups
+from pipeline.embed_drive import EMBED_GROUP, embed_group, prepared_embed_groups
 from pipeline.embed_eval import evaluate_retrieval
 from pipeline.pooling import maxsim
 from pipeline.records import Embedding, EmbedItem
@@ -111,6 +111,7 @@ def add_embed_parser(sub: argparse._SubParsersAction,
                    help="images with more pixels are that input's error (default %(default)s)")
     embed_option_args(e)
     model_args(e)
+    e.set_defaults(images_per_batch=EMBED_GROUP)  # inputs per embedder call
 
 
 def inputs_of(a: argparse.Namespace) -> list[EmbedItem]:
