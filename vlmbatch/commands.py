@@ -17,8 +17,7 @@ import torch
 
 from common.atomic import replaced_on_success
 from jobs.config import ExecutorConfig, RayOptions, RunConfig
-from jobs.embed_sinks import NpySink, ParquetSink, embed_format_of
-from jobs.export import export_embeddings, export_parquet, export_text, recorded_items
+from jobs.export import export_parquet, export_text
 from jobs.folder import job_task
 from jobs.job import cancel, is_job, run_job, status, submit
 from jobs.manifest import read_manifest, read_policy
@@ -32,7 +31,7 @@ from pipeline.hooks import NO_HOOKS, FaultHooks
 from pipeline.loading import load_model, vision_model
 from pipeline.quantize import quantize_model
 from vit_trt.export import export_onnx
-from vlmbatch.embed_cli import JsonlSink, embed_config, run_embed
+from vlmbatch.embed_cli import embed_config, embed_results, run_embed
 
 EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT, EXIT_ITEM_ERRORS = 0, 1, 2, 3
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # 128 + SIGINT, 128 + SIGTERM
@@ -208,7 +207,7 @@ def _export_text(job: Path, out: Path | None, fmt: str) -> int:
 def cmd_results(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
     fmt = a.format or format_of(a.out)
     if job_task(a.job) == "embed":
-        return _embed_results(a)
+        return embed_results(a)
     if fmt == "npy":
         raise ConfigError("--format npy: a yes/no job's results are lines (JSONL, CSV, "
                           "Parquet); .npy holds an embedding job's vectors")
@@ -221,27 +220,6 @@ def cmd_results(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
             n = (export_parquet(a.job, part) if fmt == "parquet"
                  else _export_text(a.job, part, fmt))
     print(f"vlmbatch: {n} result lines", file=sys.stderr)
-    return EXIT_OK
-
-
-def _embed_results(a: argparse.Namespace) -> int:
-    """An embedding job's vectors: JSONL (standard output without -o), Parquet or .npy."""
-    fmt = a.format or ("csv" if format_of(a.out) == "csv" else embed_format_of(a.out))
-    if fmt == "csv":
-        raise ConfigError("an embedding job's results are vectors: JSONL, Parquet or .npy")
-    if fmt != "jsonl" and a.out is None:
-        raise ConfigError(f"--format {fmt} needs --out FILE.{fmt}")
-    if a.out is None:
-        n = export_embeddings(a.job, JsonlSink(sys.stdout))
-    else:
-        with replaced_on_success(a.out) as part:
-            if fmt == "jsonl":
-                with open(part, "w", encoding="utf-8") as f:
-                    n = export_embeddings(a.job, JsonlSink(f))
-            else:
-                n = export_embeddings(a.job, ParquetSink(part) if fmt == "parquet"
-                                      else NpySink(part, recorded_items(a.job)))
-    print(f"vlmbatch: {n} embeddings", file=sys.stderr)
     return EXIT_OK
 
 

@@ -34,6 +34,8 @@ from jobs.embed_input import (
     text_items,
 )
 from jobs.embed_sinks import EmbeddingSink, JsonlSink, NpySink, ParquetSink, embed_format_of
+from jobs.export import export_embeddings, recorded_items
+from jobs.sinks import format_of
 from models.embedding import POOLINGS
 from pipeline.build import build_engine
 from pipeline.config import (
@@ -106,7 +108,6 @@ def add_embed_parser(sub: argparse._SubParsersAction,
                    help="text->image precision@10 and image->image top-1 on easy-vqa's test "
                    "images")
     e.add_argument("--limit", type=int, default=None, help="--eval: first N labelled images")
-    e.add_argument("--no-progress", action="store_true", help=argparse.SUPPRESS)
     e.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS,
                    help="images with more pixels are that input's error (default %(default)s)")
     embed_option_args(e)
@@ -167,6 +168,27 @@ def run_embed(a: argparse.Namespace, model: ModelConfig, engine: EngineConfig) -
         print(f"vlmbatch: {failed} of {len(items)} inputs could not be embedded (their "
               "lines carry error)", file=sys.stderr)
     return 3 if failed else 0
+
+
+def embed_results(a: argparse.Namespace) -> int:
+    """An embedding job's vectors: JSONL (standard output without -o), Parquet or .npy."""
+    fmt = a.format or ("csv" if format_of(a.out) == "csv" else embed_format_of(a.out))
+    if fmt == "csv":
+        raise ConfigError("an embedding job's results are vectors: JSONL, Parquet or .npy")
+    if fmt != "jsonl" and a.out is None:
+        raise ConfigError(f"--format {fmt} needs --out FILE.{fmt}")
+    if a.out is None:
+        n = export_embeddings(a.job, JsonlSink(sys.stdout))
+    else:
+        with replaced_on_success(a.out) as part:
+            if fmt == "jsonl":
+                with open(part, "w", encoding="utf-8") as f:
+                    n = export_embeddings(a.job, JsonlSink(f))
+            else:
+                n = export_embeddings(a.job, ParquetSink(part) if fmt == "parquet"
+                                      else NpySink(part, recorded_items(a.job)))
+    print(f"vlmbatch: {n} embeddings", file=sys.stderr)
+    return 0
 
 
 def _write(batches: Iterator[list[Embedding]], a: argparse.Namespace, n: int) -> int:
