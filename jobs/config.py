@@ -14,10 +14,12 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pipeline.config import ConfigError, EngineConfig, ModelConfig, check_threads
+from pipeline.config import ConfigError, EmbedConfig, EngineConfig, ModelConfig, check_threads
 from preprocessing.decode import DEFAULT_MAX_PIXELS
 
 EXECUTORS = ("local", "ray")
+# what a run does with its items: answer their questions (yes/no), or embed them
+TASKS = ("answer", "embed")
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class ExecutorConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    VERSION: ClassVar[int] = 2  # of the serialised form (job.json)
+    VERSION: ClassVar[int] = 3  # of the serialised form (job.json; 3: task and embed)
 
     manifest: Path | None = None
     images: Path | None = None  # a folder of images, asked the policy's questions
@@ -64,11 +66,18 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    task: str = "answer"  # one of TASKS
+    embed: EmbedConfig = field(default_factory=EmbedConfig)  # task "embed": how
 
     def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ConfigError(f"task {self.task!r} not one of {TASKS}")
         if (self.manifest is None) == (self.images is None):
-            raise ConfigError("give exactly one input: a manifest, or --images DIR with --policy")
-        if self.images is not None and self.policy is None:
+            raise ConfigError("give exactly one input: a manifest, or --images DIR" +
+                              (" with --policy" if self.task == "answer" else ""))
+        if self.task == "embed" and self.policy is not None:
+            raise ConfigError("--policy asks questions: it does not apply to --task embed")
+        if self.task == "answer" and self.images is not None and self.policy is None:
             raise ConfigError("--images DIR needs --policy FILE to say which questions to ask")
         if self.max_pixels < 1:
             raise ConfigError(f"max_pixels must be >= 1, got {self.max_pixels}")

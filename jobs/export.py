@@ -1,7 +1,8 @@
 """A job's results out of its store: JSONL (ours or OpenAI batch output lines), CSV or Parquet.
 
 All stream the store in manifest order, so memory stays bounded whatever the job's size. The
-columns are ``Answer.COLUMNS`` (``pipeline/records.py``), for every format.
+columns are ``Answer.COLUMNS`` (``pipeline/records.py``), for every format. An embedding job's
+results go to an ``EmbeddingSink`` instead (``jobs/embed_sinks.py``: JSONL, Parquet, .npy).
 """
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import IO
 
+from jobs.embed_sinks import EmbeddingSink
 from jobs.folder import STORE_FILE, job_format, require_job
 from jobs.sinks import line_writer
 from jobs.store import JobStore
-from pipeline.records import Answer
+from pipeline.records import Answer, Embedding
 
 
 def export_text(job: Path, out: IO[str], fmt: str = "jsonl") -> int:
@@ -60,3 +62,34 @@ def export_parquet(job: Path, path: Path, rows_per_group: int = 65536) -> int:
     finally:
         store.close()
     return n
+
+
+def recorded_items(job: Path) -> int:
+    """How many items of the job have a recorded result (what an export holds)."""
+    require_job(job)
+    store = JobStore(Path(job) / STORE_FILE)
+    try:
+        c = store.counts()
+        return c.done + c.failed
+    finally:
+        store.close()
+
+
+def export_embeddings(job: Path, sink: EmbeddingSink, batch: int = 1024) -> int:
+    """Every recorded embedding of an embedding job to ``sink``, in manifest order (closed
+    at the end); returns how many."""
+    require_job(job)
+    store = JobStore(Path(job) / STORE_FILE)
+    n = 0
+    try:
+        rows: list[Embedding] = []
+        for d in store.records():
+            rows.append(Embedding.from_record(d))
+            if len(rows) == batch:
+                sink.write(rows)
+                n, rows = n + len(rows), []
+        sink.write(rows)
+        sink.close()
+        return n + len(rows)
+    finally:
+        store.close()

@@ -41,7 +41,15 @@ def require_job(job: Path) -> None:
 
 
 def write_job_file(job: Path, cfg: RunConfig, fmt: str) -> None:
-    d = {"version": RunConfig.VERSION, "format": fmt, "config": to_json(cfg)}
+    """``job.json``. Version 3 added the task and its embedding settings; a yes/no job is
+    written without them, as version 2, so versions from before embeddings still run it (an
+    embedding job tells them it needs a newer vlmbatch)."""
+    body = to_json(cfg)
+    version = RunConfig.VERSION
+    if cfg.task == "answer":
+        del body["task"], body["embed"]
+        version = 2
+    d = {"version": version, "format": fmt, "config": body}
     (Path(job) / JOB_FILE).write_text(json.dumps(d, indent=2) + "\n")
 
 
@@ -55,6 +63,12 @@ def read_job_file(job: Path) -> dict:
         raise ManifestError(f"{Path(job) / JOB_FILE} lacks the job's model and engine "
                             "settings; the job folder is damaged: submit the job again")
     return d
+
+
+def job_task(job: Path) -> str:
+    """The job's task ("answer" for jobs from before embeddings), read off job.json."""
+    body = read_job_file(job).get("config", {})
+    return str(body.get("task", "answer")) if isinstance(body, dict) else "answer"
 
 
 def job_format(job: Path) -> str:
@@ -103,14 +117,19 @@ class JobStatus:
     eta_s: float | None
     requeued: int = 0  # failed items this run queued again (run_job(retry_failed=True))
     runner: tuple[int, str] | None = None  # (pid, host) running the job, when running
+    task: str = "answer"  # what the job does (jobs.config.TASKS); "embed": questions and
+    # qpm count embeddings
 
     def text(self) -> str:
-        rate = f"{self.qpm:.0f} QPM" if self.qpm else "QPM n/a"
+        per, unit = ("embeddings/min", "embeddings") if self.task == "embed" else (
+            "QPM", "questions")
+        rate = f"{self.qpm:.0f} {per}" if self.qpm else f"{per} n/a"
         eta = (f", ETA {self.eta_s:.0f}s" if self.eta_s is not None and self.pending
                and self.status == "running" else "")
+        what = "items" if self.task == "embed" else "images"
         return (f"{self.status}{who(self.runner)}: {self.done + self.failed}/{self.items} "
-                f"images ({self.failed} failed, {self.pending} pending), {self.questions} "
-                f"questions, {rate}{eta}")
+                f"{what} ({self.failed} failed, {self.pending} pending), {self.questions} "
+                f"{unit}, {rate}{eta}")
 
     def as_json(self) -> dict:
         """``status --json``: these fields, ``runner`` as {"pid", "host"} or null, and
@@ -139,7 +158,8 @@ def status(job: Path) -> JobStatus:
                 eta = c.pending * (end - float(start)) / done_items
         st = state(store)
         runner = (runner_of(Path(job)) or recorded_runner(store)) if st == "running" else None
-        return JobStatus(st, c.total, c.done, c.failed, c.pending, q, qpm, eta, runner=runner)
+        return JobStatus(st, c.total, c.done, c.failed, c.pending, q, qpm, eta, runner=runner,
+                         task=job_task(Path(job)))
     finally:
         store.close()
 

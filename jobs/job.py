@@ -19,7 +19,6 @@ import dataclasses
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -38,21 +37,14 @@ from jobs.folder import (
     write_job_file,
 )
 from jobs.lock import host_id, run_lock
-from jobs.manifest import (
-    first_line,
-    items_from_folder,
-    iter_manifest,
-    manifest_format,
-    read_policy,
-)
+from jobs.manifest import manifest_format
 from jobs.ray_executor import run_job_ray
-from jobs.store import JobStore, by_item
+from jobs.store import JobStore
+from jobs.tasks import task_of
 from pipeline.build import build_engine
 from pipeline.config import ConfigError, preprocess_threads_for
-from pipeline.drive import prepared_groups, score_group
 from pipeline.hooks import NO_HOOKS, FaultHooks
 from pipeline.loading import read_spec
-from pipeline.records import ImageItem
 
 __all__ = ["cancel", "is_job", "run_job", "status", "submit"]
 
@@ -68,21 +60,6 @@ def _absolute(cfg: RunConfig) -> RunConfig:
                                model=dataclasses.replace(cfg.model, path=ab(cfg.model.path)))
 
 
-def _items(cfg: RunConfig) -> tuple[Iterator[tuple[str, ImageItem]],
-                                     Callable[[str], str] | None]:
-    """(where, item) of the run's input, streamed (memory stays bounded for any manifest),
-    and for a manifest where a repeated id was first (only ids are stored)."""
-    policy = read_policy(cfg.policy) if cfg.policy else ()
-    manifest = cfg.manifest
-    if manifest is not None:
-        def first(item_id: str) -> str:
-            return f"line {first_line(manifest, item_id, policy)}"
-
-        return ((f"{manifest}:{ln}", it) for ln, it in iter_manifest(manifest, policy)), first
-    assert cfg.images is not None
-    return ((str(cfg.images), it) for it in items_from_folder(cfg.images, policy)), None
-
-
 def submit(cfg: RunConfig, job: Path) -> int:
     """Create the job folder; returns the number of items. Fails before writing anything if
     the input or the model folder is invalid, or the folder already holds a job. The device
@@ -92,11 +69,13 @@ def submit(cfg: RunConfig, job: Path) -> int:
         raise ManifestError(f"{job} already exists and is not an empty folder; pick a new job "
                             "folder (or `vlmbatch resume` it if it is a job)")
     read_spec(cfg.model.path)  # raises ModelError naming what is wrong
-    items, first = _items(cfg)
+    task = task_of(cfg)  # answer questions, or embed (jobs/tasks.py)
+    task.check(cfg)
+    items, first = task.items(cfg)
     job.mkdir(parents=True, exist_ok=True)
     store = JobStore(job / STORE_FILE)
     try:
-        n = store.add_items(items, first)
+        n = store.add_items(items, first, task.to_json, task.key)
         store.set("status", "submitted")
         store.set("created", str(time.time()))
     except BaseException:
@@ -162,20 +141,23 @@ def _run_local(job: Path, progress: bool, cfg: RunConfig, hooks: FaultHooks) -> 
             return status(job)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        task = task_of(cfg)
         engine = build_engine(cfg.model, cfg.engine)
+        stage2 = task.model(engine, cfg)
         store.begin_run(c, host_id())
         bar = tqdm(total=c.total, initial=c.total - c.pending, unit="img", disable=not progress,
                    file=sys.stderr, desc=f"job {job.name}", dynamic_ncols=True)
         final = "interrupted"  # unless the loop ends normally
         threads = preprocess_threads_for(cfg.preprocess_threads, cfg.model.device)
-        groups = prepared_groups(store.pending(cfg.images_per_batch), engine.image_plan,
-                                 cfg.max_pixels, threads)  # groups prepared ahead stay pending
+        groups = task.prepared(store.pending(cfg.images_per_batch, task.from_json),
+                               engine.image_plan, cfg.max_pixels,
+                               threads)  # groups prepared ahead stay pending
         try:
             for pg in groups:
                 if store.get("cancel") == "1":
                     final = "cancelled"
                     break
-                store.record(by_item(score_group(engine, pg)))
+                store.record(task.by_item(stage2(pg)))
                 bar.update(len(pg.group))
                 hooks.group_done()
             else:

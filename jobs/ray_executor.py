@@ -49,13 +49,13 @@ from jobs.config import RunConfig
 from jobs.folder import STORE_FILE, status
 from jobs.lock import host_id
 from jobs.ray_cluster import init_ray
-from jobs.store import Counts, JobStore, by_item
+from jobs.store import Counts, JobStore
+from jobs.tasks import task_of
 from pipeline.build import build_engine
-from pipeline.config import EngineConfig, ModelConfig
-from pipeline.drive import PreparedGroup, prepare_task, score_group
+from pipeline.drive import prepare_task
 from pipeline.hooks import FaultHooks
 from pipeline.loading import read_spec
-from pipeline.records import Answer, ErrorKind, ImageItem, ItemError
+from pipeline.records import EmbedItem, ErrorKind, ImageItem, ItemError
 from preprocessing.prepare import ImagePlan
 
 
@@ -68,23 +68,24 @@ def require_ray() -> Any:
 
 
 class ModelWorker:
-    """Holds one engine; ``score`` runs stage 2 of a group. Ray makes it an actor."""
+    """Holds one engine; ``score`` runs stage 2 of a group (the job's task: answers or
+    embeddings). Ray makes it an actor."""
 
-    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, threads: int | None,
-                 hooks: FaultHooks) -> None:
+    def __init__(self, cfg: RunConfig, threads: int | None, hooks: FaultHooks) -> None:
         if threads:
             torch.set_num_threads(threads)
-        self.engine = build_engine(model_cfg, engine_cfg)
+        self.engine = build_engine(cfg.model, cfg.engine)
+        self.stage2 = task_of(cfg).model(self.engine, cfg)
         self.hooks = hooks
         self.calls = 0
 
     def image_plan(self) -> ImagePlan:
         return self.engine.image_plan
 
-    def score(self, pg: PreparedGroup) -> list[Answer]:
+    def score(self, pg: Any) -> list:
         self.calls += 1
         self.hooks.score(self.calls)
-        return score_group(self.engine, pg)
+        return self.stage2(pg)
 
 
 def run_job_ray(job: Path, cfg: RunConfig, progress: bool = True,
@@ -112,7 +113,7 @@ def run_job_ray(job: Path, cfg: RunConfig, progress: bool = True,
         gpus = 1 if cfg.model.device.startswith("cuda") else 0
         Actor = ray.remote(num_cpus=opts.model_cpus, num_gpus=gpus, max_restarts=3,
                            max_task_retries=3)(ModelWorker)
-        workers = [Actor.remote(cfg.model, cfg.engine, threads, hooks)
+        workers = [Actor.remote(cfg, threads, hooks)
                    for _ in range(opts.model_workers)]
         plan = ray.get(workers[0].image_plan.remote())
         final = "interrupted"  # unless _drive returns
@@ -165,10 +166,11 @@ class _Scheduler:
         # a module-level function of a light module: a new prepare worker imports
         # pipeline.drive (numpy, OpenCV), not torch and the models, before its deadline runs
         self.prepare = ray.remote(num_cpus=1, max_retries=0, num_returns=2)(prepare_task)
-        self.groups = store.pending(cfg.images_per_batch)
+        self.task = task_of(cfg)
+        self.groups = store.pending(cfg.images_per_batch, self.task.from_json)
         self.preparing: dict = {}  # done ref -> (group, deadline, tiles ref)
-        self.retry: deque[ImageItem] = deque()
-        self.again: deque[list[ImageItem]] = deque()  # groups whose tiles were lost
+        self.retry: deque[ImageItem | EmbedItem] = deque()
+        self.again: deque[list] = deque()  # groups whose tiles were lost
         self.lost: dict[str, int] = {}  # first item id -> times its group's tiles were lost
         self.scoring: deque = deque()  # (ref, group)
         self.next_worker = 0
@@ -201,8 +203,9 @@ class _Scheduler:
                 return
             self._submit_prepare(group)
 
-    def _submit_prepare(self, group: list[ImageItem]) -> None:
-        done, tiles = self.prepare.remote(group, self.plan, self.cfg.max_pixels, self.hooks)
+    def _submit_prepare(self, group: list) -> None:
+        done, tiles = self.prepare.remote(group, self.plan, self.cfg.max_pixels, self.hooks,
+                                          self.task.stage1)
         deadline = time.monotonic() + self.opts.decode_timeout * len(group)
         self.preparing[done] = (group, deadline, tiles)
 
@@ -225,22 +228,23 @@ class _Scheduler:
                 if len(group) > 1:
                     self.retry.extend(group)  # find the culprit: one task per item
                     continue
-                tiles = PreparedGroup(group, [None], {group[0].id: self._failure(group[0], e)})
+                tiles = self.task.failed(group[0], self._failure(group[0], e))
             # an ObjectRef argument reaches the actor as its value, fetched there
             self.scoring.append((self.workers[self.next_worker].score.remote(tiles), group))
             self.next_worker = (self.next_worker + 1) % len(self.workers)
 
-    def _lost_tiles(self, e: BaseException, group: list[ImageItem], most: int = 3) -> bool:
+    def _lost_tiles(self, e: BaseException, group: list, most: int = 3) -> bool:
         """Whether a model call failed because its tiles were lost (the node that prepared
         them died; prepare tasks are not retried, so Ray cannot rebuild them), at most
         ``most`` times for this group: then the group is prepared again."""
         lost = self.ray.exceptions.ObjectLostError
         if not (isinstance(e, lost) or isinstance(getattr(e, "cause", None), lost)):
             return False
-        n = self.lost[group[0].id] = self.lost.get(group[0].id, 0) + 1
+        first = self.task.key(group[0])
+        n = self.lost[first] = self.lost.get(first, 0) + 1
         return n <= most
 
-    def _failure(self, item: ImageItem, e: BaseException) -> ItemError:
+    def _failure(self, item: ImageItem | EmbedItem, e: BaseException) -> ItemError:
         if isinstance(e, TimeoutError):
             return ItemError(ErrorKind.DECODE_TIMEOUT, f"{item.source}: decoding timed out after "
                              f"{self.opts.decode_timeout:g}s (worker killed)")
@@ -259,7 +263,7 @@ class _Scheduler:
                     raise
                 self.again.append(group)  # its items are still pending: prepare them again
                 continue
-            self.store.record(by_item(answers))
+            self.store.record(self.task.by_item(answers))
             self.questions += len(answers)
             self.bar.update(len(group))
             rate = 60 * self.questions / (time.perf_counter() - self.start)

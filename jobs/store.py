@@ -22,10 +22,11 @@ import json
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 from jobs.errors import ManifestError
 from pipeline.records import Answer, ImageItem, Question
@@ -59,6 +60,15 @@ class Counts:
     @property
     def total(self) -> int:
         return self.pending + self.done + self.failed
+
+
+class Recorded(Protocol):
+    """A result the store keeps: an ``Answer`` or an ``Embedding`` (its ``record()`` is one
+    JSON object of an item's ``result`` list; ``error`` is None when it succeeded)."""
+    @property
+    def error(self) -> str | None: ...
+
+    def record(self) -> dict[str, Any]: ...
 
 
 def by_item(answers: list[Answer]) -> dict[str, list[Answer]]:
@@ -137,25 +147,31 @@ class JobStore:
             raise
         self.db.execute("COMMIT")
 
-    def add_items(self, items: Iterable[tuple[str, ImageItem]],
-                  first: Callable[[str], str] | None = None) -> int:
+    def add_items(self, items: Iterable[tuple[str, Any]],
+                  first: Callable[[str], str] | None = None,
+                  to_json: Callable[[Any], str] = item_to_json,
+                  key: Callable[[Any], str] = lambda item: item.id) -> int:
         """Insert (where, item) pairs in one transaction: all or nothing. A repeated id raises
         ManifestError naming ``where`` (e.g. ``manifest.jsonl:12``) and ``first(id)``, where
-        the id came first (e.g. ``line 3``)."""
+        the id came first (e.g. ``line 3``). ``to_json``/``key``: how an item is stored and
+        keyed (an ``ImageItem`` by default; ``jobs/tasks.py`` gives an embedding job's)."""
         n = 0
         with self._transaction("BEGIN"):
             for n, (where, item) in enumerate(items, 1):
+                item_id = key(item)
                 try:
                     self.db.execute("INSERT INTO items (item_id, spec) VALUES (?, ?)",
-                                    (item.id, item_to_json(item)))
+                                    (item_id, to_json(item)))
                 except sqlite3.IntegrityError:
-                    also = f" (first on {first(item.id)})" if first else ""
-                    raise ManifestError(f"{where}: id {item.id!r} appears twice{also}") from None
+                    also = f" (first on {first(item_id)})" if first else ""
+                    raise ManifestError(f"{where}: id {item_id!r} appears twice{also}") from None
         return n
 
-    def pending(self, batch: int) -> Iterator[list[ImageItem]]:
+    def pending(self, batch: int, from_json: Callable[[str], Any] = item_from_json
+                ) -> Iterator[list[Any]]:
         """Pending items in manifest order, ``batch`` at a time (re-queried each time, so
-        items recorded meanwhile are never handed out again)."""
+        items recorded meanwhile are never handed out again); ``from_json`` reads a stored
+        item (an ``ImageItem`` by default)."""
         last = 0
         while True:
             rows = self.db.execute(
@@ -164,11 +180,12 @@ class JobStore:
             if not rows:
                 return
             last = rows[-1][0]
-            yield [item_from_json(spec) for _, spec in rows]
+            yield [from_json(spec) for _, spec in rows]
 
-    def record(self, results: dict[str, list[Answer]]) -> int:
-        """Store each item's answers and mark it done/failed, in one transaction. Returns
-        how many items were recorded (items no longer pending are skipped)."""
+    def record(self, results: Mapping[str, Sequence[Recorded]]) -> int:
+        """Store each item's answers (or embedding) and mark it done/failed, in one
+        transaction. Returns how many items were recorded (items no longer pending are
+        skipped)."""
         now = time.time()
         n = 0
         with self._transaction():
@@ -208,10 +225,13 @@ class JobStore:
 
     def answers(self) -> Iterator[Answer]:
         """Every recorded answer, in manifest then question order."""
+        return (Answer.from_record(d) for d in self.records())
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        """Every recorded result object (what ``record()`` stored), in manifest order."""
         for (text,) in self.db.execute(
                 "SELECT result FROM items WHERE state != 'pending' ORDER BY idx"):
-            for d in json.loads(text):
-                yield Answer.from_record(d)
+            yield from json.loads(text)
 
     def get(self, key: str, default: str | None = None) -> str | None:
         row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()

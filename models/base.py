@@ -38,9 +38,11 @@ class Prompt:
     """Token ids of one (image, question) prompt.
 
     Invariant: ``ids[image_start : image_start + image_len]`` are all the image token id, and
-    the image's embeddings fill exactly that span; ``prefix_len`` tokens (through the image's
-    end marker) are shared by every question about the same image, so the prefix cache may
-    reuse them."""
+    the image's embeddings fill exactly that span, with the image's start and end markers
+    (``<img>``/``</img>``, ``<|vision_start|>``/``<|vision_end|>``) at ``image_start - 1``
+    and ``image_start + image_len``; ``prefix_len`` tokens (through the end marker) are shared
+    by every question about the same image, so the prefix cache may reuse them. A text-only
+    prompt (embeddings) has ``image_len == 0``."""
     ids: tuple[int, ...]
     image_start: int
     image_len: int
@@ -51,7 +53,13 @@ class Prompt:
 
 
 class PromptBuilder(Protocol):
-    def build(self, question: str, image: PreparedImage) -> Prompt: ...
+    def build(self, question: str, image: PreparedImage) -> Prompt:
+        """A yes/no question about an image, ending where the answer starts."""
+
+    def embed(self, text: str, image: PreparedImage | None) -> Prompt:
+        """An embedding input: with an image, the family's user turn holding the image then
+        ``text`` (no assistant turn), its first ``prefix_len`` ids equal to ``build``'s for the
+        same image; without, ``text``'s own tokens as given. ValueError for an empty one."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,12 @@ class LoadedModel:
 
 class ModelFamily(ABC):
     """One family of checkpoints (InternVL, Qwen-VL, ...); registered by ``model_type``."""
+
+    # embeddings (models/embedding.py): the pooling where a checkpoint declares none (one of
+    # POOLINGS; jina-embeddings-v4's rule), and the text after the image of an image-only
+    # input (jina's image prompt)
+    default_pooling = "image-mean"
+    image_prompt = "Describe the image."
 
     @abstractmethod
     def read_spec(self, path: Path, config: dict) -> ModelSpec:

@@ -6,9 +6,11 @@ the HF decoder's (``language_model.`` prefixed, the normalised form every family
 
 The engine feeds ``inputs_embeds`` (text embeddings with image embeddings written into the
 ``<IMG_CONTEXT>`` span) for a right-padded batch and reads the hidden state of each sequence's
-last real token. Weights and maths follow transformers' ``Qwen2Model`` (RMSNorm, rotary
-position embedding with ``rotate_half``, grouped-query attention, SwiGLU MLP, q/k/v bias);
-``tests/pipeline/test_reference.py`` checks logits against the transformers model.
+last real token (``prefill``: the yes/no path, the final norm and LM head on that row only),
+or every position's last hidden state (``prefill_hidden``: embeddings). Weights and maths
+follow transformers' ``Qwen2Model`` (RMSNorm, rotary position embedding with ``rotate_half``,
+grouped-query attention, SwiGLU MLP, q/k/v bias); ``tests/models/test_internvl_reference.py``
+checks logits, ``tests/pipeline/test_embed_reference.py`` hidden states, against transformers.
 
 Shapes: B sequences, T padded length, D hidden, H query heads, K key/value heads, d head dim.
 """
@@ -120,6 +122,27 @@ class Qwen2LM(nn.Module):
         tokens only, so no attention row is fully masked.
         Returns (logits [B, V] float32, per layer (k, v) [B, K, T, d] of the new tokens).
         """
+        x, new_kv = self._prefill_states(embeds, lengths, past, past_lengths)
+        last = x[torch.arange(x.shape[0], device=x.device), lengths - 1]  # [B, D]
+        return self.lm_head(self.norm(last)).float(), new_kv
+
+    def prefill_hidden(self, embeds: torch.Tensor, lengths: torch.Tensor,
+                       past: list[KV] | None = None, past_lengths: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, list[KV]]:
+        """As ``prefill``, but the last hidden states of every new position (after the final
+        norm: transformers' ``hidden_states[-1]``), for embeddings; no LM head.
+
+        Returns (hidden [B, T, D] in the model's dtype, row b's first lengths[b] real; per
+        layer (k, v) [B, K, T, d] of the new tokens). Causal like ``prefill``: position t
+        sees the cached prefix and new positions <= t of its own row only."""
+        x, new_kv = self._prefill_states(embeds, lengths, past, past_lengths)
+        return self.norm(x), new_kv
+
+    def _prefill_states(self, embeds: torch.Tensor, lengths: torch.Tensor,
+                        past: list[KV] | None, past_lengths: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, list[KV]]:
+        """The decoder stack over new tokens (``prefill``'s masks and positions): the last
+        layer's output [B, T, D] before the final norm, and the new tokens' KV."""
         b, t, _ = embeds.shape
         device = embeds.device
         pos = torch.arange(t, device=device)
@@ -132,9 +155,7 @@ class Qwen2LM(nn.Module):
             p = past[0][0].shape[2]
             seen = torch.arange(p, device=device)[None, :] < offset[:, None]  # [B, P]
             mask = torch.cat([seen[:, None, :].expand(b, t, p), mask], dim=2)  # [B, T, P+T]
-        x, new_kv = self._layers(embeds, positions, mask, past)
-        last = x[torch.arange(b, device=device), lengths - 1]  # [B, D]
-        return self.lm_head(self.norm(last)).float(), new_kv
+        return self._layers(embeds, positions, mask, past)
 
     def decode_step(self, embeds: torch.Tensor, positions: torch.Tensor, kv: list[KV],
                     key_valid: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:

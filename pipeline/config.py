@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from models.embedding import POOLINGS
 from preprocessing.prepare import TILING_MODES
 from vit_trt import RUNNERS
 
@@ -25,6 +26,9 @@ class ConfigError(ValueError):
 
 
 DEFAULT_MODEL = Path(__file__).resolve().parent / "default_model"
+# the built-in embedding model: the built-in model after a contrastive stage
+# (scripts/train_embed_model.py); what `vlmbatch embed` uses unless --model says otherwise
+DEFAULT_EMBED_MODEL = Path(__file__).resolve().parent / "default_embed_model"
 LLM_QUANT = ("none", "int8-dynamic")
 QUANT = ("none", "fp8")  # W8A8 of the decoder's and the vision encoder's linears
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -128,6 +132,32 @@ class EngineConfig:
             raise ConfigError(f"cache_bytes must be >= 0, got {self.cache_bytes}")
         if not self.yes_words or not self.no_words:
             raise ConfigError("yes_words and no_words must not be empty")
+
+
+@dataclass(frozen=True)
+class EmbedConfig:
+    """How inputs become vectors (``pipeline/embed.py``); checked against the checkpoint's
+    declarations (``models/embedding.py``) when an embedder is built."""
+    pooling: str | None = None  # one of POOLINGS; None: the checkpoint's, else its family's
+    dimensions: int | None = None  # Matryoshka: keep the first N components, re-normalise
+    force_dimensions: bool = False  # truncate where the checkpoint declares no such size
+    multi_vector: bool = False  # one unit vector per token (after the checkpoint's projection)
+    prompt: str | None = None  # text after an image-only input's image; None: the family's
+    query_prefix: str = ""  # put before a text-only input's text, as given
+    document_prefix: str = ""  # put before the text of an input with an image, as given
+
+    def __post_init__(self) -> None:
+        if self.pooling is not None and self.pooling not in POOLINGS:
+            raise ConfigError(f"pooling {self.pooling!r} not one of {POOLINGS}")
+        if self.dimensions is not None and self.dimensions < 1:
+            raise ConfigError(f"dimensions must be >= 1, got {self.dimensions}")
+        if self.force_dimensions and self.dimensions is None:
+            raise ConfigError("--force-dimensions needs --dimensions N")
+        if self.multi_vector and (self.dimensions is not None or self.pooling is not None):
+            raise ConfigError("--multi-vector gives one vector per token: --pooling and "
+                              "--dimensions apply to pooled (single-vector) embeddings")
+        if self.prompt is not None and not self.prompt.strip():
+            raise ConfigError("--prompt must not be empty")
 
 
 def check_threads(threads: int | None, preprocess_threads: int | None) -> None:

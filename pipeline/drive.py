@@ -80,16 +80,19 @@ def prepare_group(group: list[ImageItem], plan: ImagePlan,
     return _collect(group, [_prepare_or_error(it, plan, max_pixels) for it in group])
 
 
-def prepare_task(group: list[ImageItem], plan: ImagePlan, max_pixels: int,
-                 hooks: FaultHooks) -> tuple[int, PreparedGroup]:
+def prepare_task(group: list, plan: ImagePlan, max_pixels: int, hooks: FaultHooks,
+                 stage1: Callable[[list, ImagePlan, int], object] | None = None
+                 ) -> tuple[int, object]:
     """A Ray prepare task (``jobs/ray_executor.py``) with two return objects
     (``num_returns=2``): a small one the driver fetches to learn that the task succeeded, and
     the tiles, which go from the object store straight to a model actor without passing
-    through the driver. Here, in a module whose imports are light, because a fresh worker
-    imports it before the task's deadline starts to count its work."""
+    through the driver. ``stage1``: the job's stage 1 (a module-level function, pickled by
+    reference; default ``prepare_group``). Here, in a module whose imports are light,
+    because a fresh worker imports it before the task's deadline starts to count its work
+    (an embedding job's stage 1 imports more: ``pipeline/embed_drive.py``)."""
     for it in group:
         hooks.prepare(it)
-    return len(group), prepare_group(group, plan, max_pixels)
+    return len(group), (stage1 or prepare_group)(group, plan, max_pixels)
 
 
 def prepared_groups(groups: Iterable[list[ImageItem]], plan: ImagePlan, max_pixels: int,

@@ -90,6 +90,30 @@ class ModelRunner:
     def prefill(self, batch: list[Plan], images: list[ImageEmbeds | None], limits: list[int]
                  ) -> tuple[torch.Tensor, list[str | None]]:
         """One forward over ``batch``: ([B, 2] (p_yes, margin) on the device, texts)."""
+        x, lengths = self._inputs(batch, images)
+        past, past_lengths = self._gather_past(batch)
+        logits, new_kv = self.model.llm.prefill(x, lengths, past, past_lengths)  # [B, V]
+        if self.cache is not None:
+            self._insert(batch, new_kv)
+        p_yes, margin = yes_no(logits, self.answers)
+        texts = self._texts(limits, logits, past, past_lengths, new_kv, lengths)
+        return torch.stack([p_yes, margin], 1), texts
+
+    def hidden(self, batch: list[Plan], images: list[ImageEmbeds | None]) -> torch.Tensor:
+        """One forward over ``batch`` for embeddings: the last hidden states ``[B, T, D]`` of
+        the new tokens (row j's first ``new_len`` real; new position t is prompt position
+        ``past_len + t``), the new prefix blocks cached as ``prefill`` caches them."""
+        x, lengths = self._inputs(batch, images)
+        past, past_lengths = self._gather_past(batch)
+        hidden, new_kv = self.model.llm.prefill_hidden(x, lengths, past, past_lengths)
+        if self.cache is not None:
+            self._insert(batch, new_kv)
+        return hidden
+
+    def _inputs(self, batch: list[Plan], images: list[ImageEmbeds | None]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new tokens' input embeddings ``[B, T, D]`` (right-padded; image embeddings in
+        the uncached part of each image span) and their lengths ``[B]``; counted in stats."""
         t = max(p.new_len for p in batch)
         ids = self.to_device([list(p.prompt.ids[p.past_len:]) + [0] * (t - p.new_len)
                                for p in batch])  # [B, T], right-padded
@@ -103,13 +127,7 @@ class ModelRunner:
                 x[j, lo - p.past_len: hi - p.past_len] = im.embeds[lo - p.span.start:].to(x.dtype)
                 self.stats.image_tokens_prefilled += hi - lo
         self.stats.prefill_tokens += sum(p.new_len for p in batch)
-        past, past_lengths = self._gather_past(batch)
-        logits, new_kv = self.model.llm.prefill(x, lengths, past, past_lengths)  # [B, V]
-        if self.cache is not None:
-            self._insert(batch, new_kv)
-        p_yes, margin = yes_no(logits, self.answers)
-        texts = self._texts(limits, logits, past, past_lengths, new_kv, lengths)
-        return torch.stack([p_yes, margin], 1), texts
+        return x, lengths
 
     def _texts(self, limits: list[int], logits: torch.Tensor, past: list[KV] | None,
                past_lengths: torch.Tensor | None, new_kv: list[KV], lengths: torch.Tensor

@@ -76,9 +76,12 @@ class Planner:
         return [p for p in phases if p]
 
     def plan(self, req: int, prompt: Prompt, image: PreparedImage,
-             prefixes: dict[str, list[BlockId]]) -> Plan:
+             prefixes: dict[str, list[BlockId]], reuse_limit: int | None = None) -> Plan:
         """Find the cached part of the prompt's shared prefix (up to and with the image's end
-        marker); ``prefixes`` memoises the block ids per image for the call.
+        marker); ``prefixes`` memoises the block ids per image for the call. ``reuse_limit``:
+        only blocks ending at or before that position may come from the cache (an embedding
+        needs the hidden states, not just the KV, from there on); the rest are computed and
+        cached anew.
 
         Only the shared prefix is cached: the blocks after it hold the question, which the
         next request about the same image does not share. The prefix's last block may be
@@ -94,7 +97,8 @@ class Planner:
                                limit=prompt.prefix_len, tail=True)
             prefixes[image.cache_key] = blocks
         plan.chain = [b.key for b in blocks]
-        plan.slots = self.cache.lookup_slots(blocks)
+        usable = blocks if reuse_limit is None else _ending_by(blocks, reuse_limit)
+        plan.slots = self.cache.lookup_slots(usable)
         plan.past_len = sum(len(b.ids) for b in blocks[: len(plan.slots)])
         plan.blocks = [(k * self.cache.block_size, b)
                        for k, b in enumerate(blocks) if k >= len(plan.slots)]
@@ -124,3 +128,14 @@ class Planner:
             if p.slots:
                 self.cache.unpin(p.chain[: len(p.slots)])
                 p.slots = []
+
+
+def _ending_by(blocks: list[BlockId], limit: int) -> list[BlockId]:
+    """The leading blocks that end at or before token position ``limit``."""
+    out, end = [], 0
+    for b in blocks:
+        end += len(b.ids)
+        if end > limit:
+            break
+        out.append(b)
+    return out

@@ -7,10 +7,16 @@
 columns, the OpenAI batch output and the Python API's results are all derived from it, in
 ``Answer.line`` / ``Answer.COLUMNS``. A failed answer carries its ``ErrorKind`` as well as
 the message, so nothing downstream matches message text.
+
+Embeddings (``pipeline/embed.py``)::
+
+    EmbedItem (image, text or both) --prepare--> PreparedImage (if any)
+        --EmbedRequest--> Embedder --Vector--> Embedding (one per item)
 """
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -140,3 +146,103 @@ class Answer:
         error_kind = ErrorKind(kind) if kind else (ErrorKind.UNKNOWN if d.get("error") else None)
         return cls(d["id"], d["question_id"], d["question"], d["answer"], d["p_yes"],
                    d["margin"], d["image_tokens"], d.get("text"), d.get("error"), error_kind)
+
+
+@dataclass(frozen=True)
+class EmbedItem:
+    """One embedding input: an image, a text, or both in one prompt. ``index``: its position
+    in the input (what result lines carry); ``id``: a manifest's id, None for bare texts."""
+    index: int
+    id: str | None
+    image: ImageSource | None
+    text: str | None
+    base_dir: Path  # relative image paths resolve against this
+
+    def __post_init__(self) -> None:
+        if self.image is None and not self.text:
+            raise ValueError(f"embedding input {self.index}: give an image, a text or both")
+
+    @property
+    def source(self) -> str:
+        """How messages name the input's image: its path or URL, else ``image INDEX``."""
+        return self.image if isinstance(self.image, str) else f"image {self.id or self.index}"
+
+    @property
+    def key(self) -> str:
+        """Its id, else its index: unique within a run (what a job store keys it by)."""
+        return self.id if self.id is not None else str(self.index)
+
+
+@dataclass(frozen=True)
+class EmbedRequest:
+    image: int | None  # index into the images passed to ``Embedder.embed``; None: text only
+    text: str | None  # None: the image alone (the family's image prompt follows it)
+
+
+@dataclass(frozen=True, eq=False)
+class Vector:
+    """What the embedder returns per request: unit float32 ``values`` ``[D]`` (pooled) or
+    ``[T, D]`` (multi-vector, one unit row per token), and the prompt's token count (special
+    tokens included: what an OpenAI ``usage`` counts)."""
+    values: np.ndarray
+    tokens: int
+
+
+@dataclass(frozen=True, eq=False)
+class Embedding:
+    """One embedding result (an item's vector, or why it has none): what every output of
+    ``vlmbatch embed`` and an embedding job is derived from."""
+    index: int
+    id: str | None
+    tokens: int | None
+    vector: np.ndarray | None  # float32 [D] or [T, D]; None: error
+    error: str | None = None
+    error_kind: ErrorKind | None = None
+
+    @classmethod
+    def of(cls, item: EmbedItem, v: Vector) -> Embedding:
+        return cls(item.index, item.id, v.tokens, v.values)
+
+    @classmethod
+    def failed(cls, item: EmbedItem, err: ItemError) -> Embedding:
+        return cls(item.index, item.id, None, None, err.message, err.kind)
+
+    def line(self) -> dict[str, Any]:
+        """``{"index", "id" (when given), "tokens", "embedding"}``, then ``"error"`` when
+        failed; floats in float32's shortest form (they read back bit for bit)."""
+        d: dict[str, Any] = {"index": self.index}
+        if self.id is not None:
+            d["id"] = self.id
+        d["tokens"] = self.tokens
+        d["embedding"] = None if self.vector is None else _floats(self.vector)
+        if self.error is not None:
+            d["error"] = self.error
+        return d
+
+    def record(self) -> dict[str, Any]:
+        """What a job store keeps: the vector as base64 little-endian float32 with its shape
+        (a quarter of JSON floats' size), ``error`` (null when embedded) and its kind."""
+        v = self.vector
+        return {"index": self.index, "id": self.id, "tokens": self.tokens,
+                "shape": None if v is None else list(v.shape),
+                "vector": None if v is None else base64.b64encode(
+                    v.astype("<f4").tobytes()).decode(),
+                "error": self.error,
+                "error_kind": None if self.error_kind is None else self.error_kind.value}
+
+    @classmethod
+    def from_record(cls, d: dict[str, Any]) -> Embedding:
+        """Inverse of ``record``."""
+        v = None if d["vector"] is None else np.frombuffer(
+            base64.b64decode(d["vector"]), "<f4").astype(np.float32).reshape(d["shape"])
+        kind = d.get("error_kind")
+        return cls(d["index"], d["id"], d["tokens"], v, d.get("error"),
+                   ErrorKind(kind) if kind else None)
+
+
+def _floats(v: np.ndarray) -> list:
+    """float32 values as Python floats printed in float32's shortest decimal form (nested
+    lists for a multi-vector)."""
+    if v.ndim > 1:
+        return [_floats(row) for row in v]
+    return [float(str(x)) for x in v.astype(np.float32)]

@@ -9,6 +9,12 @@
         print(a.image_id, a.question_id, a.answer, a.p_yes)
     vlm.ask_many(items)    # (image, questions) pairs or ImageItems: a stream of Answers
 
+    emb = vlmbatch.VLM(vlmbatch.EMBED_MODEL)  # the built-in embedding model
+    vecs = emb.embed(texts=["a red circle"], images=["a.jpg"])  # [2, D] float32, unit rows
+    for e in emb.embed_many([("a.jpg", "a caption"), "a text", ("b.png", None)]):
+        e.vector, e.tokens, e.error                  # one Embedding per input
+    vlmbatch.maxsim(q_vectors, d_vectors)            # multi-vector late-interaction scores
+
 Images are paths (relative to the current folder), ``file://`` or ``data:`` URLs, encoded
 bytes, PIL images or uint8 RGB arrays ``[H, W, 3]`` (gray ``[H, W]`` and RGBA ``[H, W, 4]``
 are converted as Pillow's ``convert("RGB")`` would). Questions are strings or objects as in
@@ -28,7 +34,7 @@ import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import closing
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -37,14 +43,26 @@ from PIL import Image, ImageOps
 from jobs.config import RunConfig
 from jobs.manifest import parse_question
 from pipeline.build import build_engine
-from pipeline.config import EngineConfig, ModelConfig, default_of, preprocess_threads_for
+from pipeline.config import (
+    EmbedConfig,
+    EngineConfig,
+    ModelConfig,
+    default_of,
+    preprocess_threads_for,
+)
 from pipeline.drive import prepared_groups, score_group
-from pipeline.records import Answer, ImageItem, Question
+from pipeline.embed import Embedder, build_embedder
+from pipeline.embed_drive import EMBED_GROUP, embed_group, prepared_embed_groups
+from pipeline.records import Answer, Embedding, EmbedItem, ImageItem, Question
 
+T = TypeVar("T")
 ImageLike = str | Path | bytes | np.ndarray | Image.Image
 QuestionLike = str | dict | Question
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)} - {"path", "device", "dtype"}
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+# an embedding input: a text (str), an image (not a str), (image, text) in one prompt
+EmbedLike = str | Path | bytes | np.ndarray | Image.Image | tuple[ImageLike | None,
+                                                                 str | None] | EmbedItem
 
 
 class VLM:
@@ -66,11 +84,13 @@ class VLM:
         self.engine_config = EngineConfig(**{k: v for k, v in options.items()
                                              if k in _ENGINE_FIELDS})
         self.images_per_batch = images_per_batch or default_of(RunConfig, "images_per_batch")
+        self.embed_batch = images_per_batch or EMBED_GROUP  # inputs per embedder call
         self.max_pixels = max_pixels or default_of(RunConfig, "max_pixels")
         self.preprocess_threads = preprocess_threads_for(preprocess_threads, device)
         if threads:
             torch.set_num_threads(threads)
         self.engine = build_engine(self.model_config, self.engine_config)
+        self._embedders: dict[EmbedConfig, Embedder] = {}
 
     def ask(self, images: ImageLike | Sequence[ImageLike],
             questions: Sequence[QuestionLike]) -> Iterator[Answer]:
@@ -90,6 +110,51 @@ class VLM:
                                      self.preprocess_threads)) as prepared:
             for pg in prepared:
                 yield from score_group(self.engine, pg)
+
+
+    def embed(self, texts: Sequence[str] = (), images: Sequence[ImageLike] = (),
+              **options: Any) -> np.ndarray:
+        """Unit vectors ``[len(texts) + len(images), D]`` float32: the texts' rows first,
+        then the images' (each image alone, with the family's image prompt). ``options``:
+        ``EmbedConfig`` fields (``pooling``, ``dimensions``, ``force_dimensions``,
+        ``prompt``, ``query_prefix``, ``document_prefix``). Raises ValueError naming the
+        input if one cannot be embedded (an unreadable image): use ``embed_many`` to get
+        per-input errors instead. For one vector per token: ``embed_many(...,
+        multi_vector=True)``."""
+        if isinstance(texts, str) or isinstance(images, (str, Path, bytes, np.ndarray,
+                                                         Image.Image)):
+            raise TypeError("embed takes sequences: texts=[...], images=[...]")
+        if options.get("multi_vector"):
+            raise ValueError("embed returns one vector per input; use embed_many for "
+                             "multi-vector embeddings")
+        inputs: list[EmbedLike] = [*texts, *((im, None) for im in images)]
+        out = list(self.embed_many(inputs, **options))
+        bad = [e for e in out if e.vector is None]
+        if bad:
+            raise ValueError(f"input {bad[0].index} could not be embedded: {bad[0].error}")
+        vectors = [e.vector for e in out if e.vector is not None]
+        return np.stack(vectors) if vectors else np.zeros((0, 0), np.float32)
+
+    def embed_many(self, inputs: Iterable[EmbedLike], **options: Any) -> Iterator[Embedding]:
+        """One ``Embedding`` per input, in order (``vector``, ``tokens``: the prompt's token
+        count, as an OpenAI ``usage`` counts it; ``error`` for an input that could not be
+        embedded, which never raises). An input is a text (a ``str`` is always a text), an
+        image (a ``Path``, bytes, a PIL image or an array; a path or URL as a string:
+        ``(image, None)``), ``(image, text)`` for both in one prompt, or an ``EmbedItem``.
+        Streamed and batched as ``vlmbatch embed`` does it, over the same engine (and prefix
+        cache) as ``ask``."""
+        embedder = self.embedder(EmbedConfig(**options))
+        groups = _groups((_embed_item(i, x) for i, x in enumerate(inputs)), self.embed_batch)
+        with closing(prepared_embed_groups(groups, embedder.image_plan, self.max_pixels,
+                                           self.preprocess_threads)) as prepared:
+            for peg in prepared:
+                yield from embed_group(embedder, peg)
+
+    def embedder(self, cfg: EmbedConfig) -> Embedder:
+        """The embedder for ``cfg`` on this VLM's engine (built once per config)."""
+        if cfg not in self._embedders:
+            self._embedders[cfg] = build_embedder(self.engine, cfg)
+        return self._embedders[cfg]
 
 
 def questions_of(questions: Sequence[QuestionLike]) -> tuple[Question, ...]:
@@ -124,8 +189,20 @@ def _item(i: int, x: ImageItem | tuple[ImageLike, Sequence[QuestionLike]]) -> Im
     return ImageItem(str(i), image_source(image), questions_of(questions), Path.cwd())
 
 
-def _groups(items: Iterable[ImageItem], n: int) -> Iterator[list[ImageItem]]:
-    group: list[ImageItem] = []
+def _embed_item(i: int, x: EmbedLike) -> EmbedItem:
+    if isinstance(x, EmbedItem):
+        return x
+    if isinstance(x, tuple):
+        image, text = x
+        return EmbedItem(i, None, None if image is None else image_source(image), text,
+                         Path.cwd())
+    if isinstance(x, str):
+        return EmbedItem(i, None, None, x, Path.cwd())
+    return EmbedItem(i, None, image_source(x), None, Path.cwd())
+
+
+def _groups(items: Iterable[T], n: int) -> Iterator[list[T]]:
+    group: list[T] = []
     for it in items:
         group.append(it)
         if len(group) == n:

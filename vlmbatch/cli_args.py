@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jobs.config import EXECUTORS, RayOptions, RunConfig
+from jobs.config import EXECUTORS, TASKS, RayOptions, RunConfig
 from pipeline.build import ENGINES
 from pipeline.config import (
     DTYPES,
@@ -30,6 +30,7 @@ from pipeline.quantize import quantize_model
 from preprocessing.prepare import TILING_MODES
 from quant.calibrate import METHODS
 from vit_trt.export import export_onnx
+from vlmbatch.embed_cli import add_embed_parser, embed_option_args
 
 M, E, R = ModelConfig(), EngineConfig(), RayOptions()  # the defaults
 
@@ -182,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_add_run, _add_submit, _add_job_commands, _add_eval, _add_quantize,
                 _add_export_vit):
         add(sub)
+    add_embed_parser(sub, _model_args)
     return p
 
 
@@ -220,6 +222,10 @@ def _add_submit(sub: argparse._SubParsersAction) -> None:
     s.add_argument("manifest", type=Path, nargs="?", help="JSONL manifest")
     s.add_argument("--images", type=Path, help="a folder of images instead of a manifest")
     s.add_argument("--policy", type=Path, help="YAML/TOML file of questions")
+    s.add_argument("--task", default=TASKS[0], choices=TASKS,
+                   help="answer: the questions (default); embed: one embedding per line of "
+                   'a {"id", "image"?, "text"?} manifest or per image of --images DIR, with '
+                   "the embedding options below (default model: the built-in embedding one)")
     s.add_argument("--job", type=Path, help="the job folder to create")
     s.add_argument("--wait", action="store_true", help="run the job now")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -227,6 +233,7 @@ def _add_submit(sub: argparse._SubParsersAction) -> None:
                    help="images with more pixels are that item's error (default %(default)s)")
     _model_args(s)
     _executor_args(s)
+    embed_option_args(s)
 
 
 def _add_job_commands(sub: argparse._SubParsersAction) -> None:
@@ -253,10 +260,11 @@ def _add_job_commands(sub: argparse._SubParsersAction) -> None:
                        description="Every recorded result line of a job, in manifest order.")
     x.add_argument("job", type=Path)
     x.add_argument("--out", "-o", type=Path, help="file (default: standard output)")
-    x.add_argument("--format", choices=["jsonl", "csv", "parquet"], default=None,
-                   help="default: from --out's suffix (.parquet, .csv), else JSONL (OpenAI "
-                   "batch output lines for a job submitted in that format); CSV and Parquet "
-                   "have one row per result line, in our columns for either format")
+    x.add_argument("--format", choices=["jsonl", "csv", "parquet", "npy"], default=None,
+                   help="default: from --out's suffix (.parquet, .csv, .npy), else JSONL "
+                   "(OpenAI batch output lines for a job submitted in that format); CSV and "
+                   "Parquet have one row per result line, in our columns for either format; "
+                   "an embedding job: JSONL, Parquet or .npy")
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:

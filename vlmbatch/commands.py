@@ -18,16 +18,20 @@ import torch
 from common.atomic import replaced_on_success
 from jobs.config import ExecutorConfig, RayOptions, RunConfig
 from jobs.export import export_parquet, export_text
+from jobs.folder import job_task
 from jobs.job import cancel, is_job, run_job, status, submit
 from jobs.manifest import read_manifest, read_policy
 from jobs.runner import run
 from jobs.sinks import format_of, open_text
-from pipeline.config import ConfigError, EngineConfig, ModelConfig
+from pipeline.config import DEFAULT_EMBED_MODEL, ConfigError, EmbedConfig, EngineConfig, ModelConfig
+from pipeline.embed import embedding_checkpoint
+from pipeline.embed_drive import EMBED_GROUP
 from pipeline.evaluate import evaluate
 from pipeline.hooks import NO_HOOKS, FaultHooks
 from pipeline.loading import load_model, vision_model
 from pipeline.quantize import quantize_model
 from vit_trt.export import export_onnx
+from vlmbatch.embed_cli import embed_config, embed_results, run_embed
 
 EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT, EXIT_ITEM_ERRORS = 0, 1, 2, 3
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # 128 + SIGINT, 128 + SIGTERM
@@ -73,13 +77,42 @@ def executor_config(a: argparse.Namespace) -> ExecutorConfig:
                                            a.model_cpus, a.decode_timeout))
 
 
+# `submit --task embed` only
+EMBED_OPTIONS = ("pooling", "dimensions", "force_dimensions", "multi_vector", "prompt",
+                 "query_prefix", "document_prefix")
+
+
 def run_config(a: argparse.Namespace, out: Path | None) -> RunConfig:
     model, engine = model_configs(a)
+    task = getattr(a, "task", "answer")
+    embed = EmbedConfig()
+    per_batch = a.images_per_batch
+    if task == "embed":
+        embed = embed_config(a)
+        if a.model is None:  # the built-in embedding model, not the chat one
+            model = dataclasses.replace(model, path=DEFAULT_EMBED_MODEL)
+        if "images_per_batch" not in a.given:
+            per_batch = EMBED_GROUP  # one prompt per input: larger groups
+    else:
+        typed = ["--" + k.replace("_", "-") for k in EMBED_OPTIONS if k in a.given]
+        if typed:
+            raise ConfigError(f"{', '.join(typed)}: embedding options; add --task embed")
+        refuse_embedding_model(model.path)
     return RunConfig(manifest=a.manifest, images=a.images, policy=a.policy, out=out,
-                     images_per_batch=a.images_per_batch, threads=a.threads,
+                     images_per_batch=per_batch, threads=a.threads,
                      preprocess_threads=a.preprocess_threads, max_pixels=a.max_pixels,
                      progress=not a.no_progress, model=model, engine=engine,
-                     executor=executor_config(a))
+                     executor=executor_config(a), task=task, embed=embed)
+
+
+def refuse_embedding_model(path: Path | None) -> None:
+    """ConfigError, naming the commands that fit, for an embedding checkpoint asked yes/no
+    questions (its LM head was not trained for answers)."""
+    if path is not None and embedding_checkpoint(path):
+        raise ConfigError(f"{path} is an embedding model (its config declares embedding "
+                          "pooling): embed with it (`vlmbatch embed --model DIR`, `vlmbatch "
+                          "submit --task embed`); yes/no questions need a chat model, e.g. the "
+                          "default (leave out --model)")
 
 
 def _job_exit(job: Path, a: argparse.Namespace, hooks: FaultHooks) -> int:
@@ -149,8 +182,10 @@ def _run_on_ray(a: argparse.Namespace, cfg: RunConfig, hooks: FaultHooks) -> int
 def cmd_submit(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
     if a.job is None:
         raise ConfigError("submit needs --job DIR: the folder the job is kept in")
-    n = submit(run_config(a, None), a.job)
-    print(f"vlmbatch: job {a.job}: {n} images submitted; run it with `vlmbatch run {a.job}`",
+    cfg = run_config(a, None)
+    n = submit(cfg, a.job)
+    what = "inputs" if cfg.task == "embed" else "images"
+    print(f"vlmbatch: job {a.job}: {n} {what} submitted; run it with `vlmbatch run {a.job}`",
           file=sys.stderr)
     return _job_exit(a.job, a, hooks) if a.wait else EXIT_OK
 
@@ -171,6 +206,11 @@ def _export_text(job: Path, out: Path | None, fmt: str) -> int:
 
 def cmd_results(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
     fmt = a.format or format_of(a.out)
+    if job_task(a.job) == "embed":
+        return embed_results(a)
+    if fmt == "npy":
+        raise ConfigError("--format npy: a yes/no job's results are lines (JSONL, CSV, "
+                          "Parquet); .npy holds an embedding job's vectors")
     if fmt == "parquet" and a.out is None:
         raise ConfigError("--format parquet needs --out FILE.parquet")
     if a.out is None:
@@ -181,6 +221,10 @@ def cmd_results(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
                  else _export_text(a.job, part, fmt))
     print(f"vlmbatch: {n} result lines", file=sys.stderr)
     return EXIT_OK
+
+
+def cmd_embed(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
+    return run_embed(a, *model_configs(a))
 
 
 def cmd_cancel(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
@@ -202,6 +246,7 @@ def cmd_eval(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     model, engine = model_configs(a)
+    refuse_embedding_model(model.path)
     r = evaluate(model, engine, a.split, a.limit, a.images_per_batch, not a.no_progress,
                  a.preprocess_threads)
     print(f"easy-vqa {a.split} yes/no accuracy: {r.accuracy:.4f} ({r.correct}/{r.questions}) "
@@ -238,4 +283,4 @@ Command = Callable[[argparse.Namespace, FaultHooks], int]
 COMMANDS: dict[str, Command] = {
     "run": cmd_run, "submit": cmd_submit, "status": cmd_status, "cancel": cmd_cancel,
     "resume": cmd_resume, "results": cmd_results, "eval": cmd_eval, "quantize": cmd_quantize,
-    "export-vit": cmd_export_vit}
+    "export-vit": cmd_export_vit, "embed": cmd_embed}

@@ -5,6 +5,11 @@ image part's placeholder (``<IMG_CONTEXT>``) is expanded to ``<img>`` + N x ``<I
 ``</img>`` with N = tokens per tile x tiles, exactly as transformers' ``InternVLProcessor``
 does. Everything around the question is tokenized once; per request only the question is.
 
+Embedding inputs (``embed``): an image and its text as one user turn, without the assistant
+turn, ``<|im_start|>user\n<img> N x <IMG_CONTEXT> </img>\n{text}<|im_end|>\n`` (jina's layout
+in InternVL's template); its ids through ``</img>`` are ``build``'s, so cached KV serves both.
+A text alone is its own tokens, as given (jina's text rule; the caller adds any prefix).
+
 The ``Prompt`` record and its invariant are in ``models/base.py``.
 """
 
@@ -37,6 +42,10 @@ class InternVLPrompts:
         self._head = enc(head) + [tokenizer.convert_tokens_to_ids(tokenizer.start_image_token)]
         self._end = [tokenizer.convert_tokens_to_ids(tokenizer.end_image_token)]
         self._tail = enc(tail)
+        no_gen = tokenizer.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": _MARK}]}],
+            tokenize=False, add_generation_prompt=False)
+        self._embed_tail = enc(no_gen.split(_MARK)[1])  # the user turn's end, no assistant
         # a policy asks the same few questions of every image: tokenize each once (bounded,
         # for manifests whose questions are all different)
         self._question = functools.lru_cache(maxsize=4096)(self._encode_question)
@@ -54,4 +63,16 @@ class InternVLPrompts:
         n = self.tokens_per_tile * num_tiles
         ids = (*self._head, *[self.image_token_id] * n, *self._end, *self._question(question),
                *self._tail)
+        return Prompt(ids, len(self._head), n)
+
+    def embed(self, text: str, image: PreparedImage | None) -> Prompt:
+        """An embedding input (see the module docstring); ``image_len`` 0 without an image."""
+        if image is None:
+            alone = tuple(self._encode(text))
+            if not alone:
+                raise ValueError("an embedding input needs an image or a non-empty text")
+            return Prompt(alone, 0, 0)
+        n = self.tokens_per_tile * image.grid.num_tiles
+        ids = (*self._head, *[self.image_token_id] * n, *self._end,
+               *self._encode(self._between + text), *self._embed_tail)
         return Prompt(ids, len(self._head), n)

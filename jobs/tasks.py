@@ -1,0 +1,196 @@
+"""What a job does with its items: answer their questions, or embed them. The store, the
+in-process runner (``jobs/job.py``) and the Ray executor (``jobs/ray_executor.py``) are the
+same for both; a ``Task`` says what differs: how an item is stored, stage 1 (prepare a
+group, CPU), stage 2 (the model: a group's results) and how results are keyed.
+
+Invariant: stage 2 returns, for every item of the group, its results (one ``Answer`` per
+question, or one ``Embedding``), each with an ``error`` that is None when it succeeded; the
+store records an item ``done`` iff none of its results has an error.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Generator, Iterable, Iterator
+from typing import Any
+
+from jobs import embed_input
+from jobs.config import RunConfig
+from jobs.manifest import first_line, items_from_folder, iter_manifest, read_policy
+from jobs.store import Recorded, by_item, item_from_json, item_to_json
+from pipeline.drive import PreparedGroup, prepare_group, prepared_groups, score_group
+from pipeline.embed import build_embedder, check_embed_config
+from pipeline.embed_drive import (
+    PreparedEmbedGroup,
+    embed_group,
+    prepare_embed_group,
+    prepared_embed_groups,
+)
+from pipeline.engine import Engine
+from pipeline.records import EmbedItem, ImageItem, ItemError
+from preprocessing.prepare import ImagePlan
+
+Stage2 = Callable[[Any], list]  # a prepared group -> its results
+
+
+class Task(ABC):
+    name: str
+
+    @abstractmethod
+    def items(self, cfg: RunConfig) -> tuple[Iterator[tuple[str, Any]],
+                                             Callable[[str], str] | None]:
+        """(where, item) of the run's input, streamed, and for a manifest where a repeated id
+        was first (called on that error only)."""
+
+    def check(self, cfg: RunConfig) -> None:
+        """Raise ConfigError for options the checkpoint cannot meet (at submit, before any
+        work); the model folder itself is checked by the caller."""
+
+    @abstractmethod
+    def to_json(self, item: Any) -> str: ...
+
+    @abstractmethod
+    def from_json(self, text: str) -> Any: ...
+
+    @abstractmethod
+    def key(self, item: Any) -> str:
+        """The item's id in the store (unique in a job)."""
+
+    @abstractmethod
+    def prepare(self, group: list, plan: ImagePlan, max_pixels: int) -> Any:
+        """Stage 1 of a group."""
+
+    @property
+    @abstractmethod
+    def stage1(self) -> Callable[[list, ImagePlan, int], Any]:
+        """``prepare`` as a module-level function, for Ray prepare tasks (pickled by
+        reference: the worker imports its module, so a light one is quicker to start)."""
+
+    @abstractmethod
+    def prepared(self, groups: Iterable[list], plan: ImagePlan, max_pixels: int,
+                 threads: int) -> Generator[Any, None, None]:
+        """Stage 1 of a stream of groups, on preprocessing threads (in-process runs)."""
+
+    @abstractmethod
+    def failed(self, item: Any, err: ItemError) -> Any:
+        """Stage 1's result for one item that could not be prepared."""
+
+    @abstractmethod
+    def model(self, engine: Engine, cfg: RunConfig) -> Stage2:
+        """Stage 2 on ``engine`` (checks the run's task options against its checkpoint)."""
+
+    @abstractmethod
+    def by_item(self, results: list) -> dict[str, list[Recorded]]:
+        """A group's results keyed by item id (``JobStore.record``)."""
+
+
+class AnswerTask(Task):
+    """Yes/no questions about images (``vlmbatch run``/``submit``)."""
+    name = "answer"
+
+    def items(self, cfg: RunConfig) -> tuple[Iterator[tuple[str, Any]],
+                                             Callable[[str], str] | None]:
+        policy = read_policy(cfg.policy) if cfg.policy else ()
+        manifest = cfg.manifest
+        if manifest is not None:
+            def first(item_id: str) -> str:
+                return f"line {first_line(manifest, item_id, policy)}"
+
+            return ((f"{manifest}:{ln}", it) for ln, it in iter_manifest(manifest, policy)), \
+                first
+        assert cfg.images is not None
+        return ((str(cfg.images), it) for it in items_from_folder(cfg.images, policy)), None
+
+    def to_json(self, item: ImageItem) -> str:
+        return item_to_json(item)
+
+    def from_json(self, text: str) -> ImageItem:
+        return item_from_json(text)
+
+    def key(self, item: ImageItem) -> str:
+        return item.id
+
+    def prepare(self, group: list, plan: ImagePlan, max_pixels: int) -> PreparedGroup:
+        return prepare_group(group, plan, max_pixels)
+
+    @property
+    def stage1(self) -> Callable[[list, ImagePlan, int], PreparedGroup]:
+        return prepare_group
+
+    def prepared(self, groups: Iterable[list], plan: ImagePlan, max_pixels: int,
+                 threads: int) -> Generator[PreparedGroup, None, None]:
+        return prepared_groups(groups, plan, max_pixels, threads)
+
+    def failed(self, item: ImageItem, err: ItemError) -> PreparedGroup:
+        return PreparedGroup([item], [None], {item.id: err})
+
+    def model(self, engine: Engine, cfg: RunConfig) -> Stage2:
+        return lambda pg: score_group(engine, pg)
+
+    def by_item(self, results: list) -> dict[str, list[Recorded]]:
+        return dict(by_item(results))  # type: ignore[arg-type]
+
+
+class EmbedTask(Task):
+    """One embedding per item (``submit --task embed``)."""
+    name = "embed"
+
+    def items(self, cfg: RunConfig) -> tuple[Iterator[tuple[str, Any]],
+                                             Callable[[str], str] | None]:
+        manifest = cfg.manifest
+        if manifest is not None:
+            def first(item_id: str) -> str:
+                lines = embed_input.iter_embed_manifest(manifest)
+                return f"line {next(ln for ln, it in lines if it.key == item_id)}"
+
+            return ((f"{manifest}:{ln}", it)
+                    for ln, it in embed_input.iter_embed_manifest(manifest)), first
+        assert cfg.images is not None
+        return ((str(cfg.images), it) for it in embed_input.folder_items(cfg.images)), None
+
+    def check(self, cfg: RunConfig) -> None:
+        check_embed_config(cfg.model.path, cfg.embed)
+
+    def to_json(self, item: EmbedItem) -> str:
+        return embed_input.item_to_json(item)
+
+    def from_json(self, text: str) -> EmbedItem:
+        return embed_input.item_from_json(text)
+
+    def key(self, item: EmbedItem) -> str:
+        return item.key
+
+    def prepare(self, group: list, plan: ImagePlan, max_pixels: int) -> PreparedEmbedGroup:
+        return prepare_embed_group(group, plan, max_pixels)
+
+    @property
+    def stage1(self) -> Callable[[list, ImagePlan, int], PreparedEmbedGroup]:
+        return prepare_embed_group
+
+    def prepared(self, groups: Iterable[list], plan: ImagePlan, max_pixels: int,
+                 threads: int) -> Generator[PreparedEmbedGroup, None, None]:
+        return prepared_embed_groups(groups, plan, max_pixels, threads)
+
+    def failed(self, item: EmbedItem, err: ItemError) -> PreparedEmbedGroup:
+        return PreparedEmbedGroup.failed(item, err)
+
+    def model(self, engine: Engine, cfg: RunConfig) -> Stage2:
+        embedder = build_embedder(engine, cfg.embed)
+        return lambda peg: embed_group(embedder, peg)
+
+    def by_item(self, results: list) -> dict[str, list[Recorded]]:
+        return {(e.id if e.id is not None else str(e.index)): [e] for e in results}
+
+
+_BY_NAME: dict[str, Task] = {t.name: t for t in (AnswerTask(), EmbedTask())}
+
+
+def task_named(name: str) -> Task:
+    """The task called ``name`` (one of ``jobs.config.TASKS``)."""
+    return _BY_NAME[name]
+
+
+def task_of(cfg: RunConfig) -> Task:
+    """The run's task (``RunConfig.task``)."""
+    return task_named(cfg.task)
+

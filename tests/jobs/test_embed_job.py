@@ -1,0 +1,138 @@
+"""Embedding jobs (``submit --task embed``): the same vectors as ``vlmbatch embed``, every
+item recorded exactly once across a kill -9 and a resume, status, results as JSONL / Parquet /
+.npy, on the in-process and the Ray executors; yes/no jobs' files stay as they were."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+
+from jobs.folder import JOB_FILE, STORE_FILE, status
+from jobs.store import JobStore
+from pipeline.records import Embedding
+from tests.jobs.test_job import cli, make_manifest
+from vlmbatch.cli import EXIT_BAD_INPUT, EXIT_ITEM_ERRORS, EXIT_OK, main
+
+
+def embed_manifest(folder: Path, n: int) -> Path:
+    """``n`` items cycling image / text / image + text, and one missing image."""
+    rng = np.random.default_rng(3)
+    rows = []
+    for i in range(n):
+        cv2.imwrite(str(folder / f"{i}.png"), rng.integers(0, 256, (30 + 7 * i, 50, 3),
+                                                            dtype=np.uint8))
+        rows.append([{"id": f"i{i}", "image": f"{i}.png"}, {"id": f"t{i}", "text": f"shape {i}"},
+                     {"id": f"b{i}", "image": f"{i}.png", "text": "a caption"}][i % 3])
+    rows.append({"id": "gone", "image": "missing.png"})
+    (folder / "e.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder / "e.jsonl"
+
+
+def stored(job: Path) -> list[Embedding]:
+    store = JobStore(job / STORE_FILE)
+    try:
+        return [Embedding.from_record(d) for d in store.records()]
+    finally:
+        store.close()
+
+
+def submit(tmp_path: Path, model: Path, n: int, *options: str) -> tuple[Path, Path]:
+    m = embed_manifest(tmp_path, n)
+    job = tmp_path / "job"
+    assert main(["submit", str(m), "--task", "embed", "--job", str(job), "--model", str(model),
+                 "--no-progress", *options]) == EXIT_OK
+    return m, job
+
+
+def test_embed_job_equals_direct_embed(tmp_path: Path, random_model_dir: Path,
+                                       capsys) -> None:  # noqa: ANN001
+    m, job = submit(tmp_path, random_model_dir, 7, "--images-per-batch", "3", "--pooling",
+                    "last")
+    assert json.loads((job / JOB_FILE).read_text())["version"] == 3
+    assert main(["run", str(job), "--no-progress"]) == EXIT_ITEM_ERRORS  # the missing image
+    st = status(job)
+    assert (st.task, st.done, st.failed, st.pending, st.questions) == ("embed", 7, 1, 0, 8)
+    assert "embeddings" in st.text() and "items" in st.text()
+    direct = tmp_path / "d.jsonl"
+    assert main(["embed", "--manifest", str(m), "-o", str(direct), "--pooling", "last",
+                 "--images-per-batch", "3", "--model",
+                 str(random_model_dir)]) == EXIT_ITEM_ERRORS  # batched as the job is
+    out = tmp_path / "r.jsonl"
+    assert main(["results", str(job), "-o", str(out)]) == EXIT_OK
+    assert out.read_text() == direct.read_text()  # bit for bit, order included
+    npy = tmp_path / "r.npy"
+    assert main(["results", str(job), "-o", str(npy)]) == EXIT_OK
+    arr = np.load(npy)
+    assert arr.shape == (8, 32) and np.isnan(arr[7]).all() and not np.isnan(arr[:7]).any()
+    pq = pytest.importorskip("pyarrow.parquet")
+    assert main(["results", str(job), "-o", str(tmp_path / "r.parquet")]) == EXIT_OK
+    rows = pq.read_table(tmp_path / "r.parquet").to_pylist()
+    assert np.abs(np.array(rows[0]["embedding"], np.float32) - arr[0]).max() == 0
+    assert main(["results", str(job), "-o", str(tmp_path / "r.csv")]) == EXIT_BAD_INPUT
+
+
+@pytest.mark.slow
+def test_kill_minus_9_then_resume_embeds_each_item_once(tmp_path: Path,
+                                                        random_model_dir: Path) -> None:
+    _, job = submit(tmp_path, random_model_dir, 24, "--images-per-batch", "1")
+    p = cli("run", str(job), "--no-progress", faults={"group_delay": 0.2})
+    store = JobStore(job / STORE_FILE)
+    deadline = time.time() + 60
+    while store.counts().done < 3 and time.time() < deadline:
+        time.sleep(0.1)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert status(job).status == "interrupted" and 0 < store.counts().pending < 25
+    assert main(["resume", str(job), "--no-progress"]) == EXIT_ITEM_ERRORS
+    per_item = [json.loads(r) for (r,) in store.db.execute("SELECT result FROM items")]
+    assert sorted(e["id"] for lines in per_item for e in lines) == sorted(
+        [f"{'itb'[i % 3]}{i}" for i in range(24)] + ["gone"])
+    assert all(len(lines) == 1 for lines in per_item)  # one embedding per item, no more
+    store.close()
+
+
+def test_submit_checks_embedding_options(tmp_path: Path, random_model_dir: Path,
+                                         capsys) -> None:  # noqa: ANN001
+    m = embed_manifest(tmp_path, 2)
+    rc = main(["submit", str(m), "--task", "embed", "--job", str(tmp_path / "j"), "--model",
+               str(random_model_dir), "--dimensions", "4"])
+    assert rc == EXIT_BAD_INPUT and not (tmp_path / "j").exists()
+    assert "declares no Matryoshka sizes" in capsys.readouterr().err
+    (tmp_path / "bad.jsonl").write_text('{"id": "x", "questions": ["Red?"]}\n')
+    assert main(["submit", str(tmp_path / "bad.jsonl"), "--task", "embed", "--job",
+                 str(tmp_path / "j"), "--model", str(random_model_dir)]) == EXIT_BAD_INPUT
+    assert "unknown key(s) ['questions']" in capsys.readouterr().err
+
+
+def test_a_yes_no_job_file_is_unchanged(tmp_path: Path, random_model_dir: Path) -> None:
+    """Written as before embeddings (version 2, no task keys): earlier versions still run it."""
+    m = make_manifest(tmp_path, 2)
+    assert main(["submit", str(m), "--job", str(tmp_path / "j"), "--model",
+                 str(random_model_dir)]) == EXIT_OK
+    d = json.loads((tmp_path / "j" / JOB_FILE).read_text())
+    assert d["version"] == 2 and "task" not in d["config"] and "embed" not in d["config"]
+    assert status(tmp_path / "j").task == "answer"
+
+
+@pytest.mark.slow
+def test_embed_job_on_ray(tmp_path: Path, random_model_dir: Path) -> None:
+    pytest.importorskip("ray")
+    m, job = submit(tmp_path, random_model_dir, 6, "--images-per-batch", "2")
+    assert main(["run", str(job), "--no-progress", "--executor", "ray", "--model-cpus",
+                 "1"]) == EXIT_ITEM_ERRORS
+    local = tmp_path / "local"
+    local.mkdir()
+    _, job2 = submit(local, random_model_dir, 6, "--images-per-batch", "2")
+    main(["run", str(job2), "--no-progress"])
+    got, want = stored(job), stored(job2)
+    assert [e.id for e in got] == [e.id for e in want] and len(got) == 7
+    for a, b in zip(got, want):
+        assert a.error_kind == b.error_kind
+        if b.vector is not None:
+            assert a.vector is not None and np.abs(a.vector - b.vector).max() <= 1e-5
