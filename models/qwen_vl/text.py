@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.qwen_vl.layers import RMSNorm, activation, inverse_frequencies, rope_tables, rotate
+from models.layers import FusedRMSNorm as RMSNorm
+from models.layers import activation, inverse_frequencies, rope_tables
+from models.layers import rope as rotate
 from models.qwen_vl.spec import TextSpec
 
 KV = tuple[torch.Tensor, torch.Tensor]  # (k, v), each [B, K, T, d]

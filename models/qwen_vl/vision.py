@@ -27,15 +27,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from models.qwen_vl.layers import (
-    RMSNorm,
-    Segments,
-    activation,
-    inverse_frequencies,
-    rope_tables,
-    rotate,
-    segment_attention,
-)
+from models.layers import FusedRMSNorm as RMSNorm
+from models.layers import activation, inverse_frequencies, rope_tables
+from models.layers import rope as rotate
+from models.qwen_vl.segments import Segments, segment_attention
 from models.qwen_vl.spec import VisionSpec
 from models.qwen_vl.vision_grid import (
     Grid,
