@@ -23,7 +23,7 @@ from models.base import ImageOptions, ModelFamily, ModelSpec
 from models.internvl.prompt import InternVLPrompts
 from models.internvl.vision import VisionEncoder, VisionSpec
 from models.io import ModelError, load_weights, read_json
-from models.qwen2 import Qwen2LM, TextSpec
+from models.qwen2 import Qwen2LM, TextSpec, hf_key, our_name
 from models.registry import FAMILIES
 from preprocessing.prepare import TilingConfig
 
@@ -106,6 +106,7 @@ class InternVL(ModelFamily):
         assert isinstance(spec, InternVLSpec)
         vision = VisionEncoder(spec.vision)
         load_weights(vision, weights, path)
+        assert isinstance(spec.text, TextSpec)
         llm = Qwen2LM(spec.text)
         load_weights(llm, weights, path)
         return vision, llm
@@ -151,6 +152,14 @@ class InternVL(ModelFamily):
             max_tiles = min(max_tiles, budget if budget < thumb_from else budget - 1)
         return TilingConfig(t.tile_size, min(t.min_tiles, max_tiles), max_tiles, t.use_thumbnail,
                             mode=options.tiling, upscale_limit=options.upscale_limit)
+
+    def llm_param(self, key: str) -> str | None:
+        """``language_model.layers.0.self_attn.q_proj.weight`` -> ``layers.0.q_proj.weight``
+        (``Qwen2LM``'s flat layer names)."""
+        return our_name(key)
+
+    def llm_key(self, param: str) -> str:
+        return hf_key(param)
 
     def vision_input_shape(self, spec: ModelSpec) -> tuple[int, ...]:
         assert isinstance(spec, InternVLSpec)

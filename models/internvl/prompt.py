@@ -15,6 +15,7 @@ from typing import Any
 
 from models.base import Prompt
 from preprocessing.prepare import PreparedImage
+from preprocessing.tiling import TileGrid
 
 _MARK = "\x00QUESTION\x00"
 
@@ -48,6 +49,7 @@ class InternVLPrompts:
         return tuple(self._encode(self._between + question))
 
     def build(self, question: str, image: PreparedImage) -> Prompt:
+        assert isinstance(image.grid, TileGrid)  # InternVL's plan made it
         return self.build_for_tiles(question, image.grid.num_tiles)
 
     def build_for_tiles(self, question: str, num_tiles: int) -> Prompt:

@@ -8,40 +8,26 @@ j < 3 * section_h, w if j % 3 == 2 and j < 3 * section_w, else t), and DeepStack
 tower's extra features are added to the hidden states at the image positions after each of
 the first ``len(features)`` decoder layers.
 
-The interface follows ``pipeline/llm.py``'s ``Qwen2LM`` with explicit positions, so the engine
-can drive either. Shapes: B rows, T new tokens (right-padded), P cached tokens, D hidden,
-H query heads, K key/value heads, d head dim. K/V are returned with rotary applied, so a
-cached prefix is reusable as is; K/V are never repeated per query head (SDPA ``enable_gqa``).
+The interface is ``models.base.Decoder`` (as ``models/qwen2.py``'s ``Qwen2LM``) with M-RoPE
+positions, so the engine drives either. Shapes: B rows, T new tokens (right-padded), P cached
+tokens, D hidden, H query heads, K key/value heads, d head dim. K/V are returned with rotary
+applied, so a cached prefix is reusable as is; K/V are never repeated per query head (SDPA
+``enable_gqa``).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.base import KV, Decoder, DeepStack
 from models.layers import FusedRMSNorm as RMSNorm
 from models.layers import activation, inverse_frequencies, rope_tables
 from models.layers import rope as rotate
 from models.qwen_vl.spec import TextSpec
 
-KV = tuple[torch.Tensor, torch.Tensor]  # (k, v), each [B, K, T, d]
-
-
-@dataclass(frozen=True)
-class DeepStack:
-    """Qwen3-VL DeepStack input of one prefill call.
-
-    ``mask`` [B, T] bool: the image positions among the new tokens. ``features``: one
-    ``[M, D]`` per leading decoder layer, M = mask.sum(), rows in the mask's row-major order
-    (row 0's image tokens, then row 1's, ...): what the vision tower's ``deepstack`` gives
-    for the images of the batch, concatenated in row order.
-    """
-
-    mask: torch.Tensor
-    features: tuple[torch.Tensor, ...]
+__all__ = ["KV", "DeepStack", "QwenVLText", "mrope_axes"]  # KV, DeepStack: models.base's
 
 
 def mrope_axes(spec: TextSpec) -> list[int]:
@@ -111,8 +97,10 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
 
-class QwenVLText(nn.Module):
+class QwenVLText(Decoder):
     """The decoder + final norm + LM head of one Qwen-VL checkpoint."""
+
+    spec: TextSpec
 
     def __init__(self, spec: TextSpec) -> None:
         super().__init__()
@@ -137,7 +125,8 @@ class QwenVLText(nn.Module):
         return cos[:, None], sin[:, None]
 
     def prefill(self, embeds: torch.Tensor, lengths: torch.Tensor, past: list[KV] | None = None,
-                past_lengths: torch.Tensor | None = None, *, positions: torch.Tensor,
+                past_lengths: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None,
                 deepstack: DeepStack | None = None) -> tuple[torch.Tensor, list[KV]]:
         """Prefill new tokens after an optional cached prefix; logits of the last real token.
 
@@ -150,9 +139,9 @@ class QwenVLText(nn.Module):
         """
         b, t, _ = embeds.shape
         dev = embeds.device
-        if positions.shape != (3, b, t):
-            raise ValueError(f"positions must be [3, B, T] = {[3, b, t]}, got "
-                             f"{list(positions.shape)}")
+        if positions is None or positions.shape != (3, b, t):
+            raise ValueError(f"M-RoPE positions must be [3, B, T] = {[3, b, t]}, got "
+                             f"{None if positions is None else list(positions.shape)}")
         pos = torch.arange(t, device=dev)
         valid = pos[None, :] < lengths[:, None]  # [B, T]
         mask = (pos[None, :] <= pos[:, None])[None] & valid[:, None, :]  # [B, T, T]

@@ -22,11 +22,11 @@ Families differ in (tested against transformers' ``model.visual`` for each):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from models.base import VisionOutput
 from models.layers import FusedRMSNorm as RMSNorm
 from models.layers import activation, inverse_frequencies, rope_tables
 from models.layers import rope as rotate
@@ -40,11 +40,6 @@ from models.qwen_vl.vision_grid import (
     patch_coords,
     window_order,
 )
-
-
-class VisionOutput(NamedTuple):
-    embeds: torch.Tensor  # [N / merge**2, D_text]
-    deepstack: tuple[torch.Tensor, ...]  # Qwen3-VL: one [N / merge**2, D_text] per index
 
 
 def _norm(s: VisionSpec, dim: int) -> nn.Module:

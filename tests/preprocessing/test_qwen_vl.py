@@ -62,11 +62,11 @@ def test_grid_tokens_exact_pixels_close(name: str, w: int, h: int) -> None:
     img = photo(h, w, seed=w)
     ours = prepare_qwen_vl(img, cfg)
     ref = reference(cfg, mean, std)(images=[img], return_tensors="np")
-    assert ours.grid_thw == tuple(int(x) for x in ref["image_grid_thw"][0])
-    assert ours.tokens == ours.grid_thw[1] * ours.grid_thw[2] // 4 == cfg.tokens(h, w)
+    assert ours.grid.thw == tuple(int(x) for x in ref["image_grid_thw"][0])
+    assert ours.grid.tokens == ours.grid.h * ours.grid.w // 4 == cfg.tokens(h, w)
     want = ref["pixel_values"]
-    assert ours.patches.dtype == np.uint8 and ours.patches.shape == want.shape
-    assert np.abs(normalised(ours.patches, mean, std) - want).mean() <= MEAN_ABS_TOL
+    assert ours.rows.dtype == np.uint8 and ours.rows.shape == want.shape
+    assert np.abs(normalised(ours.rows, mean, std) - want).mean() <= MEAN_ABS_TOL
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -83,7 +83,7 @@ def test_patch_order_exact_where_resize_is_identity(name: str, gh: int, gw: int)
     per = want.shape[1] // 3
     back = (want * np.repeat(std, per) + np.repeat(mean, per)) * 255.0
     assert np.abs(back - np.rint(back)).max() < 1e-3
-    np.testing.assert_array_equal(np.rint(back).astype(np.uint8), ours.patches)
+    np.testing.assert_array_equal(np.rint(back).astype(np.uint8), ours.rows)
 
 
 def test_rows_are_channel_major_with_the_frame_repeated() -> None:
