@@ -24,6 +24,7 @@ the image span marked, and for M-RoPE families their positions), ``VisionOutput`
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -92,6 +93,19 @@ class VisionOutput(NamedTuple):
     """A packed vision module's output for the images of one call, in order."""
     embeds: torch.Tensor  # [M, D_text]: every image's LLM tokens
     deepstack: tuple[torch.Tensor, ...] = ()  # Qwen3-VL: one [M, D_text] per DeepStack layer
+
+
+class BudgetForward(NamedTuple):
+    """A packed vision module at a fixed budget of rows (``cudagraph_pool.BudgetPool``, ONNX
+    export): ``meta(module, dims, budget, device)`` makes the index maths of images with
+    these ``grid.dims`` as tensors whose shapes depend on the budget only; ``forward(module,
+    rows [budget, *row_shape], meta)`` -> (embeds, *deepstack), each ``[budget /
+    rows_per_token, D_text]``, the images' tokens first. Image row counts (``prod(dims)``)
+    are multiples of ``unit``."""
+    meta: Callable[[Any, Sequence[tuple[int, ...]], int, torch.device], dict[str, torch.Tensor]]
+    forward: Callable[[Any, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]
+    rows_per_token: int
+    unit: int
 
 
 @dataclass(frozen=True)
@@ -188,6 +202,11 @@ class ModelFamily(ABC):
     def image_plan(self, spec: ModelSpec, options: ImageOptions) -> ImagePlan:
         """How this checkpoint's images are prepared under the run's options; ValueError
         saying why if the options cannot be met (e.g. a token budget below one tile)."""
+
+    def budget_forward(self, spec: ModelSpec) -> BudgetForward | None:
+        """A packed vision module's static-shape form (CUDA graphs by token budget), or None
+        where the family has none (tile modules: ``GraphPool`` buckets their batch)."""
+        return None
 
     @abstractmethod
     def vision_input_shape(self, spec: ModelSpec) -> tuple[int, ...]:

@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from common.registry import Registry
-from cudagraph_pool import GraphPool
-from models.base import VisionOutput
+from cudagraph_pool import BudgetPool, GraphPool
+from models.base import BudgetForward, VisionOutput
 
 
 @dataclass(frozen=True)
@@ -42,12 +42,14 @@ class VisionModel:
     """What a runner runs: ``module`` maps uint8 ``[N, *item_shape]`` to float
     ``[N, *out_shape]``, or with ``packed``, uint8 rows of several images and each image's
     dims to a ``VisionOutput`` (``models.base``); ``source`` is the checkpoint folder (keys
-    ONNX/plan caches)."""
+    ONNX/plan caches); ``budget``: a packed module's static-shape form, which the graph
+    pool captures per token budget."""
     module: nn.Module
     item_shape: tuple[int, ...]
     out_shape: tuple[int, ...]
     source: Path
     packed: bool = False
+    budget: BudgetForward | None = None
 
     @property
     def device(self) -> torch.device:
@@ -61,6 +63,8 @@ class RunnerOptions:
     # the largest batch (graph bucket, TensorRT profile maximum) a runner prepares for;
     # larger calls are split
     max_batch: int = 32
+    # packed models: the largest token budget (patch rows) a graph is captured for
+    max_budget: int = 16384
     # the consumer reads results on the stream that made them (see ``VitRunner``)
     stream_ordered: bool = False
     onnx_path: Path | None = None  # onnxruntime/tensorrt: use this export instead of making one
@@ -73,7 +77,7 @@ class VitRunner(ABC):
     the current CUDA stream sees it complete (what the torch engine needs: it reads the
     result on that stream), which spares the host a wait per call."""
 
-    pool: GraphPool | None = None  # where the runner replays CUDA graphs
+    pool: GraphPool | BudgetPool | None = None  # where the runner replays CUDA graphs
     packed: bool = False  # runs a packed vision model: call ``encode_packed``
 
     @abstractmethod
@@ -99,7 +103,8 @@ def default_backend(device: str) -> str:
 
 
 def make_runner(backend: str, vision: VisionModel, opts: RunnerOptions) -> VitRunner:
-    """The runner registered as ``backend`` (``auto``: ``default_backend``)."""
+    """The runner registered as ``backend`` (``auto``: ``default_backend``; torch for a
+    packed model, the one backend that runs it)."""
     if backend == "auto":
-        backend = default_backend(opts.device)
+        backend = "torch" if vision.packed else default_backend(opts.device)
     return RUNNERS.get(backend)(vision, opts)

@@ -24,12 +24,13 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from models.base import ImageOptions, ModelFamily, ModelSpec
+from models.base import BudgetForward, ImageOptions, ModelFamily, ModelSpec
 from models.io import ModelError, load_weights, read_json
 from models.qwen_vl.prompt import QwenVLPrompts
 from models.qwen_vl.spec import KINDS, SpecError, TextSpec, VisionSpec, spec_from_config
 from models.qwen_vl.text import QwenVLText
 from models.qwen_vl.vision import VisionTower
+from models.qwen_vl.vision_static import budget_forward, budget_meta
 from models.registry import FAMILIES, REFUSED
 from preprocessing.qwen_vl import QwenVLPreprocess
 
@@ -111,6 +112,12 @@ class QwenVL(ModelFamily):
         plan = spec.preprocess
         return plan if options.max_image_tokens is None else plan.with_max_tokens(
             options.max_image_tokens)
+
+    def budget_forward(self, spec: ModelSpec) -> BudgetForward:
+        """``vision_static.py``: the tower on budget-padded rows, a merge unit per token."""
+        assert isinstance(spec, QwenVLModelSpec)
+        unit = spec.vision.merge ** 2
+        return BudgetForward(budget_meta, budget_forward, unit, unit)
 
     def vision_input_shape(self, spec: ModelSpec) -> tuple[int, ...]:
         assert isinstance(spec, QwenVLModelSpec)

@@ -1,6 +1,7 @@
 """Attention over contiguous segments of a packed sequence (one image, or one Qwen2.5-VL
 window) as one padded SDPA batch: the Qwen-VL towers' attention that never crosses an
-image."""
+image. ``BlockMask`` is the static-shape form of the same attention (one boolean mask over
+the whole packed sequence), for CUDA graphs captured at a fixed token budget."""
 
 from __future__ import annotations
 
@@ -39,9 +40,21 @@ class Segments:
         return Segments(index, valid, mask)
 
 
+@dataclass(frozen=True)
+class BlockMask:
+    """``mask`` [1, 1, N, N] bool: token i may attend token j (same segment). Equal to
+    ``Segments`` for the same segments, at N x N memory, with no data-dependent shape: what a
+    CUDA graph of a fixed N can capture (``vision_static.py``)."""
+
+    mask: torch.Tensor
+
+
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      seg: Segments) -> torch.Tensor:
+                      seg: Segments | BlockMask) -> torch.Tensor:
     """Non-causal attention inside each segment. q, k, v: [N, H, d] -> [N, H, d]."""
+    if isinstance(seg, BlockMask):
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, H, N, d]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask)[0].transpose(0, 1)
     n, h, d = q.shape
     s, L = seg.index.shape
     if seg.mask is None:  # equal segments: a view, no gather
