@@ -16,7 +16,9 @@
 #   6. vlmbatch eval on CUDA, bf16: the built-in model's easy-vqa accuracy (CPU fp32: 0.9985);
 #   7. bench/prefetch.py on CUDA: `run` with 0, 2, 8 and 16 preprocessing threads preparing
 #      the next groups while the GPU answers;
-#   8. bench/qpm.py again on a random-weight model of InternVL3-1B's shape: speed at real size.
+#   8. bench/qpm.py again on a random-weight model of InternVL3-1B's shape: speed at real size;
+#   9. bench/qpm.py on a random-weight Qwen2.5-VL-3B shape (the Qwen-VL family, its vision
+#      tower through the token-budget graph pool); never run yet.
 # STEPS="gpu tests,qpm bench" runs only the steps named (a rerun inside the device budget);
 # QPM_IMAGES sets the built-in model's QPM run's images (default 500).
 # Writes the whole log to $OUT/gpu_check.txt (./out without $OUT) and ends with a table of
@@ -59,6 +61,8 @@ step "qpm bench" 150 "$PY" bench/qpm.py --device cuda --dtype bfloat16 \
   --images "${QPM_IMAGES:-500}" --rounds 3 --profile "$out"
 step "qpm 1b-shape" 180 "$PY" bench/qpm.py --device cuda --dtype bfloat16 --images 100 \
   --rounds 2 --random-shape internvl3-1b --profile "$out/1b"
+step "qpm qwen2.5-vl-3b-shape" 240 "$PY" bench/qpm.py --device cuda --dtype bfloat16 \
+  --images 40 --rounds 1 --random-shape qwen2.5-vl-3b --profile "$out/qwen"
 step "int4 linears" 45 "$PY" bench/quant.py --linears-only --device cuda --rounds 3
 step "gqa attention" 25 "$PY" bench/attention.py --device cuda --dtype bfloat16
 step "eval on cuda" 40 "$PY" -m vlmbatch.cli eval --device cuda --dtype bfloat16 --no-progress

@@ -76,3 +76,27 @@ def test_onnx_export_at_a_budget(pair: Pair, tmp_path: Path) -> None:
     assert result.max_abs_err <= 1e-4
     with pytest.raises(ModelError, match="--vit-backend torch"):
         OnnxRuntimeRunner(vision, result.onnx_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_budget_graphs_on_cuda_equal_the_eager_tower(pair: Pair) -> None:
+    """Captured per budget, replayed with other images' rows and meta: = the eager tower."""
+    dev = torch.device("cuda")
+    tower = pair.ours.vision.to(dev)
+    pool = BudgetPool(lambda r, m: budget_forward(tower, r, m),
+                      lambda d, b: budget_meta(tower, d, b, dev),
+                      (tower.spec.row_size,), torch.uint8, dev, budgets=[64, 128])
+    try:
+        with torch.inference_mode():
+            pool.capture()
+            assert set(pool.graphs) == {64, 128}
+            for grids in (GRIDS[:2], GRIDS[1:], GRIDS[3:]):
+                sizes = [math.prod(g) for g in grids]
+                x = rows(pair, sum(sizes), seed=len(grids)).to(dev)
+                got = pool(x, sizes, grids)
+                want = tower(x, grids)
+                for g, w in zip(got, (want.embeds, *want.deepstack)):
+                    assert rel_err(g, w) <= 1e-4
+    finally:
+        pair.ours.vision.to("cpu")
