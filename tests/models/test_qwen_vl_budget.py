@@ -86,7 +86,8 @@ def test_budget_graphs_on_cuda_equal_the_eager_tower(pair: Pair) -> None:
     tower = pair.ours.vision.to(dev)
     pool = BudgetPool(lambda r, m: budget_forward(tower, r, m),
                       lambda d, b: budget_meta(tower, d, b, dev),
-                      (tower.spec.row_size,), torch.uint8, dev, budgets=[64, 128])
+                      (tower.spec.row_size,), torch.uint8, dev, budgets=[64, 128],
+                      rows_per_out=4, unit=4)
     try:
         with torch.inference_mode():
             pool.capture()
