@@ -302,9 +302,13 @@ def main() -> None:
     print(log_lines[-1])
 
 
-def train_lm(model, aux_head, batcher: Batcher, data: list, budget: float,  # noqa: ANN001
-             args: argparse.Namespace, log_lines: list[str], tok, stage: str) -> int:  # noqa: ANN001
-    """Stage 2: everything, on answer tokens (+ the auxiliary loss); cosine LR with warm-up."""
+def train_lm(model, aux_head, batcher, data: list, budget: float,  # noqa: ANN001
+             args: argparse.Namespace, log_lines: list[str], tok, stage: str,  # noqa: ANN001
+             step_fn=None, save_fn=None) -> int:  # noqa: ANN001
+    """Stage 2: everything, on answer tokens (+ the auxiliary loss); cosine LR with warm-up.
+    ``step_fn``/``save_fn``: another family's ``train_step``/``save`` (the Qwen-VL script's);
+    InternVL's by default."""
+    step_fn, save_fn = step_fn or train_step, save_fn or save
     match = torch.nn.Linear(model.config.text_config.hidden_size, 1)
     params = list(model.parameters()) + list(aux_head.parameters()) + list(match.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
@@ -325,7 +329,7 @@ def train_lm(model, aux_head, batcher: Batcher, data: list, budget: float,  # no
             pos = 0
         chosen = order[pos: pos + args.images_per_step]
         pos += args.images_per_step
-        loss, aux, match_loss = train_step(
+        loss, aux, match_loss = step_fn(
             model, aux_head, batcher, [data[i] for i in chosen], args.q_per_image, rng,
             match, args.match_layer, args.buckets)
         opt.zero_grad(set_to_none=True)
@@ -343,7 +347,7 @@ def train_lm(model, aux_head, batcher: Batcher, data: list, budget: float,  # no
                              f"match={ema_match:.4f}")
             print(log_lines[-1], flush=True)
         if step % 500 == 0:
-            save(model, tok, args.out)
+            save_fn(model, tok, args.out)
     return step
 
 

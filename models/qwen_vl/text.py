@@ -192,7 +192,7 @@ class QwenVLText(Decoder):
         """Load the decoder from transformers' keys: ``model.language_model.*`` (Qwen3-VL,
         transformers >= 4.52), ``model.*`` (Qwen2/2.5-VL as the hub and ``save_pretrained``
         write them), ``language_model.*``; plus ``lm_head.weight`` unless tied."""
-        got = {name: t for key, t in sd.items() if (name := _our_name(key)) is not None}
+        got = {name: t for key, t in sd.items() if (name := our_name(key)) is not None}
         own = self.state_dict()
         need = {k for k in own if not (k == "lm_head.weight" and self.spec.tie_embeddings)}
         missing = sorted(need - set(got))
@@ -208,7 +208,7 @@ class QwenVLText(Decoder):
         self.load_state_dict(got, strict=False)  # strict but for a tied head (checked above)
 
 
-def _our_name(key: str) -> str | None:
+def our_name(key: str) -> str | None:
     if key in ("lm_head.weight", "language_model.lm_head.weight"):
         return "lm_head.weight"
     for prefix in ("model.language_model.", "language_model.model.", "language_model.",

@@ -219,7 +219,7 @@ class VisionTower(nn.Module):
         own = self.state_dict()
         got: dict[str, torch.Tensor] = {}
         for key, t in sd.items():
-            name = _our_name(key)
+            name = our_name(key)
             if name is not None:
                 got[name] = t.reshape(own[name].shape) if name == "patch_embed.weight" else t
         missing = sorted(set(own) - set(got))
@@ -242,7 +242,7 @@ _RENAMES = (("patch_embed.proj.", "patch_embed."), ("merger.ln_q.", "merger.norm
             ("linear_fc1.", "fc1."), ("linear_fc2.", "fc2."))
 
 
-def _our_name(key: str) -> str | None:
+def our_name(key: str) -> str | None:
     """A checkpoint key -> our parameter name, or None if it is not a vision weight."""
     for prefix in ("model.visual.", "visual."):
         if key.startswith(prefix):
