@@ -17,14 +17,13 @@ for Qwen-VL.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from PIL import Image
 
-from bench.hf_baseline import BaselineRun, Work, _left_pad, _p_yes
+from bench.hf_baseline import BaselineRun, Timed, Work, _left_pad, _p_yes, time_once
 from preprocessing.qwen_vl import PatchGrid
 
 
@@ -53,6 +52,11 @@ def _pixels(proc: Any, image: str) -> tuple[torch.Tensor, tuple[int, int, int]]:
     return out["pixel_values"], (t, h, w)
 
 
+def _image_tokens(ids: torch.Tensor, spec: Any) -> torch.Tensor:
+    """``mm_token_type_ids`` (1 at image pads), which Qwen3-VL's forward asks for."""
+    return (ids == spec.image_token_id).int()
+
+
 def qwen_per_question(ref: Any, spec: Any, prompts: Any, answers: Any, items: list,
                       warm: list) -> BaselineRun:
     proc, yes, no = processor(spec), list(answers.yes_ids), list(answers.no_ids)
@@ -66,6 +70,7 @@ def qwen_per_question(ref: Any, spec: Any, prompts: Any, answers: Any, items: li
                     ids = torch.tensor([prompts.build_for_grid(
                         q.text, PatchGrid(*thw, spec.vision.merge)).ids])
                     logits = ref(input_ids=ids.to(ref.device),
+                                 mm_token_type_ids=_image_tokens(ids, spec).to(ref.device),
                                  pixel_values=pv.to(ref.device, ref.dtype),
                                  image_grid_thw=torch.tensor([thw])).logits[:, -1]
                     out += _p_yes(logits, yes, no)
@@ -73,14 +78,10 @@ def qwen_per_question(ref: Any, spec: Any, prompts: Any, answers: Any, items: li
                     work.prefills.append((ids.shape[1], 0))
         return out
 
-    answer(warm, Work())
-    work = Work()
-    start = time.perf_counter()
-    out = answer(items, work)
-    return BaselineRun(out, time.perf_counter() - start, work, "per question")
+    return time_once(answer, items, warm)
 
 
-class QwenBatched:
+class QwenBatched(Timed):
     """The batched baseline (module docstring), warmed up at construction; ``round()``
     times one round."""
 
@@ -88,23 +89,11 @@ class QwenBatched:
 
     def __init__(self, ref: Any, spec: Any, prompts: Any, answers: Any, items: list,
                  warm: list, batch: int = 16, pad_id: int = 0) -> None:
+        super().__init__()
         self.ref, self.spec, self.prompts, self.items = ref, spec, prompts, items
         self.proc, self.batch, self.pad_id = processor(spec), batch, pad_id
         self.yes, self.no = list(answers.yes_ids), list(answers.no_ids)
-        self.times: list[float] = []
-        self.p_yes: list[float] = []
-        self.work = Work()
         self._answer(warm, Work())
-
-    def round(self) -> None:
-        work = Work()
-        start = time.perf_counter()
-        self.p_yes = self._answer(self.items, work)
-        self.times.append(time.perf_counter() - start)
-        self.work = work
-
-    def result(self) -> BaselineRun:
-        return BaselineRun(self.p_yes, min(self.times), self.work, self.vision)
 
     @torch.inference_mode()
     def _answer(self, its: list, work: Work) -> list[float]:
@@ -119,6 +108,7 @@ class QwenBatched:
             ids, mask = _left_pad(rows, self.pad_id)
             pv = torch.cat([pixels[i][0] for i, _ in chunk]).to(dev, self.ref.dtype)
             logits = self.ref(input_ids=ids.to(dev), attention_mask=mask.to(dev),
+                              mm_token_type_ids=_image_tokens(ids, self.spec).to(dev),
                               pixel_values=pv,
                               image_grid_thw=torch.tensor([pixels[i][1] for i, _ in chunk]),
                               logits_to_keep=1).logits[:, -1]

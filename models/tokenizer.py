@@ -10,9 +10,55 @@ Nothing is downloaded.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from models.io import ModelError
+
+
+def chat_template(image_part: str) -> str:
+    """A chat template rendering each message as ``<|im_start|>ROLE\\n`` + its parts (an
+    image part as ``image_part``, a text part as its text) + ``<|im_end|>\\n``, then
+    ``<|im_start|>assistant\\n`` for a generation prompt. No default system prompt."""
+    return (
+        "{% for message in messages %}"
+        "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for part in message['content'] %}"
+        "{% if part['type'] == 'image' %}{{ '" + image_part + "' }}"
+        "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}"
+        "{{ '<|im_end|>\\n' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+
+
+def load_tokenizer(path: Path) -> Any:
+    """A checkpoint's tokenizer (transformers' ``AutoTokenizer``); ModelError if it cannot
+    be read. A family then checks it with ``check_tokenizer``."""
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001  (transformers raises many kinds)
+        raise ModelError(f"cannot load the tokenizer from {path}: {e}") from e
+
+
+def check_tokenizer(tok: Any, path: Path, has: dict[str, bool], family: str) -> Any:
+    """``tok``, or ModelError naming the image tokens of ``has`` (name -> present) it lacks,
+    or saying its chat template is missing, with what to copy."""
+    missing = [name for name, ok in has.items() if not ok]
+    if missing:
+        raise ModelError(f"the tokenizer in {path} lacks {family}'s image tokens "
+                         f"({', '.join(missing)}); copy the checkpoint's tokenizer files "
+                         "(tokenizer.json, tokenizer_config.json) into the folder")
+    if getattr(tok, "chat_template", None) is None:
+        raise ModelError(f"the tokenizer in {path} has no chat template; copy the "
+                         "checkpoint's chat_template.jinja (or tokenizer_config.json) into "
+                         "the folder")
+    return tok
 
 
 def bpe_tokenizer(corpus: Iterable[str], vocab_size: int, special: list[str],

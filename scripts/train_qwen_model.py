@@ -49,17 +49,21 @@ from models.qwen_vl.text import our_name as text_name  # noqa: E402
 from models.qwen_vl.tokenizer import build_tokenizer  # noqa: E402
 from models.qwen_vl.vision import VisionTower  # noqa: E402
 from models.qwen_vl.vision import our_name as vision_name  # noqa: E402
-from preprocessing.decode import decode  # noqa: E402
 from preprocessing.qwen_vl import PatchGrid, QwenVLPreprocess  # noqa: E402
 from scripts.shapes import make_questions, make_scene  # noqa: E402
 from scripts.train_default_model import (  # noqa: E402
     AUX,
+    answer_and_match,
+    attribute_tokens,
     balanced_questions,
     corpus,
     easy_vqa_labels,
+    easy_vqa_train,
+    pad_batch,
     parse_args,
     scene_target,
     train_lm,
+    vision_loop,
 )
 
 PRE = QwenVLPreprocess(patch=14, merge=2, temporal=2, min_pixels=112 * 112,
@@ -91,17 +95,10 @@ def model_config(tok):  # noqa: ANN001, ANN201
 
 def load_data(n_scenes: int, seed: int, colour_pairs: int = 1) -> list[Item]:
     """``Item``s from easy-vqa train and our scenes."""
-    import easy_vqa
-
     rng = np.random.default_rng(seed)
-    texts, answers, image_ids = easy_vqa.get_train_questions()
-    paths = easy_vqa.get_train_image_paths()
-    by_image: dict[int, list[tuple[str, str]]] = {}
-    for q, a, i in zip(texts, answers, image_ids):
-        by_image.setdefault(i, []).append((q, a))
     data: list[Item] = []
-    for i, qa in sorted(by_image.items()):
-        im = PRE.prepare(decode(Path(paths[i]).read_bytes()))
+    for img, qa in easy_vqa_train():
+        im = PRE.prepare(img)
         target, mask = easy_vqa_labels(qa)
         data.append((im.rows, qa + balanced_questions(target, mask, rng, colour_pairs), target,
                      mask, im.grid.dims))  # type: ignore[arg-type]
@@ -122,11 +119,7 @@ class Batcher:
         self.prompts = QwenVLPrompts(tok, cfg.image_token_id, cfg.vision_start_token_id,
                                      cfg.vision_end_token_id, PRE.merge)
         self.eos = tok.convert_tokens_to_ids("<|im_end|>")
-        self.attribute = {}
-        for k, word in enumerate(AUX):
-            ids = tok.encode(" " + word, add_special_tokens=False)
-            if len(ids) == 1:
-                self.attribute[ids[0]] = k
+        self.attribute = attribute_tokens(tok)
 
     def sequence(self, grid: Grid, question: str, answer: str) -> tuple[list[int], int]:
         ids = list(self.prompts.build_for_grid(question, PatchGrid(*grid, PRE.merge)).ids)
@@ -208,34 +201,18 @@ def lm_losses(model: Model, batcher: Batcher, seqs: list, owner: list[int],
               ) -> tuple[torch.Tensor, float, torch.Tensor, float]:
     """(sum, count) of the answer cross-entropy and of the match loss, one right-padded
     batch; each row's image tokens replaced by its image's features."""
-    t = max(len(s) for s, _ in seqs)
-    ids = torch.full((len(seqs), t), batcher.tok.pad_token_id, dtype=torch.long)
-    labels = torch.full_like(ids, -100)
-    positions = []
-    for i, (s, p) in enumerate(seqs):
-        ids[i, : len(s)], labels[i, p: len(s)] = torch.tensor(s), torch.tensor(s[p:])
-        positions.append(prompt_positions(s, batcher.image, items[owner[i]][4], PRE.merge)[0])
-    valid = ids != batcher.tok.pad_token_id
+    ids, labels, attn = pad_batch(seqs, batcher.tok.pad_token_id)
+    positions = [prompt_positions(s, batcher.image, items[j][4], PRE.merge)[0]
+                 for (s, _), j in zip(seqs, owner)]
     x = model.text.embed_tokens(ids)
     x = x.masked_scatter((ids == batcher.image)[..., None], torch.cat([feats[j] for j in owner]))
-    hidden = decoder_hidden(model.text, x, batch_positions(positions, t), valid, match_layer)
+    hidden = decoder_hidden(model.text, x, batch_positions(positions, ids.shape[1]), attn > 0,
+                            match_layer)
     logits = model.text.lm_head(model.text.norm(hidden[-1]))
-    shifted = labels[:, 1:]
-    ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                           shifted.reshape(-1), ignore_index=-100,
-                                           reduction="sum")
-    attr = torch.full_like(ids, -1)
-    for token, k in batcher.attribute.items():
-        attr[ids == token] = k
-    row, col = (attr >= 0).nonzero(as_tuple=True)
     target = torch.from_numpy(np.stack([items[j][2] for j in owner]))
     weight = torch.from_numpy(np.stack([items[j][3] for j in owner]))
-    k = attr[row, col]
-    logit = match(hidden[0][row, col]).squeeze(-1)
-    w = weight[row, k]
-    m = (torch.nn.functional.binary_cross_entropy_with_logits(logit, target[row, k],
-                                                              reduction="none") * w).sum()
-    return ce, float((shifted != -100).sum()), m, float(w.sum())
+    return answer_and_match(logits, hidden[0], ids, labels, batcher.attribute, target, weight,
+                            match)
 
 
 def decoder_hidden(text: QwenVLText, x: torch.Tensor, positions: torch.Tensor,
@@ -254,25 +231,12 @@ def decoder_hidden(text: QwenVLText, x: torch.Tensor, positions: torch.Tensor,
     return [*out, x]
 
 
-def pretrain_vision(model, aux_head, data: list, seconds: float, lr: float,  # noqa: ANN001
-                    rng: random.Random, batch: int = 64) -> tuple[int, float]:
+def pretrain_vision(model: Model, aux_head, data: list, seconds: float,  # noqa: ANN001
+                    lr: float, rng: random.Random, batch: int = 64) -> tuple[int, float]:
     """Stage 1: the vision tower (merger included) + aux head only."""
-    params = list(model.vision.parameters()) + list(aux_head.parameters())
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-    start, step, ema = time.time(), 0, None
-    while time.time() - start < seconds:
-        frac = (time.time() - start) / seconds
-        for g in opt.param_groups:
-            g["lr"] = lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + np.cos(np.pi * frac))
-        items = rng.sample(data, batch)
-        loss = aux_loss(aux_head, image_features(model, items), items)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
-        step += 1
-    return step, float(ema or 0.0)
+    return vision_loop(list(model.vision.parameters()) + list(aux_head.parameters()),
+                       lambda items: aux_loss(aux_head, image_features(model, items), items),
+                       data, seconds, lr, rng, batch)
 
 
 def save(model: Model, tok, out: Path) -> None:  # noqa: ANN001

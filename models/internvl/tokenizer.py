@@ -10,25 +10,14 @@ from collections.abc import Iterable
 
 from transformers import PreTrainedTokenizerFast
 
-from models.tokenizer import bpe_tokenizer
+from models.tokenizer import bpe_tokenizer, chat_template
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>",
            "<video>"]
 
 # The InternVL-hf template, less its long default system prompt: an image part becomes
 # "<IMG_CONTEXT>\n", which the prompt builder expands to <img> + N x <IMG_CONTEXT> + </img>.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}{{ '<IMG_CONTEXT>\\n' }}"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{{ '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+CHAT_TEMPLATE = chat_template("<IMG_CONTEXT>\\n")
 
 
 def build_tokenizer(corpus: Iterable[str], vocab_size: int = 640) -> PreTrainedTokenizerFast:

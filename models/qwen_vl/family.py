@@ -22,8 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer
-
 from models.base import BudgetForward, ImageOptions, ModelFamily, ModelSpec
 from models.io import ModelError, load_weights, read_json
 from models.qwen_vl.prompt import QwenVLPrompts
@@ -32,6 +30,7 @@ from models.qwen_vl.text import QwenVLText
 from models.qwen_vl.vision import VisionTower
 from models.qwen_vl.vision_static import budget_forward, budget_meta
 from models.registry import FAMILIES, REFUSED
+from models.tokenizer import check_tokenizer, load_tokenizer
 from preprocessing.qwen_vl import QwenVLPreprocess
 
 IMAGE_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
@@ -75,21 +74,9 @@ class QwenVL(ModelFamily):
         return vision, text
 
     def load_tokenizer(self, path: Path) -> Any:
-        try:
-            tok = AutoTokenizer.from_pretrained(str(path))
-        except Exception as e:  # noqa: BLE001  (transformers raises many kinds)
-            raise ModelError(f"cannot load the tokenizer from {path}: {e}") from e
-        missing = [t for t in IMAGE_TOKENS if tok.convert_tokens_to_ids(t) in (None,
-                                                                                 tok.unk_token_id)]
-        if missing:
-            raise ModelError(f"the tokenizer in {path} lacks Qwen-VL's image tokens "
-                             f"({', '.join(missing)}); copy the checkpoint's tokenizer files "
-                             "(tokenizer.json, tokenizer_config.json) into the folder")
-        if getattr(tok, "chat_template", None) is None:
-            raise ModelError(f"the tokenizer in {path} has no chat template; copy the "
-                             "checkpoint's chat_template.jinja (or tokenizer_config.json) into "
-                             "the folder")
-        return tok
+        tok = load_tokenizer(path)
+        return check_tokenizer(tok, path, {t: tok.convert_tokens_to_ids(t) not in (
+            None, tok.unk_token_id) for t in IMAGE_TOKENS}, "Qwen-VL")
 
     def prompt_builder(self, tokenizer: Any, spec: ModelSpec) -> QwenVLPrompts:
         assert isinstance(spec, QwenVLModelSpec)

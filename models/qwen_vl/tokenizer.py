@@ -14,23 +14,12 @@ from collections.abc import Iterable
 
 from transformers import PreTrainedTokenizerFast
 
-from models.tokenizer import bpe_tokenizer
+from models.tokenizer import bpe_tokenizer, chat_template
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
            "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
 
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{{ '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+CHAT_TEMPLATE = chat_template("<|vision_start|><|image_pad|><|vision_end|>")
 
 
 def build_tokenizer(corpus: Iterable[str], vocab_size: int = 640) -> PreTrainedTokenizerFast:
