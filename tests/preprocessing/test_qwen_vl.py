@@ -113,3 +113,30 @@ def test_rejects_non_rgb() -> None:
         prepare_qwen_vl(np.zeros((30, 30), np.uint8), cfg)
     with pytest.raises(ValueError, match="multiples"):
         patchify(np.zeros((30, 28, 3), np.uint8), cfg)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_large_jpeg_is_decoded_reduced_to_what_the_resize_keeps(name: str) -> None:
+    """Through ``need``: a 12 MP JPEG under a 256-token plan is decoded DCT-reduced (the
+    resize keeps ~0.2 MP), planned on its full size, and gives the same grid and nearly the
+    same rows as a full decode; under the checkpoint's own 12.8 MP cap it needs every pixel
+    and is decoded whole."""
+    import io
+
+    from PIL import Image
+
+    from preprocessing.decode import decode, decode_for
+    from preprocessing.prepare import prepare_bytes
+
+    buf = io.BytesIO()
+    Image.fromarray(photo(3000, 4000, seed=3)).save(buf, "JPEG", quality=92)
+    data = buf.getvalue()
+    plan = CASES[name][0]
+    for cfg, reduced in ((plan.with_max_tokens(256), True),
+                         (QwenVLPreprocess(plan.patch, 2, 2, plan.min_pixels, 12845056), False)):
+        img, full = decode_for(data, cfg.need, 10**9)
+        assert (full is not None and img.shape[0] < 3000) == reduced
+        fast, ref = prepare_bytes(data, cfg, 10**9), prepare_qwen_vl(decode(data), cfg)
+        assert fast.grid == ref.grid and (fast.width, fast.height) == (4000, 3000)
+        diff = np.abs(fast.rows.astype(np.int16) - ref.rows.astype(np.int16))
+        assert diff.mean() < 1.5 and (diff.mean() == 0) == (not reduced)
