@@ -20,12 +20,15 @@
 #      with the fp8 row (W8A8 e4m3 linears);
 #   9. the same shape on shape scenes of 448-1344 px (1-12 tiles), 6 questions each: where the
 #      prefix cache should pay (choose the cache's GPU default from this row);
-#  10. vlmbatch eval --quant fp8: the built-in model's accuracy with FP8 linears (the CPU
+#  10. bench/qpm.py on a random-weight Qwen2.5-VL-3B shape (the Qwen-VL family, its vision
+#      tower through the token-budget graph pool);
+#  11. vlmbatch eval --quant fp8: the built-in model's accuracy with FP8 linears (the CPU
 #      reference of the same arithmetic gave 0.9985, as fp32);
-#  11. bench/vit.py --compile on the InternViT-300M shape, batches 1, 4, 32 (torch.compile per
+#  12. bench/vit.py --compile on the InternViT-300M shape, batches 1, 4, 32 (torch.compile per
 #      bucket, captured by the graph pool; each bucket compiles first: minutes).
-# Not run unless named in STEPS (too long for one lease): "qpm 8b-shape" (a random model of
-# InternVL3-8B's shape: ~50 GB of host memory while it is built, ~16 GB on disk in bf16).
+# Steps 9-12 have never run. Not run unless named in STEPS (too long for one lease): "qpm
+# 8b-shape" (a random model of InternVL3-8B's shape: ~50 GB of host memory while it is built,
+# ~16 GB on disk in bf16).
 # STEPS="gpu tests,qpm bench" runs only the steps named (a rerun inside the device budget);
 # QPM_IMAGES sets the built-in model's QPM run's images (default 500).
 # Writes the whole log to $OUT/gpu_check.txt (./out without $OUT) and ends with a table of
@@ -74,6 +77,8 @@ step "qpm 1b-shape" 180 "$PY" bench/qpm.py --device cuda --dtype bfloat16 --imag
 step "qpm 1b-scenes" 150 "$PY" bench/qpm.py --device cuda --dtype bfloat16 --images 48 \
   --rounds 2 --random-shape internvl3-1b --scene-sizes 448x448,896x672,1344x896 \
   --questions-per-image 6
+step "qpm qwen2.5-vl-3b-shape" 240 "$PY" bench/qpm.py --device cuda --dtype bfloat16 \
+  --images 40 --rounds 1 --random-shape qwen2.5-vl-3b --profile "$out/qwen"
 step "int4 linears" 45 "$PY" bench/quant.py --linears-only --device cuda --rounds 3
 step "gqa attention" 25 "$PY" bench/attention.py --device cuda --dtype bfloat16
 step "eval on cuda" 40 "$PY" -m vlmbatch eval --device cuda --dtype bfloat16 --no-progress

@@ -95,6 +95,11 @@ def per_question(ref: Any, spec: Any, prompts: Any, answers: Any, items: list, w
                     work.prefills.append((ids.shape[1], 0))
         return out
 
+    return time_once(answer, items, warm)
+
+
+def time_once(answer: Any, items: list, warm: list) -> BaselineRun:
+    """``answer(items, work)`` timed once after an untimed ``answer(warm, ...)``."""
     answer(warm, Work())
     work = Work()
     start = time.perf_counter()
@@ -110,23 +115,20 @@ def _left_pad(rows: list[tuple[int, ...]], pad: int) -> tuple[torch.Tensor, torc
     return ids, mask
 
 
-class Batched:
-    """The batched baseline, warmed up at construction; ``round()`` times one round (a fresh
-    pass over ``items``: tiles and features are made again each round)."""
+class Timed:
+    """A baseline timed in rounds: ``round()`` answers ``self.items`` afresh (``_answer``),
+    keeping its time, P(yes) and work; ``result()`` the best round."""
 
-    def __init__(self, ref: Any, spec: Any, prompts: Any, answers: Any, items: list,
-                 warm: list, batch: int = 16, reuse_features: bool = True,
-                 pad_id: int = 0) -> None:
-        self.ref, self.spec, self.prompts, self.items = ref, spec, prompts, items
-        self.batch, self.pad_id = batch, pad_id
-        self.reuse = reuse_features and can_pass_features(ref)
-        self.yes, self.no = list(answers.yes_ids), list(answers.no_ids)
-        self.vision = ("features once per image (mm_encoder_outputs)" if self.reuse
-                       else "vision tower per prompt (pixel_values)")
+    items: list
+    vision: str
+
+    def __init__(self) -> None:
         self.times: list[float] = []
         self.p_yes: list[float] = []
         self.work = Work()
-        self._answer(warm, Work())
+
+    def _answer(self, its: list, work: Work) -> list[float]:
+        raise NotImplementedError
 
     def round(self) -> None:
         work = Work()
@@ -137,6 +139,23 @@ class Batched:
 
     def result(self) -> BaselineRun:
         return BaselineRun(self.p_yes, min(self.times), self.work, self.vision)
+
+
+class Batched(Timed):
+    """The batched baseline, warmed up at construction; ``round()`` times one round (a fresh
+    pass over ``items``: tiles and features are made again each round)."""
+
+    def __init__(self, ref: Any, spec: Any, prompts: Any, answers: Any, items: list,
+                 warm: list, batch: int = 16, reuse_features: bool = True,
+                 pad_id: int = 0) -> None:
+        super().__init__()
+        self.ref, self.spec, self.prompts, self.items = ref, spec, prompts, items
+        self.batch, self.pad_id = batch, pad_id
+        self.reuse = reuse_features and can_pass_features(ref)
+        self.yes, self.no = list(answers.yes_ids), list(answers.no_ids)
+        self.vision = ("features once per image (mm_encoder_outputs)" if self.reuse
+                       else "vision tower per prompt (pixel_values)")
+        self._answer(warm, Work())
 
     @torch.inference_mode()
     def _answer(self, its: list, work: Work) -> list[float]:

@@ -21,6 +21,11 @@
 ``--device cuda --dtype bfloat16`` runs every row, the baselines included, on the GPU
 (bench/gpu_check.sh does).
 
+A Qwen-VL model (``--model DIR``, or ``--random-shape qwen2.5-vl-3b|qwen3-vl-2b``: random
+weights at those checkpoints' sizes, ``models/qwen_vl/random.py``) gets the same rows but
+(d), with the baselines of ``bench/hf_qwen.py`` (image processor pixels, the tower run per
+prompt in the batched one) and no FLOP table.
+
 FLOPs (``bench/flops.py``): per row, the model FLOPs of what that path computed (vision tiles
 it encoded, LLM tokens it prefilled after what it had cached; padding not counted, causal
 attention), per question and per second, and with ``--peak-tflops`` (790 by default on CUDA:
@@ -62,8 +67,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.flops import workload_flops  # noqa: E402
 from bench.hf_baseline import Batched, Work, load_reference, per_question  # noqa: E402
+from bench.hf_qwen import QwenBatched, load_qwen_reference, qwen_per_question  # noqa: E402
 from bench.scenes import parse_sizes, scene_set  # noqa: E402
 from models.internvl.random import SHAPES, save_random_internvl  # noqa: E402
+from models.qwen_vl.random import SHAPES as QWEN_SHAPES  # noqa: E402
+from models.qwen_vl.random import save_random_qwen_vl  # noqa: E402
 from pipeline.config import DEFAULT_MODEL, DTYPES, EngineConfig  # noqa: E402
 from pipeline.drive import answer_group  # noqa: E402
 from pipeline.evaluate import easy_vqa_set  # noqa: E402
@@ -79,9 +87,9 @@ def _record_prefills(model) -> list:  # noqa: ANN001
     calls: list = []
     inner = model.llm.prefill
 
-    def prefill(embeds, lengths, past=None, past_lengths=None):  # noqa: ANN001, ANN202
+    def prefill(embeds, lengths, past=None, past_lengths=None, **kw):  # noqa: ANN001, ANN003, ANN202
         calls.append((lengths, past_lengths))
-        return inner(embeds, lengths, past, past_lengths)
+        return inner(embeds, lengths, past, past_lengths, **kw)
 
     model.llm.prefill = prefill
     return calls
@@ -190,7 +198,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=1,
                     help="timed rounds per vlmbatch path and for the batched baseline, best "
                     "kept (the per-question baseline runs once)")
-    ap.add_argument("--random-shape", choices=list(SHAPES), default=None,
+    ap.add_argument("--random-shape", choices=[*SHAPES, *QWEN_SHAPES], default=None,
                     help="answer with a random-weight model of this shape instead of --model "
                     "(speed at real size; accuracy then means nothing): built in a temporary "
                     "folder, saved in --dtype (8b: ~16 GB on disk in bf16, ~50 GB of host "
@@ -217,7 +225,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def vlmbatch_paths(args: argparse.Namespace, items: list, warm: list,
-                   dtype: torch.dtype) -> list[VlmbatchPath]:
+                   dtype: torch.dtype, packed: bool = False) -> list[VlmbatchPath]:
+    """The vlmbatch rows; no onnxruntime row for a packed model (Qwen-VL), which only the
+    torch runner runs."""
     cuda = args.device.startswith("cuda")
     paths: list[tuple] = [("vlmbatch, no prefix cache", False, "torch", True, {}),
                           ("vlmbatch, prefix cache", True, "torch", True, {})]
@@ -226,7 +236,8 @@ def vlmbatch_paths(args: argparse.Namespace, items: list, warm: list,
         # batches 8x the default's tokens: fewer forwards, fewer launches and gathers
         paths.append(("vlmbatch, cache, 64k batches", True, "torch", True,
                       {"max_batch_tokens": 65536}))
-    if importlib.util.find_spec("onnxruntime") is not None and (not cuda or ort_cuda()):
+    if (not packed and importlib.util.find_spec("onnxruntime") is not None
+            and (not cuda or ort_cuda())):
         paths.append(("vlmbatch, cache, ORT ViT", True, "onnxruntime", True, {}))
     if args.compile_vit:
         paths.append(("vlmbatch, cache, compiled ViT", True, "compile", True, {}))
@@ -251,10 +262,13 @@ def timed_rows(args: argparse.Namespace, items: list, warm: list, dtype: torch.d
     last (it is the slow one)."""
     spec, tok, prompts = host.spec, host.tokenizer, host.prompts
     answers = AnswerTokens.from_words(tok, EngineConfig().yes_words, EngineConfig().no_words)
-    ours = vlmbatch_paths(args, items, warm, dtype)
-    ref = load_reference(args.model, args.device, dtype)
-    b = Batched(ref, spec, prompts, answers, items, warm, args.baseline_batch,
-                args.baseline_vit == "once", tok.pad_token_id or 0)
+    qwen = host.family.packed_vision
+    ours = vlmbatch_paths(args, items, warm, dtype, qwen)
+    ref = (load_qwen_reference if qwen else load_reference)(args.model, args.device, dtype)
+    b = (QwenBatched(ref, spec, prompts, answers, items, warm, args.baseline_batch,
+                     tok.pad_token_id or 0) if qwen else
+         Batched(ref, spec, prompts, answers, items, warm, args.baseline_batch,
+                 args.baseline_vit == "once", tok.pad_token_id or 0))
     rss_b = peak_rss_mib()
     timed: list = [b, *ours]
     for r in range(args.rounds):
@@ -264,7 +278,8 @@ def timed_rows(args: argparse.Namespace, items: list, warm: list, dtype: torch.d
         for path in ours:
             slug = "".join(c if c.isalnum() else "-" for c in path.name).strip("-")
             path.profile(args.profile / f"profile-{slug}.txt")
-    q = per_question(ref, spec, prompts, answers, items, warm[:4])
+    q = (qwen_per_question if qwen else per_question)(ref, spec, prompts, answers, items,
+                                                      warm[:4])
     rows = []
     for name, r, rss in (("transformers, batched", b.result(), rss_b),
                          ("transformers, per question", q, peak_rss_mib())):
@@ -287,8 +302,12 @@ def main() -> None:
     if args.random_shape:
         tmp = tempfile.TemporaryDirectory(prefix="vlmbatch-random-")
         t0 = time.perf_counter()
-        args.model = save_random_internvl(Path(tmp.name), dtype=dtype,
-                                          **SHAPES[args.random_shape])  # type: ignore[arg-type]
+        if args.random_shape in SHAPES:
+            args.model = save_random_internvl(Path(tmp.name), dtype=dtype,
+                                              **SHAPES[args.random_shape])  # type: ignore[arg-type]
+        else:  # sizes of the released checkpoint (models/qwen_vl/random.py)
+            args.model = save_random_qwen_vl(Path(tmp.name), dtype=dtype,
+                                             **QWEN_SHAPES[args.random_shape])
         print(f"random {args.random_shape} saved in {time.perf_counter() - t0:.0f} s")
     if args.scene_sizes:
         folder = tempfile.TemporaryDirectory(prefix="vlmbatch-scenes-")
@@ -331,6 +350,9 @@ def print_table(rows: list[tuple], truth: list[str], spec,  # noqa: ANN001
         agree = sum((a >= 0.5) == (b >= 0.5) for a, b in zip(ps, p_b)) / n
         print(f"{name:<28}{secs:>9.2f}{60 * n / secs:>9.0f}{t_b / secs:>10.2f}{t_q / secs:>9.2f}"
               f"{acc(ps):>10.4f}{agree:>8.4f}{hit:>10}{per_q:>11.1f}{rss:>14.0f}")
+    if spec.model_type != "internvl":
+        print("\nno FLOP table: bench/flops.py counts InternVL's tower and decoder only")
+        return
     print(f"\nmodel FLOPs (bench/flops.py: matmuls, causal attention, no padding); "
           f"peak {f'{peak:g} TFLOP/s' if peak else 'not given (--peak-tflops)'}")
     print(f"{'path':<28}{'vision tiles':>13}{'LLM tokens':>12}{'GFLOP/q':>10}{'TFLOP/s':>10}"

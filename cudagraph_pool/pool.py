@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -38,6 +39,40 @@ def default_buckets(max_batch: int) -> list[int]:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     b = [x for x in (1, 2, 4) if x <= max_batch] + list(range(8, max_batch + 1, 8))
     return b if b[-1] == max_batch else b + [max_batch]
+
+
+T = TypeVar("T")
+
+
+def capture_graph(run: Callable[[], T], mempool: torch.cuda._POOL_HANDLE, stream: torch.cuda.Stream,
+                  device: torch.device, what: str) -> tuple[torch.cuda.CUDAGraph, T, int]:
+    """Warm ``run`` up outside a graph, then capture it on ``stream`` into ``mempool``:
+    (graph, its static output, device bytes the capture added to the graphs' pool)."""
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, autotune)
+        run()
+    stream.synchronize()  # TensorRT asks for a finished enqueue before its capture
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.empty_cache()  # as torch.cuda.graph does on entry: measure after it
+    before = torch.cuda.memory_reserved(device)
+    try:  # capture on the warm-up's stream: per-stream workspaces already exist there
+        with torch.cuda.graph(graph, pool=mempool, stream=stream):
+            out = run()
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"CUDA graph capture of {what} failed: {e}. The callable does host work inside "
+            "its forward; cudagraph_pool.capture_hazards(fn, x) names the op on the CPU. To "
+            "run without graphs: --no-cuda-graphs.") from e
+    # the graphs' private pool (kept reserved for replays) grows only under capture
+    return graph, out, torch.cuda.memory_reserved(device) - before
+
+
+def guard(device: torch.device) -> None:
+    """Wait on an event recorded after the work queued so far (the pools' completion
+    guard: a consumer on another stream or the CPU never reads a half-written output)."""
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    done.synchronize()
 
 
 @dataclass
@@ -84,24 +119,9 @@ class GraphPool:
         stream = torch.cuda.Stream(self.device)
         for b in reversed(self.buckets):
             static_in = torch.zeros((b, *self.item_shape), dtype=self.dtype, device=self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, autotune)
-                self.fn(static_in)
-            stream.synchronize()  # TensorRT asks for a finished enqueue before its capture
-            graph = torch.cuda.CUDAGraph()
-            torch.cuda.empty_cache()  # as torch.cuda.graph does on entry: measure after it
-            before = torch.cuda.memory_reserved(self.device)
-            try:  # capture on the warm-up's stream: per-stream workspaces already exist there
-                with torch.cuda.graph(graph, pool=mempool, stream=stream):
-                    static_out = self.fn(static_in)
-            except RuntimeError as e:
-                raise RuntimeError(
-                    f"CUDA graph capture of batch {b} failed: {e}. The callable does host work "
-                    "inside its forward; cudagraph_pool.capture_hazards(fn, x) names the op on "
-                    "the CPU. To run without graphs: --no-cuda-graphs.") from e
-            # the graphs' private pool (kept reserved for replays) grows only under capture
-            self.graph_bytes += (torch.cuda.memory_reserved(self.device) - before
-                                 + static_in.nbytes)
+            graph, static_out, nbytes = capture_graph(lambda: self.fn(static_in), mempool,
+                                                      stream, self.device, f"batch {b}")
+            self.graph_bytes += nbytes + static_in.nbytes
             self.graphs[b] = _Graph(graph, static_in, static_out)
         torch.cuda.synchronize(self.device)
 
@@ -130,7 +150,5 @@ class GraphPool:
         outs = [self._run(x[i: i + top]) for i in range(0, x.shape[0], top)]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         if self.use_graphs and self.sync:
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(self.device))
-            done.synchronize()
+            guard(self.device)
         return out

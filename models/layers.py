@@ -1,6 +1,13 @@
 """Layers shared by the model families: RMSNorm (two forms), rotary position embedding, and
 activations by their config names. Each matches transformers' definition of the same layer
-(tested through the families' reference checks)."""
+(tested through the families' reference checks).
+
+Rotary convention (InternVL's Qwen2 decoder and every Qwen-VL tower and decoder):
+``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``. The sign is folded
+into the table once: with ``sin_t = cat(-s, s)``, ``rotate_half(x) * cat(s, s) ==
+roll(x, d/2) * sin_t`` exactly, and a roll is one kernel where the negation and
+concatenation were two.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ from torch import nn
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu, "silu": F.silu, "relu": F.relu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),  # Qwen2-VL's vision MLP
 }
 
 
@@ -48,21 +56,28 @@ class FusedRMSNorm(RMSNorm):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
+def inverse_frequencies(dim: int, theta: float, device: torch.device | None = None
+                        ) -> torch.Tensor:
+    """``1 / theta^(2i / dim)`` for i < dim/2, float32 ``[dim/2]``."""
+    return 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+
+
+def rope_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Angles ``[..., d/2]`` (float32) -> ``(cos, sin)`` each ``[..., d]`` in ``dtype``, the sign
+    of ``rotate_half`` folded into ``sin`` (module docstring)."""
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat([cos, cos], -1).to(dtype), torch.cat([-sin, sin], -1).to(dtype)
+
+
 def rotary(positions: torch.Tensor, head_dim: int, theta: float,
            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [B, T] -> (cos, sin) each [B, 1, T, d] in ``dtype``, computed in float32,
-    for ``rope``. ``sin``'s first half is negated: transformers' ``rotate_half(x) * sin`` is
-    ``cat(-x2, x1) * cat(s, s)``, which equals ``roll(x, d/2) * cat(-s, s)`` exactly, and a
-    roll is one kernel where the negation and concatenation were two (the sign is applied
-    once per forward here instead of twice per layer)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
-                                             device=positions.device) / head_dim)
-    freqs = positions.float()[..., None] * inv_freq  # [B, T, d/2]
-    cos, sin = freqs.cos(), freqs.sin()
-    return (torch.cat([cos, cos], dim=-1)[:, None].to(dtype),
-            torch.cat([-sin, sin], dim=-1)[:, None].to(dtype))
+    """1-D positions [B, T] -> (cos, sin) each [B, 1, T, d] in ``dtype``, computed in float32,
+    for ``rope`` (the Qwen2 decoder's table)."""
+    inv_freq = inverse_frequencies(head_dim, theta, positions.device)
+    cos, sin = rope_tables(positions.float()[..., None] * inv_freq, dtype)  # [B, T, d]
+    return cos[:, None], sin[:, None]
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of ``x [B, heads, T, d]`` with ``rotary``'s (cos, sin)."""
+    """Rotary embedding of ``x [..., d]`` with (cos, sin) from ``rope_tables``, broadcast."""
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin

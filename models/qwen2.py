@@ -23,9 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.base import KV, Decoder, DeepStack
 from models.layers import FusedRMSNorm, rope, rotary
-
-KV = tuple[torch.Tensor, torch.Tensor]  # (k, v), each [B, K, T, d]
 
 
 @dataclass(frozen=True)
@@ -97,7 +96,9 @@ class DecoderLayer(nn.Module):
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h)), (k, v)
 
 
-class Qwen2LM(nn.Module):
+class Qwen2LM(Decoder):
+    spec: TextSpec
+
     def __init__(self, spec: TextSpec) -> None:
         super().__init__()
         self.spec = spec
@@ -113,21 +114,27 @@ class Qwen2LM(nn.Module):
         return self.prefill(embeds, lengths)[0]
 
     def prefill(self, embeds: torch.Tensor, lengths: torch.Tensor, past: list[KV] | None = None,
-                past_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, list[KV]]:
+                past_lengths: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None,
+                deepstack: DeepStack | None = None) -> tuple[torch.Tensor, list[KV]]:
         """Prefill new tokens after an optional cached prefix; logits of the last real token.
 
         embeds: [B, T, D] new tokens, right-padded; lengths: [B] (1..T) real new tokens.
         past: per layer (k, v) [B, K, P, d], each row's first past_lengths[b] entries real.
-        New token t of row b sits at position past_lengths[b] + t. Padding attends to real
-        tokens only, so no attention row is fully masked.
+        New token t of row b sits at position past_lengths[b] + t unless ``positions``
+        [B, T] says otherwise. Padding attends to real tokens only, so no attention row is
+        fully masked. No DeepStack (a Qwen3-VL input).
         Returns (logits [B, V] float32, per layer (k, v) [B, K, T, d] of the new tokens).
         """
-        x, new_kv = self._prefill_states(embeds, lengths, past, past_lengths)
+        if deepstack is not None:
+            raise ValueError("the Qwen2 decoder takes no DeepStack features")
+        x, new_kv = self._prefill_states(embeds, lengths, past, past_lengths, positions)
         last = x[torch.arange(x.shape[0], device=x.device), lengths - 1]  # [B, D]
         return self.lm_head(self.norm(last)).float(), new_kv
 
     def prefill_hidden(self, embeds: torch.Tensor, lengths: torch.Tensor,
-                       past: list[KV] | None = None, past_lengths: torch.Tensor | None = None
+                       past: list[KV] | None = None, past_lengths: torch.Tensor | None = None,
+                       *, positions: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, list[KV]]:
         """As ``prefill``, but the last hidden states of every new position (after the final
         norm: transformers' ``hidden_states[-1]``), for embeddings; no LM head.
@@ -135,11 +142,12 @@ class Qwen2LM(nn.Module):
         Returns (hidden [B, T, D] in the model's dtype, row b's first lengths[b] real; per
         layer (k, v) [B, K, T, d] of the new tokens). Causal like ``prefill``: position t
         sees the cached prefix and new positions <= t of its own row only."""
-        x, new_kv = self._prefill_states(embeds, lengths, past, past_lengths)
+        x, new_kv = self._prefill_states(embeds, lengths, past, past_lengths, positions)
         return self.norm(x), new_kv
 
     def _prefill_states(self, embeds: torch.Tensor, lengths: torch.Tensor,
-                        past: list[KV] | None, past_lengths: torch.Tensor | None
+                        past: list[KV] | None, past_lengths: torch.Tensor | None,
+                        positions: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, list[KV]]:
         """The decoder stack over new tokens (``prefill``'s masks and positions): the last
         layer's output [B, T, D] before the final norm, and the new tokens' KV."""
@@ -148,7 +156,8 @@ class Qwen2LM(nn.Module):
         pos = torch.arange(t, device=device)
         offset = (past_lengths if past_lengths is not None
                   else torch.zeros(b, dtype=torch.long, device=device))
-        positions = offset[:, None] + pos[None, :]  # [B, T]
+        if positions is None:
+            positions = offset[:, None] + pos[None, :]  # [B, T]
         valid = pos[None, :] < lengths[:, None]  # [B, T]
         mask = (pos[None, :] <= pos[:, None])[None] & valid[:, None, :]  # [B, T, T]
         if past is not None:
@@ -201,6 +210,15 @@ class Qwen2LM(nn.Module):
 
 _SUBMODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
               "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def our_name(key: str) -> str | None:
+    """The HF Qwen2 decoder-layer key -> our parameter name (``language_model.layers.0.
+    self_attn.q_proj.weight`` -> ``layers.0.q_proj.weight``); None for other keys."""
+    parts = key.split(".")
+    if parts[:2] != ["language_model", "layers"] or len(parts) != 6:
+        return None
+    return ".".join([*parts[1:3], *parts[4:]])
 
 
 def hf_key(name: str) -> str:

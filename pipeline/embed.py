@@ -186,4 +186,7 @@ def build_embedder(engine: Engine, cfg: EmbedConfig) -> Embedder:
     if not isinstance(engine, TorchEngine):
         raise ConfigError(f"embeddings run on the torch engine (--engine torch), not "
                           f"{type(engine).__name__}")
+    if not engine.model.family.embeddings:
+        raise ConfigError(f"{engine.model.spec.model_type} checkpoints cannot give embeddings "
+                          "yet (docs/embeddings.md, 'Not done'); the InternVL family can")
     return Embedder(engine, cfg)

@@ -142,7 +142,7 @@ class LMDeployEngine(Engine):
         responses = self.pipe.infer(prompts,
                                     gen_config=gen_configs(self.lmdeploy.GenerationConfig, limits))
         return [score_response(resp, self.answers,
-                               images[r.image].grid.num_tiles * self.tokens_per_tile, n > 0)
+                               len(images[r.image].rows) * self.tokens_per_tile, n > 0)
                 for r, resp, n in zip(requests, responses, limits)]
 
 

@@ -126,4 +126,5 @@ def vision_model(model: LoadedModel) -> VisionModel:
     """The loaded model's vision module with its shapes, for a vision runner."""
     f, spec = model.family, model.spec
     return VisionModel(model.vision, f.vision_input_shape(spec), f.vision_output_shape(spec),
-                       spec.path)
+                       spec.path, packed=f.packed_vision,
+                       budget=f.budget_forward(spec))

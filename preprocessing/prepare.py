@@ -1,13 +1,19 @@
-"""From decoded pixels to model-ready uint8 tiles: the record the vision encoder consumes.
+"""From decoded pixels to model-ready uint8 rows: the record the vision encoder consumes.
 
-Tiles stay uint8 ``[N, S, S, 3]``; normalisation happens inside the vision encoder, on its
-device. The content hash covers the decoded pixels and their shape, so two images with equal
-pixels share a hash whatever their file format; the prefix cache keys on it.
+``PreparedImage`` is the one image record of every family. The engine reads it only through
+``rows`` (the vision module's uint8 input, stacked with other images' rows), ``grid.dims``
+(what the module needs beside the rows: nothing for InternVL's tiles, ``(t, h, w)`` for
+Qwen-VL's patches) and ``cache_key``; the family's prompt builder reads its own ``grid``
+(InternVL: ``TileGrid``, tiles per image; Qwen-VL: ``preprocessing.qwen_vl.PatchGrid``).
+Rows stay uint8; normalisation happens inside the vision encoder, on its device. The content
+hash covers the pixels and their shape, so two images with equal pixels share a hash
+whatever their file format; the prefix cache keys on it (with the grid).
 
 An *image plan* (``ImagePlan``) is what a model family says about its images: how many
 pixels of a ``w x h`` image it can use (``need``, so a large JPEG is decoded only that big)
 and how decoded pixels become its ``PreparedImage`` (``prepare``). ``TilingConfig`` is
-InternVL's plan; ``prepare_bytes`` and the drive loop use only the protocol.
+InternVL's plan, ``preprocessing.qwen_vl.QwenVLPreprocess`` Qwen-VL's; ``prepare_bytes`` and
+the drive loop use only the protocol.
 """
 
 from __future__ import annotations
@@ -70,11 +76,29 @@ class TilingConfig:
                               self.use_thumbnail)
 
 
+class ImageGrid(Protocol):
+    """How a family laid one image out as vision rows (``TileGrid``, ``PatchGrid``)."""
+
+    @property
+    def key(self) -> str:
+        """The layout as text, part of the prefix cache's image key."""
+        ...
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """What the vision module reads beside the rows: () for self-contained tiles,
+        ``(t, h, w)`` in patches for Qwen-VL."""
+        ...
+
+
 @dataclass(frozen=True, eq=False)
 class PreparedImage:
-    tiles: np.ndarray  # [N, S, S, 3] uint8 RGB, grid tiles row-major then thumbnail
-    grid: TileGrid
-    content_hash: str  # xxh3-128 hex of the decoded pixels and their shape
+    """One image ready for its family's vision module (module docstring)."""
+    # uint8 vision input [N, *row_shape]: InternVL tiles [N, S, S, 3] RGB (grid tiles
+    # row-major, then the thumbnail); Qwen-VL patch rows [N, C*T*P*P]
+    rows: np.ndarray
+    grid: ImageGrid
+    content_hash: str  # xxh3-128 hex of the pixels (and their shape) the rows come from
     width: int  # of the full image (EXIF-oriented), which the grid was planned on
     height: int
     # the decoded [H, W, 3] image (only with TilingConfig.keep_pixels), for engines that
@@ -83,12 +107,14 @@ class PreparedImage:
     pixels: np.ndarray | None = None
 
     @property
+    def tiles(self) -> np.ndarray:
+        """InternVL's name for ``rows``: ``[N, S, S, 3]``."""
+        return self.rows
+
+    @property
     def cache_key(self) -> str:
-        """Identifies the image tokens: same pixels *and* same tiling (grid, tile size)."""
-        g = self.grid
-        thumb = "+t" if g.thumbnail else ""
-        box = "L" if g.letterbox else ""
-        return f"{self.content_hash}:{g.cols}x{g.rows}{thumb}{box}@{self.tiles.shape[1]}"
+        """Identifies the image tokens: same pixels *and* same layout (grid, row shape)."""
+        return f"{self.content_hash}:{self.grid.key}@{self.rows.shape[1]}"
 
 
 class ImagePlan(Protocol):

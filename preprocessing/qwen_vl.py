@@ -16,15 +16,22 @@ is its own second frame (t = 0 and t = 1 hold the same pixels).
 
 Normalisation (mean/std) is not done here: the vision encoder does it on its device, as for
 InternVL, so the record stays uint8 (a quarter of the bytes of float32).
+
+``QwenVLPreprocess`` is the family's image plan (``preprocessing.prepare.ImagePlan``): ``need``
+tells the decoder how many pixels the resize keeps (a large JPEG is DCT-reduced to that),
+``prepare`` makes the ``PreparedImage`` (patch rows + ``PatchGrid``), planned on the full
+image's size whatever size the pixels were decoded at. ``with_max_tokens`` is
+``--max-image-tokens``: it lowers ``max_pixels`` to ``tokens * factor**2``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import xxhash
 
+from preprocessing.prepare import PreparedImage
 from preprocessing.qwen2vl import smart_resize
 from preprocessing.resize import resize
 
@@ -74,34 +81,55 @@ class QwenVLPreprocess:
         t, gh, gw = self.grid(height, width)
         return t * gh * gw // (self.merge * self.merge)
 
+    def with_max_tokens(self, tokens: int) -> QwenVLPreprocess:
+        """This plan with at most ``tokens`` image tokens per image (``--max-image-tokens``):
+        ``max_pixels`` lowered to ``tokens * factor**2`` (one token per merge window);
+        ValueError if that is below ``min_pixels``."""
+        cap = tokens * self.factor * self.factor
+        if cap < self.min_pixels:
+            raise ValueError(f"max_image_tokens {tokens} is below the checkpoint's min_pixels "
+                             f"{self.min_pixels} ({-(-self.min_pixels // self.factor ** 2)} "
+                             "tokens); give a larger budget")
+        return replace(self, max_pixels=min(self.max_pixels, cap))
+
+    def need(self, width: int, height: int) -> tuple[int, int]:
+        """``ImagePlan.need``: the resized size, never more than the image (width, height)."""
+        h, w = self.target_size(height, width)
+        return min(width, w), min(height, h)
+
+    def prepare(self, img: np.ndarray,
+                full_size: tuple[int, int] | None = None) -> PreparedImage:
+        """``ImagePlan.prepare``: ``prepare_qwen_vl(img, self, full_size)``."""
+        return prepare_qwen_vl(img, self, full_size)
+
 
 @dataclass(frozen=True)
-class QwenVLImage:
-    """One image, ready for the Qwen-VL vision tower.
+class PatchGrid:
+    """``ImageGrid`` of a Qwen-VL image: ``grid_thw`` in patches and the merge size.
 
-    ``patches`` [gt*gh*gw, C*T*P*P] uint8 in the image processor's order (module docstring);
-    ``grid_thw`` (gt, gh, gw) in patches; ``width``/``height`` of the decoded source image.
-    ``content_hash`` covers the resized pixels the tower sees and the grid, so it identifies
-    the image tokens: the prefix cache keys the image span on it.
-    """
+    The image has ``t*h*w`` patch rows and ``tokens = t*h*w / merge**2`` LLM tokens (the
+    length of its ``<|image_pad|>`` run)."""
 
-    patches: np.ndarray
-    grid_thw: tuple[int, int, int]
+    t: int
+    h: int
+    w: int
     merge: int
-    content_hash: str
-    width: int
-    height: int
+
+    @property
+    def thw(self) -> tuple[int, int, int]:
+        return self.t, self.h, self.w
 
     @property
     def tokens(self) -> int:
-        """LLM tokens of this image (length of its ``<|image_pad|>`` run)."""
-        t, gh, gw = self.grid_thw
-        return t * gh * gw // (self.merge * self.merge)
+        return self.t * self.h * self.w // (self.merge * self.merge)
 
     @property
-    def cache_key(self) -> str:
-        t, gh, gw = self.grid_thw
-        return f"{self.content_hash}:{t}x{gh}x{gw}"
+    def key(self) -> str:
+        return f"{self.t}x{self.h}x{self.w}"
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        return self.thw
 
 
 def patchify(img: np.ndarray, cfg: QwenVLPreprocess) -> np.ndarray:
@@ -127,13 +155,19 @@ def image_hash(pixels: np.ndarray, grid_thw: tuple[int, int, int], patch: int) -
     return h.hexdigest()
 
 
-def prepare_qwen_vl(img: np.ndarray, cfg: QwenVLPreprocess) -> QwenVLImage:
-    """Decoded ``[H, W, 3]`` uint8 RGB -> ``QwenVLImage`` (smart resize, then patches)."""
+def prepare_qwen_vl(img: np.ndarray, cfg: QwenVLPreprocess,
+                    full_size: tuple[int, int] | None = None) -> PreparedImage:
+    """Decoded ``[H, W, 3]`` uint8 RGB -> ``PreparedImage`` (smart resize, then patch rows
+    ``[t*h*w, C*T*P*P]`` and a ``PatchGrid``). ``content_hash`` covers the resized pixels
+    the tower sees, the grid and the patch size, so it identifies the image tokens.
+
+    ``full_size`` (width, height): ``img`` was decoded reduced from an image of that size
+    (``decode_for``); the target size is planned on the full size."""
     if img.ndim != 3 or img.shape[2] != 3 or img.dtype != np.uint8:
         raise ValueError(f"need a [H, W, 3] uint8 RGB image, got {img.shape} {img.dtype}")
-    height, width = img.shape[:2]
+    width, height = full_size or (img.shape[1], img.shape[0])
     h, w = cfg.target_size(height, width)
     resized = resize(img, w, h)
-    grid = (1, h // cfg.patch, w // cfg.patch)
-    return QwenVLImage(patchify(resized, cfg), grid, cfg.merge,
-                       image_hash(resized, grid, cfg.patch), width, height)
+    grid = PatchGrid(1, h // cfg.patch, w // cfg.patch, cfg.merge)
+    return PreparedImage(patchify(resized, cfg), grid, image_hash(resized, grid.thw, cfg.patch),
+                         width, height)

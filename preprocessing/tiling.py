@@ -41,6 +41,17 @@ class TileGrid:
     def num_tiles(self) -> int:
         return self.cols * self.rows + int(self.thumbnail)
 
+    @property
+    def key(self) -> str:
+        """``ImageGrid.key``: e.g. ``3x2+tL`` (thumbnail, letterboxed)."""
+        return f"{self.cols}x{self.rows}{'+t' if self.thumbnail else ''}" \
+               f"{'L' if self.letterbox else ''}"
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """``ImageGrid.dims``: tiles need nothing beside their pixels."""
+        return ()
+
 
 @lru_cache(maxsize=64)
 def candidate_grids(min_tiles: int, max_tiles: int) -> tuple[tuple[int, int], ...]:

@@ -11,6 +11,11 @@ encoder and ``lm_head``/embeddings stay in full precision.
 Padding rows of the engine's right-padded batches are recorded too (hooks see whole
 tensors); prompts are sorted by length before batching, so they are few.
 
+Layers are read by their modules' names (``q_proj``, ``input_layernorm``, ...) wherever
+they sit in a decoder layer: ``Qwen2LM``'s are flat (``layers.0.q_proj``), the Qwen-VL
+decoders' nested as in transformers (``layers.0.self_attn.q_proj``); ``layer_module``
+finds either.
+
 Result: ``{our linear name ("layers.0.q_proj"): (q int8 [N, K], scale float32 [N, G])}``;
 the ``LoadedModel`` passed in is modified in place (AWQ also rescales norms and the linears
 that feed ``down_proj`` / ``o_proj``), and ``quant.checkpoint.save_quantized`` writes it.
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from models.qwen2 import Qwen2LM
+from models.base import Decoder
 from quant.awq import awq_scale
 from quant.gptq import Hessian, gptq
 from quant.int4 import dequantize, rtn
@@ -49,6 +54,22 @@ def layer_groups(heads: int, kv_heads: int) -> list[Group]:
             Group(("down_proj",), "rows:up_proj")]
 
 
+def layer_module(layer: torch.nn.Module, name: str) -> tuple[str, torch.nn.Module]:
+    """(path, module) of the one submodule of ``layer`` whose name ends in ``name``."""
+    found = [(path, m) for path, m in layer.named_modules() if path.rsplit(".", 1)[-1] == name]
+    if len(found) != 1:
+        raise ValueError(f"decoder layer has {len(found)} modules named {name!r}")
+    return found[0]
+
+
+def layer_linear(layer: torch.nn.Module, name: str) -> tuple[str, torch.nn.Linear]:
+    """``layer_module`` for a linear (``q_proj``, ...)."""
+    path, m = layer_module(layer, name)
+    if not isinstance(m, torch.nn.Linear):
+        raise ValueError(f"decoder layer's {path} is {type(m).__name__}, not a linear")
+    return path, m
+
+
 class _Recorder:
     """Inputs of the first linear of each group: a Hessian (GPTQ) or sampled rows (AWQ)."""
 
@@ -69,10 +90,10 @@ class _Recorder:
             self.hessian.add(x)
 
 
-def quantize_llm(llm: Qwen2LM, run_calibration: Callable[[], None], method: str,
+def quantize_llm(llm: Decoder, run_calibration: Callable[[], None], method: str,
                  group_size: int = 128, max_rows: int = 8192,
                  progress: bool = True) -> tuple[QWeights, list[dict]]:
-    """Quantise every decoder-layer linear of ``llm`` (our ``Qwen2LM``) in place.
+    """Quantise every decoder-layer linear of ``llm`` (a family's ``Decoder``) in place.
 
     ``run_calibration()`` must push the calibration set through the model once (it is called
     once per layer). Returns (int4 weights by linear name, one report dict per group).
@@ -87,7 +108,7 @@ def quantize_llm(llm: Qwen2LM, run_calibration: Callable[[], None], method: str,
         recs, handles = {}, []
         if method != "rtn":
             for g in groups:
-                lin = getattr(layer, g.linears[0])
+                lin = layer_linear(layer, g.linears[0])[1]
                 recs[g] = _Recorder(lin.in_features, method == "awq", max_rows)
                 handles.append(lin.register_forward_hook(recs[g]))
             try:
@@ -99,7 +120,7 @@ def quantize_llm(llm: Qwen2LM, run_calibration: Callable[[], None], method: str,
             entries = {g: {"layer": li, "linears": "+".join(g.linears)} for g in groups}
             if method == "awq":  # all scales first: folds touch v_proj/up_proj of other groups
                 for g in groups:
-                    lins = [getattr(layer, n) for n in g.linears]
+                    lins = [layer_linear(layer, n)[1] for n in g.linears]
                     s, err, err_rtn = awq_scale([m.weight for m in lins],
                                                 torch.cat(recs[g].rows), group_size)
                     if g.producer is not None:
@@ -107,7 +128,7 @@ def quantize_llm(llm: Qwen2LM, run_calibration: Callable[[], None], method: str,
                     entries[g].update(mse=err if g.producer else err_rtn, mse_rtn=err_rtn)
             for g in groups:
                 for name in g.linears:
-                    m = getattr(layer, name)
+                    path, m = layer_linear(layer, name)
                     if method == "gptq":
                         hess = recs[g].hessian
                         assert hess is not None  # gptq keeps a Hessian, never rows
@@ -115,7 +136,7 @@ def quantize_llm(llm: Qwen2LM, run_calibration: Callable[[], None], method: str,
                     else:
                         q, scale = rtn(m.weight, group_size)
                     m.weight.copy_(dequantize(q, scale, group_size, m.weight.dtype))
-                    qweights[f"layers.{li}.{name}"] = (q.cpu(), scale.cpu())
+                    qweights[f"layers.{li}.{path}"] = (q.cpu(), scale.cpu())
                 report.append(entries[g])
     return qweights, report
 
@@ -125,13 +146,15 @@ def apply_scale(layer: torch.nn.Module, group: Group, s: torch.Tensor) -> None:
     ``s``: the layer's full-precision output is unchanged."""
     assert group.producer is not None
     kind, name = group.producer.split(":")
-    mod = getattr(layer, name)
     if kind == "norm":
-        mod.weight.div_(s.to(mod.weight.device, mod.weight.dtype))
+        w = layer_module(layer, name)[1].weight
+        assert isinstance(w, torch.Tensor)
+        w.div_(s.to(w.device, w.dtype))
     else:  # rows of the previous linear
+        mod = layer_linear(layer, name)[1]
         mod.weight.div_(s.to(mod.weight.device, mod.weight.dtype)[:, None])
         if mod.bias is not None:
             mod.bias.div_(s.to(mod.bias.device, mod.bias.dtype))
     for lin in group.linears:
-        w = getattr(layer, lin).weight
+        w = layer_linear(layer, lin)[1].weight
         w.mul_(s.to(w.device, w.dtype))

@@ -27,7 +27,6 @@ from safetensors.torch import save_file
 
 from models.base import ModelFamily
 from models.io import raw_state_dict
-from models.qwen2 import hf_key
 from quant.int4 import dequantize, pack_int32, unpack_int32
 
 SUFFIXES = ("weight_packed", "weight_scale", "weight_shape")
@@ -45,7 +44,8 @@ def quantization_config(group_size: int, method: str, samples: int) -> dict:
                         "observer": "minmax"},
             "input_activations": None, "output_activations": None,
             "format": "pack-quantized"}},
-        "ignore": ["lm_head", "re:.*vision_tower.*", "re:.*multi_modal_projector.*"],
+        "ignore": ["lm_head", "re:.*vision_tower.*", "re:.*multi_modal_projector.*",
+                   "re:.*visual.*"],  # InternVL's vision and projector; Qwen-VL's tower
         "kv_cache_scheme": None,
         "vlmbatch": {"method": method, "calibration_samples": samples},
     }
@@ -57,8 +57,9 @@ def save_quantized(src: Path, out: Path, family: ModelFamily,
                    method: str, samples: int) -> Path:
     """Write the quantised checkpoint to ``out``.
 
-    llm_state: our language-model state dict (names like ``layers.0.q_proj.weight``);
-    qweights: ``{"layers.0.q_proj": (q, scale)}``. Language-model tensors keep the key
+    llm_state: our language-model state dict (names like ``layers.0.q_proj.weight``,
+    mapped to weight keys by ``family.llm_key``); qweights: ``{"layers.0.q_proj": (q,
+    scale)}``. Language-model tensors keep the key
     spelling of the source files (read once, here; ``family`` normalises them).
     """
     out.mkdir(parents=True, exist_ok=True)
@@ -74,7 +75,7 @@ def save_quantized(src: Path, out: Path, family: ModelFamily,
     del source
     dtype = next(iter(llm_state.values())).dtype
     for name, t in llm_state.items():
-        key = hf_key(name)
+        key = family.llm_key(name)
         if key == "lm_head.weight" and "lm_head.weight" not in raw_key_of:
             continue  # tied to the embeddings
         raw = raw_key_of.get(key, "model." + key)

@@ -120,22 +120,27 @@ def balanced_questions(target: np.ndarray, mask: np.ndarray, rng: np.random.Gene
     return out
 
 
-def load_data(n_scenes: int, seed: int, colour_pairs: int = 1,
-              reduced_scenes: bool = False) -> list[tuple]:
-    """[(tiles [N,S,S,3] uint8, [(question, answer), ...], aux target, aux mask), ...] from
-    easy-vqa train and our scenes. ``reduced_scenes`` adds every scene a second time with
-    reduced (letterboxed) tiling, so the model also learns to read padded tiles."""
-    import easy_vqa
+def easy_vqa_train() -> list[tuple[np.ndarray, list[tuple[str, str]]]]:
+    """easy-vqa's *train* split: (decoded image, its (question, answer) pairs) in image
+    order."""
+    import easy_vqa  # the training data, read here only
 
-    rng = np.random.default_rng(seed)
     texts, answers, image_ids = easy_vqa.get_train_questions()
     paths = easy_vqa.get_train_image_paths()
     by_image: dict[int, list[tuple[str, str]]] = {}
     for q, a, i in zip(texts, answers, image_ids):
         by_image.setdefault(i, []).append((q, a))
+    return [(decode(Path(paths[i]).read_bytes()), qa) for i, qa in sorted(by_image.items())]
+
+
+def load_data(n_scenes: int, seed: int, colour_pairs: int = 1,
+              reduced_scenes: bool = False) -> list[tuple]:
+    """[(tiles [N,S,S,3] uint8, [(question, answer), ...], aux target, aux mask), ...] from
+    easy-vqa train and our scenes. ``reduced_scenes`` adds every scene a second time with
+    reduced (letterboxed) tiling, so the model also learns to read padded tiles."""
+    rng = np.random.default_rng(seed)
     data = []
-    for i, qa in sorted(by_image.items()):
-        img = decode(Path(paths[i]).read_bytes())
+    for img, qa in easy_vqa_train():
         target, mask = easy_vqa_labels(qa)
         data.append((prepare(img, TILING).tiles,
                      qa + balanced_questions(target, mask, rng, colour_pairs), target, mask))
@@ -172,6 +177,16 @@ def normalise(tiles: np.ndarray) -> torch.Tensor:
     return (x - mean) / std
 
 
+def attribute_tokens(tok) -> dict[int, int]:  # noqa: ANN001
+    """Token id of each attribute word as it appears inside a question -> index in AUX."""
+    out = {}
+    for k, word in enumerate(AUX):
+        ids = tok.encode(" " + word, add_special_tokens=False)
+        if len(ids) == 1:
+            out[ids[0]] = k
+    return out
+
+
 class Batcher:
     """Builds (pixel_values, input_ids, labels, tile owner) for a set of images."""
 
@@ -187,12 +202,7 @@ class Batcher:
             tokenize=False, add_generation_prompt=True)
         self.head, self.tail = pre.split("<IMG_CONTEXT>")[0], pre.split("<IMG_CONTEXT>")[1]
         self.tail_pre, self.tail_post = self.tail.split("Q")
-        # token id of each attribute word as it appears inside a question -> index in AUX
-        self.attribute = {}
-        for k, word in enumerate(AUX):
-            ids = tok.encode(" " + word, add_special_tokens=False)
-            if len(ids) == 1:
-                self.attribute[ids[0]] = k
+        self.attribute = attribute_tokens(tok)
 
     def sequence(self, n_tiles: int, question: str, answer: str) -> tuple[list[int], int]:
         enc = self.tok.encode
@@ -302,9 +312,13 @@ def main() -> None:
     print(log_lines[-1])
 
 
-def train_lm(model, aux_head, batcher: Batcher, data: list, budget: float,  # noqa: ANN001
-             args: argparse.Namespace, log_lines: list[str], tok, stage: str) -> int:  # noqa: ANN001
-    """Stage 2: everything, on answer tokens (+ the auxiliary loss); cosine LR with warm-up."""
+def train_lm(model, aux_head, batcher, data: list, budget: float,  # noqa: ANN001
+             args: argparse.Namespace, log_lines: list[str], tok, stage: str,  # noqa: ANN001
+             step_fn=None, save_fn=None) -> int:  # noqa: ANN001
+    """Stage 2: everything, on answer tokens (+ the auxiliary loss); cosine LR with warm-up.
+    ``step_fn``/``save_fn``: another family's ``train_step``/``save`` (the Qwen-VL script's);
+    InternVL's by default."""
+    step_fn, save_fn = step_fn or train_step, save_fn or save
     match = torch.nn.Linear(model.config.text_config.hidden_size, 1)
     params = list(model.parameters()) + list(aux_head.parameters()) + list(match.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
@@ -325,7 +339,7 @@ def train_lm(model, aux_head, batcher: Batcher, data: list, budget: float,  # no
             pos = 0
         chosen = order[pos: pos + args.images_per_step]
         pos += args.images_per_step
-        loss, aux, match_loss = train_step(
+        loss, aux, match_loss = step_fn(
             model, aux_head, batcher, [data[i] for i in chosen], args.q_per_image, rng,
             match, args.match_layer, args.buckets)
         opt.zero_grad(set_to_none=True)
@@ -343,7 +357,7 @@ def train_lm(model, aux_head, batcher: Batcher, data: list, budget: float,  # no
                              f"match={ema_match:.4f}")
             print(log_lines[-1], flush=True)
         if step % 500 == 0:
-            save(model, tok, args.out)
+            save_fn(model, tok, args.out)
     return step
 
 
@@ -351,20 +365,31 @@ def pretrain_vision(model, aux_head, data: list, seconds: float, lr: float,  # n
                     rng: random.Random, batch: int = 64) -> tuple[int, float]:
     """Stage 1: vision tower + aux head only, on the last tile of each image."""
     vit = model.model.vision_tower
-    params = list(vit.parameters()) + list(aux_head.parameters())
+
+    def loss_of(items: list) -> torch.Tensor:
+        x = normalise(np.stack([d[0][-1] for d in items]))
+        target = torch.from_numpy(np.stack([d[2] for d in items]))
+        mask = torch.from_numpy(np.stack([d[3] for d in items]))
+        pooled = vit(pixel_values=x).last_hidden_state[:, 1:].mean(1)
+        return (torch.nn.functional.binary_cross_entropy_with_logits(
+            aux_head(pooled), target, reduction="none") * mask).sum() / mask.sum()
+
+    return vision_loop(list(vit.parameters()) + list(aux_head.parameters()), loss_of, data,
+                       seconds, lr, rng, batch)
+
+
+def vision_loop(params: list, loss_of, data: list, seconds: float, lr: float,  # noqa: ANN001
+                rng: random.Random, batch: int) -> tuple[int, float]:
+    """Stage 1's loop: AdamW on ``params`` over ``loss_of(batch of items)`` for
+    ``seconds``, warm-up then cosine; (steps, last EMA of the loss). Shared by the
+    families' scripts."""
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     start, step, ema = time.time(), 0, None
     while time.time() - start < seconds:
         frac = (time.time() - start) / seconds
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + np.cos(np.pi * frac))
-        items = rng.sample(data, batch)
-        x = normalise(np.stack([d[0][-1] for d in items]))
-        target = torch.from_numpy(np.stack([d[2] for d in items]))
-        mask = torch.from_numpy(np.stack([d[3] for d in items]))
-        pooled = vit(pixel_values=x).last_hidden_state[:, 1:].mean(1)
-        loss = (torch.nn.functional.binary_cross_entropy_with_logits(
-            aux_head(pooled), target, reduction="none") * mask).sum() / mask.sum()
+        loss = loss_of(rng.sample(data, batch))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -433,32 +458,50 @@ def _lm_losses(model, batcher: Batcher, seqs: list[list[int]], prompts: list[int
                ) -> tuple[torch.Tensor, float, torch.Tensor, float]:
     """(sum, count) of the answer cross-entropy, then of the match loss, for one padded batch
     of sequences; ``target``/``target_mask`` [len(seqs), len(AUX)] per sequence."""
-    bce = torch.nn.functional.binary_cross_entropy_with_logits
-    T = max(len(s) for s in seqs)
-    pad = batcher.tok.pad_token_id
-    input_ids = torch.full((len(seqs), T), pad, dtype=torch.long)
-    labels = torch.full((len(seqs), T), -100, dtype=torch.long)
-    attn = torch.zeros((len(seqs), T), dtype=torch.long)
-    for i, (s, p) in enumerate(zip(seqs, prompts)):
-        input_ids[i, : len(s)] = torch.tensor(s)
-        labels[i, p: len(s)] = torch.tensor(s[p:])
-        attn[i, : len(s)] = 1
+    input_ids, labels, attn = pad_batch(list(zip(seqs, prompts)), batcher.tok.pad_token_id)
     embeds = model.model.get_input_embeddings()(input_ids)
     mask = (input_ids == batcher.ctx).unsqueeze(-1)
     embeds = embeds.masked_scatter(mask, torch.cat(img_feats))
     out = model(inputs_embeds=embeds, attention_mask=attn, output_hidden_states=True)
+    return answer_and_match(out.logits, out.hidden_states[match_layer], input_ids, labels,
+                            batcher.attribute, target, target_mask, match)
+
+
+def pad_batch(seqs: list[tuple[list[int], int]], pad: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, labels, attention mask), each [B, T], right-padded, of (sequence, prompt length)
+    pairs: labels are the tokens after the prompt, -100 elsewhere."""
+    t = max(len(s) for s, _ in seqs)
+    ids = torch.full((len(seqs), t), pad, dtype=torch.long)
+    labels = torch.full((len(seqs), t), -100, dtype=torch.long)
+    attn = torch.zeros((len(seqs), t), dtype=torch.long)
+    for i, (s, p) in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        labels[i, p: len(s)] = torch.tensor(s[p:])
+        attn[i, : len(s)] = 1
+    return ids, labels, attn
+
+
+def answer_and_match(logits: torch.Tensor, hidden: torch.Tensor, input_ids: torch.Tensor,
+                     labels: torch.Tensor, attribute: dict[int, int], target: torch.Tensor,
+                     weight: torch.Tensor, match,  # noqa: ANN001
+                     ) -> tuple[torch.Tensor, float, torch.Tensor, float]:
+    """(sum, count) of the answer cross-entropy (next-token, ``labels`` -100 elsewhere), then
+    of the match loss: at each attribute word of a question (``attribute``: token -> AUX
+    index), whether the image has it (``target``/``weight`` [B, len(AUX)]), read by ``match``
+    off ``hidden`` [B, T, D]. Shared by the families' scripts."""
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
     shifted = labels[:, 1:]
     ce = torch.nn.functional.cross_entropy(
-        out.logits[:, :-1].reshape(-1, out.logits.shape[-1]), shifted.reshape(-1),
+        logits[:, :-1].reshape(-1, logits.shape[-1]), shifted.reshape(-1),
         ignore_index=-100, reduction="sum")
-    # match: at each attribute word of a question, whether the image has that attribute
     attr = torch.full_like(input_ids, -1)
-    for token, k in batcher.attribute.items():
+    for token, k in attribute.items():
         attr[input_ids == token] = k
     row, col = (attr >= 0).nonzero(as_tuple=True)
     k = attr[row, col]
-    logit = match(out.hidden_states[match_layer][row, col]).squeeze(-1)
-    w = target_mask[row, k]
+    logit = match(hidden[row, col]).squeeze(-1)
+    w = weight[row, k]
     match_sum = (bce(logit, target[row, k], reduction="none") * w).sum()
     return ce, float((shifted != -100).sum()), match_sum, float(w.sum())
 

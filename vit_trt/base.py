@@ -1,10 +1,12 @@
 """Vision-encoder runners behind one interface: ``encode(pixels) -> embeddings``.
 
 ``pixels`` is uint8 ``[N, *item_shape]`` (a torch tensor on the CPU; for InternVL tiles
-``[N, S, S, 3]``); the result is float ``[N, *out_shape]`` on the runner's device. A runner
-wraps a ``VisionModel`` (the vision module a model family built, plus its shapes), never
-the whole loaded model. Backends (``--vit-backend``), each registered in ``RUNNERS`` by the
-module that defines it:
+``[N, S, S, 3]``); the result is float ``[N, *out_shape]`` on the runner's device. A
+*packed* vision model (Qwen-VL: images of different sizes as patch rows, ``models.base``)
+is run with ``encode_packed(rows, dims) -> VisionOutput`` instead, by the runners that
+support it (torch). A runner wraps a ``VisionModel`` (the vision module a model family
+built, plus its shapes), never the whole loaded model. Backends (``--vit-backend``), each
+registered in ``RUNNERS`` by the module that defines it:
 
 - ``torch`` (``torch_runner.py``): the module itself (CPU or CUDA; fp32/bf16/fp16); on CUDA,
   optionally through the batch-size-bucketed CUDA graph pool (``cudagraph_pool``);
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,17 +33,23 @@ import torch
 from torch import nn
 
 from common.registry import Registry
-from cudagraph_pool import GraphPool
+from cudagraph_pool import BudgetPool, GraphPool
+from models.base import BudgetForward, VisionOutput
 
 
 @dataclass(frozen=True)
 class VisionModel:
     """What a runner runs: ``module`` maps uint8 ``[N, *item_shape]`` to float
-    ``[N, *out_shape]``; ``source`` is the checkpoint folder (keys ONNX/plan caches)."""
+    ``[N, *out_shape]``, or with ``packed``, uint8 rows of several images and each image's
+    dims to a ``VisionOutput`` (``models.base``); ``source`` is the checkpoint folder (keys
+    ONNX/plan caches); ``budget``: a packed module's static-shape form, which the graph
+    pool captures per token budget."""
     module: nn.Module
     item_shape: tuple[int, ...]
     out_shape: tuple[int, ...]
     source: Path
+    packed: bool = False
+    budget: BudgetForward | None = None
 
     @property
     def device(self) -> torch.device:
@@ -55,6 +63,8 @@ class RunnerOptions:
     # the largest batch (graph bucket, TensorRT profile maximum) a runner prepares for;
     # larger calls are split
     max_batch: int = 32
+    # packed models: the largest token budget (patch rows) a graph is captured for
+    max_budget: int = 16384
     # the consumer reads results on the stream that made them (see ``VitRunner``)
     stream_ordered: bool = False
     onnx_path: Path | None = None  # onnxruntime/tensorrt: use this export instead of making one
@@ -67,11 +77,18 @@ class VitRunner(ABC):
     the current CUDA stream sees it complete (what the torch engine needs: it reads the
     result on that stream), which spares the host a wait per call."""
 
-    pool: GraphPool | None = None  # where the runner replays CUDA graphs
+    pool: GraphPool | BudgetPool | None = None  # where the runner replays CUDA graphs
+    packed: bool = False  # runs a packed vision model: call ``encode_packed``
 
     @abstractmethod
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
         """uint8 ``[N, *item_shape]`` -> ``[N, *out_shape]``."""
+
+    def encode_packed(self, rows: torch.Tensor,
+                      dims: Sequence[tuple[int, ...]]) -> VisionOutput:
+        """A packed model's images: uint8 rows ``[N, *item_shape]`` (images one after
+        another) and each image's ``grid.dims`` -> their tokens, in order."""
+        raise NotImplementedError(f"{type(self).__name__} runs tile models only")
 
 
 RunnerFactory = Callable[[VisionModel, RunnerOptions], VitRunner]
@@ -86,7 +103,8 @@ def default_backend(device: str) -> str:
 
 
 def make_runner(backend: str, vision: VisionModel, opts: RunnerOptions) -> VitRunner:
-    """The runner registered as ``backend`` (``auto``: ``default_backend``)."""
+    """The runner registered as ``backend`` (``auto``: ``default_backend``; torch for a
+    packed model, the one backend that runs it)."""
     if backend == "auto":
-        backend = default_backend(opts.device)
+        backend = "torch" if vision.packed else default_backend(opts.device)
     return RUNNERS.get(backend)(vision, opts)

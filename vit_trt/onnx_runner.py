@@ -8,13 +8,20 @@ from pathlib import Path
 
 import torch
 
+from models.io import ModelError
 from vit_trt.base import RUNNERS, RunnerOptions, VisionModel, VitRunner
 from vit_trt.export import INPUT, OUTPUT, export_onnx, quantize_int8
+
+PACKED = ("a packed vision model (Qwen-VL: images of any size as patch rows) exports only at "
+          "a fixed token budget (`vlmbatch export-vit`), and no {} runner packs images into "
+          "it yet; use --vit-backend torch")
 
 
 class OnnxRuntimeRunner(VitRunner):
     def __init__(self, vision: VisionModel, onnx_path: Path | None = None,
                  device: str = "cpu", threads: int | None = None, int8: bool = False) -> None:
+        if vision.packed:
+            raise ModelError(PACKED.format("onnxruntime"))
         try:  # optional dependency: the onnx extra
             import onnxruntime as ort
         except ModuleNotFoundError as e:

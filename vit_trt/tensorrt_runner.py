@@ -25,8 +25,10 @@ from pathlib import Path
 import torch
 
 from cudagraph_pool import GraphPool, default_buckets
+from models.io import ModelError
 from vit_trt.base import RUNNERS, RunnerOptions, VisionModel, VitRunner
 from vit_trt.export import export_onnx, model_hash
+from vit_trt.onnx_runner import PACKED
 
 CACHE_DIR = Path(os.environ.get("VLMBATCH_CACHE", Path.home() / ".cache" / "vlmbatch")) / "trt"
 
@@ -75,6 +77,8 @@ class TensorRTRunner(VitRunner):
     def __init__(self, vision: VisionModel, onnx_path: Path | None = None,
                  precision: str = "fp16", profile: tuple[int, int, int] = (1, 8, 32),
                  cuda_graphs: bool = True) -> None:
+        if vision.packed:
+            raise ModelError(PACKED.format("TensorRT"))
         try:  # optional dependency: NVIDIA's index only
             import tensorrt as trt
         except ImportError as e:
@@ -140,7 +144,7 @@ class TensorRTRunner(VitRunner):
 
     @torch.inference_mode()
     def encode(self, tiles: torch.Tensor) -> torch.Tensor:
-        if self.pool is not None:  # replays on the current stream; complete when returned
+        if isinstance(self.pool, GraphPool):  # replays on the current stream; complete after
             return self.pool(tiles.to(self.device).contiguous())
         outs = []
         stream = self.stream

@@ -17,14 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer
-
 from models.base import ImageOptions, ModelFamily, ModelSpec
 from models.internvl.prompt import InternVLPrompts
 from models.internvl.vision import VisionEncoder, VisionSpec
 from models.io import ModelError, load_weights, read_json
-from models.qwen2 import Qwen2LM, TextSpec
+from models.qwen2 import Qwen2LM, TextSpec, hf_key, our_name
 from models.registry import FAMILIES
+from models.tokenizer import check_tokenizer, load_tokenizer
 from preprocessing.prepare import TilingConfig
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -106,27 +105,17 @@ class InternVL(ModelFamily):
         assert isinstance(spec, InternVLSpec)
         vision = VisionEncoder(spec.vision)
         load_weights(vision, weights, path)
+        assert isinstance(spec.text, TextSpec)
         llm = Qwen2LM(spec.text)
         load_weights(llm, weights, path)
         return vision, llm
 
     def load_tokenizer(self, path: Path) -> Any:
-        try:
-            tok = AutoTokenizer.from_pretrained(str(path))
-        except Exception as e:  # noqa: BLE001  (transformers raises many kinds)
-            raise ModelError(f"cannot load the tokenizer from {path}: {e}") from e
-        missing = [a for a in ("start_image_token", "context_image_token", "end_image_token")
-                   if getattr(tok, a, None) is None
-                   or tok.convert_tokens_to_ids(getattr(tok, a)) in (None, tok.unk_token_id)]
-        if missing:
-            raise ModelError(f"the tokenizer in {path} lacks InternVL's image tokens "
-                             f"({', '.join(missing)}); copy the checkpoint's tokenizer files "
-                             "(tokenizer.json, tokenizer_config.json) into the folder")
-        if getattr(tok, "chat_template", None) is None:
-            raise ModelError(f"the tokenizer in {path} has no chat template; copy the "
-                             "checkpoint's chat_template.jinja (or tokenizer_config.json) into "
-                             "the folder")
-        return tok
+        tok = load_tokenizer(path)
+        names = ("start_image_token", "context_image_token", "end_image_token")
+        return check_tokenizer(tok, path, {a: getattr(tok, a, None) is not None and (
+            tok.convert_tokens_to_ids(getattr(tok, a)) not in (None, tok.unk_token_id))
+            for a in names}, "InternVL")
 
     def prompt_builder(self, tokenizer: Any, spec: ModelSpec) -> InternVLPrompts:
         assert isinstance(spec, InternVLSpec)
@@ -151,6 +140,14 @@ class InternVL(ModelFamily):
             max_tiles = min(max_tiles, budget if budget < thumb_from else budget - 1)
         return TilingConfig(t.tile_size, min(t.min_tiles, max_tiles), max_tiles, t.use_thumbnail,
                             mode=options.tiling, upscale_limit=options.upscale_limit)
+
+    def llm_param(self, key: str) -> str | None:
+        """``language_model.layers.0.self_attn.q_proj.weight`` -> ``layers.0.q_proj.weight``
+        (``Qwen2LM``'s flat layer names)."""
+        return our_name(key)
+
+    def llm_key(self, param: str) -> str:
+        return hf_key(param)
 
     def vision_input_shape(self, spec: ModelSpec) -> tuple[int, ...]:
         assert isinstance(spec, InternVLSpec)

@@ -20,6 +20,7 @@ from typing import Any
 
 from models.base import Prompt
 from preprocessing.prepare import PreparedImage
+from preprocessing.tiling import TileGrid
 
 _MARK = "\x00QUESTION\x00"
 
@@ -57,6 +58,7 @@ class InternVLPrompts:
         return tuple(self._encode(self._between + question))
 
     def build(self, question: str, image: PreparedImage) -> Prompt:
+        assert isinstance(image.grid, TileGrid)  # InternVL's plan made it
         return self.build_for_tiles(question, image.grid.num_tiles)
 
     def build_for_tiles(self, question: str, num_tiles: int) -> Prompt:
@@ -72,6 +74,7 @@ class InternVLPrompts:
             if not alone:
                 raise ValueError("an embedding input needs an image or a non-empty text")
             return Prompt(alone, 0, 0)
+        assert isinstance(image.grid, TileGrid)  # InternVL's plan made it
         n = self.tokens_per_tile * image.grid.num_tiles
         ids = (*self._head, *[self.image_token_id] * n, *self._end,
                *self._encode(self._between + text), *self._embed_tail)

@@ -56,15 +56,26 @@ def prompt_positions(ids: Sequence[int], image_token_id: int, grid_thw: Grid | N
         pos = torch.arange(len(ids)).expand(3, -1).clone()
         return pos, 0
     s = at[0] if at else -1
-    img = image_positions(s, grid_thw, merge)
-    if not at or at != list(range(s, s + img.shape[1])):
-        raise ValueError(f"need one contiguous run of {img.shape[1]} image tokens "
+    n = grid_thw[0] * grid_thw[1] * grid_thw[2] // (merge * merge)
+    if not at or at != list(range(s, s + n)):
+        raise ValueError(f"need one contiguous run of {n} image tokens "
                          f"{image_token_id} for grid {grid_thw}; found {len(at)}")
-    after = len(ids) - s - img.shape[1]
+    return image_prompt_positions(s, grid_thw, merge, len(ids))
+
+
+def image_prompt_positions(start: int, grid_thw: Grid, merge: int,
+                           length: int) -> tuple[torch.Tensor, int]:
+    """``prompt_positions`` of a prompt of ``length`` tokens whose image run starts at
+    ``start`` (the caller vouches for the ids): (positions [3, length] long, delta)."""
+    img = image_positions(start, grid_thw, merge)
+    after = length - start - img.shape[1]
+    if start < 0 or after < 0:
+        raise ValueError(f"an image of {img.shape[1]} tokens at {start} does not fit a "
+                         f"prompt of {length}")
     nxt = int(img.max()) + 1
-    pos = torch.cat([torch.arange(s).expand(3, -1), img,
+    pos = torch.cat([torch.arange(start).expand(3, -1), img,
                      (nxt + torch.arange(after)).expand(3, -1)], dim=1)
-    return pos, nxt + after - len(ids)
+    return pos, nxt + after - length
 
 
 def batch_positions(rows: Sequence[torch.Tensor], length: int | None = None) -> torch.Tensor:

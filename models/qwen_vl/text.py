@@ -8,38 +8,26 @@ j < 3 * section_h, w if j % 3 == 2 and j < 3 * section_w, else t), and DeepStack
 tower's extra features are added to the hidden states at the image positions after each of
 the first ``len(features)`` decoder layers.
 
-The interface follows ``pipeline/llm.py``'s ``Qwen2LM`` with explicit positions, so the engine
-can drive either. Shapes: B rows, T new tokens (right-padded), P cached tokens, D hidden,
-H query heads, K key/value heads, d head dim. K/V are returned with rotary applied, so a
-cached prefix is reusable as is; K/V are never repeated per query head (SDPA ``enable_gqa``).
+The interface is ``models.base.Decoder`` (as ``models/qwen2.py``'s ``Qwen2LM``) with M-RoPE
+positions, so the engine drives either. Shapes: B rows, T new tokens (right-padded), P cached
+tokens, D hidden, H query heads, K key/value heads, d head dim. K/V are returned with rotary
+applied, so a cached prefix is reusable as is; K/V are never repeated per query head (SDPA
+``enable_gqa``).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.qwen_vl.layers import RMSNorm, activation, inverse_frequencies, rope_tables, rotate
+from models.base import KV, Decoder, DeepStack
+from models.layers import FusedRMSNorm as RMSNorm
+from models.layers import activation, inverse_frequencies, rope_tables
+from models.layers import rope as rotate
 from models.qwen_vl.spec import TextSpec
 
-KV = tuple[torch.Tensor, torch.Tensor]  # (k, v), each [B, K, T, d]
-
-
-@dataclass(frozen=True)
-class DeepStack:
-    """Qwen3-VL DeepStack input of one prefill call.
-
-    ``mask`` [B, T] bool: the image positions among the new tokens. ``features``: one
-    ``[M, D]`` per leading decoder layer, M = mask.sum(), rows in the mask's row-major order
-    (row 0's image tokens, then row 1's, ...): what the vision tower's ``deepstack`` gives
-    for the images of the batch, concatenated in row order.
-    """
-
-    mask: torch.Tensor
-    features: tuple[torch.Tensor, ...]
+__all__ = ["KV", "DeepStack", "QwenVLText", "mrope_axes"]  # KV, DeepStack: models.base's
 
 
 def mrope_axes(spec: TextSpec) -> list[int]:
@@ -109,8 +97,10 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
 
-class QwenVLText(nn.Module):
+class QwenVLText(Decoder):
     """The decoder + final norm + LM head of one Qwen-VL checkpoint."""
+
+    spec: TextSpec
 
     def __init__(self, spec: TextSpec) -> None:
         super().__init__()
@@ -135,7 +125,8 @@ class QwenVLText(nn.Module):
         return cos[:, None], sin[:, None]
 
     def prefill(self, embeds: torch.Tensor, lengths: torch.Tensor, past: list[KV] | None = None,
-                past_lengths: torch.Tensor | None = None, *, positions: torch.Tensor,
+                past_lengths: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None,
                 deepstack: DeepStack | None = None) -> tuple[torch.Tensor, list[KV]]:
         """Prefill new tokens after an optional cached prefix; logits of the last real token.
 
@@ -148,9 +139,9 @@ class QwenVLText(nn.Module):
         """
         b, t, _ = embeds.shape
         dev = embeds.device
-        if positions.shape != (3, b, t):
-            raise ValueError(f"positions must be [3, B, T] = {[3, b, t]}, got "
-                             f"{list(positions.shape)}")
+        if positions is None or positions.shape != (3, b, t):
+            raise ValueError(f"M-RoPE positions must be [3, B, T] = {[3, b, t]}, got "
+                             f"{None if positions is None else list(positions.shape)}")
         pos = torch.arange(t, device=dev)
         valid = pos[None, :] < lengths[:, None]  # [B, T]
         mask = (pos[None, :] <= pos[:, None])[None] & valid[:, None, :]  # [B, T, T]
@@ -201,7 +192,7 @@ class QwenVLText(nn.Module):
         """Load the decoder from transformers' keys: ``model.language_model.*`` (Qwen3-VL,
         transformers >= 4.52), ``model.*`` (Qwen2/2.5-VL as the hub and ``save_pretrained``
         write them), ``language_model.*``; plus ``lm_head.weight`` unless tied."""
-        got = {name: t for key, t in sd.items() if (name := _our_name(key)) is not None}
+        got = {name: t for key, t in sd.items() if (name := our_name(key)) is not None}
         own = self.state_dict()
         need = {k for k in own if not (k == "lm_head.weight" and self.spec.tie_embeddings)}
         missing = sorted(need - set(got))
@@ -217,7 +208,7 @@ class QwenVLText(nn.Module):
         self.load_state_dict(got, strict=False)  # strict but for a tied head (checked above)
 
 
-def _our_name(key: str) -> str | None:
+def our_name(key: str) -> str | None:
     if key in ("lm_head.weight", "language_model.lm_head.weight"):
         return "lm_head.weight"
     for prefix in ("model.language_model.", "language_model.model.", "language_model.",

@@ -22,20 +22,20 @@ Families differ in (tested against transformers' ``model.visual`` for each):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from models.qwen_vl.layers import (
-    RMSNorm,
-    Segments,
+from models.base import VisionOutput
+from models.layers import (
+    RMSNorm,  # written out op by op: exports to ONNX (the fused op does not)
     activation,
     inverse_frequencies,
     rope_tables,
-    rotate,
-    segment_attention,
 )
+from models.layers import rope as rotate
+from models.qwen_vl.segments import BlockMask, Segments, segment_attention
 from models.qwen_vl.spec import VisionSpec
 from models.qwen_vl.vision_grid import (
     Grid,
@@ -45,11 +45,6 @@ from models.qwen_vl.vision_grid import (
     patch_coords,
     window_order,
 )
-
-
-class VisionOutput(NamedTuple):
-    embeds: torch.Tensor  # [N / merge**2, D_text]
-    deepstack: tuple[torch.Tensor, ...]  # Qwen3-VL: one [N / merge**2, D_text] per index
 
 
 def _norm(s: VisionSpec, dim: int) -> nn.Module:
@@ -64,7 +59,7 @@ class Attention(nn.Module):
         self.proj = nn.Linear(s.hidden, s.hidden)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                seg: Segments) -> torch.Tensor:
+                seg: Segments | BlockMask) -> torch.Tensor:
         # x: [N, D]; cos/sin: [N, 1, d] float32; rotary applied in float32 as the reference
         n, dim = x.shape
         q, k, v = self.qkv(x).view(n, 3, self.heads, -1).unbind(1)  # each [N, H, d]
@@ -102,7 +97,7 @@ class Block(nn.Module):
         self.mlp = MLP(s)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                seg: Segments) -> torch.Tensor:
+                seg: Segments | BlockMask) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, seg)
         return x + self.mlp(self.norm2(x))
 
@@ -124,6 +119,21 @@ class Merger(nn.Module):
         # x: [N, D] -> [N / merge**2, D_text]
         x = self.norm(x.reshape(-1, self.wide)) if self.after_shuffle else self.norm(x)
         return self.fc2(self.act(self.fc1(x.reshape(-1, self.wide))))
+
+
+@dataclass(frozen=True)
+class TowerLayout:
+    """The index maths of one call, made before the blocks run (``VisionTower.layout``; a
+    budget-padded, static-shape one in ``vision_static.py``). N tokens, U = N / merge**2
+    units, C tower width, d head dim."""
+
+    cos: torch.Tensor  # [N, 1, d] float32, in block order (after the window regrouping)
+    sin: torch.Tensor
+    full: Segments | BlockMask  # attention inside each frame
+    window: Segments | BlockMask  # inside each window (Qwen2.5-VL), else = full
+    perm: torch.Tensor | None = None  # [U] long: units regrouped window by window
+    back: torch.Tensor | None = None  # [U] long: the merged units back in input order
+    pos: torch.Tensor | None = None  # Qwen3-VL: [N, C] learned positions, input order
 
 
 class VisionTower(nn.Module):
@@ -166,28 +176,42 @@ class VisionTower(nn.Module):
                 grid_thw: Sequence[Grid] | torch.Tensor) -> VisionOutput:
         s = self.spec
         grids = as_grids(grid_thw, s.merge)
-        n, dev = patches.shape[0], patches.device
-        if n != sum(t * h * w for t, h, w in grids):
-            raise ValueError(f"{n} patch rows do not fit grids {grids}")
-        scale, shift = self.affine(dev)
-        x = self.patch_embed((patches.float() * scale + shift).to(self.patch_embed.weight.dtype))
-        if self.pos_embed is not None:
-            x = x + interpolate_positions(self.pos_embed.weight, grids, s.merge).to(x.dtype)
+        if patches.shape[0] != sum(t * h * w for t, h, w in grids):
+            raise ValueError(f"{patches.shape[0]} patch rows do not fit grids {grids}")
+        return self.run(patches, self.layout(grids, patches.device))
+
+    def layout(self, grids: Sequence[Grid], dev: torch.device) -> TowerLayout:
+        """The call's positions, segments and window order (host index maths)."""
+        s = self.spec
+        pos = None if self.pos_embed is None else interpolate_positions(
+            self.pos_embed.weight, grids, s.merge)
         cos, sin = self.rotary(grids, dev)
         full = Segments.of(frame_lengths(grids), dev)
-        window, back = full, None
-        if s.window:
-            perm, lengths = window_order(grids, s.merge, s.window // s.merge // s.patch)
-            perm = perm.to(dev)
-            x, cos, sin = (_by_unit(t, perm, s.merge) for t in (x, cos, sin))
-            window, back = Segments.of(lengths, dev), torch.argsort(perm)
+        if not s.window:
+            return TowerLayout(cos, sin, full, full, pos=pos)
+        perm, lengths = window_order(grids, s.merge, s.window // s.merge // s.patch)
+        perm = perm.to(dev)
+        cos, sin = (by_unit(t, perm, s.merge) for t in (cos, sin))
+        return TowerLayout(cos, sin, full, Segments.of(lengths, dev), perm, torch.argsort(perm),
+                           pos)
+
+    def run(self, patches: torch.Tensor, lay: TowerLayout) -> VisionOutput:
+        """uint8 patch rows ``[N, C*T*P*P]`` through the tower, the index maths given."""
+        s = self.spec
+        scale, shift = self.affine(patches.device)
+        x = self.patch_embed((patches.float() * scale + shift).to(self.patch_embed.weight.dtype))
+        if lay.pos is not None:
+            x = x + lay.pos.to(x.dtype)
+        if lay.perm is not None:
+            x = by_unit(x, lay.perm, s.merge)
         deep = []
         for i, blk in enumerate(self.blocks):
-            x = blk(x, cos, sin, full if not s.window or i in s.full_attention_blocks else window)
+            windowed = s.window and i not in s.full_attention_blocks
+            x = blk(x, lay.cos, lay.sin, lay.window if windowed else lay.full)
             if i in s.deepstack:
                 deep.append(self.deepstack_merger_list[s.deepstack.index(i)](x))
         out = self.merger(x)
-        return VisionOutput(out if back is None else out[back], tuple(deep))
+        return VisionOutput(out if lay.back is None else out[lay.back], tuple(deep))
 
     def load_hf(self, sd: dict[str, torch.Tensor]) -> None:
         """Load transformers' vision weights: keys under ``visual.`` or ``model.visual.``
@@ -195,7 +219,7 @@ class VisionTower(nn.Module):
         own = self.state_dict()
         got: dict[str, torch.Tensor] = {}
         for key, t in sd.items():
-            name = _our_name(key)
+            name = our_name(key)
             if name is not None:
                 got[name] = t.reshape(own[name].shape) if name == "patch_embed.weight" else t
         missing = sorted(set(own) - set(got))
@@ -208,7 +232,7 @@ class VisionTower(nn.Module):
         self.load_state_dict(got)
 
 
-def _by_unit(t: torch.Tensor, perm: torch.Tensor, merge: int) -> torch.Tensor:
+def by_unit(t: torch.Tensor, perm: torch.Tensor, merge: int) -> torch.Tensor:
     """Reorder tokens ``[N, ...]`` by merge unit (``merge**2`` consecutive tokens)."""
     return t.reshape(-1, merge * merge, *t.shape[1:])[perm].reshape(t.shape)
 
@@ -218,7 +242,7 @@ _RENAMES = (("patch_embed.proj.", "patch_embed."), ("merger.ln_q.", "merger.norm
             ("linear_fc1.", "fc1."), ("linear_fc2.", "fc2."))
 
 
-def _our_name(key: str) -> str | None:
+def our_name(key: str) -> str | None:
     """A checkpoint key -> our parameter name, or None if it is not a vision weight."""
     for prefix in ("model.visual.", "visual."):
         if key.startswith(prefix):

@@ -14,15 +14,9 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import (
-    PreTrainedConfig,
-    Qwen2_5_VLConfig,
-    Qwen2_5_VLForConditionalGeneration,
-    Qwen2VLConfig,
-    Qwen2VLForConditionalGeneration,
-    Qwen3VLConfig,
-    Qwen3VLForConditionalGeneration,
-)
+from transformers import PreTrainedConfig
+
+from models.qwen_vl.random import CLASSES, preprocessor_config, random_model, save_random_qwen_vl
 
 KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 VOCAB = 320
@@ -32,59 +26,55 @@ PIXELS = {"qwen2_vl": (56 * 56, 28 * 28 * 40), "qwen2_5_vl": (56 * 56, 28 * 28 *
           "qwen3_vl": (64 * 64, 32 * 32 * 40)}
 
 
-def _text(kind: str) -> dict:
+def text_kwargs(kind: str) -> dict:
+    """The tiny decoder's text_config keywords (no vocabulary or special ids)."""
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
-    t = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-             num_attention_heads=4, num_key_value_heads=2, rope_parameters=rope,
-             bos_token_id=EOS, eos_token_id=EOS, pad_token_id=0, initializer_range=0.1)
+    t = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, rope_parameters=rope)
     if kind == "qwen3_vl":
         rope["mrope_interleaved"] = True
         t["head_dim"] = 16
     return t
 
 
+def vision_kwargs(kind: str) -> dict:
+    """The tiny tower's vision_config keywords."""
+    v = dict(depth=3, num_heads=2)
+    if kind == "qwen2_vl":
+        return dict(v, embed_dim=32, hidden_size=64, mlp_ratio=2)
+    if kind == "qwen2_5_vl":
+        return dict(v, hidden_size=32, intermediate_size=48, out_hidden_size=64, window_size=56,
+                    fullatt_block_indexes=[1])
+    return dict(v, hidden_size=32, intermediate_size=48, out_hidden_size=64,
+                num_position_embeddings=16, deepstack_visual_indexes=[0, 2])
+
+
 def config(kind: str) -> PreTrainedConfig:
     ids = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
                vision_end_token_id=END)
-    v = dict(depth=3, num_heads=2, initializer_range=0.1)
-    if kind == "qwen2_vl":
-        return Qwen2VLConfig(vision_config=dict(v, embed_dim=32, hidden_size=64, mlp_ratio=2),
-                             text_config=_text(kind), **ids)
-    if kind == "qwen2_5_vl":
-        return Qwen2_5_VLConfig(
-            vision_config=dict(v, hidden_size=32, intermediate_size=48, out_hidden_size=64,
-                               window_size=56, fullatt_block_indexes=[1]),
-            text_config=_text(kind), **ids)
-    return Qwen3VLConfig(
-        vision_config=dict(v, hidden_size=32, intermediate_size=48, out_hidden_size=64,
-                           num_position_embeddings=16, deepstack_visual_indexes=[0, 2]),
-        text_config=_text(kind), **ids)
+    text = dict(text_kwargs(kind), vocab_size=VOCAB, bos_token_id=EOS, eos_token_id=EOS,
+                pad_token_id=0, initializer_range=0.1)
+    return CLASSES[kind][0](vision_config=dict(vision_kwargs(kind), initializer_range=0.1),
+                            text_config=text, **ids)
 
 
 def reference_model(kind: str, seed: int = 0) -> torch.nn.Module:
-    classes = {"qwen2_vl": Qwen2VLForConditionalGeneration,
-               "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
-               "qwen3_vl": Qwen3VLForConditionalGeneration}
-    torch.manual_seed(seed)
-    model = classes[kind](config(kind)).eval()
-    with torch.no_grad():  # norms' weights away from 1, biases away from 0
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+    return random_model(config(kind), seed)
+
+
+def save_engine_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
+    """The tiny model with our tokenizer (``models/qwen_vl/random.py``): what ``vlmbatch``
+    loads end to end."""
+    return save_random_qwen_vl(path, kind, vision=vision_kwargs(kind), text=text_kwargs(kind),
+                               pixels=PIXELS[kind], seed=seed, initializer_range=0.1)
 
 
 def save_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
     """``save_pretrained`` of a tiny random model + a preprocessor config; returns ``path``."""
     reference_model(kind, seed).save_pretrained(path)
-    lo, hi = PIXELS[kind]
     patch = 16 if kind == "qwen3_vl" else 14
-    mean = [0.5] * 3 if kind == "qwen3_vl" else [0.48145466, 0.4578275, 0.40821073]
-    std = [0.5] * 3 if kind == "qwen3_vl" else [0.26862954, 0.26130258, 0.27577711]
-    (path / "preprocessor_config.json").write_text(json.dumps(dict(
-        image_processor_type="Qwen2VLImageProcessor", patch_size=patch, merge_size=2,
-        temporal_patch_size=2, size={"shortest_edge": lo, "longest_edge": hi},
-        image_mean=mean, image_std=std)))
+    (path / "preprocessor_config.json").write_text(
+        json.dumps(preprocessor_config(kind, patch, 2, PIXELS[kind])))
     return path
 
 

@@ -17,7 +17,8 @@ import torch
 from models.qwen_vl.load import load_qwen_vl
 from models.qwen_vl.positions import batch_positions, prompt_positions
 from models.qwen_vl.text import KV, DeepStack
-from preprocessing.qwen_vl import QwenVLImage, prepare_qwen_vl
+from preprocessing.prepare import PreparedImage
+from preprocessing.qwen_vl import PatchGrid, prepare_qwen_vl
 from tests.models.conftest import Pair
 from tests.models.qwen_vl_helpers import EOS, IMAGE, prompt_ids, reference_pixels
 
@@ -25,26 +26,31 @@ SIZES = [(56, 56), (200, 90), (30, 170), (300, 200), (120, 400)]  # (width, heig
 TOL = 1e-4
 
 
-def image(pair: Pair, w: int, h: int, seed: int = 0) -> QwenVLImage:
+def grid(im: PreparedImage) -> PatchGrid:
+    assert isinstance(im.grid, PatchGrid)
+    return im.grid
+
+
+def image(pair: Pair, w: int, h: int, seed: int = 0) -> PreparedImage:
     rng = np.random.default_rng(seed)
     return prepare_qwen_vl(rng.integers(0, 256, (h, w, 3), dtype=np.uint8),
                            pair.ours.spec.preprocess)
 
 
-def reference_inputs(pair: Pair, ids: list[int], im: QwenVLImage) -> dict:
+def reference_inputs(pair: Pair, ids: list[int], im: PreparedImage) -> dict:
     v = pair.ours.spec.vision
     x = torch.tensor([ids])
     return dict(input_ids=x, mm_token_type_ids=(x == IMAGE).int(),
-                pixel_values=reference_pixels(torch.from_numpy(im.patches), v.mean, v.std),
-                image_grid_thw=torch.tensor([im.grid_thw]))
+                pixel_values=reference_pixels(torch.from_numpy(im.rows), v.mean, v.std),
+                image_grid_thw=torch.tensor([grid(im).thw]))
 
 
-def reference_logits(pair: Pair, ids: list[int], im: QwenVLImage) -> torch.Tensor:
+def reference_logits(pair: Pair, ids: list[int], im: PreparedImage) -> torch.Tensor:
     with torch.no_grad():
         return pair.ref(**reference_inputs(pair, ids, im)).logits[0, -1]
 
 
-def our_inputs(pair: Pair, rows: list[tuple[list[int], QwenVLImage]]
+def our_inputs(pair: Pair, rows: list[tuple[list[int], PreparedImage]]
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DeepStack | None, list[int]]:
     """A right-padded batch: (embeds [B, T, D], lengths [B], positions [3, B, T], DeepStack,
     rope deltas). One vision call for all the rows' images."""
@@ -52,12 +58,12 @@ def our_inputs(pair: Pair, rows: list[tuple[list[int], QwenVLImage]]
     t = max(len(ids) for ids, _ in rows)
     ids = torch.tensor([r + [0] * (t - len(r)) for r, _ in rows])
     with torch.no_grad():
-        vis = m.vision(torch.cat([torch.from_numpy(im.patches) for _, im in rows]),
-                       [im.grid_thw for _, im in rows])
+        vis = m.vision(torch.cat([torch.from_numpy(im.rows) for _, im in rows]),
+                       [grid(im).thw for _, im in rows])
         x = m.text.embed_tokens(ids)
     at = ids == IMAGE
     x[at] = vis.embeds  # rows' image spans in row order = the images' outputs in order
-    pos = [prompt_positions(r, IMAGE, im.grid_thw, m.spec.vision.merge) for r, im in rows]
+    pos = [prompt_positions(r, IMAGE, grid(im).thw, m.spec.vision.merge) for r, im in rows]
     deep = DeepStack(at, vis.deepstack) if vis.deepstack else None
     return (x, torch.tensor([len(r) for r, _ in rows]), batch_positions([p for p, _ in pos]),
             deep, [d for _, d in pos])
@@ -75,7 +81,7 @@ def split_deepstack(deep: DeepStack | None, k: int) -> tuple[DeepStack | None, .
 @pytest.mark.parametrize("w,h", SIZES)
 def test_logits_match_transformers(pair: Pair, w: int, h: int) -> None:
     im = image(pair, w, h, seed=w)
-    ids = prompt_ids(6, im.tokens, 5, seed=h)
+    ids = prompt_ids(6, grid(im).tokens, 5, seed=h)
     x, lengths, pos, deep, _ = our_inputs(pair, [(ids, im)])
     with torch.no_grad():
         got, _ = pair.ours.text.prefill(x, lengths, positions=pos, deepstack=deep)
@@ -86,7 +92,7 @@ def test_controls_positions_and_deepstack_matter(pair: Pair) -> None:
     """Negative controls: 1-D positions (and, for Qwen3-VL, no DeepStack) change the logits
     far above the tolerance, so the parity test depends on both being right."""
     im = image(pair, 200, 90)
-    ids = prompt_ids(6, im.tokens, 5)
+    ids = prompt_ids(6, grid(im).tokens, 5)
     x, lengths, pos, deep, _ = our_inputs(pair, [(ids, im)])
     flat = torch.arange(len(ids)).expand(3, 1, -1)
     with torch.no_grad():
@@ -99,8 +105,9 @@ def test_controls_positions_and_deepstack_matter(pair: Pair) -> None:
 
 
 def test_batch_equals_each_alone(pair: Pair) -> None:
-    rows = [(prompt_ids(3, im.tokens, 4, seed=1), im) for im in [image(pair, 300, 200, 1)]] + \
-           [(prompt_ids(9, im.tokens, 12, seed=2), im) for im in [image(pair, 30, 170, 2)]]
+    a, b = image(pair, 300, 200, 1), image(pair, 30, 170, 2)
+    rows = [(prompt_ids(3, grid(a).tokens, 4, seed=1), a),
+            (prompt_ids(9, grid(b).tokens, 12, seed=2), b)]
     assert len(rows[0][0]) != len(rows[1][0])
     with torch.no_grad():
         x, lengths, pos, deep, _ = our_inputs(pair, rows)
@@ -115,7 +122,7 @@ def test_batch_equals_each_alone(pair: Pair) -> None:
                 assert (v[b, :, :n] - v1[0]).abs().max() <= 1e-5
 
 
-def one_shot_and_split(pair: Pair, ids: list[int], im: QwenVLImage,
+def one_shot_and_split(pair: Pair, ids: list[int], im: PreparedImage,
                        k: int) -> tuple[torch.Tensor, list[KV], torch.Tensor, list[KV]]:
     x, lengths, pos, deep, _ = our_inputs(pair, [(ids, im)])
     head, tail = split_deepstack(deep, k)
@@ -134,9 +141,9 @@ def test_split_prefill_equals_one_shot(pair: Pair) -> None:
     """What the prefix cache does: prefill a prefix (through the image's end token, or at an
     arbitrary block boundary, even inside the image), then the rest after its KV."""
     im = image(pair, 300, 200, 3)
-    ids = prompt_ids(20, im.tokens, 40, seed=3)
+    ids = prompt_ids(20, grid(im).tokens, 40, seed=3)
     assert len(ids) > 64
-    end = ids.index(IMAGE) + im.tokens + 1
+    end = ids.index(IMAGE) + grid(im).tokens + 1
     for k in (end, 1, 16, 64, end - 3):
         whole, kv, split, kv_split = one_shot_and_split(pair, ids, im, k)
         assert (whole - split).abs().max() <= 1e-5, k
@@ -148,8 +155,8 @@ def test_rows_after_cached_prefixes_of_different_lengths(pair: Pair) -> None:
     """A batch whose rows continue after cached prefixes of different lengths (past padded
     with large junk, which the mask must hide) equals each row's one-shot prefill."""
     ims = [image(pair, 200, 90, 4), image(pair, 56, 56, 5)]
-    rows = [(prompt_ids(5, im.tokens, 9, seed=4 + i), im) for i, im in enumerate(ims)]
-    cut = [r.index(IMAGE) + im.tokens + 1 for r, im in rows]  # through <|vision_end|>
+    rows = [(prompt_ids(5, grid(im).tokens, 9, seed=4 + i), im) for i, im in enumerate(ims)]
+    cut = [r.index(IMAGE) + grid(im).tokens + 1 for r, im in rows]  # through <|vision_end|>
     text, p = pair.ours.text, max(cut)
     with torch.no_grad():
         past = [(torch.full((2, 2, p, 16), 1e4), torch.full((2, 2, p, 16), 1e4))
@@ -176,14 +183,14 @@ def test_different_images_same_ids_give_different_kv(pair: Pair) -> None:
     """The 58.com prefix-cache bug: two images of one size have the same placeholder ids, but
     their KV (and answers) differ from the image span on; text before it is shared."""
     a, b = image(pair, 200, 90, 6), image(pair, 200, 90, 7)
-    assert a.grid_thw == b.grid_thw and a.content_hash != b.content_hash
-    ids = prompt_ids(6, a.tokens, 5)
+    assert grid(a) == grid(b) and a.content_hash != b.content_hash
+    ids = prompt_ids(6, grid(a).tokens, 5)
     start = ids.index(IMAGE)
     with torch.no_grad():
         out = [_prefill(pair, ids, im) for im in (a, b, a)]
     (la, kva), (lb, kvb), (la2, kva2) = out
     assert (la - lb).abs().max() > 1e-3
-    end = start + a.tokens
+    end = start + grid(a).tokens
     for layer, ((ka, va), (kb, vb), (ka2, _)) in enumerate(zip(kva, kvb, kva2)):
         assert torch.equal(ka[:, :, :start], kb[:, :, :start])
         # every image token's k and v differ; text after the image differs from the second
@@ -195,12 +202,12 @@ def test_different_images_same_ids_give_different_kv(pair: Pair) -> None:
         assert torch.equal(ka, ka2)  # same image, same KV: what makes sharing it correct
 
 
-def _prefill(pair: Pair, ids: list[int], im: QwenVLImage) -> tuple[torch.Tensor, list[KV]]:
+def _prefill(pair: Pair, ids: list[int], im: PreparedImage) -> tuple[torch.Tensor, list[KV]]:
     x, lengths, pos, deep, _ = our_inputs(pair, [(ids, im)])
     return pair.ours.text.prefill(x, lengths, positions=pos, deepstack=deep)
 
 
-def greedy(pair: Pair, rows: list[tuple[list[int], QwenVLImage]], steps: int) -> list[list]:
+def greedy(pair: Pair, rows: list[tuple[list[int], PreparedImage]], steps: int) -> list[list]:
     """Batched greedy decode: one padded prefill, then ``steps - 1`` decode steps with the
     padding holes of the prefill left in the cache (``key_valid``)."""
     text = pair.ours.text
@@ -221,8 +228,9 @@ def greedy(pair: Pair, rows: list[tuple[list[int], QwenVLImage]], steps: int) ->
 
 
 def test_greedy_decode_matches_generate(pair: Pair) -> None:
-    rows = [(prompt_ids(4, im.tokens, 3, seed=8), im) for im in [image(pair, 120, 400, 8)]] + \
-           [(prompt_ids(7, im.tokens, 10, seed=9), im) for im in [image(pair, 56, 56, 9)]]
+    a, b = image(pair, 120, 400, 8), image(pair, 56, 56, 9)
+    rows = [(prompt_ids(4, grid(a).tokens, 3, seed=8), a),
+            (prompt_ids(7, grid(b).tokens, 10, seed=9), b)]
     ours = greedy(pair, rows, 6)
     for (ids, im), got in zip(rows, ours):
         with torch.no_grad():
@@ -239,7 +247,7 @@ def test_bfloat16_runs_close_to_float32(pair: Pair) -> None:
     near fp32. Measured max |bf16 - fp32| 0.023-0.032 on logits of max |.| 2.6-3.6."""
     b16 = Pair(pair.path, pair.ref, load_qwen_vl(pair.path, dtype=torch.bfloat16))
     im = image(pair, 300, 200, 1)
-    ids = prompt_ids(6, im.tokens, 5)
+    ids = prompt_ids(6, grid(im).tokens, 5)
     out = []
     for p in (pair, b16):
         x, lengths, pos, deep, _ = our_inputs(p, [(ids, im)])

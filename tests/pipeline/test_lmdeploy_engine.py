@@ -68,7 +68,7 @@ def test_per_request_answer_lengths_go_in_one_infer_call(monkeypatch) -> None:  
                             TilingConfig(tile_size=56, max_tiles=6), max_new_tokens=0)
     assert engine.image_plan.keep_pixels and engine.max_tiles == 6
     px = np.zeros((20, 20, 3), dtype=np.uint8)
-    im = SimpleNamespace(pixels=px, grid=SimpleNamespace(num_tiles=1))
+    im = SimpleNamespace(pixels=px, rows=np.zeros((1, 56, 56, 3), np.uint8))  # one tile
     got = engine.score([im], [Request(0, "a?"), Request(0, "why?", 64), Request(0, "b?")])
     assert [s.text for s in got] == [None, "t1", None]
     (cfg,) = calls

@@ -62,11 +62,11 @@ def test_grid_tokens_exact_pixels_close(name: str, w: int, h: int) -> None:
     img = photo(h, w, seed=w)
     ours = prepare_qwen_vl(img, cfg)
     ref = reference(cfg, mean, std)(images=[img], return_tensors="np")
-    assert ours.grid_thw == tuple(int(x) for x in ref["image_grid_thw"][0])
-    assert ours.tokens == ours.grid_thw[1] * ours.grid_thw[2] // 4 == cfg.tokens(h, w)
+    assert ours.grid.thw == tuple(int(x) for x in ref["image_grid_thw"][0])
+    assert ours.grid.tokens == ours.grid.h * ours.grid.w // 4 == cfg.tokens(h, w)
     want = ref["pixel_values"]
-    assert ours.patches.dtype == np.uint8 and ours.patches.shape == want.shape
-    assert np.abs(normalised(ours.patches, mean, std) - want).mean() <= MEAN_ABS_TOL
+    assert ours.rows.dtype == np.uint8 and ours.rows.shape == want.shape
+    assert np.abs(normalised(ours.rows, mean, std) - want).mean() <= MEAN_ABS_TOL
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -83,7 +83,7 @@ def test_patch_order_exact_where_resize_is_identity(name: str, gh: int, gw: int)
     per = want.shape[1] // 3
     back = (want * np.repeat(std, per) + np.repeat(mean, per)) * 255.0
     assert np.abs(back - np.rint(back)).max() < 1e-3
-    np.testing.assert_array_equal(np.rint(back).astype(np.uint8), ours.patches)
+    np.testing.assert_array_equal(np.rint(back).astype(np.uint8), ours.rows)
 
 
 def test_rows_are_channel_major_with_the_frame_repeated() -> None:
@@ -113,3 +113,30 @@ def test_rejects_non_rgb() -> None:
         prepare_qwen_vl(np.zeros((30, 30), np.uint8), cfg)
     with pytest.raises(ValueError, match="multiples"):
         patchify(np.zeros((30, 28, 3), np.uint8), cfg)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_large_jpeg_is_decoded_reduced_to_what_the_resize_keeps(name: str) -> None:
+    """Through ``need``: a 12 MP JPEG under a 256-token plan is decoded DCT-reduced (the
+    resize keeps ~0.2 MP), planned on its full size, and gives the same grid and nearly the
+    same rows as a full decode; under the checkpoint's own 12.8 MP cap it needs every pixel
+    and is decoded whole."""
+    import io
+
+    from PIL import Image
+
+    from preprocessing.decode import decode, decode_for
+    from preprocessing.prepare import prepare_bytes
+
+    buf = io.BytesIO()
+    Image.fromarray(photo(3000, 4000, seed=3)).save(buf, "JPEG", quality=92)
+    data = buf.getvalue()
+    plan = CASES[name][0]
+    for cfg, reduced in ((plan.with_max_tokens(256), True),
+                         (QwenVLPreprocess(plan.patch, 2, 2, plan.min_pixels, 12845056), False)):
+        img, full = decode_for(data, cfg.need, 10**9)
+        assert (full is not None and img.shape[0] < 3000) == reduced
+        fast, ref = prepare_bytes(data, cfg, 10**9), prepare_qwen_vl(decode(data), cfg)
+        assert fast.grid == ref.grid and (fast.width, fast.height) == (4000, 3000)
+        diff = np.abs(fast.rows.astype(np.int16) - ref.rows.astype(np.int16))
+        assert diff.mean() < 1.5 and (diff.mean() == 0) == (not reduced)
