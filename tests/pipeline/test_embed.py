@@ -61,7 +61,7 @@ def test_image_tokens_never_see_later_image_tokens(model, images) -> None:  # no
     assert a.grid.num_tiles > 1
     tiles = a.tiles.copy()
     tiles[-1] = 255 - tiles[-1]
-    b = dataclasses.replace(a, tiles=tiles, content_hash="other")
+    b = dataclasses.replace(a, rows=tiles, content_hash="other")
     emb = embedder(model, EmbedConfig(multi_vector=True), prefix_cache=False)
     va, vb = (v.values for v in emb.embed([a, b], [EmbedRequest(0, None), EmbedRequest(1, None)]))
     p = emb.prompt(EmbedRequest(0, None), [a])
