@@ -106,22 +106,25 @@ def question_of(req: ChatRequest, max_prompt_chars: int, max_tokens: int) -> Ima
     return item
 
 
-def _top(p_yes: float, top: int, yes: str, no: str) -> list[dict[str, Any]]:
-    """The two answer classes' log-probabilities, most likely first, ``top`` of them."""
-    def lp(p: float) -> float:
-        return math.log(p) if p > 0 else -9999.0
+def _logp(margin: float) -> tuple[float, float]:
+    """(log P(yes), log P(no)) from the logit margin, without rounding:
+    ``p_yes = sigmoid(margin)``, so ``log p_yes = -log(1 + e^-margin)``."""
+    def log_sigmoid(x: float) -> float:
+        return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
 
-    pairs = sorted([(yes, lp(p_yes)), (no, lp(1.0 - p_yes))], key=lambda t: -t[1])
-    return [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in pairs[:top]]
+    return log_sigmoid(margin), log_sigmoid(-margin)
 
 
-def logprobs_of(p_yes: float, top: int, words: tuple[str, str]) -> dict[str, Any]:
-    """``choices[0].logprobs``: the first token's entry (the chosen class) and its
-    ``top_logprobs``."""
-    yes, no = words
-    chosen = _top(p_yes, 2, yes, no)[0]
-    return {"content": [{**chosen, "top_logprobs": _top(p_yes, top, yes, no)}],
-            "refusal": None}
+def logprobs_of(margin: float, top: int, words: tuple[str, str], yes: bool
+                ) -> dict[str, Any]:
+    """``choices[0].logprobs``: the first token's entry (the class answered: yes when
+    ``yes``) and its ``top_logprobs`` (``top`` of the two classes, most likely first)."""
+    entries: dict[str, dict[str, Any]] = {
+        w: {"token": w, "logprob": max(v, -9999.0), "bytes": list(w.encode())}  # OpenAI's floor
+        for w, v in zip(words, _logp(margin))}
+    ranked = sorted(entries.values(), key=lambda e: -e["logprob"])
+    return {"content": [{**entries[words[0] if yes else words[1]],
+                         "top_logprobs": ranked[:top]}], "refusal": None}
 
 
 def completion(req: ChatRequest, item: ImageItem, model: str, s: Score,
@@ -138,7 +141,8 @@ def completion(req: ChatRequest, item: ImageItem, model: str, s: Score,
         "created": int(time.time()), "model": model, "system_fingerprint": None,
         "choices": [{"index": 0, "finish_reason": "stop",
                      "message": {"role": "assistant", "content": text, "refusal": None},
-                     "logprobs": (logprobs_of(a.p_yes, req.top_logprobs or 0, words)
+                     "logprobs": (logprobs_of(s.margin, req.top_logprobs or 0, words,
+                                              a.answer == "yes")
                                   if req.logprobs else None)}],
         "usage": {"prompt_tokens": prompt, "completion_tokens": out,
                   "total_tokens": prompt + (out or 0)},
