@@ -26,7 +26,8 @@ from vlmbatch.server.config import ServerConfig
 
 
 class JobRunError(Exception):
-    """The job cannot be run by this server (busy elsewhere, damaged, another model)."""
+    """The job cannot be run by this server now (another process runs it, its folder is
+    damaged, it was submitted with another model): the batch is left as it is."""
 
 
 def _absolute(m: ModelConfig) -> ModelConfig:

@@ -54,6 +54,7 @@ class Scheduler:
             engine, cfg, book, drained, hooks)
         self.chat: queue.Queue[ChatWork] = queue.Queue(cfg.max_queue)
         self.batches: collections.deque[str] = collections.deque()  # ids, in order
+        self._owned: set[str] = set()  # queued or running here: this thread will end them
         self._cancel: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -75,10 +76,18 @@ class Scheduler:
     def enqueue_batch(self, batch_id: str) -> None:
         with self._lock:
             self.batches.append(batch_id)
+            self._owned.add(batch_id)
 
-    def cancel_batch(self, batch_id: str) -> None:
+    def cancel_batch(self, batch_id: str) -> bool:
+        """Stop the batch's job between groups; False if this thread does not hold it (it
+        was skipped, or never queued): then the caller finalizes it."""
         with self._lock:
             self._cancel.add(batch_id)
+            return batch_id in self._owned
+
+    def _release(self, batch_id: str) -> None:
+        with self._lock:
+            self._owned.discard(batch_id)
 
     def start(self) -> None:
         self.thread.start()
@@ -98,7 +107,7 @@ class Scheduler:
                     job = self._next_job()
                 works = self._take(block=job is None)
                 if works:
-                    self._answer(works)
+                    self._guarded(works)
                 elif job is not None and not self._stop.is_set():
                     job = self._step(job)
         except BaseException:
@@ -125,6 +134,16 @@ class Scheduler:
             except queue.Empty:
                 break
         return [w for w in works if not w.future.cancelled()]  # a client that went away
+
+    def _guarded(self, works: list[ChatWork]) -> None:
+        """``_answer``, and whatever goes wrong is these requests' 500, never a hang."""
+        try:
+            self._answer(works)
+        except Exception as e:  # noqa: BLE001  (the thread must go on serving)
+            log.exception("answering %d requests failed", len(works))
+            for w in works:
+                _settle(w.future, error=APIError(500, f"internal error: {type(e).__name__}",
+                                                 code="internal_error"))
 
     def _answer(self, works: list[ChatWork]) -> None:
         images: list[PreparedImage] = []
@@ -161,19 +180,23 @@ class Scheduler:
                 batch_id = self.batches.popleft()
             rec = self.book.get(batch_id)
             if rec.status == "cancelling" or batch_id in self._cancel:
+                self._release(batch_id)
                 self.drained(batch_id)
                 continue
             if rec.status != "in_progress":
+                self._release(batch_id)
                 continue
             try:
                 return JobRun(batch_id, self.book.job_of(batch_id), self.engine, self.cfg)
-            except JobRunError as e:
-                self._fail(batch_id, str(e))
+            except JobRunError as e:  # left in progress: a server that can run it resumes it
+                log.warning("batch %s skipped: %s", batch_id, e)
+                self._release(batch_id)
 
     def _step(self, job: JobRun) -> JobRun | None:
         """One group of the job; None once the job is drained, cancelled or broken."""
         if job.batch_id in self._cancel:
             job.close("cancelled")
+            self._release(job.batch_id)
             self.drained(job.batch_id)
             return None
         try:
@@ -189,10 +212,12 @@ class Scheduler:
         job.close("done")
         self.book.update(job.batch_id, lambda r: r.at("finalizing")
                          if r.status == "in_progress" else r)
+        self._release(job.batch_id)
         self.drained(job.batch_id)
         return None
 
     def _fail(self, batch_id: str, message: str) -> None:
+        self._release(batch_id)
         err = {"code": "server_error", "message": message, "param": None, "line": None}
         self.book.update(batch_id, lambda r: r.at("failed", errors=[err]))
 

@@ -4,6 +4,7 @@ batch job yields to interactive requests between its groups."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from concurrent.futures import Future
@@ -13,6 +14,7 @@ import cv2
 import pytest
 
 from jobs.job import status, submit
+from pipeline.config import EngineConfig
 from pipeline.records import ImageItem, Question
 from preprocessing.prepare import PreparedImage
 from tests.vlmbatch.server.fakes import FakeEngine, picture
@@ -112,3 +114,29 @@ def test_stopping_leaves_a_running_job_resumable(started, tmp_path: Path) -> Non
     st = status(job)
     assert (st.status, st.done, st.pending) == ("interrupted", 2, 2) and not drained
     assert book.get(rec.id).status == "in_progress"  # the next start resumes it
+
+
+def test_a_job_of_another_model_is_skipped_not_failed(started, tmp_path: Path) -> None:  # noqa: ANN001
+    engine, s, book, cfg, drained = started
+    cv2.imwrite(str(tmp_path / "0.png"), picture(30))
+    (tmp_path / "m.jsonl").write_text('{"id": "i0", "image": "0.png", "questions": ["q"]}\n')
+    rec = book.create("/v1/chat/completions", "file-x", "24h", None)
+    other = dataclasses.replace(cfg, engine=EngineConfig(prefix_cache=False))
+    submit(run_config(tmp_path / "m.jsonl", other), book.job_of(rec.id))
+    book.update(rec.id, lambda r: r.at("in_progress"))
+    s.enqueue_batch(rec.id)
+    assert s.cancel_batch(rec.id) is True  # still queued: the engine thread will end it
+    deadline = time.monotonic() + 5
+    while not drained and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert drained == [rec.id]  # cancelled before it was tried
+    rec2 = book.create("/v1/chat/completions", "file-x", "24h", None)
+    submit(run_config(tmp_path / "m.jsonl", other), book.job_of(rec2.id))
+    book.update(rec2.id, lambda r: r.at("in_progress"))
+    s.enqueue_batch(rec2.id)
+    deadline = time.monotonic() + 5
+    while rec2.id in s._owned and time.monotonic() < deadline:  # until it is let go
+        time.sleep(0.02)
+    assert drained == [rec.id] and book.get(rec2.id).status == "in_progress"  # not failed
+    assert status(book.job_of(rec2.id)).pending == 1 and not engine.calls  # never run
+    assert s.cancel_batch(rec2.id) is False  # so the caller finalizes a cancel itself
