@@ -15,6 +15,17 @@ def _d(name: str) -> object:
     return default_of(ServerConfig, name)
 
 
+# the integer limits: (option, ServerConfig field, help)
+LIMITS = [
+    ("--max-pixels", "max_pixels", "images with more pixels (read from the header) are "
+     "refused with a 400"),
+    ("--max-prompt-chars", "max_prompt_chars", "longest question text; 400 beyond"),
+    ("--max-completion-tokens", "max_completion_tokens", "largest max_tokens a request may "
+     "ask; 400 beyond"),
+    ("--max-batch-requests", "max_batch_requests", "chat requests per engine call"),
+    ("--max-queue", "max_queue", "queued chat requests; 429 beyond")]
+
+
 def add_server_args(s: argparse.ArgumentParser) -> None:
     g = s.add_argument_group("server")
     g.add_argument("--host", default=_d("host"),
@@ -31,21 +42,16 @@ def add_server_args(s: argparse.ArgumentParser) -> None:
     g.add_argument("--allowed-local-media-path", type=Path, default=None,
                    help="let image URLs be file:// paths inside this folder (default: only "
                    "data: URLs)")
+    for flag, field, text in LIMITS:
+        g.add_argument(flag, type=int, default=_d(field),
+                       help=f"{text} (default %(default)s)")
     g.add_argument("--max-body-mib", type=int, default=_d("max_body_bytes") >> 20,  # type: ignore[operator]
-                   help="largest request body, uploads included (default %(default)s)")
-    g.add_argument("--max-prompt-chars", type=int, default=_d("max_prompt_chars"),
-                   help="longest question text (default %(default)s)")
-    g.add_argument("--max-completion-tokens", type=int, default=_d("max_completion_tokens"),
-                   help="largest max_tokens a request may ask (default %(default)s)")
+                   help="largest request body, uploads included; 413 beyond (default "
+                   "%(default)s)")
     g.add_argument("--batch-wait-ms", type=float,
                    default=1000 * _d("batch_wait_s"),  # type: ignore[operator]
                    help="how long the engine waits after a request for others to batch "
                    "with it (default %(default)s)")
-    g.add_argument("--max-batch-requests", type=int, default=_d("max_batch_requests"),
-                   help="chat requests per engine call (default %(default)s)")
-    g.add_argument("--max-queue", type=int, default=_d("max_queue"),
-                   help="queued chat requests before 429 (default %(default)s)")
-
 
 def server_config(a: argparse.Namespace, model: ModelConfig, engine: EngineConfig
                   ) -> ServerConfig:

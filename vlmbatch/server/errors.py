@@ -11,6 +11,7 @@ request is a 400 (OpenAI's status for an invalid one), never FastAPI's 422.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -73,10 +74,9 @@ def _param(loc: tuple) -> str | None:
     return out or None
 
 
-def validation_error(e: RequestValidationError) -> APIError:
-    """The most specific problem of a request FastAPI could not parse (the deepest
-    location: in a union, the member that got furthest), as a 400."""
-    errors = e.errors()
+def validation_error(errors: Sequence[Any]) -> APIError:
+    """The most specific of a request's problems (FastAPI's or pydantic's error dicts; the
+    deepest location: in a union, the member that got furthest), as a 400."""
     if not errors:
         return bad_request("invalid request body")
     first = max(errors, key=lambda x: len(x.get("loc", ())))
@@ -104,7 +104,7 @@ def install(app: FastAPI) -> None:
 
     async def invalid(request: Request, e: Exception) -> JSONResponse:
         assert isinstance(e, RequestValidationError)
-        return error_response(validation_error(e))
+        return error_response(validation_error(e.errors()))
 
     async def http_error(request: Request, e: Exception) -> JSONResponse:
         assert isinstance(e, StarletteHTTPException)

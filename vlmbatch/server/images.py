@@ -35,6 +35,20 @@ class ImageCache:
         self._bytes = 0
         self._lock = threading.Lock()
 
+    def cached(self, item: ImageItem) -> PreparedImage | None:
+        """``item``'s prepared image if this ``data:`` URL was prepared before (cheap: the
+        event loop asks this first, and hands a miss to ``prepare`` on a worker thread)."""
+        if not isinstance(item.image, str) or not item.image.startswith("data:"):
+            return None
+        return self._hit(_key(item.image))
+
+    def _hit(self, key: bytes) -> PreparedImage | None:
+        with self._lock:
+            hit = self._lru.get(key)
+            if hit is not None:
+                self._lru.move_to_end(key)
+            return hit
+
     def prepare(self, item: ImageItem) -> PreparedImage:
         """``item``'s image prepared for the engine, or a 400 saying what is wrong with it."""
         assert isinstance(item.image, str)
@@ -42,12 +56,9 @@ class ImageCache:
             url = check_image_url(item.image, self.allowed)
         except MediaRefused as e:
             raise bad_request(str(e), PARAM, "invalid_image_url") from None
-        key = xxhash.xxh3_128_digest(url.encode("utf-8", "surrogatepass"))
-        with self._lock:
-            hit = self._lru.get(key)
-            if hit is not None:
-                self._lru.move_to_end(key)
-                return hit
+        key = _key(url)
+        if (hit := self._hit(key)) is not None:
+            return hit
         image = self._decode(ImageItem(item.id, url, item.questions, item.base_dir))
         if url.startswith("data:") and _size(image) <= self.budget:
             with self._lock:
@@ -69,6 +80,10 @@ class ImageCache:
         except ImageError as e:
             raise bad_request(f"the image could not be decoded: {e}", PARAM,
                               "invalid_image") from None
+
+
+def _key(url: str) -> bytes:
+    return xxhash.xxh3_128_digest(url.encode("utf-8", "surrogatepass"))
 
 
 def _size(image: PreparedImage) -> int:
