@@ -2,8 +2,9 @@
 
 ``create_app(state)`` is all a test or an embedding program needs (``serve`` in
 ``run.py`` adds the engine, the data folder's lock and uvicorn). Middlewares, outermost
-first: the API key (nothing is read for a caller without it), then the body limit; the
-error handlers (``errors.install``) give every error OpenAI's shape.
+first: the API key (nothing is read for a caller without it), the body limit, then the chat
+endpoint (``routes.ChatEndpoint``: POST /v1/chat/completions served in front of the
+router); the error handlers (``errors.install``) give every other error OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from vlmbatch.server import errors
 from vlmbatch.server.batch_routes import batch_routes, file_routes
 from vlmbatch.server.middleware import ApiKey, BodyLimit
-from vlmbatch.server.routes import interactive_routes
+from vlmbatch.server.routes import ChatEndpoint, interactive_routes
 from vlmbatch.server.state import ServerState
 
 
@@ -33,6 +34,7 @@ def create_app(state: ServerState) -> FastAPI:
     errors.install(app)
     for router in (interactive_routes(state), file_routes(state), batch_routes(state)):
         app.include_router(router)
+    app.add_middleware(ChatEndpoint, state=state)  # POST /v1/chat/completions, the hot path
     app.add_middleware(BodyLimit, limit=state.cfg.max_body_bytes)
     app.add_middleware(ApiKey, key=state.cfg.api_key)  # added last: the outermost
     return app

@@ -5,7 +5,9 @@ thread, so a bad image is that request's 400 before it is queued) in a bounded q
 loop, each turn:
 
 1. **Interactive first.** If a request is queued, take it, wait up to ``batch_wait_s`` for
-   more (at most ``max_batch_requests``), and answer them in one ``engine.score`` call; the
+   more while others are on their way (parsed, their image being prepared: ``arriving``;
+   a lone client waits for nothing), at most ``max_batch_requests``, and answer them in one
+   ``engine.score`` call; the
    images are deduplicated by their cache key, so requests about the same image share its
    prefix (one image-token prefill, the others reuse the cached blocks).
 2. **Then batch jobs.** Only when no request is queued, one group (``images_per_batch``
@@ -24,8 +26,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, InvalidStateError
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from pipeline.engine import Engine
@@ -56,12 +59,25 @@ class Scheduler:
         self.batches: collections.deque[str] = collections.deque()  # ids, in order
         self._owned: set[str] = set()  # queued or running here: this thread will end them
         self._cancel: set[str] = set()
+        self._arriving = 0  # requests between arrival and submit (``arriving``)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.calls = 0  # chat engine calls made (FaultHooks.score sees the count)
         self.thread = threading.Thread(target=self._run, name="vlmbatch-engine", daemon=True)
 
     # --- called from request threads ---
+    @contextmanager
+    def arriving(self) -> Iterator[None]:
+        """Around a request's parsing and image preparation: the engine thread waits for
+        more requests only while some are on their way."""
+        with self._lock:
+            self._arriving += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._arriving -= 1
+
     def submit(self, item: ImageItem, image: PreparedImage) -> Future[Score]:
         if self._stop.is_set():
             raise APIError(503, "the server is shutting down", code="shutting_down")
@@ -119,7 +135,8 @@ class Scheduler:
 
     def _take(self, block: bool) -> list[ChatWork]:
         """Up to ``max_batch_requests`` queued requests: the first (waiting up to 50 ms when
-        there is nothing else to do), then whatever arrives within ``batch_wait_s``."""
+        there is nothing else to do), then those queued meanwhile and, while others are
+        arriving, those that come within ``batch_wait_s``."""
         try:
             first = self.chat.get(timeout=0.05) if block else self.chat.get_nowait()
         except queue.Empty:
@@ -129,10 +146,11 @@ class Scheduler:
         while len(works) < self.cfg.max_batch_requests:
             left = deadline - time.monotonic()
             try:
-                works.append(self.chat.get(timeout=left) if left > 0
-                             else self.chat.get_nowait())
+                works.append(self.chat.get(timeout=min(left, 0.001)) if left > 0
+                             and self._arriving else self.chat.get_nowait())
             except queue.Empty:
-                break
+                if left <= 0 or not self._arriving:
+                    break
         return [w for w in works if not w.future.cancelled()]  # a client that went away
 
     def _guarded(self, works: list[ChatWork]) -> None:

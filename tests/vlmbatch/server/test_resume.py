@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from jobs.folder import STORE_FILE
 from jobs.store import JobStore
@@ -75,6 +76,7 @@ def sigterm_with_a_request_in_flight(data: Path, text: str) -> str:
     return str(b["id"])
 
 
+@pytest.mark.slow  # three server starts, ~25 s on 2 cores
 def test_sigterm_then_sigkill_then_the_batch_completes_exactly_once(tmp_path: Path) -> None:
     data = tmp_path / "data"
     reqs = [(f"k{i}", data_url(IMAGES / f"scene_{i % 12:02d}.png"),
