@@ -310,7 +310,5 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                        "with P(yes) in logprobs), /v1/files + /v1/batches (each batch a "
                        "resumable job), /v1/models, /health. --images-per-batch is a batch "
                        "job's group, the most an interactive request waits behind.")
-    s.add_argument("--max-pixels", type=int, default=default_of(RunConfig, "max_pixels"),
-                   help="images with more pixels are refused (400) (default %(default)s)")
     _model_args(s)
     add_server_args(s)

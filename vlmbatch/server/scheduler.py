@@ -4,12 +4,12 @@ Interactive chat requests arrive prepared (decoded and tiled on the request's wo
 thread, so a bad image is that request's 400 before it is queued) in a bounded queue. The
 loop, each turn:
 
-1. **Interactive first.** If a request is queued, take it, wait up to ``batch_wait_s`` for
-   more while others are on their way (parsed, their image being prepared: ``arriving``;
-   a lone client waits for nothing), at most ``max_batch_requests``, and answer them in one
-   ``engine.score`` call; the
-   images are deduplicated by their cache key, so requests about the same image share its
-   prefix (one image-token prefill, the others reuse the cached blocks).
+1. **Interactive first.** If a request is queued, take it and every other one queued,
+   wait up to ``batch_wait_s`` for more while some are on their way (parsed, their image
+   being prepared: ``arriving``; a lone client waits for nothing), at most
+   ``max_batch_requests``, and answer them in one ``engine.score`` call; the images are
+   deduplicated by their cache key, so requests about the same image share its prefix
+   (one image-token prefill, the others reuse the cached blocks).
 2. **Then batch jobs.** Only when no request is queued, one group (``images_per_batch``
    items) of the current batch's job is answered and recorded (``jobs.job``'s exactly-once
    transaction). An interactive request therefore waits at most for one group's engine
