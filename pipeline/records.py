@@ -66,6 +66,7 @@ class Score:
     margin: float  # logsumexp(yes logits) - logsumexp(no logits)
     image_tokens: int
     text: str | None = None  # greedy answer text when max_new_tokens > 0
+    prompt_tokens: int | None = None  # the prompt's tokens (image ones included); None: unknown
 
 
 class ErrorKind(StrEnum):

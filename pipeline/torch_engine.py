@@ -134,7 +134,8 @@ class TorchEngine(Engine):
         for batch, _, texts in done:
             for j, p in enumerate(batch):
                 p_yes, margin = host[row]
-                results[p.req] = Score(p_yes, margin, p.prompt.image_len, texts[j])
+                results[p.req] = Score(p_yes, margin, p.prompt.image_len, texts[j],
+                                      len(p.prompt.ids))
                 row += 1
         return results  # type: ignore[return-value]
 

@@ -31,6 +31,7 @@ from preprocessing.prepare import TILING_MODES
 from quant.calibrate import METHODS
 from vit_trt.export import export_onnx
 from vlmbatch.embed_cli import add_embed_parser, embed_option_args
+from vlmbatch.server.args import add_server_args
 
 M, E, R = ModelConfig(), EngineConfig(), RayOptions()  # the defaults
 
@@ -181,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Ask a vision-language model yes/no questions about many images, fast.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_run, _add_submit, _add_job_commands, _add_eval, _add_quantize,
-                _add_export_vit):
+                _add_export_vit, _add_serve):
         add(sub)
     add_embed_parser(sub, _model_args)
     return p
@@ -319,3 +320,15 @@ def _add_export_vit(sub: argparse._SubParsersAction) -> None:
     x.add_argument("--opset", type=int, default=param_default(export_onnx, "opset"),
                    choices=range(17, 21), metavar="{17..20}",
                    help="ONNX opset (default %(default)s; SDPA exports as plain ops in 17-20)")
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    """``serve``: the OpenAI-compatible server (its options: ``vlmbatch/server/args.py``)."""
+    s = sub.add_parser("serve", help="an OpenAI-compatible server: chat completions with "
+                       "P(yes), files and batches (docs/server.md)",
+                       description="Serve the model over HTTP: /v1/chat/completions (yes/no "
+                       "with P(yes) in logprobs), /v1/files + /v1/batches (each batch a "
+                       "resumable job), /v1/models, /health. --images-per-batch is a batch "
+                       "job's group, the most an interactive request waits behind.")
+    _model_args(s)
+    add_server_args(s)

@@ -32,6 +32,8 @@ from pipeline.loading import load_model, vision_model
 from pipeline.quantize import quantize_model
 from vit_trt.export import export_onnx
 from vlmbatch.embed_cli import embed_config, embed_results, run_embed
+from vlmbatch.server.args import server_config
+from vlmbatch.server.run import serve
 
 EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT, EXIT_ITEM_ERRORS = 0, 1, 2, 3
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # 128 + SIGINT, 128 + SIGTERM
@@ -279,8 +281,13 @@ def cmd_quantize(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
     return EXIT_OK
 
 
+def cmd_serve(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
+    serve(server_config(a, *model_configs(a)), hooks)  # until SIGTERM or Ctrl-C
+    return EXIT_OK
+
+
 Command = Callable[[argparse.Namespace, FaultHooks], int]
 COMMANDS: dict[str, Command] = {
     "run": cmd_run, "submit": cmd_submit, "status": cmd_status, "cancel": cmd_cancel,
     "resume": cmd_resume, "results": cmd_results, "eval": cmd_eval, "quantize": cmd_quantize,
-    "export-vit": cmd_export_vit, "embed": cmd_embed}
+    "export-vit": cmd_export_vit, "embed": cmd_embed, "serve": cmd_serve}

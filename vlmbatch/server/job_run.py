@@ -1,0 +1,75 @@
+"""One batch's job, run a group at a time by the engine thread with the server's engine.
+
+It is what ``vlmbatch run JOB`` does (``jobs/job.py``), cut into steps so that the engine
+thread can answer interactive requests between groups: the job's lock (``run.lock``: one
+process per job, so ``vlmbatch run`` on the same folder is refused meanwhile), the store's
+run marks (``status`` reads them), pending items prepared ahead on preprocessing threads
+(``pipeline.drive.prepared_groups``), and each group's answers recorded with their state
+change in one transaction, only for items still pending. A server killed mid-batch loses
+at most the group in flight; started again it continues with the items still pending.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import ExitStack
+from pathlib import Path
+
+from jobs.errors import ManifestError
+from jobs.folder import STORE_FILE, load_config
+from jobs.lock import host_id, run_lock
+from jobs.store import JobStore, by_item
+from pipeline.config import ModelConfig, preprocess_threads_for
+from pipeline.drive import prepared_groups, score_group
+from pipeline.engine import Engine
+from vlmbatch.server.config import ServerConfig
+
+
+class JobRunError(Exception):
+    """The job cannot be run by this server now (another process runs it, its folder is
+    damaged, it was submitted with another model): the batch is left as it is."""
+
+
+def _absolute(m: ModelConfig) -> ModelConfig:
+    return dataclasses.replace(m, path=Path(m.path).absolute() if m.path else None)
+
+
+class JobRun:
+    def __init__(self, batch_id: str, job: Path, engine: Engine, cfg: ServerConfig) -> None:
+        self.batch_id = batch_id
+        self._exit = ExitStack()
+        try:
+            run = load_config(job)
+            if (_absolute(run.model), run.engine) != (_absolute(cfg.model), cfg.engine):
+                raise JobRunError("the batch was submitted to a server with another model or "
+                                  "engine settings; start the server with those to finish it")
+            self._exit.enter_context(run_lock(job))
+            self.store = JobStore(job / STORE_FILE)
+            self._exit.callback(self.store.close)
+        except ManifestError as e:  # JobBusy included: `vlmbatch run` has the job
+            self._exit.close()
+            raise JobRunError(str(e)) from None
+        except BaseException:
+            self._exit.close()
+            raise
+        self.store.begin_run(self.store.counts(), host_id())
+        threads = preprocess_threads_for(cfg.preprocess_threads, cfg.model.device)
+        # pending items are read from the store in this (the engine) thread only
+        self.groups = prepared_groups(self.store.pending(run.images_per_batch),
+                                      engine.image_plan, run.max_pixels, threads)
+        self._exit.callback(self.groups.close)
+
+    def step(self, engine: Engine) -> bool:
+        """Answer and record the next group; False when none is left."""
+        pg = next(self.groups, None)
+        if pg is None:
+            return False
+        self.store.record(by_item(score_group(engine, pg)))
+        return True
+
+    def close(self, final: str) -> None:
+        """End the run: the store says ``final`` (``done`` when nothing is pending)."""
+        try:
+            self.store.end_run(final)
+        finally:
+            self._exit.close()

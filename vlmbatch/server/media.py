@@ -1,0 +1,72 @@
+"""Which image URLs a request may name, checked before anything is read.
+
+- ``data:`` URLs: always (the bytes travel in the request).
+- ``file://`` URLs: only with ``--allowed-local-media-path DIR``, and only for a file whose
+  real path (``..`` and symlinks resolved) is inside DIR; a host other than ``localhost``
+  is refused, as is anything that is not a regular file.
+- ``http(s)://`` and every other scheme, and bare paths: refused (no network is assumed;
+  a bare path would be read relative to the server's folder).
+
+The check parses a URL exactly as ``preprocessing.sources.read_bytes`` will read it
+(``unquote(urlparse(url).path)``), so what is checked is what is read. A ``MediaRefused``
+carries the reason; the server answers it with a 400.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+
+class MediaRefused(ValueError):
+    """The URL may not be read by this server; the message says why and what to do."""
+
+
+def check_image_url(url: str, allowed: Path | None) -> str:
+    """``url`` if the server may read it, else ``MediaRefused``. A ``file://`` URL comes back
+    as the ``file://`` URL of its resolved path (what was checked is what is read)."""
+    if url.startswith("data:"):
+        return url
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme in ("http", "https"):
+        raise MediaRefused("http(s) image URLs are not fetched by this server (it assumes no "
+                           "network); send the image inline as a data: URL "
+                           "(data:image/png;base64,...)")
+    if scheme != "file":
+        raise MediaRefused("image_url.url must be a data: URL (or a file:// URL under the "
+                           "server's --allowed-local-media-path)")
+    if allowed is None:
+        raise MediaRefused("file:// image URLs are refused: the server was not started with "
+                           "--allowed-local-media-path; send a data: URL instead")
+    return local_url(url, allowed)
+
+
+def local_url(url: str, allowed: Path) -> str:
+    """The resolved ``file://`` URL of ``url`` if it names a regular file inside
+    ``allowed``."""
+    parsed = urlparse(url)
+    if parsed.netloc not in ("", "localhost"):
+        raise MediaRefused(f"file:// URL with host {parsed.netloc!r}: only local files "
+                           "(file:///path) are read")
+    raw = unquote(parsed.path)
+    if "\x00" in raw:
+        raise MediaRefused("file:// URL with a NUL byte in its path")
+    root = Path(allowed).resolve()
+    outside = MediaRefused("file:// URL outside --allowed-local-media-path (after resolving "
+                           "'..' and symlinks): refused")
+    given = Path(os.path.normpath(os.path.abspath(allowed)))  # as typed: may hold a symlink
+    lexical = Path(os.path.normpath(raw))
+    if not raw.startswith("/") or not (lexical.is_relative_to(root)
+                                       or lexical.is_relative_to(given)):
+        raise outside  # decided before touching the file system: no probing outside the root
+    try:
+        path = Path(raw).resolve(strict=True)
+    except (OSError, RuntimeError):  # missing, or a symlink loop
+        raise MediaRefused("file:// URL names no readable file under "
+                           "--allowed-local-media-path") from None
+    if not path.is_relative_to(root):
+        raise outside
+    if not path.is_file():
+        raise MediaRefused("file:// URL does not name a regular file")
+    return path.as_uri()
