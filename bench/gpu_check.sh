@@ -17,7 +17,8 @@
 #   7. bench/prefetch.py on CUDA: `run` with 0, 2, 8 and 16 preprocessing threads preparing
 #      the next groups while the GPU answers;
 #   8. bench/qpm.py again on a random-weight model of InternVL3-1B's shape: speed at real size,
-#      with the fp8 row (W8A8 e4m3 linears);
+#      with the fp8 row (W8A8 e4m3 linears) and the compiled-prefill row (--compile-llm),
+#      CUDA kernel launches per round printed from each path's profile;
 #   9. the same shape on shape scenes of 448-1344 px (1-12 tiles), 6 questions each: where the
 #      prefix cache should pay (choose the cache's GPU default from this row);
 #  10. bench/qpm.py on a random-weight Qwen2.5-VL-3B shape (the Qwen-VL family, its vision
@@ -72,8 +73,8 @@ step "gpu tests" 120 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider -o timeou
 step "vit bench" 120 "$PY" bench/vit.py --device cuda --encoders builtin,300m --reps 20 --rounds 3
 step "qpm bench" 150 "$PY" bench/qpm.py --device cuda --dtype bfloat16 \
   --images "${QPM_IMAGES:-500}" --rounds 3 --profile "$out"
-step "qpm 1b-shape" 180 "$PY" bench/qpm.py --device cuda --dtype bfloat16 --images 100 \
-  --rounds 2 --random-shape internvl3-1b --fp8 --profile "$out/1b"
+step "qpm 1b-shape" 240 "$PY" bench/qpm.py --device cuda --dtype bfloat16 --images 100 \
+  --rounds 2 --random-shape internvl3-1b --fp8 --compile-llm --profile "$out/1b"
 step "qpm 1b-scenes" 150 "$PY" bench/qpm.py --device cuda --dtype bfloat16 --images 48 \
   --rounds 2 --random-shape internvl3-1b --scene-sizes 448x448,896x672,1344x896 \
   --questions-per-image 6

@@ -164,7 +164,14 @@ def write_profile(path: Path, fn) -> None:  # noqa: ANN001
     with profile(activities=acts) as prof:
         fn()
     avg = prof.key_averages()
-    text = buf.getvalue() + "\n" + avg.table(sort_by="self_cpu_time_total", row_limit=25)
+    # what the host dispatches per round: CUDA kernel launches on a GPU, aten ops on the CPU
+    cuda = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    ops = sum(1 for e in prof.events() if e.name.startswith("aten::"))
+    counts = (f"CUDA kernels per round: {len(cuda)}; " if cuda else "") + \
+        f"aten ops per round: {ops}"
+    print(f"profile {path.name}: {counts}")
+    text = counts + "\n" + buf.getvalue() + "\n" + avg.table(sort_by="self_cpu_time_total",
+                                                               row_limit=25)
     if torch.cuda.is_available():
         text += "\n" + avg.table(sort_by="self_cuda_time_total", row_limit=15)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -216,6 +223,8 @@ def parse_args() -> argparse.Namespace:
                     help="add a row with --quant fp8 (decoder and ViT linears W8A8 e4m3)")
     ap.add_argument("--compile-vit", action="store_true",
                     help="add a row with --vit-backend compile (torch.compile per bucket)")
+    ap.add_argument("--compile-llm", action="store_true",
+                    help="add a row with --compile-llm (torch.compile of the prefill)")
     ap.add_argument("--profile", type=Path, default=None, metavar="DIR",
                     help="also write a torch.profiler table per vlmbatch path into DIR")
     args = ap.parse_args()
@@ -241,6 +250,9 @@ def vlmbatch_paths(args: argparse.Namespace, items: list, warm: list,
         paths.append(("vlmbatch, cache, ORT ViT", True, "onnxruntime", True, {}))
     if args.compile_vit:
         paths.append(("vlmbatch, cache, compiled ViT", True, "compile", True, {}))
+    if args.compile_llm:  # torch.compile of the decoder's prefill (its first calls compile)
+        paths.append(("vlmbatch, cache, compiled LLM", True, "torch", True,
+                      {"compile_llm": True}))
     made = [VlmbatchPath(name, args.model, items, args.images_per_batch, cache, warm, vit,
                          args.device, dtype, graphs, kw)
             for name, cache, vit, graphs, kw in paths]

@@ -105,6 +105,9 @@ class EngineConfig:
     # largest vision batch a runner prepares for: the graph pool's largest bucket, the
     # TensorRT profile's maximum; larger forwards are split
     vit_max_batch: int = 32
+    # the decoder's prefill through torch.compile (dynamic shapes); off by default: its gain
+    # on a GPU has not been measured yet (bench/qpm.py --compile-llm, bench/gpu_check.sh)
+    compile_llm: bool = False
     prefix_cache: bool = True  # image-aware prefix KV cache (pipeline/prefix_cache.py)
     block_size: int = 16  # tokens per cache block
     cache_bytes: int = 1 << 30  # LRU budget for cached KV

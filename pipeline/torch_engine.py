@@ -53,7 +53,7 @@ class TorchEngine(Engine):
         self.stats = EngineStats()
         self.planner = Planner(self.cache, cfg.max_batch_tokens)
         self.runner = ModelRunner(model, self.vision, self.cache, self.answers, self.stats,
-                                  cfg.max_batch_tiles, cfg.ignore_eos)
+                                  cfg.max_batch_tiles, cfg.ignore_eos, cfg.compile_llm)
         self.device = self.runner.device
         if self.cache is not None:
             self._allocate_cache()

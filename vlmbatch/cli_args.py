@@ -107,6 +107,9 @@ def _engine_args(g: argparse._ArgumentGroup) -> None:
                    "bucket and the TensorRT profile's maximum (default %(default)s)")
     g.add_argument("--max-batch-tiles", type=positive_int, default=E.max_batch_tiles,
                    help="tiles per vision-encoder forward (default %(default)s)")
+    g.add_argument("--compile-llm", action="store_true",
+                   help="run the language model's prefill through torch.compile (dynamic "
+                   "shapes; the first batches pay the compilation)")
     g.add_argument("--max-batch-tokens", type=int, default=E.max_batch_tokens,
                    help="padded prompt tokens per LLM forward (default %(default)s)")
     g.add_argument("--yes", default=",".join(E.yes_words),

@@ -51,6 +51,7 @@ def model_configs(a: argparse.Namespace) -> tuple[ModelConfig, EngineConfig]:
     engine = EngineConfig(engine=a.engine, vit_backend=a.vit_backend,
                           cuda_graphs=not a.no_cuda_graphs, max_batch_tokens=a.max_batch_tokens,
                           max_batch_tiles=a.max_batch_tiles, vit_max_batch=a.vit_max_batch,
+                          compile_llm=a.compile_llm,
                           prefix_cache=not a.no_prefix_cache, block_size=a.block_size,
                           cache_bytes=a.cache_mib << 20, max_new_tokens=a.max_new_tokens,
                           ignore_eos=a.ignore_eos,
