@@ -300,7 +300,8 @@ def test_run_job_options(tmp_path: Path, random_model_dir: Path, capsys) -> None
 
 
 def test_a_job_from_an_older_version_still_runs(tmp_path: Path, random_model_dir: Path) -> None:
-    """Stores without the per-item line counts get them; a version-1 job.json (flat model,
+    """Version-1 stores (no schema version, no totals, no per-item line counts) get them;
+    a version-1 job.json (flat model,
     engine and source keys) loads: --ignore-eos without --max-new-tokens (once accepted, no
     effect) no longer stops it loading, and settings it lacks (preprocess_threads,
     vit_max_batch) take their defaults."""
@@ -308,7 +309,11 @@ def test_a_job_from_an_older_version_still_runs(tmp_path: Path, random_model_dir
 
     _, job = submit_job(tmp_path, random_model_dir, 2, "--wait", "--no-progress", broken=1, rc=3)
     before = status(job)
-    db = sqlite3.connect(job / STORE_FILE)
+    db = sqlite3.connect(job / STORE_FILE)  # back to a version-1 store from before the counts
+    for trigger in ("items_added", "items_changed", "items_removed"):
+        db.execute(f"DROP TRIGGER {trigger}")
+    db.execute("DROP TABLE totals")
+    db.execute("DELETE FROM meta WHERE key = 'schema'")
     db.execute("ALTER TABLE items DROP COLUMN lines")
     db.execute("ALTER TABLE items DROP COLUMN answered")
     db.commit()
