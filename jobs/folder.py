@@ -71,11 +71,23 @@ def load_config(job: Path) -> RunConfig:
                             f"format {version}; this one reads up to {RunConfig.VERSION}); "
                             "run the job with that version")
     body = d["config"] if version >= 2 else _from_v1(d)
+    if version < 3:
+        body = _from_v2(body)
     try:
         return from_json(RunConfig, body)
     except (ConfigError, TypeError, ValueError) as e:
         raise ManifestError(f"{Path(job) / JOB_FILE}: {e}; the job folder is damaged: "
                             "submit the job again") from None
+
+
+def _from_v2(body: dict) -> dict:
+    """A version-2 config (decode_timeout among the Ray options) in version 3's layout."""
+    executor = dict(body.get("executor") or {})
+    ray = dict(executor.get("ray") or {})
+    if "decode_timeout" in ray:
+        executor["decode_timeout"] = ray.pop("decode_timeout")
+        executor["ray"] = ray
+    return {**body, "executor": executor} if executor else body
 
 
 def _from_v1(d: dict) -> dict:

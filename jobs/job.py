@@ -169,7 +169,9 @@ def _run_local(job: Path, progress: bool, cfg: RunConfig, hooks: FaultHooks) -> 
         final = "interrupted"  # unless the loop ends normally
         threads = preprocess_threads_for(cfg.preprocess_threads, cfg.model.device)
         groups = prepared_groups(store.pending(cfg.images_per_batch), engine.image_plan,
-                                 cfg.max_pixels, threads)  # groups prepared ahead stay pending
+                                 cfg.max_pixels, threads, hooks=hooks,
+                                 decode_timeout=cfg.executor.decode_timeout)
+        # (groups prepared ahead stay pending)
         try:
             for pg in groups:
                 if store.get("cancel") == "1":

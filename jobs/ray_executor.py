@@ -72,9 +72,7 @@ def _prepare(group: list[ImageItem], plan: ImagePlan, max_pixels: int,
     """A prepare task with two return objects (``num_returns=2``): a small one the driver
     fetches to learn that the task succeeded, and the tiles, which go from the object store
     straight to a model actor without passing through the driver."""
-    for it in group:
-        hooks.prepare(it)
-    return len(group), prepare_group(group, plan, max_pixels)
+    return len(group), prepare_group(group, plan, max_pixels, hooks)
 
 
 class ModelWorker:
@@ -211,7 +209,8 @@ class _Scheduler:
 
     def _submit_prepare(self, group: list[ImageItem]) -> None:
         done, tiles = self.prepare.remote(group, self.plan, self.cfg.max_pixels, self.hooks)
-        deadline = time.monotonic() + self.opts.decode_timeout * len(group)
+        timeout = self.cfg.executor.decode_timeout or float("inf")  # 0: no deadline
+        deadline = time.monotonic() + timeout * len(group)
         self.preparing[done] = (group, deadline, tiles)
 
     def collect_prepared(self, ready: set) -> None:
@@ -251,7 +250,7 @@ class _Scheduler:
     def _failure(self, item: ImageItem, e: BaseException) -> ItemError:
         if isinstance(e, TimeoutError):
             return ItemError(ErrorKind.DECODE_TIMEOUT, f"{item.source}: decoding timed out after "
-                             f"{self.opts.decode_timeout:g}s (worker killed)")
+                             f"{self.cfg.executor.decode_timeout:g}s (worker killed)")
         return ItemError(ErrorKind.DECODER_CRASHED,
                          f"{item.source}: preprocessing worker died ({type(e).__name__})")
 

@@ -89,7 +89,8 @@ def run(cfg: RunConfig, out: IO[str] | None = None, hooks: FaultHooks = NO_HOOKS
                desc="answering", dynamic_ncols=True)
     groups = prepared_groups(_groups(items, cfg.images_per_batch), engine.image_plan,
                              cfg.max_pixels,
-                             preprocess_threads_for(cfg.preprocess_threads, cfg.model.device))
+                             preprocess_threads_for(cfg.preprocess_threads, cfg.model.device),
+                             decode_timeout=cfg.executor.decode_timeout, hooks=hooks)
     try:
         for pg in groups:
             answers = score_group(engine, pg)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jobs.config import EXECUTORS, RayOptions, RunConfig
+from jobs.config import EXECUTORS, ExecutorConfig, RayOptions, RunConfig
 from pipeline.config import DTYPES, LLM_QUANT, EngineConfig, ModelConfig, default_of, vit_backends
 from pipeline.engine import ENGINES
 from pipeline.quantize import quantize_model
@@ -23,7 +23,7 @@ from preprocessing.prepare import TILING_MODES
 from quant.calibrate import METHODS
 from vit_trt.export import export_onnx
 
-M, E, R = ModelConfig(), EngineConfig(), RayOptions()  # the defaults
+M, E, R, X = ModelConfig(), EngineConfig(), RayOptions(), ExecutorConfig()  # the defaults
 
 
 def param_default(fn: Callable, name: str) -> Any:
@@ -145,9 +145,11 @@ def _executor_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-cpus", type=float, default=R.model_cpus,
                    help="ray: CPUs per model actor = its torch threads on CPU (default "
                    "%(default)s)")
-    g.add_argument("--decode-timeout", type=float, default=R.decode_timeout,
-                   help="ray: seconds per image before a hung decode is killed and that item "
-                   "fails (default %(default)s)")
+    g.add_argument("--decode-timeout", type=float, default=X.decode_timeout,
+                   help="seconds one image may take to read and decode before its worker (a "
+                   "decoder process, or a Ray prepare task) is killed and that item fails "
+                   "(default %(default)s); 0: no limit, and in-process decoding runs on "
+                   "threads of this process, where a hung or crashing decoder stops the run")
 
 
 def given_options(argv: list[str]) -> set[str]:

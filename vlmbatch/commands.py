@@ -33,10 +33,10 @@ EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT, EXIT_ITEM_ERRORS = 0, 1, 2, 3
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # 128 + SIGINT, 128 + SIGTERM
 
 # options of the Ray executor only
-RAY_ONLY = ("address", "preprocess_workers", "model_workers", "model_cpus", "decode_timeout")
+RAY_ONLY = ("address", "preprocess_workers", "model_workers", "model_cpus")
 # `run JOB`: options that may change between runs of a job; the rest were fixed at submit
 RUN_JOB_OPTIONS = {"manifest", "no_progress", "retry_failed", "executor", *RAY_ONLY,
-                   "threads", "preprocess_threads"}
+                   "decode_timeout", "threads", "preprocess_threads"}
 
 
 def model_configs(a: argparse.Namespace) -> tuple[ModelConfig, EngineConfig]:
@@ -62,7 +62,7 @@ def executor_config(a: argparse.Namespace) -> ExecutorConfig:
         ray_only = ["--" + k.replace("_", "-") for k in RAY_ONLY if k in given]
         if ray_only:
             raise ConfigError(f"{', '.join(ray_only)}: Ray executor options; add --executor ray")
-        return ExecutorConfig(kind)
+        return ExecutorConfig(kind, decode_timeout=a.decode_timeout)
     if "preprocess_threads" in given:
         raise ConfigError("--preprocess-threads applies to in-process runs; with --executor "
                           "ray, decoding runs in Ray tasks: use --preprocess-workers")
@@ -70,7 +70,7 @@ def executor_config(a: argparse.Namespace) -> ExecutorConfig:
         raise ConfigError("--threads applies to in-process runs; with --executor ray, each "
                           "model actor runs --model-cpus torch threads (what Ray reserves)")
     return ExecutorConfig(kind, RayOptions(a.address, a.preprocess_workers, a.model_workers,
-                                           a.model_cpus, a.decode_timeout))
+                                           a.model_cpus), a.decode_timeout)
 
 
 def run_config(a: argparse.Namespace, out: Path | None) -> RunConfig:

@@ -201,9 +201,9 @@ def test_thread_counts_are_kept_with_the_job_and_a_run_may_change_them(
     used: list[tuple[str, int]] = []  # calls to torch.set_num_threads and prepared_groups
     real = job_mod.prepared_groups
 
-    def spy(groups, tiling, max_pixels, threads):  # noqa: ANN001, ANN202
+    def spy(groups, tiling, max_pixels, threads, **kw):  # noqa: ANN001, ANN003, ANN202
         used.append(("prepare", threads))
-        return real(groups, tiling, max_pixels, threads)
+        return real(groups, tiling, max_pixels, threads, **kw)
 
     import torch
 
