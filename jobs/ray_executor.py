@@ -118,16 +118,18 @@ def run_job_ray(job: Path, cfg: RunConfig, progress: bool = True,
         threads = max(1, int(opts.model_cpus))  # Ray's reservation, not the job's --threads
         # one GPU per model actor when the model runs on CUDA (never run here: no GPU yet)
         gpus = 1 if cfg.model.device.startswith("cuda") else 0
+        hooks.loading()
         Actor = ray.remote(num_cpus=opts.model_cpus, num_gpus=gpus, max_restarts=3,
                            max_task_retries=3)(ModelWorker)
         workers = [Actor.remote(cfg.model, cfg.engine, threads, hooks)
                    for _ in range(opts.model_workers)]
         plan = ray.get(workers[0].image_plan.remote())
-        final = "interrupted"  # unless _drive returns
         try:
             final = _drive(ray, store, cfg, workers, plan, c, progress, job.name, hooks)
-        finally:
-            store.end_run(final)
+        except BaseException:
+            store.end_run("interrupted", failing=True)
+            raise
+        store.end_run(final)
     finally:
         store.close()
         if started_ray:

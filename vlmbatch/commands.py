@@ -21,7 +21,7 @@ from jobs.export import export_parquet, export_text
 from jobs.job import cancel, is_job, run_job, status, submit
 from jobs.manifest import read_manifest, read_policy
 from jobs.runner import run
-from jobs.sinks import format_of, open_text
+from jobs.sinks import check_writable, format_of, naming, open_text
 from pipeline.config import ConfigError, EngineConfig, ModelConfig
 from pipeline.evaluate import evaluate
 from pipeline.hooks import NO_HOOKS, FaultHooks
@@ -121,6 +121,8 @@ def cmd_run(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
                           "closed, so a killed run would leave nothing); for Parquet, "
                           "`vlmbatch submit ... --job DIR --wait`, then `vlmbatch results DIR "
                           "-o FILE.parquet`")
+    if a.out is not None:
+        check_writable(a.out)  # a read-only --out fails here, before any work
     if cfg.executor.kind == "ray":
         return _run_on_ray(a, cfg, hooks)
     summary = run(cfg, hooks=hooks)
@@ -149,7 +151,7 @@ def _run_on_ray(a: argparse.Namespace, cfg: RunConfig, hooks: FaultHooks) -> int
 def cmd_submit(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
     if a.job is None:
         raise ConfigError("submit needs --job DIR: the folder the job is kept in")
-    n = submit(run_config(a, None), a.job)
+    n = submit(run_config(a, None), a.job, hooks)
     print(f"vlmbatch: job {a.job}: {n} images submitted; run it with `vlmbatch run {a.job}`",
           file=sys.stderr)
     return _job_exit(a.job, a, hooks) if a.wait else EXIT_OK
@@ -165,7 +167,7 @@ def _export_text(job: Path, out: Path | None, fmt: str) -> int:
     """A job's result lines as JSONL or CSV to ``out`` (standard output for None)."""
     if out is None:
         return export_text(job, sys.stdout, fmt)
-    with open_text(out, fmt) as f:
+    with naming(out), open_text(out, fmt) as f:
         return export_text(job, f, fmt)
 
 
@@ -175,10 +177,14 @@ def cmd_results(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
         raise ConfigError("--format parquet needs --out FILE.parquet")
     if a.out is None:
         n = _export_text(a.job, None, fmt)
-    else:  # all or nothing: an interrupted export leaves --out as it was
-        with replaced_on_success(a.out) as part:
-            n = (export_parquet(a.job, part) if fmt == "parquet"
-                 else _export_text(a.job, part, fmt))
+    else:  # all or nothing: an interrupted export (a signal, a full disk) leaves --out as it was
+        check_writable(a.out)
+        with naming(a.out), replaced_on_success(a.out) as part:  # errors name --out
+            if fmt == "parquet":
+                n = export_parquet(a.job, part, hooks=hooks)
+            else:
+                with open_text(part, fmt) as f:
+                    n = export_text(a.job, f, fmt, hooks)
     print(f"vlmbatch: {n} result lines", file=sys.stderr)
     return EXIT_OK
 
