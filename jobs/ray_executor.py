@@ -28,6 +28,8 @@ Invariants:
 - A model worker that dies is restarted by Ray and its call retried
   (``max_restarts``/``max_task_retries``); results are recorded only by the driver, only for
   items still pending, so a retried group is never recorded twice.
+- A node that dies takes its prepare tasks and the tiles it holds with it: those groups are
+  prepared again elsewhere (up to 3 times each), never failed for it.
 
 Fault injection for tests: a ``pipeline.hooks.FaultHooks`` passed in travels (pickled) to the
 prepare tasks (``before_prepare``: hang or crash on an item) and the model actors
@@ -231,6 +233,9 @@ class _Scheduler:
                     raise TimeoutError
                 self.ray.get(ref)  # raises if the task failed; the tiles stay where they are
             except (TimeoutError, self.ray.exceptions.RayError) as e:
+                if self._lost(e, group):  # its node died: not the images' fault
+                    self.again.append(group)
+                    continue
                 if len(group) > 1:
                     self.retry.extend(group)  # find the culprit: one task per item
                     continue
@@ -239,11 +244,12 @@ class _Scheduler:
             self.scoring.append((self.workers[self.next_worker].score.remote(tiles), group))
             self.next_worker = (self.next_worker + 1) % len(self.workers)
 
-    def _lost_tiles(self, e: BaseException, group: list[ImageItem], most: int = 3) -> bool:
-        """Whether a model call failed because its tiles were lost (the node that prepared
-        them died; prepare tasks are not retried, so Ray cannot rebuild them), at most
-        ``most`` times for this group: then the group is prepared again."""
-        lost = self.ray.exceptions.ObjectLostError
+    def _lost(self, e: BaseException, group: list[ImageItem], most: int = 3) -> bool:
+        """Whether a task failed because a node died: the node that ran a prepare task, or
+        that held a group's tiles when a model call read them (prepare tasks are not
+        retried, so Ray cannot rebuild them). At most ``most`` times for this group: then
+        the group is prepared again (its items are still pending)."""
+        lost = (self.ray.exceptions.ObjectLostError, self.ray.exceptions.NodeDiedError)
         if not (isinstance(e, lost) or isinstance(getattr(e, "cause", None), lost)):
             return False
         n = self.lost[group[0].id] = self.lost.get(group[0].id, 0) + 1
@@ -264,7 +270,7 @@ class _Scheduler:
             try:
                 answers = self.ray.get(ref)
             except self.ray.exceptions.RayError as e:
-                if not self._lost_tiles(e, group):
+                if not self._lost(e, group):
                     raise
                 self.again.append(group)  # its items are still pending: prepare them again
                 continue

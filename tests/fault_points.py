@@ -47,3 +47,11 @@ def pause_at(n: int, marker: str, count: int) -> None:
 
 def pause(marker: str) -> None:
     pause_at(1, marker, 1)
+
+
+def note_node(folder: str, seconds: float, source: str) -> None:
+    """Leave a file naming the node this runs on (``VLMBATCH_TEST_NODE`` of its raylet's
+    environment, else "head") and the item, then take ``seconds``: a slow prepare task."""
+    node = os.environ.get("VLMBATCH_TEST_NODE", "head")
+    Path(folder, f"{node}-{os.getpid()}-{Path(source).name}").touch()
+    time.sleep(seconds)

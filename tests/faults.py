@@ -18,10 +18,10 @@ from tests import fault_points as fp
 
 def hooks_from(spec: dict) -> FaultHooks:
     """``{"group_delay": s, "hang_on": text, "crash_on": text, "segfault_on": text,
-    "kill_model_at": [n, marker], "slow_score": s, "pause_at": {WHERE: [n, marker]}}`` (any
-    subset; one decoder fault) as hooks. ``pause_at`` writes ``marker`` and waits at the
-    n-th call of each named window: ``after_submit_line``, ``before_load`` (n unused),
-    ``after_export_line``."""
+    "note_node": [folder, s], "kill_model_at": [n, marker], "slow_score": s,
+    "pause_at": {WHERE: [n, marker]}}`` (any subset; one decoder fault) as hooks.
+    ``pause_at`` writes ``marker`` and waits at the n-th call of each named window:
+    ``after_submit_line``, ``before_load`` (n unused), ``after_export_line``."""
     before_prepare = before_score = after_group = None
     if "group_delay" in spec:
         after_group = functools.partial(fp.sleep, float(spec["group_delay"]))
@@ -29,6 +29,9 @@ def hooks_from(spec: dict) -> FaultHooks:
                      ("segfault_on", fp.segfault_on)):
         if name in spec:
             before_prepare = functools.partial(fn, str(spec[name]))
+    if "note_node" in spec:
+        folder, seconds = spec["note_node"]
+        before_prepare = functools.partial(fp.note_node, str(folder), float(seconds))
     if "kill_model_at" in spec:
         n, marker = spec["kill_model_at"]
         before_score = functools.partial(fp.kill_model_at, int(n), str(marker))
