@@ -161,6 +161,8 @@ class JobStore:
                 except sqlite3.IntegrityError:
                     also = f" (first on {first(item.id)})" if first else ""
                     raise ManifestError(f"{where}: id {item.id!r} appears twice{also}") from None
+            # inserted pending, with no lines (jobs/store_schema.py: no insert trigger)
+            self.db.execute("UPDATE totals SET items = items + ? WHERE state = 'pending'", (n,))
         return n
 
     def pending(self, batch: int) -> Iterator[list[ImageItem]]:

@@ -310,7 +310,7 @@ def test_a_job_from_an_older_version_still_runs(tmp_path: Path, random_model_dir
     _, job = submit_job(tmp_path, random_model_dir, 2, "--wait", "--no-progress", broken=1, rc=3)
     before = status(job)
     db = sqlite3.connect(job / STORE_FILE)  # back to a version-1 store from before the counts
-    for trigger in ("items_added", "items_changed", "items_removed"):
+    for trigger in ("items_changed", "items_removed"):
         db.execute(f"DROP TRIGGER {trigger}")
     db.execute("DROP TABLE totals")
     db.execute("DELETE FROM meta WHERE key = 'schema'")
