@@ -32,6 +32,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.rss import tree_rss_mib  # noqa: E402
 
 
 def make_images(folder: Path, n: int, questions: int, sizes: tuple[int, int]) -> Path:
@@ -48,29 +49,6 @@ def make_images(folder: Path, n: int, questions: int, sizes: tuple[int, int]) ->
             cv2.imwrite(str(folder / f"{i}.png"), img)
             f.write(json.dumps({"id": f"img{i}", "image": f"{i}.png", "questions": qs}) + "\n")
     return folder / "manifest.jsonl"
-
-
-def tree_rss_mib(pid: int) -> float:
-    """RSS of ``pid`` and all its descendants (from /proc), MiB."""
-    children: dict[int, list[int]] = {}
-    rss: dict[int, int] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            status = Path(f"/proc/{d}/status").read_text()
-        except OSError:
-            continue
-        fields = dict(ln.split(":", 1) for ln in status.splitlines() if ":" in ln)
-        p = int(d)
-        children.setdefault(int(fields.get("PPid", "0").strip() or 0), []).append(p)
-        rss[p] = int(fields.get("VmRSS", "0 kB").split()[0] or 0)
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        total += rss.get(p, 0)
-        todo += children.get(p, [])
-    return total / 1024
 
 
 def run(job: Path, extra: list[str], threads: int) -> tuple[float, float]:

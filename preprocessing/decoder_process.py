@@ -4,7 +4,7 @@ tiles one image at a time for ``preprocessing.isolated.DecoderPool``, which may 
 Started by exec (not fork), it imports only ``preprocessing`` (numpy, OpenCV, Pillow,
 xxhash: ~50 MB, ~0.25 s), never torch. Protocol over two pipes (``Connection`` framing,
 pickles): the pool sends ``(plan, max_pixels, before)`` once and is answered ``("ready",
-pid)``; then each ``(source, base_dir)`` is answered by one of
+pid)``; then each ``(source, base_dir, slot offset)`` is answered, in order, by one of
 
     ("slot", image, layout)  the PreparedImage with its arrays replaced by empty ones, and
                              (field, offset, shape, dtype) of each array in the shared slot
@@ -12,10 +12,11 @@ pid)``; then each ``(source, base_dir)`` is answered by one of
     ("error", exc)           SourceError or ImageError: the item's error
     ("raise", exc)           anything else (a bug): raised in the caller
 
-The slot is a memfd both processes map; the pool copies the arrays out before it sends the
-next item, so the slot is reused. The process dies with the pool's (``PR_SET_PDEATHSIG``)
-and leaves SIGINT and SIGTERM to it: a Ctrl-C in a terminal reaches every process of the
-group, and the pool, not this process, decides when decoding stops.
+The two slots are one memfd both processes map; the pool copies an item's arrays out
+before it sends the item after next, which reuses that slot. The process dies with the
+pool's (``PR_SET_PDEATHSIG``) and leaves SIGINT and SIGTERM to it: a Ctrl-C in a terminal
+reaches every process of the group, and the pool, not this process, decides when decoding
+stops.
 """
 
 from __future__ import annotations
@@ -43,16 +44,16 @@ ALIGN = 64  # bytes; each array starts on a cache line of the slot
 PR_SET_PDEATHSIG = 1
 
 
-def pack(image: PreparedImage, slot: mmap.mmap) -> tuple:
-    """``image``'s arrays copied into ``slot`` (a ``("slot", ...)`` answer), or the whole
-    image pickled when they do not fit."""
+def pack(image: PreparedImage, slot: mmap.mmap, base: int, size: int) -> tuple:
+    """``image``'s arrays copied into the ``size`` bytes of ``slot`` from ``base`` (a
+    ``("slot", ...)`` answer), or the whole image pickled when they do not fit."""
     arrays = [(f.name, v) for f in dataclasses.fields(image)
               if isinstance(v := getattr(image, f.name), np.ndarray)]
-    layout, offset = [], 0
+    layout, offset = [], base
     for name, a in arrays:
         layout.append((name, offset, a.shape, a.dtype.str))
         offset += -(-a.nbytes // ALIGN) * ALIGN
-    if offset > len(slot):
+    if offset - base > size:
         return ("object", image)
     for (_, off, shape, dtype), (_, a) in zip(layout, arrays):
         np.frombuffer(slot, np.dtype(dtype), a.size, off).reshape(shape)[...] = a
@@ -60,9 +61,9 @@ def pack(image: PreparedImage, slot: mmap.mmap) -> tuple:
     return ("slot", dataclasses.replace(image, **empty), layout)
 
 
-def unpack(answer: tuple, slot: mmap.mmap) -> PreparedImage:
+def unpack(answer: tuple, slot: mmap.mmap, base: int = 0) -> PreparedImage:
     """The ``PreparedImage`` of a ``slot`` or ``object`` answer, its arrays copied out of
-    ``slot`` (which the next item overwrites)."""
+    ``slot`` (which a later item overwrites; the offsets in the answer include ``base``)."""
     if answer[0] == "object":
         return answer[1]
     _, image, layout = answer
@@ -73,13 +74,16 @@ def unpack(answer: tuple, slot: mmap.mmap) -> PreparedImage:
 
 
 def answer(source: str | bytes, base_dir: str, plan: ImagePlan, max_pixels: int,
-           before: Callable[[str], None] | None, slot: mmap.mmap) -> tuple:
-    """One item's answer (see the module docstring)."""
+           before: Callable[[str], None] | None, slot: mmap.mmap, base: int = 0,
+           size: int | None = None) -> tuple:
+    """One item's answer, its arrays in ``slot[base: base + size]`` (see the module
+    docstring)."""
     try:
         if before is not None:  # fault injection (tests): hang or crash here
             before(source if isinstance(source, str) else "<bytes>")
         data = source if isinstance(source, bytes) else read_bytes(source, Path(base_dir))
-        return pack(prepare_bytes(data, plan, max_pixels), slot)
+        image = prepare_bytes(data, plan, max_pixels)
+        return pack(image, slot, base, len(slot) - base if size is None else size)
     except (SourceError, ImageError) as e:
         return ("error", e)
     except Exception as e:  # noqa: BLE001  (a bug: the pool raises it in the caller)
@@ -108,7 +112,7 @@ def main(argv: list[str]) -> None:
     if "OPENCV_LOG_LEVEL" not in os.environ:  # each failure is already the item's error
         cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)
     rd, wr = Connection(rfd, writable=False), Connection(wfd, readable=False)
-    slot = mmap.mmap(memfd, size)
+    slots = mmap.mmap(memfd, 2 * size)  # two slots: the pool says which each item uses
     os.close(memfd)
     setup: Any = rd.recv()
     plan, max_pixels, before = setup
@@ -120,8 +124,8 @@ def main(argv: list[str]) -> None:
             return
         if msg is None:
             return
-        source, base_dir = msg
-        wr.send(answer(source, base_dir, plan, max_pixels, before, slot))
+        source, base_dir, base = msg
+        wr.send(answer(source, base_dir, plan, max_pixels, before, slots, base, size))
 
 
 if __name__ == "__main__":

@@ -23,17 +23,21 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from queue import SimpleQueue
+from queue import Empty, SimpleQueue
 
 from preprocessing.decode import ImageError
 from preprocessing.decoder_process import unpack
 from preprocessing.prepare import ImagePlan, PreparedImage
 
-SLOT_BYTES = 64 << 20  # per worker, sparse: pages are allocated as tiles are written
+SLOT_BYTES = 64 << 20  # per slot, two a worker, sparse: pages are allocated as written
+DEPTH = 2  # items in a worker's pipe at once: it starts the next while this process copies
 START_TIMEOUT_S = 120.0  # a worker's start-up (an interpreter and its imports), generously
 
 
@@ -49,16 +53,27 @@ class _Hung(Exception):
     pass
 
 
+@dataclass
+class _Job:
+    future: Future
+    source: str | bytes
+    base_dir: Path
+    offset: int | None = None  # its slot, once sent to a worker
+    since: float | None = None  # when that worker reached it
+
+
 class _Died(Exception):
     pass
 
 
 class _Worker:
-    """One decoder process and the two pipes and the slot it shares with this one."""
+    """One decoder process, the two pipes and the two slots (one memfd) it shares with this
+    one: item k's arrays go to slot k % 2, so the worker fills one while the other is
+    copied out here."""
 
     def __init__(self, setup: tuple, slot_bytes: int) -> None:
         memfd = os.memfd_create("vlmbatch-decoder")
-        os.ftruncate(memfd, slot_bytes)
+        os.ftruncate(memfd, 2 * slot_bytes)
         down_r, down_w = os.pipe()  # to the worker
         up_r, up_w = os.pipe()  # from it
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
@@ -67,10 +82,11 @@ class _Worker:
                 [sys.executable, "-m", "preprocessing.decoder_process", str(down_r),
                  str(up_w), str(memfd), str(slot_bytes), str(os.getpid())],
                 pass_fds=(down_r, up_w, memfd), stdin=subprocess.DEVNULL, stdout=2, env=env)
-            self.slot = mmap.mmap(memfd, slot_bytes)
+            self.slots = mmap.mmap(memfd, 2 * slot_bytes)
         finally:
             for fd in (down_r, up_w, memfd):
                 os.close(fd)
+        self.slot_bytes, self.sent = slot_bytes, 0
         self.down = Connection(down_w, readable=False)
         self.up = Connection(up_r, writable=False)
         try:
@@ -83,19 +99,28 @@ class _Worker:
             raise RuntimeError(f"could not start a decoder process ({self.exit_reason()}); "
                                "see its message above") from None
 
-    def prepare(self, source: str | bytes, base_dir: Path, timeout_s: float) -> PreparedImage:
-        """The worker's answer for one item; raises _Hung past ``timeout_s`` and _Died when
-        the worker dies (the caller then kills or drops it)."""
+    def send(self, source: str | bytes, base_dir: Path) -> int:
+        """Queue an item in the worker's pipe; returns the offset of its slot."""
+        offset = (self.sent % 2) * self.slot_bytes
+        self.sent += 1
         try:
-            self.down.send((source, str(base_dir)))
-            if not self.up.poll(timeout_s):
+            self.down.send((source, str(base_dir), offset))
+        except OSError:
+            raise _Died(self.exit_reason()) from None
+        return offset
+
+    def receive(self, timeout_s: float, offset: int) -> PreparedImage:
+        """The answer for the oldest item sent; raises _Hung past ``timeout_s`` and _Died
+        when the worker dies (the caller then kills or drops it)."""
+        try:
+            if not self.up.poll(max(timeout_s, 0.0)):
                 raise _Hung
             answer = self.up.recv()
         except (EOFError, OSError):
             raise _Died(self.exit_reason()) from None
         if answer[0] in ("error", "raise"):
             raise answer[1]
-        return unpack(answer, self.slot)
+        return unpack(answer, self.slots, offset)
 
     def exit_reason(self) -> str:
         try:
@@ -114,7 +139,7 @@ class _Worker:
     def close(self) -> None:
         for c in (self.down, self.up):
             c.close()
-        self.slot.close()
+        self.slots.close()
 
 
 class DecoderPool:
@@ -142,7 +167,7 @@ class DecoderPool:
 
     def submit(self, source: str | bytes, base_dir: Path) -> Future:
         f: Future = Future()
-        self.jobs.put((f, source, base_dir))
+        self.jobs.put(_Job(f, source, base_dir))
         return f
 
     def stop(self) -> None:
@@ -155,30 +180,74 @@ class DecoderPool:
             self.jobs.put(None)
 
     def _serve(self) -> None:
-        """One worker's thread: items in, answers out; a hung worker killed, a dead one
-        replaced by the next item."""
+        """One worker's thread: up to ``DEPTH`` items in its pipe (so it never waits for
+        this process between two), answers out in order. Each item's deadline runs from
+        when the worker reaches it (the previous answer, or its sending to an idle one); a
+        worker past it is killed, a dead one dropped, and its other items go to the next."""
         w: _Worker | None = None
+        queued: deque[_Job] = deque()  # taken from self.jobs, not answered; the first in work
         try:
-            while (job := self.jobs.get()) is not None:
-                f, source, base_dir = job
-                if not f.set_running_or_notify_cancel():
-                    continue  # cancelled before it started
+            while self._take(queued):
                 try:
                     w = w or self._start()
-                    f.set_result(w.prepare(source, base_dir, self.timeout_s))
-                except _Hung:
-                    self._drop(w, kill=True)
-                    w = None
-                    f.set_exception(DecodeTimeout(
-                        f"decoding timed out after {self.timeout_s:g}s (worker killed)"))
-                except _Died as e:
-                    self._drop(w)
-                    w = None
-                    f.set_exception(DecoderCrashed(f"preprocessing worker died ({e})"))
-                except BaseException as e:  # noqa: BLE001  (handed to whoever waits on f)
-                    f.set_exception(e)
+                except BaseException as e:  # noqa: BLE001  (handed to whoever waits)
+                    for job in queued:
+                        job.future.set_exception(e)
+                    queued.clear()
+                    continue
+                w = self._step(w, queued)
         finally:
             self._drop(w, kill=True)
+
+    def _take(self, queued: deque[_Job]) -> bool:
+        """Top ``queued`` up to ``DEPTH`` (waiting only while it is empty); False once the
+        pool stops."""
+        while len(queued) < DEPTH:
+            try:
+                got = self.jobs.get(block=not queued)
+            except Empty:
+                return True
+            if got is None:
+                return False
+            if got.future.set_running_or_notify_cancel():  # else cancelled before it started
+                queued.append(got)
+        return True
+
+    def _step(self, w: _Worker, queued: deque[_Job]) -> _Worker | None:
+        """Send what ``w`` has not got yet, then take one answer; returns the worker to go
+        on with (None: it was killed or died, and the items it held are sent again)."""
+        now = time.monotonic()
+        for job in queued:
+            if job.offset is None:
+                job.offset = w.send(job.source, job.base_dir)
+                job.since = job.since or now
+        head = queued[0]
+        assert head.since is not None and head.offset is not None  # sent above
+        try:
+            image = w.receive(head.since + self.timeout_s - time.monotonic(), head.offset)
+        except _Hung:
+            queued.popleft().future.set_exception(DecodeTimeout(
+                f"decoding timed out after {self.timeout_s:g}s (worker killed)"))
+            return self._replace(w, queued, kill=True)
+        except _Died as e:
+            queued.popleft().future.set_exception(
+                DecoderCrashed(f"preprocessing worker died ({e})"))
+            return self._replace(w, queued, kill=False)
+        except BaseException as e:  # noqa: BLE001  (the item's error, or a bug: its caller's)
+            queued.popleft().future.set_exception(e)
+        else:
+            queued.popleft().future.set_result(image)
+        if queued:
+            queued[0].since = time.monotonic()  # the worker is on it now
+        return w
+
+    def _replace(self, w: _Worker, queued: deque[_Job], kill: bool) -> _Worker | None:
+        """None, once ``w`` is killed or dropped; the items it held but never reached go
+        to the next worker."""
+        self._drop(w, kill=kill)
+        for job in queued:
+            job.offset = job.since = None
+        return None
 
     def _start(self) -> _Worker:
         with self.lock:

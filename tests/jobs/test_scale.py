@@ -20,32 +20,13 @@ import cv2
 import numpy as np
 import pytest
 
+from bench.rss import tree_rss_mib
 from jobs.folder import STORE_FILE
 from jobs.job import status
 from jobs.store import JobStore
 from tests.jobs.test_job import ROOT
 
 N = 1_000_000
-
-
-def tree_rss_mib(pid: int) -> float:
-    """RSS of ``pid`` and its descendants, MiB (from /proc)."""
-    kids: dict[int, list[int]] = {}
-    rss: dict[int, int] = {}
-    for d in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fields = dict(ln.split(":", 1) for ln in
-                          Path(f"/proc/{d}/status").read_text().splitlines() if ":" in ln)
-        except OSError:
-            continue
-        kids.setdefault(int(fields["PPid"]), []).append(int(d))
-        rss[int(d)] = int(fields.get("VmRSS", "0 kB").split()[0])
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        total += rss.get(p, 0)
-        todo += kids.get(p, [])
-    return total / 1024
 
 
 def manifest(folder: Path) -> Path:

@@ -1,6 +1,7 @@
-"""Decoder processes (``preprocessing/isolated.py``): the same tiles as in this process, a
-hang or a crash fails that item only and the next gets a fresh worker, errors keep their
-type, stopping kills at once and leaves no process behind."""
+"""Decoder processes (``preprocessing/isolated.py``): the same tiles as in this process, in
+order, two items in a worker's pipe at once; a hang or a crash fails that item only and the
+items behind it go to a fresh worker; errors keep their type; stopping kills at once and
+leaves no process behind."""
 
 from __future__ import annotations
 
@@ -110,8 +111,8 @@ def test_a_hang_or_a_crash_fails_that_item_and_the_next_goes_on(tmp_path: Path,
 def test_stop_kills_a_busy_worker_at_once(tmp_path: Path) -> None:
     (p,) = images(tmp_path, 1)
     pool = DecoderPool(2, PLAN, 10**8, 600.0, before=functools.partial(fp.hang_on, ".png"))
-    pool.submit(str(p), tmp_path)
-    pool.submit(str(p), tmp_path)
+    for _ in range(6):  # each worker takes up to two at a time
+        pool.submit(str(p), tmp_path)
     deadline = time.monotonic() + 60
     while len(children()) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
