@@ -72,9 +72,9 @@ def main() -> None:
         store.close()
     base = best["parse every result (json_each)"]
     print(f"\n{args.items:,} done items x {args.questions} result lines; best of {args.rounds}\n")
-    print("| query | seconds | speed-up |\n|---|---|---|")
+    print("| query | time | speed-up |\n|---|---|---|")
     for name, s in best.items():
-        print(f"| {name} | {s:.3f} | {base / s:.1f}x |")
+        print(f"| {name} | {s * 1e3:.2f} ms | {base / s:,.0f}x |")
 
 
 if __name__ == "__main__":
