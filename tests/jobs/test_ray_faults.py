@@ -109,6 +109,15 @@ def _wait_for_nodes(address: str, env: dict, n: int) -> None:
     assert p.stdout.strip().endswith(str(n)), p.stderr[-2000:]
 
 
+def _images_on(notes: Path, node: str, p: subprocess.Popen) -> set[str]:
+    """The images prepare tasks noted on ``node``, once there is one (or ``p`` ended)."""
+    deadline = time.time() + 240
+    while not any(n.name.startswith(f"{node}-") for n in notes.iterdir()) \
+            and p.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    return {n.name.split("-", 2)[2] for n in notes.iterdir() if n.name.startswith(f"{node}-")}
+
+
 def test_a_worker_node_lost_mid_job_completes_exactly_once(tmp_path: Path,
                                                            random_model_dir: Path) -> None:
     """A head (2 CPUs) and a second raylet (2 CPUs, marked by its environment); prepare
@@ -144,17 +153,12 @@ def test_a_worker_node_lost_mid_job_completes_exactly_once(tmp_path: Path,
              json.dumps({"note_node": [str(notes), 3.0]}), "--", "run", str(job), *RAY,
              "--address", f"127.0.0.1:{gcs}", "--preprocess-workers", "2", "--no-progress"],
             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 240
-        while not any(n.name.startswith("worker-") for n in notes.iterdir()) \
-                and p.poll() is None and time.time() < deadline:
-            time.sleep(0.1)
-        lost = {n.name.split("-", 2)[2] for n in notes.iterdir() if n.name.startswith("worker-")}
+        lost = _images_on(notes, "worker", p)
         assert lost, "no prepare task ran on the second node"
         _stop(worker)  # mid-task: it sleeps 3 s after its note
         _, err = p.communicate(timeout=400)
         assert p.returncode == EXIT_OK, err[-3000:]
-        again = {n.name.split("-", 2)[2] for n in notes.iterdir() if n.name.startswith("head-")}
-        assert lost <= again  # prepared again on the head
+        assert lost <= _images_on(notes, "head", p)  # prepared again on the head
         lines_once(job, 8)
     finally:
         if worker is not None:
