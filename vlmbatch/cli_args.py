@@ -124,9 +124,10 @@ def _thread_args(g: argparse._ActionsContainer, note: str = "") -> None:
     g.add_argument("--threads", type=positive_int, default=None,
                    help=f"torch CPU threads (default: {torch_default})")
     g.add_argument("--preprocess-threads", type=non_negative_int, default=None,
-                   help="threads decoding and tiling the next image groups while the model "
-                   "answers the current one, in-process (Ray: --preprocess-workers); 0: none "
-                   f"(default: {note or '2 on CPU, up to 8 on CUDA'})")
+                   help="decoder processes (threads with --decode-timeout 0) decoding and "
+                   "tiling the next image groups while the model answers the current one, "
+                   "in-process (Ray: --preprocess-workers); 0: none ahead (one decoder "
+                   f"process, or this thread) (default: {note or '2 on CPU, up to 8 on CUDA'})")
 
 
 def _executor_args(p: argparse.ArgumentParser) -> None:
