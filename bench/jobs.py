@@ -2,12 +2,15 @@
 peak memory of a large job.
 
 Generates ``--items`` distinct tiny PNG images (a disc on noise, 48-96 px a side) and a
-manifest asking ``--questions`` questions of each, submits one job per executor and runs it
-with ``vlmbatch run JOB`` in a subprocess. For each: wall time (start-up included), the job's
-own QPM (from its store: first to last recorded group, start-up excluded), and the peak RSS
-of the whole process tree (driver + Ray's processes), sampled from /proc every 0.2 s.
+manifest asking ``--questions`` questions of each, submits one job per row and runs it with
+``vlmbatch run JOB`` in a subprocess: in-process with decoder processes (the default) and
+with threads (``--decode-timeout 0``, no isolation), and on Ray. For each: wall time
+(start-up included), the job's own QPM (from its store: first to last recorded group,
+start-up excluded), and the peak RSS of the whole process tree (driver, decoder processes,
+Ray's processes), sampled from /proc every 0.2 s.
 
     python bench/jobs.py --items 2000                  # QPM: in-process vs Ray
+    python bench/jobs.py --items 2000 --rows local,threads --rounds 3   # decoder isolation
     python bench/jobs.py --items 100000 --questions 1 --min-size 32 --max-size 48 --rss-only
 
 Not a test: timings on shared machines are noisy; compare rows of one run.
@@ -29,6 +32,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.rss import tree_rss_mib  # noqa: E402
 
 
 def make_images(folder: Path, n: int, questions: int, sizes: tuple[int, int]) -> Path:
@@ -45,29 +49,6 @@ def make_images(folder: Path, n: int, questions: int, sizes: tuple[int, int]) ->
             cv2.imwrite(str(folder / f"{i}.png"), img)
             f.write(json.dumps({"id": f"img{i}", "image": f"{i}.png", "questions": qs}) + "\n")
     return folder / "manifest.jsonl"
-
-
-def tree_rss_mib(pid: int) -> float:
-    """RSS of ``pid`` and all its descendants (from /proc), MiB."""
-    children: dict[int, list[int]] = {}
-    rss: dict[int, int] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            status = Path(f"/proc/{d}/status").read_text()
-        except OSError:
-            continue
-        fields = dict(ln.split(":", 1) for ln in status.splitlines() if ":" in ln)
-        p = int(d)
-        children.setdefault(int(fields.get("PPid", "0").strip() or 0), []).append(p)
-        rss[p] = int(fields.get("VmRSS", "0 kB").split()[0] or 0)
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        total += rss.get(p, 0)
-        todo += children.get(p, [])
-    return total / 1024
 
 
 def run(job: Path, extra: list[str], threads: int) -> tuple[float, float]:
@@ -104,43 +85,62 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/vlmbatch-bench-jobs"))
     ap.add_argument("--rss-only", action="store_true",
                     help="one in-process and one Ray (2 workers) run, for peak memory")
+    ap.add_argument("--rows", default="local,threads,ray1,ray2",
+                    help="which rows, of local, threads, ray1, ray2")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="rounds over the rows, interleaved; the best of each row is shown")
     args = ap.parse_args()
-    from jobs.config import RunConfig
-    from jobs.job import status, submit
-    from pipeline.config import EngineConfig, ModelConfig
 
     t0 = time.perf_counter()
     manifest = make_images(args.work / f"data{args.items}_{args.min_size}_{args.max_size}",
                            args.items, args.questions, (args.min_size, args.max_size + 1))
     print(f"generated {args.items} images in {time.perf_counter() - t0:.0f}s", flush=True)
-    rows = [("in-process", ["--executor", "local"]),
-            ("ray, 1 preprocessing worker", ["--executor", "ray", "--preprocess-workers", "1"]),
-            ("ray, 2 preprocessing workers", ["--executor", "ray", "--preprocess-workers", "2"])]
-    if args.rss_only:
-        rows = [rows[0], rows[2]]
+    rows = {"local": ("in-process, decoder processes (default)", ["--executor", "local"]),
+            "threads": ("in-process, threads (--decode-timeout 0)",
+                        ["--executor", "local", "--decode-timeout", "0"]),
+            "ray1": ("ray, 1 preprocessing worker",
+                     ["--executor", "ray", "--preprocess-workers", "1"]),
+            "ray2": ("ray, 2 preprocessing workers",
+                     ["--executor", "ray", "--preprocess-workers", "2"])}
+    keys = ["local", "ray2"] if args.rss_only else args.rows.split(",")
     print(f"\n{args.items} images x {args.questions} questions, built-in model, "
-          f"{args.threads} model thread(s), prefix cache {args.cache_mib} MiB\n")
-    print("| executor | wall (start-up incl.) | job QPM (store) | overhead vs in-process | "
-          "peak RSS, process tree |")
-    print("|---|---|---|---|---|")
-    base = None
-    for i, (name, extra) in enumerate(rows):
-        job = args.work / f"job{args.items}_{i}"
-        if job.exists():
-            import shutil
+          f"{args.threads} model thread(s), prefix cache {args.cache_mib} MiB, "
+          f"best of {args.rounds} interleaved round(s)\n")
+    best: dict[str, tuple[float, float, float]] = {}  # key -> (wall, qpm, peak RSS)
+    for r in range(args.rounds):
+        for k in keys[r % len(keys):] + keys[: r % len(keys)]:  # order rotated per round
+            wall, qpm, peak = one_row(args, manifest, k, rows[k][1])
+            old = best.get(k, (float("inf"), 0.0, 0.0))
+            best[k] = (min(old[0], wall), max(old[1], qpm), max(old[2], peak))
+            print(f"  round {r + 1} {k}: {wall:.1f}s, {qpm:,.0f} QPM", flush=True)
+    base = best.get("threads", best[keys[0]])
+    print("\n| executor | wall (start-up incl.) | job QPM (store) | wall vs threads | "
+          "QPM vs threads | peak RSS, process tree |\n|---|---|---|---|---|---|")
+    for k in keys:
+        wall, qpm, peak = best[k]
+        print(f"| {rows[k][0]} | {wall:.1f}s | {qpm:,.0f} | {wall / base[0]:.2f}x | "
+              f"{qpm / base[1]:.2f}x | {peak:,.0f} MiB |")
 
-            shutil.rmtree(job)
-        cfg = RunConfig(manifest=manifest, images=None, policy=None, out=None,
-                        images_per_batch=16, threads=args.threads, progress=False,
-                        model=ModelConfig(), engine=EngineConfig(cache_bytes=args.cache_mib << 20))
-        submit(cfg, job)
-        wall, peak = run(job, extra + (["--model-cpus", str(args.threads)]
-                                       if "ray" in extra else []), args.threads)
-        st = status(job)
-        qpm = st.qpm or 0.0
-        base = base or wall
-        print(f"| {name} | {wall:.1f}s | {qpm:,.0f} | {wall / base:.2f}x wall | "
-              f"{peak:,.0f} MiB |", flush=True)
+
+def one_row(args: argparse.Namespace, manifest: Path, key: str,
+            extra: list[str]) -> tuple[float, float, float]:
+    """(wall, job QPM, peak tree RSS) of a fresh job over ``manifest`` run with ``extra``."""
+    import shutil
+
+    from jobs.config import RunConfig
+    from jobs.job import status, submit
+    from pipeline.config import EngineConfig, ModelConfig
+
+    job = args.work / f"job{args.items}_{key}"
+    if job.exists():
+        shutil.rmtree(job)
+    cfg = RunConfig(manifest=manifest, images=None, policy=None, out=None,
+                    images_per_batch=16, threads=args.threads, progress=False,
+                    model=ModelConfig(), engine=EngineConfig(cache_bytes=args.cache_mib << 20))
+    submit(cfg, job)
+    wall, peak = run(job, extra + (["--model-cpus", str(args.threads)]
+                                   if "ray" in extra else []), args.threads)
+    return wall, status(job).qpm or 0.0, peak
 
 
 if __name__ == "__main__":

@@ -28,28 +28,35 @@ class RayOptions:
     preprocess_workers: int = 1  # concurrent CPU preprocessing tasks
     model_workers: int = 1  # model actors (one per GPU on a GPU cluster)
     model_cpus: float = 1.0  # CPUs reserved per model actor (its torch threads, on CPU)
-    decode_timeout: float = 30.0  # seconds per item before a prepare task is killed
 
     def __post_init__(self) -> None:
         if self.preprocess_workers < 1 or self.model_workers < 1:
             raise ConfigError("--preprocess-workers and --model-workers must be >= 1")
-        if not self.decode_timeout > 0 or not self.model_cpus > 0:
-            raise ConfigError("--decode-timeout and --model-cpus must be > 0")
+        if not self.model_cpus > 0:
+            raise ConfigError("--model-cpus must be > 0")
 
 
 @dataclass(frozen=True)
 class ExecutorConfig:
     kind: str = "local"  # one of EXECUTORS: this process, or Ray tasks and actors
     ray: RayOptions = field(default_factory=RayOptions)
+    # seconds one image may take to read, decode and tile before its worker (a decoder
+    # process in-process, a prepare task on Ray) is killed and that item fails; 0: none,
+    # and in-process decoding runs on threads of this process (a hang then stops the run)
+    decode_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if self.kind not in EXECUTORS:
             raise ConfigError(f"executor {self.kind!r} not one of {EXECUTORS}")
+        if not self.decode_timeout >= 0:  # NaN too
+            raise ConfigError(f"--decode-timeout must be >= 0, got {self.decode_timeout}")
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    VERSION: ClassVar[int] = 3  # of the serialised form (job.json; 3: task and embed)
+    # of the serialised form (job.json); 3: task and embed; 4: decode_timeout moved from the
+    # Ray options to the executor's (jobs.folder.load_config reads versions 1-3)
+    VERSION: ClassVar[int] = 4
 
     manifest: Path | None = None
     images: Path | None = None  # a folder of images, asked the policy's questions

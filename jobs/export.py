@@ -14,10 +14,11 @@ from jobs.embed_sinks import EmbeddingSink
 from jobs.folder import STORE_FILE, job_format, require_job
 from jobs.sinks import line_writer
 from jobs.store import JobStore
+from pipeline.hooks import NO_HOOKS, FaultHooks
 from pipeline.records import Answer, Embedding
 
 
-def export_text(job: Path, out: IO[str], fmt: str = "jsonl") -> int:
+def export_text(job: Path, out: IO[str], fmt: str = "jsonl", hooks: FaultHooks = NO_HOOKS) -> int:
     """Every recorded answer to ``out`` as JSONL (OpenAI batch output lines for a job
     submitted in that format) or CSV (our columns for either; ``jobs/sinks.py``)."""
     require_job(job)
@@ -28,12 +29,14 @@ def export_text(job: Path, out: IO[str], fmt: str = "jsonl") -> int:
         for a in store.answers():
             write([a])
             n += 1
+            hooks.exported(n)
         return n
     finally:
         store.close()
 
 
-def export_parquet(job: Path, path: Path, rows_per_group: int = 65536) -> int:
+def export_parquet(job: Path, path: Path, rows_per_group: int = 65536,
+                   hooks: FaultHooks = NO_HOOKS) -> int:
     """Every recorded answer as a Parquet row (columns ``Answer.COLUMNS``), written in row
     groups: memory stays bounded."""
     require_job(job)
@@ -52,6 +55,7 @@ def export_parquet(job: Path, path: Path, rows_per_group: int = 65536) -> int:
             for a in store.answers():
                 line = a.line()
                 rows.append({name: line.get(name) for name, _ in Answer.COLUMNS})
+                hooks.exported(n + len(rows))
                 if len(rows) == rows_per_group:
                     writer.write_table(pa.Table.from_pylist(rows, schema))
                     n += len(rows)

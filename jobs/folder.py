@@ -41,15 +41,10 @@ def require_job(job: Path) -> None:
 
 
 def write_job_file(job: Path, cfg: RunConfig, fmt: str) -> None:
-    """``job.json``. Version 3 added the task and its embedding settings; a yes/no job is
-    written without them, as version 2, so versions from before embeddings still run it (an
-    embedding job tells them it needs a newer vlmbatch)."""
-    body = to_json(cfg)
-    version = RunConfig.VERSION
-    if cfg.task == "answer":
-        del body["task"], body["embed"]
-        version = 2
-    d = {"version": version, "format": fmt, "config": body}
+    """``job.json`` at ``RunConfig.VERSION`` (3 added the task and its embedding settings, 4
+    moved ``decode_timeout`` from the Ray options to the executor's; ``load_config`` reads
+    every earlier version)."""
+    d = {"version": RunConfig.VERSION, "format": fmt, "config": to_json(cfg)}
     (Path(job) / JOB_FILE).write_text(json.dumps(d, indent=2) + "\n")
 
 
@@ -85,11 +80,23 @@ def load_config(job: Path) -> RunConfig:
                             f"format {version}; this one reads up to {RunConfig.VERSION}); "
                             "run the job with that version")
     body = d["config"] if version >= 2 else _from_v1(d)
+    if version < 4:
+        body = _decode_timeout_to_executor(body)
     try:
         return from_json(RunConfig, body)
     except (ConfigError, TypeError, ValueError) as e:
         raise ManifestError(f"{Path(job) / JOB_FILE}: {e}; the job folder is damaged: "
                             "submit the job again") from None
+
+
+def _decode_timeout_to_executor(body: dict) -> dict:
+    """A version-2 or -3 config (decode_timeout among the Ray options) in version 4's layout."""
+    executor = dict(body.get("executor") or {})
+    ray = dict(executor.get("ray") or {})
+    if "decode_timeout" in ray:
+        executor["decode_timeout"] = ray.pop("decode_timeout")
+        executor["ray"] = ray
+    return {**body, "executor": executor} if executor else body
 
 
 def _from_v1(d: dict) -> dict:

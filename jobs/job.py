@@ -15,15 +15,18 @@ as the run's ``ExecutorConfig`` says.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
+from common.atomic import replaced_on_success
 from jobs.config import ExecutorConfig, RunConfig
 from jobs.errors import ManifestError
 from jobs.folder import (
@@ -60,10 +63,12 @@ def _absolute(cfg: RunConfig) -> RunConfig:
                                model=dataclasses.replace(cfg.model, path=ab(cfg.model.path)))
 
 
-def submit(cfg: RunConfig, job: Path) -> int:
+def submit(cfg: RunConfig, job: Path, hooks: FaultHooks = NO_HOOKS) -> int:
     """Create the job folder; returns the number of items. Fails before writing anything if
     the input or the model folder is invalid, or the folder already holds a job. The device
-    is checked when the job runs (it may run on another machine)."""
+    is checked when the job runs (it may run on another machine). The folder is built under
+    a temporary name beside ``job`` and renamed onto it when complete, so a submit that
+    fails or is interrupted (a bad line, a full disk, Ctrl-C, SIGTERM) leaves no job."""
     job = Path(job)
     if job.exists() and (not job.is_dir() or any(job.iterdir())):
         raise ManifestError(f"{job} already exists and is not an empty folder; pick a new job "
@@ -72,20 +77,38 @@ def submit(cfg: RunConfig, job: Path) -> int:
     task = task_of(cfg)  # answer questions, or embed (jobs/tasks.py)
     task.check(cfg)
     items, first = task.items(cfg)
-    job.mkdir(parents=True, exist_ok=True)
-    store = JobStore(job / STORE_FILE)
-    try:
-        n = store.add_items(items, first, task.to_json, task.key)
-        store.set("status", "submitted")
-        store.set("created", str(time.time()))
-    except BaseException:
-        store.close()
-        shutil.rmtree(job)  # nothing half-made is left behind
-        raise
-    store.close()
     fmt = manifest_format(cfg.manifest) if cfg.manifest else "vlmbatch"
-    write_job_file(job, _absolute(cfg), fmt)
+    with _naming_job(job), replaced_on_success(job) as part:
+        part.mkdir()
+        store = JobStore(part / STORE_FILE)
+        try:
+            n = store.add_items(_counted(items, hooks), first, task.to_json, task.key)
+            store.set("status", "submitted")
+            store.set("created", str(time.time()))
+        finally:
+            store.close()
+        write_job_file(part, _absolute(cfg), fmt)
     return n
+
+
+def _counted(items: Iterator[tuple[str, Any]], hooks: FaultHooks) -> Iterator[tuple[str, Any]]:
+    for n, x in enumerate(items, 1):
+        yield x
+        hooks.submitted(n)
+
+
+@contextlib.contextmanager
+def _naming_job(job: Path) -> Iterator[None]:
+    """An OSError about the temporary folder ``submit`` builds (or a file in it) names
+    ``job`` instead."""
+    try:
+        yield
+    except OSError as e:
+        prefix, name = str(job.parent / f".{job.name}."), str(e.filename or "")
+        if not name.startswith(prefix) or ".part" not in name:
+            raise
+        inside = name[len(prefix):].partition(".part")[2]  # "" or "/store.sqlite"
+        raise OSError(e.errno, e.strerror, str(job) + inside) from e
 
 
 def cancel(job: Path) -> str:
@@ -142,6 +165,7 @@ def _run_local(job: Path, progress: bool, cfg: RunConfig, hooks: FaultHooks) -> 
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         task = task_of(cfg)
+        hooks.loading()
         engine = build_engine(cfg.model, cfg.engine)
         stage2 = task.model(engine, cfg)
         store.begin_run(c, host_id())
@@ -150,8 +174,9 @@ def _run_local(job: Path, progress: bool, cfg: RunConfig, hooks: FaultHooks) -> 
         final = "interrupted"  # unless the loop ends normally
         threads = preprocess_threads_for(cfg.preprocess_threads, cfg.model.device)
         groups = task.prepared(store.pending(cfg.images_per_batch, task.from_json),
-                               engine.image_plan, cfg.max_pixels,
-                               threads)  # groups prepared ahead stay pending
+                               engine.image_plan, cfg.max_pixels, threads,
+                               decode_timeout=cfg.executor.decode_timeout, hooks=hooks)
+        # (groups prepared ahead stay pending)
         try:
             for pg in groups:
                 if store.get("cancel") == "1":
@@ -162,9 +187,13 @@ def _run_local(job: Path, progress: bool, cfg: RunConfig, hooks: FaultHooks) -> 
                 hooks.group_done()
             else:
                 final = "done"
-        finally:  # the job's state first: a second signal may cut the rest short
+        except BaseException:  # the job's state first: a second signal may cut the rest short
+            store.end_run(final, failing=True)
+            raise
+        else:
             store.end_run(final)
-            groups.close()  # stops the preprocessing threads
+        finally:
+            groups.close()  # stops the decoder processes or threads
             bar.close()
     finally:
         store.close()

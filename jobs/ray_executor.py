@@ -28,6 +28,8 @@ Invariants:
 - A model worker that dies is restarted by Ray and its call retried
   (``max_restarts``/``max_task_retries``); results are recorded only by the driver, only for
   items still pending, so a retried group is never recorded twice.
+- A node that dies takes its prepare tasks and the tiles it holds with it: those groups are
+  prepared again elsewhere (up to 3 times each), never failed for it.
 
 Fault injection for tests: a ``pipeline.hooks.FaultHooks`` passed in travels (pickled) to the
 prepare tasks (``before_prepare``: hang or crash on an item) and the model actors
@@ -111,16 +113,18 @@ def run_job_ray(job: Path, cfg: RunConfig, progress: bool = True,
         threads = max(1, int(opts.model_cpus))  # Ray's reservation, not the job's --threads
         # one GPU per model actor when the model runs on CUDA (never run here: no GPU yet)
         gpus = 1 if cfg.model.device.startswith("cuda") else 0
+        hooks.loading()
         Actor = ray.remote(num_cpus=opts.model_cpus, num_gpus=gpus, max_restarts=3,
                            max_task_retries=3)(ModelWorker)
         workers = [Actor.remote(cfg, threads, hooks)
                    for _ in range(opts.model_workers)]
         plan = ray.get(workers[0].image_plan.remote())
-        final = "interrupted"  # unless _drive returns
         try:
             final = _drive(ray, store, cfg, workers, plan, c, progress, job.name, hooks)
-        finally:
-            store.end_run(final)
+        except BaseException:
+            store.end_run("interrupted", failing=True)
+            raise
+        store.end_run(final)
     finally:
         store.close()
         if started_ray:
@@ -206,7 +210,8 @@ class _Scheduler:
     def _submit_prepare(self, group: list) -> None:
         done, tiles = self.prepare.remote(group, self.plan, self.cfg.max_pixels, self.hooks,
                                           self.task.stage1)
-        deadline = time.monotonic() + self.opts.decode_timeout * len(group)
+        timeout = self.cfg.executor.decode_timeout or float("inf")  # 0: no deadline
+        deadline = time.monotonic() + timeout * len(group)
         self.preparing[done] = (group, deadline, tiles)
 
     def collect_prepared(self, ready: set) -> None:
@@ -225,6 +230,9 @@ class _Scheduler:
                     raise TimeoutError
                 self.ray.get(ref)  # raises if the task failed; the tiles stay where they are
             except (TimeoutError, self.ray.exceptions.RayError) as e:
+                if self._lost(e, group):  # its node died: not the images' fault
+                    self.again.append(group)
+                    continue
                 if len(group) > 1:
                     self.retry.extend(group)  # find the culprit: one task per item
                     continue
@@ -233,11 +241,12 @@ class _Scheduler:
             self.scoring.append((self.workers[self.next_worker].score.remote(tiles), group))
             self.next_worker = (self.next_worker + 1) % len(self.workers)
 
-    def _lost_tiles(self, e: BaseException, group: list, most: int = 3) -> bool:
-        """Whether a model call failed because its tiles were lost (the node that prepared
-        them died; prepare tasks are not retried, so Ray cannot rebuild them), at most
-        ``most`` times for this group: then the group is prepared again."""
-        lost = self.ray.exceptions.ObjectLostError
+    def _lost(self, e: BaseException, group: list, most: int = 3) -> bool:
+        """Whether a task failed because a node died: the node that ran a prepare task, or
+        that held a group's tiles when a model call read them (prepare tasks are not
+        retried, so Ray cannot rebuild them). At most ``most`` times for this group: then
+        the group is prepared again (its items are still pending)."""
+        lost = (self.ray.exceptions.ObjectLostError, self.ray.exceptions.NodeDiedError)
         if not (isinstance(e, lost) or isinstance(getattr(e, "cause", None), lost)):
             return False
         first = self.task.key(group[0])
@@ -247,7 +256,7 @@ class _Scheduler:
     def _failure(self, item: ImageItem | EmbedItem, e: BaseException) -> ItemError:
         if isinstance(e, TimeoutError):
             return ItemError(ErrorKind.DECODE_TIMEOUT, f"{item.source}: decoding timed out after "
-                             f"{self.opts.decode_timeout:g}s (worker killed)")
+                             f"{self.cfg.executor.decode_timeout:g}s (worker killed)")
         return ItemError(ErrorKind.DECODER_CRASHED,
                          f"{item.source}: preprocessing worker died ({type(e).__name__})")
 
@@ -259,7 +268,7 @@ class _Scheduler:
             try:
                 answers = self.ray.get(ref)
             except self.ray.exceptions.RayError as e:
-                if not self._lost_tiles(e, group):
+                if not self._lost(e, group):
                     raise
                 self.again.append(group)  # its items are still pending: prepare them again
                 continue

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from jobs.config import RunConfig
 from jobs.manifest import items_from_folder, manifest_format, read_manifest, read_policy
-from jobs.sinks import format_of, line_writer, open_text
+from jobs.sinks import GroupWriter, format_of
 from pipeline.build import build_engine
 from pipeline.config import preprocess_threads_for
 from pipeline.drive import prepared_groups, score_group
@@ -78,23 +78,22 @@ def run(cfg: RunConfig, out: IO[str] | None = None, hooks: FaultHooks = NO_HOOKS
     fmt = format_of(cfg.out)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    hooks.loading()
     engine = build_engine(cfg.model, cfg.engine)
     n_q = sum(len(it.questions) for it in items)
-    own = out is None and cfg.out is not None
-    sink = open_text(cfg.out, fmt) if own else (out or sys.stdout)  # type: ignore[arg-type]
-    write = line_writer(sink, fmt, openai)
+    sink = GroupWriter(cfg.out, fmt, openai, out)
     failed_images = failed_q = 0
     start = time.perf_counter()
     bar = tqdm(total=n_q, unit="q", disable=not cfg.progress, file=sys.stderr,
                desc="answering", dynamic_ncols=True)
     groups = prepared_groups(_groups(items, cfg.images_per_batch), engine.image_plan,
                              cfg.max_pixels,
-                             preprocess_threads_for(cfg.preprocess_threads, cfg.model.device))
+                             preprocess_threads_for(cfg.preprocess_threads, cfg.model.device),
+                             decode_timeout=cfg.executor.decode_timeout, hooks=hooks)
     try:
         for pg in groups:
             answers = score_group(engine, pg)
-            write(answers)
-            sink.flush()
+            sink.write(answers)
             failed_images += len({a.image_id for a in answers if a.error})
             failed_q += sum(1 for a in answers if a.error)
             bar.update(len(answers))
@@ -103,9 +102,8 @@ def run(cfg: RunConfig, out: IO[str] | None = None, hooks: FaultHooks = NO_HOOKS
                             errors=failed_images)
             hooks.group_done()
     finally:
-        groups.close()  # stops the preprocessing threads (Ctrl-C, a failed write)
+        groups.close()  # stops the decoder processes or threads (Ctrl-C, a failed write)
         bar.close()
-        if own:
-            sink.close()
+        sink.close()
     return RunSummary(len(items), n_q, failed_images, failed_q, time.perf_counter() - start,
                       engine.summary())

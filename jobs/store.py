@@ -6,14 +6,20 @@ crash leaves each item either untouched or finished, never half-recorded, and an
 twice (a retried batch) is recorded once. A killed driver loses at most the group in flight;
 ``resume`` picks up the items still pending.
 
-Tables::
+Tables (``jobs/store_schema.py``: the layout, its version, migrations)::
 
-    meta(key, value)                          status, cancel flag, created time, the current
-                                              run's start, pid and host
+    meta(key, value)                          schema version, status, cancel flag, created
+                                              time, the current run's start, pid and host
     items(idx, item_id, spec, state, result,  idx = manifest order; spec = the ImageItem as
           lines, answered)                    JSON; state pending | done | failed;
                                               result = JSON list of result lines; lines and
-                                              answered count them (what status sums)
+                                              answered count them
+    totals(state, items, lines, answered)     their sums per state, kept by triggers (what
+                                              status reads)
+
+Every SQLite error reaches callers as ``StoreDamaged`` (a truncated or corrupted file) or an
+``OSError`` naming the file (disk full, read-only, I/O error), never as a bare
+``sqlite3.Error``.
 """
 
 from __future__ import annotations
@@ -21,34 +27,18 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import quote
 
 from jobs.errors import ManifestError
+from jobs.store_schema import StoreDamaged, create, store_error, upgrade
 from pipeline.records import Answer, ImageItem, Question
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS items (
-    idx INTEGER PRIMARY KEY,
-    item_id TEXT NOT NULL UNIQUE,
-    spec TEXT NOT NULL,
-    state TEXT NOT NULL DEFAULT 'pending' CHECK (state IN ('pending', 'done', 'failed')),
-    result TEXT,
-    updated REAL,
-    lines INTEGER NOT NULL DEFAULT 0,
-    answered INTEGER NOT NULL DEFAULT 0
-);
-CREATE INDEX IF NOT EXISTS items_state ON items (state, idx);
-"""
-# An item's answered lines, parsed from its stored result (record() counts them in Python
-# with the same rule: no error, or an empty one); for stores from before the column.
-ANSWERED_OF_RESULT = ("(SELECT COUNT(*) FROM json_each(items.result) "
-                      "WHERE COALESCE(json_extract(value, '$.error'), '') = '')")
 
 
 @dataclass(frozen=True)
@@ -101,51 +91,71 @@ def item_from_json(text: str) -> ImageItem:
 
 
 class JobStore:
+    """One job's store. ``path`` is created (at the current schema version) when it does
+    not exist; an existing file must hold a job store of this version or an older one."""
+
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
+        new = not self.path.exists()
+        # a job on a read-only file system (an archive) can still be read: nothing can be
+        # writing to it, so SQLite may skip the WAL's shared-memory file it cannot create
+        read_only = not new and not os.access(self.path.parent, os.W_OK)
+        where = (f"file:{quote(str(self.path.absolute()))}?mode=ro&immutable=1" if read_only
+                 else str(self.path))
         # isolation_level=None: explicit BEGIN/COMMIT, so each record() is one transaction
-        self.db = sqlite3.connect(self.path, isolation_level=None, timeout=30)
         try:
-            self.db.execute("PRAGMA journal_mode=WAL")  # `status` may read while `run` writes
-            self.db.execute("PRAGMA synchronous=FULL")
-            self.db.executescript(SCHEMA)
-            self._add_counts()
-        except sqlite3.DatabaseError as e:
+            self.db = sqlite3.connect(where, isolation_level=None, timeout=30, uri=read_only)
+        except sqlite3.Error as e:
+            raise store_error(self.path, e) from None
+        try:
+            with self._sql():
+                if not read_only:  # `status` reads while `run` writes
+                    self.db.execute("PRAGMA journal_mode=WAL")
+                    self.db.execute("PRAGMA synchronous=FULL")
+                tables = {r[0] for r in self.db.execute(
+                    "SELECT name FROM sqlite_master WHERE type = 'table'")}
+                if new and not tables:
+                    create(self.db)
+                elif {"meta", "items"} <= tables:
+                    upgrade(self.db, self.path)
+                else:
+                    raise StoreDamaged(f"{self.path} holds no job store (empty, truncated or "
+                                       "another file); submit the job again")
+        except BaseException:
             self.db.close()
-            if "not a database" in str(e) or "malformed" in str(e):
-                raise ManifestError(f"{self.path} is not a readable job store ({e}); the job "
-                                    "folder is damaged: submit the job again") from None
-            raise ManifestError(f"cannot open the job store {self.path}: {e} (check the "
-                                "folder's permissions and free space)") from None
-
-    def _add_counts(self) -> None:
-        """Stores written before the lines/answered columns get them, filled in."""
-        cols = {row[1] for row in self.db.execute("PRAGMA table_info(items)")}
-        if "answered" in cols:
-            return
-        with self._transaction():
-            if "answered" in {row[1] for row in self.db.execute("PRAGMA table_info(items)")}:
-                return  # another process added them meanwhile
-            self.db.execute("ALTER TABLE items ADD COLUMN lines INTEGER NOT NULL DEFAULT 0")
-            self.db.execute("ALTER TABLE items ADD COLUMN answered INTEGER NOT NULL DEFAULT 0")
-            self.db.execute(f"UPDATE items SET lines = json_array_length(result), "
-                            f"answered = {ANSWERED_OF_RESULT} WHERE state != 'pending'")
+            raise
 
     def close(self) -> None:
         self.db.close()
 
     @contextmanager
+    def _sql(self) -> Iterator[None]:
+        """SQLite's errors as ``StoreDamaged`` or an ``OSError`` naming the store."""
+        try:
+            yield
+        except sqlite3.IntegrityError:
+            raise
+        except sqlite3.Error as e:
+            raise store_error(self.path, e) from None
+
+    @contextmanager
     def _transaction(self, begin: str = "BEGIN IMMEDIATE") -> Iterator[None]:
         """One transaction: committed if the block ends normally, rolled back on any
         exception, Ctrl-C and SIGTERM included (else later writes, such as the run's final
-        status, would join the open transaction and be lost when the store closes)."""
-        self.db.execute(begin)
-        try:
-            yield
-        except BaseException:
-            self.db.execute("ROLLBACK")
-            raise
-        self.db.execute("COMMIT")
+        status, would join the open transaction and be lost when the store closes). SQLite
+        may have rolled it back itself (a full disk): then there is nothing to undo."""
+        with self._sql():
+            self.db.execute(begin)
+            try:
+                yield
+                self.db.execute("COMMIT")
+            except BaseException:
+                if self.db.in_transaction:
+                    try:
+                        self.db.execute("ROLLBACK")
+                    except sqlite3.Error:
+                        pass  # the error that brought us here is the one to report
+                raise
 
     def add_items(self, items: Iterable[tuple[str, Any]],
                   first: Callable[[str], str] | None = None,
@@ -165,6 +175,8 @@ class JobStore:
                 except sqlite3.IntegrityError:
                     also = f" (first on {first(item_id)})" if first else ""
                     raise ManifestError(f"{where}: id {item_id!r} appears twice{also}") from None
+            # inserted pending, with no lines (jobs/store_schema.py: no insert trigger)
+            self.db.execute("UPDATE totals SET items = items + ? WHERE state = 'pending'", (n,))
         return n
 
     def pending(self, batch: int, from_json: Callable[[str], Any] = item_from_json
@@ -174,13 +186,24 @@ class JobStore:
         item (an ``ImageItem`` by default)."""
         last = 0
         while True:
-            rows = self.db.execute(
-                "SELECT idx, spec FROM items WHERE state = 'pending' AND idx > ? "
-                "ORDER BY idx LIMIT ?", (last, batch)).fetchall()
+            with self._sql():
+                rows = self.db.execute(
+                    "SELECT idx, spec FROM items WHERE state = 'pending' AND idx > ? "
+                    "ORDER BY idx LIMIT ?", (last, batch)).fetchall()
             if not rows:
                 return
             last = rows[-1][0]
-            yield [from_json(spec) for _, spec in rows]
+            yield [self._item(idx, spec, from_json) for idx, spec in rows]
+
+    def _item(self, idx: int, spec: str, from_json: Callable[[str], Any]) -> Any:
+        try:
+            return from_json(spec)
+        except (ValueError, KeyError, TypeError) as e:
+            raise self._damaged(idx, e) from None
+
+    def _damaged(self, idx: int, e: Exception) -> StoreDamaged:
+        return StoreDamaged(f"{self.path} is damaged: item {idx} is unreadable "
+                            f"({type(e).__name__}: {str(e)[:200]}); submit the job again")
 
     def record(self, results: Mapping[str, Sequence[Recorded]]) -> int:
         """Store each item's answers (or embedding) and mark it done/failed, in one
@@ -207,54 +230,98 @@ class JobStore:
             return self.db.execute(
                 "UPDATE items SET state = 'pending' WHERE state = 'failed'").rowcount
 
+    def _totals(self) -> dict[str, tuple[int, int, int]]:
+        """state -> (items, result lines, answered lines): three rows, whatever the job's
+        size (``jobs/store_schema.py``)."""
+        with self._sql():
+            return {state: (items, lines, answered) for state, items, lines, answered
+                    in self.db.execute("SELECT state, items, lines, answered FROM totals")}
+
     def counts(self) -> Counts:
-        rows = dict(self.db.execute("SELECT state, COUNT(*) FROM items GROUP BY state"))
-        return Counts(rows.get("pending", 0), rows.get("done", 0), rows.get("failed", 0))
+        t = self._totals()
+        return Counts(*(t.get(s, (0, 0, 0))[0] for s in ("pending", "done", "failed")))
 
     def questions_done(self) -> int:
         """Result lines recorded (answered or failed)."""
-        row = self.db.execute("SELECT COALESCE(SUM(lines), 0) FROM items "
-                              "WHERE state != 'pending'").fetchone()
-        return int(row[0])
+        t = self._totals()
+        return sum(t.get(s, (0, 0, 0))[1] for s in ("done", "failed"))
 
     def questions_answered(self) -> int:
         """Result lines recorded without an error (what QPM counts)."""
-        row = self.db.execute("SELECT COALESCE(SUM(answered), 0) FROM items "
-                              "WHERE state != 'pending'").fetchone()
-        return int(row[0])
+        t = self._totals()
+        return sum(t.get(s, (0, 0, 0))[2] for s in ("done", "failed"))
 
     def answers(self) -> Iterator[Answer]:
         """Every recorded answer, in manifest then question order."""
-        return (Answer.from_record(d) for d in self.records())
+        for idx, lines in self._results():
+            try:
+                answers = [Answer.from_record(d) for d in lines]
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise self._damaged(idx, e) from None
+            yield from answers
 
     def records(self) -> Iterator[dict[str, Any]]:
         """Every recorded result object (what ``record()`` stored), in manifest order."""
-        for (text,) in self.db.execute(
-                "SELECT result FROM items WHERE state != 'pending' ORDER BY idx"):
-            yield from json.loads(text)
+        for _, lines in self._results():
+            yield from lines
+
+    def _results(self) -> Iterator[tuple[int, list[dict[str, Any]]]]:
+        """(idx, result objects) of each recorded item, in manifest order, read a row at a
+        time (a million-item job is not held in memory)."""
+        with self._sql():
+            cur = self.db.execute(
+                "SELECT idx, result FROM items WHERE state != 'pending' ORDER BY idx")
+        while True:
+            with self._sql():
+                row = cur.fetchone()
+            if row is None:
+                return
+            try:
+                lines = json.loads(row[1])
+                if not isinstance(lines, list) or not all(isinstance(d, dict) for d in lines):
+                    raise TypeError("result is not a list of objects")
+            except (ValueError, TypeError) as e:
+                raise self._damaged(row[0], e) from None
+            yield row[0], lines
 
     def get(self, key: str, default: str | None = None) -> str | None:
-        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        with self._sql():
+            row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return row[0] if row else default
 
     def set(self, key: str, value: str) -> None:
+        with self._sql():
+            self._set(key, value)
+
+    def _set(self, key: str, value: str) -> None:
         self.db.execute("INSERT INTO meta (key, value) VALUES (?, ?) "
                         "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (key, value))
 
     def begin_run(self, c: Counts, host: str) -> None:
         """Mark a run as started by this process on ``host`` (what ``status`` computes QPM,
-        ETA and the runner from)."""
-        self.set("cancel", "0")
-        self.set("status", "running")
-        self.set("run_started", str(time.time()))
-        self.set("run_answered_at_start", str(self.questions_answered()))
-        self.set("run_items_at_start", str(c.done + c.failed))
-        self.set("run_pid", str(os.getpid()))
-        self.set("run_host", host)
-        self.db.execute("DELETE FROM meta WHERE key = 'run_ended'")
+        ETA and the runner from), in one transaction."""
+        answered = self.questions_answered()
+        with self._transaction():
+            for key, value in (("cancel", "0"), ("status", "running"),
+                               ("run_started", str(time.time())),
+                               ("run_answered_at_start", str(answered)),
+                               ("run_items_at_start", str(c.done + c.failed)),
+                               ("run_pid", str(os.getpid())), ("run_host", host)):
+                self._set(key, value)
+            self.db.execute("DELETE FROM meta WHERE key = 'run_ended'")
 
-    def end_run(self, final: str) -> None:
+    def end_run(self, final: str, failing: bool = False) -> None:
         """Mark the run ended: ``final`` (interrupted, cancelled), or done if nothing is
-        pending."""
-        self.set("status", final if self.counts().pending else "done")
-        self.set("run_ended", str(time.time()))
+        pending. ``failing``: the run is ending on an error, which may be the store's own (a
+        full disk): then a store that cannot take this write is said on stderr, not raised
+        over that error; it still says ``running``, which ``status`` reads as interrupted
+        once this process is gone."""
+        try:
+            status = final if self.counts().pending else "done"
+            with self._transaction():
+                self._set("status", status)
+                self._set("run_ended", str(time.time()))
+        except (OSError, StoreDamaged) as e:
+            if not failing:
+                raise
+            print(f"vlmbatch: warning: could not mark the job {final}: {e}", file=sys.stderr)

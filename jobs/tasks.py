@@ -27,6 +27,7 @@ from pipeline.embed_drive import (
     prepared_embed_groups,
 )
 from pipeline.engine import Engine
+from pipeline.hooks import NO_HOOKS, FaultHooks
 from pipeline.records import EmbedItem, ImageItem, ItemError
 from preprocessing.prepare import ImagePlan
 
@@ -68,8 +69,10 @@ class Task(ABC):
 
     @abstractmethod
     def prepared(self, groups: Iterable[list], plan: ImagePlan, max_pixels: int,
-                 threads: int) -> Generator[Any, None, None]:
-        """Stage 1 of a stream of groups, on preprocessing threads (in-process runs)."""
+                 threads: int, decode_timeout: float = 0.0,
+                 hooks: FaultHooks = NO_HOOKS) -> Generator[Any, None, None]:
+        """Stage 1 of a stream of groups, on preprocessing threads or, with a
+        ``decode_timeout``, decoder processes (in-process runs; ``drive.prepared_groups``)."""
 
     @abstractmethod
     def failed(self, item: Any, err: ItemError) -> Any:
@@ -118,8 +121,10 @@ class AnswerTask(Task):
         return prepare_group
 
     def prepared(self, groups: Iterable[list], plan: ImagePlan, max_pixels: int,
-                 threads: int) -> Generator[PreparedGroup, None, None]:
-        return prepared_groups(groups, plan, max_pixels, threads)
+                 threads: int, decode_timeout: float = 0.0,
+                 hooks: FaultHooks = NO_HOOKS) -> Generator[PreparedGroup, None, None]:
+        return prepared_groups(groups, plan, max_pixels, threads,
+                               decode_timeout=decode_timeout, hooks=hooks)
 
     def failed(self, item: ImageItem, err: ItemError) -> PreparedGroup:
         return PreparedGroup([item], [None], {item.id: err})
@@ -168,8 +173,9 @@ class EmbedTask(Task):
         return prepare_embed_group
 
     def prepared(self, groups: Iterable[list], plan: ImagePlan, max_pixels: int,
-                 threads: int) -> Generator[PreparedEmbedGroup, None, None]:
-        return prepared_embed_groups(groups, plan, max_pixels, threads)
+                 threads: int, decode_timeout: float = 0.0,
+                 hooks: FaultHooks = NO_HOOKS) -> Generator[PreparedEmbedGroup, None, None]:
+        return prepared_embed_groups(groups, plan, max_pixels, threads, decode_timeout, hooks)
 
     def failed(self, item: EmbedItem, err: ItemError) -> PreparedEmbedGroup:
         return PreparedEmbedGroup.failed(item, err)

@@ -2,8 +2,10 @@
 
 Stage 1 (CPU): each item of a group is read (``preprocessing.sources``), decoded and
 prepared with the engine's image plan; a failure becomes that item's ``ItemError`` (with its
-kind), never the group's. ``prepared_groups`` runs stage 1 on preprocessing threads that work
-on the next groups while the model answers the current one. Stage 2 (the model,
+kind), never the group's. ``prepared_groups`` runs stage 1 ahead, on the next groups while
+the model answers the current one: in decoder processes, each image under a deadline, so a
+decoder that hangs or crashes fails that item only (``--decode-timeout``, the default), or on
+threads of this process. Stage 2 (the model,
 ``score_group``): the group's questions go to the engine in one ``score`` call; an engine
 failure (e.g. out of memory) fails that group's items with kind ``engine`` and the caller goes
 on. ``jobs/`` (the in-process runner, the job store, Ray), ``evaluate.py``, ``quantize.py``
@@ -19,13 +21,15 @@ from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from queue import SimpleQueue
+from typing import Protocol
 
 import numpy as np
 
 from pipeline.engine import Engine
-from pipeline.hooks import FaultHooks
+from pipeline.hooks import NO_HOOKS, FaultHooks
 from pipeline.records import Answer, ErrorKind, ImageItem, ItemError, Request
 from preprocessing.decode import DEFAULT_MAX_PIXELS, ImageError, ImageTooLarge
+from preprocessing.isolated import DecoderCrashed, DecoderPool, DecodeTimeout
 from preprocessing.prepare import ImagePlan, PreparedImage, prepare_bytes
 from preprocessing.sources import SourceError, read_bytes
 
@@ -56,17 +60,35 @@ def prepare_item(item: ImageItem, plan: ImagePlan,
     return prepare_bytes(data, plan, max_pixels)
 
 
-def _prepare_or_error(item: ImageItem, plan: ImagePlan,
-                      max_pixels: int) -> PreparedImage | ItemError:
+def item_error(item: ImageItem, e: SourceError | ImageError) -> ItemError:
+    """Why ``item`` has no prepared image, with its kind."""
+    kind = (ErrorKind.SOURCE if isinstance(e, SourceError) else
+            ErrorKind.TOO_LARGE if isinstance(e, ImageTooLarge) else
+            ErrorKind.DECODE_TIMEOUT if isinstance(e, DecodeTimeout) else
+            ErrorKind.DECODER_CRASHED if isinstance(e, DecoderCrashed) else ErrorKind.DECODE)
+    return ItemError(kind, f"{item.source}: {e}")
+
+
+def _prepare_hooked(item: ImageItem, plan: ImagePlan, max_pixels: int,
+                    hooks: FaultHooks) -> PreparedImage:
+    hooks.prepare(item)
+    return prepare_item(item, plan, max_pixels)
+
+
+def _prepare_or_error(item: ImageItem, plan: ImagePlan, max_pixels: int,
+                      hooks: FaultHooks = NO_HOOKS) -> PreparedImage | ItemError:
     """The item's prepared image, or why it has none (an unreadable or undecodable image)."""
     try:
-        return prepare_item(item, plan, max_pixels)
-    except SourceError as e:
-        return ItemError(ErrorKind.SOURCE, f"{item.source}: {e}")
-    except ImageTooLarge as e:
-        return ItemError(ErrorKind.TOO_LARGE, f"{item.source}: {e}")
-    except ImageError as e:
-        return ItemError(ErrorKind.DECODE, f"{item.source}: {e}")
+        return _prepare_hooked(item, plan, max_pixels, hooks)
+    except (SourceError, ImageError) as e:
+        return item_error(item, e)
+
+
+def _outcome(item: ImageItem, f: Future) -> PreparedImage | ItemError:
+    try:
+        return f.result()
+    except (SourceError, ImageError) as e:
+        return item_error(item, e)
 
 
 def _collect(group: list[ImageItem], done: list[PreparedImage | ItemError]) -> PreparedGroup:
@@ -76,8 +98,9 @@ def _collect(group: list[ImageItem], done: list[PreparedImage | ItemError]) -> P
 
 
 def prepare_group(group: list[ImageItem], plan: ImagePlan,
-                  max_pixels: int = DEFAULT_MAX_PIXELS) -> PreparedGroup:
-    return _collect(group, [_prepare_or_error(it, plan, max_pixels) for it in group])
+                  max_pixels: int = DEFAULT_MAX_PIXELS,
+                  hooks: FaultHooks = NO_HOOKS) -> PreparedGroup:
+    return _collect(group, [_prepare_or_error(it, plan, max_pixels, hooks) for it in group])
 
 
 def prepare_task(group: list, plan: ImagePlan, max_pixels: int, hooks: FaultHooks,
@@ -96,31 +119,39 @@ def prepare_task(group: list, plan: ImagePlan, max_pixels: int, hooks: FaultHook
 
 
 def prepared_groups(groups: Iterable[list[ImageItem]], plan: ImagePlan, max_pixels: int,
-                    threads: int, ahead: int = 2) -> Generator[PreparedGroup, None, None]:
-    """``groups`` prepared, in order. ``threads == 0``: each group is prepared when asked
-    for, in this thread. Otherwise ``threads`` daemon threads prepare the items of the next
-    ``ahead`` groups while the caller scores the current one, so decoding and tiling overlap
-    the model and each other (OpenCV and NumPy release the GIL); at most ``ahead + 2``
+                    threads: int, ahead: int = 2, decode_timeout: float = 0.0,
+                    hooks: FaultHooks = NO_HOOKS) -> Generator[PreparedGroup, None, None]:
+    """``groups`` prepared, in order.
+
+    ``decode_timeout > 0``: in ``max(threads, 1)`` decoder processes
+    (``preprocessing.isolated.DecoderPool``), each image under that deadline; a hang or a
+    crash is that item's error (``decode_timeout``, ``decoder_crashed``) and the rest go on.
+    Otherwise in this process, with no deadline: ``threads == 0``, each group when asked
+    for, in this thread; else ``threads`` daemon threads (OpenCV and NumPy release the GIL).
+
+    With threads or processes the items of the next ``ahead`` groups are prepared while the
+    caller scores the current one (``threads == 0``: none ahead), so at most ``ahead + 2``
     groups' tiles are alive at once (the caller's previous one until it lets go). ``groups``
     is advanced in the calling thread only (it may read a SQLite store). Closing the
-    generator, or an exception, cancels what has not started and does not wait for what has:
-    a read stuck on a hung mount cannot hold up Ctrl-C (its thread dies with the process)."""
-    if threads == 0:
+    generator, or an exception, cancels what has not started and does not wait for what has
+    (threads stuck on a hung mount die with the process; decoder processes are killed)."""
+    if threads == 0 and not decode_timeout > 0:
         for group in groups:
-            yield prepare_group(group, plan, max_pixels)
+            yield prepare_group(group, plan, max_pixels, hooks)
         return
     source = iter(groups)
-    pool = _DaemonPool(threads)
+    pool: _Preparer = (_ProcessPreparer(max(threads, 1), plan, max_pixels, decode_timeout, hooks)
+                       if decode_timeout > 0 else _ThreadPreparer(threads, plan, max_pixels, hooks))
+    ahead = ahead if threads else 0
     queue: deque[tuple[list[ImageItem], list[Future]]] = deque()
     try:
         while True:
             while len(queue) <= ahead and (nxt := next(source, None)) is not None:
-                queue.append((nxt, [pool.submit(_prepare_or_error, it, plan, max_pixels)
-                                    for it in nxt]))
+                queue.append((nxt, [pool.submit(it) for it in nxt]))
             if not queue:
                 return
             group, futures = queue[0]
-            done = [f.result() for f in futures]
+            done = [_outcome(it, f) for it, f in zip(group, futures)]
             queue.popleft()
             yield _collect(group, done)
     finally:
@@ -128,6 +159,48 @@ def prepared_groups(groups: Iterable[list[ImageItem]], plan: ImagePlan, max_pixe
             for f in futures:
                 f.cancel()
         pool.stop()
+
+
+class _Preparer(Protocol):
+    def submit(self, item: ImageItem) -> Future: ...
+
+    def stop(self) -> None: ...
+
+
+class _ThreadPreparer:
+    def __init__(self, threads: int, plan: ImagePlan, max_pixels: int,
+                 hooks: FaultHooks) -> None:
+        self.pool = _DaemonPool(threads)
+        self.args = plan, max_pixels, hooks
+
+    def submit(self, item: ImageItem) -> Future:
+        return self.pool.submit(_prepare_hooked, item, *self.args)
+
+    def stop(self) -> None:
+        self.pool.stop()
+
+
+class _ProcessPreparer:
+    """Decoder processes for encoded images (paths, URLs, bytes); decoded pixels (the
+    Python API's arrays) need no decoder and are tiled here, at once."""
+
+    def __init__(self, workers: int, plan: ImagePlan, max_pixels: int, timeout_s: float,
+                 hooks: FaultHooks) -> None:
+        self.pool = DecoderPool(workers, plan, max_pixels, timeout_s, hooks.before_prepare)
+        self.plan, self.max_pixels = plan, max_pixels
+
+    def submit(self, item: ImageItem) -> Future:
+        if not isinstance(item.image, np.ndarray):
+            return self.pool.submit(item.image, item.base_dir)
+        f: Future = Future()
+        try:
+            f.set_result(prepare_item(item, self.plan, self.max_pixels))
+        except (SourceError, ImageError) as e:
+            f.set_exception(e)
+        return f
+
+    def stop(self) -> None:
+        self.pool.stop()
 
 
 class _DaemonPool:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from pipeline.drive import PreparedGroup, prepare_group, prepared_groups
 from pipeline.embed import Embedder
+from pipeline.hooks import NO_HOOKS, FaultHooks
 from pipeline.records import Embedding, EmbedItem, EmbedRequest, ErrorKind, ImageItem, ItemError
 from preprocessing.decode import DEFAULT_MAX_PIXELS
 from preprocessing.prepare import ImagePlan, PreparedImage
@@ -51,9 +52,12 @@ def prepare_embed_group(group: list[EmbedItem], plan: ImagePlan,
 
 
 def prepared_embed_groups(groups: Iterable[list[EmbedItem]], plan: ImagePlan, max_pixels: int,
-                          threads: int) -> Generator[PreparedEmbedGroup, None, None]:
-    """``groups`` prepared, in order, on ``threads`` preprocessing threads working ahead
-    (``drive.prepared_groups``: its bounds on memory and its behaviour on close apply)."""
+                          threads: int, decode_timeout: float = 0.0,
+                          hooks: FaultHooks = NO_HOOKS
+                          ) -> Generator[PreparedEmbedGroup, None, None]:
+    """``groups`` prepared, in order, on ``threads`` preprocessing threads working ahead, or
+    in decoder processes under ``decode_timeout`` (``drive.prepared_groups``: its bounds on
+    memory, its per-item deadline and its behaviour on close apply)."""
     pulled: deque[list[EmbedItem]] = deque()  # groups handed to the preparer, in order
 
     def image_groups() -> Iterator[list[ImageItem]]:
@@ -61,7 +65,8 @@ def prepared_embed_groups(groups: Iterable[list[EmbedItem]], plan: ImagePlan, ma
             pulled.append(g)
             yield _image_items(g)
 
-    with closing(prepared_groups(image_groups(), plan, max_pixels, threads)) as prepared:
+    with closing(prepared_groups(image_groups(), plan, max_pixels, threads,
+                                 decode_timeout=decode_timeout, hooks=hooks)) as prepared:
         for pg in prepared:
             yield PreparedEmbedGroup(pulled.popleft(), pg)
 

@@ -38,3 +38,17 @@ def reference_pixels(tiles: torch.Tensor, mean=(0.485, 0.456, 0.406),  # noqa: A
     (ToTensor: /255, then Normalize)."""
     x = tiles.permute(0, 3, 1, 2).float() / 255.0
     return (x - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true",
+                     help="also run the tests marked slow (minutes each; not in CI)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --run-slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

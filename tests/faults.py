@@ -2,63 +2,46 @@
 them to a CLI run in a subprocess: ``python -m tests.faults SPEC -- vlmbatch args...``
 where SPEC is JSON naming the hooks, e.g. ``{"group_delay": 0.2}``.
 
-Module-level functions (through ``functools.partial``) so that Ray can pickle them into its
-workers, which import this module from the repo root.
+The hooks are ``functools.partial``s of ``tests/fault_points.py``'s functions, so that they
+pickle into decoder processes and Ray workers.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import os
 import sys
-import time
-from pathlib import Path
 
 from pipeline.hooks import FaultHooks
-from pipeline.records import ImageItem
-
-
-def _sleep(seconds: float) -> None:
-    time.sleep(seconds)
-
-
-def _hang_on(text: str, item: ImageItem) -> None:
-    if isinstance(item.image, str) and text in item.image:
-        time.sleep(10**6)  # a decoder stuck forever
-
-
-def _crash_on(text: str, item: ImageItem) -> None:
-    if isinstance(item.image, str) and text in item.image:
-        os._exit(11)  # as a decoder segfault would end the process
-
-
-def _kill_model_at(n: int, marker: str, call: int) -> None:
-    if call == n and not Path(marker).exists():
-        Path(marker).write_text("killed once\n")
-        os._exit(1)  # as if the process were killed mid-batch
-
-
-def _slow_score(seconds: float, call: int) -> None:
-    time.sleep(seconds)
+from tests import fault_points as fp
 
 
 def hooks_from(spec: dict) -> FaultHooks:
-    """``{"group_delay": s, "hang_on": text, "crash_on": text, "kill_model_at": [n, marker],
-    "slow_score": s}`` (any subset) as hooks."""
+    """``{"group_delay": s, "hang_on": text, "crash_on": text, "segfault_on": text,
+    "note_node": [folder, s], "kill_model_at": [n, marker], "slow_score": s,
+    "pause_at": {WHERE: [n, marker]}}`` (any subset; one decoder fault) as hooks.
+    ``pause_at`` writes ``marker`` and waits at the n-th call of each named window:
+    ``after_submit_line``, ``before_load`` (n unused), ``after_export_line``."""
     before_prepare = before_score = after_group = None
     if "group_delay" in spec:
-        after_group = functools.partial(_sleep, float(spec["group_delay"]))
-    if "hang_on" in spec:
-        before_prepare = functools.partial(_hang_on, spec["hang_on"])
-    if "crash_on" in spec:
-        before_prepare = functools.partial(_crash_on, spec["crash_on"])
+        after_group = functools.partial(fp.sleep, float(spec["group_delay"]))
+    for name, fn in (("hang_on", fp.hang_on), ("crash_on", fp.crash_on),
+                     ("segfault_on", fp.segfault_on)):
+        if name in spec:
+            before_prepare = functools.partial(fn, str(spec[name]))
+    if "note_node" in spec:
+        folder, seconds = spec["note_node"]
+        before_prepare = functools.partial(fp.note_node, str(folder), float(seconds))
     if "kill_model_at" in spec:
         n, marker = spec["kill_model_at"]
-        before_score = functools.partial(_kill_model_at, int(n), str(marker))
+        before_score = functools.partial(fp.kill_model_at, int(n), str(marker))
     if "slow_score" in spec:
-        before_score = functools.partial(_slow_score, float(spec["slow_score"]))
-    return FaultHooks(before_prepare, before_score, after_group)
+        before_score = functools.partial(fp.sleep, float(spec["slow_score"]))
+    windows = {}
+    for where, (n, marker) in spec.get("pause_at", {}).items():  # a window for a signal
+        windows[where] = (functools.partial(fp.pause, str(marker)) if where == "before_load"
+                          else functools.partial(fp.pause_at, int(n), str(marker)))
+    return FaultHooks(before_prepare, before_score, after_group, **windows)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from common.atomic import replaced_on_success
 from cudagraph_pool import GraphPool, default_buckets
 from models.io import ModelError
 from vit_trt.base import RUNNERS, RunnerOptions, VisionModel, VitRunner
@@ -96,8 +97,10 @@ class TensorRTRunner(VitRunner):
         if not plan_path.is_file():
             if onnx_path is None:
                 onnx_path = export_onnx(vision, CACHE_DIR / key).onnx_path
-            plan_path.parent.mkdir(parents=True, exist_ok=True)
-            plan_path.write_bytes(build_plan(onnx_path, tile, profile, precision))
+            plan = build_plan(onnx_path, tile, profile, precision)
+            # whole or not at all: a plan cut short by a signal would fail every later load
+            with replaced_on_success(plan_path) as part:
+                part.write_bytes(plan)
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         self.engine = runtime.deserialize_cuda_engine(plan_path.read_bytes())
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]

@@ -110,8 +110,8 @@ def _main(args: argparse.Namespace, hooks: FaultHooks) -> int:
     except OSError as e:  # a path that cannot be written, a full disk...
         if not e.filename and e.errno not in USER_ERRNOS:
             raise  # not about a file the user named: keep the traceback
-        where = f": {e.filename}" if e.filename else ""
-        print(f"vlmbatch: error: {e.strerror or e}{where}", file=sys.stderr)
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"vlmbatch: error: {where}{e.strerror or e}", file=sys.stderr)
         return EXIT_CRASH
     except KeyboardInterrupt:
         return _interrupted(args)

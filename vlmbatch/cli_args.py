@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jobs.config import EXECUTORS, TASKS, RayOptions, RunConfig
+from jobs.config import EXECUTORS, TASKS, ExecutorConfig, RayOptions, RunConfig
 from pipeline.build import ENGINES
 from pipeline.config import (
     DTYPES,
@@ -33,7 +33,7 @@ from vit_trt.export import export_onnx
 from vlmbatch.embed_cli import add_embed_parser, embed_option_args
 from vlmbatch.server.args import add_server_args
 
-M, E, R = ModelConfig(), EngineConfig(), RayOptions()  # the defaults
+M, E, R, X = ModelConfig(), EngineConfig(), RayOptions(), ExecutorConfig()  # the defaults
 
 
 def param_default(fn: Callable, name: str) -> Any:
@@ -141,9 +141,10 @@ def _thread_args(g: argparse._ActionsContainer, note: str = "") -> None:
     g.add_argument("--threads", type=positive_int, default=None,
                    help=f"torch CPU threads (default: {torch_default})")
     g.add_argument("--preprocess-threads", type=non_negative_int, default=None,
-                   help="threads decoding and tiling the next image groups while the model "
-                   "answers the current one, in-process (Ray: --preprocess-workers); 0: none "
-                   f"(default: {note or '2 on CPU, up to 8 on CUDA'})")
+                   help="decoder processes (threads with --decode-timeout 0) decoding and "
+                   "tiling the next image groups while the model answers the current one, "
+                   "in-process (Ray: --preprocess-workers); 0: none ahead (one decoder "
+                   f"process, or this thread) (default: {note or '2 on CPU, up to 8 on CUDA'})")
 
 
 def _executor_args(p: argparse.ArgumentParser) -> None:
@@ -162,9 +163,11 @@ def _executor_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-cpus", type=float, default=R.model_cpus,
                    help="ray: CPUs per model actor = its torch threads on CPU (default "
                    "%(default)s)")
-    g.add_argument("--decode-timeout", type=float, default=R.decode_timeout,
-                   help="ray: seconds per image before a hung decode is killed and that item "
-                   "fails (default %(default)s)")
+    g.add_argument("--decode-timeout", type=float, default=X.decode_timeout,
+                   help="seconds one image may take to read and decode before its worker (a "
+                   "decoder process, or a Ray prepare task) is killed and that item fails "
+                   "(default %(default)s); 0: no limit, and in-process decoding runs on "
+                   "threads of this process, where a hung or crashing decoder stops the run")
 
 
 def given_options(argv: list[str]) -> set[str]:

@@ -22,7 +22,7 @@ from jobs.folder import job_task
 from jobs.job import cancel, is_job, run_job, status, submit
 from jobs.manifest import read_manifest, read_policy
 from jobs.runner import run
-from jobs.sinks import format_of, open_text
+from jobs.sinks import check_writable, format_of, naming, open_text
 from pipeline.config import DEFAULT_EMBED_MODEL, ConfigError, EmbedConfig, EngineConfig, ModelConfig
 from pipeline.embed import embedding_checkpoint
 from pipeline.embed_drive import EMBED_GROUP
@@ -39,10 +39,10 @@ EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT, EXIT_ITEM_ERRORS = 0, 1, 2, 3
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # 128 + SIGINT, 128 + SIGTERM
 
 # options of the Ray executor only
-RAY_ONLY = ("address", "preprocess_workers", "model_workers", "model_cpus", "decode_timeout")
+RAY_ONLY = ("address", "preprocess_workers", "model_workers", "model_cpus")
 # `run JOB`: options that may change between runs of a job; the rest were fixed at submit
 RUN_JOB_OPTIONS = {"manifest", "no_progress", "retry_failed", "executor", *RAY_ONLY,
-                   "threads", "preprocess_threads"}
+                   "decode_timeout", "threads", "preprocess_threads"}
 
 
 def model_configs(a: argparse.Namespace) -> tuple[ModelConfig, EngineConfig]:
@@ -69,7 +69,7 @@ def executor_config(a: argparse.Namespace) -> ExecutorConfig:
         ray_only = ["--" + k.replace("_", "-") for k in RAY_ONLY if k in given]
         if ray_only:
             raise ConfigError(f"{', '.join(ray_only)}: Ray executor options; add --executor ray")
-        return ExecutorConfig(kind)
+        return ExecutorConfig(kind, decode_timeout=a.decode_timeout)
     if "preprocess_threads" in given:
         raise ConfigError("--preprocess-threads applies to in-process runs; with --executor "
                           "ray, decoding runs in Ray tasks: use --preprocess-workers")
@@ -77,7 +77,7 @@ def executor_config(a: argparse.Namespace) -> ExecutorConfig:
         raise ConfigError("--threads applies to in-process runs; with --executor ray, each "
                           "model actor runs --model-cpus torch threads (what Ray reserves)")
     return ExecutorConfig(kind, RayOptions(a.address, a.preprocess_workers, a.model_workers,
-                                           a.model_cpus, a.decode_timeout))
+                                           a.model_cpus), a.decode_timeout)
 
 
 # `submit --task embed` only
@@ -157,6 +157,8 @@ def cmd_run(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
                           "closed, so a killed run would leave nothing); for Parquet, "
                           "`vlmbatch submit ... --job DIR --wait`, then `vlmbatch results DIR "
                           "-o FILE.parquet`")
+    if a.out is not None:
+        check_writable(a.out)  # a read-only --out fails here, before any work
     if cfg.executor.kind == "ray":
         return _run_on_ray(a, cfg, hooks)
     summary = run(cfg, hooks=hooks)
@@ -186,7 +188,7 @@ def cmd_submit(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
     if a.job is None:
         raise ConfigError("submit needs --job DIR: the folder the job is kept in")
     cfg = run_config(a, None)
-    n = submit(cfg, a.job)
+    n = submit(cfg, a.job, hooks)
     what = "inputs" if cfg.task == "embed" else "images"
     print(f"vlmbatch: job {a.job}: {n} {what} submitted; run it with `vlmbatch run {a.job}`",
           file=sys.stderr)
@@ -203,7 +205,7 @@ def _export_text(job: Path, out: Path | None, fmt: str) -> int:
     """A job's result lines as JSONL or CSV to ``out`` (standard output for None)."""
     if out is None:
         return export_text(job, sys.stdout, fmt)
-    with open_text(out, fmt) as f:
+    with naming(out), open_text(out, fmt) as f:
         return export_text(job, f, fmt)
 
 
@@ -218,10 +220,14 @@ def cmd_results(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
         raise ConfigError("--format parquet needs --out FILE.parquet")
     if a.out is None:
         n = _export_text(a.job, None, fmt)
-    else:  # all or nothing: an interrupted export leaves --out as it was
-        with replaced_on_success(a.out) as part:
-            n = (export_parquet(a.job, part) if fmt == "parquet"
-                 else _export_text(a.job, part, fmt))
+    else:  # all or nothing: an interrupted export (a signal, a full disk) leaves --out as it was
+        check_writable(a.out)
+        with naming(a.out), replaced_on_success(a.out) as part:  # errors name --out
+            if fmt == "parquet":
+                n = export_parquet(a.job, part, hooks=hooks)
+            else:
+                with open_text(part, fmt) as f:
+                    n = export_text(a.job, f, fmt, hooks)
     print(f"vlmbatch: {n} result lines", file=sys.stderr)
     return EXIT_OK
 

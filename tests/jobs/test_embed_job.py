@@ -54,7 +54,7 @@ def test_embed_job_equals_direct_embed(tmp_path: Path, random_model_dir: Path,
                                        capsys) -> None:  # noqa: ANN001
     m, job = submit(tmp_path, random_model_dir, 7, "--images-per-batch", "3", "--pooling",
                     "last")
-    assert json.loads((job / JOB_FILE).read_text())["version"] == 3
+    assert json.loads((job / JOB_FILE).read_text())["version"] == 4
     assert main(["run", str(job), "--no-progress"]) == EXIT_ITEM_ERRORS  # the missing image
     st = status(job)
     assert (st.task, st.done, st.failed, st.pending, st.questions) == ("embed", 7, 1, 0, 8)
@@ -110,14 +110,31 @@ def test_submit_checks_embedding_options(tmp_path: Path, random_model_dir: Path,
     assert "unknown key(s) ['questions']" in capsys.readouterr().err
 
 
-def test_a_yes_no_job_file_is_unchanged(tmp_path: Path, random_model_dir: Path) -> None:
-    """Written as before embeddings (version 2, no task keys): earlier versions still run it."""
+def test_job_files_of_earlier_versions_load(tmp_path: Path, random_model_dir: Path) -> None:
+    """A job is written at the current version; version 2 (before embeddings: no task keys,
+    decode_timeout among the Ray options) and version 3 (task keys, the same Ray options)
+    load with their decode timeout moved to the executor's and the task "answer"."""
+    from jobs.config import RunConfig
+    from jobs.folder import load_config
+
     m = make_manifest(tmp_path, 2)
     assert main(["submit", str(m), "--job", str(tmp_path / "j"), "--model",
-                 str(random_model_dir)]) == EXIT_OK
-    d = json.loads((tmp_path / "j" / JOB_FILE).read_text())
-    assert d["version"] == 2 and "task" not in d["config"] and "embed" not in d["config"]
+                 str(random_model_dir), "--decode-timeout", "7"]) == EXIT_OK
+    path = tmp_path / "j" / JOB_FILE
+    d = json.loads(path.read_text())
+    assert d["version"] == RunConfig.VERSION == 4
+    assert d["config"]["executor"]["decode_timeout"] == 7 and d["config"]["task"] == "answer"
+    current = load_config(tmp_path / "j")
+    for version in (2, 3):
+        body = json.loads(json.dumps(d["config"]))
+        body["executor"]["ray"]["decode_timeout"] = body["executor"].pop("decode_timeout")
+        if version == 2:
+            del body["task"], body["embed"]
+        path.write_text(json.dumps({**d, "version": version, "config": body}))
+        old = load_config(tmp_path / "j")
+        assert old == current and old.executor.decode_timeout == 7, version
     assert status(tmp_path / "j").task == "answer"
+    assert main(["run", str(tmp_path / "j"), "--no-progress"]) == EXIT_OK
 
 
 @pytest.mark.slow

@@ -202,9 +202,9 @@ def test_thread_counts_are_kept_with_the_job_and_a_run_may_change_them(
     used: list[tuple[str, int]] = []  # calls to torch.set_num_threads and prepared_groups
     real = tasks_mod.prepared_groups
 
-    def spy(groups, tiling, max_pixels, threads):  # noqa: ANN001, ANN202
+    def spy(groups, tiling, max_pixels, threads, **kw):  # noqa: ANN001, ANN003, ANN202
         used.append(("prepare", threads))
-        return real(groups, tiling, max_pixels, threads)
+        return real(groups, tiling, max_pixels, threads, **kw)
 
     import torch
 
@@ -301,7 +301,8 @@ def test_run_job_options(tmp_path: Path, random_model_dir: Path, capsys) -> None
 
 
 def test_a_job_from_an_older_version_still_runs(tmp_path: Path, random_model_dir: Path) -> None:
-    """Stores without the per-item line counts get them; a version-1 job.json (flat model,
+    """Version-1 stores (no schema version, no totals, no per-item line counts) get them;
+    a version-1 job.json (flat model,
     engine and source keys) loads: --ignore-eos without --max-new-tokens (once accepted, no
     effect) no longer stops it loading, and settings it lacks (preprocess_threads,
     vit_max_batch) take their defaults."""
@@ -309,7 +310,11 @@ def test_a_job_from_an_older_version_still_runs(tmp_path: Path, random_model_dir
 
     _, job = submit_job(tmp_path, random_model_dir, 2, "--wait", "--no-progress", broken=1, rc=3)
     before = status(job)
-    db = sqlite3.connect(job / STORE_FILE)
+    db = sqlite3.connect(job / STORE_FILE)  # back to a version-1 store from before the counts
+    for trigger in ("items_changed", "items_removed"):
+        db.execute(f"DROP TRIGGER {trigger}")
+    db.execute("DROP TABLE totals")
+    db.execute("DELETE FROM meta WHERE key = 'schema'")
     db.execute("ALTER TABLE items DROP COLUMN lines")
     db.execute("ALTER TABLE items DROP COLUMN answered")
     db.commit()
