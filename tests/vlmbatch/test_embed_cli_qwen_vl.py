@@ -87,6 +87,9 @@ def test_colqwen2_is_multi_vector_and_refused_by_run(col_dir: Path, pngs: list[P
     with pytest.raises(ValueError, match="embed_many"):
         vlm.embed(texts=["a red circle"])
     assert vlm.embed(texts=["a red circle"], pooling="mean").shape == (1, 64)
+    assert main(["embed", "a red circle", "--no-multi-vector", "--model", str(col_dir)]) == EXIT_OK
+    pooled = np.array(lines(capsys.readouterr().out)[0]["embedding"], np.float32)
+    assert np.abs(pooled - vlm.embed(texts=["a red circle"], multi_vector=False)[0]).max() == 0
 
     (tmp_path / "q.txt").write_text("a red circle\nis it blue?\n")
     docs = tmp_path / "d.jsonl"
