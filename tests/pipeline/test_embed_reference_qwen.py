@@ -225,3 +225,50 @@ def test_deepstack_is_applied(all_models: dict[str, Models],
     monkeypatch.setattr(engine.runner, "_image_spans", lambda *a: (spans(*a), None)[1])
     with pytest.raises(AssertionError):
         assert_close(emb.embed(m.images, [r])[0].values, want)
+
+
+def test_jina_projector_matches_transformers(all_models: dict[str, Models],
+                                             tmp_path: Path) -> None:
+    """A ``multi_vector_projector`` (jina-v4's name) added to a Qwen2.5-VL checkpoint: each
+    token's vector is the projection of transformers' ``hidden_states[-1]``, then L2; the
+    checkpoint now declares itself an embedding model, still pooled unless asked."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    m = all_models["qwen2_5_vl"]
+    path = tmp_path / "jina"
+    shutil.copytree(m.path, path)
+    torch.manual_seed(0)
+    w, b = torch.randn(128, m.ours.spec.text.hidden) * 0.1, torch.randn(128) * 0.1
+    save_file({"multi_vector_projector.weight": w, "multi_vector_projector.bias": b},
+              str(path / "projector.safetensors"))
+    ours = load_model(path)
+    pooled = Embedder(TorchEngine(ours, EngineConfig()), EmbedConfig())
+    assert pooled.resolved.spec.declared and not pooled.resolved.multi_vector
+    emb = Embedder(TorchEngine(ours, EngineConfig()), EmbedConfig(multi_vector=True))
+    reqs = [EmbedRequest(1, None), EmbedRequest(None, TEXTS[1])]
+    for r, g in zip(reqs, emb.embed(m.images, reqs)):
+        ids = emb.prompt(r, m.images).ids
+        h = reference_hidden(m, ids, None if r.image is None else m.images[r.image])
+        assert g.values.shape == (len(ids), 128)
+        assert_close(g.values, F.normalize(h @ w.T + b, dim=-1).numpy())
+
+
+def test_embedding_after_classification_reuses_its_kv(models: Models) -> None:
+    """``last`` pooling after a question about the same images: nothing encoded or prefilled
+    again inside the images (the embedding prompt's prefix is the yes/no prompt's with this
+    chat template), and the vectors equal a cacheless run's."""
+    from pipeline.records import Request
+
+    emb = Embedder(TorchEngine(models.ours, EngineConfig()), EmbedConfig(pooling="last"))
+    stats, ims = emb.engine.stats, models.images[:2]
+    emb.engine.score(ims, [Request(0, "is there a red shape?"), Request(1, "a circle?")])
+    rows, image_tokens = stats.vision_tiles, stats.image_tokens_prefilled
+    reqs = [EmbedRequest(0, None), EmbedRequest(1, None)]
+    got = emb.embed(ims, reqs)
+    assert stats.vision_tiles == rows and stats.image_tokens_prefilled == image_tokens
+    cold = Embedder(TorchEngine(models.ours, EngineConfig(prefix_cache=False)),
+                    EmbedConfig(pooling="last")).embed(ims, reqs)
+    for g, c in zip(got, cold):
+        assert float(np.abs(g.values - c.values).max()) <= 1e-5
