@@ -145,8 +145,8 @@ class Decoder(nn.Module, ABC):
 
     def prefill_hidden(self, embeds: torch.Tensor, lengths: torch.Tensor,
                        past: list[KV] | None = None, past_lengths: torch.Tensor | None = None,
-                       *, positions: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, list[KV]]:
+                       *, positions: torch.Tensor | None = None,
+                       deepstack: DeepStack | None = None) -> tuple[torch.Tensor, list[KV]]:
         """As ``prefill``, but every new position's last hidden state (after the final norm)
         ``[B, T, D]`` instead of the last token's logits: what embeddings pool."""
         raise NotImplementedError(f"{type(self).__name__} gives no hidden states yet: "
@@ -165,8 +165,11 @@ class PromptBuilder(Protocol):
 
     def embed(self, text: str, image: PreparedImage | None) -> Prompt:
         """An embedding input: with an image, the family's user turn holding the image then
-        ``text`` (no assistant turn), its first ``prefix_len`` ids equal to ``build``'s for the
-        same image; without, ``text``'s own tokens as given. ValueError for an empty one."""
+        ``text`` (no assistant turn; where the family's chat template opens the turn the same
+        way, its first ``prefix_len`` ids equal ``build``'s for the same image, so the prefix
+        cache serves both); without, ``text``'s own tokens as given (a family may wrap them
+        as its embedding model was trained: ColQwen2's query template). ValueError for an
+        empty one."""
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,9 @@ class ModelFamily(ABC):
     # input (jina's image prompt)
     default_pooling = "image-mean"
     image_prompt = "Describe the image."
+    # whether embed gives one vector per token unless told otherwise (ColQwen2: the
+    # checkpoint is a late-interaction model, its pooled states were never trained)
+    multi_vector_default = False
     embeddings = True  # whether its prompts and decoder give embeddings at all
     # the vision module takes images packed as rows + dims (module docstring), not tiles
     packed_vision: bool = False

@@ -44,11 +44,14 @@ class EmbeddingSpec:
     matryoshka_dims: tuple[int, ...]
     projection: str | None  # weight-name prefix of the multi-vector projection, if any
     declared: bool  # the checkpoint declares itself an embedding model
+    multi_vector: bool = False  # one vector per token by default (ColQwen2)
 
 
-def read_embedding_spec(path: Path, config: dict, default_pooling: str) -> EmbeddingSpec:
-    """The declarations of the checkpoint at ``path`` (``config``: its config.json);
-    ModelError naming the file for a pooling we do not implement."""
+def read_embedding_spec(path: Path, config: dict, default_pooling: str,
+                        multi_vector: bool = False) -> EmbeddingSpec:
+    """The declarations of the checkpoint at ``path`` (``config``: its config.json;
+    ``default_pooling``, ``multi_vector``: its family's defaults, ``ModelFamily``); ModelError
+    naming the file for a pooling we do not implement."""
     pooling, declared = _declared_pooling(path, config)
     dims = config.get("matryoshka_dims") or ()
     if not isinstance(dims, (list, tuple)) or not all(isinstance(d, int) and d > 0
@@ -58,7 +61,7 @@ def read_embedding_spec(path: Path, config: dict, default_pooling: str) -> Embed
     projection = next((n for n in PROJECTION_NAMES if f"{n}.weight" in weight_names(path)),
                       None)
     return EmbeddingSpec(pooling or default_pooling, tuple(sorted(dims)), projection,
-                         declared or bool(dims) or projection is not None)
+                         declared or bool(dims) or projection is not None, multi_vector)
 
 
 def _declared_pooling(path: Path, config: dict) -> tuple[str | None, bool]:

@@ -134,14 +134,16 @@ class Qwen2LM(Decoder):
 
     def prefill_hidden(self, embeds: torch.Tensor, lengths: torch.Tensor,
                        past: list[KV] | None = None, past_lengths: torch.Tensor | None = None,
-                       *, positions: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, list[KV]]:
+                       *, positions: torch.Tensor | None = None,
+                       deepstack: DeepStack | None = None) -> tuple[torch.Tensor, list[KV]]:
         """As ``prefill``, but the last hidden states of every new position (after the final
         norm: transformers' ``hidden_states[-1]``), for embeddings; no LM head.
 
         Returns (hidden [B, T, D] in the model's dtype, row b's first lengths[b] real; per
         layer (k, v) [B, K, T, d] of the new tokens). Causal like ``prefill``: position t
         sees the cached prefix and new positions <= t of its own row only."""
+        if deepstack is not None:
+            raise ValueError("the Qwen2 decoder takes no DeepStack features")
         x, new_kv = self._prefill_states(embeds, lengths, past, past_lengths, positions)
         return self.norm(x), new_kv
 

@@ -144,7 +144,9 @@ class EmbedConfig:
     pooling: str | None = None  # one of POOLINGS; None: the checkpoint's, else its family's
     dimensions: int | None = None  # Matryoshka: keep the first N components, re-normalise
     force_dimensions: bool = False  # truncate where the checkpoint declares no such size
-    multi_vector: bool = False  # one unit vector per token (after the checkpoint's projection)
+    # one unit vector per token (after the checkpoint's projection); None: the checkpoint's
+    # default (ColQwen2: yes, unless --pooling or --dimensions asks for a pooled vector)
+    multi_vector: bool | None = None
     prompt: str | None = None  # text after an image-only input's image; None: the family's
     query_prefix: str = ""  # put before a text-only input's text, as given
     document_prefix: str = ""  # put before the text of an input with an image, as given

@@ -64,7 +64,9 @@ def resolve(cfg: EmbedConfig, spec: EmbeddingSpec, image_prompt: str) -> Resolve
         raise ConfigError(f"--dimensions {cfg.dimensions}: this checkpoint {have}, so its "
                           "first components alone were not trained to work as an embedding; "
                           "--force-dimensions truncates anyway")
-    return Resolved(cfg.pooling or spec.pooling, cfg.dimensions, cfg.multi_vector,
+    multi = cfg.multi_vector if cfg.multi_vector is not None else (
+        spec.multi_vector and cfg.pooling is None and cfg.dimensions is None)
+    return Resolved(cfg.pooling or spec.pooling, cfg.dimensions, multi,
                     cfg.prompt or image_prompt, spec)
 
 
@@ -72,7 +74,8 @@ def check_embed_config(path: Path | None, cfg: EmbedConfig) -> Resolved:
     """``cfg`` resolved on the checkpoint at ``path`` (None: ``load_model``'s default),
     weights not read: what ``submit --task embed`` checks before any work."""
     family, spec = read_spec(path)
-    declared = read_embedding_spec(spec.path, read_config(spec.path), family.default_pooling)
+    declared = read_embedding_spec(spec.path, read_config(spec.path), family.default_pooling,
+                                   family.multi_vector_default)
     return resolve(cfg, declared, family.image_prompt)
 
 
@@ -93,10 +96,11 @@ class Embedder:
         self.cfg = cfg
         model = engine.model
         spec = read_embedding_spec(model.spec.path, read_config(model.spec.path),
-                                   model.family.default_pooling)
+                                   model.family.default_pooling,
+                                   model.family.multi_vector_default)
         self.resolved = resolve(cfg, spec, model.family.image_prompt)
         self.projection: torch.nn.Linear | None = None
-        if cfg.multi_vector and spec.projection is not None:
+        if self.resolved.multi_vector and spec.projection is not None:
             self.projection = _linear(*read_projection(model.spec.path, spec.projection),
                                       engine.device, model.llm.embed_tokens.weight.dtype)
 
@@ -124,8 +128,7 @@ class Embedder:
         prefixes: dict[str, list[BlockId]] = {}
         try:
             for i, (req, p, g) in enumerate(zip(requests, prompts, ranges)):
-                plans.append(self._plan(i, Prompt(p.ids[: g.end], p.image_start, p.image_len),
-                                        req, images, g, prefixes))
+                plans.append(self._plan(i, _cut(p, g.end), req, images, g, prefixes))
             values = self._run(plans, requests, images, ranges)
         finally:
             self.engine.planner.release(plans)  # what an exception left pinned
@@ -171,6 +174,12 @@ class Embedder:
         return [unit(x.float()).cpu().numpy() for x in rows]
 
 
+def _cut(p: Prompt, end: int) -> Prompt:
+    """``p``'s first ``end`` tokens (and their M-RoPE positions): what a vector reads."""
+    positions = None if p.positions is None else p.positions[:, :end]
+    return Prompt(p.ids[:end], p.image_start, p.image_len, positions, p.rope_delta)
+
+
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None, device: torch.device,
             dtype: torch.dtype) -> torch.nn.Linear:
     layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
@@ -188,5 +197,5 @@ def build_embedder(engine: Engine, cfg: EmbedConfig) -> Embedder:
                           f"{type(engine).__name__}")
     if not engine.model.family.embeddings:
         raise ConfigError(f"{engine.model.spec.model_type} checkpoints cannot give embeddings "
-                          "yet (docs/embeddings.md, 'Not done'); the InternVL family can")
+                          "(docs/embeddings.md, 'Not done')")
     return Embedder(engine, cfg)

@@ -147,11 +147,9 @@ class ModelRunner:
         the new tokens (row j's first ``new_len`` real; new position t is prompt position
         ``past_len + t``), the new prefix blocks cached as ``prefill`` caches them."""
         x, lengths, positions, deep = self._inputs(batch, images)
-        if deep is not None:
-            raise ValueError("embeddings of a DeepStack (Qwen3-VL) model are not supported yet")
         past, past_lengths = self._gather_past(batch)
         hidden, new_kv = self.model.llm.prefill_hidden(x, lengths, past, past_lengths,
-                                                       positions=positions)
+                                                       positions=positions, deepstack=deep)
         if self.cache is not None:
             self._insert(batch, new_kv)
         return hidden

@@ -124,9 +124,10 @@ class VLM:
         if isinstance(texts, str) or isinstance(images, (str, Path, bytes, np.ndarray,
                                                          Image.Image)):
             raise TypeError("embed takes sequences: texts=[...], images=[...]")
-        if options.get("multi_vector"):
+        if self.embedder(EmbedConfig(**options)).resolved.multi_vector:
             raise ValueError("embed returns one vector per input; use embed_many for "
-                             "multi-vector embeddings")
+                             "multi-vector embeddings (a ColQwen2 checkpoint gives them "
+                             "unless multi_vector=False or a pooling is asked for)")
         inputs: list[EmbedLike] = [*texts, *((im, None) for im in images)]
         out = list(self.embed_many(inputs, **options))
         bad = [e for e in out if e.vector is None]

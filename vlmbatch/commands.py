@@ -112,10 +112,11 @@ def refuse_embedding_model(path: Path | None) -> None:
     """ConfigError, naming the commands that fit, for an embedding checkpoint asked yes/no
     questions (its LM head was not trained for answers)."""
     if path is not None and embedding_checkpoint(path):
-        raise ConfigError(f"{path} is an embedding model (its config declares embedding "
-                          "pooling): embed with it (`vlmbatch embed --model DIR`, `vlmbatch "
-                          "submit --task embed`); yes/no questions need a chat model, e.g. the "
-                          "default (leave out --model)")
+        raise ConfigError(f"{path} is an embedding model (its files declare an embedding "
+                          "pooling, Matryoshka sizes or a projection layer, e.g. ColQwen2's "
+                          "embedding_proj_layer): embed with it (`vlmbatch embed --model DIR`, "
+                          "`vlmbatch submit --task embed`); yes/no questions need a chat model, "
+                          "e.g. the default (leave out --model)")
 
 
 def _job_exit(job: Path, a: argparse.Namespace, hooks: FaultHooks) -> int:

@@ -68,8 +68,11 @@ def embed_option_args(p: argparse.ArgumentParser) -> None:
                    "one of the checkpoint's matryoshka_dims)")
     g.add_argument("--force-dimensions", action="store_true",
                    help="--dimensions even where the checkpoint declares no such size")
-    g.add_argument("--multi-vector", action="store_true",
-                   help="one unit vector per token (after the checkpoint's projection layer)")
+    g.add_argument("--multi-vector", action=argparse.BooleanOptionalAction,
+                   default=E.multi_vector,
+                   help="one unit vector per token (after the checkpoint's projection layer); "
+                   "default: the checkpoint's (a ColQwen2 one: yes, unless --pooling or "
+                   "--dimensions is given)")
     g.add_argument("--prompt", default=E.prompt,
                    help="text after the image of an image-only input (default: the family's, "
                    "'Describe the image.')")

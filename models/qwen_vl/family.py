@@ -14,17 +14,24 @@ Key layouts accepted, all normalised to ``visual.*``, ``language_model.*`` and
 (``model.visual.*``, ``model.language_model.*``), and ``language_model.model.*``. Our decoder
 parameter names are the checkpoint's without ``language_model.`` (``layers.0.self_attn.
 q_proj.weight``), ``ModelFamily``'s default mapping for ``quant/``.
+
+Embeddings (``docs/embeddings.md``): jina-embeddings-v4's layout and pooling for the three
+kinds (``prompt.JINA``; default ``image-mean``); ``colqwen2`` checkpoints (transformers'
+``ColQwen2ForRetrieval``: a Qwen2-VL or Qwen2.5-VL under ``vlm.``, no LM head, and an
+``embedding_proj_layer``) are this family with ColQwen2's prompts (``prompt.COLQWEN2``) and
+multi-vector output by default.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from models.base import BudgetForward, ImageOptions, ModelFamily, ModelSpec
 from models.io import ModelError, load_weights, read_json
-from models.qwen_vl.prompt import QwenVLPrompts
+from models.qwen_vl.prompt import COLQWEN2, JINA, EmbedTemplate, QwenVLPrompts
 from models.qwen_vl.spec import KINDS, SpecError, TextSpec, VisionSpec, spec_from_config
 from models.qwen_vl.text import QwenVLText
 from models.qwen_vl.vision import VisionTower
@@ -50,7 +57,7 @@ class QwenVLModelSpec(ModelSpec):
 
 class QwenVL(ModelFamily):
     packed_vision = True
-    embeddings = False  # jina-embeddings-v4 / ColQwen2 pooling: not done (docs/embeddings.md)
+    embed_template: EmbedTemplate = JINA  # how embedding inputs are written (prompt.py)
 
     def read_spec(self, path: Path, config: dict) -> QwenVLModelSpec:
         try:
@@ -88,7 +95,7 @@ class QwenVL(ModelFamily):
                              f"{ids}, config.json says {want}; tokenizer and config must come "
                              "from the same checkpoint")
         return QwenVLPrompts(tokenizer, spec.image_token_id, spec.vision_start_id,
-                             spec.vision_end_id, spec.vision.merge)
+                             spec.vision_end_id, spec.vision.merge, self.embed_template)
 
     def image_plan(self, spec: ModelSpec, options: ImageOptions) -> QwenVLPreprocess:
         """The checkpoint's smart resize, with ``--max-image-tokens`` lowering max_pixels.
@@ -115,8 +122,34 @@ class QwenVL(ModelFamily):
         return (spec.text.hidden,)
 
 
+class ColQwen2(QwenVL):
+    """``model_type: colqwen2``: the inner ``vlm_config`` (Qwen2-VL or Qwen2.5-VL) read as
+    that kind, weights under ``vlm.``; the checkpoint has no LM head (``ColQwen2ForRetrieval``
+    keeps the base model only), so the decoder's head is tied to its token embeddings: it
+    serves no answer (an embedding checkpoint is refused by ``run``), only the shapes."""
+    embed_template = COLQWEN2
+    multi_vector_default = True
+
+    def read_spec(self, path: Path, config: dict) -> QwenVLModelSpec:
+        inner = config.get("vlm_config")
+        kind = inner.get("model_type") if isinstance(inner, dict) else None
+        if kind not in ("qwen2_vl", "qwen2_5_vl"):
+            raise ModelError(f"{path / 'config.json'}: a colqwen2 checkpoint's vlm_config must "
+                             f"be a Qwen2-VL or Qwen2.5-VL config (model_type 'qwen2_vl' or "
+                             f"'qwen2_5_vl'), got {kind!r}")
+        assert isinstance(inner, dict)
+        spec = super().read_spec(path, inner)
+        assert isinstance(spec.text, TextSpec)
+        return dataclasses.replace(spec, text=dataclasses.replace(spec.text,
+                                                                  tie_embeddings=True))
+
+    def normalise_key(self, key: str) -> str:
+        return super().normalise_key(key[len("vlm."):] if key.startswith("vlm.") else key)
+
+
 for _kind in KINDS:
     FAMILIES.register(_kind)(QwenVL())
+FAMILIES.register("colqwen2")(ColQwen2())
 REFUSED["qwen3_vl_moe"] = ("Qwen3-VL MoE is not supported: its mixture-of-experts decoder "
                            "layers are not implemented; the dense Qwen3-VL models "
                            "(model_type 'qwen3_vl') are")

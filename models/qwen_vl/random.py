@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 from transformers import (
+    ColQwen2Config,
+    ColQwen2ForRetrieval,
     PreTrainedConfig,
     PreTrainedModel,
     Qwen2_5_VLConfig,
@@ -104,15 +106,45 @@ def save_random_qwen_vl(path: Path, kind: str, *, vision: dict, text: dict,
     """Save a seeded random ``kind`` model with ``vision``/``text`` config keywords, our
     tokenizer and a preprocessor config for ``pixels`` (min, max) into ``path``."""
     tok = build_tokenizer(CORPUS, vocab_size=vocab_size)
-    ids = {name: int(tok.convert_tokens_to_ids(t)) for name, t in (  # type: ignore[arg-type]
+    cfg = _config(kind, tok, vision, text, initializer_range)
+    return _save(random_model(cfg, seed), tok, path, kind, vision, pixels, dtype)
+
+
+def save_random_colqwen2(path: Path, kind: str, *, vision: dict, text: dict,
+                         pixels: tuple[int, int], seed: int = 0, embedding_dim: int = 128,
+                         vocab_size: int = 300, initializer_range: float = 0.02) -> Path:
+    """As ``save_random_qwen_vl``, but transformers' ``ColQwen2ForRetrieval`` around a random
+    ``kind`` (``qwen2_vl`` or ``qwen2_5_vl``) model: ``model_type: colqwen2``, the inner
+    config as ``vlm_config``, weights under ``vlm.``, an ``embedding_proj_layer`` Linear to
+    ``embedding_dim``, no LM head."""
+    tok = build_tokenizer(CORPUS, vocab_size=vocab_size)
+    inner = _config(kind, tok, vision, text, initializer_range)
+    cfg = ColQwen2Config(vlm_config=inner.to_dict(), embedding_dim=embedding_dim,
+                         initializer_range=initializer_range)
+    torch.manual_seed(seed)
+    model = ColQwen2ForRetrieval(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return _save(model, tok, path, kind, vision, pixels, torch.float32)
+
+
+def _config(kind: str, tok: Any, vision: dict, text: dict,
+            initializer_range: float) -> PreTrainedConfig:
+    """The ``kind`` config with the tokenizer's vocabulary and special ids."""
+    ids = {name: int(tok.convert_tokens_to_ids(t)) for name, t in (
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
-    eos = int(tok.convert_tokens_to_ids("<|im_end|>"))  # type: ignore[arg-type]
+    eos = int(tok.convert_tokens_to_ids("<|im_end|>"))
     text = dict(text, vocab_size=len(tok), eos_token_id=eos, bos_token_id=None,
                 pad_token_id=tok.pad_token_id, initializer_range=initializer_range)
     vision = dict(vision, initializer_range=initializer_range)
-    cfg = CLASSES[kind][0](vision_config=vision, text_config=text, **ids)
-    model = random_model(cfg, seed)
+    return CLASSES[kind][0](vision_config=vision, text_config=text, **ids)
+
+
+def _save(model: PreTrainedModel, tok: Any, path: Path, kind: str, vision: dict,
+          pixels: tuple[int, int], dtype: torch.dtype) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     model.to(dtype).save_pretrained(path)
     tok.save_pretrained(path)

@@ -137,6 +137,29 @@ class QwenVLText(Decoder):
         queries attend to real tokens only, so no attention row is fully masked.
         Returns (logits [B, V] float32, per layer (k, v) [B, K, T, d] of the new tokens).
         """
+        x, new_kv = self._prefill_states(embeds, lengths, past, past_lengths, positions,
+                                         deepstack)
+        last = x[torch.arange(x.shape[0], device=x.device), lengths - 1]  # [B, D]
+        return self.lm_head(self.norm(last)).float(), new_kv
+
+    def prefill_hidden(self, embeds: torch.Tensor, lengths: torch.Tensor,
+                       past: list[KV] | None = None, past_lengths: torch.Tensor | None = None,
+                       *, positions: torch.Tensor | None = None,
+                       deepstack: DeepStack | None = None) -> tuple[torch.Tensor, list[KV]]:
+        """As ``prefill`` (same inputs, DeepStack added after the leading layers as there),
+        but every new position's last hidden state after the final norm, ``[B, T, D]`` in the
+        model's dtype (row b's first lengths[b] real): transformers' ``hidden_states[-1]``
+        (= its ``last_hidden_state``), what embeddings pool. No LM head."""
+        x, new_kv = self._prefill_states(embeds, lengths, past, past_lengths, positions,
+                                         deepstack)
+        return self.norm(x), new_kv
+
+    def _prefill_states(self, embeds: torch.Tensor, lengths: torch.Tensor,
+                        past: list[KV] | None, past_lengths: torch.Tensor | None,
+                        positions: torch.Tensor | None, deepstack: DeepStack | None
+                        ) -> tuple[torch.Tensor, list[KV]]:
+        """``prefill``'s masks around the decoder stack: the last layer's output [B, T, D]
+        before the final norm, and the new tokens' KV."""
         b, t, _ = embeds.shape
         dev = embeds.device
         if positions is None or positions.shape != (3, b, t):
@@ -151,9 +174,7 @@ class QwenVLText(Decoder):
                 (b,), p, dtype=torch.long, device=dev)
             seen = torch.arange(p, device=dev)[None, :] < offset[:, None]  # [B, P]
             mask = torch.cat([seen[:, None, :].expand(b, t, p), mask], dim=2)  # [B, T, P+T]
-        x, new_kv = self._layers(embeds, positions, mask, past, deepstack)
-        last = x[torch.arange(b, device=dev), lengths - 1]  # [B, D]
-        return self.lm_head(self.norm(last)).float(), new_kv
+        return self._layers(embeds, positions, mask, past, deepstack)
 
     def decode_step(self, embeds: torch.Tensor, positions: torch.Tensor, kv: list[KV],
                     key_valid: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:

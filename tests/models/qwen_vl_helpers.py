@@ -16,7 +16,13 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedConfig
 
-from models.qwen_vl.random import CLASSES, preprocessor_config, random_model, save_random_qwen_vl
+from models.qwen_vl.random import (
+    CLASSES,
+    preprocessor_config,
+    random_model,
+    save_random_colqwen2,
+    save_random_qwen_vl,
+)
 
 KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 VOCAB = 320
@@ -99,3 +105,10 @@ def prompt_ids(n_before: int, n_image: int, n_after: int, seed: int = 0) -> list
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max())
+
+
+def save_colqwen2_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
+    """The tiny ``kind`` model inside transformers' ``ColQwen2ForRetrieval`` (128-dim
+    projection), with our tokenizer: a ``model_type: colqwen2`` checkpoint."""
+    return save_random_colqwen2(path, kind, vision=vision_kwargs(kind), text=text_kwargs(kind),
+                                pixels=PIXELS[kind], seed=seed, initializer_range=0.1)

@@ -34,7 +34,8 @@ class EngineEmbedder:
     def _embedder(self, dims: int | None) -> Embedder:
         if dims not in self._by_dims:  # built once per size (a Matryoshka size is checked)
             try:
-                self._by_dims[dims] = build_embedder(self.engine, EmbedConfig(dimensions=dims))
+                self._by_dims[dims] = build_embedder(  # pooled, whatever the checkpoint's default
+                    self.engine, EmbedConfig(dimensions=dims, multi_vector=False))
             except ConfigError as e:
                 raise EmbedRefused(str(e), None) from None
         return self._by_dims[dims]
