@@ -1,0 +1,95 @@
+"""OpenAI batch files of ``/v1/embeddings`` requests as embedding jobs (``jobs/embed_requests.py``):
+every bad line named, one job item per request whatever its input's length, vectors equal
+``VLM.embed``, a repeated ``custom_id`` refused at submit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import vlmbatch
+from jobs.embed_requests import EmbedRequestItem, iter_embed_requests, to_embed_output
+from jobs.errors import ManifestError
+from jobs.folder import STORE_FILE
+from jobs.store import JobStore
+from pipeline.records import Embedding
+from vlmbatch.cli import EXIT_BAD_INPUT, EXIT_OK, main
+
+
+def line(cid: object, body: dict, url: str = "/v1/embeddings") -> str:
+    return json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body}) + "\n"
+
+
+def body(inp: object, **extra: object) -> dict:
+    return {"model": "vlmbatch", "input": inp, **extra}
+
+
+def test_every_bad_line_is_named(tmp_path: Path) -> None:
+    bad = [  # (line, what its message must say)
+        (line("c", body("hi"), url="/v1/chat/completions"), "does not match"),
+        (json.dumps({"method": "POST", "url": "/v1/embeddings", "body": body("x")}) + "\n",
+         "custom_id"),
+        (line("t", body([1, 2, 3])), "token-id"),
+        (line("tt", body([[1, 2], [3]])), "token-id"),
+        (line("n", body(7)), "body.input must be"),
+        (line("e", body(["ok", ""])), "body.input[1]"),
+        (line("m", body(["ok", 3])), "body.input[1]"),
+        (line("f", body("x", encoding_format="hex")), "encoding_format"),
+        (line("d", body("x", dimensions=0)), "dimensions"),
+        (line("u", {**body("x"), "modality": "image"}), "unknown key"),
+        (line(None, body("x")), "custom_id"),
+        ("not json\n", "not valid JSON"),
+    ]
+    good = line("ok", body(["a", "b"], dimensions=64, encoding_format="base64"))
+    path = tmp_path / "in.jsonl"
+    path.write_text(good + "".join(text for text, _ in bad))
+    errors: list[tuple[int, str]] = []
+    reqs = list(iter_embed_requests(path, lambda n, msg: errors.append((n, msg))))
+    assert reqs == [(1, EmbedRequestItem("ok", ("a", "b"), 64, "base64"))]
+    assert [n for n, _ in errors] == list(range(2, len(bad) + 2))
+    for (_, msg), (_, want) in zip(errors, bad):
+        assert want in msg, (want, msg)
+    with pytest.raises(ManifestError, match=r"in\.jsonl:2: url '/v1/chat/completions'"):
+        list(iter_embed_requests(path))
+
+
+def test_a_request_is_one_item_and_its_vectors_equal_vlm_embed(tmp_path: Path) -> None:
+    reqs = [("z", "a red circle"), ("a", ["a blue square", "two green triangles", "a shape"]),
+            ("m", ["a red circle"])]
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(line(cid, body(inp)) for cid, inp in reqs))
+    job = tmp_path / "job"
+    assert main(["submit", str(path), "--task", "embed", "--job", str(job), "--model",
+                 str(vlmbatch.EMBED_MODEL), "--images-per-batch", "2", "--no-progress"]) \
+        == EXIT_OK
+    assert main(["run", str(job), "--no-progress"]) == EXIT_OK
+    store = JobStore(job / STORE_FILE)
+    try:
+        assert store.counts().done == len(reqs)  # items are requests, not strings
+        rows = list(store.recorded_items())
+    finally:
+        store.close()
+    vlm = vlmbatch.VLM(vlmbatch.EMBED_MODEL)
+    for (cid, inp), (spec, results) in zip(reqs, rows, strict=True):
+        texts = [inp] if isinstance(inp, str) else inp
+        out = to_embed_output(EmbedRequestItem.from_json(spec),
+                              [Embedding.from_record(d) for d in results], "vlmbatch")
+        assert out["custom_id"] == cid and out["error"] is None
+        data = out["response"]["body"]["data"]
+        assert [d["index"] for d in data] == list(range(len(texts)))
+        got = np.array([d["embedding"] for d in data], np.float32)
+        assert np.abs(got - vlm.embed(texts=texts)).max() <= 1e-5
+        tokens = sum(e.tokens or 0 for e in vlm.embed_many(texts))
+        assert out["response"]["body"]["usage"]["prompt_tokens"] == tokens
+
+
+def test_a_repeated_custom_id_is_refused_at_submit(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    path = tmp_path / "in.jsonl"
+    path.write_text(line("same", body("x")) + line("other", body("y")) + line("same", body("z")))
+    assert main(["submit", str(path), "--task", "embed", "--job", str(tmp_path / "job"),
+                 "--model", str(vlmbatch.EMBED_MODEL), "--no-progress"]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "in.jsonl:3" in err and "'same' appears twice (first on line 1)" in err
