@@ -4,6 +4,7 @@ every bad line named, one job item per request whatever its input's length, vect
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from jobs.embed_requests import EmbedRequestItem, iter_embed_requests, to_embed_
 from jobs.errors import ManifestError
 from jobs.folder import STORE_FILE
 from jobs.store import JobStore
-from pipeline.records import Embedding
+from pipeline.records import Embedding, ErrorKind
 from vlmbatch.cli import EXIT_BAD_INPUT, EXIT_OK, main
 
 
@@ -93,3 +94,15 @@ def test_a_repeated_custom_id_is_refused_at_submit(tmp_path: Path, capsys) -> No
                  "--model", str(vlmbatch.EMBED_MODEL), "--no-progress"]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert "in.jsonl:3" in err and "'same' appears twice (first on line 1)" in err
+
+
+def test_a_request_with_a_failed_input_is_an_error_line() -> None:
+    item = EmbedRequestItem("r", ("a", "b"))
+    ok = Embedding(0, "r", 3, np.ones(4, np.float32) / 2)
+    bad = Embedding(1, "r", None, None, "engine failed: RuntimeError: boom", ErrorKind.ENGINE)
+    out = to_embed_output(item, [ok, bad], "vlmbatch")
+    assert out["response"] is None and out["custom_id"] == "r"
+    assert out["error"]["code"] == "engine_error" and "input 1" in out["error"]["message"]
+    assert "boom" in out["error"]["message"]
+    fine = to_embed_output(item, [ok, dataclasses.replace(ok, index=1)], "vlmbatch")
+    assert fine["error"] is None and fine["response"]["body"]["usage"]["prompt_tokens"] == 6
