@@ -58,10 +58,11 @@ def test_every_bad_line_is_named(tmp_path: Path) -> None:
 
 
 def test_a_request_is_one_item_and_its_vectors_equal_vlm_embed(tmp_path: Path) -> None:
-    reqs = [("z", "a red circle"), ("a", ["a blue square", "two green triangles", "a shape"]),
-            ("m", ["a red circle"])]
+    reqs = [("z", "a red circle", {}),
+            ("a", ["a blue square", "two green triangles", "a shape"], {}),
+            ("m", ["a red circle"], {"dimensions": 64})]
     path = tmp_path / "in.jsonl"
-    path.write_text("".join(line(cid, body(inp)) for cid, inp in reqs))
+    path.write_text("".join(line(cid, body(inp, **extra)) for cid, inp, extra in reqs))
     job = tmp_path / "job"
     assert main(["submit", str(path), "--task", "embed", "--job", str(job), "--model",
                  str(vlmbatch.EMBED_MODEL), "--images-per-batch", "2", "--no-progress"]) \
@@ -70,21 +71,23 @@ def test_a_request_is_one_item_and_its_vectors_equal_vlm_embed(tmp_path: Path) -
     store = JobStore(job / STORE_FILE)
     try:
         assert store.counts().done == len(reqs)  # items are requests, not strings
-        rows = list(store.recorded_items())
     finally:
         store.close()
+    out = tmp_path / "out.jsonl"
+    assert main(["results", str(job), "-o", str(out)]) == EXIT_OK  # OpenAI output lines
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
     vlm = vlmbatch.VLM(vlmbatch.EMBED_MODEL)
-    for (cid, inp), (spec, results) in zip(reqs, rows, strict=True):
+    for (cid, inp, extra), got in zip(reqs, lines, strict=True):
         texts = [inp] if isinstance(inp, str) else inp
-        out = to_embed_output(EmbedRequestItem.from_json(spec),
-                              [Embedding.from_record(d) for d in results], "vlmbatch")
-        assert out["custom_id"] == cid and out["error"] is None
-        data = out["response"]["body"]["data"]
+        assert got["custom_id"] == cid and got["error"] is None
+        data = got["response"]["body"]["data"]
         assert [d["index"] for d in data] == list(range(len(texts)))
-        got = np.array([d["embedding"] for d in data], np.float32)
-        assert np.abs(got - vlm.embed(texts=texts)).max() <= 1e-5
+        v = np.array([d["embedding"] for d in data], np.float32)
+        assert np.abs(v - vlm.embed(texts=texts, **extra)).max() <= 1e-5
         tokens = sum(e.tokens or 0 for e in vlm.embed_many(texts))
-        assert out["response"]["body"]["usage"]["prompt_tokens"] == tokens
+        assert got["response"]["body"]["usage"]["prompt_tokens"] == tokens
+    assert main(["results", str(job), "-o", str(tmp_path / "v.npy")]) == EXIT_OK
+    assert np.load(tmp_path / "v.npy").shape[0] == 5  # a row per string, at full size
 
 
 def test_a_repeated_custom_id_is_refused_at_submit(tmp_path: Path, capsys) -> None:  # noqa: ANN001
@@ -106,3 +109,22 @@ def test_a_request_with_a_failed_input_is_an_error_line() -> None:
     assert "boom" in out["error"]["message"]
     fine = to_embed_output(item, [ok, dataclasses.replace(ok, index=1)], "vlmbatch")
     assert fine["error"] is None and fine["response"]["body"]["usage"]["prompt_tokens"] == 6
+
+
+@pytest.mark.slow  # a Ray instance (~25 s on 2 cores)
+def test_on_ray_the_lines_equal_the_in_process_run(tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_text(line("z", body("a red circle")) + line("a", body(["a blue square", "two"]))
+                    + line("m", body("a shape", dimensions=64, encoding_format="base64")))
+    out = {}
+    for executor in ("local", "ray"):
+        job = tmp_path / executor
+        assert main(["submit", str(path), "--task", "embed", "--job", str(job), "--model",
+                     str(vlmbatch.EMBED_MODEL), "--images-per-batch", "2",
+                     "--no-progress"]) == EXIT_OK
+        assert main(["run", str(job), "--executor", executor, "--no-progress"]) == EXIT_OK
+        out[executor] = tmp_path / f"{executor}.jsonl"
+        assert main(["results", str(job), "-o", str(out[executor])]) == EXIT_OK
+    assert out["ray"].read_text() == out["local"].read_text()
+    assert [json.loads(x)["custom_id"] for x in out["ray"].read_text().splitlines()] == \
+        ["z", "a", "m"]

@@ -28,8 +28,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from jobs.config import RunConfig
-from jobs.embed_requests import EmbedRequestItem, iter_embed_requests, to_embed_output
+from jobs.embed_requests import iter_embed_requests
 from jobs.errors import ManifestError
+from jobs.export import embed_request_lines
 from jobs.folder import STORE_FILE, is_job
 from jobs.job import submit
 from jobs.manifest import iter_manifest, manifest_format
@@ -37,7 +38,6 @@ from jobs.openai_batch import to_output
 from jobs.store import JobStore
 from pipeline.config import EmbedConfig
 from pipeline.embed import check_embed_config
-from pipeline.records import Embedding
 from vlmbatch.server.batches import BatchBook, BatchRecord, job_counts
 from vlmbatch.server.config import ServerConfig
 from vlmbatch.server.errors import APIError
@@ -113,15 +113,13 @@ def run_config(path: Path, cfg: ServerConfig, endpoint: str = CHAT) -> RunConfig
 
 
 def _lines(job: Path, failed: bool, endpoint: str, model: str) -> Iterator[str]:
+    if endpoint == EMBEDDINGS:
+        for line in embed_request_lines(job, model):
+            if (line["error"] is not None) == failed:
+                yield json.dumps(line, ensure_ascii=False) + "\n"
+        return
     store = JobStore(job / STORE_FILE)
     try:
-        if endpoint == EMBEDDINGS:
-            for spec, results in store.recorded_items():
-                line = to_embed_output(EmbedRequestItem.from_json(spec),
-                                       [Embedding.from_record(d) for d in results], model)
-                if (line["error"] is not None) == failed:
-                    yield json.dumps(line, ensure_ascii=False) + "\n"
-            return
         for a in store.answers():
             if bool(a.error) == failed:
                 yield json.dumps(to_output(a), ensure_ascii=False) + "\n"
