@@ -15,7 +15,9 @@ size; ``dimensions`` (a Matryoshka size of the checkpoint: truncate, then re-nor
 ``/v1/embeddings`` does) and ``encoding_format`` apply when the output line is written.
 
 Token-id inputs (arrays of integers) are refused: the embedder builds its prompts from text.
-Every line is checked as read (``iter_embed_requests``): a bad one names its line.
+Every line is checked as read (``iter_embed_requests``): a bad one names its line. Tokens
+are counted by the embedder, so the token limits of ``/v1/embeddings`` (8,192 per string,
+300,000 per request) fail a request when it is embedded (``too_large_error``).
 
 Output line: ``{"id", "custom_id", "response": {"status_code": 200, "request_id", "body":
 {"object": "list", "data": [{"object": "embedding", "index", "embedding"}], "model",
@@ -42,12 +44,13 @@ from jobs.errors import ManifestError, brief, check_id, check_unicode
 from pipeline.drive import PreparedGroup
 from pipeline.embed_drive import PreparedEmbedGroup, prepare_embed_group, prepared_embed_groups
 from pipeline.hooks import NO_HOOKS, FaultHooks
-from pipeline.records import Embedding, EmbedItem, ItemError
+from pipeline.records import Embedding, EmbedItem, ErrorKind, ItemError
 from preprocessing.prepare import ImagePlan
 
 URL = "/v1/embeddings"
 BODY_KEYS = {"model", "input", "encoding_format", "dimensions", "user"}
-MAX_INPUTS = 2048  # strings per request, as /v1/embeddings takes them
+# as /v1/embeddings takes them: strings per request, tokens per string and per request
+MAX_INPUTS, MAX_INPUT_TOKENS, MAX_REQUEST_TOKENS = 2048, 8192, 300_000
 ENCODINGS = ("float", "base64")
 
 
@@ -240,10 +243,31 @@ def failed_request(item: EmbedRequestItem, err: ItemError) -> PreparedRequests:
 
 def request_results(pr: PreparedRequests, embedded: list[Embedding]) -> list[Embedding]:
     """Stage 2's embeddings of a group's inputs as its requests' results: ``id`` the
-    request's ``custom_id``, ``index`` the string's place in its ``input``."""
+    request's ``custom_id``, ``index`` the string's place in its ``input``; a request over
+    the token limits fails (``limited``)."""
     it = iter(embedded)
-    return [dataclasses.replace(next(it), index=i, id=r.custom_id)
-            for r in pr.group for i in range(len(r.texts))]
+    return [e for r in pr.group for e in limited(
+        [dataclasses.replace(next(it), index=i, id=r.custom_id) for i in range(len(r.texts))])]
+
+
+def limited(results: list[Embedding]) -> list[Embedding]:
+    """One request's results, the first input over ``MAX_INPUT_TOKENS`` (else the one that
+    takes the request over ``MAX_REQUEST_TOKENS``) failed (``too_large``): the limits
+    ``/v1/embeddings`` refuses a request over."""
+    total = 0
+    for k, e in enumerate(results):
+        tokens = e.tokens or 0
+        total += tokens
+        if tokens > MAX_INPUT_TOKENS:
+            why = f"{tokens:,} tokens, over the limit of {MAX_INPUT_TOKENS:,} per input"
+        elif total > MAX_REQUEST_TOKENS:
+            why = f"the request's inputs reach {total:,} tokens here, over the limit of " \
+                  f"{MAX_REQUEST_TOKENS:,} per request"
+        else:
+            continue
+        failed = Embedding(e.index, e.id, e.tokens, None, why, ErrorKind.TOO_LARGE)
+        return [*results[:k], failed, *results[k + 1:]]
+    return results
 
 
 # --- output ---

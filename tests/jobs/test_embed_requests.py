@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import vlmbatch
-from jobs.embed_requests import EmbedRequestItem, iter_embed_requests, to_embed_output
+from jobs.embed_requests import EmbedRequestItem, iter_embed_requests, limited, to_embed_output
 from jobs.errors import ManifestError
 from jobs.folder import STORE_FILE
 from jobs.store import JobStore
@@ -128,3 +128,18 @@ def test_on_ray_the_lines_equal_the_in_process_run(tmp_path: Path) -> None:
     assert out["ray"].read_text() == out["local"].read_text()
     assert [json.loads(x)["custom_id"] for x in out["ray"].read_text().splitlines()] == \
         ["z", "a", "m"]
+
+
+def test_the_token_limits_of_v1_embeddings_fail_a_request() -> None:
+    def results(tokens: list[int]) -> list[Embedding]:
+        return [Embedding(i, "r", t, np.ones(4, np.float32) / 2) for i, t in enumerate(tokens)]
+
+    ok = results([10, 8192, 5])
+    assert limited(ok) == ok
+    out = limited(results([10, 8193, 9000]))  # the first one over 8,192 per input
+    assert [e.error is None for e in out] == [True, False, True]
+    assert out[1].error_kind == ErrorKind.TOO_LARGE and "8,193 tokens" in str(out[1].error)
+    many = limited(results([8000] * 40))  # 300,000 per request: crossed at input 37
+    assert [k for k, e in enumerate(many) if e.error] == [37]
+    line = to_embed_output(EmbedRequestItem("r", ("x",) * 40), many, "vlmbatch")
+    assert line["error"]["code"] == "too_large_error" and "input 37" in line["error"]["message"]

@@ -180,3 +180,19 @@ def test_sigkill_mid_batch_then_each_request_embedded_once(tmp_path: Path,
         texts = [inp] if isinstance(inp, str) else inp
         got = vectors(x["response"]["body"]["data"], "float")
         assert np.abs(got - embed_vlm.embed(texts=texts)).max() <= 1e-5
+
+
+def test_a_request_over_the_token_limit_goes_to_the_error_file(client: openai.OpenAI) -> None:
+    reqs: list[tuple[str, str | list[str], dict]] = [
+        ("ok", "a red circle", {}), ("long", ["fine", "a red circle " * 2740], {}),
+        ("after", ["a blue square"], {})]  # "long"'s second string: 8,221 tokens
+    b = wait_batch(client, create(client, embed_lines(reqs)).id, timeout=120)
+    assert b.status == "completed", b
+    c = b.request_counts
+    assert (c.total, c.completed, c.failed) == (3, 2, 1)
+    out = [json.loads(x) for x in client.files.content(b.output_file_id).text.splitlines()]
+    assert [x["custom_id"] for x in out] == ["ok", "after"]
+    (err,) = [json.loads(x) for x in client.files.content(b.error_file_id).text.splitlines()]
+    assert err["custom_id"] == "long" and err["response"] is None
+    assert err["error"]["code"] == "too_large_error"
+    assert "input 1" in err["error"]["message"] and "8,192" in err["error"]["message"]
