@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import vlmbatch
 from jobs.embed_requests import EmbedRequestItem, iter_embed_requests, limited, to_embed_output
@@ -17,6 +21,7 @@ from jobs.errors import ManifestError
 from jobs.folder import STORE_FILE
 from jobs.store import JobStore
 from pipeline.records import Embedding, ErrorKind
+from tests.jobs.test_fuzz_readers import fuzz
 from vlmbatch.cli import EXIT_BAD_INPUT, EXIT_OK, main
 
 
@@ -143,3 +148,46 @@ def test_the_token_limits_of_v1_embeddings_fail_a_request() -> None:
     assert [k for k, e in enumerate(many) if e.error] == [37]
     line = to_embed_output(EmbedRequestItem("r", ("x",) * 40), many, "vlmbatch")
     assert line["error"]["code"] == "too_large_error" and "input 37" in line["error"]["message"]
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+                    lambda kids: st.lists(kids, max_size=4)
+                    | st.dictionaries(st.text(max_size=8), kids, max_size=4), max_leaves=12)
+KEYS = [("custom_id",), ("method",), ("url",), ("body",), ("body", "model"), ("body", "input"),
+        ("body", "encoding_format"), ("body", "dimensions"), ("body", "extra")]
+
+
+@fuzz(600)
+@given(key=st.sampled_from(KEYS), value=JSON | st.lists(st.integers(), max_size=3)
+       | st.lists(st.text(max_size=5), max_size=3), drop=st.booleans())
+def test_any_value_at_any_key_is_a_request_or_its_line_named(tmp_path_factory, key: tuple,
+                                                             value: Any, drop: bool) -> None:  # noqa: ANN001
+    """A valid line with one value replaced (or deleted): accepted with every field as a job
+    needs it, or refused through ``on_error`` naming line 1; never another exception."""
+    rec: dict = {"custom_id": "r", "method": "POST", "url": "/v1/embeddings",
+                 "body": {"model": "m", "input": ["a", "b"]}}
+    where = rec["body"] if len(key) == 2 else rec
+    if drop:
+        where.pop(key[-1], None)
+    else:
+        where[key[-1]] = value
+    path = tmp_path_factory.mktemp("f") / "in.jsonl"
+    path.write_text(json.dumps(rec) + "\n", encoding="utf-8", errors="surrogatepass")
+    errors: list[tuple[int, str]] = []
+    reqs = [r for _, r in iter_embed_requests(path, lambda n, m: errors.append((n, m)))]
+    OUTCOMES[bool(reqs)] += 1
+    assert len(reqs) + len(errors) == 1 and all(n == 1 and m for n, m in errors)
+    for r in reqs:
+        assert r.custom_id.strip() and r.texts and all(t.strip() for t in r.texts)
+        "".join((r.custom_id, *r.texts)).encode("utf-8")
+        assert r.encoding_format in ("float", "base64")
+        assert r.dimensions is None or (type(r.dimensions) is int and r.dimensions >= 1)
+
+
+OUTCOMES: Counter = Counter()
+
+
+def test_the_fuzzing_saw_both_outcomes() -> None:
+    if not OUTCOMES:
+        pytest.skip("run with the fuzz test")
+    assert OUTCOMES[True] and OUTCOMES[False], OUTCOMES
