@@ -1,13 +1,15 @@
 """Batches of ``/v1/embeddings`` requests through the official ``openai`` client: output
 lines equal ``VLM.embed`` on the built-in embedding model and the interactive endpoint
 (float, base64, ``dimensions``), in input order, a request with a list input one request;
-bad lines named at validation; ``--no-embeddings`` refuses them; a server killed with
-SIGKILL mid-batch and started again embeds every request exactly once."""
+bad lines named at validation; a request over the token limit in the error file; cancel
+keeps whole requests; ``--no-embeddings`` refuses them; a server killed with SIGKILL
+mid-batch and started again embeds every request exactly once."""
 
 from __future__ import annotations
 
 import base64
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +28,8 @@ URL = "/v1/embeddings"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    s = Server(tmp_path_factory.mktemp("serve") / "data", "--images-per-batch", "2").wait_ready()
+    s = Server(tmp_path_factory.mktemp("serve") / "data", "--images-per-batch", "2",
+               faults={"group_delay": 0.2}).wait_ready()  # a batch runs long enough to cancel
     yield s
     assert s.stop() in (0, 143), s.output()
 
@@ -128,6 +131,22 @@ def test_bad_lines_are_named_and_fail_the_batch(client: openai.OpenAI) -> None:
     b = wait_batch(client, create(client, chat, "/v1/chat/completions").id)
     assert b.status == "failed" and [e.line for e in b.errors.data] == [2]
     assert URL in b.errors.data[0].message
+
+
+def test_cancel_keeps_whole_requests(client: openai.OpenAI) -> None:
+    reqs: list[tuple[str, str | list[str], dict]] = [
+        (f"c{i}", [f"shape {i}", f"circle {i}", f"square {i}"], {}) for i in range(40)]
+    b = create(client, embed_lines(reqs))
+    while client.batches.retrieve(b.id).request_counts.completed < 4:
+        time.sleep(0.05)
+    assert client.batches.cancel(b.id).status == "cancelling"
+    b = wait_batch(client, b.id)
+    assert b.status == "cancelled"
+    done = b.request_counts.completed
+    assert 4 <= done < 40 and b.request_counts.total == 40
+    lines = [json.loads(x) for x in client.files.content(b.output_file_id).text.splitlines()]
+    assert [x["custom_id"] for x in lines] == [f"c{i}" for i in range(done)]
+    assert all(len(x["response"]["body"]["data"]) == 3 for x in lines)  # whole requests
 
 
 def test_no_embeddings_refuses_embedding_batches(tmp_path: Path) -> None:
