@@ -130,7 +130,7 @@ def test_bad_lines_are_named_and_fail_the_batch(client: openai.OpenAI) -> None:
         + embed_lines([("e", "a red circle", {})])
     b = wait_batch(client, create(client, chat, "/v1/chat/completions").id)
     assert b.status == "failed" and [e.line for e in b.errors.data] == [2]
-    assert URL in b.errors.data[0].message
+    assert "embedding requests go in a file of their own" in b.errors.data[0].message
 
 
 def test_cancel_keeps_whole_requests(client: openai.OpenAI) -> None:
