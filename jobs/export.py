@@ -2,14 +2,18 @@
 
 All stream the store in manifest order, so memory stays bounded whatever the job's size. The
 columns are ``Answer.COLUMNS`` (``pipeline/records.py``), for every format. An embedding job's
-results go to an ``EmbeddingSink`` instead (``jobs/embed_sinks.py``: JSONL, Parquet, .npy).
+results go to an ``EmbeddingSink`` instead (``jobs/embed_sinks.py``: JSONL, Parquet, .npy), or,
+for a job of OpenAI embedding requests, as OpenAI batch output lines (``embed_request_lines``).
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
+from jobs.embed_requests import EmbedRequestItem, to_embed_output
 from jobs.embed_sinks import EmbeddingSink
 from jobs.folder import STORE_FILE, job_format, require_job
 from jobs.sinks import line_writer
@@ -68,13 +72,13 @@ def export_parquet(job: Path, path: Path, rows_per_group: int = 65536,
     return n
 
 
-def recorded_items(job: Path) -> int:
-    """How many items of the job have a recorded result (what an export holds)."""
+def recorded_results(job: Path) -> int:
+    """How many results the job has recorded (what an export holds: a row per answer or
+    embedding; a request of several strings has one per string)."""
     require_job(job)
     store = JobStore(Path(job) / STORE_FILE)
     try:
-        c = store.counts()
-        return c.done + c.failed
+        return store.questions_done()
     finally:
         store.close()
 
@@ -97,3 +101,24 @@ def export_embeddings(job: Path, sink: EmbeddingSink, batch: int = 1024) -> int:
         return n + len(rows)
     finally:
         store.close()
+
+
+def embed_request_lines(job: Path, model: str = "vlmbatch") -> Iterator[dict]:
+    """The OpenAI batch output line of every recorded request of a job submitted from a file
+    of ``/v1/embeddings`` requests (``jobs/embed_requests.py``), in input order."""
+    require_job(job)
+    store = JobStore(Path(job) / STORE_FILE)
+    try:
+        for spec, results in store.recorded_items():
+            yield to_embed_output(EmbedRequestItem.from_json(spec),
+                                  [Embedding.from_record(d) for d in results], model)
+    finally:
+        store.close()
+
+
+def export_embed_requests(job: Path, out: IO[str]) -> int:
+    """``embed_request_lines`` as JSONL to ``out``; returns how many."""
+    n = 0
+    for n, line in enumerate(embed_request_lines(job), 1):
+        out.write(json.dumps(line, ensure_ascii=False) + "\n")
+    return n

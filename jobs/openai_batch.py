@@ -37,8 +37,11 @@ def is_openai_request(rec: dict) -> bool:
 
 def parse_request(rec: dict, where: str, base_dir: Path) -> ImageItem:
     if rec.get("url", "/v1/chat/completions") != "/v1/chat/completions":
+        also = ("; embedding requests go in a file of their own (a batch with endpoint "
+                "/v1/embeddings, or `submit --task embed`)" if rec.get("url") ==
+                "/v1/embeddings" else "")
         raise ManifestError(f"{where}: url {brief(rec.get('url'))} is not supported; "
-                            "only /v1/chat/completions")
+                            f"only /v1/chat/completions{also}")
     messages = rec["body"].get("messages") if isinstance(rec["body"], dict) else None
     if not isinstance(messages, list) or not messages:
         raise ManifestError(f"{where}: body.messages must be a non-empty list")

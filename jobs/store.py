@@ -265,6 +265,14 @@ class JobStore:
         for _, lines in self._results():
             yield from lines
 
+    def recorded_items(self) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+        """(stored item, its result objects) of each recorded item, in manifest order."""
+        for idx, lines in self._results():
+            with self._sql():
+                (spec,) = self.db.execute("SELECT spec FROM items WHERE idx = ?",
+                                          (idx,)).fetchone()
+            yield spec, lines
+
     def _results(self) -> Iterator[tuple[int, list[dict[str, Any]]]]:
         """(idx, result objects) of each recorded item, in manifest order, read a row at a
         time (a million-item job is not held in memory)."""

@@ -14,24 +14,21 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
-from jobs import embed_input
+from jobs import embed_input, embed_requests
 from jobs.config import RunConfig
-from jobs.manifest import first_line, items_from_folder, iter_manifest, read_policy
+from jobs.embed_requests import EmbedRequestItem, PreparedRequests
+from jobs.manifest import first_line, items_from_folder, iter_manifest, manifest_format, read_policy
 from jobs.store import Recorded, by_item, item_from_json, item_to_json
 from pipeline.drive import PreparedGroup, prepare_group, prepared_groups, score_group
 from pipeline.embed import build_embedder, check_embed_config
-from pipeline.embed_drive import (
-    PreparedEmbedGroup,
-    embed_group,
-    prepare_embed_group,
-    prepared_embed_groups,
-)
+from pipeline.embed_drive import PreparedEmbedGroup, embed_group
 from pipeline.engine import Engine
 from pipeline.hooks import NO_HOOKS, FaultHooks
-from pipeline.records import EmbedItem, ImageItem, ItemError
+from pipeline.records import Embedding, EmbedItem, ImageItem, ItemError
 from preprocessing.prepare import ImagePlan
 
 Stage2 = Callable[[Any], list]  # a prepared group -> its results
+Prepared = PreparedEmbedGroup | PreparedRequests  # stage 1 of an embedding job's group
 
 
 class Task(ABC):
@@ -137,12 +134,21 @@ class AnswerTask(Task):
 
 
 class EmbedTask(Task):
-    """One embedding per item (``submit --task embed``)."""
+    """One embedding per item (``submit --task embed``), or, for an OpenAI batch file of
+    ``/v1/embeddings`` requests, one item per request holding its strings
+    (``jobs/embed_requests.py``)."""
     name = "embed"
 
     def items(self, cfg: RunConfig) -> tuple[Iterator[tuple[str, Any]],
                                              Callable[[str], str] | None]:
         manifest = cfg.manifest
+        if manifest is not None and manifest_format(manifest) == "openai":
+            def first_request(item_id: str) -> str:
+                lines = embed_requests.iter_embed_requests(manifest)
+                return f"line {next(ln for ln, r in lines if r.custom_id == item_id)}"
+
+            return ((f"{manifest}:{ln}", r)
+                    for ln, r in embed_requests.iter_embed_requests(manifest)), first_request
         if manifest is not None:
             def first(item_id: str) -> str:
                 lines = embed_input.iter_embed_manifest(manifest)
@@ -156,36 +162,53 @@ class EmbedTask(Task):
     def check(self, cfg: RunConfig) -> None:
         check_embed_config(cfg.model.path, cfg.embed)
 
-    def to_json(self, item: EmbedItem) -> str:
+    def to_json(self, item: EmbedItem | EmbedRequestItem) -> str:
+        if isinstance(item, EmbedRequestItem):
+            return item.to_json()
         return embed_input.item_to_json(item)
 
-    def from_json(self, text: str) -> EmbedItem:
+    def from_json(self, text: str) -> EmbedItem | EmbedRequestItem:
+        if embed_requests.is_request_json(text):
+            return EmbedRequestItem.from_json(text)
         return embed_input.item_from_json(text)
 
-    def key(self, item: EmbedItem) -> str:
-        return item.key
+    def key(self, item: EmbedItem | EmbedRequestItem) -> str:
+        return item.custom_id if isinstance(item, EmbedRequestItem) else item.key
 
-    def prepare(self, group: list, plan: ImagePlan, max_pixels: int) -> PreparedEmbedGroup:
-        return prepare_embed_group(group, plan, max_pixels)
+    def prepare(self, group: list, plan: ImagePlan, max_pixels: int) -> Prepared:
+        return embed_requests.prepare_items(group, plan, max_pixels)
 
     @property
-    def stage1(self) -> Callable[[list, ImagePlan, int], PreparedEmbedGroup]:
-        return prepare_embed_group
+    def stage1(self) -> Callable[[list, ImagePlan, int], Prepared]:
+        return embed_requests.prepare_items
 
     def prepared(self, groups: Iterable[list], plan: ImagePlan, max_pixels: int,
                  threads: int, decode_timeout: float = 0.0,
-                 hooks: FaultHooks = NO_HOOKS) -> Generator[PreparedEmbedGroup, None, None]:
-        return prepared_embed_groups(groups, plan, max_pixels, threads, decode_timeout, hooks)
+                 hooks: FaultHooks = NO_HOOKS) -> Generator[Prepared, None, None]:
+        return embed_requests.prepared_items(groups, plan, max_pixels, threads,
+                                             decode_timeout, hooks)
 
-    def failed(self, item: EmbedItem, err: ItemError) -> PreparedEmbedGroup:
+    def failed(self, item: EmbedItem | EmbedRequestItem, err: ItemError) -> Prepared:
+        if isinstance(item, EmbedRequestItem):
+            return embed_requests.failed_request(item, err)
         return PreparedEmbedGroup.failed(item, err)
 
     def model(self, engine: Engine, cfg: RunConfig) -> Stage2:
         embedder = build_embedder(engine, cfg.embed)
-        return lambda peg: embed_group(embedder, peg)
+
+        def stage2(p: Prepared) -> list[Embedding]:
+            if isinstance(p, PreparedRequests):
+                return embed_requests.request_results(p, embed_group(embedder, p.inputs))
+            return embed_group(embedder, p)
+
+        return stage2
 
     def by_item(self, results: list) -> dict[str, list[Recorded]]:
-        return {(e.id if e.id is not None else str(e.index)): [e] for e in results}
+        """Keyed by id (a request's strings share its ``custom_id``), else index."""
+        out: dict[str, list[Recorded]] = {}
+        for e in results:
+            out.setdefault(e.id if e.id is not None else str(e.index), []).append(e)
+        return out
 
 
 _BY_NAME: dict[str, Task] = {t.name: t for t in (AnswerTask(), EmbedTask())}

@@ -34,7 +34,8 @@ from jobs.embed_input import (
     text_items,
 )
 from jobs.embed_sinks import EmbeddingSink, JsonlSink, NpySink, ParquetSink, embed_format_of
-from jobs.export import export_embeddings, recorded_items
+from jobs.export import export_embed_requests, export_embeddings, recorded_results
+from jobs.folder import job_format
 from jobs.sinks import format_of
 from models.embedding import POOLINGS
 from pipeline.build import build_engine
@@ -174,23 +175,27 @@ def run_embed(a: argparse.Namespace, model: ModelConfig, engine: EngineConfig) -
 
 
 def embed_results(a: argparse.Namespace) -> int:
-    """An embedding job's vectors: JSONL (standard output without -o), Parquet or .npy."""
+    """An embedding job's vectors: JSONL (standard output without -o), Parquet or .npy; a job
+    of OpenAI embedding requests gives OpenAI batch output lines as its JSONL."""
     fmt = a.format or ("csv" if format_of(a.out) == "csv" else embed_format_of(a.out))
     if fmt == "csv":
         raise ConfigError("an embedding job's results are vectors: JSONL, Parquet or .npy")
     if fmt != "jsonl" and a.out is None:
         raise ConfigError(f"--format {fmt} needs --out FILE.{fmt}")
+    openai = fmt == "jsonl" and job_format(a.job) == "openai"  # OpenAI output lines
     if a.out is None:
-        n = export_embeddings(a.job, JsonlSink(sys.stdout))
+        n = (export_embed_requests(a.job, sys.stdout) if openai
+             else export_embeddings(a.job, JsonlSink(sys.stdout)))
     else:
         with replaced_on_success(a.out) as part:
             if fmt == "jsonl":
                 with open(part, "w", encoding="utf-8") as f:
-                    n = export_embeddings(a.job, JsonlSink(f))
+                    n = (export_embed_requests(a.job, f) if openai
+                         else export_embeddings(a.job, JsonlSink(f)))
             else:
                 n = export_embeddings(a.job, ParquetSink(part) if fmt == "parquet"
-                                      else NpySink(part, recorded_items(a.job)))
-    print(f"vlmbatch: {n} embeddings", file=sys.stderr)
+                                      else NpySink(part, recorded_results(a.job)))
+    print(f"vlmbatch: {n} {'requests' if openai else 'embeddings'}", file=sys.stderr)
     return 0
 
 

@@ -12,12 +12,13 @@ from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.responses import FileResponse, JSONResponse
 from pydantic import BaseModel, Field
 
+from vlmbatch.server.batch_worker import CHAT, EMBEDDINGS
 from vlmbatch.server.batches import BatchRecord
 from vlmbatch.server.chat import STRICT
 from vlmbatch.server.errors import APIError, bad_request
 from vlmbatch.server.state import ServerState
 
-ENDPOINTS = ("/v1/chat/completions",)  # "/v1/embeddings" once an embedder is wired in
+ENDPOINTS = (CHAT, EMBEDDINGS)
 
 
 class BatchRequest(BaseModel):
@@ -31,10 +32,12 @@ class BatchRequest(BaseModel):
 def _check(req: BatchRequest, state: ServerState) -> None:
     """A 400 (or 404 for an unknown input file) for a batch this server cannot run."""
     if req.endpoint not in ENDPOINTS:
-        why = ("embeddings are not available on this server yet" if req.endpoint ==
-               "/v1/embeddings" else f"{req.endpoint[:60]!r} is not supported")
-        raise bad_request(f"endpoint: {why}; batches run /v1/chat/completions", "endpoint",
-                          "invalid_value")
+        raise bad_request(f"endpoint: {req.endpoint[:60]!r} is not supported; batches run "
+                          f"{' or '.join(ENDPOINTS)}", "endpoint", "invalid_value")
+    if req.endpoint == EMBEDDINGS and state.embedder is None:
+        raise bad_request("endpoint: embedding batches are not available on this server: it "
+                          "was started with --no-embeddings", "endpoint",
+                          "embeddings_unavailable")
     if req.completion_window != "24h":
         raise bad_request("completion_window must be '24h'", "completion_window",
                           "invalid_value")

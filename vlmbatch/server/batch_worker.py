@@ -3,13 +3,17 @@ batches' output files, so neither holds up the engine thread (which answers requ
 runs the jobs' groups, ``scheduler.py``).
 
 Validation reads the input file line by line (bounded memory) as ``vlmbatch submit`` would
-(``jobs.manifest.iter_manifest``: OpenAI batch lines only), checks every image URL against
-the server's media policy (``media.py``), and then submits the file as a job. Any problem
-fails the batch, its ``errors`` naming the lines (at most ``MAX_ERRORS``).
+(chat: ``jobs.manifest.iter_manifest``, OpenAI batch lines only, every image URL checked
+against the server's media policy, ``media.py``; embeddings: ``jobs.embed_requests``, every
+line checked and each ``dimensions`` against the embedding model), and then submits the
+file as a job (an embeddings batch: task ``embed`` on the embedding model, one item per
+request). Any problem fails the batch, its ``errors`` naming the lines (at most
+``MAX_ERRORS``).
 
 Finalizing writes the job's answered lines to ``file-<batch>-output`` and its failed lines to
-``file-<batch>-errors``, as ``vlmbatch run`` writes them (``jobs.openai_batch.to_output``),
-in input order; doing it twice writes the same files.
+``file-<batch>-errors``, as ``vlmbatch run`` writes them (``jobs.openai_batch.to_output``;
+embeddings: ``jobs.embed_requests.to_embed_output``), in input order; doing it twice writes
+the same files.
 """
 
 from __future__ import annotations
@@ -24,12 +28,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from jobs.config import RunConfig
+from jobs.embed_requests import iter_embed_requests
 from jobs.errors import ManifestError
+from jobs.export import embed_request_lines
 from jobs.folder import STORE_FILE, is_job
 from jobs.job import submit
 from jobs.manifest import iter_manifest, manifest_format
 from jobs.openai_batch import to_output
 from jobs.store import JobStore
+from pipeline.config import EmbedConfig
+from pipeline.embed import check_embed_config
 from vlmbatch.server.batches import BatchBook, BatchRecord, job_counts
 from vlmbatch.server.config import ServerConfig
 from vlmbatch.server.errors import APIError
@@ -38,6 +46,7 @@ from vlmbatch.server.media import MediaRefused, check_image_url
 
 log = logging.getLogger("vlmbatch.server")
 MAX_ERRORS = 100
+CHAT, EMBEDDINGS = "/v1/chat/completions", "/v1/embeddings"  # the endpoints batches run
 
 
 def line_error(message: str, line: int | None = None, code: str = "invalid_request") -> dict:
@@ -67,14 +76,48 @@ def input_errors(path: Path, cfg: ServerConfig) -> list[dict]:
     return errors
 
 
-def run_config(path: Path, cfg: ServerConfig) -> RunConfig:
-    """The job of a batch: the server's model and engine, its group size and pixel limit."""
+def embed_input_errors(path: Path, cfg: ServerConfig) -> list[dict]:
+    """What is wrong with an embeddings batch file: every bad line (at most ``MAX_ERRORS``),
+    read as ``vlmbatch submit --task embed`` reads it (``jobs/embed_requests.py``), and each
+    ``dimensions`` checked against the sizes the embedding model declares."""
+    if manifest_format(path) != "openai":
+        return [line_error("the input file is not an OpenAI batch file: each line needs "
+                           "custom_id, method, url and body", 1)]
+    errors: list[dict] = []
+
+    def bad(line: int, message: str) -> None:
+        if len(errors) < MAX_ERRORS:
+            errors.append(line_error(message, line))
+
+    sizes = check_embed_config(cfg.embed_model_dir, EmbedConfig()).spec.matryoshka_dims
+    have = (f"declares the sizes {list(sizes)}: give one of them" if sizes
+            else "declares no Matryoshka sizes")
+    try:
+        for lineno, req in iter_embed_requests(path, bad):
+            if req.dimensions is not None and req.dimensions not in sizes:
+                bad(lineno, f"body.dimensions {req.dimensions}: the embedding model {have}, "
+                    "or leave dimensions out for its full size")
+    except ManifestError as e:
+        errors.append(line_error(str(e).replace(str(path), "input file")))
+    return errors
+
+
+def run_config(path: Path, cfg: ServerConfig, endpoint: str = CHAT) -> RunConfig:
+    """The job of a batch: the server's model and engine (for embeddings, its embedding
+    model: task ``embed``), its group size and pixel limit."""
+    embed = endpoint == EMBEDDINGS
     return RunConfig(manifest=path, images_per_batch=cfg.images_per_batch,
-                     max_pixels=cfg.max_pixels, progress=False, model=cfg.model,
-                     engine=cfg.engine)
+                     max_pixels=cfg.max_pixels, progress=False,
+                     model=cfg.embed_model_config if embed else cfg.model,
+                     engine=cfg.engine, task="embed" if embed else "answer")
 
 
-def _lines(job: Path, failed: bool) -> Iterator[str]:
+def _lines(job: Path, failed: bool, endpoint: str, model: str) -> Iterator[str]:
+    if endpoint == EMBEDDINGS:
+        for line in embed_request_lines(job, model):
+            if (line["error"] is not None) == failed:
+                yield json.dumps(line, ensure_ascii=False) + "\n"
+        return
     store = JobStore(job / STORE_FILE)
     try:
         for a in store.answers():
@@ -127,7 +170,8 @@ class BatchWorker:
             errors = [line_error(f"input file {rec.input_file_id} was deleted before the "
                                  "batch was validated", None, "file_not_found")]
         else:
-            errors = input_errors(path, self.cfg)
+            errors = (embed_input_errors(path, self.cfg) if rec.endpoint == EMBEDDINGS
+                      else input_errors(path, self.cfg))
         if errors:
             self.book.update(batch_id, lambda r: r.at("failed", errors=errors,
                                                       counts=_zero()))
@@ -135,7 +179,7 @@ class BatchWorker:
         job = self.book.job_of(batch_id)
         shutil.rmtree(job, ignore_errors=True)  # a submit cut short by a kill
         try:
-            submit(run_config(path, self.cfg), job)
+            submit(run_config(path, self.cfg, rec.endpoint), job)
         except ManifestError as e:  # e.g. a custom_id repeated: the store's UNIQUE key
             msg = str(e).replace(str(path), "input file")
             self.book.update(batch_id, lambda r: r.at("failed", errors=[line_error(msg)],
@@ -147,6 +191,9 @@ class BatchWorker:
             return self._finalize(batch_id)
         self.enqueue(batch_id)
         return None
+
+    def _lines(self, job: Path, failed: bool, endpoint: str) -> Iterator[str]:
+        return _lines(job, failed, endpoint, self.cfg.served_model_name)
 
     def _finalize(self, batch_id: str) -> None:
         rec = self.book.get(batch_id)
@@ -160,10 +207,10 @@ class BatchWorker:
             hexid = batch_id.removeprefix("batch_")
             if counts["completed"]:
                 out = self.files.write(f"file-{hexid}-output", f"{batch_id}_output.jsonl",
-                                       _lines(job, failed=False)).id
+                                       self._lines(job, False, rec.endpoint)).id
             if counts["failed"]:
                 err = self.files.write(f"file-{hexid}-errors", f"{batch_id}_errors.jsonl",
-                                       _lines(job, failed=True)).id
+                                       self._lines(job, True, rec.endpoint)).id
 
         def done(r: BatchRecord) -> BatchRecord:
             final = "cancelled" if r.status == "cancelling" else "completed"

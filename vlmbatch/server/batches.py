@@ -142,9 +142,8 @@ class BatchBook:
 def job_counts(job: Path) -> dict[str, int]:
     store = JobStore(job / STORE_FILE)
     try:
-        c = store.counts()
-        done, answered = store.questions_done(), store.questions_answered()
-        return {"total": c.total, "completed": answered, "failed": done - answered}
+        c = store.counts()  # one item per request (an embeddings request: all its strings)
+        return {"total": c.total, "completed": c.done, "failed": c.failed}
     finally:
         store.close()
 

@@ -7,6 +7,7 @@ limits that turn an oversized or hostile request into a 4xx before it reaches th
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +52,12 @@ class ServerConfig:
         if self.embed_model is not None:
             return Path(self.embed_model)
         return DEFAULT_EMBED_MODEL if self.model.path is None else Path(self.model.path)
+
+    @property
+    def embed_model_config(self) -> ModelConfig:
+        """The embedding model: ``embed_model_dir`` on the chat model's device and dtype
+        (what ``/v1/embeddings`` and embedding batches run on)."""
+        return dataclasses.replace(self.model, path=self.embed_model_dir)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

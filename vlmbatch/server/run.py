@@ -9,7 +9,6 @@ thread after its current group, leaving batch jobs resumable by the next start.
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import logging
 import os
@@ -25,7 +24,6 @@ from pipeline.engine import Engine
 from pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.server.app import create_app
 from vlmbatch.server.config import ServerConfig
-from vlmbatch.server.embedder import EngineEmbedder
 from vlmbatch.server.state import ServerState
 
 LOCK_FILE = "server.lock"
@@ -53,7 +51,7 @@ def _embed_engine(cfg: ServerConfig, chat: Engine) -> Engine:
     model = cfg.embed_model_dir
     if cfg.model.path is not None and Path(cfg.model.path).resolve() == model.resolve():
         return chat
-    return build_engine(dataclasses.replace(cfg.model, path=model), cfg.engine)
+    return build_engine(cfg.embed_model_config, cfg.engine)
 
 
 def serve(cfg: ServerConfig, hooks: FaultHooks = NO_HOOKS) -> None:
@@ -65,8 +63,7 @@ def serve(cfg: ServerConfig, hooks: FaultHooks = NO_HOOKS) -> None:
         engine = build_engine(cfg.model, cfg.engine)
         state = ServerState.build(cfg, engine, hooks)
         if cfg.embeddings:
-            state.embedder = EngineEmbedder(_embed_engine(cfg, engine), state.scheduler,
-                                            cfg.max_pixels)
+            state.serve_embeddings(_embed_engine(cfg, engine))
         app = create_app(state)
         logging.basicConfig(level=logging.INFO, format="vlmbatch serve: %(message)s",
                             stream=sys.stderr)

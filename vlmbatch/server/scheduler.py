@@ -68,6 +68,9 @@ class Scheduler:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.calls = 0  # chat engine calls made (FaultHooks.score sees the count)
+        # the engine of each job task: chat batches answer, embedding batches embed (added
+        # by ServerState.serve_embeddings; without it they are left for a server that can)
+        self.engines: dict[str, Engine] = {"answer": engine}
         self.thread = threading.Thread(target=self._run, name="vlmbatch-engine", daemon=True)
 
     # --- called from request threads ---
@@ -237,7 +240,7 @@ class Scheduler:
                 self._release(batch_id)
                 continue
             try:
-                return JobRun(batch_id, self.book.job_of(batch_id), self.engine, self.cfg)
+                return JobRun(batch_id, self.book.job_of(batch_id), self.engines, self.cfg)
             except JobRunError as e:  # left in progress: a server that can run it resumes it
                 log.warning("batch %s skipped: %s", batch_id, e)
                 self._release(batch_id)
@@ -250,7 +253,7 @@ class Scheduler:
             self.drained(job.batch_id)
             return None
         try:
-            more = job.step(self.engine)
+            more = job.step()
         except Exception as e:  # noqa: BLE001  (e.g. a full disk: this batch fails, not all)
             log.exception("batch %s stopped", job.batch_id)
             job.close("interrupted")

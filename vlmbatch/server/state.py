@@ -1,6 +1,6 @@
 """``ServerState``: what one running server holds, made once at start and passed to the
 routes (no globals): the config, the engine thread, the image cache, the files and batches
-on disk, the batch worker and the embedder (None until embeddings are wired in).
+on disk, the batch worker and the embedder (None with ``--no-embeddings``).
 
 ``start`` also resumes what a previous server on the same data folder left unfinished
 (killed, or stopped with SIGTERM): batches still validating are validated again, those in
@@ -18,6 +18,7 @@ from pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.server.batch_worker import BatchWorker
 from vlmbatch.server.batches import BatchBook
 from vlmbatch.server.config import ServerConfig
+from vlmbatch.server.embedder import EngineEmbedder
 from vlmbatch.server.embeddings import Embedder
 from vlmbatch.server.files import FileStore
 from vlmbatch.server.images import ImageCache
@@ -49,6 +50,12 @@ class ServerState:
                             cfg.image_cache_bytes)
         words = (cfg.engine.yes_words[0], cfg.engine.no_words[0])
         return cls(cfg, engine, scheduler, images, files, book, worker, embedder, words)
+
+    def serve_embeddings(self, engine: Engine) -> None:
+        """Answer ``/v1/embeddings`` and run embedding batches on ``engine`` (the chat
+        engine itself when the checkpoint is the same), on the engine thread."""
+        self.embedder = EngineEmbedder(engine, self.scheduler, self.cfg.max_pixels)
+        self.scheduler.engines["embed"] = engine
 
     def start(self) -> None:
         """Resume unfinished batches (oldest first), then start both threads."""

@@ -283,7 +283,7 @@ def test_invalid_batches(client: openai.OpenAI, server: Server) -> None:
     ok = upload(client, batch_lines([("x", data_url(IMAGES / "scene_00.png"), RED)])).id
     with server.client() as c:
         for body, status in [
-                ({"input_file_id": ok, "endpoint": "/v1/embeddings",
+                ({"input_file_id": ok, "endpoint": "/v1/completions",
                   "completion_window": "24h"}, 400),
                 ({"input_file_id": ok, "endpoint": "/v1/chat/completions",
                   "completion_window": "1h"}, 400),
