@@ -109,7 +109,10 @@ def run_config(path: Path, cfg: ServerConfig, endpoint: str = CHAT) -> RunConfig
     return RunConfig(manifest=path, images_per_batch=cfg.images_per_batch,
                      max_pixels=cfg.max_pixels, progress=False,
                      model=cfg.embed_model_config if embed else cfg.model,
-                     engine=cfg.engine, task="embed" if embed else "answer")
+                     engine=cfg.engine, task="embed" if embed else "answer",
+                     # one pooled vector per string, as /v1/embeddings (not a multi-vector
+                     # checkpoint's default)
+                     embed=EmbedConfig(multi_vector=False) if embed else EmbedConfig())
 
 
 def _lines(job: Path, failed: bool, endpoint: str, model: str) -> Iterator[str]:
