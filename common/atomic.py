@@ -24,6 +24,12 @@ def replaced_on_success(path: Path) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(f".{path.name}.{os.getpid()}.part")
+    # one left by a killed process that had this pid (a container restarted: pids repeat);
+    # no live process but this one can own the name
+    if part.is_dir() and not part.is_symlink():
+        shutil.rmtree(part)
+    else:
+        part.unlink(missing_ok=True)
     try:
         yield part
         if part.is_dir() and path.is_dir() and not any(path.iterdir()):

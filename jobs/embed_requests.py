@@ -66,6 +66,11 @@ class EmbedRequestItem:
     dimensions: int | None = None  # None: the model's full size
     encoding_format: str = "float"  # one of ENCODINGS
 
+    @property
+    def source(self) -> str:
+        """How messages name the request (the Ray executor's, for a failed prepare task)."""
+        return f"request {self.custom_id}"
+
     def inputs(self) -> list[EmbedItem]:
         return [EmbedItem(i, None, None, t, Path("/")) for i, t in enumerate(self.texts)]
 

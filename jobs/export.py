@@ -91,8 +91,8 @@ def export_embeddings(job: Path, sink: EmbeddingSink, batch: int = 1024) -> int:
     n = 0
     try:
         rows: list[Embedding] = []
-        for d in store.records():
-            rows.append(Embedding.from_record(d))
+        for e in store.records(Embedding.from_record):
+            rows.append(e)
             if len(rows) == batch:
                 sink.write(rows)
                 n, rows = n + len(rows), []
@@ -109,9 +109,9 @@ def embed_request_lines(job: Path, model: str = "vlmbatch") -> Iterator[dict]:
     require_job(job)
     store = JobStore(Path(job) / STORE_FILE)
     try:
-        for spec, results in store.recorded_items():
-            yield to_embed_output(EmbedRequestItem.from_json(spec),
-                                  [Embedding.from_record(d) for d in results], model)
+        for item, results in store.recorded_items(EmbedRequestItem.from_json,
+                                                  Embedding.from_record):
+            yield to_embed_output(item, results, model)
     finally:
         store.close()
 

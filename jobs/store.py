@@ -253,25 +253,30 @@ class JobStore:
 
     def answers(self) -> Iterator[Answer]:
         """Every recorded answer, in manifest then question order."""
+        return self.records(Answer.from_record)
+
+    def records(self, parse: Callable[[dict[str, Any]], Any] = lambda d: d) -> Iterator[Any]:
+        """Every recorded result object (what ``record()`` stored), in manifest order, as
+        ``parse`` reads it; one it cannot read is ``StoreDamaged`` naming the item."""
         for idx, lines in self._results():
-            try:
-                answers = [Answer.from_record(d) for d in lines]
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
-                raise self._damaged(idx, e) from None
-            yield from answers
+            yield from self._parsed(idx, lambda: [parse(d) for d in lines])
 
-    def records(self) -> Iterator[dict[str, Any]]:
-        """Every recorded result object (what ``record()`` stored), in manifest order."""
-        for _, lines in self._results():
-            yield from lines
-
-    def recorded_items(self) -> Iterator[tuple[str, list[dict[str, Any]]]]:
-        """(stored item, its result objects) of each recorded item, in manifest order."""
+    def recorded_items(self, parse_spec: Callable[[str], Any] = lambda s: s,
+                       parse: Callable[[dict[str, Any]], Any] = lambda d: d
+                       ) -> Iterator[tuple[Any, list[Any]]]:
+        """(stored item, its results) of each recorded item, in manifest order, as
+        ``parse_spec``/``parse`` read them (damage as in ``records``)."""
         for idx, lines in self._results():
             with self._sql():
                 (spec,) = self.db.execute("SELECT spec FROM items WHERE idx = ?",
                                           (idx,)).fetchone()
-            yield spec, lines
+            yield self._parsed(idx, lambda: (parse_spec(spec), [parse(d) for d in lines]))
+
+    def _parsed(self, idx: int, read: Callable[[], Any]) -> Any:
+        try:
+            return read()
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # binascii.Error too
+            raise self._damaged(idx, e) from None
 
     def _results(self) -> Iterator[tuple[int, list[dict[str, Any]]]]:
         """(idx, result objects) of each recorded item, in manifest order, read a row at a

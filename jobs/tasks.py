@@ -10,6 +10,7 @@ store records an item ``done`` iff none of its results has an error.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
@@ -17,8 +18,10 @@ from typing import Any
 from jobs import embed_input, embed_requests
 from jobs.config import RunConfig
 from jobs.embed_requests import EmbedRequestItem, PreparedRequests
+from jobs.errors import ManifestError
 from jobs.manifest import first_line, items_from_folder, iter_manifest, manifest_format, read_policy
 from jobs.store import Recorded, by_item, item_from_json, item_to_json
+from pipeline.config import ConfigError
 from pipeline.drive import PreparedGroup, prepare_group, prepared_groups, score_group
 from pipeline.embed import build_embedder, check_embed_config
 from pipeline.embed_drive import PreparedEmbedGroup, embed_group
@@ -160,7 +163,23 @@ class EmbedTask(Task):
         return ((str(cfg.images), it) for it in embed_input.folder_items(cfg.images)), None
 
     def check(self, cfg: RunConfig) -> None:
-        check_embed_config(cfg.model.path, cfg.embed)
+        resolved = check_embed_config(cfg.model.path, cfg.embed)
+        manifest = cfg.manifest
+        if manifest is None or manifest_format(manifest) != "openai":
+            return
+        # a file of /v1/embeddings requests: what the server's batches check (one pooled
+        # vector per string, each request's dimensions one of the model's sizes)
+        if cfg.embed.multi_vector or cfg.embed.dimensions is not None:
+            raise ConfigError("a file of /v1/embeddings requests gives one vector per string, "
+                              "at each request's body.dimensions: --multi-vector and "
+                              "--dimensions do not apply to it")
+        sizes = resolved.spec.matryoshka_dims
+        for ln, r in embed_requests.iter_embed_requests(manifest):
+            if r.dimensions is not None and r.dimensions not in sizes:
+                have = (f"declares the sizes {list(sizes)}: give one of them" if sizes
+                        else "declares no Matryoshka sizes")
+                raise ManifestError(f"{manifest}:{ln}: body.dimensions {r.dimensions}: the "
+                                    f"model {have}, or leave dimensions out for its full size")
 
     def to_json(self, item: EmbedItem | EmbedRequestItem) -> str:
         if isinstance(item, EmbedRequestItem):
@@ -195,10 +214,13 @@ class EmbedTask(Task):
 
     def model(self, engine: Engine, cfg: RunConfig) -> Stage2:
         embedder = build_embedder(engine, cfg.embed)
+        # /v1/embeddings requests: one pooled vector per string, whatever the checkpoint's
+        # default (a ColQwen2 one is multi-vector)
+        pooled = build_embedder(engine, dataclasses.replace(cfg.embed, multi_vector=False))
 
         def stage2(p: Prepared) -> list[Embedding]:
             if isinstance(p, PreparedRequests):
-                return embed_requests.request_results(p, embed_group(embedder, p.inputs))
+                return embed_requests.request_results(p, embed_group(pooled, p.inputs))
             return embed_group(embedder, p)
 
         return stage2

@@ -36,7 +36,7 @@ from jobs.embed_input import (
 from jobs.embed_sinks import EmbeddingSink, JsonlSink, NpySink, ParquetSink, embed_format_of
 from jobs.export import export_embed_requests, export_embeddings, recorded_results
 from jobs.folder import job_format
-from jobs.sinks import format_of
+from jobs.sinks import check_writable, format_of, naming
 from models.embedding import POOLINGS
 from pipeline.build import build_engine
 from pipeline.config import (
@@ -186,8 +186,9 @@ def embed_results(a: argparse.Namespace) -> int:
     if a.out is None:
         n = (export_embed_requests(a.job, sys.stdout) if openai
              else export_embeddings(a.job, JsonlSink(sys.stdout)))
-    else:
-        with replaced_on_success(a.out) as part:
+    else:  # all or nothing, errors naming --out (as a yes/no job's `results`)
+        check_writable(a.out)
+        with naming(a.out), replaced_on_success(a.out) as part:
             if fmt == "jsonl":
                 with open(part, "w", encoding="utf-8") as f:
                     n = (export_embed_requests(a.job, f) if openai

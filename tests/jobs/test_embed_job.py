@@ -153,3 +153,26 @@ def test_embed_job_on_ray(tmp_path: Path, random_model_dir: Path) -> None:
         assert a.error_kind == b.error_kind
         if b.vector is not None:
             assert a.vector is not None and np.abs(a.vector - b.vector).max() <= 1e-5
+
+
+def test_a_damaged_embedding_record_is_a_message_not_a_traceback(
+        tmp_path: Path, random_model_dir: Path, capsys) -> None:  # noqa: ANN001
+    """A stored vector that no longer decodes (or a missing key) is ``StoreDamaged`` naming
+    the item (exit 2), as a damaged answer is; the rest of the store stays readable."""
+    import sqlite3
+
+    _, job = submit(tmp_path, random_model_dir, 3)
+    assert main(["run", str(job), "--no-progress"]) == EXIT_ITEM_ERRORS  # the missing image
+    db = sqlite3.connect(job / STORE_FILE)
+    (idx, result), = db.execute("SELECT idx, result FROM items ORDER BY idx LIMIT 1")
+    for damaged in (json.dumps([{**d, "vector": "AAAA"} for d in json.loads(result)]),  # 3 bytes
+                    json.dumps([{k: v for k, v in d.items() if k != "shape"}
+                                for d in json.loads(result)])):
+        db.execute("UPDATE items SET result = ? WHERE idx = ?", (damaged, idx))
+        db.commit()
+        capsys.readouterr()
+        assert main(["results", str(job), "-o", str(tmp_path / "v.jsonl")]) == EXIT_BAD_INPUT
+        err = capsys.readouterr().err
+        assert f"is damaged: item {idx} is unreadable" in err and "Traceback" not in err
+        assert not (tmp_path / "v.jsonl").exists()
+    db.close()

@@ -104,6 +104,47 @@ def test_a_repeated_custom_id_is_refused_at_submit(tmp_path: Path, capsys) -> No
     assert "in.jsonl:3" in err and "'same' appears twice (first on line 1)" in err
 
 
+def test_submit_checks_what_a_server_batch_checks(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """A request's dimensions must be one of the model's declared sizes (named by line), and
+    options that would change what an OpenAI line holds are refused, before any work."""
+    path = tmp_path / "in.jsonl"
+    path.write_text(line("a", body("x", dimensions=64)) + line("b", body("y", dimensions=63)))
+    base = ["submit", str(path), "--task", "embed", "--job", str(tmp_path / "job"), "--model",
+            str(vlmbatch.EMBED_MODEL), "--no-progress"]
+    assert main(base) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "in.jsonl:2: body.dimensions 63" in err and "declares the sizes" in err
+    path.write_text(line("a", body("x", dimensions=64)))
+    for option in (["--multi-vector"], ["--dimensions", "64"]):
+        assert main(base + option) == EXIT_BAD_INPUT, option
+        assert "do not apply" in capsys.readouterr().err
+    assert not (tmp_path / "job").exists()
+    assert main(base) == EXIT_OK
+
+
+def test_a_multi_vector_checkpoint_answers_requests_with_pooled_vectors(
+        tmp_path: Path) -> None:
+    """A ColQwen2 checkpoint is multi-vector by default; a request still gets one vector per
+    string, equal to its pooled embedding (``--no-multi-vector``)."""
+    from tests.models.qwen_vl_helpers import save_colqwen2_checkpoint
+
+    col = save_colqwen2_checkpoint("qwen2_5_vl", tmp_path / "col")
+    path = tmp_path / "in.jsonl"
+    path.write_text(line("a", body(["a red circle", "a blue square"])))
+    job = tmp_path / "job"
+    assert main(["submit", str(path), "--task", "embed", "--job", str(job), "--model", str(col),
+                 "--no-progress"]) == EXIT_OK
+    assert main(["run", str(job), "--no-progress"]) == EXIT_OK
+    out = tmp_path / "out.jsonl"
+    assert main(["results", str(job), "-o", str(out)]) == EXIT_OK
+    (got,) = [json.loads(x) for x in out.read_text().splitlines()]
+    v = np.array([d["embedding"] for d in got["response"]["body"]["data"]], np.float32)
+    want = list(vlmbatch.VLM(col).embed_many(["a red circle", "a blue square"],
+                                             multi_vector=False))
+    assert v.shape == (2, want[0].vector.shape[0])
+    assert np.abs(v - np.stack([e.vector for e in want])).max() <= 1e-5
+
+
 def test_a_request_with_a_failed_input_is_an_error_line() -> None:
     item = EmbedRequestItem("r", ("a", "b"))
     ok = Embedding(0, "r", 3, np.ones(4, np.float32) / 2)

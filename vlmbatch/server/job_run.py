@@ -70,7 +70,10 @@ class JobRun:
         threads = preprocess_threads_for(cfg.preprocess_threads, cfg.model.device)
         # pending items are read from the store in this (the engine) thread only
         pending = self.store.pending(run.images_per_batch, self.task.from_json)
-        self.groups = self.task.prepared(pending, engine.image_plan, run.max_pixels, threads)
+        # decoder processes under the job's --decode-timeout, as `vlmbatch run JOB`: a hung
+        # or crashing image fails that item, never the engine thread (or the server)
+        self.groups = self.task.prepared(pending, engine.image_plan, run.max_pixels, threads,
+                                         decode_timeout=run.executor.decode_timeout)
         self._exit.callback(self.groups.close)
 
     def step(self) -> bool:
