@@ -29,6 +29,8 @@ DEFAULT_MODEL = Path(__file__).resolve().parent / "default_model"
 # the built-in embedding model: the built-in model after a contrastive stage
 # (scripts/train_embed_model.py); what `vlmbatch embed` uses unless --model says otherwise
 DEFAULT_EMBED_MODEL = Path(__file__).resolve().parent / "default_embed_model"
+# the built-in Qwen2.5-VL model (scripts/train_qwen_model.py): the second family, trained
+DEFAULT_QWEN_MODEL = Path(__file__).resolve().parent / "default_qwen_model"
 LLM_QUANT = ("none", "int8-dynamic")
 QUANT = ("none", "fp8")  # W8A8 of the decoder's and the vision encoder's linears
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -7,9 +7,10 @@ and the Python API (``api.py``: ``VLM``; ``maxsim``), thin layers over ``jobs/``
 """
 
 from pipeline.config import DEFAULT_EMBED_MODEL as EMBED_MODEL
+from pipeline.config import DEFAULT_QWEN_MODEL as QWEN_MODEL
 from pipeline.pooling import maxsim
 from pipeline.records import Answer, Embedding, EmbedItem, ErrorKind, ImageItem, Question
 from vlmbatch.api import VLM
 
-__all__ = ["EMBED_MODEL", "VLM", "Answer", "EmbedItem", "Embedding", "ErrorKind", "ImageItem",
-           "Question", "maxsim"]
+__all__ = ["EMBED_MODEL", "QWEN_MODEL", "VLM", "Answer", "EmbedItem", "Embedding", "ErrorKind",
+           "ImageItem", "Question", "maxsim"]
