@@ -65,6 +65,12 @@ class Server:
             env={**os.environ, "OPENCV_LOG_LEVEL": "SILENT"})
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
 
+    def openai(self):  # noqa: ANN201
+        """The official client on this server (our key, no retries: a failure shows)."""
+        import openai
+
+        return openai.OpenAI(api_key=KEY, base_url=self.url + "/v1", max_retries=0)
+
     def wait_ready(self, timeout: float = 90) -> Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

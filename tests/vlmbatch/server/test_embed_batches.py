@@ -19,7 +19,7 @@ import pytest
 import vlmbatch
 from jobs.folder import STORE_FILE
 from jobs.store import JobStore
-from tests.vlmbatch.server.serving import IMAGES, KEY, Server, batch_lines, data_url
+from tests.vlmbatch.server.serving import IMAGES, Server, batch_lines, data_url
 from tests.vlmbatch.server.test_resume import pending, wait_for
 from tests.vlmbatch.server.test_server import upload, wait_batch
 
@@ -36,7 +36,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(api_key=KEY, base_url=server.url + "/v1", max_retries=0)
+    return server.openai()
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +152,7 @@ def test_cancel_keeps_whole_requests(client: openai.OpenAI) -> None:
 def test_no_embeddings_refuses_embedding_batches(tmp_path: Path) -> None:
     s = Server(tmp_path / "data", "--no-embeddings").wait_ready()
     try:
-        c = openai.OpenAI(api_key=KEY, base_url=s.url + "/v1", max_retries=0)
+        c = s.openai()
         with pytest.raises(openai.BadRequestError) as e:
             create(c, embed_lines(REQS))
         err = e.value.body

@@ -39,7 +39,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(api_key=KEY, base_url=server.url + "/v1", max_retries=0)
+    return server.openai()
 
 
 @pytest.fixture(scope="module")
