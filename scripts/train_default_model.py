@@ -266,11 +266,24 @@ def new_or_saved_model(args: argparse.Namespace, data: list):  # noqa: ANN201
     return tok, InternVLForConditionalGeneration(cfg), cfg
 
 
-def main() -> None:
-    args = parse_args()
+def seeded(args: argparse.Namespace) -> None:
+    """The fixed seed (torch and random) and thread count every training script starts with."""
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     torch.set_num_threads(args.threads)
+
+
+def write_training_log(args: argparse.Namespace, log: list[str]) -> None:
+    """``OUT/training_log.txt``: the ``--init`` model's log, then this run's command and
+    lines (committed beside the weights)."""
+    previous = (args.init / "training_log.txt").read_text() if args.init else ""
+    (args.out / "training_log.txt").write_text(
+        previous + "command: " + " ".join(sys.argv) + "\n" + "\n".join(log) + "\n")
+
+
+def main() -> None:
+    args = parse_args()
+    seeded(args)
     t0 = time.time()
     data = load_data(args.scenes, args.seed, args.colour_pairs, args.reduced_scenes)
     if args.yes_no_only:
@@ -306,9 +319,7 @@ def main() -> None:
                    log_lines, tok, stage="2b")
     save(model, tok, args.out)
     log_lines.append(f"done: stage 2a {n2a} steps, stage 2b {n2b} steps")
-    previous = (args.init / "training_log.txt").read_text() if args.init else ""
-    (args.out / "training_log.txt").write_text(
-        previous + "command: " + " ".join(sys.argv) + "\n" + "\n".join(log_lines) + "\n")
+    write_training_log(args, log_lines)
     print(log_lines[-1])
 
 

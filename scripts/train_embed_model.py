@@ -57,6 +57,7 @@ from pipeline.loading import image_plan_for, load_model  # noqa: E402
 from pipeline.pooling import pool_range  # noqa: E402
 from preprocessing.decode import decode  # noqa: E402
 from scripts.shapes import make_scene  # noqa: E402
+from scripts.train_default_model import seeded  # noqa: E402
 
 Example = tuple[torch.Tensor, tuple[int, int], str]  # (hidden [T, D] below the trained
 # layers, pooled range, caption)
@@ -258,9 +259,7 @@ def evaluate(path: Path, log: list[str], name: str) -> None:
 
 def main() -> None:
     args = parse_args()
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    torch.set_num_threads(args.threads)
+    seeded(args)
     t0 = time.time()
     loaded = load_model(args.init)
     below = loaded.spec.text.layers - args.train_layers

@@ -62,8 +62,10 @@ from scripts.train_default_model import (  # noqa: E402
     pad_batch,
     parse_args,
     scene_target,
+    seeded,
     train_lm,
     vision_loop,
+    write_training_log,
 )
 
 PRE = QwenVLPreprocess(patch=14, merge=2, temporal=2, min_pixels=112 * 112,
@@ -263,9 +265,7 @@ def main() -> None:
     args = parse_args()
     if args.reduced_scenes:
         raise SystemExit("--reduced-scenes is InternVL tiling; Qwen-VL has none")
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    torch.set_num_threads(args.threads)
+    seeded(args)
     t0 = time.time()
     data = load_data(args.scenes, args.seed, args.colour_pairs)
     if args.yes_no_only:
@@ -292,9 +292,7 @@ def main() -> None:
              for name, stage, minutes in stages]
     save(model, tok, args.out)
     log.append(f"done: stage 2a {steps[0]} steps, stage 2b {steps[1]} steps")
-    previous = (args.init / "training_log.txt").read_text() if args.init else ""
-    (args.out / "training_log.txt").write_text(
-        previous + "command: " + " ".join(sys.argv) + "\n" + "\n".join(log) + "\n")
+    write_training_log(args, log)
     print(log[-1])
 
 

@@ -331,10 +331,11 @@ def _add_export_vit(sub: argparse._SubParsersAction) -> None:
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     """``serve``: the OpenAI-compatible server (its options: ``vlmbatch/server/args.py``)."""
     s = sub.add_parser("serve", help="an OpenAI-compatible server: chat completions with "
-                       "P(yes), files and batches (docs/server.md)",
+                       "P(yes), embeddings, files and batches (docs/server.md)",
                        description="Serve the model over HTTP: /v1/chat/completions (yes/no "
-                       "with P(yes) in logprobs), /v1/files + /v1/batches (each batch a "
-                       "resumable job), /v1/models, /health. --images-per-batch is a batch "
+                       "with P(yes) in logprobs), /v1/embeddings (--embed-model), /v1/files + "
+                       "/v1/batches of either (each batch a resumable job), /v1/models, "
+                       "/health. --images-per-batch is a batch "
                        "job's group, the most an interactive request waits behind.")
     _model_args(s)
     add_server_args(s)
