@@ -27,10 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.build import build_engine  # noqa: E402
-from pipeline.config import EngineConfig, ModelConfig  # noqa: E402
-from pipeline.records import Request  # noqa: E402
-from preprocessing.prepare import prepare  # noqa: E402
+from vlmbatch.pipeline.build import build_engine  # noqa: E402
+from vlmbatch.pipeline.config import EngineConfig, ModelConfig  # noqa: E402
+from vlmbatch.pipeline.records import Request  # noqa: E402
+from vlmbatch.preprocessing.prepare import prepare  # noqa: E402
 
 
 def rss_mib() -> int:

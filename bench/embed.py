@@ -46,12 +46,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.config import DEFAULT_EMBED_MODEL  # noqa: E402
-from pipeline.embed_eval import COLOURS, SHAPES, caption  # noqa: E402
-from pipeline.pooling import pool_range  # noqa: E402
-from preprocessing.reference import pillow_tiles, pixel_values  # noqa: E402
 from scripts.shapes import make_scene  # noqa: E402
 from vlmbatch import VLM  # noqa: E402
+from vlmbatch.pipeline.config import DEFAULT_EMBED_MODEL  # noqa: E402
+from vlmbatch.pipeline.embed_eval import COLOURS, SHAPES, caption  # noqa: E402
+from vlmbatch.pipeline.pooling import pool_range  # noqa: E402
+from vlmbatch.preprocessing.reference import pillow_tiles, pixel_values  # noqa: E402
 
 
 def peak_rss_mib() -> float:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from preprocessing.reference import pillow_tiles, pixel_values
+from vlmbatch.preprocessing.reference import pillow_tiles, pixel_values
 
 
 @dataclass

@@ -24,7 +24,7 @@ import torch
 from PIL import Image
 
 from bench.hf_baseline import BaselineRun, Timed, Work, _left_pad, _p_yes, time_once
-from preprocessing.qwen_vl import PatchGrid
+from vlmbatch.preprocessing.qwen_vl import PatchGrid
 
 
 def load_qwen_reference(model_dir: Path, device: str, dtype: torch.dtype) -> Any:

@@ -29,12 +29,12 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from preprocessing.isolated import SLOT_BYTES, DecoderPool, _Worker  # noqa: E402
-from preprocessing.prepare import TilingConfig, prepare_bytes  # noqa: E402
+from vlmbatch.preprocessing.isolated import SLOT_BYTES, DecoderPool, _Worker  # noqa: E402
+from vlmbatch.preprocessing.prepare import TilingConfig, prepare_bytes  # noqa: E402
 
 
 def _ready(conn) -> None:  # noqa: ANN001
-    import preprocessing.prepare  # noqa: F401  (what a worker needs; imported in the server)
+    import vlmbatch.preprocessing.prepare  # noqa: F401  (what a worker needs; imported in the server)
 
     conn.send("ready")
 
@@ -44,7 +44,7 @@ def start_ms(how: str, rounds: int = 5) -> list[float]:
     out = []
     ctx = None if how == "exec" else mp.get_context(how)
     if how == "forkserver":
-        ctx.set_forkserver_preload(["preprocessing.prepare"])  # type: ignore[union-attr]
+        ctx.set_forkserver_preload(["vlmbatch.preprocessing.prepare"])  # type: ignore[union-attr]
     for _ in range(rounds):
         t = time.perf_counter()
         if ctx is None:

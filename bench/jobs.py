@@ -55,7 +55,7 @@ def run(job: Path, extra: list[str], threads: int) -> tuple[float, float]:
     """(wall seconds, peak tree RSS MiB) of `vlmbatch run JOB extra...`."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-m", "vlmbatch.cli", "run", str(job), "--no-progress",
+    p = subprocess.Popen([sys.executable, "-m", "vlmbatch", "run", str(job), "--no-progress",
                           *extra], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     peak = [0.0]
 
@@ -127,9 +127,9 @@ def one_row(args: argparse.Namespace, manifest: Path, key: str,
     """(wall, job QPM, peak tree RSS) of a fresh job over ``manifest`` run with ``extra``."""
     import shutil
 
-    from jobs.config import RunConfig
-    from jobs.job import status, submit
-    from pipeline.config import EngineConfig, ModelConfig
+    from vlmbatch.jobs.config import RunConfig
+    from vlmbatch.jobs.job import status, submit
+    from vlmbatch.pipeline.config import EngineConfig, ModelConfig
 
     job = args.work / f"job{args.items}_{key}"
     if job.exists():

@@ -29,9 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jobs.config import RunConfig  # noqa: E402
-from jobs.runner import run  # noqa: E402
-from pipeline.config import EngineConfig, ModelConfig  # noqa: E402
+from vlmbatch.jobs.config import RunConfig  # noqa: E402
+from vlmbatch.jobs.runner import run  # noqa: E402
+from vlmbatch.pipeline.config import EngineConfig, ModelConfig  # noqa: E402
 
 
 def make_images(folder: Path, n: int) -> Path:

@@ -39,9 +39,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from preprocessing.decode import DEFAULT_MAX_PIXELS, decode  # noqa: E402
-from preprocessing.prepare import TilingConfig, prepare, prepare_bytes  # noqa: E402
-from preprocessing.reference import pillow_tiles, pixel_values  # noqa: E402
+from vlmbatch.preprocessing.decode import DEFAULT_MAX_PIXELS, decode  # noqa: E402
+from vlmbatch.preprocessing.prepare import TilingConfig, prepare, prepare_bytes  # noqa: E402
+from vlmbatch.preprocessing.reference import pillow_tiles, pixel_values  # noqa: E402
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 REF = TilingConfig(tile_size=448, max_tiles=12)

@@ -69,16 +69,16 @@ from bench.flops import workload_flops  # noqa: E402
 from bench.hf_baseline import Batched, Work, load_reference, per_question  # noqa: E402
 from bench.hf_qwen import QwenBatched, load_qwen_reference, qwen_per_question  # noqa: E402
 from bench.scenes import parse_sizes, scene_set  # noqa: E402
-from models.internvl.random import SHAPES, save_random_internvl  # noqa: E402
-from models.qwen_vl.random import SHAPES as QWEN_SHAPES  # noqa: E402
-from models.qwen_vl.random import save_random_qwen_vl  # noqa: E402
-from pipeline.config import DEFAULT_MODEL, DTYPES, EngineConfig  # noqa: E402
-from pipeline.drive import answer_group  # noqa: E402
-from pipeline.evaluate import easy_vqa_set  # noqa: E402
-from pipeline.loading import load_model, vision_model  # noqa: E402
-from pipeline.scoring import AnswerTokens  # noqa: E402
-from pipeline.torch_engine import TorchEngine  # noqa: E402
-from vit_trt import RunnerOptions, make_runner  # noqa: E402
+from vlmbatch.models.internvl.random import SHAPES, save_random_internvl  # noqa: E402
+from vlmbatch.models.qwen_vl.random import SHAPES as QWEN_SHAPES  # noqa: E402
+from vlmbatch.models.qwen_vl.random import save_random_qwen_vl  # noqa: E402
+from vlmbatch.pipeline.config import DEFAULT_MODEL, DTYPES, EngineConfig  # noqa: E402
+from vlmbatch.pipeline.drive import answer_group  # noqa: E402
+from vlmbatch.pipeline.evaluate import easy_vqa_set  # noqa: E402
+from vlmbatch.pipeline.loading import load_model, vision_model  # noqa: E402
+from vlmbatch.pipeline.scoring import AnswerTokens  # noqa: E402
+from vlmbatch.pipeline.torch_engine import TorchEngine  # noqa: E402
+from vlmbatch.vit_trt import RunnerOptions, make_runner  # noqa: E402
 
 
 def _record_prefills(model) -> list:  # noqa: ANN001

@@ -38,12 +38,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.build import build_engine  # noqa: E402
-from pipeline.config import DEFAULT_MODEL, EngineConfig, ModelConfig  # noqa: E402
-from pipeline.drive import answer_group  # noqa: E402
-from pipeline.evaluate import easy_vqa_set  # noqa: E402
-from pipeline.quantize import quantize_model  # noqa: E402
-from quant.int4 import Int4Linear  # noqa: E402
+from vlmbatch.pipeline.build import build_engine  # noqa: E402
+from vlmbatch.pipeline.config import DEFAULT_MODEL, EngineConfig, ModelConfig  # noqa: E402
+from vlmbatch.pipeline.drive import answer_group  # noqa: E402
+from vlmbatch.pipeline.evaluate import easy_vqa_set  # noqa: E402
+from vlmbatch.pipeline.quantize import quantize_model  # noqa: E402
+from vlmbatch.quant.int4 import Int4Linear  # noqa: E402
 
 
 @dataclass
@@ -114,7 +114,7 @@ def linear_bench(rounds: int, group_size: int = 128, device: str = "cpu") -> Non
     decode-sized batch (16 rows) and a prefill-sized one (2,048 rows). On CUDA the W4A16 row
     runs torch's tinygemm int4 kernel with bf16 activations and int8 dynamic (CPU only) is
     left out."""
-    from quant.int4 import rtn
+    from vlmbatch.quant.int4 import rtn
 
     cuda = device.startswith("cuda")
     g = torch.Generator().manual_seed(0)

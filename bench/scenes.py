@@ -11,9 +11,9 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from pipeline.evaluate import EvalSet
-from pipeline.records import ImageItem, Question
 from scripts.shapes import make_questions, make_scene
+from vlmbatch.pipeline.evaluate import EvalSet
+from vlmbatch.pipeline.records import ImageItem, Question
 
 
 def parse_sizes(text: str) -> list[tuple[int, int]]:

@@ -42,8 +42,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import vlmbatch  # noqa: E402
-from pipeline.evaluate import easy_vqa_set  # noqa: E402
-from tests.vlmbatch.server.serving import Server, chat_body  # noqa: E402
+from tests.app.server.serving import Server, chat_body  # noqa: E402
+from vlmbatch.pipeline.evaluate import easy_vqa_set  # noqa: E402
 
 
 def requests_of(items: list) -> tuple[list[dict], list[tuple[str, str]]]:

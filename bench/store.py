@@ -23,8 +23,8 @@ from pathlib import Path
 
 # the repo root first: bench/jobs.py would otherwise shadow the jobs package
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from jobs.store import JobStore  # noqa: E402
-from jobs.store_schema import ANSWERED_OF_RESULT  # noqa: E402
+from vlmbatch.jobs.store import JobStore  # noqa: E402
+from vlmbatch.jobs.store_schema import ANSWERED_OF_RESULT  # noqa: E402
 
 # what status computed before the per-item columns (and what a migration still computes)
 PARSE = (f"SELECT COALESCE(SUM(json_array_length(result)), 0), "

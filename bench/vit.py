@@ -27,13 +27,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.internvl.vision import VisionEncoder, VisionSpec  # noqa: E402
-from pipeline.config import DEFAULT_MODEL  # noqa: E402
-from pipeline.loading import load_model, vision_model  # noqa: E402
-from vit_trt import VisionModel  # noqa: E402
-from vit_trt.compile_runner import CompiledRunner  # noqa: E402
-from vit_trt.export import export_onnx  # noqa: E402
-from vit_trt.onnx_runner import OnnxRuntimeRunner  # noqa: E402
+from vlmbatch.models.internvl.vision import VisionEncoder, VisionSpec  # noqa: E402
+from vlmbatch.pipeline.config import DEFAULT_MODEL  # noqa: E402
+from vlmbatch.pipeline.loading import load_model, vision_model  # noqa: E402
+from vlmbatch.vit_trt import VisionModel  # noqa: E402
+from vlmbatch.vit_trt.compile_runner import CompiledRunner  # noqa: E402
+from vlmbatch.vit_trt.export import export_onnx  # noqa: E402
+from vlmbatch.vit_trt.onnx_runner import OnnxRuntimeRunner  # noqa: E402
 
 INTERNVIT_300M = VisionSpec(
     hidden=1024, layers=24, heads=16, intermediate=4096, patch=14, image_size=448,
@@ -92,7 +92,7 @@ def gpu_rows(name: str, model_dir: Path, batches: list[int], reps: int, rounds: 
              compiled: bool) -> None:
     import copy
 
-    from cudagraph_pool import GraphPool
+    from vlmbatch.cudagraph_pool import GraphPool
 
     vision, tile = encoder(name, model_dir)
     fp16 = copy.deepcopy(vision).to("cuda", torch.float16)
@@ -114,7 +114,7 @@ def gpu_rows(name: str, model_dir: Path, batches: list[int], reps: int, rounds: 
     try:
         import tensorrt  # noqa: F401
 
-        from vit_trt.tensorrt_runner import TensorRTRunner
+        from vlmbatch.vit_trt.tensorrt_runner import TensorRTRunner
 
         holder = (vision_model(load_model(model_dir, "cuda")) if name == "builtin"
                   else None)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from preprocessing.qwen_vl import QwenVLPreprocess  # noqa: E402
-from preprocessing.tiling import plan_reference  # noqa: E402
+from vlmbatch.preprocessing.qwen_vl import QwenVLPreprocess  # noqa: E402
+from vlmbatch.preprocessing.tiling import plan_reference  # noqa: E402
 
 SIZES = [(480, 320), (612, 464), (896, 1344), (1920, 1080)]  # (w, h), seed 001
 PLANS = {"Qwen2/2.5-VL": QwenVLPreprocess(14, 2, 2, 3136, 12845056),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from preprocessing.tiling import fit_scale, plan_reduced, plan_reference  # noqa: E402
+from vlmbatch.preprocessing.tiling import fit_scale, plan_reduced, plan_reference  # noqa: E402
 
 SIZES = [(480, 320), (480, 360), (612, 464), (896, 1344), (1920, 1080), (4000, 3000), (64, 64),
          (100, 2000)]

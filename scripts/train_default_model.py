@@ -39,10 +39,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.internvl.tokenizer import build_tokenizer  # noqa: E402
-from preprocessing.decode import decode  # noqa: E402
-from preprocessing.prepare import TilingConfig, prepare  # noqa: E402
 from scripts.shapes import COLORS, SHAPES, Scene, make_questions, make_scene  # noqa: E402
+from vlmbatch.models.internvl.tokenizer import build_tokenizer  # noqa: E402
+from vlmbatch.preprocessing.decode import decode  # noqa: E402
+from vlmbatch.preprocessing.prepare import TilingConfig, prepare  # noqa: E402
 
 # Auxiliary targets: presence of each shape and colour, predicted by a throw-away linear head
 # on the mean-pooled vision features (the head is not saved). Trained end to end only, the

@@ -47,17 +47,17 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.layers import rotary  # noqa: E402
-from models.qwen2 import Qwen2LM, hf_key  # noqa: E402
-from pipeline.build import build_engine  # noqa: E402
-from pipeline.config import DEFAULT_MODEL, EmbedConfig, EngineConfig, ModelConfig  # noqa: E402
-from pipeline.embed import Embedder  # noqa: E402
-from pipeline.embed_eval import caption, evaluate_retrieval, labels  # noqa: E402
-from pipeline.loading import image_plan_for, load_model  # noqa: E402
-from pipeline.pooling import pool_range  # noqa: E402
-from preprocessing.decode import decode  # noqa: E402
 from scripts.shapes import make_scene  # noqa: E402
 from scripts.train_default_model import seeded  # noqa: E402
+from vlmbatch.models.layers import rotary  # noqa: E402
+from vlmbatch.models.qwen2 import Qwen2LM, hf_key  # noqa: E402
+from vlmbatch.pipeline.build import build_engine  # noqa: E402
+from vlmbatch.pipeline.config import DEFAULT_MODEL, EmbedConfig, EngineConfig, ModelConfig  # noqa: E402
+from vlmbatch.pipeline.embed import Embedder  # noqa: E402
+from vlmbatch.pipeline.embed_eval import caption, evaluate_retrieval, labels  # noqa: E402
+from vlmbatch.pipeline.loading import image_plan_for, load_model  # noqa: E402
+from vlmbatch.pipeline.pooling import pool_range  # noqa: E402
+from vlmbatch.preprocessing.decode import decode  # noqa: E402
 
 Example = tuple[torch.Tensor, tuple[int, int], str]  # (hidden [T, D] below the trained
 # layers, pooled range, caption)

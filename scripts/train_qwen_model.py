@@ -21,7 +21,7 @@ layout (``save_pretrained``), so the result is an ordinary HF checkpoint. Each s
 its images once and writes the features into every question about them; positions are the
 prompt builder's M-RoPE positions, continued by the rope delta over the answer.
 
-    python scripts/train_qwen_model.py --out pipeline/default_qwen_model --minutes 60 ...
+    python scripts/train_qwen_model.py --out vlmbatch/pipeline/default_qwen_model --minutes 60 ...
 
 (the command the README gives). The stage loop is ``train_default_model.train_lm``.
 """
@@ -40,16 +40,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.qwen_vl.positions import Grid, batch_positions, prompt_positions  # noqa: E402
-from models.qwen_vl.prompt import QwenVLPrompts  # noqa: E402
-from models.qwen_vl.random import preprocessor_config  # noqa: E402
-from models.qwen_vl.spec import spec_from_config  # noqa: E402
-from models.qwen_vl.text import QwenVLText  # noqa: E402
-from models.qwen_vl.text import our_name as text_name  # noqa: E402
-from models.qwen_vl.tokenizer import build_tokenizer  # noqa: E402
-from models.qwen_vl.vision import VisionTower  # noqa: E402
-from models.qwen_vl.vision import our_name as vision_name  # noqa: E402
-from preprocessing.qwen_vl import PatchGrid, QwenVLPreprocess  # noqa: E402
 from scripts.shapes import make_questions, make_scene  # noqa: E402
 from scripts.train_default_model import (  # noqa: E402
     AUX,
@@ -67,6 +57,16 @@ from scripts.train_default_model import (  # noqa: E402
     vision_loop,
     write_training_log,
 )
+from vlmbatch.models.qwen_vl.positions import Grid, batch_positions, prompt_positions  # noqa: E402
+from vlmbatch.models.qwen_vl.prompt import QwenVLPrompts  # noqa: E402
+from vlmbatch.models.qwen_vl.random import preprocessor_config  # noqa: E402
+from vlmbatch.models.qwen_vl.spec import spec_from_config  # noqa: E402
+from vlmbatch.models.qwen_vl.text import QwenVLText  # noqa: E402
+from vlmbatch.models.qwen_vl.text import our_name as text_name  # noqa: E402
+from vlmbatch.models.qwen_vl.tokenizer import build_tokenizer  # noqa: E402
+from vlmbatch.models.qwen_vl.vision import VisionTower  # noqa: E402
+from vlmbatch.models.qwen_vl.vision import our_name as vision_name  # noqa: E402
+from vlmbatch.preprocessing.qwen_vl import PatchGrid, QwenVLPreprocess  # noqa: E402
 
 PRE = QwenVLPreprocess(patch=14, merge=2, temporal=2, min_pixels=112 * 112,
                        max_pixels=224 * 224)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.internvl.random import save_random_internvl
+from vlmbatch.models.internvl.random import save_random_internvl
 
 
 def make_model_dir(path: Path, *, tile: int = 56, patch: int = 14, vision_layers: int = 2,

@@ -12,8 +12,8 @@ import functools
 import json
 import sys
 
-from pipeline.hooks import FaultHooks
 from tests import fault_points as fp
+from vlmbatch.pipeline.hooks import FaultHooks
 
 
 def hooks_from(spec: dict) -> FaultHooks:
@@ -45,7 +45,7 @@ def hooks_from(spec: dict) -> FaultHooks:
 
 
 if __name__ == "__main__":
-    from vlmbatch.cli import main
+    from vlmbatch.app.cli import main
 
     spec, sep, *argv = sys.argv[1:]
     assert sep == "--", "usage: python -m tests.faults SPEC -- ARGS..."

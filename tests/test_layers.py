@@ -16,14 +16,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# top to bottom; a package imports only from packages on lower rows (or from itself)
+# top to bottom; a package imports only from packages on lower rows (or from itself). Row 0
+# is the import root itself (``vlmbatch/__init__.py``: lazy names; ``__main__.py``)
 LAYERS: list[tuple[str, ...]] = [
     ("vlmbatch",),
-    ("jobs",),
-    ("pipeline",),
-    ("vit_trt", "quant"),
-    ("models",),
-    ("preprocessing", "cudagraph_pool", "common"),
+    ("vlmbatch.app",),
+    ("vlmbatch.jobs",),
+    ("vlmbatch.pipeline",),
+    ("vlmbatch.vit_trt", "vlmbatch.quant"),
+    ("vlmbatch.models",),
+    ("vlmbatch.preprocessing", "vlmbatch.cudagraph_pool", "vlmbatch.common"),
 ]
 ROW = {pkg: i for i, row in enumerate(LAYERS) for pkg in row}
 # the only modules a function may import (extras or a separate env), each with a comment
@@ -31,15 +33,23 @@ OPTIONAL = {"onnxruntime", "onnx", "ray", "tensorrt", "lmdeploy", "pyarrow"}
 
 
 def modules(root: Path) -> dict[str, Path]:
-    """Dotted module name -> file, for every module of the layered packages."""
+    """Dotted module name -> file, for every module under the import root."""
     out = {}
-    for pkg in ROW:
-        for f in sorted((root / pkg).rglob("*.py")):
-            parts = list(f.relative_to(root).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            out[".".join(parts)] = f
+    for f in sorted((root / "vlmbatch").rglob("*.py")):
+        parts = list(f.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = f
     return out
+
+
+def package(module: str) -> str:
+    """The layered package a dotted module name belongs to (``vlmbatch.jobs.store`` ->
+    ``vlmbatch.jobs``; the root's own modules -> ``vlmbatch``); other names as they are."""
+    parts = module.split(".")
+    if parts[0] != "vlmbatch":
+        return parts[0]
+    return ".".join(parts[:2]) if len(parts) > 1 and ".".join(parts[:2]) in ROW else "vlmbatch"
 
 
 def _type_checking(node: ast.If) -> bool:
@@ -97,7 +107,7 @@ def violations(root: Path) -> list[str]:
         lines = text.splitlines()
         for stmt, top in imports(ast.parse(text)):
             for target in targets(stmt, known):
-                pkg, own = target.split(".")[0], mod.split(".")[0]
+                pkg, own = package(target), package(mod)
                 where = f"{path.relative_to(root)}:{stmt.lineno}"
                 if pkg in ROW and pkg != own and ROW[pkg] <= ROW[own]:
                     bad.append(f"{where}: {own} (row {ROW[own] + 1}) imports {target} "
@@ -154,9 +164,8 @@ def test_the_tree_follows_the_layers() -> None:
 @pytest.fixture()
 def tree(tmp_path: Path) -> Path:
     """A copy of the layered packages' sources, for injecting bad imports."""
-    for pkg in ROW:
-        shutil.copytree(ROOT / pkg, tmp_path / pkg,
-                        ignore=shutil.ignore_patterns("__pycache__", "default_model"))
+    shutil.copytree(ROOT / "vlmbatch", tmp_path / "vlmbatch",
+                    ignore=shutil.ignore_patterns("__pycache__", "default*model"))
     return tmp_path
 
 
@@ -165,31 +174,60 @@ def _append(path: Path, text: str) -> None:
 
 
 def test_an_upward_import_fails(tree: Path) -> None:
-    _append(tree / "models" / "io.py", "\nfrom vlmbatch.cli import main  # noqa\n")
-    upward, cycle = violations(tree)  # vlmbatch.cli imports models.io in the end: a cycle too
-    assert upward.startswith("models/io.py:") and "imports vlmbatch.cli (row 1)" in upward
-    assert cycle.startswith("import cycle: ") and "models.io" in cycle
+    _append(tree / "vlmbatch" / "models" / "io.py", "\nfrom vlmbatch.app.cli import main  # noqa\n")
+    upward, cycle = violations(tree)  # vlmbatch.app.cli imports models.io in the end: a cycle too
+    assert upward.startswith("vlmbatch/models/io.py:")
+    assert "imports vlmbatch.app.cli (row 2)" in upward
+    assert cycle.startswith("import cycle: ") and "vlmbatch.models.io" in cycle
 
 
 def test_a_sibling_import_fails(tree: Path) -> None:
-    _append(tree / "quant" / "int4.py", "\nimport vit_trt.base  # noqa\n")
-    assert any("quant (row 4) imports vit_trt.base (row 4)" in b for b in violations(tree))
+    _append(tree / "vlmbatch" / "quant" / "int4.py", "\nimport vlmbatch.vit_trt.base  # noqa\n")
+    assert any("vlmbatch.quant (row 5) imports vlmbatch.vit_trt.base (row 5)" in b
+               for b in violations(tree))
 
 
 def test_a_cycle_fails(tree: Path) -> None:
-    _append(tree / "pipeline" / "scoring.py", "\nimport pipeline.planner  # noqa\n")
-    _append(tree / "pipeline" / "planner.py", "\nimport pipeline.scoring  # noqa\n")
-    assert violations(tree) == ["import cycle: pipeline.planner -> pipeline.scoring"]
+    pipeline = tree / "vlmbatch" / "pipeline"
+    _append(pipeline / "scoring.py", "\nimport vlmbatch.pipeline.planner  # noqa\n")
+    _append(pipeline / "planner.py", "\nimport vlmbatch.pipeline.scoring  # noqa\n")
+    assert violations(tree) == [
+        "import cycle: vlmbatch.pipeline.planner -> vlmbatch.pipeline.scoring"]
 
 
 def test_a_hidden_function_level_import_fails(tree: Path) -> None:
-    _append(tree / "jobs" / "sinks.py", "\n\ndef f() -> None:\n    import yaml  # noqa\n")
+    sinks = tree / "vlmbatch" / "jobs" / "sinks.py"
+    _append(sinks, "\n\ndef f() -> None:\n    import yaml  # noqa\n")
     (bad,) = violations(tree)
-    assert "jobs/sinks.py" in bad and "function-level import of yaml" in bad
+    assert "vlmbatch/jobs/sinks.py" in bad and "function-level import of yaml" in bad
 
 
 def test_an_optional_import_needs_its_comment(tree: Path) -> None:
-    _append(tree / "jobs" / "sinks.py", "\n\ndef f() -> None:\n    import pyarrow\n")
+    sinks = tree / "vlmbatch" / "jobs" / "sinks.py"
+    _append(sinks, "\n\ndef f() -> None:\n    import pyarrow\n")
     assert len(violations(tree)) == 1
-    _append(tree / "jobs" / "sinks.py", "\n\ndef g() -> None:\n    import ray  # optional: ray\n")
+    _append(sinks, "\n\ndef g() -> None:\n    import ray  # optional: ray\n")
     assert len(violations(tree)) == 1  # only the first one, uncommented
+
+
+def test_the_installed_distribution_has_one_top_level_name() -> None:
+    """``pip install vlmbatch`` claims exactly one import name: a user's own ``models/`` or
+    ``common/`` package cannot shadow one of ours, nor ours theirs."""
+    import importlib.metadata as md
+
+    dist = md.distribution("vlmbatch")
+    top = (dist.read_text("top_level.txt") or "").split()
+    names = sorted(k for k, v in md.packages_distributions().items() if "vlmbatch" in v)
+    assert top == ["vlmbatch"] and names == ["vlmbatch"], (top, names)
+    # and the sources agree: nothing importable sits beside vlmbatch/ in the repo root
+    strays = [p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()
+              and p.name not in ("vlmbatch", "tests", "scripts")]
+    assert strays == []
+
+
+def test_the_lazy_public_names_are_all_listed() -> None:
+    import vlmbatch
+
+    assert sorted(vlmbatch.__all__) == sorted(vlmbatch._LAZY)
+    for name in vlmbatch.__all__:
+        assert getattr(vlmbatch, name) is not None

@@ -7,13 +7,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import DEFAULT_MODEL, EmbedConfig, EngineConfig, ModelConfig
-from pipeline.embed import Embedder
-from pipeline.loading import image_plan_for, load_model
-from pipeline.records import EmbedRequest
-from pipeline.torch_engine import TorchEngine
 from scripts.shapes import make_scene
 from scripts.train_embed_model import frozen_states, losses, pooled, scene_caption
+from vlmbatch.pipeline.config import DEFAULT_MODEL, EmbedConfig, EngineConfig, ModelConfig
+from vlmbatch.pipeline.embed import Embedder
+from vlmbatch.pipeline.loading import image_plan_for, load_model
+from vlmbatch.pipeline.records import EmbedRequest
+from vlmbatch.pipeline.torch_engine import TorchEngine
 
 
 def test_training_vectors_are_the_served_vectors() -> None:

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import DEFAULT_MODEL
-from preprocessing.prepare import prepare
 from scripts.shapes import make_questions, make_scene
 from scripts.train_default_model import AUX, TILING, Batcher, model_config, scene_target, train_step
+from vlmbatch.pipeline.config import DEFAULT_MODEL
+from vlmbatch.preprocessing.prepare import prepare
 
 
 @pytest.fixture(scope="module")

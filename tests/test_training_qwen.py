@@ -11,10 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import EngineConfig
-from pipeline.loading import load_model
-from pipeline.records import Request
-from pipeline.torch_engine import TorchEngine
 from scripts.shapes import make_questions, make_scene
 from scripts.train_default_model import AUX, scene_target
 from scripts.train_qwen_model import (
@@ -26,13 +22,17 @@ from scripts.train_qwen_model import (
     save,
     train_step,
 )
+from vlmbatch.pipeline.config import EngineConfig
+from vlmbatch.pipeline.loading import load_model
+from vlmbatch.pipeline.records import Request
+from vlmbatch.pipeline.torch_engine import TorchEngine
 
 
 @pytest.fixture(scope="module")
 def setup():  # noqa: ANN201
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from models.qwen_vl.tokenizer import build_tokenizer
+    from vlmbatch.models.qwen_vl.tokenizer import build_tokenizer
 
     rng = np.random.default_rng(0)
     items = []

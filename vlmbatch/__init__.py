@@ -1,16 +1,63 @@
 """vlmbatch: ask a vision-language model yes/no questions about very many images, and turn
 images and texts into embeddings.
 
-The app layer: the command line (``cli.py``, ``commands.py``, ``cli_args.py``, ``embed_cli.py``)
-and the Python API (``api.py``: ``VLM``; ``maxsim``), thin layers over ``jobs/`` and
-``pipeline/`` so that both behave alike. See the README for both.
+One import root: every package lives under ``vlmbatch/`` (the layers of docs/structure.md,
+top to bottom: ``app`` (the CLI, the Python API, the server), ``jobs``, ``pipeline``,
+``vit_trt`` and ``quant``, ``models``, ``preprocessing``/``cudagraph_pool``/``common``).
+
+``import vlmbatch`` imports nothing heavy: the public names below resolve to their modules
+on first use (module ``__getattr__``), so a process that only prepares images, or the CLI's
+``--help``, never pays for torch or transformers.
 """
 
-from pipeline.config import DEFAULT_EMBED_MODEL as EMBED_MODEL
-from pipeline.config import DEFAULT_QWEN_MODEL as QWEN_MODEL
-from pipeline.pooling import maxsim
-from pipeline.records import Answer, Embedding, EmbedItem, ErrorKind, ImageItem, Question
-from vlmbatch.api import VLM
+from __future__ import annotations
 
-__all__ = ["EMBED_MODEL", "QWEN_MODEL", "VLM", "Answer", "EmbedItem", "Embedding", "ErrorKind",
-           "ImageItem", "Question", "maxsim"]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# public name -> "module:attribute", imported on first use
+_LAZY = {
+    "VLM": "vlmbatch.app.api:VLM",
+    "maxsim": "vlmbatch.pipeline.pooling:maxsim",
+    "Answer": "vlmbatch.pipeline.records:Answer",
+    "Embedding": "vlmbatch.pipeline.records:Embedding",
+    "EmbedItem": "vlmbatch.pipeline.records:EmbedItem",
+    "ErrorKind": "vlmbatch.pipeline.records:ErrorKind",
+    "ImageItem": "vlmbatch.pipeline.records:ImageItem",
+    "Question": "vlmbatch.pipeline.records:Question",
+    "MODEL": "vlmbatch.pipeline.paths:DEFAULT_MODEL",
+    "EMBED_MODEL": "vlmbatch.pipeline.paths:DEFAULT_EMBED_MODEL",
+    "QWEN_MODEL": "vlmbatch.pipeline.paths:DEFAULT_QWEN_MODEL",
+}
+
+__all__ = ["EMBED_MODEL", "MODEL", "QWEN_MODEL", "VLM", "Answer", "EmbedItem", "Embedding",
+           "ErrorKind", "ImageItem", "Question", "maxsim"]  # = _LAZY's keys (tested)
+
+if TYPE_CHECKING:
+    from vlmbatch.app.api import VLM
+    from vlmbatch.pipeline.paths import DEFAULT_EMBED_MODEL as EMBED_MODEL
+    from vlmbatch.pipeline.paths import DEFAULT_MODEL as MODEL
+    from vlmbatch.pipeline.paths import DEFAULT_QWEN_MODEL as QWEN_MODEL
+    from vlmbatch.pipeline.pooling import maxsim
+    from vlmbatch.pipeline.records import (
+        Answer,
+        Embedding,
+        EmbedItem,
+        ErrorKind,
+        ImageItem,
+        Question,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'vlmbatch' has no attribute {name!r}")
+    module, _, attr = target.partition(":")
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value  # resolved once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -2,6 +2,6 @@
 
 import sys
 
-from vlmbatch.cli import main
+from vlmbatch.app.cli import main
 
 sys.exit(main())

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from common.atomic import replaced_on_success
+from vlmbatch.common.atomic import replaced_on_success
 
 
 def test_a_file_is_replaced_only_when_complete(tmp_path: Path) -> None:

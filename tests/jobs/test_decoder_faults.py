@@ -10,12 +10,12 @@ import signal
 import time
 from pathlib import Path
 
-from jobs.folder import STORE_FILE
-from jobs.job import status
-from jobs.store import JobStore
-from pipeline.records import ErrorKind
 from tests.jobs.test_job import cli, make_manifest, submit_job
-from vlmbatch.cli import EXIT_ITEM_ERRORS, EXIT_OK, main
+from vlmbatch.app.cli import EXIT_ITEM_ERRORS, EXIT_OK, main
+from vlmbatch.jobs.folder import STORE_FILE
+from vlmbatch.jobs.job import status
+from vlmbatch.jobs.store import JobStore
+from vlmbatch.pipeline.records import ErrorKind
 
 
 def by_item(job: Path) -> dict[str, list]:
@@ -37,7 +37,7 @@ def decoders_of(pid: int) -> list[int]:
             argv = Path(f"/proc/{d}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"preprocessing.decoder_process" in argv and argv[-2:-1] == [str(pid).encode()]:
+        if b"vlmbatch.preprocessing.decoder_process" in argv and argv[-2:-1] == [str(pid).encode()]:
             out.append(int(d))
     return out
 

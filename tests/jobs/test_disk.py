@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from jobs.folder import STORE_FILE
-from jobs.job import status
-from jobs.store import JobStore
 from tests.jobs.test_job import make_manifest, submit_job
-from vlmbatch.cli import EXIT_CRASH, EXIT_OK, main
+from vlmbatch.app.cli import EXIT_CRASH, EXIT_OK, main
+from vlmbatch.jobs.folder import STORE_FILE
+from vlmbatch.jobs.job import status
+from vlmbatch.jobs.store import JobStore
 
 FULL = "disk full (database or disk is full); nothing recorded is lost: free space, then " \
        "`vlmbatch resume"
@@ -248,7 +248,7 @@ def _no_work(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(*_: object) -> None:
         raise AssertionError("work started")
 
-    monkeypatch.setattr("jobs.runner.build_engine", fail)
+    monkeypatch.setattr("vlmbatch.jobs.runner.build_engine", fail)
     monkeypatch.setattr(JobStore, "answers", fail)
 
 

@@ -13,11 +13,11 @@ import cv2
 import numpy as np
 import pytest
 
-from jobs.folder import JOB_FILE, STORE_FILE, status
-from jobs.store import JobStore
-from pipeline.records import Embedding
 from tests.jobs.test_job import cli, make_manifest
-from vlmbatch.cli import EXIT_BAD_INPUT, EXIT_ITEM_ERRORS, EXIT_OK, main
+from vlmbatch.app.cli import EXIT_BAD_INPUT, EXIT_ITEM_ERRORS, EXIT_OK, main
+from vlmbatch.jobs.folder import JOB_FILE, STORE_FILE, status
+from vlmbatch.jobs.store import JobStore
+from vlmbatch.pipeline.records import Embedding
 
 
 def embed_manifest(folder: Path, n: int) -> Path:
@@ -114,8 +114,8 @@ def test_job_files_of_earlier_versions_load(tmp_path: Path, random_model_dir: Pa
     """A job is written at the current version; version 2 (before embeddings: no task keys,
     decode_timeout among the Ray options) and version 3 (task keys, the same Ray options)
     load with their decode timeout moved to the executor's and the task "answer"."""
-    from jobs.config import RunConfig
-    from jobs.folder import load_config
+    from vlmbatch.jobs.config import RunConfig
+    from vlmbatch.jobs.folder import load_config
 
     m = make_manifest(tmp_path, 2)
     assert main(["submit", str(m), "--job", str(tmp_path / "j"), "--model",

@@ -16,13 +16,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import vlmbatch
-from jobs.embed_requests import EmbedRequestItem, iter_embed_requests, limited, to_embed_output
-from jobs.errors import ManifestError
-from jobs.folder import STORE_FILE
-from jobs.store import JobStore
-from pipeline.records import Embedding, ErrorKind
 from tests.jobs.test_fuzz_readers import fuzz
-from vlmbatch.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from vlmbatch.app.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from vlmbatch.jobs.embed_requests import (
+    EmbedRequestItem,
+    iter_embed_requests,
+    limited,
+    to_embed_output,
+)
+from vlmbatch.jobs.errors import ManifestError
+from vlmbatch.jobs.folder import STORE_FILE
+from vlmbatch.jobs.store import JobStore
+from vlmbatch.pipeline.records import Embedding, ErrorKind
 
 
 def line(cid: object, body: dict, url: str = "/v1/embeddings") -> str:

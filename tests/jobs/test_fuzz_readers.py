@@ -34,7 +34,7 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from jobs.manifest import (
+from vlmbatch.jobs.manifest import (
     ImageItem,
     ManifestError,
     Question,

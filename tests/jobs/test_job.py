@@ -14,11 +14,11 @@ import cv2
 import numpy as np
 import pytest
 
-from jobs.config import ExecutorConfig
-from jobs.folder import STORE_FILE
-from jobs.job import status
-from jobs.store import JobStore
-from vlmbatch.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from vlmbatch.app.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from vlmbatch.jobs.config import ExecutorConfig
+from vlmbatch.jobs.folder import STORE_FILE
+from vlmbatch.jobs.job import status
+from vlmbatch.jobs.store import JobStore
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,7 +50,7 @@ def submit_job(folder: Path, model: Path, n: int, *options: str, broken: int = 0
 def cli(*args: str, env: dict | None = None, faults: dict | None = None,
         **kw) -> subprocess.Popen:  # noqa: ANN003
     """``vlmbatch ARGS`` in a subprocess; ``faults``: hooks for it (``tests/faults.py``)."""
-    cmd = (["-m", "vlmbatch.cli"] if faults is None
+    cmd = (["-m", "vlmbatch"] if faults is None
            else ["-m", "tests.faults", json.dumps(faults), "--"])
     return subprocess.Popen([sys.executable, *cmd, *args], cwd=ROOT,
                             env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
@@ -195,9 +195,9 @@ def test_thread_counts_are_kept_with_the_job_and_a_run_may_change_them(
         tmp_path: Path, random_model_dir: Path, monkeypatch) -> None:  # noqa: ANN001
     """Submit stores --threads/--preprocess-threads; `run JOB` and `resume` may give others
     for that run only (threads change speed, not answers), and job.json is left as it was."""
-    import jobs.job as job_mod
-    import jobs.tasks as tasks_mod  # the job's task prepares its groups
-    from jobs.folder import load_config
+    import vlmbatch.jobs.job as job_mod
+    import vlmbatch.jobs.tasks as tasks_mod  # the job's task prepares its groups
+    from vlmbatch.jobs.folder import load_config
 
     used: list[tuple[str, int]] = []  # calls to torch.set_num_threads and prepared_groups
     real = tasks_mod.prepared_groups
@@ -275,7 +275,7 @@ def test_damaged_job_folder_is_named(tmp_path: Path, random_model_dir: Path, cap
 def test_cancel_reaches_a_run_that_looks_interrupted(tmp_path: Path,
                                                      random_model_dir: Path) -> None:
     """A run in another pid namespace looks dead from here; cancel still sets the flag."""
-    from jobs.job import cancel
+    from vlmbatch.jobs.job import cancel
 
     _, job = submit_job(tmp_path, random_model_dir, 1)
     store = JobStore(job / STORE_FILE)
@@ -283,7 +283,7 @@ def test_cancel_reaches_a_run_that_looks_interrupted(tmp_path: Path,
     dead.wait()
     store.set("status", "running")
     store.set("run_pid", str(dead.pid))
-    store.set("run_host", __import__("jobs.lock", fromlist=["host_id"]).host_id())
+    store.set("run_host", __import__("vlmbatch.jobs.lock", fromlist=["host_id"]).host_id())
     assert cancel(job) == "interrupted" and store.get("cancel") == "1"
     store.close()
 
@@ -327,7 +327,7 @@ def test_a_job_from_an_older_version_still_runs(tmp_path: Path, random_model_dir
           "threads": None, "source": {"manifest": new["manifest"], "images": None,
                                       "policy": None}}  # and no preprocess_threads
     (job / "job.json").write_text(json.dumps(v1))
-    from jobs.folder import load_config
+    from vlmbatch.jobs.folder import load_config
 
     old = load_config(job)
     assert old.preprocess_threads is None and old.engine.vit_max_batch == 32
@@ -377,7 +377,7 @@ def test_a_second_run_of_a_running_job_is_refused(tmp_path: Path, random_model_d
 def test_status_trusts_the_lock_over_a_reused_pid(tmp_path: Path, random_model_dir: Path) -> None:
     """A run killed with -9 whose pid now belongs to another live process (here: this one)
     shows as interrupted, because its lock is free; while the lock is held it is running."""
-    from jobs.lock import LOCK_FILE, host_id, run_lock
+    from vlmbatch.jobs.lock import LOCK_FILE, host_id, run_lock
 
     _, job = submit_job(tmp_path, random_model_dir, 1)
     store = JobStore(job / STORE_FILE)
@@ -436,7 +436,7 @@ def test_a_file_system_without_flock_runs_unlocked(tmp_path: Path, random_model_
     import errno
     import fcntl
 
-    from jobs.lock import host_id
+    from vlmbatch.jobs.lock import host_id
 
     def no_flock(*_: object) -> None:
         raise OSError(errno.ENOLCK, "No locks available")
@@ -462,7 +462,7 @@ def test_busy_names_the_lock_holder_not_the_last_run(tmp_path: Path, random_mode
                                                       capsys) -> None:  # noqa: ANN001
     """While a new run loads its model it holds the lock but has not yet marked the store,
     which still names the previous run: the message names the lock's holder."""
-    from jobs.lock import run_lock
+    from vlmbatch.jobs.lock import run_lock
 
     _, job = submit_job(tmp_path, random_model_dir, 1)
     store = JobStore(job / STORE_FILE)
@@ -508,8 +508,8 @@ def test_an_interrupted_export_leaves_out_as_it_was(tmp_path: Path, random_model
 def test_thread_counts_are_refused_on_ray(tmp_path: Path, random_model_dir: Path) -> None:
     """On Ray each model actor runs --model-cpus threads (Ray's reservation): a run's
     --threads would be ignored or oversubscribe, so it is refused (no Ray needed to check)."""
-    from jobs.job import run_job
-    from pipeline.config import ConfigError
+    from vlmbatch.jobs.job import run_job
+    from vlmbatch.pipeline.config import ConfigError
 
     _, job = submit_job(tmp_path, random_model_dir, 1)
     with pytest.raises(ConfigError, match="apply to in-process runs"):

@@ -8,8 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from jobs.manifest import ManifestError, Question, items_from_folder, read_manifest, read_policy
-from preprocessing.sources import SourceError, read_bytes
+from vlmbatch.jobs.manifest import (
+    ManifestError,
+    Question,
+    items_from_folder,
+    read_manifest,
+    read_policy,
+)
+from vlmbatch.preprocessing.sources import SourceError, read_bytes
 
 
 def write(path: Path, lines: list) -> Path:

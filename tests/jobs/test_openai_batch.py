@@ -10,8 +10,8 @@ import cv2
 import numpy as np
 import pytest
 
-from jobs.manifest import ManifestError, Question, manifest_format, read_manifest
-from vlmbatch.cli import EXIT_ITEM_ERRORS, main
+from vlmbatch.app.cli import EXIT_ITEM_ERRORS, main
+from vlmbatch.jobs.manifest import ManifestError, Question, manifest_format, read_manifest
 
 
 def request(cid: str, url: str, text: str = "Is there a red shape?") -> dict:

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from jobs.folder import STORE_FILE
-from jobs.job import cancel, status
-from jobs.store import JobStore
-from pipeline.records import Answer
 from tests.jobs.test_job import ROOT, cli, make_manifest, submit_job
-from vlmbatch.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from vlmbatch.app.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from vlmbatch.jobs.folder import STORE_FILE
+from vlmbatch.jobs.job import cancel, status
+from vlmbatch.jobs.store import JobStore
+from vlmbatch.pipeline.records import Answer
 
 pytest.importorskip("ray")
 
@@ -209,9 +209,9 @@ def test_sigterm_on_a_ray_run_of_a_manifest_keeps_the_lines_answered(
 def test_a_sigterm_while_ray_starts_is_ours_not_rays(monkeypatch) -> None:  # noqa: ANN001
     """ray.init's own handler turns a SIGTERM into SystemExit(15) while it starts Ray;
     init_ray hands it to the CLI's handler instead (exit 143, 'terminated')."""
-    from jobs.config import RayOptions
-    from jobs.ray_cluster import init_ray
-    from vlmbatch.cli import SIGTERMS, Terminated, _sigterm_as_interrupt
+    from vlmbatch.app.cli import SIGTERMS, Terminated, _sigterm_as_interrupt
+    from vlmbatch.jobs.config import RayOptions
+    from vlmbatch.jobs.ray_cluster import init_ray
 
     class RayStartingWhenTerminated:
         class exceptions:  # noqa: N801
@@ -275,7 +275,7 @@ def test_missing_auth_token_is_named(tmp_path: Path, random_model_dir: Path) -> 
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]
-        p = subprocess.run([sys.executable, "-m", "vlmbatch.cli", "run", str(job), *RAY,
+        p = subprocess.run([sys.executable, "-m", "vlmbatch", "run", str(job), *RAY,
                             "--address", f"127.0.0.1:{port}", "--no-progress"], cwd=ROOT,
                            env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == EXIT_BAD_INPUT, p.stderr[-3000:]
@@ -316,7 +316,7 @@ def test_joins_a_running_cluster_by_address_and_by_ray_client(tmp_path: Path,
             job = tmp_path / f"job{i}"
             main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir),
                   "--images-per-batch", "2", "--no-progress"])
-            p = subprocess.run([sys.executable, "-m", "vlmbatch.cli", "run", str(job), *RAY,
+            p = subprocess.run([sys.executable, "-m", "vlmbatch", "run", str(job), *RAY,
                                 *address, "--no-progress"], cwd=ROOT, env=env,
                                capture_output=True, text=True, timeout=300)
             assert p.returncode == 3, p.stderr[-3000:]  # the broken item failed, as in-process
@@ -374,10 +374,10 @@ def test_tiles_lost_with_their_node_are_prepared_again(tmp_path: Path, random_mo
                                                        lose: int, ok: bool) -> None:
     from tqdm import tqdm
 
-    from jobs.folder import load_config
-    from jobs.ray_executor import _Scheduler
-    from pipeline.hooks import NO_HOOKS
-    from preprocessing.prepare import TilingConfig
+    from vlmbatch.jobs.folder import load_config
+    from vlmbatch.jobs.ray_executor import _Scheduler
+    from vlmbatch.pipeline.hooks import NO_HOOKS
+    from vlmbatch.preprocessing.prepare import TilingConfig
 
     job = submit(tmp_path, random_model_dir, 4, per_batch=2)
     fake = _FakeRay(lose)

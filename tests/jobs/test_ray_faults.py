@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from jobs.folder import STORE_FILE
-from jobs.job import status
-from jobs.store import JobStore
 from tests.jobs.test_job import ROOT, cli, submit_job
 from tests.jobs.test_ray_executor import _free_port, _wait_listening
-from vlmbatch.cli import EXIT_OK, main
+from vlmbatch.app.cli import EXIT_OK, main
+from vlmbatch.jobs.folder import STORE_FILE
+from vlmbatch.jobs.job import status
+from vlmbatch.jobs.store import JobStore
 
 pytest.importorskip("ray")
 

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 from bench.rss import tree_rss_mib
-from jobs.folder import STORE_FILE
-from jobs.job import status
-from jobs.store import JobStore
 from tests.jobs.test_job import ROOT
+from vlmbatch.jobs.folder import STORE_FILE
+from vlmbatch.jobs.job import status
+from vlmbatch.jobs.store import JobStore
 
 N = 1_000_000
 
@@ -42,7 +42,7 @@ def manifest(folder: Path) -> Path:
 
 
 def vlmbatch(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "vlmbatch.cli", *args], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "vlmbatch", *args], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -74,7 +74,7 @@ def test_a_million_line_job(tmp_path: Path, random_model_dir: Path) -> None:
         time.sleep(0.5)
     wall = time.perf_counter() - t0
     t = time.perf_counter()
-    cli_status = subprocess.run([sys.executable, "-m", "vlmbatch.cli", "status", str(job)],
+    cli_status = subprocess.run([sys.executable, "-m", "vlmbatch", "status", str(job)],
                                 cwd=ROOT, capture_output=True, text=True)
     cli_s = time.perf_counter() - t
     if p.poll() is None:

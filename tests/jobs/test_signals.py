@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from jobs.job import status
 from tests.jobs.test_job import cli, make_manifest, submit_job
-from vlmbatch.cli import EXIT_OK, main
+from vlmbatch.app.cli import EXIT_OK, main
+from vlmbatch.jobs.job import status
 
 RC = {signal.SIGINT: 130, signal.SIGTERM: 143}
 SAYS = {signal.SIGINT: "vlmbatch: interrupted", signal.SIGTERM: "vlmbatch: terminated (SIGTERM)"}

@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jobs.folder import STORE_FILE
-from jobs.store import JobStore
-from jobs.store_schema import STORE_VERSION
-from pipeline.records import Answer, ImageItem, Question
 from tests.jobs.test_job import submit_job
-from vlmbatch.cli import EXIT_BAD_INPUT, EXIT_ITEM_ERRORS, EXIT_OK, main
+from vlmbatch.app.cli import EXIT_BAD_INPUT, EXIT_ITEM_ERRORS, EXIT_OK, main
+from vlmbatch.jobs.folder import STORE_FILE
+from vlmbatch.jobs.store import JobStore
+from vlmbatch.jobs.store_schema import STORE_VERSION
+from vlmbatch.pipeline.records import Answer, ImageItem, Question
 
 
 class InterruptedAfterFirst(dict):

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.qwen_vl.load import QwenVLModel, load_qwen_vl
 from tests.models.qwen_vl_helpers import KINDS, save_checkpoint
+from vlmbatch.models.qwen_vl.load import QwenVLModel, load_qwen_vl
 
 
 @dataclass

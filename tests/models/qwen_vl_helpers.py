@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedConfig
 
-from models.qwen_vl.random import (
+from vlmbatch.models.qwen_vl.random import (
     CLASSES,
     preprocessor_config,
     random_model,

@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from models.embedding import read_embedding_spec
-from models.io import ModelError
-from pipeline.config import DEFAULT_EMBED_MODEL, DEFAULT_MODEL, EmbedConfig, EngineConfig
-from pipeline.embed import Embedder, embedding_checkpoint
-from pipeline.loading import load_model
-from pipeline.records import EmbedRequest
-from pipeline.torch_engine import TorchEngine
+from vlmbatch.models.embedding import read_embedding_spec
+from vlmbatch.models.io import ModelError
+from vlmbatch.pipeline.config import DEFAULT_EMBED_MODEL, DEFAULT_MODEL, EmbedConfig, EngineConfig
+from vlmbatch.pipeline.embed import Embedder, embedding_checkpoint
+from vlmbatch.pipeline.loading import load_model
+from vlmbatch.pipeline.records import EmbedRequest
+from vlmbatch.pipeline.torch_engine import TorchEngine
 
 
 def test_declarations(tmp_path: Path) -> None:

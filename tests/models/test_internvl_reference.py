@@ -12,12 +12,12 @@ import pytest
 import torch
 from transformers import InternVLForConditionalGeneration
 
-from pipeline.config import EngineConfig
-from pipeline.loading import load_model
-from pipeline.records import Request
-from pipeline.torch_engine import TorchEngine
-from preprocessing.prepare import prepare
 from tests.conftest import reference_pixels
+from vlmbatch.pipeline.config import EngineConfig
+from vlmbatch.pipeline.loading import load_model
+from vlmbatch.pipeline.records import Request
+from vlmbatch.pipeline.torch_engine import TorchEngine
+from vlmbatch.preprocessing.prepare import prepare
 
 SIZES = [(56, 56), (112, 56), (200, 90), (30, 170), (300, 200)]  # (width, height)
 QUESTIONS = ["is there a red shape?", "Does the image contain a circle?"]

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import InternVLForConditionalGeneration
 
-from pipeline.loading import load_model
 from tests.conftest import make_model_dir, reference_pixels
+from vlmbatch.pipeline.loading import load_model
 
 VARIANTS = {
     "layernorm": {},
@@ -59,8 +59,8 @@ def test_internvit_300m_shape() -> None:
     random weights, one tile: ours equals transformers. About a minute on 2 CPU cores."""
     from transformers import InternVLConfig
 
-    from models.internvl.family import InternVL
-    from models.internvl.vision import VisionEncoder
+    from vlmbatch.models.internvl.family import InternVL
+    from vlmbatch.models.internvl.vision import VisionEncoder
 
     normalise_key = InternVL().normalise_key
 
@@ -93,7 +93,7 @@ def read_spec_from_config(cfg: dict):  # noqa: ANN201
     import json
     import tempfile
 
-    from pipeline.loading import read_spec
+    from vlmbatch.pipeline.loading import read_spec
 
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(cfg))

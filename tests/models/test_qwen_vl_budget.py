@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from cudagraph_pool import BudgetPool, capture_hazards
-from models.base import BudgetForward
-from models.io import ModelError
-from models.qwen_vl.vision_static import budget_forward, budget_meta
 from tests.models.conftest import Pair
 from tests.models.qwen_vl_helpers import rel_err
-from vit_trt.base import VisionModel
-from vit_trt.export import export_onnx
-from vit_trt.onnx_runner import OnnxRuntimeRunner
+from vlmbatch.cudagraph_pool import BudgetPool, capture_hazards
+from vlmbatch.models.base import BudgetForward
+from vlmbatch.models.io import ModelError
+from vlmbatch.models.qwen_vl.vision_static import budget_forward, budget_meta
+from vlmbatch.vit_trt.base import VisionModel
+from vlmbatch.vit_trt.export import export_onnx
+from vlmbatch.vit_trt.onnx_runner import OnnxRuntimeRunner
 
 GRIDS = [(1, 4, 6), (1, 8, 4), (1, 2, 2), (1, 6, 10)]  # 24 + 32 + 4 + 60 = 120 rows
 CPU = torch.device("cpu")

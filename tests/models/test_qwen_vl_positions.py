@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.qwen_vl.positions import batch_positions, image_positions, prompt_positions
 from tests.models.conftest import Pair
 from tests.models.qwen_vl_helpers import IMAGE, prompt_ids
+from vlmbatch.models.qwen_vl.positions import batch_positions, image_positions, prompt_positions
 
 GRIDS = [(1, 2, 2), (1, 4, 6), (1, 10, 4), (1, 16, 2), (1, 6, 14), (1, 2, 30)]
 LENGTHS = [(1, 1), (4, 1), (9, 5), (2, 12)]  # (text before incl. start, after incl. end)

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from models.qwen_vl.load import load_qwen_vl
-from models.qwen_vl.positions import batch_positions, prompt_positions
-from models.qwen_vl.text import KV, DeepStack
-from preprocessing.prepare import PreparedImage
-from preprocessing.qwen_vl import PatchGrid, prepare_qwen_vl
 from tests.models.conftest import Pair
 from tests.models.qwen_vl_helpers import EOS, IMAGE, prompt_ids, reference_pixels
+from vlmbatch.models.qwen_vl.load import load_qwen_vl
+from vlmbatch.models.qwen_vl.positions import batch_positions, prompt_positions
+from vlmbatch.models.qwen_vl.text import KV, DeepStack
+from vlmbatch.preprocessing.prepare import PreparedImage
+from vlmbatch.preprocessing.qwen_vl import PatchGrid, prepare_qwen_vl
 
 SIZES = [(56, 56), (200, 90), (30, 170), (300, 200), (120, 400)]  # (width, height)
 TOL = 1e-4

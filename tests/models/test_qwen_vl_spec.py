@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from models.qwen_vl.spec import SpecError, read_spec, spec_from_config
 from tests.models.conftest import Pair
 from tests.models.qwen_vl_helpers import END, IMAGE, PIXELS, START
+from vlmbatch.models.qwen_vl.spec import SpecError, read_spec, spec_from_config
 
 # Abridged from the hub's Qwen2-VL-2B-Instruct config.json: flat text settings, "mrope"
 HUB_QWEN2_VL = {

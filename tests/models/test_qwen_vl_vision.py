@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from models.qwen_vl.vision import VisionTower
 from tests.models.conftest import Pair
 from tests.models.qwen_vl_helpers import reference_pixels, rel_err
+from vlmbatch.models.qwen_vl.vision import VisionTower
 
 # (t, h, w) in patches: several sizes and aspect ratios, a ragged Qwen2.5-VL window edge
 # (h/2 or w/2 odd), one image of a single merge window

@@ -24,19 +24,19 @@ import pytest
 import torch
 from PIL import Image
 
-from models.base import ImageOptions, LoadedModel
-from models.embedding import read_embedding_spec
-from models.io import read_config
-from pipeline.config import EmbedConfig, EngineConfig
-from pipeline.embed import Embedder
-from pipeline.loading import load_model
-from pipeline.pooling import maxsim
-from pipeline.records import EmbedRequest
-from pipeline.torch_engine import TorchEngine
-from preprocessing.prepare import PreparedImage
-from preprocessing.qwen_vl import PatchGrid
 from tests.models.qwen_vl_helpers import reference_pixels, save_colqwen2_checkpoint
 from tests.pipeline.test_embed_reference import assert_close
+from vlmbatch.models.base import ImageOptions, LoadedModel
+from vlmbatch.models.embedding import read_embedding_spec
+from vlmbatch.models.io import read_config
+from vlmbatch.pipeline.config import EmbedConfig, EngineConfig
+from vlmbatch.pipeline.embed import Embedder
+from vlmbatch.pipeline.loading import load_model
+from vlmbatch.pipeline.pooling import maxsim
+from vlmbatch.pipeline.records import EmbedRequest
+from vlmbatch.pipeline.torch_engine import TorchEngine
+from vlmbatch.preprocessing.prepare import PreparedImage
+from vlmbatch.preprocessing.qwen_vl import PatchGrid
 
 KINDS = ("qwen2_vl", "qwen2_5_vl")
 SIZES = [(56, 56), (200, 90), (30, 170), (300, 200)]  # (width, height)

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.config import EngineConfig
-from pipeline.loading import load_model
-from pipeline.records import Request
-from pipeline.torch_engine import TorchEngine
-from preprocessing.prepare import prepare
+from vlmbatch.pipeline.config import EngineConfig
+from vlmbatch.pipeline.loading import load_model
+from vlmbatch.pipeline.records import Request
+from vlmbatch.pipeline.torch_engine import TorchEngine
+from vlmbatch.preprocessing.prepare import prepare
 
 
 def test_compiled_prefill_equals_eager(random_model_dir: Path) -> None:

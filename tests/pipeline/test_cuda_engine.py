@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobs.config import RunConfig
-from jobs.runner import load_items
-from pipeline.build import build_engine
-from pipeline.config import EngineConfig, ModelConfig
-from pipeline.drive import answer_group
-from vlmbatch.cli import EXIT_OK, main
+from vlmbatch.app.cli import EXIT_OK, main
+from vlmbatch.jobs.config import RunConfig
+from vlmbatch.jobs.runner import load_items
+from vlmbatch.pipeline.build import build_engine
+from vlmbatch.pipeline.config import EngineConfig, ModelConfig
+from vlmbatch.pipeline.drive import answer_group
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = RunConfig(manifest=ROOT / "examples" / "manifest.jsonl",

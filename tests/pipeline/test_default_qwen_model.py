@@ -1,4 +1,4 @@
-"""The committed built-in Qwen2.5-VL model (``pipeline/default_qwen_model``, trained by
+"""The committed built-in Qwen2.5-VL model (``vlmbatch/pipeline/default_qwen_model``, trained by
 ``scripts/train_qwen_model.py``): an ordinary HF ``qwen2_5_vl`` checkpoint under 30 MB, served
 by our Qwen-VL family (OpenCV smart resize, window-attention tower, M-RoPE decoder), and
 accurate on the whole easy-vqa test split (7,136 yes/no questions it never trained on).
@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 
 import vlmbatch
-from pipeline.config import DEFAULT_QWEN_MODEL, EngineConfig, ModelConfig
-from pipeline.evaluate import evaluate
+from vlmbatch.pipeline.config import DEFAULT_QWEN_MODEL, EngineConfig, ModelConfig
+from vlmbatch.pipeline.evaluate import evaluate
 
 # issue 18's target; the committed model measures 0.9983 (`vlmbatch eval --model
-# pipeline/default_qwen_model`)
+# vlmbatch/pipeline/default_qwen_model`)
 TARGET = 0.99
 
 

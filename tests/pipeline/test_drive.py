@@ -13,11 +13,11 @@ import cv2
 import numpy as np
 import pytest
 
-import pipeline.drive
-from pipeline.drive import PreparedGroup, prepare_group, prepare_item, prepared_groups
-from pipeline.records import ImageItem, Question
-from preprocessing.prepare import PreparedImage, TilingConfig
-from vlmbatch.cli import main
+import vlmbatch.pipeline.drive
+from vlmbatch.app.cli import main
+from vlmbatch.pipeline.drive import PreparedGroup, prepare_group, prepare_item, prepared_groups
+from vlmbatch.pipeline.records import ImageItem, Question
+from vlmbatch.preprocessing.prepare import PreparedImage, TilingConfig
 
 TILING = TilingConfig(tile_size=56)
 
@@ -71,7 +71,7 @@ def slow_prepare(calls: list, gate: threading.Event | None = None):  # noqa: ANN
 
 def test_closing_cancels_what_has_not_started(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     calls: list[str] = []
-    monkeypatch.setattr(pipeline.drive, "prepare_item", slow_prepare(calls))
+    monkeypatch.setattr(vlmbatch.pipeline.drive, "prepare_item", slow_prepare(calls))
     its = items(tmp_path, 12, seed=5)
     gen = prepared_groups(groups_of(its, 2), TILING, 10**8, threads=1, ahead=2)
     next(gen)
@@ -82,7 +82,7 @@ def test_closing_cancels_what_has_not_started(tmp_path: Path, monkeypatch) -> No
 
 def test_a_stuck_preparation_does_not_hold_up_closing(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     gate = threading.Event()
-    monkeypatch.setattr(pipeline.drive, "prepare_item", slow_prepare([], gate))
+    monkeypatch.setattr(vlmbatch.pipeline.drive, "prepare_item", slow_prepare([], gate))
     gen = prepared_groups(groups_of(items(tmp_path, 6, seed=6), 2), TILING, 10**8, threads=1)
     next(gen)  # i0, i1; i2 then blocks its thread
     closer = threading.Thread(target=gen.close, daemon=True)
@@ -94,7 +94,7 @@ def test_a_stuck_preparation_does_not_hold_up_closing(tmp_path: Path, monkeypatc
 
 
 def test_a_pipe_is_refused_not_read(tmp_path: Path) -> None:
-    from preprocessing.sources import SourceError, read_bytes
+    from vlmbatch.preprocessing.sources import SourceError, read_bytes
 
     fifo = tmp_path / "pipe.png"
     os.mkfifo(fifo)
@@ -132,7 +132,7 @@ def test_an_unexpected_error_reaches_the_caller(tmp_path: Path, monkeypatch) -> 
     def boom(*_: object) -> None:
         raise RuntimeError("a bug, not a bad image")
 
-    monkeypatch.setattr(pipeline.drive, "prepare_item", boom)
+    monkeypatch.setattr(vlmbatch.pipeline.drive, "prepare_item", boom)
     with pytest.raises(RuntimeError, match="a bug"):
         list(prepared_groups(groups_of(items(tmp_path, 4, seed=1), 2), TILING, 10**8, 2))
 

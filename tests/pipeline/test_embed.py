@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from models.embedding import read_embedding_spec
-from pipeline.config import ConfigError, EmbedConfig, EngineConfig
-from pipeline.embed import Embedder
-from pipeline.embed_drive import embed_group, prepare_embed_group, prepared_embed_groups
-from pipeline.loading import load_model
-from pipeline.records import EmbedItem, EmbedRequest, ErrorKind, Request
-from pipeline.torch_engine import TorchEngine
-from preprocessing.prepare import prepare
+from vlmbatch.models.embedding import read_embedding_spec
+from vlmbatch.pipeline.config import ConfigError, EmbedConfig, EngineConfig
+from vlmbatch.pipeline.embed import Embedder
+from vlmbatch.pipeline.embed_drive import embed_group, prepare_embed_group, prepared_embed_groups
+from vlmbatch.pipeline.loading import load_model
+from vlmbatch.pipeline.records import EmbedItem, EmbedRequest, ErrorKind, Request
+from vlmbatch.pipeline.torch_engine import TorchEngine
+from vlmbatch.preprocessing.prepare import prepare
 
 SIZES = [(56, 56), (200, 90), (112, 56), (30, 170), (90, 200)]
 

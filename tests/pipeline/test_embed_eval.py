@@ -7,8 +7,8 @@ from collections import Counter
 
 import numpy as np
 
-from pipeline.embed_eval import COLOURS, SHAPES, labels, retrieval
-from vlmbatch.cli import EXIT_OK, main
+from vlmbatch.app.cli import EXIT_OK, main
+from vlmbatch.pipeline.embed_eval import COLOURS, SHAPES, labels, retrieval
 
 
 def test_labels_cover_every_caption() -> None:

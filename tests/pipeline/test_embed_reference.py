@@ -15,14 +15,14 @@ import torch
 import torch.nn.functional as F
 from transformers import InternVLForConditionalGeneration
 
-from pipeline.config import EmbedConfig, EngineConfig
-from pipeline.embed import Embedder
-from pipeline.loading import load_model
-from pipeline.pooling import pool_range
-from pipeline.records import EmbedRequest
-from pipeline.torch_engine import TorchEngine
-from preprocessing.prepare import prepare
 from tests.conftest import reference_pixels
+from vlmbatch.pipeline.config import EmbedConfig, EngineConfig
+from vlmbatch.pipeline.embed import Embedder
+from vlmbatch.pipeline.loading import load_model
+from vlmbatch.pipeline.pooling import pool_range
+from vlmbatch.pipeline.records import EmbedRequest
+from vlmbatch.pipeline.torch_engine import TorchEngine
+from vlmbatch.preprocessing.prepare import prepare
 
 SIZES = [(56, 56), (112, 56), (200, 90), (30, 170)]  # (width, height): 1 to 7 tiles
 TEXTS = ["is there a red shape?", "a blue circle", "yes"]

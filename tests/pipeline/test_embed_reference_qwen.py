@@ -20,16 +20,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.base import ImageOptions, LoadedModel
-from pipeline.config import EmbedConfig, EngineConfig
-from pipeline.embed import Embedder
-from pipeline.loading import load_model
-from pipeline.records import EmbedRequest
-from pipeline.torch_engine import TorchEngine
-from preprocessing.prepare import PreparedImage
-from preprocessing.qwen_vl import PatchGrid
 from tests.models.qwen_vl_helpers import KINDS, reference_pixels, save_engine_checkpoint
 from tests.pipeline.test_embed_reference import assert_close
+from vlmbatch.models.base import ImageOptions, LoadedModel
+from vlmbatch.pipeline.config import EmbedConfig, EngineConfig
+from vlmbatch.pipeline.embed import Embedder
+from vlmbatch.pipeline.loading import load_model
+from vlmbatch.pipeline.records import EmbedRequest
+from vlmbatch.pipeline.torch_engine import TorchEngine
+from vlmbatch.preprocessing.prepare import PreparedImage
+from vlmbatch.preprocessing.qwen_vl import PatchGrid
 
 SIZES = [(56, 56), (200, 90), (30, 170), (300, 200)]  # (width, height): aspect ratios 1 to 1:6
 TEXTS = ["is there a red shape?", "a blue circle", "yes"]
@@ -259,7 +259,7 @@ def test_embedding_after_classification_reuses_its_kv(models: Models) -> None:
     """``last`` pooling after a question about the same images: nothing encoded or prefilled
     again inside the images (the embedding prompt's prefix is the yes/no prompt's with this
     chat template), and the vectors equal a cacheless run's."""
-    from pipeline.records import Request
+    from vlmbatch.pipeline.records import Request
 
     emb = Embedder(TorchEngine(models.ours, EngineConfig()), EmbedConfig(pooling="last"))
     stats, ims = emb.engine.stats, models.images[:2]

@@ -7,13 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from models.io import ModelError
-from pipeline.config import EngineConfig
-from pipeline.loading import load_model
-from pipeline.records import Request
-from pipeline.scoring import AnswerTokens
-from pipeline.torch_engine import TorchEngine
-from preprocessing.prepare import prepare
+from vlmbatch.models.io import ModelError
+from vlmbatch.pipeline.config import EngineConfig
+from vlmbatch.pipeline.loading import load_model
+from vlmbatch.pipeline.records import Request
+from vlmbatch.pipeline.scoring import AnswerTokens
+from vlmbatch.pipeline.torch_engine import TorchEngine
+from vlmbatch.preprocessing.prepare import prepare
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +70,8 @@ def test_missing_and_unknown_models(tmp_path: Path) -> None:
 @pytest.mark.parametrize("mode", ["reference", "reduced"])
 @pytest.mark.parametrize("budget", [4, 8, 12, 20, 52])
 def test_max_image_tokens_is_honoured(model, mode: str, budget: int) -> None:  # noqa: ANN001
-    from pipeline.config import ModelConfig
-    from pipeline.loading import image_plan_for
+    from vlmbatch.pipeline.config import ModelConfig
+    from vlmbatch.pipeline.loading import image_plan_for
 
     tiling = image_plan_for(model.family, model.spec,
                             ModelConfig(tiling=mode, max_image_tokens=budget))
@@ -82,8 +82,8 @@ def test_max_image_tokens_is_honoured(model, mode: str, budget: int) -> None:  #
 
 
 def test_budget_below_one_tile_is_a_config_error(model) -> None:  # noqa: ANN001
-    from pipeline.config import ConfigError, ModelConfig
-    from pipeline.loading import image_plan_for
+    from vlmbatch.pipeline.config import ConfigError, ModelConfig
+    from vlmbatch.pipeline.loading import image_plan_for
 
     with pytest.raises(ConfigError, match="less than one tile"):
         image_plan_for(model.family, model.spec,
@@ -94,7 +94,7 @@ def test_budget_below_one_tile_is_a_config_error(model) -> None:  # noqa: ANN001
 def test_expanded_kv_equals_enable_gqa(model, monkeypatch, cache: bool) -> None:  # noqa: ANN001
     """The CUDA attention form (K/V repeated per query head) answers as the CPU one, with
     cached prefixes and greedy generation too (the random model has 4 q / 2 kv heads)."""
-    import models.qwen2
+    import vlmbatch.models.qwen2
 
     assert model.spec.text.heads != model.spec.text.kv_heads
     ims = images(model, 3)
@@ -102,7 +102,7 @@ def test_expanded_kv_equals_enable_gqa(model, monkeypatch, cache: bool) -> None:
     cfg = EngineConfig(prefix_cache=cache, max_new_tokens=4, ignore_eos=True)
     out = {}
     for expand in (False, True):
-        monkeypatch.setattr(models.qwen2, "EXPAND_KV", expand)
+        monkeypatch.setattr(vlmbatch.models.qwen2, "EXPAND_KV", expand)
         out[expand] = TorchEngine(model, cfg).score(ims, reqs)
     assert max(abs(a.margin - b.margin) for a, b in zip(out[False], out[True])) <= 1e-5
     assert [a.text for a in out[False]] == [b.text for b in out[True]]
@@ -158,7 +158,7 @@ def test_yes_no_reads_the_right_logits_in_and_out_of_inference_mode() -> None:
     that need gradients (calibration code may want them)."""
     import torch
 
-    from pipeline.scoring import yes_no
+    from vlmbatch.pipeline.scoring import yes_no
 
     tokens = AnswerTokens((1, 3), (0,))
     logits = torch.tensor([[2.0, 0.5, -1.0, 1.5, 9.0]])

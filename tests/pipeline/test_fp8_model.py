@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import ConfigError, EngineConfig, ModelConfig
-from pipeline.loading import load_model
-from pipeline.records import Request
-from pipeline.torch_engine import TorchEngine
-from preprocessing.prepare import prepare
-from quant.fp8 import Fp8Linear
+from vlmbatch.pipeline.config import ConfigError, EngineConfig, ModelConfig
+from vlmbatch.pipeline.loading import load_model
+from vlmbatch.pipeline.records import Request
+from vlmbatch.pipeline.torch_engine import TorchEngine
+from vlmbatch.preprocessing.prepare import prepare
+from vlmbatch.quant.fp8 import Fp8Linear
 
 
 def test_fp8_model_swaps_the_linears_and_answers_like_float(random_model_dir: Path) -> None:

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.lmdeploy_engine import (
+from vlmbatch.app.cli import EXIT_BAD_INPUT, main
+from vlmbatch.pipeline.lmdeploy_engine import (
     LMDeployConfig,
     build_messages,
     engine_config_kwargs,
@@ -21,8 +22,7 @@ from pipeline.lmdeploy_engine import (
     gen_configs,
     score_response,
 )
-from pipeline.scoring import AnswerTokens
-from vlmbatch.cli import EXIT_BAD_INPUT, main
+from vlmbatch.pipeline.scoring import AnswerTokens
 
 HAS_LMDEPLOY = importlib.util.find_spec("lmdeploy") is not None
 
@@ -47,9 +47,9 @@ def test_per_request_answer_lengths_go_in_one_infer_call(monkeypatch) -> None:  
     import sys
     from types import ModuleType
 
-    from pipeline.lmdeploy_engine import LMDeployEngine
-    from pipeline.records import Request
-    from preprocessing.prepare import TilingConfig
+    from vlmbatch.pipeline.lmdeploy_engine import LMDeployEngine
+    from vlmbatch.pipeline.records import Request
+    from vlmbatch.preprocessing.prepare import TilingConfig
 
     calls = []
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from jobs.manifest import read_manifest
-from models.io import ModelError
-from pipeline.config import DEFAULT_MODEL, ConfigError
-from pipeline.loading import load_model
-from pipeline.quantize import quantize_model
-from vlmbatch.cli import main
+from vlmbatch.app.cli import main
+from vlmbatch.jobs.manifest import read_manifest
+from vlmbatch.models.io import ModelError
+from vlmbatch.pipeline.config import DEFAULT_MODEL, ConfigError
+from vlmbatch.pipeline.loading import load_model
+from vlmbatch.pipeline.quantize import quantize_model
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = ROOT / "examples/manifest.jsonl"

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import EngineConfig
-from pipeline.loading import load_model
-from pipeline.prefix_cache import ImageSpan, PrefixCache, block_ids
-from pipeline.records import Request
-from pipeline.torch_engine import TorchEngine
-from preprocessing.prepare import PreparedImage, prepare
+from vlmbatch.pipeline.config import EngineConfig
+from vlmbatch.pipeline.loading import load_model
+from vlmbatch.pipeline.prefix_cache import ImageSpan, PrefixCache, block_ids
+from vlmbatch.pipeline.records import Request
+from vlmbatch.pipeline.torch_engine import TorchEngine
+from vlmbatch.preprocessing.prepare import PreparedImage, prepare
 
 QUESTIONS = ["is there a red shape?", "Does the image contain a circle?", "no", "yes or no"]
 
@@ -230,7 +230,7 @@ def test_an_error_while_inserting_leaves_no_pin(model, monkeypatch) -> None:  # 
 
 
 def test_a_cache_budget_that_cannot_be_allocated_is_a_config_error(model) -> None:  # noqa: ANN001
-    from pipeline.config import ConfigError
+    from vlmbatch.pipeline.config import ConfigError
 
     with pytest.raises(ConfigError, match="--cache-mib .* smaller --cache-mib"):
         TorchEngine(model, EngineConfig(cache_bytes=1 << 52))  # 4 PiB

@@ -16,16 +16,16 @@ import numpy as np
 import pytest
 import torch
 
-from models.base import ImageOptions, LoadedModel
-from pipeline import model_runner
-from pipeline.config import EngineConfig
-from pipeline.loading import load_model
-from pipeline.planner import Plan
-from pipeline.records import Request, Score
-from pipeline.torch_engine import TorchEngine
-from preprocessing.prepare import PreparedImage
-from preprocessing.qwen_vl import PatchGrid
 from tests.models.qwen_vl_helpers import KINDS, reference_pixels, save_engine_checkpoint
+from vlmbatch.models.base import ImageOptions, LoadedModel
+from vlmbatch.pipeline import model_runner
+from vlmbatch.pipeline.config import EngineConfig
+from vlmbatch.pipeline.loading import load_model
+from vlmbatch.pipeline.planner import Plan
+from vlmbatch.pipeline.records import Request, Score
+from vlmbatch.pipeline.torch_engine import TorchEngine
+from vlmbatch.preprocessing.prepare import PreparedImage
+from vlmbatch.preprocessing.qwen_vl import PatchGrid
 
 SIZES = [(56, 56), (200, 90), (30, 170), (300, 200), (120, 400)]  # (width, height)
 QUESTIONS = ["is there a red shape?", "Does the image contain a circle?"]

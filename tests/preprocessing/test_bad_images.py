@@ -252,8 +252,8 @@ def tiny_and_extreme() -> Corpus:
 CHILD = r"""
 import json, sys, time, traceback
 from pathlib import Path
-from preprocessing.decode import DEFAULT_MAX_PIXELS, ImageError
-from preprocessing.prepare import PreparedImage, TilingConfig, prepare_bytes
+from vlmbatch.preprocessing.decode import DEFAULT_MAX_PIXELS, ImageError
+from vlmbatch.preprocessing.prepare import PreparedImage, TilingConfig, prepare_bytes
 cfg = TilingConfig(tile_size=int(sys.argv[2]), mode="reduced")
 for path in sorted(Path(sys.argv[1]).glob("*.img")):
     print("decoding", path.name, file=sys.stderr, flush=True)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
-from preprocessing.decode import ImageError, decode
+from vlmbatch.preprocessing.decode import ImageError, decode
 
 
 def smooth(h: int = 40, w: int = 60, seed: int = 0) -> np.ndarray:

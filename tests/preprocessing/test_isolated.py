@@ -14,11 +14,11 @@ import cv2
 import numpy as np
 import pytest
 
-from preprocessing.decode import ImageError, ImageTooLarge
-from preprocessing.isolated import DecoderCrashed, DecoderPool, DecodeTimeout
-from preprocessing.prepare import TilingConfig, prepare_bytes
-from preprocessing.sources import SourceError
 from tests import fault_points as fp
+from vlmbatch.preprocessing.decode import ImageError, ImageTooLarge
+from vlmbatch.preprocessing.isolated import DecoderCrashed, DecoderPool, DecodeTimeout
+from vlmbatch.preprocessing.prepare import TilingConfig, prepare_bytes
+from vlmbatch.preprocessing.sources import SourceError
 
 PLAN = TilingConfig(tile_size=56, max_tiles=6)
 
@@ -42,7 +42,7 @@ def children() -> set[int]:
             ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == os.getpid() and b"preprocessing.decoder_process" in cmd:
+        if ppid == os.getpid() and b"vlmbatch.preprocessing.decoder_process" in cmd:
             out.add(int(d))
     return out
 

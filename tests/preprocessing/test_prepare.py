@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from preprocessing.decode import ImageError, decode
-from preprocessing.prepare import TilingConfig, content_hash, cut_tiles, prepare
-from preprocessing.resize import resize
-from preprocessing.tiling import TileGrid
+from vlmbatch.preprocessing.decode import ImageError, decode
+from vlmbatch.preprocessing.prepare import TilingConfig, content_hash, cut_tiles, prepare
+from vlmbatch.preprocessing.resize import resize
+from vlmbatch.preprocessing.tiling import TileGrid
 
 
 def encode(img: np.ndarray, fmt: str = "PNG", mode: str | None = None) -> bytes:
@@ -106,7 +106,7 @@ def jpeg(img: np.ndarray, **kw) -> bytes:  # noqa: ANN003
 # large enough that the tiles need at most half of each side (a 12 MP photo, a panorama)
 @pytest.mark.parametrize("size", [(4000, 3000), (5000, 1300)])
 def test_dct_reduced_decode_matches_full_decode(mode: str, size: tuple[int, int]) -> None:
-    from preprocessing.prepare import prepare_bytes
+    from vlmbatch.preprocessing.prepare import prepare_bytes
 
     w, h = size
     data = jpeg(photo_like(h, w))
@@ -120,7 +120,7 @@ def test_dct_reduced_decode_matches_full_decode(mode: str, size: tuple[int, int]
 
 
 def test_dct_reduced_decode_follows_exif_orientation() -> None:
-    from preprocessing.prepare import prepare_bytes
+    from vlmbatch.preprocessing.prepare import prepare_bytes
 
     exif = Image.Exif()
     exif[0x0112] = 6  # shown rotated by 90 degrees
@@ -136,7 +136,7 @@ def test_dct_reduced_decode_follows_exif_orientation() -> None:
 
 @pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
 def test_no_reduction_when_tiles_need_every_pixel(fmt: str) -> None:
-    from preprocessing.prepare import prepare_bytes
+    from vlmbatch.preprocessing.prepare import prepare_bytes
 
     img = photo_like(500, 700)
     data = jpeg(img) if fmt == "JPEG" else encode(img, "PNG")

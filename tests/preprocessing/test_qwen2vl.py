@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as ref
 
-from preprocessing.qwen2vl import llm_tokens, smart_resize
+from vlmbatch.preprocessing.qwen2vl import llm_tokens, smart_resize
 
 SIZES = [(480, 320), (480, 360), (612, 464), (896, 1344), (1920, 1080), (4000, 3000), (64, 64),
          (100, 2000), (28, 28), (10, 10), (1, 150), (3000, 20), (1023, 769), (56, 56 * 199)]

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from preprocessing.qwen_vl import QwenVLPreprocess, patchify, prepare_qwen_vl
+from vlmbatch.preprocessing.qwen_vl import QwenVLPreprocess, patchify, prepare_qwen_vl
 
 CLIP = ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))
 CASES = {  # name: (our config, mean, std)
@@ -125,8 +125,8 @@ def test_large_jpeg_is_decoded_reduced_to_what_the_resize_keeps(name: str) -> No
 
     from PIL import Image
 
-    from preprocessing.decode import decode, decode_for
-    from preprocessing.prepare import prepare_bytes
+    from vlmbatch.preprocessing.decode import decode, decode_for
+    from vlmbatch.preprocessing.prepare import prepare_bytes
 
     buf = io.BytesIO()
     Image.fromarray(photo(3000, 4000, seed=3)).save(buf, "JPEG", quality=92)

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from preprocessing.prepare import TilingConfig, prepare
-from preprocessing.reference import pillow_tiles
-from preprocessing.resize import resize
+from vlmbatch.preprocessing.prepare import TilingConfig, prepare
+from vlmbatch.preprocessing.reference import pillow_tiles
+from vlmbatch.preprocessing.resize import resize
 
 
 def zone_plate(n: int = 512) -> np.ndarray:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from preprocessing.tiling import plan_reference
+from vlmbatch.preprocessing.tiling import plan_reference
 
 
 def reference_grid(w: int, h: int, size: int, lo: int, hi: int) -> tuple[int, int]:
@@ -60,7 +60,7 @@ def test_rejects_empty_image() -> None:
 
 # --- reduced-token mode -------------------------------------------------------------------
 
-from preprocessing.tiling import fit_scale, plan_reduced  # noqa: E402
+from vlmbatch.preprocessing.tiling import fit_scale, plan_reduced  # noqa: E402
 
 
 @pytest.mark.parametrize("w,h,tiles", [
@@ -89,7 +89,7 @@ def test_reduced_never_worse_than_its_promises(seed: int) -> None:
 
 
 def test_letterbox_keeps_aspect_and_pads_with_mean() -> None:
-    from preprocessing.prepare import PAD_RGB, TilingConfig, prepare
+    from vlmbatch.preprocessing.prepare import PAD_RGB, TilingConfig, prepare
 
     img = np.zeros((60, 200, 3), np.uint8)
     img[:] = (255, 0, 0)

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.qwen2 import Qwen2LM, TextSpec
-from quant.fp8 import (
+from vlmbatch.models.qwen2 import Qwen2LM, TextSpec
+from vlmbatch.quant.fp8 import (
     FP8,
     FP8_MAX,
     Fp8Linear,

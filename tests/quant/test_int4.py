@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quant.awq import awq_scale
-from quant.gptq import Hessian, gptq
-from quant.int4 import Int4Linear, dequantize, pack_int32, quant_scale, rtn, unpack_int32
+from vlmbatch.quant.awq import awq_scale
+from vlmbatch.quant.gptq import Hessian, gptq
+from vlmbatch.quant.int4 import Int4Linear, dequantize, pack_int32, quant_scale, rtn, unpack_int32
 
 
 def test_rtn_error_is_at_most_half_a_step() -> None:

@@ -9,16 +9,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from jobs.manifest import read_manifest, read_policy
-from models.qwen2 import DecoderLayer, TextSpec
-from pipeline.build import build_engine
-from pipeline.config import EngineConfig, ModelConfig
-from pipeline.drive import answer_group
-from pipeline.loading import load_model
-from pipeline.quantize import quantize_model
-from quant.calibrate import apply_scale, layer_groups
-from quant.int4 import Int4Linear
-from vlmbatch.cli import main
+from vlmbatch.app.cli import main
+from vlmbatch.jobs.manifest import read_manifest, read_policy
+from vlmbatch.models.qwen2 import DecoderLayer, TextSpec
+from vlmbatch.pipeline.build import build_engine
+from vlmbatch.pipeline.config import EngineConfig, ModelConfig
+from vlmbatch.pipeline.drive import answer_group
+from vlmbatch.pipeline.loading import load_model
+from vlmbatch.pipeline.quantize import quantize_model
+from vlmbatch.quant.calibrate import apply_scale, layer_groups
+from vlmbatch.quant.int4 import Int4Linear
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = read_manifest(ROOT / "examples/manifest.jsonl",
@@ -72,9 +72,9 @@ def test_compressed_tensors_reads_our_weights(random_model_dir: Path, tmp_path: 
     key = next(k for k in sd if k.endswith("q_proj.weight_packed"))
     base = key[: -len("weight_packed")]
     q = helpers.unpack_from_int32(sd[key], 4, torch.Size(sd[base + "weight_shape"].tolist()))
-    from models.internvl.family import InternVL
-    from models.io import raw_state_dict
-    from quant.checkpoint import int4_weights
+    from vlmbatch.models.internvl.family import InternVL
+    from vlmbatch.models.io import raw_state_dict
+    from vlmbatch.quant.checkpoint import int4_weights
 
     sd_ours = {InternVL().normalise_key(k): v for k, v in raw_state_dict(out).items()}
     ours = int4_weights(sd_ours, 32)  # what our loader serves
@@ -121,7 +121,7 @@ def test_an_interrupted_quantize_leaves_no_checkpoint(random_model_dir: Path, tm
     """Killed while saving (here: after the weights, before config.json gets its
     quantization_config), --out must not hold a checkpoint that looks whole: it is written
     beside, then renamed; a second try into the same --out works."""
-    import pipeline.quantize as qmod
+    import vlmbatch.pipeline.quantize as qmod
 
     real = qmod.save_quantized
 
@@ -144,7 +144,7 @@ def test_an_interrupted_quantize_leaves_no_checkpoint(random_model_dir: Path, tm
 def test_int8_dynamic_refuses_a_half_precision_model(capsys) -> None:  # noqa: ANN001
     """torch's dynamic int8 linears take float32 activations: bf16 failed every batch with
     "expected scalar type Float"; now it is refused before any work, naming the fix."""
-    from models.io import ModelError
+    from vlmbatch.models.io import ModelError
 
     with pytest.raises(ModelError, match="float32 activations.*not bfloat16"):
         load_model(None, "cpu", torch.bfloat16, llm_quant="int8-dynamic")
@@ -155,8 +155,8 @@ def test_int8_dynamic_refuses_a_half_precision_model(capsys) -> None:  # noqa: A
 
 def test_int8_vit_runner_close_to_torch() -> None:
     pytest.importorskip("onnxruntime")
-    from pipeline.loading import vision_model
-    from vit_trt import RunnerOptions, make_runner
+    from vlmbatch.pipeline.loading import vision_model
+    from vlmbatch.vit_trt import RunnerOptions, make_runner
 
     model = load_model()
     tiles = torch.randint(0, 256, (6, 112, 112, 3), dtype=torch.uint8,
@@ -176,7 +176,7 @@ def test_awq_folding_keeps_the_layer_output(heads: int, kv_heads: int) -> None:
     layer = DecoderLayer(spec).eval()
     x = torch.randn(2, 5, 32)
     pos = torch.arange(5)[None].expand(2, 5)
-    from models.layers import rotary
+    from vlmbatch.models.layers import rotary
 
     cos, sin = rotary(pos, spec.head_dim, spec.rope_theta, x.dtype)
     mask = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()

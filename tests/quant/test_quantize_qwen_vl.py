@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from jobs.manifest import read_manifest, read_policy
-from pipeline.build import build_engine
-from pipeline.config import EngineConfig, ModelConfig
-from pipeline.drive import answer_group
-from pipeline.loading import load_model
-from pipeline.quantize import quantize_model
-from quant.int4 import Int4Linear
 from tests.models.qwen_vl_helpers import save_engine_checkpoint
+from vlmbatch.jobs.manifest import read_manifest, read_policy
+from vlmbatch.pipeline.build import build_engine
+from vlmbatch.pipeline.config import EngineConfig, ModelConfig
+from vlmbatch.pipeline.drive import answer_group
+from vlmbatch.pipeline.loading import load_model
+from vlmbatch.pipeline.quantize import quantize_model
+from vlmbatch.quant.int4 import Int4Linear
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = read_manifest(ROOT / "examples/manifest.jsonl",

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from pipeline.loading import load_model, vision_model
-from vit_trt import RUNNERS, RunnerOptions, make_runner
-from vit_trt.compile_runner import CompiledRunner
+from vlmbatch.pipeline.loading import load_model, vision_model
+from vlmbatch.vit_trt import RUNNERS, RunnerOptions, make_runner
+from vlmbatch.vit_trt.compile_runner import CompiledRunner
 
 
 def test_compiled_encoder_equals_eager(random_model_dir: Path) -> None:

@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from common.registry import UnknownName
-from pipeline.config import EngineConfig
-from pipeline.loading import load_model, vision_model
-from pipeline.records import Request
-from pipeline.torch_engine import TorchEngine
-from preprocessing.prepare import prepare
-from vit_trt import RunnerOptions, make_runner
-from vit_trt.export import export_onnx
-from vit_trt.onnx_runner import OnnxRuntimeRunner
-from vit_trt.torch_runner import TorchRunner
-from vlmbatch.cli import EXIT_OK, main
+from vlmbatch.app.cli import EXIT_OK, main
+from vlmbatch.common.registry import UnknownName
+from vlmbatch.pipeline.config import EngineConfig
+from vlmbatch.pipeline.loading import load_model, vision_model
+from vlmbatch.pipeline.records import Request
+from vlmbatch.pipeline.torch_engine import TorchEngine
+from vlmbatch.preprocessing.prepare import prepare
+from vlmbatch.vit_trt import RunnerOptions, make_runner
+from vlmbatch.vit_trt.export import export_onnx
+from vlmbatch.vit_trt.onnx_runner import OnnxRuntimeRunner
+from vlmbatch.vit_trt.torch_runner import TorchRunner
 
 HAS_TRT = importlib.util.find_spec("tensorrt") is not None and torch.cuda.is_available()
 
@@ -83,7 +83,7 @@ def test_unknown_backend(exported) -> None:  # noqa: ANN001
 @pytest.mark.skipif(not HAS_TRT, reason="needs tensorrt and a CUDA GPU")
 @pytest.mark.parametrize("graphs", [False, True])
 def test_tensorrt_matches_torch(random_model_dir: Path, graphs: bool) -> None:
-    from vit_trt.tensorrt_runner import TensorRTRunner
+    from vlmbatch.vit_trt.tensorrt_runner import TensorRTRunner
 
     model = load_model(random_model_dir, device="cuda")
     trt_runner = TensorRTRunner(vision_model(model), precision="fp16", cuda_graphs=graphs)

@@ -1,9 +1,0 @@
-"""CUDA graph pools: keyed by batch-size bucket (``GraphPool``, fixed-shape items) or by token
-budget (``BudgetPool``, packed images of any size); direct calls (same logic) without CUDA."""
-
-from cudagraph_pool.budget import BudgetPool, default_budgets, pack
-from cudagraph_pool.hazards import capture_hazards
-from cudagraph_pool.pool import GraphPool, default_buckets
-
-__all__ = ["BudgetPool", "GraphPool", "capture_hazards", "default_budgets", "default_buckets",
-           "pack"]

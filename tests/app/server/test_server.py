@@ -1,0 +1,308 @@
+"""``vlmbatch serve`` on the built-in model, through the official ``openai`` client: chat
+completions with logprobs, concurrency and per-request errors, the media policy and the
+limits, and the Batch API (files, batches to ``completed`` equal to ``vlmbatch run``,
+cancel, list). One server for the module; its batch groups are slowed (0.2 s each) so that
+a batch is still running when a test cancels it or talks to the server meanwhile."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from PIL import Image
+
+import vlmbatch
+from tests.app.server.serving import IMAGES, KEY, Server, batch_lines, chat_body, data_url
+from vlmbatch.app.cli import EXIT_ITEM_ERRORS, main
+
+RED = "Is there a red shape?"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    tmp = tmp_path_factory.mktemp("serve")
+    s = Server(tmp / "data", "--allowed-local-media-path", str(IMAGES), "--max-body-mib", "2",
+               "--max-pixels", "1000000", "--images-per-batch", "4",
+               faults={"group_delay": 0.2}).wait_ready()
+    yield s
+    assert s.stop() in (0, 143), s.output()
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return server.openai()
+
+
+@pytest.fixture(scope="module")
+def vlm() -> vlmbatch.VLM:
+    return vlmbatch.VLM()
+
+
+def p_yes_of(vlm: vlmbatch.VLM, image: Path, question: str) -> float:
+    (a,) = vlm.ask([image], [question])
+    assert a.p_yes is not None
+    return a.p_yes
+
+
+def error_of(r: httpx.Response) -> dict:
+    """The OpenAI error object of a 4xx, checked for its shape."""
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]
+
+
+def test_chat_completion_with_logprobs(client: openai.OpenAI, vlm: vlmbatch.VLM) -> None:
+    image = IMAGES / "scene_01.png"
+    r = client.chat.completions.create(
+        model="vlmbatch", max_tokens=1, logprobs=True, top_logprobs=2,
+        messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(image)}},
+            {"type": "text", "text": RED}]}])
+    want = p_yes_of(vlm, image, RED)
+    top = {t.token: math.exp(t.logprob) for t in r.choices[0].logprobs.content[0].top_logprobs}
+    assert top["yes"] == pytest.approx(want, abs=1e-6)
+    assert top["yes"] + top["no"] == pytest.approx(1.0, abs=1e-6)
+    assert r.choices[0].message.content == ("yes" if want >= 0.5 else "no")
+    assert r.model_extra["vlmbatch"]["p_yes"] == round(want, 6)
+    assert r.model_extra["vlmbatch"]["image_tokens"] == 80
+    assert r.usage.prompt_tokens > 80 and r.usage.completion_tokens == 1
+    assert [m.id for m in client.models.list()] == ["vlmbatch"]
+
+
+def test_text_answers_and_one_top_logprob(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model="vlmbatch", max_completion_tokens=6, logprobs=True, top_logprobs=1,
+        messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(IMAGES / "scene_02.png")}},
+            {"type": "text", "text": "What color is the shape?"}]}])
+    assert isinstance(r.choices[0].message.content, str)
+    assert len(r.choices[0].logprobs.content[0].top_logprobs) == 1
+    assert 0 <= r.model_extra["vlmbatch"]["p_yes"] <= 1
+
+
+def test_concurrent_requests_and_a_bad_image_is_its_own_400(server: Server,
+                                                           vlm: vlmbatch.VLM) -> None:
+    questions = [RED, "Is there a circle?", "Is there a blue shape?"]
+    good = [(IMAGES / f"scene_0{i}.png", q) for i in range(4) for q in questions]
+    bad = [chat_body("data:image/png;base64,aGVsbG8=", RED),  # not an image
+           chat_body("data:image/png;base64,%%%", RED),  # not base64
+           chat_body("https://example.com/a.png", RED)]
+    bodies = [chat_body(data_url(p), q, max_tokens=1) for p, q in good] + bad
+    with server.client() as c, ThreadPoolExecutor(len(bodies)) as pool:
+        rs = list(pool.map(lambda b: c.post("/v1/chat/completions", json=b), bodies))
+    for (path, q), r in zip(good, rs):
+        assert r.status_code == 200, r.text
+        assert r.json()["vlmbatch"]["p_yes"] == round(p_yes_of(vlm, path, q), 6)
+    codes = [(r.status_code, error_of(r)["code"]) for r in rs[len(good):]]
+    assert codes == [(400, "invalid_image"), (400, "invalid_image_url"),
+                     (400, "invalid_image_url")]
+
+
+def test_file_urls_only_inside_the_allowed_folder(server: Server, tmp_path: Path) -> None:
+    with server.client() as c:
+        r = c.post("/v1/chat/completions",
+                   json=chat_body((IMAGES / "scene_03.png").as_uri(), RED))
+        assert r.status_code == 200, r.text
+        for url in [f"file://{IMAGES}/../../pyproject.toml", f"file://{IMAGES}/%2e%2e/README.md",
+                    "file:///etc/passwd", f"file://{tmp_path}/x.png"]:
+            r = c.post("/v1/chat/completions", json=chat_body(url, RED))
+            assert r.status_code == 400 and "outside" in error_of(r)["message"], url
+
+
+def test_limits(server: Server) -> None:
+    big = Image.new("RGB", (1500, 1000))  # 1.5 MP, over --max-pixels 1,000,000
+    buf = io.BytesIO()
+    big.save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    small = data_url(IMAGES / "scene_00.png")
+    with server.client() as c:
+        cases = [
+            (chat_body(url, RED), 400, "image_too_large"),
+            (chat_body(small, RED, stream=True), 400, "unsupported_parameter"),
+            (chat_body(small, "x" * 20_000), 400, "context_length_exceeded"),
+            (chat_body(small, RED, max_tokens=100_000), 400, "invalid_value"),
+            (chat_body(small, RED, n=2), 400, "unsupported_parameter"),
+            ({**chat_body(small, RED), "model": "gpt-4o"}, 404, "model_not_found"),
+            (chat_body(small, "y" * (3 << 20)), 413, "request_too_large"),  # over 2 MiB
+        ]
+        for body, status, code in cases:
+            r = c.post("/v1/chat/completions", json=body)
+            assert (r.status_code, error_of(r)["code"]) == (status, code), r.text[:300]
+
+
+def test_api_key(server: Server) -> None:
+    assert httpx.get(server.url + "/health").status_code == 200  # open
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.get(server.url + "/v1/models", headers=headers)
+        assert r.status_code == 401 and error_of(r)["code"] == "invalid_api_key"
+    r = httpx.post(server.url + "/v1/chat/completions", headers={"Authorization": "Bearer x"},
+                   json=chat_body(data_url(IMAGES / "scene_00.png"), RED))
+    assert r.status_code == 401
+
+
+@pytest.fixture(scope="module")
+def embed_vlm() -> vlmbatch.VLM:
+    return vlmbatch.VLM(vlmbatch.EMBED_MODEL)
+
+
+def test_embeddings_equal_vlm_embed(client: openai.OpenAI, server: Server,
+                                    embed_vlm: vlmbatch.VLM) -> None:
+    """The official client (base64 by default, decoded by it) gets ``VLM.embed``'s vectors
+    from the built-in embedding model, texts and a data: URL image; float output equals the
+    base64; a Matryoshka size the checkpoint declares works, another is a 400."""
+    texts = ["a red circle", "a blue square"]
+    r = client.embeddings.create(model="vlmbatch", input=texts)
+    want = embed_vlm.embed(texts=texts)
+    got = [d.embedding for d in r.data]
+    assert [d.index for d in r.data] == [0, 1] and r.usage.prompt_tokens > 0
+    assert max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w)) <= 1e-5
+    with server.client() as c:
+        plain = c.post("/v1/embeddings", json={"model": "vlmbatch", "input": texts,
+                                                "encoding_format": "float"}).json()
+        assert [d["embedding"] for d in plain["data"]] == got
+        image = IMAGES / "scene_02.png"
+        r2 = c.post("/v1/embeddings", json={"model": "vlmbatch", "modality": "image",
+                                            "input": [data_url(image)],
+                                            "encoding_format": "float"}).json()
+        (want_im,) = embed_vlm.embed(images=[image])
+        assert max(abs(a - b) for a, b in zip(r2["data"][0]["embedding"], want_im)) <= 1e-5
+        small = c.post("/v1/embeddings", json={"model": "vlmbatch", "input": texts,
+                                               "dimensions": 64, "encoding_format": "float"})
+        assert len(small.json()["data"][0]["embedding"]) == 64
+        bad = c.post("/v1/embeddings", json={"model": "vlmbatch", "input": texts,
+                                             "dimensions": 63})
+        assert bad.status_code == 400 and error_of(bad)["param"] == "input"
+        ids = c.post("/v1/embeddings", json={"model": "vlmbatch", "input": [1, 2, 3]})
+        assert ids.status_code == 400 and "token-id" in error_of(ids)["message"]
+        r = c.post("/v1/embeddings", json={"model": "vlmbatch", "input": []})
+        assert r.status_code == 400 and error_of(r)["param"] == "input"
+
+
+def wait_batch(client: openai.OpenAI, batch_id: str, timeout: float = 60):  # noqa: ANN201
+    deadline = time.monotonic() + timeout
+    while True:
+        b = client.batches.retrieve(batch_id)
+        if b.status in ("completed", "failed", "cancelled") or time.monotonic() > deadline:
+            return b
+        time.sleep(0.1)
+
+
+def upload(client: openai.OpenAI, text: str):  # noqa: ANN201
+    return client.files.create(file=("in.jsonl", text.encode()), purpose="batch")
+
+
+def test_batch_lifecycle_output_equals_vlmbatch_run(client: openai.OpenAI,
+                                                    tmp_path: Path) -> None:
+    reqs = [(f"r{i}", data_url(IMAGES / f"scene_{i % 12:02d}.png"), q)
+            for i, q in enumerate([RED, "Is there a circle?"] * 7)]
+    reqs.insert(5, ("broken", "data:image/png;base64,aGVsbG8=", RED))
+    text = batch_lines(reqs)
+    f = upload(client, text)
+    assert client.files.retrieve(f.id).bytes == len(text.encode())
+    assert client.files.content(f.id).content == text.encode()
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                              completion_window="24h", metadata={"who": "test"})
+    assert b.status == "validating" and b.metadata == {"who": "test"}
+    b = wait_batch(client, b.id)
+    assert b.status == "completed", b
+    counts = b.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (15, 14, 1)
+    assert b.in_progress_at and b.finalizing_at and b.completed_at
+    got = client.files.content(b.output_file_id).text.splitlines()
+    got_err = client.files.content(b.error_file_id).text.splitlines()
+    (tmp_path / "in.jsonl").write_text(text)
+    out = tmp_path / "run.jsonl"
+    assert main(["run", str(tmp_path / "in.jsonl"), "-o", str(out), "--no-progress"]) \
+        == EXIT_ITEM_ERRORS
+    want = out.read_text().splitlines()
+    assert got == [x for x in want if json.loads(x)["error"] is None]
+    assert got_err == [x for x in want if json.loads(x)["error"] is not None]
+    assert json.loads(got_err[0])["custom_id"] == "broken"
+    assert client.files.delete(f.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(f.id)
+
+
+def test_cancel_keeps_the_answers_so_far(client: openai.OpenAI, server: Server) -> None:
+    reqs = [(f"c{i}", data_url(IMAGES / f"scene_{i % 12:02d}.png"), RED) for i in range(60)]
+    b = client.batches.create(input_file_id=upload(client, batch_lines(reqs)).id,
+                              endpoint="/v1/chat/completions", completion_window="24h")
+    while client.batches.retrieve(b.id).request_counts.completed < 4:
+        time.sleep(0.05)
+    started = time.monotonic()
+    with server.client() as c:  # answered while the batch runs, not after it
+        r = c.post("/v1/chat/completions", json=chat_body(data_url(IMAGES / "scene_05.png"), RED))
+    assert r.status_code == 200 and time.monotonic() - started < 3
+    assert client.batches.retrieve(b.id).status == "in_progress"
+    assert client.batches.cancel(b.id).status == "cancelling"
+    b = wait_batch(client, b.id)
+    assert b.status == "cancelled" and b.cancelled_at
+    done = b.request_counts.completed
+    assert 4 <= done < 60 and b.request_counts.total == 60
+    lines = client.files.content(b.output_file_id).text.splitlines()
+    assert len(lines) == done and [json.loads(x)["custom_id"] for x in lines] == \
+        [f"c{i}" for i in range(done)]
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(b.id)
+
+
+def test_list_is_newest_first_and_paginated(client: openai.OpenAI) -> None:
+    f = upload(client, batch_lines([("l0", data_url(IMAGES / "scene_00.png"), RED)]))
+    made = [client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h").id for _ in range(3)]
+    page = client.batches.list(limit=2)
+    assert [b.id for b in page.data] == made[::-1][:2] and page.has_more
+    everything = [b.id for b in client.batches.list(limit=2)]  # the client follows `after`
+    assert everything[:3] == made[::-1] and len(everything) == len(set(everything)) >= 5
+    for batch_id in made:
+        assert wait_batch(client, batch_id).status == "completed"
+
+
+def test_invalid_batches(client: openai.OpenAI, server: Server) -> None:
+    bad = upload(client, 'not json\n')
+    b = wait_batch(client, client.batches.create(
+        input_file_id=bad.id, endpoint="/v1/chat/completions", completion_window="24h").id)
+    assert b.status == "failed" and b.errors.data[0].line == 1
+    assert "not an OpenAI batch file" in b.errors.data[0].message
+    lines = batch_lines([("a", data_url(IMAGES / "scene_00.png"), RED),
+                         ("b", "file:///etc/passwd", RED), ("a", "data:,x", RED)])
+    b = wait_batch(client, client.batches.create(
+        input_file_id=upload(client, lines).id, endpoint="/v1/chat/completions",
+        completion_window="24h").id)
+    assert b.status == "failed" and [e.line for e in b.errors.data] == [2]
+    ok = upload(client, batch_lines([("x", data_url(IMAGES / "scene_00.png"), RED)])).id
+    with server.client() as c:
+        for body, status in [
+                ({"input_file_id": ok, "endpoint": "/v1/completions",
+                  "completion_window": "24h"}, 400),
+                ({"input_file_id": ok, "endpoint": "/v1/chat/completions",
+                  "completion_window": "1h"}, 400),
+                ({"input_file_id": "file-" + "0" * 32, "endpoint": "/v1/chat/completions",
+                  "completion_window": "24h"}, 404),
+                ({"endpoint": "/v1/chat/completions", "completion_window": "24h"}, 400)]:
+            r = c.post("/v1/batches", json=body)
+            assert r.status_code == status, r.text
+            error_of(r)
+        r = c.post("/v1/files", files={"file": ("a.jsonl", b"{}")}, data={"purpose": "tune"})
+        assert r.status_code == 400 and error_of(r)["param"] == "purpose"
+        for path in ("/v1/files/../../etc/passwd", "/v1/files/file-zz", "/v1/batches/batch_1"):
+            assert c.get(path).status_code == 404
+
+
+def test_duplicate_custom_ids_fail_the_batch(client: openai.OpenAI) -> None:
+    url = data_url(IMAGES / "scene_00.png")
+    f = upload(client, batch_lines([("same", url, RED), ("same", url, RED)]))
+    b = wait_batch(client, client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id)
+    assert b.status == "failed" and "appears twice" in b.errors.data[0].message
+    assert str(os.sep + "files" + os.sep) not in b.errors.data[0].message  # no server paths

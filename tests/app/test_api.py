@@ -1,0 +1,98 @@
+"""The Python API answers as ``vlmbatch run`` does, takes every kind of image, streams, and
+turns a bad image into that answer's error."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+from PIL import Image
+
+import vlmbatch
+from vlmbatch.app.cli import EXIT_OK, main
+from vlmbatch.jobs.errors import ManifestError
+from vlmbatch.jobs.manifest import read_manifest, read_policy
+
+ROOT = Path(__file__).resolve().parents[2]
+MANIFEST, POLICY = ROOT / "examples" / "manifest.jsonl", ROOT / "examples" / "policy.yaml"
+QUESTIONS = ["Is there a red shape?", {"id": "c", "text": "Is there a circle?", "threshold": 0.7}]
+
+
+@pytest.fixture(scope="module")
+def vlm() -> vlmbatch.VLM:
+    return vlmbatch.VLM()
+
+
+def test_answers_equal_the_run_lines_on_the_examples(vlm: vlmbatch.VLM, tmp_path: Path) -> None:
+    out = tmp_path / "r.jsonl"
+    assert main(["run", str(MANIFEST), "--policy", str(POLICY), "-o", str(out),
+                 "--no-progress"]) == EXIT_OK
+    want = [json.loads(x) for x in out.read_text().splitlines()]
+    got = [a.line() for a in vlm.ask_many(read_manifest(MANIFEST, read_policy(POLICY)))]
+    assert got == want and len(got) == 60
+
+
+def test_every_kind_of_image_gets_the_same_answer(vlm: vlmbatch.VLM) -> None:
+    path = ROOT / "examples" / "images" / "scene_03.png"
+    data = path.read_bytes()
+    rgb = cv2.cvtColor(cv2.imread(str(path)), cv2.COLOR_BGR2RGB)
+    kinds = [str(path), path, data, rgb, Image.open(io.BytesIO(data)),
+             f"file://{path}", np.dstack([rgb, np.full(rgb.shape[:2], 255, np.uint8)])]
+    answers = list(vlm.ask(kinds, QUESTIONS))
+    assert [a.image_id for a in answers] == [str(i) for i in range(len(kinds)) for _ in "ab"]
+    assert [a.question_id for a in answers[:2]] == ["q0", "c"]
+    assert all(a.error is None for a in answers)
+    first = answers[:2]
+    for i in range(1, len(kinds)):
+        assert [(a.p_yes, a.answer) for a in answers[2 * i: 2 * i + 2]] == \
+            [(a.p_yes, a.answer) for a in first], f"image kind {i}"
+    assert first[1].answer == ("yes" if first[1].p_yes >= 0.7 else "no")  # its threshold
+
+
+def test_a_bad_image_is_its_answers_error(vlm: vlmbatch.VLM, tmp_path: Path) -> None:
+    good = ROOT / "examples" / "images" / "scene_00.png"
+    images = [good, b"not an image", tmp_path / "missing.png",
+              np.zeros((4, 4), dtype=np.float32), good]
+    answers = list(vlm.ask(images, ["Red?"]))
+    kinds = [a.error_kind.value if a.error_kind else None for a in answers]
+    assert kinds == [None, "decode", "source", "decode", None]
+    assert answers[0].p_yes == answers[4].p_yes and answers[1].p_yes is None
+    assert "missing.png" in answers[2].error
+
+
+def test_bad_questions_and_options_fail_before_any_work(vlm: vlmbatch.VLM) -> None:
+    with pytest.raises(ManifestError, match="threshold"):
+        vlm.ask(["x.png"], [{"text": "Red?", "threshold": 2}])
+    with pytest.raises(ManifestError, match="unknown key"):
+        vlm.ask(["x.png"], [{"text": "Red?", "treshold": 0.2}])
+    with pytest.raises(TypeError, match="unknown VLM option.*prefix_cahce"):
+        vlmbatch.VLM(prefix_cahce=False)
+
+
+def test_ask_many_streams_with_bounded_lookahead(vlm: vlmbatch.VLM) -> None:
+    """The first answers come after a few batches are read, not the whole input."""
+    good = (ROOT / "examples" / "images" / "scene_00.png").read_bytes()
+    pulled = []
+
+    def items():  # noqa: ANN202
+        for i in range(10_000):
+            pulled.append(i)
+            yield good, ["Red?"]
+
+    stream = vlm.ask_many(items())
+    first = next(stream)
+    assert first.image_id == "0" and first.error is None
+    assert len(pulled) <= 4 * vlm.images_per_batch  # the group, 2 ahead, one more read
+    stream.close()
+
+
+def test_options_reach_the_engine() -> None:
+    vlm = vlmbatch.VLM(prefix_cache=False, max_new_tokens=3, tiling="reference")
+    (a,) = vlm.ask([ROOT / "examples" / "images" / "scene_00.png"], ["Is there a red shape?"])
+    assert a.text in ("yes", "no")  # the built-in model answers in one word
+    assert vlm.engine.summary().cache_hit_rate is None
+    assert vlm.engine.image_plan.mode == "reference"  # type: ignore[attr-defined]

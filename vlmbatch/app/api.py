@@ -1,0 +1,213 @@
+"""The Python API: ``vlmbatch.VLM``, the same engine, defaults and errors as the CLI.
+
+    import vlmbatch
+    vlm = vlmbatch.VLM()                      # the built-in model
+    vlm = vlmbatch.VLM("DIR", device="cuda", dtype="bfloat16", prefix_cache=False)
+    for a in vlm.ask(["a.jpg", pil_image, rgb_array, jpeg_bytes],
+                     ["Is there a red shape?", {"id": "c", "text": "Is there a circle?",
+                                                "threshold": 0.7}]):
+        print(a.image_id, a.question_id, a.answer, a.p_yes)
+    vlm.ask_many(items)    # (image, questions) pairs or ImageItems: a stream of Answers
+
+    emb = vlmbatch.VLM(vlmbatch.EMBED_MODEL)  # the built-in embedding model
+    vecs = emb.embed(texts=["a red circle"], images=["a.jpg"])  # [2, D] float32, unit rows
+    for e in emb.embed_many([("a.jpg", "a caption"), "a text", ("b.png", None)]):
+        e.vector, e.tokens, e.error                  # one Embedding per input
+    vlmbatch.maxsim(q_vectors, d_vectors)            # multi-vector late-interaction scores
+
+Images are paths (relative to the current folder), ``file://`` or ``data:`` URLs, encoded
+bytes, PIL images or uint8 RGB arrays ``[H, W, 3]`` (gray ``[H, W]`` and RGBA ``[H, W, 4]``
+are converted as Pillow's ``convert("RGB")`` would). Questions are strings or objects as in
+a manifest (``id``, ``text``, ``threshold``, ``max_new_tokens``); a malformed one raises
+``ManifestError`` before any work. A bad image is never an exception: its answers carry
+``error`` and ``error_kind``, as ``vlmbatch run``'s lines do, and the rest go on.
+
+Both calls stream: images are taken ``images_per_batch`` at a time, prepared on
+preprocessing threads while the model answers the previous batch, and answered with the
+image-aware prefix cache, exactly as ``vlmbatch run`` does (``pipeline/drive.py``); memory
+stays bounded whatever the number of items. Answers come in item then question order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import closing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+from vlmbatch.jobs.config import RunConfig
+from vlmbatch.jobs.manifest import parse_question
+from vlmbatch.pipeline.build import build_engine
+from vlmbatch.pipeline.config import (
+    EmbedConfig,
+    EngineConfig,
+    ModelConfig,
+    default_of,
+    preprocess_threads_for,
+)
+from vlmbatch.pipeline.drive import prepared_groups, score_group
+from vlmbatch.pipeline.embed import Embedder, build_embedder
+from vlmbatch.pipeline.embed_drive import EMBED_GROUP, embed_group, prepared_embed_groups
+from vlmbatch.pipeline.records import Answer, Embedding, EmbedItem, ImageItem, Question
+
+T = TypeVar("T")
+ImageLike = str | Path | bytes | np.ndarray | Image.Image
+QuestionLike = str | dict | Question
+_MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)} - {"path", "device", "dtype"}
+_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+# an embedding input: a text (str), an image (not a str), (image, text) in one prompt
+EmbedLike = str | Path | bytes | np.ndarray | Image.Image | tuple[ImageLike | None,
+                                                                 str | None] | EmbedItem
+
+
+class VLM:
+    """A loaded model and engine; ``options`` are ``ModelConfig``/``EngineConfig`` fields
+    (``tiling``, ``max_tiles``, ``prefix_cache``, ``max_new_tokens``, ``vit_backend``, ...,
+    with the CLI's defaults)."""
+
+    def __init__(self, model: str | Path | None = None, *, device: str = "cpu",
+                 dtype: str = "float32", images_per_batch: int | None = None,
+                 max_pixels: int | None = None, threads: int | None = None,
+                 preprocess_threads: int | None = None, **options: Any) -> None:
+        unknown = sorted(set(options) - _MODEL_FIELDS - _ENGINE_FIELDS)
+        if unknown:
+            raise TypeError(f"unknown VLM option(s) {unknown}; model options: "
+                            f"{sorted(_MODEL_FIELDS)}, engine options: {sorted(_ENGINE_FIELDS)}")
+        self.model_config = ModelConfig(Path(model) if model is not None else None, device,
+                                        dtype, **{k: v for k, v in options.items()
+                                                  if k in _MODEL_FIELDS})
+        self.engine_config = EngineConfig(**{k: v for k, v in options.items()
+                                             if k in _ENGINE_FIELDS})
+        self.images_per_batch = images_per_batch or default_of(RunConfig, "images_per_batch")
+        self.embed_batch = images_per_batch or EMBED_GROUP  # inputs per embedder call
+        self.max_pixels = max_pixels or default_of(RunConfig, "max_pixels")
+        self.preprocess_threads = preprocess_threads_for(preprocess_threads, device)
+        if threads:
+            torch.set_num_threads(threads)
+        self.engine = build_engine(self.model_config, self.engine_config)
+        self._embedders: dict[EmbedConfig, Embedder] = {}
+
+    def ask(self, images: ImageLike | Sequence[ImageLike],
+            questions: Sequence[QuestionLike]) -> Iterator[Answer]:
+        """Every question about every image; image ids are their positions ("0", "1", ...)."""
+        if isinstance(images, (str, Path, bytes, np.ndarray, Image.Image)):
+            images = [images]
+        qs = questions_of(questions)
+        return self.ask_many(ImageItem(str(i), image_source(im), qs, Path.cwd())
+                             for i, im in enumerate(images))
+
+    def ask_many(self, items: Iterable[ImageItem | tuple[ImageLike, Sequence[QuestionLike]]]
+                 ) -> Iterator[Answer]:
+        """Answers for a stream of items: ``ImageItem``s, or ``(image, questions)`` pairs
+        (ids are their positions in the stream)."""
+        groups = _groups((_item(i, x) for i, x in enumerate(items)), self.images_per_batch)
+        with closing(prepared_groups(groups, self.engine.image_plan, self.max_pixels,
+                                     self.preprocess_threads)) as prepared:
+            for pg in prepared:
+                yield from score_group(self.engine, pg)
+
+
+    def embed(self, texts: Sequence[str] = (), images: Sequence[ImageLike] = (),
+              **options: Any) -> np.ndarray:
+        """Unit vectors ``[len(texts) + len(images), D]`` float32: the texts' rows first,
+        then the images' (each image alone, with the family's image prompt). ``options``:
+        ``EmbedConfig`` fields (``pooling``, ``dimensions``, ``force_dimensions``,
+        ``prompt``, ``query_prefix``, ``document_prefix``). Raises ValueError naming the
+        input if one cannot be embedded (an unreadable image): use ``embed_many`` to get
+        per-input errors instead. For one vector per token: ``embed_many(...,
+        multi_vector=True)``."""
+        if isinstance(texts, str) or isinstance(images, (str, Path, bytes, np.ndarray,
+                                                         Image.Image)):
+            raise TypeError("embed takes sequences: texts=[...], images=[...]")
+        if self.embedder(EmbedConfig(**options)).resolved.multi_vector:
+            raise ValueError("embed returns one vector per input; use embed_many for "
+                             "multi-vector embeddings (a ColQwen2 checkpoint gives them "
+                             "unless multi_vector=False or a pooling is asked for)")
+        inputs: list[EmbedLike] = [*texts, *((im, None) for im in images)]
+        out = list(self.embed_many(inputs, **options))
+        bad = [e for e in out if e.vector is None]
+        if bad:
+            raise ValueError(f"input {bad[0].index} could not be embedded: {bad[0].error}")
+        vectors = [e.vector for e in out if e.vector is not None]
+        return np.stack(vectors) if vectors else np.zeros((0, 0), np.float32)
+
+    def embed_many(self, inputs: Iterable[EmbedLike], **options: Any) -> Iterator[Embedding]:
+        """One ``Embedding`` per input, in order (``vector``, ``tokens``: the prompt's token
+        count, as an OpenAI ``usage`` counts it; ``error`` for an input that could not be
+        embedded, which never raises). An input is a text (a ``str`` is always a text), an
+        image (a ``Path``, bytes, a PIL image or an array; a path or URL as a string:
+        ``(image, None)``), ``(image, text)`` for both in one prompt, or an ``EmbedItem``.
+        Streamed and batched as ``vlmbatch embed`` does it, over the same engine (and prefix
+        cache) as ``ask``."""
+        embedder = self.embedder(EmbedConfig(**options))
+        groups = _groups((_embed_item(i, x) for i, x in enumerate(inputs)), self.embed_batch)
+        with closing(prepared_embed_groups(groups, embedder.image_plan, self.max_pixels,
+                                           self.preprocess_threads)) as prepared:
+            for peg in prepared:
+                yield from embed_group(embedder, peg)
+
+    def embedder(self, cfg: EmbedConfig) -> Embedder:
+        """The embedder for ``cfg`` on this VLM's engine (built once per config)."""
+        if cfg not in self._embedders:
+            self._embedders[cfg] = build_embedder(self.engine, cfg)
+        return self._embedders[cfg]
+
+
+def questions_of(questions: Sequence[QuestionLike]) -> tuple[Question, ...]:
+    """Questions as a manifest line would give them (ids q0, q1, ... unless set)."""
+    if isinstance(questions, (str, dict, Question)):
+        questions = [questions]
+    out = tuple(q if isinstance(q, Question) else parse_question(q, "questions", i)
+                for i, q in enumerate(questions))
+    if not out:
+        raise ValueError("no questions to ask")
+    return out
+
+
+def image_source(image: ImageLike) -> str | bytes | np.ndarray:
+    """What an ``ImageItem`` holds for each kind of image the API takes."""
+    if isinstance(image, Path):
+        return str(image)
+    if isinstance(image, Image.Image):
+        return np.asarray(ImageOps.exif_transpose(image).convert("RGB"))
+    if isinstance(image, np.ndarray):
+        if image.ndim == 2:
+            return np.repeat(image[:, :, None], 3, axis=2)
+        if image.ndim == 3 and image.shape[2] == 4:
+            return np.ascontiguousarray(image[:, :, :3])
+    return image
+
+
+def _item(i: int, x: ImageItem | tuple[ImageLike, Sequence[QuestionLike]]) -> ImageItem:
+    if isinstance(x, ImageItem):
+        return x
+    image, questions = x
+    return ImageItem(str(i), image_source(image), questions_of(questions), Path.cwd())
+
+
+def _embed_item(i: int, x: EmbedLike) -> EmbedItem:
+    if isinstance(x, EmbedItem):
+        return x
+    if isinstance(x, tuple):
+        image, text = x
+        return EmbedItem(i, None, None if image is None else image_source(image), text,
+                         Path.cwd())
+    if isinstance(x, str):
+        return EmbedItem(i, None, None, x, Path.cwd())
+    return EmbedItem(i, None, image_source(x), None, Path.cwd())
+
+
+def _groups(items: Iterable[T], n: int) -> Iterator[list[T]]:
+    group: list[T] = []
+    for it in items:
+        group.append(it)
+        if len(group) == n:
+            yield group
+            group = []
+    if group:
+        yield group

@@ -1,0 +1,341 @@
+"""The ``vlmbatch`` argument parser: every command's options, their defaults and help.
+
+It only parses: ``vlmbatch/app/cli.py`` maps ``args.command`` to the function that builds the
+config tree and runs it (``vlmbatch/commands.py``). Option names follow vLLM/LMDeploy where
+they exist (``--max-new-tokens``, ``--dtype``, ``--device``). Every default is read from the
+config dataclasses and every choice list from the registry or tuple that owns it, so neither
+is written twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from vlmbatch.app.embed_cli import add_embed_parser, embed_option_args
+from vlmbatch.app.server.args import add_server_args
+from vlmbatch.jobs.config import EXECUTORS, TASKS, ExecutorConfig, RayOptions, RunConfig
+from vlmbatch.pipeline.build import ENGINES
+from vlmbatch.pipeline.config import (
+    DTYPES,
+    LLM_QUANT,
+    QUANT,
+    EngineConfig,
+    ModelConfig,
+    default_of,
+    vit_backends,
+)
+from vlmbatch.pipeline.quantize import quantize_model
+from vlmbatch.preprocessing.prepare import TILING_MODES
+from vlmbatch.quant.calibrate import METHODS
+from vlmbatch.vit_trt.export import export_onnx
+
+M, E, R, X = ModelConfig(), EngineConfig(), RayOptions(), ExecutorConfig()  # the defaults
+
+
+def param_default(fn: Callable, name: str) -> Any:
+    """The default of ``fn``'s parameter ``name`` (commands whose options are a function's)."""
+    return inspect.signature(fn).parameters[name].default
+
+
+def positive_int(text: str, least: int = 1) -> int:
+    """argparse type: an integer >= 1 (>= ``least``)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < least:
+        raise argparse.ArgumentTypeError(f"must be >= {least}, got {v}")
+    return v
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return positive_int(text, least=0)
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    """The model, its images and the engine: ``ModelConfig`` and ``EngineConfig``."""
+    g = p.add_argument_group("model")
+    g.add_argument("--model", type=Path, default=M.path,
+                   help="HF-format checkpoint directory, e.g. an InternVL '-hf' release "
+                   "(default: the built-in model)")
+    g.add_argument("--device", default=M.device,
+                   help="torch device, e.g. cpu or cuda (default %(default)s)")
+    g.add_argument("--dtype", default=M.dtype, choices=list(DTYPES),
+                   help="weights and activations (default float32; bfloat16 on GPUs)")
+    g.add_argument("--llm-quant", default=M.llm_quant, choices=LLM_QUANT,
+                   help="int8-dynamic: torch dynamic int8 linears for the language model (CPU). "
+                   "For W4A16 pass a checkpoint made by `vlmbatch quantize`")
+    g.add_argument("--quant", default=M.quant, choices=QUANT,
+                   help="fp8: e4m3 W8A8 linears in the decoder and the vision encoder "
+                   "(torch._scaled_mm; CUDA compute capability >= 8.9; on the CPU a slow "
+                   "reference of the same arithmetic, for accuracy checks)")
+    g.add_argument("--max-tiles", type=int, default=M.max_tiles,
+                   help="cap tiles per image (default: the checkpoint's max_patches)")
+    g.add_argument("--tiling", default=M.tiling, choices=TILING_MODES,
+                   help="reduced (default): fewest tiles that keep the image's resolution, "
+                   "letterboxed (docs/preprocessing.md); reference: InternVL's "
+                   "dynamic_preprocess, for parity with the model card")
+    g.add_argument("--upscale-limit", type=float, default=M.upscale_limit,
+                   help="reduced tiling: most a tile count may enlarge an image (default "
+                   "%(default)s)")
+    g.add_argument("--max-image-tokens", type=int, default=M.max_image_tokens,
+                   help="per-image token budget the tiling must fit (thumbnail included)")
+    g.add_argument("--images-per-batch", type=int,
+                   default=default_of(RunConfig, "images_per_batch"),
+                   help="images preprocessed and scored together (default %(default)s)")
+    _thread_args(g)
+    _engine_args(p.add_argument_group("engine"))
+    _cache_args(p.add_argument_group("prefix cache"))
+
+
+def _engine_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--engine", default=E.engine, choices=ENGINES.names(),
+                   help="torch: ours (CPU/CUDA, default); lmdeploy: TurboMind, GPU env only, "
+                   "never run by us yet")
+    g.add_argument("--vit-backend", default=E.vit_backend, choices=vit_backends(),
+                   help="vision encoder runner (default auto: tensorrt on CUDA when installed, "
+                   "else torch); onnxruntime-int8: dynamic int8 ViT on CPU")
+    g.add_argument("--no-cuda-graphs", action="store_true",
+                   help="torch/tensorrt vision backends on CUDA: run without the CUDA graph pool")
+    g.add_argument("--vit-max-batch", type=positive_int, default=E.vit_max_batch,
+                   help="largest vision batch prepared for: the CUDA graph pool's largest "
+                   "bucket and the TensorRT profile's maximum (default %(default)s)")
+    g.add_argument("--max-batch-tiles", type=positive_int, default=E.max_batch_tiles,
+                   help="tiles per vision-encoder forward (default %(default)s)")
+    g.add_argument("--compile-llm", action="store_true",
+                   help="run the language model's prefill through torch.compile (dynamic "
+                   "shapes; the first batches pay the compilation)")
+    g.add_argument("--max-batch-tokens", type=int, default=E.max_batch_tokens,
+                   help="padded prompt tokens per LLM forward (default %(default)s)")
+    g.add_argument("--yes", default=",".join(E.yes_words),
+                   help="comma-separated answer words counted as yes; P(yes) sums their "
+                   "first-token probabilities (default %(default)s)")
+    g.add_argument("--no", default=",".join(E.no_words),
+                   help="comma-separated answer words counted as no (default %(default)s)")
+    g.add_argument("--max-new-tokens", type=int, default=E.max_new_tokens,
+                   help="also write a greedy text answer of up to N tokens (default 0: none); "
+                   "a question's own max_new_tokens (policy/manifest) overrides it")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="with --max-new-tokens: always generate N tokens (for benchmarks)")
+
+
+def _cache_args(c: argparse._ArgumentGroup) -> None:
+    c.add_argument("--no-prefix-cache", action="store_true",
+                   help="recompute every prompt's image tokens (for comparison)")
+    c.add_argument("--block-size", type=int, default=E.block_size,
+                   help="tokens per cache block (default %(default)s)")
+    c.add_argument("--cache-mib", type=int, default=E.cache_bytes >> 20,
+                   help="KV cache budget in MiB: one pool of this size (on CUDA taken when the "
+                   "engine starts), least recently used blocks evicted first (default "
+                   "%(default)s)")
+
+
+def _thread_args(g: argparse._ActionsContainer, note: str = "") -> None:
+    """``--threads`` and ``--preprocess-threads``: speed only, so a job's run may change them."""
+    torch_default = note or "torch's, one per core"
+    g.add_argument("--threads", type=positive_int, default=None,
+                   help=f"torch CPU threads (default: {torch_default})")
+    g.add_argument("--preprocess-threads", type=non_negative_int, default=None,
+                   help="decoder processes (threads with --decode-timeout 0) decoding and "
+                   "tiling the next image groups while the model answers the current one, "
+                   "in-process (Ray: --preprocess-workers); 0: none ahead (one decoder "
+                   f"process, or this thread) (default: {note or '2 on CPU, up to 8 on CUDA'})")
+
+
+def _executor_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("executor (jobs)")
+    g.add_argument("--executor", default=EXECUTORS[0], choices=EXECUTORS,
+                   help="local: this process (default); ray: CPU preprocessing tasks feeding "
+                   "model actors (pip install 'vlmbatch[ray]'; docs/jobs.md)")
+    g.add_argument("--address", default=R.address,
+                   help="ray: join this cluster: HOST:PORT (its GCS), ray://HEAD:10001 (Ray "
+                   "Client) or auto (default: $RAY_ADDRESS, else a new local instance for the "
+                   "run)")
+    g.add_argument("--preprocess-workers", type=int, default=R.preprocess_workers,
+                   help="ray: concurrent decode/tile tasks (default %(default)s)")
+    g.add_argument("--model-workers", type=int, default=R.model_workers,
+                   help="ray: model actors, one per GPU on a GPU cluster (default %(default)s)")
+    g.add_argument("--model-cpus", type=float, default=R.model_cpus,
+                   help="ray: CPUs per model actor = its torch threads on CPU (default "
+                   "%(default)s)")
+    g.add_argument("--decode-timeout", type=float, default=X.decode_timeout,
+                   help="seconds one image may take to read and decode before its worker (a "
+                   "decoder process, or a Ray prepare task) is killed and that item fails "
+                   "(default %(default)s); 0: no limit, and in-process decoding runs on "
+                   "threads of this process, where a hung or crashing decoder stops the run")
+
+
+def given_options(argv: list[str]) -> set[str]:
+    """The option dests ``argv`` (one command line) actually sets, whatever their values:
+    the same parser with every default suppressed leaves only what was typed."""
+    p = build_parser()
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sp in action.choices.values():
+                for a in sp._actions:
+                    a.default = argparse.SUPPRESS
+    return set(vars(p.parse_args(argv))) - {"command"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="vlmbatch",
+        description="Ask a vision-language model yes/no questions about many images, fast.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_run, _add_submit, _add_job_commands, _add_eval, _add_quantize,
+                _add_export_vit, _add_serve):
+        add(sub)
+    add_embed_parser(sub, _model_args)
+    return p
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    """``run MANIFEST | --images DIR | JOB``."""
+    r = sub.add_parser("run", help="answer a manifest's (or a folder's) questions -> JSONL; "
+                       "or run a submitted job",
+                       description="Answer every question about every image; one JSONL line per "
+                       "(image, question) with answer, p_yes and error. Given a job folder "
+                       "(from `submit`), run its pending items instead: with a job only --threads, "
+                       "--preprocess-threads (default: as submitted), --retry-failed and the "
+                       "executor options may be given; the rest was fixed at submit.")
+    r.add_argument("manifest", type=Path, nargs="?",
+                   help='JSONL, one image per line: {"id", "image", "questions"}; or a job '
+                   "folder")
+    r.add_argument("--images", type=Path, help="a folder of images instead of a manifest")
+    r.add_argument("--policy", type=Path,
+                   help="YAML/TOML file of questions asked of every image")
+    r.add_argument("--out", "-o", type=Path, help="results file: JSONL, or CSV when it ends "
+                   "in .csv (default: JSONL on standard output)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--retry-failed", action="store_true",
+                   help="a job: first queue its failed images again (as `resume --retry-failed`)")
+    r.add_argument("--max-pixels", type=int, default=default_of(RunConfig, "max_pixels"),
+                   help="images with more pixels (read from the header) are that item's error "
+                   "(default %(default)s)")
+    _model_args(r)
+    _executor_args(r)
+
+
+def _add_submit(sub: argparse._SubParsersAction) -> None:
+    """``submit``: a resumable job folder."""
+    s = sub.add_parser("submit", help="create a resumable job (SQLite store) from a manifest",
+                       description="Validate the input and create a job folder: config + a "
+                       "store of every item. Run it with `vlmbatch run JOB` (or --wait).")
+    s.add_argument("manifest", type=Path, nargs="?", help="JSONL manifest")
+    s.add_argument("--images", type=Path, help="a folder of images instead of a manifest")
+    s.add_argument("--policy", type=Path, help="YAML/TOML file of questions")
+    s.add_argument("--task", default=TASKS[0], choices=TASKS,
+                   help="answer: the questions (default); embed: one embedding per line of "
+                   'a {"id", "image"?, "text"?} manifest or per image of --images DIR, with '
+                   "the embedding options below (default model: the built-in embedding one)")
+    s.add_argument("--job", type=Path, help="the job folder to create")
+    s.add_argument("--wait", action="store_true", help="run the job now")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.add_argument("--max-pixels", type=int, default=default_of(RunConfig, "max_pixels"),
+                   help="images with more pixels are that item's error (default %(default)s)")
+    _model_args(s)
+    _executor_args(s)
+    embed_option_args(s)
+
+
+def _add_job_commands(sub: argparse._SubParsersAction) -> None:
+    """``status``, ``cancel``, ``resume`` and ``results`` of a job folder."""
+    for name, text in [("status", "counts, QPM and ETA of a job"),
+                       ("cancel", "stop a running job after its batch"),
+                       ("resume", "continue an interrupted job")]:
+        c = sub.add_parser(name, help=text, description=text)
+        c.add_argument("job", type=Path)
+        if name == "status":
+            c.add_argument("--json", action="store_true",
+                           help="one JSON object: status, items, done, failed, pending, "
+                           "questions, qpm, eta_s, runner ({pid, host} or null)")
+        if name != "resume":  # accepted as before, does nothing
+            c.add_argument("--no-progress", action="store_true", help=argparse.SUPPRESS)
+        else:
+            c.add_argument("--no-progress", action="store_true", help="no progress bar")
+            c.add_argument("--retry-failed", action="store_true",
+                           help="first queue the failed images again (e.g. after fixing a "
+                           "missing file or an out-of-memory batch)")
+            _thread_args(c, "as submitted")
+            _executor_args(c)
+    x = sub.add_parser("results", help="export a job's results as JSONL, CSV or Parquet",
+                       description="Every recorded result line of a job, in manifest order.")
+    x.add_argument("job", type=Path)
+    x.add_argument("--out", "-o", type=Path, help="file (default: standard output)")
+    x.add_argument("--format", choices=["jsonl", "csv", "parquet", "npy"], default=None,
+                   help="default: from --out's suffix (.parquet, .csv, .npy), else JSONL "
+                   "(OpenAI batch output lines for a job submitted in that format); CSV and "
+                   "Parquet have one row per result line, in our columns for either format; "
+                   "an embedding job: JSONL, Parquet or .npy")
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    """``eval``: easy-vqa accuracy."""
+    e = sub.add_parser("eval", help="accuracy on easy-vqa's test split (yes/no questions)",
+                       description="Accuracy of a model on easy-vqa's yes/no questions.")
+    e.add_argument("--split", default="test", choices=["test", "train"])
+    e.add_argument("--limit", type=positive_int, default=None, help="first N questions only")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _model_args(e)
+
+
+def _add_quantize(sub: argparse._SubParsersAction) -> None:
+    """``quantize``: a W4A16 checkpoint."""
+    q = sub.add_parser("quantize", help="write a W4A16 (AWQ/GPTQ) copy of a model, calibrated "
+                       "on your images",
+                       description="Quantise the language model's decoder linears to 4-bit "
+                       "weights (symmetric, per group) with AWQ or GPTQ, calibrated on the "
+                       "questions of a manifest, and write a compressed-tensors checkpoint that "
+                       "`vlmbatch run --model OUT` serves. The vision encoder stays as it is "
+                       "(see --vit-backend onnxruntime-int8).")
+    q.add_argument("--model", type=Path, default=None,
+                   help="HF-format checkpoint directory (default: the built-in model)")
+    q.add_argument("--method", required=True, choices=METHODS,
+                   help="rtn: plain round-to-nearest, for comparison")
+    q.add_argument("--calib", type=Path, required=True,
+                   help="JSONL manifest of calibration images and questions")
+    q.add_argument("--policy", type=Path, help="YAML/TOML questions asked of every image")
+    q.add_argument("--samples", type=int, default=param_default(quantize_model, "samples"),
+                   help="calibration (image, question) pairs (default %(default)s)")
+    q.add_argument("--group-size", type=int,
+                   default=param_default(quantize_model, "group_size"),
+                   help="input columns per scale (default %(default)s)")
+    q.add_argument("--out", type=Path, required=True, help="new model folder")
+    q.add_argument("--device", default="cpu",
+                   help="where calibration runs: cpu (default) or cuda; the model is float32")
+    q.add_argument("--threads", type=positive_int, default=None,
+                   help="torch CPU threads (default: torch's, one per core)")
+    q.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_export_vit(sub: argparse._SubParsersAction) -> None:
+    """``export-vit``: the vision encoder as ONNX."""
+    x = sub.add_parser("export-vit", help="export the vision encoder to ONNX and check it",
+                       description="ONNX of the vision encoder (uint8 tiles in, embeddings out, "
+                       "dynamic batch), checked with onnxruntime against torch. `run "
+                       "--vit-backend onnxruntime` exports on the fly; this file is for other "
+                       "runtimes, TensorRT's builder (docs/vision.md) or inspection.")
+    x.add_argument("--model", type=Path, default=None,
+                   help="HF-format checkpoint directory (default: the built-in model)")
+    x.add_argument("--out", type=Path, required=True, help="output folder")
+    x.add_argument("--opset", type=int, default=param_default(export_onnx, "opset"),
+                   choices=range(17, 21), metavar="{17..20}",
+                   help="ONNX opset (default %(default)s; SDPA exports as plain ops in 17-20)")
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    """``serve``: the OpenAI-compatible server (its options: ``vlmbatch/app/server/args.py``)."""
+    s = sub.add_parser("serve", help="an OpenAI-compatible server: chat completions with "
+                       "P(yes), embeddings, files and batches (docs/server.md)",
+                       description="Serve the model over HTTP: /v1/chat/completions (yes/no "
+                       "with P(yes) in logprobs), /v1/embeddings (--embed-model), /v1/files + "
+                       "/v1/batches of either (each batch a resumable job), /v1/models, "
+                       "/health. --images-per-batch is a batch "
+                       "job's group, the most an interactive request waits behind.")
+    _model_args(s)
+    add_server_args(s)

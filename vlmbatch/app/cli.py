@@ -1,0 +1,142 @@
+"""``vlmbatch`` command line: parse (``args.py``), dispatch to the command
+(``commands.py``), turn errors into one-line messages and exit codes.
+
+Exit codes: 0 all answered; 3 finished but some items failed (their lines carry ``error``),
+or a job was cancelled with items left; 2 bad input or model, or a job another process
+is running (message on stderr, nothing run);
+1 a file could not be read or written (message on stderr), or an unexpected failure;
+130 interrupted (Ctrl-C), 143 terminated (SIGTERM): results written so far are kept, a job
+is left resumable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+
+import cv2
+
+from vlmbatch.app.args import build_parser, given_options
+from vlmbatch.app.commands import (
+    COMMANDS,
+    EXIT_BAD_INPUT,
+    EXIT_CRASH,
+    EXIT_INTERRUPTED,
+    EXIT_ITEM_ERRORS,
+    EXIT_OK,
+    EXIT_TERMINATED,
+    executor_config,
+    is_job_arg,
+)
+from vlmbatch.jobs.errors import ManifestError
+from vlmbatch.jobs.job import is_job
+from vlmbatch.models.io import ModelError
+from vlmbatch.pipeline.config import ConfigError
+from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
+from vlmbatch.pipeline.scoring import AnswerWordsError
+
+__all__ = ["EXIT_BAD_INPUT", "EXIT_CRASH", "EXIT_INTERRUPTED", "EXIT_ITEM_ERRORS", "EXIT_OK",
+           "EXIT_TERMINATED", "main"]
+
+# OSErrors reported as a message even without a file name (disk full, quota, read-only...)
+USER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def _quiet_opencv() -> None:
+    """OpenCV logs its own line for every undecodable image; each is already that item's
+    ``error``, so the CLI silences OpenCV unless OPENCV_LOG_LEVEL asks otherwise."""
+    if "OPENCV_LOG_LEVEL" not in os.environ:
+        cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)
+
+
+def main(argv: list[str] | None = None, hooks: FaultHooks = NO_HOOKS) -> int:
+    """Run one command line; ``hooks``: fault injection for tests (none otherwise)."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    args.given = given_options(argv)
+    _quiet_opencv()
+    with _sigterm_as_interrupt():
+        return _main(args, hooks)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's preemption, `kill`, `docker stop`), raised in the main thread
+    so that a run ends as after Ctrl-C: the job marked interrupted, its lock freed, the
+    output file closed on whole lines; exit 143. Ray's blocking calls turn any
+    KeyboardInterrupt into a plain one, so what was received is also kept in ``SIGTERMS``."""
+
+
+SIGTERMS: list[int] = []  # one entry per SIGTERM received by this process's CLI
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    SIGTERMS.clear()
+    inherited = signal.getsignal(signal.SIGTERM)
+    if (threading.current_thread() is not threading.main_thread()
+            or inherited in (signal.SIG_IGN, None)):
+        yield  # handlers can only be set in the main thread; an ignored SIGTERM stays so
+        return
+
+    def raise_terminated(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, previous)  # a second SIGTERM is not held up by cleanup
+        SIGTERMS.append(signum)
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args: argparse.Namespace, hooks: FaultHooks) -> int:
+    try:
+        if hasattr(args, "executor"):
+            executor_config(args)  # Ray-only options without --executor ray are an error
+        return COMMANDS[args.command](args, hooks)
+    except (ConfigError, ManifestError, ModelError, AnswerWordsError, ImportError) as e:
+        print(f"vlmbatch: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except BrokenPipeError:  # e.g. `vlmbatch run ... | head`
+        sys.stderr.close()
+        return EXIT_OK
+    except OSError as e:  # a path that cannot be written, a full disk...
+        if not e.filename and e.errno not in USER_ERRNOS:
+            raise  # not about a file the user named: keep the traceback
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"vlmbatch: error: {where}{e.strerror or e}", file=sys.stderr)
+        return EXIT_CRASH
+    except KeyboardInterrupt:
+        return _interrupted(args)
+
+
+def _interrupted(args: argparse.Namespace) -> int:
+    """After Ctrl-C or SIGTERM: say what was kept and how to go on; exit 130 or 143."""
+    what = "terminated (SIGTERM)" if SIGTERMS else "interrupted"
+    kept = "results written so far are kept"
+    hint = ""
+    if args.command == "run" and not is_job_arg(args):
+        hint = ("; the same command starts over: for work that resumes, `vlmbatch submit "
+                "... --job DIR` then `vlmbatch resume DIR`")
+    elif args.command == "submit" and not (args.job and is_job(args.job)):
+        hint = "; no job was created"
+    elif args.command in ("run", "submit", "resume"):
+        hint = "; `vlmbatch resume JOB` continues the job"
+    elif args.command in ("results", "quantize", "export-vit"):
+        kept = ("--out is left as it was (written whole or not at all); run the command "
+                "again")
+    elif args.command == "eval":
+        kept = "nothing was written"
+    print(f"vlmbatch: {what}; {kept}{hint}", file=sys.stderr)
+    return EXIT_TERMINATED if SIGTERMS else EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""``POST /v1/chat/completions``: the request as FastAPI parses it, the question it asks,
+and the ``chat.completion`` it is answered with.
+
+A request is read exactly as a line of an OpenAI batch file is (``jobs.openai_batch``):
+one ``image_url`` part, its text parts joined as the question, ``max_completion_tokens``
+(else ``max_tokens``) above 1 asking for a text answer of up to that many tokens, 1 or
+absent for the thresholded yes/no. So an interactive answer equals the batch line for the
+same request.
+
+``logprobs``: the first token's, over the two answer classes (the yes words and the no
+words, ``--yes``/``--no``), renormalised: ``exp(logprob("yes")) == p_yes``, which is what a
+standard client computes from ``top_logprobs``. They are not the full vocabulary's
+(``top_logprobs`` above 2 gives the same two entries).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from vlmbatch.app.server.errors import APIError, bad_request
+from vlmbatch.jobs.errors import ManifestError
+from vlmbatch.jobs.openai_batch import parse_request
+from vlmbatch.pipeline.records import Answer, ImageItem, Score
+
+STRICT = ConfigDict(strict=True, extra="ignore")
+
+
+class ImageURL(BaseModel):
+    model_config = STRICT
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class TextPart(BaseModel):
+    model_config = STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(BaseModel):
+    model_config = STRICT
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class Message(BaseModel):
+    model_config = STRICT
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[Part] | None = None
+    name: str | None = None
+
+
+class ChatRequest(BaseModel):
+    """What is read; sampling options (temperature, top_p, seed...) are accepted and
+    ignored: answers are greedy."""
+    model_config = STRICT
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    stream: bool | None = None
+    n: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = None
+    user: str | None = None
+
+
+def question_of(req: ChatRequest, max_prompt_chars: int, max_tokens: int) -> ImageItem:
+    """The one (image URL, question) the request asks, as a batch line's item, or a 400."""
+    if req.stream:
+        raise bad_request("stream: true is not supported: answers are one token (or a short "
+                          "text) and come whole; leave stream unset", "stream",
+                          "unsupported_parameter")
+    if req.n not in (None, 1):
+        raise bad_request("n must be 1: answers are greedy, so every choice would be the same",
+                          "n", "unsupported_parameter")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
+    asked = req.max_completion_tokens or req.max_tokens or 1
+    if asked > max_tokens:
+        raise bad_request(f"max_tokens {asked} is over this server's limit of {max_tokens} "
+                          "(--max-completion-tokens)", "max_tokens", "invalid_value")
+    body = req.model_dump(exclude_none=True)
+    try:
+        # base folder unused: bare paths are refused (media.check_image_url) before reading
+        item = parse_request({"custom_id": "request", "body": body}, "request", Path("/"))
+    except ManifestError as e:
+        raise bad_request(str(e).removeprefix("request: ").replace("body.", ""),
+                          "messages", "invalid_value") from None
+    if len(item.questions[0].text) > max_prompt_chars:
+        raise bad_request(f"the question is {len(item.questions[0].text):,} characters, over "
+                          f"this server's limit of {max_prompt_chars:,} (--max-prompt-chars)",
+                          "messages", "context_length_exceeded")
+    return item
+
+
+def _logp(margin: float) -> tuple[float, float]:
+    """(log P(yes), log P(no)) from the logit margin, without rounding:
+    ``p_yes = sigmoid(margin)``, so ``log p_yes = -log(1 + e^-margin)``."""
+    def log_sigmoid(x: float) -> float:
+        return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
+
+    return log_sigmoid(margin), log_sigmoid(-margin)
+
+
+def logprobs_of(margin: float, top: int, words: tuple[str, str], yes: bool
+                ) -> dict[str, Any]:
+    """``choices[0].logprobs``: the first token's entry (the class answered: yes when
+    ``yes``) and its ``top_logprobs`` (``top`` of the two classes, most likely first)."""
+    entries: dict[str, dict[str, Any]] = {
+        w: {"token": w, "logprob": max(v, -9999.0), "bytes": list(w.encode())}  # OpenAI's floor
+        for w, v in zip(words, _logp(margin))}
+    ranked = sorted(entries.values(), key=lambda e: -e["logprob"])
+    return {"content": [{**entries[words[0] if yes else words[1]],
+                         "top_logprobs": ranked[:top]}], "refusal": None}
+
+
+def completion(req: ChatRequest, item: ImageItem, model: str, s: Score,
+               words: tuple[str, str]) -> dict:
+    """The ``chat.completion`` for ``item``'s score ``s``, with ``vlmbatch: {p_yes, margin,
+    image_tokens}``."""
+    a = Answer.scored(item.id, item.questions[0], s)  # rounded and thresholded as a job's
+    assert a.p_yes is not None
+    text = a.text if a.text is not None else a.answer
+    prompt = s.prompt_tokens or 0
+    out = 1 if a.text is None else None  # a text answer's token count is not reported
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+        "created": int(time.time()), "model": model, "system_fingerprint": None,
+        "choices": [{"index": 0, "finish_reason": "stop",
+                     "message": {"role": "assistant", "content": text, "refusal": None},
+                     "logprobs": (logprobs_of(s.margin, req.top_logprobs or 0, words,
+                                              a.answer == "yes")
+                                  if req.logprobs else None)}],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": out,
+                  "total_tokens": prompt + (out or 0)},
+        "vlmbatch": {"p_yes": a.p_yes, "margin": a.margin, "image_tokens": a.image_tokens}}
+
+
+def require_model(name: str, served: str, param: str = "model") -> None:
+    if name != served:
+        raise APIError(404, f"the model {name!r} does not exist: this server serves "
+                       f"{served!r} (GET /v1/models)", param, "model_not_found")
+

@@ -1,0 +1,286 @@
+"""The engine thread: the one thread that calls the engine (which is not thread-safe).
+
+Interactive chat requests arrive prepared (decoded and tiled on the request's worker
+thread, so a bad image is that request's 400 before it is queued) in a bounded queue. The
+loop, each turn:
+
+0. **Calls first.** Other interactive work that needs the engine (an embeddings request)
+   is queued as a call (``call``) and run before anything else.
+1. **Interactive first.** If a request is queued, take it and every other one queued,
+   wait up to ``batch_wait_s`` for more while some are on their way (parsed, their image
+   being prepared: ``arriving``; a lone client waits for nothing), at most
+   ``max_batch_requests``, and answer them in one ``engine.score`` call; the images are
+   deduplicated by their cache key, so requests about the same image share its prefix
+   (one image-token prefill, the others reuse the cached blocks).
+2. **Then batch jobs.** Only when no request is queued, one group (``images_per_batch``
+   items) of the current batch's job is answered and recorded (``jobs.job``'s exactly-once
+   transaction). An interactive request therefore waits at most for one group's engine
+   call, never for a whole batch.
+
+An engine failure on a call of several requests retries each alone, so one request that
+breaks the engine fails alone (a 500 naming the engine error), never its neighbours.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, InvalidStateError
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from vlmbatch.app.server.batches import BatchBook
+from vlmbatch.app.server.config import ServerConfig
+from vlmbatch.app.server.errors import APIError
+from vlmbatch.app.server.job_run import JobRun, JobRunError
+from vlmbatch.pipeline.engine import Engine
+from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
+from vlmbatch.pipeline.records import ImageItem, Request, Score
+from vlmbatch.preprocessing.prepare import PreparedImage
+
+log = logging.getLogger("vlmbatch.app.server")
+
+
+@dataclass
+class ChatWork:
+    item: ImageItem  # one question (item.questions[0]) about its image
+    image: PreparedImage
+    future: Future[Score] = field(default_factory=Future)
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, cfg: ServerConfig, book: BatchBook,
+                 drained: Callable[[str], None], hooks: FaultHooks = NO_HOOKS) -> None:
+        self.engine, self.cfg, self.book, self.drained, self.hooks = (
+            engine, cfg, book, drained, hooks)
+        self.chat: queue.Queue[ChatWork] = queue.Queue(cfg.max_queue)
+        # work other than chat that needs the engine thread (embeddings), with its result
+        self.calls_q: queue.Queue[tuple[Callable[[], object], Future]] = queue.Queue(
+            cfg.max_queue)
+        self.batches: collections.deque[str] = collections.deque()  # ids, in order
+        self._owned: set[str] = set()  # queued or running here: this thread will end them
+        self._cancel: set[str] = set()
+        self._arriving = 0  # requests between arrival and submit (``arriving``)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.calls = 0  # chat engine calls made (FaultHooks.score sees the count)
+        # the engine of each job task: chat batches answer, embedding batches embed (added
+        # by ServerState.serve_embeddings; without it they are left for a server that can)
+        self.engines: dict[str, Engine] = {"answer": engine}
+        self.thread = threading.Thread(target=self._run, name="vlmbatch-engine", daemon=True)
+
+    # --- called from request threads ---
+    @contextmanager
+    def arriving(self) -> Iterator[None]:
+        """Around a request's parsing and image preparation: the engine thread waits for
+        more requests only while some are on their way."""
+        with self._lock:
+            self._arriving += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._arriving -= 1
+
+    def submit(self, item: ImageItem, image: PreparedImage) -> Future[Score]:
+        if self._stop.is_set():
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        work = ChatWork(item, image)
+        try:
+            self.chat.put_nowait(work)
+        except queue.Full:
+            raise APIError(429, f"the server has {self.cfg.max_queue} requests queued; retry "
+                           "shortly", code="queue_full") from None
+        return work.future
+
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run ``fn`` on the engine thread, before the next chat batch; its result (or its
+        exception) in the future."""
+        if self._stop.is_set():
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        f: Future = Future()
+        try:
+            self.calls_q.put_nowait((fn, f))
+        except queue.Full:
+            raise APIError(429, f"the server has {self.cfg.max_queue} requests queued; retry "
+                           "shortly", code="queue_full") from None
+        return f
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, f = self.calls_q.get_nowait()
+            except queue.Empty:
+                return
+            if not f.set_running_or_notify_cancel():
+                continue
+            try:
+                f.set_result(fn())
+            except BaseException as e:  # noqa: BLE001  (handed to the request that asked)
+                f.set_exception(e)
+
+    def enqueue_batch(self, batch_id: str) -> None:
+        with self._lock:
+            self.batches.append(batch_id)
+            self._owned.add(batch_id)
+
+    def cancel_batch(self, batch_id: str) -> bool:
+        """Stop the batch's job between groups; False if this thread does not hold it (it
+        was skipped, or never queued): then the caller finalizes it."""
+        with self._lock:
+            self._cancel.add(batch_id)
+            return batch_id in self._owned
+
+    def _release(self, batch_id: str) -> None:
+        with self._lock:
+            self._owned.discard(batch_id)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float) -> None:
+        """Answer what is queued, finish the batch group in flight, leave the job
+        resumable (``interrupted`` in its store, ``in_progress`` in its record)."""
+        self._stop.set()
+        self.thread.join(timeout)
+
+    # --- the engine thread ---
+    def _run(self) -> None:
+        job: JobRun | None = None
+        try:
+            while not (self._stop.is_set() and self.chat.empty() and self.calls_q.empty()):
+                self._run_calls()
+                if job is None and not self._stop.is_set():
+                    job = self._next_job()
+                works = self._take(block=job is None and self.calls_q.empty())
+                if works:
+                    self._guarded(works)
+                elif job is not None and not self._stop.is_set():
+                    job = self._step(job)
+        except BaseException:
+            log.exception("the engine thread stopped")
+            raise
+        finally:
+            if job is not None:
+                job.close("interrupted")
+
+    def _take(self, block: bool) -> list[ChatWork]:
+        """Up to ``max_batch_requests`` queued requests: the first (waiting up to 50 ms when
+        there is nothing else to do), then those queued meanwhile and, while others are
+        arriving, those that come within ``batch_wait_s``."""
+        try:
+            first = self.chat.get(timeout=0.05) if block else self.chat.get_nowait()
+        except queue.Empty:
+            return []
+        works = [first]
+        deadline = time.monotonic() + self.cfg.batch_wait_s
+        while len(works) < self.cfg.max_batch_requests:
+            left = deadline - time.monotonic()
+            try:
+                works.append(self.chat.get(timeout=min(left, 0.001)) if left > 0
+                             and self._arriving else self.chat.get_nowait())
+            except queue.Empty:
+                if left <= 0 or not self._arriving:
+                    break
+        return [w for w in works if not w.future.cancelled()]  # a client that went away
+
+    def _guarded(self, works: list[ChatWork]) -> None:
+        """``_answer``, and whatever goes wrong is these requests' 500, never a hang."""
+        try:
+            self._answer(works)
+        except Exception as e:  # noqa: BLE001  (the thread must go on serving)
+            log.exception("answering %d requests failed", len(works))
+            for w in works:
+                _settle(w.future, error=APIError(500, f"internal error: {type(e).__name__}",
+                                                 code="internal_error"))
+
+    def _answer(self, works: list[ChatWork]) -> None:
+        images: list[PreparedImage] = []
+        index: dict[str, int] = {}
+        requests = []
+        for w in works:
+            key = w.image.cache_key
+            if key not in index:
+                index[key] = len(images)
+                images.append(w.image)
+            q = w.item.questions[0]
+            requests.append(Request(index[key], q.text, q.max_new_tokens))
+        self.calls += 1
+        try:
+            self.hooks.score(self.calls)
+            scores = self.engine.score(images, requests)
+        except Exception as e:  # noqa: BLE001  (isolate the request that broke the engine)
+            if len(works) > 1:
+                for w in works:
+                    self._answer([w])
+                return
+            log.exception("engine failed on a chat request")
+            _settle(works[0].future, error=APIError(
+                500, f"engine failed: {type(e).__name__}: {e}", code="engine_error"))
+            return
+        for w, s in zip(works, scores):
+            _settle(w.future, s)
+
+    def _next_job(self) -> JobRun | None:
+        while True:
+            with self._lock:
+                if not self.batches:
+                    return None
+                batch_id = self.batches.popleft()
+            rec = self.book.get(batch_id)
+            if rec.status == "cancelling" or batch_id in self._cancel:
+                self._release(batch_id)
+                self.drained(batch_id)
+                continue
+            if rec.status != "in_progress":
+                self._release(batch_id)
+                continue
+            try:
+                return JobRun(batch_id, self.book.job_of(batch_id), self.engines, self.cfg)
+            except JobRunError as e:  # left in progress: a server that can run it resumes it
+                log.warning("batch %s skipped: %s", batch_id, e)
+                self._release(batch_id)
+
+    def _step(self, job: JobRun) -> JobRun | None:
+        """One group of the job; None once the job is drained, cancelled or broken."""
+        if job.batch_id in self._cancel:
+            job.close("cancelled")
+            self._release(job.batch_id)
+            self.drained(job.batch_id)
+            return None
+        try:
+            more = job.step()
+        except Exception as e:  # noqa: BLE001  (e.g. a full disk: this batch fails, not all)
+            log.exception("batch %s stopped", job.batch_id)
+            job.close("interrupted")
+            self._fail(job.batch_id, f"the job stopped: {type(e).__name__}: {e}")
+            return None
+        if more:
+            self.hooks.group_done()
+            return job
+        job.close("done")
+        self.book.update(job.batch_id, lambda r: r.at("finalizing")
+                         if r.status == "in_progress" else r)
+        self._release(job.batch_id)
+        self.drained(job.batch_id)
+        return None
+
+    def _fail(self, batch_id: str, message: str) -> None:
+        self._release(batch_id)
+        err = {"code": "server_error", "message": message, "param": None, "line": None}
+        self.book.update(batch_id, lambda r: r.at("failed", errors=[err]))
+
+
+def _settle(f: Future, result: Score | None = None, error: BaseException | None = None) -> None:
+    """Hand a result to a request's future (one whose client went away is skipped)."""
+    try:
+        if error is not None:
+            f.set_exception(error)
+        else:
+            f.set_result(result)
+    except InvalidStateError:  # cancelled meanwhile
+        pass

@@ -1,0 +1,152 @@
+"""The one frozen config tree of a run: ``RunConfig`` (input, output, batching, threads) holds
+``ModelConfig`` and ``EngineConfig`` (``pipeline/config.py``) and ``ExecutorConfig`` (where
+the run's stages execute, with the Ray options). The CLI builds it from argparse; a job
+stores it serialised (``to_json``/``from_json``, with ``RunConfig.VERSION``) and each run may
+change only what does not change an answer: thread counts and the executor (``for_run``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from vlmbatch.pipeline.config import (
+    ConfigError,
+    EmbedConfig,
+    EngineConfig,
+    ModelConfig,
+    check_threads,
+)
+from vlmbatch.preprocessing.decode import DEFAULT_MAX_PIXELS
+
+EXECUTORS = ("local", "ray")
+# what a run does with its items: answer their questions (yes/no), or embed them
+TASKS = ("answer", "embed")
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    address: str | None = None  # None: $RAY_ADDRESS, else a new local instance for this run
+    preprocess_workers: int = 1  # concurrent CPU preprocessing tasks
+    model_workers: int = 1  # model actors (one per GPU on a GPU cluster)
+    model_cpus: float = 1.0  # CPUs reserved per model actor (its torch threads, on CPU)
+
+    def __post_init__(self) -> None:
+        if self.preprocess_workers < 1 or self.model_workers < 1:
+            raise ConfigError("--preprocess-workers and --model-workers must be >= 1")
+        if not self.model_cpus > 0:
+            raise ConfigError("--model-cpus must be > 0")
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    kind: str = "local"  # one of EXECUTORS: this process, or Ray tasks and actors
+    ray: RayOptions = field(default_factory=RayOptions)
+    # seconds one image may take to read, decode and tile before its worker (a decoder
+    # process in-process, a prepare task on Ray) is killed and that item fails; 0: none,
+    # and in-process decoding runs on threads of this process (a hang then stops the run)
+    decode_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in EXECUTORS:
+            raise ConfigError(f"executor {self.kind!r} not one of {EXECUTORS}")
+        if not self.decode_timeout >= 0:  # NaN too
+            raise ConfigError(f"--decode-timeout must be >= 0, got {self.decode_timeout}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    # of the serialised form (job.json); 3: task and embed; 4: decode_timeout moved from the
+    # Ray options to the executor's (jobs.folder.load_config reads versions 1-3)
+    VERSION: ClassVar[int] = 4
+
+    manifest: Path | None = None
+    images: Path | None = None  # a folder of images, asked the policy's questions
+    policy: Path | None = None
+    out: Path | None = None  # JSONL (or CSV: .csv) results; None: standard output
+    images_per_batch: int = 16  # images preprocessed and scored together
+    max_pixels: int = DEFAULT_MAX_PIXELS  # larger images are that item's error (bomb guard)
+    threads: int | None = None  # torch intra-op threads; None: torch's default
+    # threads decoding and tiling the next groups while the model scores the current one;
+    # 0: none (each group prepared in the main thread before it is scored); None: auto
+    # (pipeline.config.preprocess_threads_for)
+    preprocess_threads: int | None = None
+    progress: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    task: str = "answer"  # one of TASKS
+    embed: EmbedConfig = field(default_factory=EmbedConfig)  # task "embed": how
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ConfigError(f"task {self.task!r} not one of {TASKS}")
+        if (self.manifest is None) == (self.images is None):
+            raise ConfigError("give exactly one input: a manifest, or --images DIR" +
+                              (" with --policy" if self.task == "answer" else ""))
+        if self.task == "embed" and self.policy is not None:
+            raise ConfigError("--policy asks questions: it does not apply to --task embed")
+        if self.task == "answer" and self.images is not None and self.policy is None:
+            raise ConfigError("--images DIR needs --policy FILE to say which questions to ask")
+        if self.max_pixels < 1:
+            raise ConfigError(f"max_pixels must be >= 1, got {self.max_pixels}")
+        if self.images_per_batch < 1:
+            raise ConfigError(f"images_per_batch must be >= 1, got {self.images_per_batch}")
+        check_threads(self.threads, self.preprocess_threads)
+        if self.out is not None:
+            for name, src in (("manifest", self.manifest), ("policy", self.policy)):
+                if src is not None and Path(src).resolve() == Path(self.out).resolve():
+                    raise ConfigError(f"--out {self.out} is the {name}: writing results there "
+                                      "would overwrite it; pick another file")
+
+    def for_run(self, threads: int | None = None, preprocess_threads: int | None = None,
+                executor: ExecutorConfig | None = None) -> RunConfig:
+        """This config with one run's thread counts and executor in place of those stored
+        (None: keep them). These change no answer, only speed and where the work runs, and a
+        job may run on another machine than the one it was submitted on."""
+        check_threads(threads, preprocess_threads)
+        return dataclasses.replace(
+            self, threads=self.threads if threads is None else threads,
+            preprocess_threads=(self.preprocess_threads if preprocess_threads is None
+                                else preprocess_threads),
+            executor=executor or self.executor)
+
+
+def to_json(obj: Any) -> Any:
+    """A config dataclass as plain JSON values (paths as strings, tuples as lists)."""
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_json(getattr(obj, f.name)) for f in fields(obj)}
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, tuple):
+        return [to_json(x) for x in obj]
+    return obj
+
+
+def from_json(cls: type, d: dict) -> Any:
+    """``cls`` (a config dataclass) from ``to_json``'s output. Fields ``d`` lacks take their
+    defaults (configs written before the field existed); unknown keys are refused."""
+    unknown = sorted(set(d) - {f.name for f in fields(cls)})
+    if unknown:
+        raise ConfigError(f"unknown {cls.__name__} setting(s) {unknown}")
+    hints = typing.get_type_hints(cls)
+    return cls(**{f.name: _value(hints[f.name], d[f.name]) for f in fields(cls) if f.name in d})
+
+
+def _value(tp: Any, v: Any) -> Any:
+    if v is None:
+        return None
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return _value(args[0], v)  # X | None
+    if is_dataclass(tp):
+        return from_json(tp, v)  # type: ignore[arg-type]
+    if tp is Path:
+        return Path(v)
+    if typing.get_origin(tp) is tuple:
+        return tuple(v)
+    return v

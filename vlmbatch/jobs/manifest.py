@@ -1,0 +1,219 @@
+"""Job inputs: JSONL manifests, policy files (YAML/TOML) and folders of images.
+
+Manifest line: ``{"id": ..., "image": <path | file:// URL | data: URL>, "questions": [...]}``
+where a question is a string or ``{"id", "text", "threshold"?, "max_new_tokens"?}``
+(``max_new_tokens``: also generate up to that many answer tokens for this question, e.g. an
+explanation for the few questions that need one; default the run's ``--max-new-tokens``).
+Relative paths are resolved against the manifest's folder. A policy names questions applied
+to every image:
+
+    questions:
+      - {id: red, text: "Is there a red shape?", threshold: 0.5}
+      - {id: beds, text: "Are there more than 3 beds? Answer yes or no, then explain.",
+         max_new_tokens: 64}
+
+Validation is complete before any work starts: a malformed line raises ``ManifestError``
+naming the file and line number. Reading image bytes happens later, per item, so a missing
+image is that item's error, not the job's.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+
+import yaml
+
+from vlmbatch.jobs.errors import ManifestError, brief, check_id, check_unicode
+from vlmbatch.jobs.openai_batch import is_openai_request, parse_request
+from vlmbatch.pipeline.records import ImageItem, Question
+
+__all__ = ["ImageItem", "ManifestError", "Question", "first_line", "items_from_folder",
+           "iter_manifest", "manifest_format", "parse_question", "read_manifest", "read_policy"]
+
+QUESTION_KEYS = {"id", "text", "threshold", "max_new_tokens"}
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
+
+
+def parse_question(raw: object, where: str, index: int, prefix: str = "q") -> Question:
+    """A question given as a string or ``{"id", "text", "threshold"?, "max_new_tokens"?}``;
+    ManifestError naming ``where`` and ``index`` otherwise. Without an id it is
+    ``{prefix}{index}``."""
+    if isinstance(raw, str):
+        if not raw.strip():
+            raise ManifestError(f"{where}: question {index} is empty")
+        return Question(id=f"{prefix}{index}", text=raw)
+    if not isinstance(raw, dict) or not isinstance(raw.get("text"), str) \
+            or not raw["text"].strip():
+        raise ManifestError(f"{where}: question {index} must be a string or an object with a "
+                            f"non-empty 'text', got {brief(raw)}")
+    unknown = sorted(set(raw) - QUESTION_KEYS, key=str)  # YAML keys may be 1, null...
+    if unknown:  # a misspelt "threshold" would silently fall back to 0.5
+        raise ManifestError(f"{where}: question {index} has unknown key(s) {brief(unknown)}; a "
+                            f"question object has {sorted(QUESTION_KEYS)}")
+    thr = raw.get("threshold", 0.5)
+    if isinstance(thr, bool) or not isinstance(thr, (int, float)) or not 0.0 <= thr <= 1.0:
+        raise ManifestError(f"{where}: question {index} threshold must be a number in [0, 1], "
+                            f"got {brief(thr)}")
+    gen = raw.get("max_new_tokens")
+    if gen is not None and (not isinstance(gen, int) or isinstance(gen, bool) or gen < 0):
+        raise ManifestError(f"{where}: question {index} max_new_tokens must be a whole number "
+                            f">= 0, got {brief(gen)}")
+    qid = check_id(raw.get("id", f"{prefix}{index}"), where, f"question {index} id")
+    return Question(id=qid, text=raw["text"],
+                    threshold=float(thr), max_new_tokens=gen)
+
+
+def _questions(raw: object, where: str, prefix: str = "q") -> tuple[Question, ...]:
+    """Questions without an id get ``{prefix}{index}``: q0, q1... in a manifest line,
+    p0, p1... in a policy, so the two never collide by default."""
+    if not isinstance(raw, list):
+        raise ManifestError(f"{where}: 'questions' must be a list, got {type(raw).__name__}")
+    qs = tuple(parse_question(q, where, i, prefix) for i, q in enumerate(raw))
+    ids = [q.id for q in qs]
+    if len(set(ids)) != len(ids):
+        raise ManifestError(f"{where}: question ids repeat: {brief(ids)}")
+    return qs
+
+
+def read_policy(path: Path) -> tuple[Question, ...]:
+    """Questions of a YAML (.yaml/.yml) or TOML (.toml) policy file."""
+    path = Path(path)
+    if path.is_dir():
+        raise ManifestError(f"policy {path} is a folder; give the policy's .yaml/.toml file")
+    if not path.is_file():
+        raise ManifestError(f"policy file {path} not found")
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # a BOM is tolerated
+    except UnicodeDecodeError as e:
+        raise ManifestError(f"{path}: not UTF-8 ({e.reason} at byte {e.start}); save the "
+                            "policy as UTF-8") from None
+    if path.suffix not in (".toml", ".yaml", ".yml"):
+        raise ManifestError(f"{path}: policy must be .yaml, .yml or .toml")
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+    except (yaml.YAMLError, ValueError, RecursionError) as e:  # TOMLDecodeError: a ValueError
+        raise ManifestError(f"{path}: cannot parse policy: {_reason(e)}") from None
+    if not isinstance(data, dict) or "questions" not in data:
+        raise ManifestError(f"{path}: a policy needs a top-level 'questions' list")
+    qs = _questions(data["questions"], str(path), prefix="p")
+    check_unicode((s for q in qs for s in (q.id, q.text)), str(path))
+    if not qs:
+        raise ManifestError(f"{path}: the policy has no questions")
+    return qs
+
+
+def read_manifest(path: Path, policy: tuple[Question, ...] = ()) -> list[ImageItem]:
+    """Parse and validate every line; policy questions follow each line's own questions."""
+    items: list[ImageItem] = []
+    seen: dict[str, int] = {}  # id -> line
+    for lineno, item in iter_manifest(path, policy):
+        if (first := seen.setdefault(item.id, lineno)) != lineno:
+            raise ManifestError(f"{path}:{lineno}: id {brief(item.id)} appears twice (first "
+                                f"on line {first})")
+        items.append(item)
+    return items
+
+
+def iter_manifest(path: Path, policy: tuple[Question, ...] = ()
+                  ) -> Iterator[tuple[int, ImageItem]]:
+    """(line number, item) for each line, validated as read, in bounded memory. Duplicate
+    ids are the caller's check (``read_manifest`` keeps a set; the job store a UNIQUE key)."""
+    path = Path(path)
+    if path.is_dir():
+        raise ManifestError(f"{path} is a folder, not a manifest (nor a job folder): for a "
+                            "folder of images use --images DIR --policy FILE")
+    if not path.is_file():
+        raise ManifestError(f"manifest {path} not found")
+    # absolute: a job stores its items and may run from another working directory
+    base_dir = path.parent.absolute()
+    fmt: dict[str, str] = {}
+    n = 0
+    with path.open("rb") as f:
+        for lineno, raw_line in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:  # a BOM (Windows editors write one) is tolerated, as in a policy
+                line = raw_line.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ManifestError(f"{where}: not UTF-8 ({e.reason} at byte {e.start})") from e
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ManifestError(f"{where}: not valid JSON ({e.msg})") from e
+            except (ValueError, RecursionError) as e:  # 4,300+ digit numbers; deep nesting
+                raise ManifestError(f"{where}: not valid JSON ({_reason(e)})") from None
+            if not isinstance(rec, dict):
+                raise ManifestError(f"{where}: each line must be a JSON object")
+            item = _item(rec, where, lineno, base_dir, policy)
+            asked = [t for q in item.questions for t in (q.id, q.text)]
+            check_unicode([item.id, item.source, *asked], where)  # item.image: a string here
+            if (kind := "openai" if is_openai_request(rec) else "vlmbatch") != fmt.setdefault(
+                    "kind", kind):
+                raise ManifestError(f"{where}: mixes OpenAI batch requests and vlmbatch lines")
+            n += 1
+            yield lineno, item
+    if not n:
+        raise ManifestError(f"manifest {path} has no items")
+
+
+def _item(rec: dict, where: str, lineno: int, base_dir: Path,
+          policy: tuple[Question, ...]) -> ImageItem:
+    if is_openai_request(rec):
+        if policy:
+            raise ManifestError(f"{where}: a policy does not apply to OpenAI batch requests "
+                                "(each request carries its own question)")
+        return parse_request(rec, where, base_dir)
+    if not isinstance(rec.get("image"), str) or not rec["image"]:
+        raise ManifestError(f"{where}: missing 'image' (a path, file:// or data: URL)")
+    own = _questions(rec.get("questions", []), where)
+    clash = {o.id for o in own} & {q.id for q in policy}
+    if clash:
+        raise ManifestError(f"{where}: question id(s) {brief(sorted(clash))} are used by both "
+                            "this line and the policy; rename one")
+    if not own + policy:
+        raise ManifestError(f"{where}: no questions (give 'questions' or --policy)")
+    return ImageItem(check_id(rec.get("id", lineno), where, "id"), rec["image"], own + policy,
+                     base_dir)
+
+
+def first_line(path: Path, item_id: str, policy: tuple[Question, ...] = ()) -> int:
+    """The line of the first item with ``item_id``, for a repeated id's message when the ids
+    were not kept (a job's store finds the repeat): rescans, so call it on that error only."""
+    return next(ln for ln, it in iter_manifest(path, policy) if it.id == item_id)
+
+
+def manifest_format(path: Path) -> str:
+    """"openai" if the manifest holds OpenAI batch requests, else "vlmbatch"."""
+    with Path(path).open("rb") as f:
+        for raw in f:
+            if raw.strip():
+                try:
+                    rec = json.loads(raw)
+                except (ValueError, RecursionError):  # iter_manifest names what is wrong
+                    return "vlmbatch"
+                return "openai" if isinstance(rec, dict) and is_openai_request(rec) \
+                    else "vlmbatch"
+    return "vlmbatch"
+
+
+def _reason(e: Exception) -> str:
+    """A parser's exception in a few words (RecursionError's own message names no input)."""
+    return "nested too deeply" if isinstance(e, RecursionError) else str(e).split("; use ")[0]
+
+
+def items_from_folder(folder: Path, policy: tuple[Question, ...]) -> list[ImageItem]:
+    """Every image file under ``folder`` (sorted, recursive), each asked the policy."""
+    if not Path(folder).is_dir():
+        raise ManifestError(f"image folder {folder} not found")
+    folder = Path(folder).absolute()  # items keep it (see iter_manifest)
+    if not policy:
+        raise ManifestError("a folder of images needs --policy to say which questions to ask")
+    files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise ManifestError(f"no image files ({', '.join(sorted(IMAGE_SUFFIXES))}) in {folder}")
+    return [ImageItem(str(p.relative_to(folder)), str(p.relative_to(folder)), policy, folder)
+            for p in files]

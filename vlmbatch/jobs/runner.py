@@ -1,0 +1,109 @@
+"""In-process run of a manifest (``vlmbatch run MANIFEST``): items -> answers -> JSONL (or
+CSV) results, with progress.
+
+``run(config)`` validates every input before loading the model, then takes items in groups of
+``images_per_batch`` through the drive loop (``pipeline/drive.py``: preprocessing threads
+prepare the next groups while the model answers this one); each group's answers are
+written and flushed before the next group's are, so an interrupted run keeps whole lines.
+Jobs (``jobs/job.py``) run the same loop over a job store.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO
+
+import torch
+from tqdm import tqdm
+
+from vlmbatch.jobs.config import RunConfig
+from vlmbatch.jobs.manifest import items_from_folder, manifest_format, read_manifest, read_policy
+from vlmbatch.jobs.sinks import GroupWriter, format_of
+from vlmbatch.pipeline.build import build_engine
+from vlmbatch.pipeline.config import preprocess_threads_for
+from vlmbatch.pipeline.drive import prepared_groups, score_group
+from vlmbatch.pipeline.engine import EngineSummary
+from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
+from vlmbatch.pipeline.records import ImageItem
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    images: int
+    questions: int
+    failed_images: int
+    failed_questions: int
+    seconds: float
+    engine: EngineSummary
+
+    @property
+    def qpm(self) -> float:
+        return 60.0 * (self.questions - self.failed_questions) / max(self.seconds, 1e-9)
+
+    def text(self) -> str:
+        answered = max(self.questions - self.failed_questions, 1)
+        e = self.engine
+        cache = ("off" if e.cache_hit_rate is None
+                 else f"block hit rate {e.cache_hit_rate:.2f}")
+        return (f"{self.images} images, {self.questions} questions, "
+                f"{self.failed_images} images failed ({self.failed_questions} questions), "
+                f"{self.seconds:.1f}s, {self.qpm:.0f} QPM; prefill "
+                f"{e.prefill_tokens / answered:.0f} of {e.prompt_tokens / answered:.0f} "
+                f"prompt tokens per question (prefix cache {cache})"
+                + (f"; vision CUDA graphs: {e.graph_buckets} batch sizes, "
+                   f"{e.graph_bytes / 2**20:.0f} MiB" if e.graph_buckets else ""))
+
+
+def load_items(cfg: RunConfig) -> list[ImageItem]:
+    policy = read_policy(cfg.policy) if cfg.policy else ()
+    if cfg.manifest is not None:
+        return read_manifest(cfg.manifest, policy)
+    assert cfg.images is not None
+    return items_from_folder(cfg.images, policy)
+
+
+def _groups(items: list[ImageItem], n: int) -> Iterator[list[ImageItem]]:
+    for i in range(0, len(items), n):
+        yield items[i: i + n]
+
+
+def run(cfg: RunConfig, out: IO[str] | None = None, hooks: FaultHooks = NO_HOOKS) -> RunSummary:
+    """Run a whole manifest in this process. Raises ManifestError/ModelError before any
+    work."""
+    items = load_items(cfg)
+    openai = cfg.manifest is not None and manifest_format(cfg.manifest) == "openai"
+    fmt = format_of(cfg.out)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    hooks.loading()
+    engine = build_engine(cfg.model, cfg.engine)
+    n_q = sum(len(it.questions) for it in items)
+    sink = GroupWriter(cfg.out, fmt, openai, out)
+    failed_images = failed_q = 0
+    start = time.perf_counter()
+    bar = tqdm(total=n_q, unit="q", disable=not cfg.progress, file=sys.stderr,
+               desc="answering", dynamic_ncols=True)
+    groups = prepared_groups(_groups(items, cfg.images_per_batch), engine.image_plan,
+                             cfg.max_pixels,
+                             preprocess_threads_for(cfg.preprocess_threads, cfg.model.device),
+                             decode_timeout=cfg.executor.decode_timeout, hooks=hooks)
+    try:
+        for pg in groups:
+            answers = score_group(engine, pg)
+            sink.write(answers)
+            failed_images += len({a.image_id for a in answers if a.error})
+            failed_q += sum(1 for a in answers if a.error)
+            bar.update(len(answers))
+            minutes = (time.perf_counter() - start) / 60
+            bar.set_postfix(qpm=f"{(bar.n - failed_q) / max(minutes, 1e-9):.0f}",
+                            errors=failed_images)
+            hooks.group_done()
+    finally:
+        groups.close()  # stops the decoder processes or threads (Ctrl-C, a failed write)
+        bar.close()
+        sink.close()
+    return RunSummary(len(items), n_q, failed_images, failed_q, time.perf_counter() - start,
+                      engine.summary())

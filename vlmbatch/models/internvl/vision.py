@@ -1,0 +1,206 @@
+"""InternViT vision encoder + pixel shuffle + MLP projector, with SDPA attention.
+
+Input is uint8 tiles ``[N, S, S, 3]`` (RGB, as preprocessing emits them); normalisation to the
+model's mean/std happens here, fused into one multiply-add per channel, on the encoder's
+device. Output is LLM-ready image embeddings ``[N, T, D_text]`` with
+``T = (S / patch)^2 * downsample_ratio^2`` tokens per tile.
+
+The weights and the maths are those of transformers' ``InternVLModel.get_image_features``
+(vision tower, CLS dropped, pixel shuffle, projector); ``tests/vit_trt`` checks equality on
+random weights. Attention is ``torch.nn.functional.scaled_dot_product_attention`` (no flash-attn
+function), so the module exports to ONNX (``vit_trt/export.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlmbatch.models.layers import RMSNorm, activation
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    hidden: int
+    layers: int
+    heads: int
+    intermediate: int
+    patch: int
+    image_size: int  # the size position embeddings were trained at
+    norm_type: str  # "layer_norm" | "rms_norm"
+    eps: float
+    qk_norm: bool
+    act: str
+    mean_pooling: bool  # True: no final layernorm on the last hidden state
+    feature_layer: int  # which hidden state feeds the projector (-1: last)
+    drop_cls: bool  # vision_feature_select_strategy == "default"
+    downsample: float  # pixel-shuffle ratio, 0.5 in every InternVL
+    projector_act: str
+    text_hidden: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+    def tokens_per_tile(self, tile: int) -> int:
+        return int((tile // self.patch) ** 2 * self.downsample**2)
+
+
+def _norm(spec: VisionSpec, dim: int) -> nn.Module:
+    return RMSNorm(dim, spec.eps) if spec.norm_type == "rms_norm" else nn.LayerNorm(dim, spec.eps)
+
+
+class VisionLayer(nn.Module):
+    def __init__(self, s: VisionSpec) -> None:
+        super().__init__()
+        self.heads = s.heads
+        self.q_proj = nn.Linear(s.hidden, s.hidden)
+        self.k_proj = nn.Linear(s.hidden, s.hidden)
+        self.v_proj = nn.Linear(s.hidden, s.hidden)
+        self.o_proj = nn.Linear(s.hidden, s.hidden)
+        self.q_norm = RMSNorm(s.hidden, 1e-6) if s.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(s.hidden, 1e-6) if s.qk_norm else nn.Identity()
+        self.norm1 = _norm(s, s.hidden)
+        self.norm2 = _norm(s, s.hidden)
+        self.fc1 = nn.Linear(s.hidden, s.intermediate)
+        self.fc2 = nn.Linear(s.intermediate, s.hidden)
+        self.ls1 = nn.Parameter(torch.ones(s.hidden))
+        self.ls2 = nn.Parameter(torch.ones(s.hidden))
+        self.act = activation(s.act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [N, L, C]
+        n, L, c = x.shape
+        h = self.norm1(x)
+        q = self.q_norm(self.q_proj(h)).view(n, L, self.heads, -1).transpose(1, 2)
+        k = self.k_norm(self.k_proj(h)).view(n, L, self.heads, -1).transpose(1, 2)
+        v = self.v_proj(h).view(n, L, self.heads, -1).transpose(1, 2)
+        a = F.scaled_dot_product_attention(q, k, v)  # [N, H, L, d]
+        x = x + self.ls1 * self.o_proj(a.transpose(1, 2).reshape(n, L, c))
+        return x + self.ls2 * self.fc2(self.act(self.fc1(self.norm2(x))))
+
+
+class VisionEncoder(nn.Module):
+    """uint8 tiles ``[N, S, S, 3]`` -> image embeddings ``[N, T, D_text]``."""
+
+    def __init__(self, spec: VisionSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        s = spec
+        self.patch_embed = nn.Conv2d(3, s.hidden, kernel_size=s.patch, stride=s.patch)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, s.hidden))
+        grid = s.image_size // s.patch
+        self.pos_embed = nn.Parameter(torch.zeros(1, grid * grid + 1, s.hidden))
+        self.layers = nn.ModuleList(VisionLayer(s) for _ in range(s.layers))
+        # transformers uses a LayerNorm here whatever norm_type says
+        self.final_norm = nn.LayerNorm(s.hidden, s.eps) if not s.mean_pooling else nn.Identity()
+        r = int(round(1 / s.downsample))
+        self.proj_norm = nn.LayerNorm(s.hidden * r * r)
+        self.proj1 = nn.Linear(s.hidden * r * r, s.text_hidden)
+        self.proj2 = nn.Linear(s.text_hidden, s.text_hidden)
+        self.proj_act = activation(s.projector_act)
+        # x_norm = x_uint8 * scale + shift  ==  (x / 255 - mean) / std, kept as Python floats
+        # so that .to(bf16) leaves them exact; applied in fp32 like the reference.
+        self.scale = [1.0 / (255.0 * sd) for sd in s.std]
+        self.shift = [-m / sd for m, sd in zip(s.mean, s.std)]
+        self._affine: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def affine(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``(scale, shift)``, each ``[1, 3, 1, 1]``, on ``device``.
+
+        Built on a device's first call and kept (a plain attribute, so ``.to()`` never casts
+        them): building them in every ``forward`` would be a host-to-device copy, which CUDA
+        graph capture cannot record (``cudagraph_pool.hazards``). The graph pool's warm-up call
+        is that first call.
+        """
+        if device not in self._affine:
+            self._affine[device] = (
+                torch.tensor(self.scale, device=device).view(1, 3, 1, 1),
+                torch.tensor(self.shift, device=device).view(1, 3, 1, 1))
+        return self._affine[device]
+
+    def positions(self, grid_h: int, grid_w: int) -> torch.Tensor:
+        """Position embeddings ``[1, 1 + gh*gw, C]``, bicubic-resized if the tile size differs."""
+        trained = self.spec.image_size // self.spec.patch
+        if (grid_h, grid_w) == (trained, trained):
+            return self.pos_embed
+        cls, patch = self.pos_embed[:, :1], self.pos_embed[:, 1:]
+        patch = patch.reshape(1, trained, trained, -1).permute(0, 3, 1, 2)
+        patch = F.interpolate(patch, size=(grid_h, grid_w), mode="bicubic", align_corners=False)
+        return torch.cat([cls, patch.permute(0, 2, 3, 1).reshape(1, grid_h * grid_w, -1)], 1)
+
+    def pixel_shuffle(self, x: torch.Tensor) -> torch.Tensor:
+        """``[N, g, g, C]`` -> ``[N, g*r, g*r, C/r^2]`` (r = downsample), InternVL's order."""
+        n, w, h, c = x.shape
+        r = self.spec.downsample
+        x = x.reshape(n, w, int(h * r), int(c / r)).permute(0, 2, 1, 3)
+        x = x.reshape(n, int(h * r), int(w * r), int(c / (r * r))).permute(0, 2, 1, 3)
+        return x
+
+    def forward(self, tiles: torch.Tensor) -> torch.Tensor:
+        # tiles: [N, S, S, 3] uint8 -> x: [N, 3, S, S] in the weights' dtype
+        dtype = self.patch_embed.weight.dtype  # normalise in fp32 (as the reference), then cast
+        scale, shift = self.affine(tiles.device)
+        # cast first: TensorRT takes a uint8 input only straight into a Cast (ONNX: Cast, Transpose)
+        x = (tiles.float().permute(0, 3, 1, 2) * scale + shift).to(dtype)
+        x = self.patch_embed(x)  # [N, C, gh, gw]
+        n, c, gh, gw = x.shape
+        x = x.flatten(2).transpose(1, 2)  # [N, gh*gw, C]
+        x = torch.cat([self.cls_token.expand(n, -1, -1), x], dim=1) + self.positions(gh, gw)
+        n_run = self.spec.feature_layer % (self.spec.layers + 1)
+        for layer in self.layers[:n_run]:
+            x = layer(x)
+        if n_run == self.spec.layers:
+            x = self.final_norm(x)
+        if self.spec.drop_cls:
+            x = x[:, 1:]
+        x = self.pixel_shuffle(x.reshape(n, gh, gw, c))  # [N, g', g', C*4]
+        x = x.reshape(n, -1, x.shape[-1])
+        return self.proj2(self.proj_act(self.proj1(self.proj_norm(x))))
+
+    def load_hf(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load from a state dict with HF InternVL keys, prefixes already normalised to
+        ``vision_tower.`` and ``multi_modal_projector.``."""
+        m = {
+            "patch_embed.weight": "vision_tower.embeddings.patch_embeddings.projection.weight",
+            "patch_embed.bias": "vision_tower.embeddings.patch_embeddings.projection.bias",
+            "cls_token": "vision_tower.embeddings.cls_token",
+            "pos_embed": "vision_tower.embeddings.position_embeddings",
+            "proj_norm.weight": "multi_modal_projector.layer_norm.weight",
+            "proj_norm.bias": "multi_modal_projector.layer_norm.bias",
+            "proj1.weight": "multi_modal_projector.linear_1.weight",
+            "proj1.bias": "multi_modal_projector.linear_1.bias",
+            "proj2.weight": "multi_modal_projector.linear_2.weight",
+            "proj2.bias": "multi_modal_projector.linear_2.bias",
+        }
+        if not self.spec.mean_pooling:
+            m["final_norm.weight"] = "vision_tower.layernorm.weight"
+            m["final_norm.bias"] = "vision_tower.layernorm.bias"
+        names = {"q_proj": "attention.q_proj", "k_proj": "attention.k_proj",
+                 "v_proj": "attention.v_proj", "o_proj": "attention.projection_layer",
+                 "q_norm": "attention.q_norm", "k_norm": "attention.k_norm",
+                 "norm1": "layernorm_before", "norm2": "layernorm_after",
+                 "fc1": "mlp.fc1", "fc2": "mlp.fc2"}
+        for i in range(self.spec.layers):
+            pre = f"vision_tower.encoder.layer.{i}."
+            m[f"layers.{i}.ls1"] = pre + "lambda_1"
+            m[f"layers.{i}.ls2"] = pre + "lambda_2"
+            for ours, theirs in names.items():
+                for p in ("weight", "bias"):
+                    m[f"layers.{i}.{ours}.{p}"] = pre + f"{theirs}.{p}"
+        own = self.state_dict()
+        missing = []
+        with torch.no_grad():
+            for ours, t in own.items():
+                hf = m.get(ours)
+                if hf is not None and hf in sd:
+                    t.copy_(sd[hf])
+                elif ours.endswith("bias") and ours.split(".")[-2] in ("q_proj", "k_proj",
+                                                                      "v_proj"):
+                    t.zero_()  # attention_bias=False checkpoints carry no q/k/v bias
+                else:
+                    missing.append(hf or ours)
+        if missing:
+            raise KeyError(f"checkpoint lacks vision weights: {missing[:5]} "
+                           f"({len(missing)} missing)")

@@ -1,0 +1,53 @@
+"""Load a Qwen-VL checkpoint directory into our modules (no transformers involved).
+
+The directory holds ``config.json``, optionally ``preprocessor_config.json``, and
+``model.safetensors`` or shards listed in ``model.safetensors.index.json``. Key layouts
+accepted are those of ``VisionTower.load_hf`` and ``QwenVLText.load_hf``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from vlmbatch.models.qwen_vl.spec import QwenVLSpec, SpecError, read_spec
+from vlmbatch.models.qwen_vl.text import QwenVLText
+from vlmbatch.models.qwen_vl.vision import VisionTower
+
+
+@dataclass
+class QwenVLModel:
+    spec: QwenVLSpec
+    vision: VisionTower
+    text: QwenVLText
+
+
+def state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint, keys as its files spell them."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = [p.name for p in sorted(path.glob("*.safetensors"))]
+    if not files:
+        raise SpecError(f"no *.safetensors weights in {path}")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(load_file(str(path / f)))
+    return sd
+
+
+def load_qwen_vl(path: Path | str, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> QwenVLModel:
+    """Spec, vision tower and decoder of the checkpoint at ``path``, in eval mode."""
+    path = Path(path)
+    spec = read_spec(path)
+    sd = state_dict(path)
+    vision, text = VisionTower(spec.vision), QwenVLText(spec.text)
+    vision.load_hf(sd)
+    text.load_hf(sd)
+    return QwenVLModel(spec, vision.to(device, dtype).eval(), text.to(device, dtype).eval())

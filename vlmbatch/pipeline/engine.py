@@ -1,0 +1,53 @@
+"""The engine interface: ``score(images, requests) -> scores``, and the registry of engines.
+
+An engine takes prepared images (``preprocessing.PreparedImage``, made with its own
+``image_plan``) and one ``Request`` per question, and returns one ``Score`` per request, in
+order. Backends register a builder in ``ENGINES`` where they are defined (ours:
+``pipeline/torch_engine.py``; LMDeploy's TurboMind: ``pipeline/lmdeploy_engine.py``);
+``pipeline.build.build_engine`` picks one by name. What callers may read besides ``score``
+is ``image_plan`` and ``summary()``: no engine's internals (its cache, its vision runner).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from vlmbatch.common.registry import Registry
+from vlmbatch.pipeline.records import Request, Score
+from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
+
+
+@dataclass
+class EngineStats:
+    vision_tiles: int = 0  # tiles (vision rows) through the vision encoder
+    prefill_tokens: int = 0  # real tokens computed by the LLM
+    image_tokens_prefilled: int = 0  # of those, image tokens
+    prompt_tokens: int = 0  # real tokens of all prompts (what a cacheless engine computes)
+
+
+@dataclass(frozen=True)
+class EngineSummary:
+    """What a run reports about its engine (``RunSummary``)."""
+    prefill_tokens: int
+    prompt_tokens: int
+    cache_hit_rate: float | None  # cached blocks found / looked up; None: no prefix cache
+    graph_buckets: int = 0  # CUDA graphs captured for the vision encoder
+    graph_bytes: int = 0  # device memory those graphs took at capture
+
+
+class Engine(ABC):
+    stats: EngineStats
+    image_plan: ImagePlan  # how images must be prepared for this engine
+
+    @abstractmethod
+    def score(self, images: list[PreparedImage], requests: list[Request]) -> list[Score]:
+        """One score per request, in order; ``Request.image`` indexes ``images``."""
+
+    def summary(self) -> EngineSummary:
+        return EngineSummary(self.stats.prefill_tokens, self.stats.prompt_tokens, None)
+
+
+# name -> builder(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> Engine
+ENGINES: Registry[Callable[..., Engine]] = Registry("engine")

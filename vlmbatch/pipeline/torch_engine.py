@@ -1,0 +1,155 @@
+"""Our torch engine: encode each image once, prefill many (image, question) prompts in batches
+over an image-aware prefix KV cache, read P(yes) at the first generated position.
+
+Flow of one ``score`` call::
+
+    Request[] --prompts--> Prompt[]     the family's chat template, image span expanded
+    planner.phases                      leaders (first question per image), then followers
+    per phase:
+      planner.plan      longest cached prefix per prompt -> pinned slots + past_len
+      runner.encode     images whose tokens are not all cached -> ImageEmbeds, once per
+                        image per call
+      planner.batches   sorted by new length, B * (P_max + T_max) <= max_batch_tokens
+      runner.prefill    one forward per batch -> [B, 2] (p_yes, margin) on the device;
+                        new prefix blocks cached; greedy text for rows that want it
+    read back           one device-to-host copy per call -> Score[]
+
+The planner (``planner.py``) is pure Python; the runner (``model_runner.py``) holds every
+tensor. Counters (``EngineStats``) make the savings visible and testable: tiles encoded,
+tokens prefilled, image tokens prefilled.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vlmbatch.models.base import LoadedModel
+from vlmbatch.pipeline.config import ConfigError, EngineConfig, ModelConfig
+from vlmbatch.pipeline.engine import ENGINES, Engine, EngineStats, EngineSummary
+from vlmbatch.pipeline.loading import image_plan_for, load_model, vision_model
+from vlmbatch.pipeline.model_runner import ImageEmbeds, ModelRunner
+from vlmbatch.pipeline.planner import Plan, Planner
+from vlmbatch.pipeline.prefix_cache import BlockId, PrefixCache
+from vlmbatch.pipeline.records import Request, Score
+from vlmbatch.pipeline.scoring import AnswerTokens
+from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
+from vlmbatch.vit_trt import RunnerOptions, VitRunner, make_runner
+from vlmbatch.vit_trt.torch_runner import TorchRunner
+
+# per queued batch: its plans, [B, 2] (p_yes, margin) on the device, its texts
+_Queued = list[tuple[list[Plan], torch.Tensor, list[str | None]]]
+
+
+class TorchEngine(Engine):
+    def __init__(self, model: LoadedModel, cfg: EngineConfig, vision: VitRunner | None = None,
+                 image_plan: ImagePlan | None = None) -> None:
+        self.model = model
+        self.cfg = cfg
+        # the run's plan; by default the checkpoint's under a default ModelConfig
+        self.image_plan = image_plan or image_plan_for(model.family, model.spec, ModelConfig())
+        self.vision = vision or TorchRunner(vision_model(model))
+        self.answers = AnswerTokens.from_words(model.tokenizer, cfg.yes_words, cfg.no_words)
+        self.cache = PrefixCache(cfg.block_size, cfg.cache_bytes) if cfg.prefix_cache else None
+        self.stats = EngineStats()
+        self.planner = Planner(self.cache, cfg.max_batch_tokens)
+        self.runner = ModelRunner(model, self.vision, self.cache, self.answers, self.stats,
+                                  cfg.max_batch_tiles, cfg.ignore_eos, cfg.compile_llm)
+        self.device = self.runner.device
+        if self.cache is not None:
+            self._allocate_cache()
+
+    def _allocate_cache(self) -> None:
+        """The prefix cache's KV pool, now: a --cache-mib that cannot be had fails here,
+        with what to do, rather than in every batch."""
+        assert self.cache is not None
+        s = self.model.spec.text
+        try:
+            self.cache.allocate((s.layers, 2, s.kv_heads, s.head_dim),
+                                self.model.llm.embed_tokens.weight.dtype, self.device)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"--cache-mib {self.cfg.cache_bytes >> 20}: the prefix cache's "
+                              f"KV pool does not fit on {self.device} ({why}); give a smaller "
+                              "--cache-mib, or --no-prefix-cache") from None
+
+    def summary(self) -> EngineSummary:
+        pool = self.vision.pool
+        return EngineSummary(
+            self.stats.prefill_tokens, self.stats.prompt_tokens,
+            self.cache.stats.hit_rate() if self.cache is not None else None,
+            len(pool.graphs) if pool is not None else 0,
+            pool.graph_bytes if pool is not None else 0)
+
+    @torch.inference_mode()
+    def encode(self, images: list[PreparedImage]) -> list[ImageEmbeds]:
+        return self.runner.encode(images)
+
+    @torch.inference_mode()
+    def score(self, images: list[PreparedImage], requests: list[Request]) -> list[Score]:
+        prompts = [self.model.prompts.build(r.question, images[r.image]) for r in requests]
+        self.stats.prompt_tokens += sum(len(p.ids) for p in prompts)  # what was asked
+        embeds: dict[int, ImageEmbeds] = {}
+        prefixes: dict[str, list[BlockId]] = {}
+        done: _Queued = []
+        for phase in self.planner.phases(requests, prompts):
+            plans: list[Plan] = []
+            try:
+                for i in phase:  # each lookup pins: appended at once, so released below
+                    plans.append(self.planner.plan(i, prompts[i], images[requests[i].image],
+                                                   prefixes))
+                done += self._run_phase(plans, requests, images, embeds)
+            finally:
+                self.planner.release(plans)  # what an exception left pinned
+        return self._read_back(done, len(requests))
+
+    def _run_phase(self, plans: list[Plan], requests: list[Request],
+                   images: list[PreparedImage], embeds: dict[int, ImageEmbeds]) -> _Queued:
+        """Encode what the plans need and queue their prefills in batches: per batch, its
+        plans, ``[B, 2]`` (p_yes, margin) on the device and its texts."""
+        need = sorted({requests[p.req].image for p in plans if p.needs_image} - embeds.keys())
+        embeds.update(zip(need, self.runner.encode([images[i] for i in need])))
+        done: _Queued = []
+        for batch in self.planner.batches(plans):
+            limits = [self._limit(requests[p.req]) for p in batch]
+            scores, texts = self.runner.prefill(
+                batch, [embeds.get(requests[p.req].image) for p in batch], limits)
+            # their cached KV was gathered into the batch's past: a later insert into the
+            # same slots is queued after that gather on the same stream
+            self.planner.release(batch)
+            done.append((batch, scores, texts))
+        return done
+
+    def _limit(self, r: Request) -> int:
+        """Answer tokens to generate for ``r``: its own limit, else the engine's."""
+        return self.cfg.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens
+
+    def _read_back(self, done: _Queued, n: int) -> list[Score]:
+        """The queued batches' (p_yes, margin) in one device-to-host copy, as Scores in
+        request order."""
+        results: list[Score | None] = [None] * n
+        if not done:
+            return results  # type: ignore[return-value]
+        host = torch.cat([s for _, s, _ in done]).tolist()  # [rows][2]: the call's one wait
+        row = 0
+        for batch, _, texts in done:
+            for j, p in enumerate(batch):
+                p_yes, margin = host[row]
+                results[p.req] = Score(p_yes, margin, p.prompt.image_len, texts[j],
+                                      len(p.prompt.ids))
+                row += 1
+        return results  # type: ignore[return-value]
+
+
+@ENGINES.register("torch")
+def build_torch(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> TorchEngine:
+    """Our engine on ``model_cfg``'s checkpoint and device."""
+    model = load_model(model_cfg.path, model_cfg.device, model_cfg.torch_dtype,
+                       model_cfg.llm_quant, model_cfg.quant)
+    plan = image_plan_for(model.family, model.spec, model_cfg)
+    # stream-ordered: the engine reads the embeddings on the stream that made them, so the graph
+    # pool's host wait per call would only stall the host (16% of a profiled round at
+    # InternVL3-1B's shape on an H200, docs/gpu.md)
+    vision = make_runner(engine_cfg.vit_backend, vision_model(model), RunnerOptions(
+        model_cfg.device, engine_cfg.cuda_graphs, engine_cfg.vit_max_batch,
+        stream_ordered=True))
+    return TorchEngine(model, engine_cfg, vision, plan)
