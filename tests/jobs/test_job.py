@@ -196,19 +196,19 @@ def test_thread_counts_are_kept_with_the_job_and_a_run_may_change_them(
     """Submit stores --threads/--preprocess-threads; `run JOB` and `resume` may give others
     for that run only (threads change speed, not answers), and job.json is left as it was."""
     import vlmbatch.jobs.job as job_mod
-    import vlmbatch.jobs.tasks as tasks_mod  # the job's task prepares its groups
+    import vlmbatch.pipeline.drive as drive_mod  # the drive loop prepares the groups
     from vlmbatch.jobs.folder import load_config
 
     used: list[tuple[str, int]] = []  # calls to torch.set_num_threads and prepared_groups
-    real = tasks_mod.prepared_groups
+    real = drive_mod.prepared_groups
 
-    def spy(groups, tiling, max_pixels, threads, **kw):  # noqa: ANN001, ANN003, ANN202
-        used.append(("prepare", threads))
-        return real(groups, tiling, max_pixels, threads, **kw)
+    def spy(task, groups, plan, opts, *args):  # noqa: ANN001, ANN002, ANN202
+        used.append(("prepare", opts.threads))
+        return real(task, groups, plan, opts, *args)
 
     import torch
 
-    monkeypatch.setattr(tasks_mod, "prepared_groups", spy)
+    monkeypatch.setattr(drive_mod, "prepared_groups", spy)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: used.append(("set", n)))
     _, job = submit_job(tmp_path, random_model_dir, 3, "--threads", "1",
                         "--preprocess-threads", "0", "--images-per-batch", "2", broken=1)

@@ -337,7 +337,7 @@ class _Ref:
 
 
 class _FakeRay:
-    """Just enough of Ray for ``_Scheduler``: calls run at once; ``score`` loses its tiles
+    """Just enough of Ray for ``RayStages``: calls run at once; ``run`` loses its images
     (as when the node that prepared them dies) the first ``lose`` times it sees a group."""
 
     import ray.exceptions as exceptions  # noqa: PLC0415
@@ -360,39 +360,43 @@ class _FakeRay:
             raise ref.error
         return ref.value
 
-    def score(self, tiles: _Ref) -> _Ref:
+    def wait(self, refs: list, num_returns: int = 1, timeout: float | None = None
+             ) -> tuple[list, list]:
+        return list(refs), []  # every call has already run
+
+    def cancel(self, ref: _Ref, force: bool = False) -> None:
+        pass
+
+    def run(self, prepared: _Ref) -> _Ref:
         if self.losses < self.lose:
             self.losses += 1
-            lost = self.exceptions.ObjectReconstructionFailedError("tiles")
-            return _Ref(error=self.exceptions.RayTaskError("score", "", lost))
-        return _Ref([Answer(it.id, q.id, q.text, "yes", 1.0, 1.0, 1)
-                     for it in tiles.value.group for q in it.questions])
+            lost = self.exceptions.ObjectReconstructionFailedError("images")
+            return _Ref(error=self.exceptions.RayTaskError("run", "", lost))
+        return _Ref([[Answer(it.id, q.id, q.text, "yes", 1.0, 1.0, 1) for q in it.questions]
+                     for it in prepared.value.items])
 
 
 @pytest.mark.parametrize("lose,ok", [(2, True), (4, False)])
 def test_tiles_lost_with_their_node_are_prepared_again(tmp_path: Path, random_model_dir: Path,
                                                        lose: int, ok: bool) -> None:
-    from tqdm import tqdm
-
     from vlmbatch.jobs.folder import load_config
-    from vlmbatch.jobs.ray_executor import _Scheduler
+    from vlmbatch.jobs.job import drive_job
+    from vlmbatch.jobs.ray_executor import RayStages
+    from vlmbatch.jobs.tasks import job_task
     from vlmbatch.pipeline.hooks import NO_HOOKS
     from vlmbatch.preprocessing.prepare import TilingConfig
 
     job = submit(tmp_path, random_model_dir, 4, per_batch=2)
     fake = _FakeRay(lose)
-    worker = type("W", (), {"score": type("S", (), {"remote": staticmethod(fake.score)})})
+    worker = type("W", (), {"run": type("S", (), {"remote": staticmethod(fake.run)})})
     store = JobStore(job / STORE_FILE)
-    s = _Scheduler(fake, store, load_config(job), [worker], TilingConfig(tile_size=56),
-                   tqdm(disable=True), NO_HOOKS)
+    cfg = load_config(job)
+    jt = job_task(cfg, "vlmbatch")
+    stages = RayStages(fake, cfg, jt.task, [worker], TilingConfig(tile_size=56), NO_HOOKS)
 
     def drive() -> None:
-        while True:
-            s.fill()
-            if not s.preparing and not s.scoring:
-                return
-            s.collect_prepared(set(s.preparing))
-            s.record_scored({r for r, _ in s.scoring})
+        for _ in drive_job(store, cfg, jt, stages):
+            pass
 
     if ok:  # lost twice, prepared again each time: every item recorded once
         drive()

@@ -105,8 +105,9 @@ def test_loads_as_its_inner_model_with_a_projection(col: Col) -> None:
                                col.ours.family.multi_vector_default)
     assert spec.projection == "embedding_proj_layer" and spec.declared and spec.multi_vector
     emb = Embedder(TorchEngine(col.ours, EngineConfig()), EmbedConfig())
-    assert emb.resolved.multi_vector and emb.projection is not None
-    assert emb.projection.out_features == 128
+    assert emb.resolved.multi_vector
+    (v,) = emb.embed([], [EmbedRequest(None, "a red circle")])
+    assert v.values.shape == (v.tokens, 128)  # every token through the 128-wide projection
     pooled = Embedder(TorchEngine(col.ours, EngineConfig()), EmbedConfig(pooling="mean"))
     assert not pooled.resolved.multi_vector  # asking for a pooling asks for one vector
 
@@ -162,9 +163,10 @@ def test_wrong_positions_or_projection_miss(col: Col) -> None:
     one_d = reference_embeddings(col, ids, col.images[1], mrope=False).numpy()
     with pytest.raises(AssertionError):
         assert_close(got, one_d)
-    assert emb.projection is not None and emb.projection.bias is not None
+    projection = emb.engine._head(emb.cfg).projection  # the fault goes in the engine's head
+    assert projection is not None and projection.bias is not None
     with torch.no_grad():
-        emb.projection.bias.zero_()
+        projection.bias.zero_()
     with pytest.raises(AssertionError):
         assert_close(emb.embed(col.images, [r])[0].values,
                      reference_embeddings(col, ids, col.images[1]).numpy())

@@ -1,5 +1,7 @@
-"""The in-process runner's prefetching: groups prepared by a thread pool, ahead of the model,
-equal to groups prepared one by one in the main thread."""
+"""The drive loop (``pipeline/drive.py``): stage 1 prefetching (groups prepared by a thread
+pool ahead of the model equal groups prepared one by one in the main thread), and the loop's
+own rules (cancel before each group, a sink written a whole group at a time, an engine
+failure failing that group only, how it ended)."""
 
 from __future__ import annotations
 
@@ -15,11 +17,18 @@ import pytest
 
 import vlmbatch.pipeline.drive
 from vlmbatch.app.cli import main
-from vlmbatch.pipeline.drive import PreparedGroup, prepare_group, prepare_item, prepared_groups
+from vlmbatch.pipeline.config import PrepareOptions
+from vlmbatch.pipeline.drive import prepare_group, prepare_item, prepared_groups
 from vlmbatch.pipeline.records import ImageItem, Question
+from vlmbatch.pipeline.task import AnswerTask, ImageRef, Prepared
 from vlmbatch.preprocessing.prepare import PreparedImage, TilingConfig
 
 TILING = TilingConfig(tile_size=56)
+TASK = AnswerTask()
+
+
+def opts(threads: int, ahead: int = 2) -> PrepareOptions:
+    return PrepareOptions(10**8, threads, ahead=ahead)
 
 
 def items(folder: Path, n: int, seed: int) -> list[ImageItem]:
@@ -39,8 +48,8 @@ def groups_of(xs: list, n: int) -> list[list]:
     return [xs[i: i + n] for i in range(0, len(xs), n)]
 
 
-def assert_same(a: PreparedGroup, b: PreparedGroup) -> None:
-    assert a.group == b.group and a.errors == b.errors
+def assert_same(a: Prepared, b: Prepared) -> None:
+    assert a.items == b.items and a.errors == b.errors
     for x, y in zip(a.images, b.images, strict=True):
         assert (x is None) == (y is None)
         if x is not None and y is not None:
@@ -51,8 +60,8 @@ def assert_same(a: PreparedGroup, b: PreparedGroup) -> None:
 @pytest.mark.parametrize("threads", [1, 3])
 def test_prefetched_groups_equal_serial_ones_in_order(tmp_path: Path, threads: int) -> None:
     its = items(tmp_path, 23, seed=threads)
-    serial = [prepare_group(g, TILING, 10**8) for g in groups_of(its, 4)]
-    got = list(prepared_groups(groups_of(its, 4), TILING, 10**8, threads))
+    serial = [prepare_group(TASK, g, TILING, 10**8) for g in groups_of(its, 4)]
+    got = list(prepared_groups(TASK, groups_of(its, 4), TILING, opts(threads)))
     assert len(got) == len(serial) == 6
     for a, b in zip(got, serial, strict=True):
         assert_same(a, b)
@@ -60,12 +69,12 @@ def test_prefetched_groups_equal_serial_ones_in_order(tmp_path: Path, threads: i
 
 
 def slow_prepare(calls: list, gate: threading.Event | None = None):  # noqa: ANN201
-    def prepare(item: ImageItem, *_: object) -> PreparedImage:
-        calls.append(item.id)
-        if gate is not None and item.id == "i2":
+    def prepare(ref: ImageRef, *_: object) -> PreparedImage:
+        calls.append(ref.source)
+        if gate is not None and ref.source.endswith("_2.png"):
             gate.wait()  # as a read on a hung mount would
         time.sleep(0.1)
-        return prepare_item(item, TILING)
+        return prepare_item(ref, TILING)
     return prepare
 
 
@@ -73,7 +82,7 @@ def test_closing_cancels_what_has_not_started(tmp_path: Path, monkeypatch) -> No
     calls: list[str] = []
     monkeypatch.setattr(vlmbatch.pipeline.drive, "prepare_item", slow_prepare(calls))
     its = items(tmp_path, 12, seed=5)
-    gen = prepared_groups(groups_of(its, 2), TILING, 10**8, threads=1, ahead=2)
+    gen = prepared_groups(TASK, groups_of(its, 2), TILING, opts(1, ahead=2))
     next(gen)
     gen.close()
     time.sleep(1.0)  # what was queued would have run by now
@@ -83,7 +92,7 @@ def test_closing_cancels_what_has_not_started(tmp_path: Path, monkeypatch) -> No
 def test_a_stuck_preparation_does_not_hold_up_closing(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     gate = threading.Event()
     monkeypatch.setattr(vlmbatch.pipeline.drive, "prepare_item", slow_prepare([], gate))
-    gen = prepared_groups(groups_of(items(tmp_path, 6, seed=6), 2), TILING, 10**8, threads=1)
+    gen = prepared_groups(TASK, groups_of(items(tmp_path, 6, seed=6), 2), TILING, opts(1))
     next(gen)  # i0, i1; i2 then blocks its thread
     closer = threading.Thread(target=gen.close, daemon=True)
     closer.start()
@@ -121,10 +130,10 @@ def test_stopping_early_reads_only_a_few_groups_ahead(tmp_path: Path) -> None:
             pulled.append(g)
             yield g
 
-    gen = prepared_groups(source(), TILING, 10**8, threads=2, ahead=2)
+    gen = prepared_groups(TASK, source(), TILING, opts(2, ahead=2))
     first = next(gen)
     gen.close()  # cancels what has not started, waits for what has
-    assert first.group == its[:2]
+    assert first.items == its[:2]
     assert len(pulled) == 3  # the current group and 2 ahead, not all 20
 
 
@@ -134,7 +143,7 @@ def test_an_unexpected_error_reaches_the_caller(tmp_path: Path, monkeypatch) -> 
 
     monkeypatch.setattr(vlmbatch.pipeline.drive, "prepare_item", boom)
     with pytest.raises(RuntimeError, match="a bug"):
-        list(prepared_groups(groups_of(items(tmp_path, 4, seed=1), 2), TILING, 10**8, 2))
+        list(prepared_groups(TASK, groups_of(items(tmp_path, 4, seed=1), 2), TILING, opts(2)))
 
 
 def test_run_with_and_without_preprocess_threads(tmp_path: Path,
@@ -151,3 +160,91 @@ def test_run_with_and_without_preprocess_threads(tmp_path: Path,
                      "--no-progress"]) == 3  # the missing files
         outs.append(out.read_text())
     assert outs[0] == outs[1] and len(outs[0].splitlines()) == 22
+
+
+class _Listed:
+    """Stages that hand out each group with one result per item (the item itself), and
+    record what was asked of them."""
+
+    def __init__(self) -> None:
+        self.asked: list[list] = []
+        self.closed = False
+
+    def results(self, groups):  # noqa: ANN001, ANN201
+        try:
+            for g in groups:
+                self.asked.append(g)
+                yield g, [[x] for x in g]
+        finally:
+            self.closed = True
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.got: list = []
+
+    def write(self, items: list, results: list[list]) -> None:
+        self.got.append((list(items), results))
+
+
+def test_the_loop_writes_whole_groups_and_ends_done() -> None:
+    from vlmbatch.pipeline.drive import Drive
+
+    stages, sink = _Listed(), _Sink()
+    d = Drive(stages, [[1, 2], [3]], sink)
+    assert [items for items, _ in d] == [[1, 2], [3]]
+    assert sink.got == [([1, 2], [[1], [2]]), ([3], [[3]])]
+    assert d.final == "done" and stages.closed
+
+
+def test_cancel_is_checked_before_each_group_including_the_first() -> None:
+    from vlmbatch.pipeline.drive import Drive
+
+    for after in (0, 1):
+        stages, sink = _Listed(), _Sink()
+        seen = []
+        d = Drive(stages, [[1], [2], [3]], sink, cancelled=lambda: len(seen) >= after)
+        for items, _ in d:
+            seen.append(items)
+        # no model work for a group once cancel is seen: not even the first
+        assert len(stages.asked) == after and len(sink.got) == after
+        assert d.final == "cancelled"
+        assert stages.closed == (after > 0)  # never started: nothing to stop
+
+
+def test_an_exception_or_an_early_stop_ends_interrupted() -> None:
+    from vlmbatch.pipeline.drive import Drive
+
+    class Failing(_Sink):
+        def write(self, items: list, results: list[list]) -> None:
+            raise OSError("disk full")
+
+    stages = _Listed()
+    d = Drive(stages, [[1], [2]], Failing())
+    with pytest.raises(OSError, match="disk full"):
+        list(d)
+    assert d.final == "interrupted" and stages.closed
+    stages = _Listed()
+    d = Drive(stages, [[1], [2], [3]])
+    it = iter(d)
+    next(it)
+    it.close()  # a consumer that stops early
+    assert d.final == "interrupted" and stages.closed and len(stages.asked) == 1
+
+
+def test_an_engine_failure_fails_that_group_keeping_earlier_errors(tmp_path: Path) -> None:
+    from vlmbatch.pipeline.drive import run_group
+    from vlmbatch.pipeline.records import ErrorKind
+
+    class Broken:
+        image_plan = TILING
+
+        def score(self, images, requests):  # noqa: ANN001, ANN201
+            raise MemoryError("out of memory")
+
+    its = items(tmp_path, 5, seed=9)  # the fifth is a missing file
+    p = prepare_group(TASK, its, TILING, 10**8)
+    out = run_group(TASK, Broken(), p)  # type: ignore[arg-type]
+    kinds = [r[0].error_kind for r in out]
+    assert kinds == [ErrorKind.ENGINE] * 4 + [ErrorKind.SOURCE]
+    assert "out of memory" in (out[0][0].error or "")

@@ -13,7 +13,9 @@ import pytest
 from vlmbatch.models.embedding import read_embedding_spec
 from vlmbatch.pipeline.config import ConfigError, EmbedConfig, EngineConfig
 from vlmbatch.pipeline.embed import Embedder
-from vlmbatch.pipeline.embed_drive import embed_group, prepare_embed_group, prepared_embed_groups
+from vlmbatch.pipeline.config import PrepareOptions
+from vlmbatch.pipeline.drive import prepare_group, prepared_groups, run_group
+from vlmbatch.pipeline.task import EmbedTask
 from vlmbatch.pipeline.loading import load_model
 from vlmbatch.pipeline.records import EmbedItem, EmbedRequest, ErrorKind, Request
 from vlmbatch.pipeline.torch_engine import TorchEngine
@@ -155,12 +157,15 @@ def test_drive_loop_keeps_failures_per_item(model, images, tmp_path: Path) -> No
              EmbedItem(2, "g", "good.png", "both", tmp_path),
              EmbedItem(3, None, "good.png", None, tmp_path)]
     emb = embedder(model)
-    serial = embed_group(emb, prepare_embed_group(items, emb.image_plan))
+    task = EmbedTask(emb.cfg)
+    serial = [e for (e,) in run_group(task, emb.engine,
+                                      prepare_group(task, items, emb.image_plan))]
     assert [e.index for e in serial] == [0, 1, 2, 3]
     assert serial[1].vector is None and serial[1].error_kind is ErrorKind.SOURCE
     assert all(e.vector is not None for e in (serial[0], serial[2], serial[3]))
-    threaded = [e for peg in prepared_embed_groups([items[:2], items[2:]], emb.image_plan,
-                                                   10**8, 2) for e in embed_group(emb, peg)]
+    threaded = [e for p in prepared_groups(task, [items[:2], items[2:]], emb.image_plan,
+                                           PrepareOptions(10**8, 2))
+                for (e,) in run_group(task, emb.engine, p)]
     for a, b in zip(serial, threaded):
         assert a.error == b.error
         if a.vector is not None:
@@ -171,6 +176,7 @@ def test_engine_failure_fails_the_group(model, images, monkeypatch) -> None:  # 
     emb = embedder(model)
     monkeypatch.setattr(emb.engine.runner, "hidden", lambda *a: 1 / 0)
     items = [EmbedItem(0, None, None, "a", Path.cwd()), EmbedItem(1, None, None, "b", Path.cwd())]
-    out = embed_group(emb, prepare_embed_group(items, emb.image_plan))
+    task = EmbedTask(emb.cfg)
+    out = [e for (e,) in run_group(task, emb.engine, prepare_group(task, items, emb.image_plan))]
     assert all(e.error_kind is ErrorKind.ENGINE and "ZeroDivisionError" in (e.error or "")
                for e in out)

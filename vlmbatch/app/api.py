@@ -22,40 +22,45 @@ a manifest (``id``, ``text``, ``threshold``, ``max_new_tokens``); a malformed on
 ``ManifestError`` before any work. A bad image is never an exception: its answers carry
 ``error`` and ``error_kind``, as ``vlmbatch run``'s lines do, and the rest go on.
 
-Both calls stream: images are taken ``images_per_batch`` at a time, prepared on
-preprocessing threads while the model answers the previous batch, and answered with the
-image-aware prefix cache, exactly as ``vlmbatch run`` does (``pipeline/drive.py``); memory
-stays bounded whatever the number of items. Answers come in item then question order.
+Both calls stream: images are taken ``images_per_batch`` at a time, prepared in decoder
+processes while the model answers the previous batch (each image under ``decode_timeout``
+seconds: a decoder that hangs or crashes is that image's ``decode_timeout`` /
+``decoder_crashed`` error), and answered with the image-aware prefix cache, through the same
+drive loop as ``vlmbatch run`` (``pipeline/drive.py``); memory stays bounded whatever the
+number of items. Answers come in item then question order. The decoder processes start with
+the first image and live as long as the ``VLM`` (``close()``, or ``with vlmbatch.VLM() as
+vlm:``, ends them; so does the interpreter's exit).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import closing
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from vlmbatch.jobs.config import RunConfig
+from vlmbatch.jobs.config import ExecutorConfig, RunConfig
 from vlmbatch.jobs.manifest import parse_question
 from vlmbatch.pipeline.build import build_engine
 from vlmbatch.pipeline.config import (
     EmbedConfig,
     EngineConfig,
     ModelConfig,
+    PrepareOptions,
     default_of,
     preprocess_threads_for,
 )
-from vlmbatch.pipeline.drive import prepared_groups, score_group
+from vlmbatch.pipeline.drive import Preparer, drive, groups_of, preparer
 from vlmbatch.pipeline.embed import Embedder, build_embedder
-from vlmbatch.pipeline.embed_drive import EMBED_GROUP, embed_group, prepared_embed_groups
+from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.pipeline.records import Answer, Embedding, EmbedItem, ImageItem, Question
+from vlmbatch.pipeline.task import EMBED_GROUP, AnswerTask, EmbedTask, Task
 
-T = TypeVar("T")
 ImageLike = str | Path | bytes | np.ndarray | Image.Image
 QuestionLike = str | dict | Question
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)} - {"path", "device", "dtype"}
@@ -68,12 +73,15 @@ EmbedLike = str | Path | bytes | np.ndarray | Image.Image | tuple[ImageLike | No
 class VLM:
     """A loaded model and engine; ``options`` are ``ModelConfig``/``EngineConfig`` fields
     (``tiling``, ``max_tiles``, ``prefix_cache``, ``max_new_tokens``, ``vit_backend``, ...,
-    with the CLI's defaults)."""
+    with the CLI's defaults). ``decode_timeout``: seconds an image may take to read and
+    decode (0: decode on threads of this process, no deadline). ``hooks``: fault injection
+    for tests."""
 
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu",
                  dtype: str = "float32", images_per_batch: int | None = None,
                  max_pixels: int | None = None, threads: int | None = None,
-                 preprocess_threads: int | None = None, **options: Any) -> None:
+                 preprocess_threads: int | None = None, decode_timeout: float | None = None,
+                 hooks: FaultHooks = NO_HOOKS, **options: Any) -> None:
         unknown = sorted(set(options) - _MODEL_FIELDS - _ENGINE_FIELDS)
         if unknown:
             raise TypeError(f"unknown VLM option(s) {unknown}; model options: "
@@ -85,12 +93,18 @@ class VLM:
                                              if k in _ENGINE_FIELDS})
         self.images_per_batch = images_per_batch or default_of(RunConfig, "images_per_batch")
         self.embed_batch = images_per_batch or EMBED_GROUP  # inputs per embedder call
-        self.max_pixels = max_pixels or default_of(RunConfig, "max_pixels")
-        self.preprocess_threads = preprocess_threads_for(preprocess_threads, device)
+        timeout = default_of(ExecutorConfig, "decode_timeout") if decode_timeout is None \
+            else decode_timeout
+        self.prepare = PrepareOptions(max_pixels or default_of(RunConfig, "max_pixels"),
+                                      preprocess_threads_for(preprocess_threads, device),
+                                      ExecutorConfig(decode_timeout=timeout).decode_timeout)
+        self.hooks = hooks
         if threads:
             torch.set_num_threads(threads)
         self.engine = build_engine(self.model_config, self.engine_config)
         self._embedders: dict[EmbedConfig, Embedder] = {}
+        self._workers: Preparer | None = None
+        self._finalizer: weakref.finalize | None = None
 
     def ask(self, images: ImageLike | Sequence[ImageLike],
             questions: Sequence[QuestionLike]) -> Iterator[Answer]:
@@ -105,12 +119,8 @@ class VLM:
                  ) -> Iterator[Answer]:
         """Answers for a stream of items: ``ImageItem``s, or ``(image, questions)`` pairs
         (ids are their positions in the stream)."""
-        groups = _groups((_item(i, x) for i, x in enumerate(items)), self.images_per_batch)
-        with closing(prepared_groups(groups, self.engine.image_plan, self.max_pixels,
-                                     self.preprocess_threads)) as prepared:
-            for pg in prepared:
-                yield from score_group(self.engine, pg)
-
+        groups = groups_of((_item(i, x) for i, x in enumerate(items)), self.images_per_batch)
+        yield from self._results(AnswerTask(), groups)
 
     def embed(self, texts: Sequence[str] = (), images: Sequence[ImageLike] = (),
               **options: Any) -> np.ndarray:
@@ -144,18 +154,42 @@ class VLM:
         ``(image, None)``), ``(image, text)`` for both in one prompt, or an ``EmbedItem``.
         Streamed and batched as ``vlmbatch embed`` does it, over the same engine (and prefix
         cache) as ``ask``."""
-        embedder = self.embedder(EmbedConfig(**options))
-        groups = _groups((_embed_item(i, x) for i, x in enumerate(inputs)), self.embed_batch)
-        with closing(prepared_embed_groups(groups, embedder.image_plan, self.max_pixels,
-                                           self.preprocess_threads)) as prepared:
-            for peg in prepared:
-                yield from embed_group(embedder, peg)
+        cfg = self.embedder(EmbedConfig(**options)).cfg  # checked before any work
+        groups = groups_of((_embed_item(i, x) for i, x in enumerate(inputs)), self.embed_batch)
+        yield from self._results(EmbedTask(cfg), groups)
 
     def embedder(self, cfg: EmbedConfig) -> Embedder:
         """The embedder for ``cfg`` on this VLM's engine (built once per config)."""
         if cfg not in self._embedders:
             self._embedders[cfg] = build_embedder(self.engine, cfg)
         return self._embedders[cfg]
+
+    def _results(self, task: Task, groups: Iterable[list]) -> Iterator[Any]:
+        """Each group's results through the drive loop, flattened, on this VLM's workers."""
+        for _, results in drive(task, self.engine, groups, self.prepare, hooks=self.hooks,
+                                workers=self._prepare_workers()):
+            for per_item in results:
+                yield from per_item
+
+    def _prepare_workers(self) -> Preparer | None:
+        """The decoder processes (or threads) every call shares, made once."""
+        if self._workers is None:
+            self._workers = preparer(self.engine.image_plan, self.prepare, self.hooks)
+            if self._workers is not None:
+                self._finalizer = weakref.finalize(self, self._workers.stop)
+        return self._workers
+
+    def close(self) -> None:
+        """Stop the decoder processes (a later call starts new ones)."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self._workers = self._finalizer = None
+
+    def __enter__(self) -> VLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def questions_of(questions: Sequence[QuestionLike]) -> tuple[Question, ...]:
@@ -200,14 +234,3 @@ def _embed_item(i: int, x: EmbedLike) -> EmbedItem:
     if isinstance(x, str):
         return EmbedItem(i, None, None, x, Path.cwd())
     return EmbedItem(i, None, image_source(x), None, Path.cwd())
-
-
-def _groups(items: Iterable[T], n: int) -> Iterator[list[T]]:
-    group: list[T] = []
-    for it in items:
-        group.append(it)
-        if len(group) == n:
-            yield group
-            group = []
-    if group:
-        yield group

@@ -163,6 +163,12 @@ def _executor_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-cpus", type=float, default=R.model_cpus,
                    help="ray: CPUs per model actor = its torch threads on CPU (default "
                    "%(default)s)")
+    decode_timeout_arg(g)
+
+
+def decode_timeout_arg(g: argparse._ActionsContainer) -> None:
+    """``--decode-timeout``: every command that decodes images has it (run, jobs, eval,
+    embed; the server's batches take their job's)."""
     g.add_argument("--decode-timeout", type=float, default=X.decode_timeout,
                    help="seconds one image may take to read and decode before its worker (a "
                    "decoder process, or a Ray prepare task) is killed and that item fails "
@@ -190,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_add_run, _add_submit, _add_job_commands, _add_eval, _add_quantize,
                 _add_export_vit, _add_serve):
         add(sub)
-    add_embed_parser(sub, _model_args)
+    add_embed_parser(sub, _model_args, decode_timeout_arg)
     return p
 
 
@@ -281,6 +287,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--split", default="test", choices=["test", "train"])
     e.add_argument("--limit", type=positive_int, default=None, help="first N questions only")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
+    decode_timeout_arg(e)
     _model_args(e)
 
 

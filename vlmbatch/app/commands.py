@@ -32,13 +32,15 @@ from vlmbatch.pipeline.config import (
     EmbedConfig,
     EngineConfig,
     ModelConfig,
+    PrepareOptions,
+    preprocess_threads_for,
 )
 from vlmbatch.pipeline.embed import embedding_checkpoint
-from vlmbatch.pipeline.embed_drive import EMBED_GROUP
 from vlmbatch.pipeline.evaluate import evaluate
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.pipeline.loading import load_model, vision_model
 from vlmbatch.pipeline.quantize import quantize_model
+from vlmbatch.pipeline.task import EMBED_GROUP
 from vlmbatch.vit_trt.export import export_onnx
 
 EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT, EXIT_ITEM_ERRORS = 0, 1, 2, 3
@@ -240,7 +242,7 @@ def cmd_results(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
 
 
 def cmd_embed(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
-    return run_embed(a, *model_configs(a))
+    return run_embed(a, *model_configs(a), hooks)
 
 
 def cmd_cancel(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
@@ -263,8 +265,11 @@ def cmd_eval(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
         torch.set_num_threads(a.threads)
     model, engine = model_configs(a)
     refuse_embedding_model(model.path)
+    opts = PrepareOptions(threads=preprocess_threads_for(a.preprocess_threads, model.device),
+                          decode_timeout=ExecutorConfig(
+                              decode_timeout=a.decode_timeout).decode_timeout)
     r = evaluate(model, engine, a.split, a.limit, a.images_per_batch, not a.no_progress,
-                 a.preprocess_threads)
+                 opts, hooks)
     print(f"easy-vqa {a.split} yes/no accuracy: {r.accuracy:.4f} ({r.correct}/{r.questions}) "
           f"in {r.seconds:.1f}s ({60 * r.questions / r.seconds:.0f} QPM)")
     return EXIT_OK

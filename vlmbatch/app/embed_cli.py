@@ -10,8 +10,9 @@ evaluation (``--eval``); and the embedding options ``submit --task embed`` share
     vlmbatch embed --eval                                 # easy-vqa test retrieval figures
 
 The parser is built here (``add_embed_parser``), the command runs here (``run_embed``, given
-the model and engine configs ``commands.py`` builds), over ``vlmbatch.app.api``-style calls into
-``pipeline.embed_drive``: one behaviour for the CLI, the API and jobs.
+the model and engine configs ``commands.py`` builds), through the same drive loop as the
+Python API and jobs (``pipeline/drive.py`` with ``pipeline.task.EmbedTask``): one behaviour
+for all three, each image decoded in a decoder process under ``--decode-timeout``.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ import argparse
 import dataclasses
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import closing
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from vlmbatch.common.atomic import replaced_on_success
+from vlmbatch.jobs.config import ExecutorConfig
 from vlmbatch.jobs.embed_input import (
     folder_items,
     image_items,
@@ -51,13 +52,16 @@ from vlmbatch.pipeline.config import (
     EmbedConfig,
     EngineConfig,
     ModelConfig,
+    PrepareOptions,
     preprocess_threads_for,
 )
+from vlmbatch.pipeline.drive import drive, groups_of
 from vlmbatch.pipeline.embed import Embedder, build_embedder
-from vlmbatch.pipeline.embed_drive import EMBED_GROUP, embed_group, prepared_embed_groups
 from vlmbatch.pipeline.embed_eval import evaluate_retrieval
+from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.pipeline.pooling import maxsim
 from vlmbatch.pipeline.records import Embedding, EmbedItem
+from vlmbatch.pipeline.task import EMBED_GROUP, EmbedTask
 from vlmbatch.preprocessing.decode import DEFAULT_MAX_PIXELS
 
 E = EmbedConfig()  # the defaults
@@ -95,8 +99,10 @@ def embed_config(a: argparse.Namespace) -> EmbedConfig:
 
 
 def add_embed_parser(sub: argparse._SubParsersAction,
-                     model_args: Callable[[argparse.ArgumentParser], None]) -> None:
-    """``embed`` with the model/engine options ``model_args`` adds (``args.py``'s)."""
+                     model_args: Callable[[argparse.ArgumentParser], None],
+                     decode_timeout_arg: Callable[[argparse.ArgumentParser], None]) -> None:
+    """``embed`` with the model/engine options and ``--decode-timeout`` the two functions
+    add (``args.py``'s)."""
     e = sub.add_parser("embed", help="texts, images or a manifest -> embeddings (JSONL, "
                        "Parquet, .npy), -sim, --maxsim, --eval",
                        description="Unit vectors for texts (arguments, else standard input, "
@@ -120,6 +126,7 @@ def add_embed_parser(sub: argparse._SubParsersAction,
     e.add_argument("--limit", type=int, default=None, help="--eval: first N labelled images")
     e.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS,
                    help="images with more pixels are that input's error (default %(default)s)")
+    decode_timeout_arg(e)
     embed_option_args(e)
     model_args(e)
     e.set_defaults(images_per_batch=EMBED_GROUP)  # inputs per embedder call
@@ -140,17 +147,21 @@ def inputs_of(a: argparse.Namespace) -> list[EmbedItem]:
 
 
 def embed_items(embedder: Embedder, items: list[EmbedItem], images_per_batch: int,
-                threads: int, max_pixels: int = DEFAULT_MAX_PIXELS
-                ) -> Iterator[list[Embedding]]:
-    """The items' embeddings, a group at a time, in order."""
-    groups = (items[i: i + images_per_batch] for i in range(0, len(items), images_per_batch))
-    with closing(prepared_embed_groups(groups, embedder.image_plan, max_pixels,
-                                       threads)) as prepared:
-        for peg in prepared:
-            yield embed_group(embedder, peg)
+                opts: PrepareOptions, hooks: FaultHooks = NO_HOOKS) -> Iterator[list[Embedding]]:
+    """The items' embeddings, a group at a time, in order (the drive loop)."""
+    for _, results in drive(EmbedTask(embedder.cfg), embedder.engine,
+                            groups_of(items, images_per_batch), opts, hooks=hooks):
+        yield [e for per_item in results for e in per_item]
 
 
-def run_embed(a: argparse.Namespace, model: ModelConfig, engine: EngineConfig) -> int:
+def prepare_options(a: argparse.Namespace, device: str) -> PrepareOptions:
+    """Stage 1 of ``embed`` as its options say (decoder processes under --decode-timeout)."""
+    return PrepareOptions(a.max_pixels, preprocess_threads_for(a.preprocess_threads, device),
+                          ExecutorConfig(decode_timeout=a.decode_timeout).decode_timeout)
+
+
+def run_embed(a: argparse.Namespace, model: ModelConfig, engine: EngineConfig,
+              hooks: FaultHooks = NO_HOOKS) -> int:
     """The ``embed`` command; exit 0, or 3 when some inputs could not be embedded."""
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -166,13 +177,13 @@ def run_embed(a: argparse.Namespace, model: ModelConfig, engine: EngineConfig) -
         print(f"vlmbatch: note: {model.model_dir} declares no embedding pooling: a chat "
               "model's pooled hidden states are weak embeddings (the default model of `embed` "
               "is the built-in embedding model)", file=sys.stderr)
-    threads = preprocess_threads_for(a.preprocess_threads, model.device)
+    opts = prepare_options(a, model.device)
     if a.eval:
-        print(evaluate_retrieval(embedder, limit=a.limit, threads=threads).text())
+        print(evaluate_retrieval(embedder, limit=a.limit, opts=opts).text())
         return 0
     if sides is not None:
-        return _print_maxsim(embedder, sides, a, threads)
-    batches = embed_items(embedder, items, a.images_per_batch, threads, a.max_pixels)
+        return _print_maxsim(embedder, sides, a, opts)
+    batches = embed_items(embedder, items, a.images_per_batch, opts, hooks)
     failed = _write(batches, a, len(items)) if not a.sim else _print_sim(batches)
     if failed:
         print(f"vlmbatch: {failed} of {len(items)} inputs could not be embedded (their "
@@ -252,9 +263,8 @@ def _side(p: Path) -> list[EmbedItem]:
 
 
 def _vectors(embedder: Embedder, items: list[EmbedItem], a: argparse.Namespace,
-             threads: int) -> list[np.ndarray]:
-    out = [e for g in embed_items(embedder, items, a.images_per_batch, threads, a.max_pixels)
-           for e in g]
+             opts: PrepareOptions) -> list[np.ndarray]:
+    out = [e for g in embed_items(embedder, items, a.images_per_batch, opts) for e in g]
     for e in out:
         if e.vector is None:
             raise ConfigError(f"--maxsim: input {e.index} could not be embedded: {e.error}")
@@ -262,12 +272,11 @@ def _vectors(embedder: Embedder, items: list[EmbedItem], a: argparse.Namespace,
 
 
 def _print_maxsim(embedder: Embedder, sides: tuple[list[EmbedItem], list[EmbedItem]],
-                  a: argparse.Namespace, threads: int) -> int:
+                  a: argparse.Namespace, opts: PrepareOptions) -> int:
     """QUERIES x DOCS MaxSim scores, 4 decimals; DOCS' texts take the document prefix."""
     docs = Embedder(embedder.engine, dataclasses.replace(
         embedder.cfg, query_prefix=embedder.cfg.document_prefix))
-    scores = maxsim(_vectors(embedder, sides[0], a, threads),
-                    _vectors(docs, sides[1], a, threads))
+    scores = maxsim(_vectors(embedder, sides[0], a, opts), _vectors(docs, sides[1], a, opts))
     for row in scores:
         print(" ".join(f"{x:.4f}" for x in row))
     return 0

@@ -19,7 +19,9 @@ from vlmbatch.pipeline.config import (
     EmbedConfig,
     EngineConfig,
     ModelConfig,
+    PrepareOptions,
     check_threads,
+    preprocess_threads_for,
 )
 from vlmbatch.preprocessing.decode import DEFAULT_MAX_PIXELS
 
@@ -114,6 +116,14 @@ class RunConfig:
             preprocess_threads=(self.preprocess_threads if preprocess_threads is None
                                 else preprocess_threads),
             executor=executor or self.executor)
+
+
+def prepare_options(cfg: RunConfig) -> PrepareOptions:
+    """Stage 1 of a run as its config says: preprocessing workers by device
+    (``preprocess_threads_for``), the executor's decode deadline."""
+    return PrepareOptions(cfg.max_pixels,
+                          preprocess_threads_for(cfg.preprocess_threads, cfg.model.device),
+                          cfg.executor.decode_timeout)
 
 
 def to_json(obj: Any) -> Any:

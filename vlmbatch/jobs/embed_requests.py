@@ -29,27 +29,21 @@ the failure's ``ErrorKind``, as chat lines do: ``engine_error``, ...).
 from __future__ import annotations
 
 import base64
-import dataclasses
 import json
-from collections import deque
-from collections.abc import Callable, Generator, Iterable, Iterator
-from contextlib import closing
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from vlmbatch.jobs.errors import ManifestError, brief, check_id, check_unicode
-from vlmbatch.pipeline.drive import PreparedGroup
-from vlmbatch.pipeline.embed_drive import (
-    PreparedEmbedGroup,
-    prepare_embed_group,
-    prepared_embed_groups,
-)
-from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
-from vlmbatch.pipeline.records import Embedding, EmbedItem, ErrorKind, ItemError
-from vlmbatch.preprocessing.prepare import ImagePlan
+from vlmbatch.pipeline.records import Embedding, EmbedItem, EmbedRequest, ErrorKind, ItemError
+from vlmbatch.pipeline.task import Prepared, Task
+
+if TYPE_CHECKING:
+    from vlmbatch.pipeline.config import EmbedConfig
+    from vlmbatch.pipeline.engine import Engine
 
 URL = "/v1/embeddings"
 BODY_KEYS = {"model", "input", "encoding_format", "dimensions", "user"}
@@ -198,65 +192,34 @@ def _line(raw: bytes, lineno: int) -> EmbedRequestItem | None:
     return parse_embed_request(rec)
 
 
-# --- stage 1 and 2 of an embedding job whose items are requests (jobs/tasks.py) ---
+# --- the task of an embedding job whose items are requests (pipeline/task.py) ---
 
-@dataclass
-class PreparedRequests:
-    """Stage 1 of a group of requests: their inputs, in order, as one embedding group."""
-    group: list[EmbedRequestItem]
-    inputs: PreparedEmbedGroup
+@dataclass(frozen=True)
+class RequestTask(Task[EmbedRequestItem, Embedding]):
+    """Each request's strings embedded together, one pooled vector per string whatever the
+    checkpoint's default (``cfg.multi_vector`` False, as ``/v1/embeddings``): results are one
+    ``Embedding`` per string (``id`` the request's ``custom_id``, ``index`` the string's place
+    in its ``input``); a request over the token limits fails (``limited``). Texts need no
+    stage 1, so a request whose prepare task was lost (a Ray worker that died) is embedded
+    all the same."""
+    cfg: EmbedConfig
+    name = "embed"
 
+    def key(self, item: EmbedRequestItem) -> str:
+        return item.custom_id
 
-def _flat(group: list[Any]) -> list[EmbedItem]:
-    """A group's inputs: a request's strings, in order, keyed by their place in the group."""
-    if not group or not isinstance(group[0], EmbedRequestItem):
-        return group
-    texts = [t for r in group for t in r.texts]
-    return [EmbedItem(k, None, None, t, Path("/")) for k, t in enumerate(texts)]
+    def image(self, item: EmbedRequestItem) -> None:
+        return None
 
+    def run(self, engine: Engine, p: Prepared[EmbedRequestItem]) -> list[list[Embedding]]:
+        vectors = iter(engine.embed([], [EmbedRequest(None, t) for r in p.items
+                                         for t in r.texts], self.cfg))
+        return [limited([Embedding(i, r.custom_id, v.tokens, v.values)
+                         for i, v in zip(range(len(r.texts)), vectors)]) for r in p.items]
 
-def prepare_items(group: list[Any], plan: ImagePlan,
-                  max_pixels: int) -> PreparedEmbedGroup | PreparedRequests:
-    """Stage 1 of a group of ``EmbedItem``s or of ``EmbedRequestItem``s."""
-    peg = prepare_embed_group(_flat(group), plan, max_pixels)
-    return _wrapped(group, peg)
-
-
-def _wrapped(group: list[Any], peg: PreparedEmbedGroup) -> PreparedEmbedGroup | PreparedRequests:
-    return PreparedRequests(group, peg) if group and isinstance(group[0], EmbedRequestItem) \
-        else peg
-
-
-def prepared_items(groups: Iterable[list[Any]], plan: ImagePlan, max_pixels: int,
-                   threads: int, decode_timeout: float = 0.0, hooks: FaultHooks = NO_HOOKS
-                   ) -> Generator[PreparedEmbedGroup | PreparedRequests, None, None]:
-    """``prepared_embed_groups`` of groups of either kind of item, in order."""
-    pulled: deque[list[Any]] = deque()
-
-    def flat() -> Iterator[list[EmbedItem]]:
-        for g in groups:
-            pulled.append(g)
-            yield _flat(g)
-
-    with closing(prepared_embed_groups(flat(), plan, max_pixels, threads, decode_timeout,
-                                       hooks)) as prepared:
-        for peg in prepared:
-            yield _wrapped(pulled.popleft(), peg)
-
-
-def failed_request(item: EmbedRequestItem, err: ItemError) -> PreparedRequests:
-    """A request whose stage 1 was lost (a Ray prepare task that died): texts need no
-    preparing, so its inputs are embedded all the same."""
-    return PreparedRequests([item], PreparedEmbedGroup(_flat([item]), PreparedGroup([], [], {})))
-
-
-def request_results(pr: PreparedRequests, embedded: list[Embedding]) -> list[Embedding]:
-    """Stage 2's embeddings of a group's inputs as its requests' results: ``id`` the
-    request's ``custom_id``, ``index`` the string's place in its ``input``; a request over
-    the token limits fails (``limited``)."""
-    it = iter(embedded)
-    return [e for r in pr.group for e in limited(
-        [dataclasses.replace(next(it), index=i, id=r.custom_id) for i in range(len(r.texts))])]
+    def failed(self, item: EmbedRequestItem, err: ItemError) -> list[Embedding]:
+        return [Embedding(i, item.custom_id, None, None, err.message, err.kind)
+                for i in range(len(item.texts))]
 
 
 def limited(results: list[Embedding]) -> list[Embedding]:

@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +27,13 @@ import torch
 from tqdm import tqdm
 
 from vlmbatch.common.atomic import replaced_on_success
-from vlmbatch.jobs.config import ExecutorConfig, RunConfig
+from vlmbatch.jobs.config import ExecutorConfig, RunConfig, prepare_options
 from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.folder import (
     STORE_FILE,
     JobStatus,
     is_job,
+    job_format,
     load_config,
     require_job,
     state,
@@ -41,15 +42,18 @@ from vlmbatch.jobs.folder import (
 )
 from vlmbatch.jobs.lock import host_id, run_lock
 from vlmbatch.jobs.manifest import manifest_format
-from vlmbatch.jobs.ray_executor import run_job_ray
+from vlmbatch.jobs.ray_executor import ray_stages
 from vlmbatch.jobs.store import JobStore
-from vlmbatch.jobs.tasks import task_of
+from vlmbatch.jobs.tasks import JobTask, job_task
 from vlmbatch.pipeline.build import build_engine
-from vlmbatch.pipeline.config import ConfigError, preprocess_threads_for
+from vlmbatch.pipeline.config import ConfigError
+from vlmbatch.pipeline.drive import Done, Drive, LocalStages, PrepareOptions, Stages
+from vlmbatch.pipeline.engine import Engine
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.pipeline.loading import read_spec
+from vlmbatch.pipeline.task import Task
 
-__all__ = ["cancel", "is_job", "run_job", "status", "submit"]
+__all__ = ["JobRun", "cancel", "is_job", "run_job", "status", "submit"]
 
 
 def _absolute(cfg: RunConfig) -> RunConfig:
@@ -74,15 +78,15 @@ def submit(cfg: RunConfig, job: Path, hooks: FaultHooks = NO_HOOKS) -> int:
         raise ManifestError(f"{job} already exists and is not an empty folder; pick a new job "
                             "folder (or `vlmbatch resume` it if it is a job)")
     read_spec(cfg.model.path)  # raises ModelError naming what is wrong
-    task = task_of(cfg)  # answer questions, or embed (jobs/tasks.py)
-    task.check(cfg)
-    items, first = task.items(cfg)
     fmt = manifest_format(cfg.manifest) if cfg.manifest else "vlmbatch"
+    jt = job_task(cfg, fmt)  # answer questions, or embed (jobs/tasks.py)
+    jt.check(cfg)
+    items, first = jt.items(cfg)
     with _naming_job(job), replaced_on_success(job) as part:
         part.mkdir()
         store = JobStore(part / STORE_FILE)
         try:
-            n = store.add_items(_counted(items, hooks), first, task.to_json, task.key)
+            n = store.add_items(_counted(items, hooks), first, jt.to_json, jt.task.key)
             store.set("status", "submitted")
             store.set("created", str(time.time()))
         finally:
@@ -140,10 +144,7 @@ def run_job(job: Path, progress: bool = True, executor: ExecutorConfig | None = 
                           "use model_cpus (--model-cpus) and preprocess_workers")
     with run_lock(Path(job)):
         requeued = _requeue_failed(Path(job)) if retry_failed else 0
-        if cfg.executor.kind == "ray":
-            st = run_job_ray(Path(job), cfg, progress, hooks)
-        else:
-            st = _run_local(Path(job), progress, cfg, hooks)
+        st = _run(Path(job), progress, cfg, hooks)
     return dataclasses.replace(st, requeued=requeued)
 
 
@@ -155,47 +156,104 @@ def _requeue_failed(job: Path) -> int:
         store.close()
 
 
-def _run_local(job: Path, progress: bool, cfg: RunConfig, hooks: FaultHooks) -> JobStatus:
+class StoreSink:
+    """A group's results into the job store: each item's results with its state change, in
+    one transaction, only for items still pending (``JobStore.record``)."""
+
+    def __init__(self, store: JobStore, task: Task) -> None:
+        self.store, self.task = store, task
+
+    def write(self, items: list, results: list[list]) -> None:
+        self.store.record({self.task.key(it): r for it, r in zip(items, results)})
+
+
+def drive_job(store: JobStore, cfg: RunConfig, jt: JobTask, stages: Stages,
+              hooks: FaultHooks = NO_HOOKS) -> Generator[Done, None, None]:
+    """One run of a job's pending items through ``stages`` (this process, Ray) into its
+    store, a group at a time: the store's run marks (``status`` reads them), ``cancel``
+    checked before each group, the run's end recorded however it ends (``interrupted`` on an
+    exception or when the consumer stops early; groups prepared ahead stay pending)."""
+    store.begin_run(store.counts(), host_id())
+    d = Drive(stages, store.pending(cfg.images_per_batch, jt.from_json),
+              StoreSink(store, jt.task), lambda: store.get("cancel") == "1", hooks)
+    try:
+        yield from d
+    except BaseException:  # the job's state first: a second signal may cut the rest short
+        store.end_run(d.final, failing=True)
+        raise
+    store.end_run(d.final)
+
+
+class JobRun:
+    """A job run step by step on an engine that is already built (the server's engine thread
+    runs a batch's job a group at a time between interactive requests): the job's lock held
+    (``run.lock``: one process per job), its store open, ``drive_job`` over ``LocalStages``.
+    Raises ``JobBusy`` (another process runs the job) or ``ManifestError`` (a damaged folder)
+    before anything is marked."""
+
+    def __init__(self, job: Path, cfg: RunConfig, engine: Engine, opts: PrepareOptions,
+                 hooks: FaultHooks = NO_HOOKS) -> None:
+        self._exit = contextlib.ExitStack()
+        try:
+            self._exit.enter_context(run_lock(job))
+            store = JobStore(job / STORE_FILE)
+            self._exit.callback(store.close)
+            jt = job_task(cfg, job_format(job))
+            steps = drive_job(store, cfg, jt, LocalStages(jt.task, engine, opts, hooks), hooks)
+            # the engine thread reads pending items from the store: in this thread only
+        except BaseException:
+            self._exit.close()
+            raise
+        self.store = store
+        self._steps = steps
+        self._exit.callback(self._steps.close)
+
+    def cancel(self) -> None:
+        """Stop before the next group (as ``vlmbatch cancel`` does: the store's flag)."""
+        self.store.set("cancel", "1")
+
+    def step(self) -> bool:
+        """Run and record the next group; False when none is left (or the job is
+        cancelled): the run has ended, and ``close`` only lets go."""
+        return next(self._steps, None) is not None
+
+    def close(self) -> None:
+        """Let go of the job: a run still going ends ``interrupted`` (resumable)."""
+        self._exit.close()
+
+
+def _run(job: Path, progress: bool, cfg: RunConfig, hooks: FaultHooks) -> JobStatus:
     store = JobStore(job / STORE_FILE)
     try:
         c = store.counts()
         if c.pending == 0:
             store.set("status", "done")
             return status(job)
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        task = task_of(cfg)
-        hooks.loading()
-        engine = build_engine(cfg.model, cfg.engine)
-        stage2 = task.model(engine, cfg)
-        store.begin_run(c, host_id())
-        bar = tqdm(total=c.total, initial=c.total - c.pending, unit="img", disable=not progress,
-                   file=sys.stderr, desc=f"job {job.name}", dynamic_ncols=True)
-        final = "interrupted"  # unless the loop ends normally
-        threads = preprocess_threads_for(cfg.preprocess_threads, cfg.model.device)
-        groups = task.prepared(store.pending(cfg.images_per_batch, task.from_json),
-                               engine.image_plan, cfg.max_pixels, threads,
-                               decode_timeout=cfg.executor.decode_timeout, hooks=hooks)
-        # (groups prepared ahead stay pending)
-        try:
-            for pg in groups:
-                if store.get("cancel") == "1":
-                    final = "cancelled"
-                    break
-                store.record(task.by_item(stage2(pg)))
-                bar.update(len(pg.group))
-                hooks.group_done()
-            else:
-                final = "done"
-        except BaseException:  # the job's state first: a second signal may cut the rest short
-            store.end_run(final, failing=True)
-            raise
-        else:
-            store.end_run(final)
-        finally:
-            groups.close()  # stops the decoder processes or threads
-            bar.close()
+        jt = job_task(cfg, job_format(job))
+        ray = cfg.executor.kind == "ray"
+        with ray_stages(cfg, jt.task, hooks) if ray else _local_stages(cfg, jt.task, hooks) \
+                as stages:
+            bar = tqdm(total=c.total, initial=c.total - c.pending, unit="img",
+                       disable=not progress, file=sys.stderr,
+                       desc=f"job {job.name}" + (" (ray)" if ray else ""), dynamic_ncols=True)
+            start, results = time.perf_counter(), 0
+            try:
+                for items, out in drive_job(store, cfg, jt, stages, hooks):
+                    bar.update(len(items))
+                    results += sum(len(r) for r in out)
+                    bar.set_postfix(qpm=f"{60 * results / (time.perf_counter() - start):.0f}")
+            finally:
+                bar.close()
     finally:
         store.close()
     return status(job)
 
+
+@contextlib.contextmanager
+def _local_stages(cfg: RunConfig, task: Task, hooks: FaultHooks) -> Iterator[LocalStages]:
+    """Both stages in this process: the engine built here (torch threads set first)."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    hooks.loading()
+    engine = build_engine(cfg.model, cfg.engine)
+    yield LocalStages(task, engine, prepare_options(cfg), hooks)

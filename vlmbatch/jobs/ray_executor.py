@@ -1,15 +1,17 @@
-"""Run a job on Ray: CPU preprocessing tasks feed model actors; the driver records results.
+"""A job's two stages on Ray: CPU prepare tasks feed model actors; the driver records.
 
-    run_job_ray(job, cfg, progress, hooks)      # `vlmbatch run JOB --executor ray`
+    with ray_stages(cfg, task, hooks) as stages:     # `vlmbatch run JOB --executor ray`
+        drive_job(store, cfg, job_task, stages)      # jobs/job.py: the one drive loop
 
 Data flow (one *group* = ``images_per_batch`` pending items, read lazily from the store)::
 
-    driver: store.pending() --group--> prepare task (num_cpus=1; read, decode, tile, hash)
-            --PreparedGroup (tiles in Ray's object store)--> ModelWorker actor (engine.score)
-            --result lines--> driver: store.record()  (one transaction per group)
+    driver: store.pending() --group--> prepare task (num_cpus=1; pipeline.drive.prepare_task:
+            read, decode, tile, hash) --Prepared (images in Ray's object store)-->
+            ModelWorker actor (pipeline.drive.run_group) --each item's results--> driver:
+            the drive loop's sink (the store: one transaction per group)
 
-The tiles never pass through the driver: it fetches only a prepare task's small "done"
-object, then hands the tiles' ObjectRef to an actor, which Ray resolves there.
+The images never pass through the driver: it fetches only a prepare task's small "done"
+object, then hands the group's ObjectRef to an actor, which Ray resolves there.
 
 Why plain tasks and actors, not Ray Data: the job store, not Ray, is the source of truth for
 what is done. Exactly-once needs the driver to record each group atomically when its result
@@ -22,14 +24,17 @@ Invariants:
 - In flight are at most ``preprocess_workers`` prepare tasks (so each starts as soon as it is
   submitted, and its deadline measures its own run time) and ``2 x model_workers`` groups at
   the model: memory is bounded whatever the manifest's size.
+- Results come back in the groups' order (the drive loop records them so).
 - A prepare task that exceeds ``decode_timeout`` seconds per item, or whose worker process
   dies, is cancelled (its worker killed) and its items are prepared again one task each, so
   the item that hangs or crashes becomes that item's error and the others go on.
 - A model worker that dies is restarted by Ray and its call retried
   (``max_restarts``/``max_task_retries``); results are recorded only by the driver, only for
   items still pending, so a retried group is never recorded twice.
-- A node that dies takes its prepare tasks and the tiles it holds with it: those groups are
+- A node that dies takes its prepare tasks and the images it holds with it: those groups are
   prepared again elsewhere (up to 3 times each), never failed for it.
+- Closing the stages (the job cancelled, an interrupt) cancels the prepare tasks in flight;
+  groups at the model are dropped unrecorded (their items stay pending).
 
 Fault injection for tests: a ``pipeline.hooks.FaultHooks`` passed in travels (pickled) to the
 prepare tasks (``before_prepare``: hang or crash on an item) and the model actors
@@ -38,26 +43,22 @@ prepare tasks (``before_prepare``: hang or crash on an item) and the model actor
 
 from __future__ import annotations
 
-import sys
+import contextlib
 import time
 from collections import deque
-from pathlib import Path
+from collections.abc import Generator, Iterable, Iterator
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from vlmbatch.jobs.config import RunConfig
-from vlmbatch.jobs.folder import STORE_FILE, status
-from vlmbatch.jobs.lock import host_id
 from vlmbatch.jobs.ray_cluster import init_ray
-from vlmbatch.jobs.store import Counts, JobStore
-from vlmbatch.jobs.tasks import task_of
 from vlmbatch.pipeline.build import build_engine
-from vlmbatch.pipeline.drive import prepare_task
-from vlmbatch.pipeline.hooks import FaultHooks
+from vlmbatch.pipeline.drive import Done, prepare_task, run_group
+from vlmbatch.pipeline.hooks import FaultHooks, Named
 from vlmbatch.pipeline.loading import read_spec
-from vlmbatch.pipeline.records import EmbedItem, ErrorKind, ImageItem, ItemError
+from vlmbatch.pipeline.records import ErrorKind, ItemError
+from vlmbatch.pipeline.task import Prepared, Task
 from vlmbatch.preprocessing.prepare import ImagePlan
 
 
@@ -70,120 +71,107 @@ def require_ray() -> Any:
 
 
 class ModelWorker:
-    """Holds one engine; ``score`` runs stage 2 of a group (the job's task: answers or
-    embeddings). Ray makes it an actor."""
+    """Holds one engine; ``run`` is stage 2 of a group (``pipeline.drive.run_group``: the
+    job's task on the engine, an engine failure that group's error). Ray makes it an actor."""
 
-    def __init__(self, cfg: RunConfig, threads: int | None, hooks: FaultHooks) -> None:
+    def __init__(self, cfg: RunConfig, task: Task, threads: int | None,
+                 hooks: FaultHooks) -> None:
         if threads:
             torch.set_num_threads(threads)
         self.engine = build_engine(cfg.model, cfg.engine)
-        self.stage2 = task_of(cfg).model(self.engine, cfg)
-        self.hooks = hooks
+        self.task, self.hooks = task, hooks
         self.calls = 0
 
     def image_plan(self) -> ImagePlan:
         return self.engine.image_plan
 
-    def score(self, pg: Any) -> list:
+    def run(self, p: Prepared) -> list[list]:
         self.calls += 1
         self.hooks.score(self.calls)
-        return self.stage2(pg)
+        return run_group(self.task, self.engine, p)
 
 
-def run_job_ray(job: Path, cfg: RunConfig, progress: bool = True,
-                hooks: FaultHooks | None = None) -> Any:
-    """Answer every pending item of ``job`` on Ray (``cfg.executor.ray``); returns the job's
-    status. Each model actor runs ``model_cpus`` torch threads (what Ray reserves for it),
-    whatever ``--threads`` the job was submitted with."""
+@contextlib.contextmanager
+def ray_stages(cfg: RunConfig, task: Task, hooks: FaultHooks | None = None
+               ) -> Iterator[RayStages]:
+    """Ray started or joined (``cfg.executor.ray``), the model actors made; both undone on
+    exit (Ray shut down only if started here). Each model actor runs ``model_cpus`` torch
+    threads (what Ray reserves for it), whatever ``--threads`` the job was submitted with."""
     ray = require_ray()
     hooks = hooks or FaultHooks()
     opts = cfg.executor.ray
-    job = Path(job)
-    store = JobStore(job / STORE_FILE)
-    started_ray = False
+    read_spec(cfg.model.path)  # a bad model fails here, not in an actor
+    started = not ray.is_initialized()
+    if started:
+        init_ray(ray, opts)
     try:
-        c = store.counts()
-        if c.pending == 0:
-            store.set("status", "done")
-            return status(job)
-        read_spec(cfg.model.path)  # a bad model fails here, not in an actor
-        if not ray.is_initialized():
-            init_ray(ray, opts)
-            started_ray = True
         threads = max(1, int(opts.model_cpus))  # Ray's reservation, not the job's --threads
         # one GPU per model actor when the model runs on CUDA (never run here: no GPU yet)
         gpus = 1 if cfg.model.device.startswith("cuda") else 0
         hooks.loading()
-        Actor = ray.remote(num_cpus=opts.model_cpus, num_gpus=gpus, max_restarts=3,
+        actor = ray.remote(num_cpus=opts.model_cpus, num_gpus=gpus, max_restarts=3,
                            max_task_retries=3)(ModelWorker)
-        workers = [Actor.remote(cfg, threads, hooks)
-                   for _ in range(opts.model_workers)]
+        workers = [actor.remote(cfg, task, threads, hooks) for _ in range(opts.model_workers)]
         plan = ray.get(workers[0].image_plan.remote())
-        try:
-            final = _drive(ray, store, cfg, workers, plan, c, progress, job.name, hooks)
-        except BaseException:
-            store.end_run("interrupted", failing=True)
-            raise
-        store.end_run(final)
+        yield RayStages(ray, cfg, task, workers, plan, hooks)
     finally:
-        store.close()
-        if started_ray:
+        if started:
             ray.shutdown()
-    return status(job)
 
 
-def _drive(ray: Any, store: JobStore, cfg: RunConfig, workers: list,  # noqa: PLR0913
-           plan: ImagePlan, counts: Counts, progress: bool, name: str,
-           hooks: FaultHooks) -> str:
-    """Run the job's pending items through prepare tasks and model actors until none is
-    left or the job is cancelled; returns the run's final state."""
-    store.begin_run(counts, host_id())
-    bar = tqdm(total=counts.total, initial=counts.total - counts.pending, unit="img",
-               disable=not progress, file=sys.stderr, desc=f"job {name} (ray)",
-               dynamic_ncols=True)
-    s = _Scheduler(ray, store, cfg, workers, plan, bar, hooks)
-    try:
-        while True:
-            if not s.cancelled and store.get("cancel") == "1":
-                s.cancel()
-            s.fill()
-            if not s.preparing and not s.scoring:
-                return "cancelled" if s.cancelled else "done"
-            ready, _ = ray.wait(list(s.preparing) + [r for r, _ in s.scoring], num_returns=1,
-                                timeout=0.2)
-            s.collect_prepared(set(ready))
-            s.record_scored(set(ready))
-    finally:
-        bar.close()
+class RayStages:
+    """The ``pipeline.drive.Stages`` of a job on Ray (module docstring)."""
+
+    def __init__(self, ray: Any, cfg: RunConfig, task: Task, workers: list,  # noqa: PLR0913
+                 plan: ImagePlan, hooks: FaultHooks) -> None:
+        self.ray, self.cfg, self.task, self.workers = ray, cfg, task, workers
+        self.plan, self.hooks = plan, hooks
+
+    def results(self, groups: Iterable[list]) -> Generator[Done, None, None]:
+        s = _Scheduler(self.ray, self.cfg, self.task, self.workers, self.plan, self.hooks,
+                       iter(groups))
+        try:
+            while True:
+                done = s.finished()  # results first: a lost group is prepared again next
+                if done is not None:
+                    yield done
+                    s.take()
+                    continue
+                s.fill()
+                if not s.preparing and not s.scoring:
+                    return
+                ready, _ = self.ray.wait(list(s.preparing) + [r for r, _ in s.scoring],
+                                         num_returns=1, timeout=0.2)
+                s.collect_prepared(set(ready))
+        finally:
+            s.cancel()
 
 
 class _Scheduler:
     """The driver's in-flight work: prepare tasks (``preparing``: done ref -> (group,
-    deadline, tiles ref)), single items to prepare again (``retry``), groups whose tiles were
-    lost with their node (``again``), and groups at the model actors (``scoring``, in
-    submission order, so results are recorded in manifest order)."""
+    deadline, prepared ref)), single items to prepare again (``retry``), groups whose images
+    were lost with their node (``again``), and groups at the model actors (``scoring``, in
+    submission order, so results come back in the groups' order)."""
 
-    def __init__(self, ray: Any, store: JobStore, cfg: RunConfig, workers: list,  # noqa: PLR0913
-                 plan: ImagePlan, bar: tqdm, hooks: FaultHooks) -> None:
-        self.ray, self.store, self.cfg, self.workers = ray, store, cfg, workers
-        self.plan, self.opts, self.bar, self.hooks = plan, cfg.executor.ray, bar, hooks
+    def __init__(self, ray: Any, cfg: RunConfig, task: Task, workers: list,  # noqa: PLR0913
+                 plan: ImagePlan, hooks: FaultHooks, groups: Iterator[list]) -> None:
+        self.ray, self.cfg, self.task, self.workers = ray, cfg, task, workers
+        self.plan, self.opts, self.hooks, self.groups = plan, cfg.executor.ray, hooks, groups
         # a module-level function of a light module: a new prepare worker imports
         # pipeline.drive (numpy, OpenCV), not torch and the models, before its deadline runs
         self.prepare = ray.remote(num_cpus=1, max_retries=0, num_returns=2)(prepare_task)
-        self.task = task_of(cfg)
-        self.groups = store.pending(cfg.images_per_batch, self.task.from_json)
-        self.preparing: dict = {}  # done ref -> (group, deadline, tiles ref)
-        self.retry: deque[ImageItem | EmbedItem] = deque()
-        self.again: deque[list] = deque()  # groups whose tiles were lost
-        self.lost: dict[str, int] = {}  # first item id -> times its group's tiles were lost
+        self.preparing: dict = {}  # done ref -> (group, deadline, prepared ref)
+        self.retry: deque = deque()
+        self.again: deque[list] = deque()  # groups whose images were lost
+        self.lost: dict[str, int] = {}  # first item's key -> times its group's images were lost
         self.scoring: deque = deque()  # (ref, group)
         self.next_worker = 0
-        self.exhausted = self.cancelled = False
-        self.start, self.questions = time.perf_counter(), 0
+        self.exhausted = False
+        self._done: Done | None = None  # the oldest group's results, once fetched
 
     def cancel(self) -> None:
-        """Stop preparing; groups already at the model are finished and recorded."""
-        self.cancelled = True
+        """Stop preparing (the prepare tasks in flight are killed); groups at the model are
+        left to finish unrecorded."""
         for ref in self.preparing:
             self.ray.cancel(ref, force=True)
         self.preparing.clear()
@@ -193,7 +181,7 @@ class _Scheduler:
     def fill(self) -> None:
         """Keep the preprocessing workers busy, with at most 2 groups per model worker
         queued."""
-        while (not self.cancelled and len(self.preparing) < self.opts.preprocess_workers
+        while (len(self.preparing) < self.opts.preprocess_workers
                and len(self.scoring) < 2 * len(self.workers)):
             if self.again:
                 self._submit_prepare(self.again.popleft())
@@ -208,18 +196,18 @@ class _Scheduler:
             self._submit_prepare(group)
 
     def _submit_prepare(self, group: list) -> None:
-        done, tiles = self.prepare.remote(group, self.plan, self.cfg.max_pixels, self.hooks,
-                                          self.task.stage1)
+        done, prepared = self.prepare.remote(self.task, group, self.plan, self.cfg.max_pixels,
+                                             self.hooks)
         timeout = self.cfg.executor.decode_timeout or float("inf")  # 0: no deadline
         deadline = time.monotonic() + timeout * len(group)
-        self.preparing[done] = (group, deadline, tiles)
+        self.preparing[done] = (group, deadline, prepared)
 
     def collect_prepared(self, ready: set) -> None:
         """Hand finished prepare tasks to the model workers; a task past its deadline or
         whose worker died is killed, and its items retried one by one (a single item's
         failure becomes its error)."""
         now = time.monotonic()
-        for ref, (group, deadline, tiles) in list(self.preparing.items()):
+        for ref, (group, deadline, prepared) in list(self.preparing.items()):
             done = ref in ready
             if not done and now < deadline:
                 continue
@@ -228,7 +216,7 @@ class _Scheduler:
                 if not done:
                     self.ray.cancel(ref, force=True)
                     raise TimeoutError
-                self.ray.get(ref)  # raises if the task failed; the tiles stay where they are
+                self.ray.get(ref)  # raises if the task failed; the images stay where they are
             except (TimeoutError, self.ray.exceptions.RayError) as e:
                 if self._lost(e, group):  # its node died: not the images' fault
                     self.again.append(group)
@@ -236,14 +224,18 @@ class _Scheduler:
                 if len(group) > 1:
                     self.retry.extend(group)  # find the culprit: one task per item
                     continue
-                tiles = self.task.failed(group[0], self._failure(group[0], e))
+                prepared = self._failed(group[0], e)
             # an ObjectRef argument reaches the actor as its value, fetched there
-            self.scoring.append((self.workers[self.next_worker].score.remote(tiles), group))
+            self.scoring.append((self.workers[self.next_worker].run.remote(prepared), group))
             self.next_worker = (self.next_worker + 1) % len(self.workers)
+
+    def _failed(self, item: Any, e: BaseException) -> Prepared:
+        """A one-item group whose stage 1 failed with ``e``: its image's error."""
+        return Prepared([item], [None], {self.task.key(item): self._failure(item, e)})
 
     def _lost(self, e: BaseException, group: list, most: int = 3) -> bool:
         """Whether a task failed because a node died: the node that ran a prepare task, or
-        that held a group's tiles when a model call read them (prepare tasks are not
+        that held a group's images when a model call read them (prepare tasks are not
         retried, so Ray cannot rebuild them). At most ``most`` times for this group: then
         the group is prepared again (its items are still pending)."""
         lost = (self.ray.exceptions.ObjectLostError, self.ray.exceptions.NodeDiedError)
@@ -253,30 +245,29 @@ class _Scheduler:
         n = self.lost[first] = self.lost.get(first, 0) + 1
         return n <= most
 
-    def _failure(self, item: ImageItem | EmbedItem, e: BaseException) -> ItemError:
+    def _failure(self, item: Named, e: BaseException) -> ItemError:
         if isinstance(e, TimeoutError):
             return ItemError(ErrorKind.DECODE_TIMEOUT, f"{item.source}: decoding timed out after "
                              f"{self.cfg.executor.decode_timeout:g}s (worker killed)")
         return ItemError(ErrorKind.DECODER_CRASHED,
                          f"{item.source}: preprocessing worker died ({type(e).__name__})")
 
-    def record_scored(self, ready: set) -> None:
-        """Record, in submission order, every group whose model call has returned."""
-        while self.scoring and (self.scoring[0][0] in ready
-                                or _is_ready(self.ray, self.scoring[0][0])):
+    def finished(self) -> Done | None:
+        """The oldest group at the model, with its results, once its call has returned (a
+        group whose images were lost with their node is prepared again instead)."""
+        while self._done is None and self.scoring and _is_ready(self.ray, self.scoring[0][0]):
             ref, group = self.scoring.popleft()
             try:
-                answers = self.ray.get(ref)
+                self._done = (group, self.ray.get(ref))
             except self.ray.exceptions.RayError as e:
                 if not self._lost(e, group):
                     raise
                 self.again.append(group)  # its items are still pending: prepare them again
-                continue
-            self.store.record(self.task.by_item(answers))
-            self.questions += len(answers)
-            self.bar.update(len(group))
-            rate = 60 * self.questions / (time.perf_counter() - self.start)
-            self.bar.set_postfix(qpm=f"{rate:.0f}")
+        return self._done
+
+    def take(self) -> None:
+        """The group ``finished`` returned has been handed on."""
+        self._done = None
 
 
 def _is_ready(ray: Any, ref: Any) -> bool:

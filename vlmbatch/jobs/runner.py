@@ -12,22 +12,21 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO
 
 import torch
 from tqdm import tqdm
 
-from vlmbatch.jobs.config import RunConfig
+from vlmbatch.jobs.config import RunConfig, prepare_options
 from vlmbatch.jobs.manifest import items_from_folder, manifest_format, read_manifest, read_policy
 from vlmbatch.jobs.sinks import GroupWriter, format_of
 from vlmbatch.pipeline.build import build_engine
-from vlmbatch.pipeline.config import preprocess_threads_for
-from vlmbatch.pipeline.drive import prepared_groups, score_group
+from vlmbatch.pipeline.drive import drive, groups_of
 from vlmbatch.pipeline.engine import EngineSummary
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.pipeline.records import ImageItem
+from vlmbatch.pipeline.task import AnswerTask
 
 
 @dataclass(frozen=True)
@@ -65,11 +64,6 @@ def load_items(cfg: RunConfig) -> list[ImageItem]:
     return items_from_folder(cfg.images, policy)
 
 
-def _groups(items: list[ImageItem], n: int) -> Iterator[list[ImageItem]]:
-    for i in range(0, len(items), n):
-        yield items[i: i + n]
-
-
 def run(cfg: RunConfig, out: IO[str] | None = None, hooks: FaultHooks = NO_HOOKS) -> RunSummary:
     """Run a whole manifest in this process. Raises ManifestError/ModelError before any
     work."""
@@ -86,23 +80,18 @@ def run(cfg: RunConfig, out: IO[str] | None = None, hooks: FaultHooks = NO_HOOKS
     start = time.perf_counter()
     bar = tqdm(total=n_q, unit="q", disable=not cfg.progress, file=sys.stderr,
                desc="answering", dynamic_ncols=True)
-    groups = prepared_groups(_groups(items, cfg.images_per_batch), engine.image_plan,
-                             cfg.max_pixels,
-                             preprocess_threads_for(cfg.preprocess_threads, cfg.model.device),
-                             decode_timeout=cfg.executor.decode_timeout, hooks=hooks)
+    loop = drive(AnswerTask(), engine, groups_of(items, cfg.images_per_batch),
+                 prepare_options(cfg), sink, hooks=hooks)
     try:
-        for pg in groups:
-            answers = score_group(engine, pg)
-            sink.write(answers)
-            failed_images += len({a.image_id for a in answers if a.error})
-            failed_q += sum(1 for a in answers if a.error)
-            bar.update(len(answers))
+        for _, results in loop:
+            failed = [r for r in results if r and r[0].error]
+            failed_images += len(failed)
+            failed_q += sum(len(r) for r in failed)
+            bar.update(sum(len(r) for r in results))
             minutes = (time.perf_counter() - start) / 60
             bar.set_postfix(qpm=f"{(bar.n - failed_q) / max(minutes, 1e-9):.0f}",
                             errors=failed_images)
-            hooks.group_done()
     finally:
-        groups.close()  # stops the decoder processes or threads (Ctrl-C, a failed write)
         bar.close()
         sink.close()
     return RunSummary(len(items), n_q, failed_images, failed_q, time.perf_counter() - start,

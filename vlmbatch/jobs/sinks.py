@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO
 
 from vlmbatch.jobs.openai_batch import write_lines
-from vlmbatch.pipeline.records import Answer
+from vlmbatch.pipeline.records import Answer, ImageItem
 
 RESULT_COLUMNS = tuple(name for name, _ in Answer.COLUMNS)
 TEXT_FORMATS = ("jsonl", "csv")
@@ -100,10 +100,11 @@ class GroupWriter:
         self.good = 0  # bytes of whole groups in self.path
         self._write = line_writer(self.file, fmt, openai)  # CSV: the header, not yet flushed
 
-    def write(self, answers: list[Answer]) -> None:
+    def write(self, items: list[ImageItem], answers: list[list[Answer]]) -> None:
+        """One group's answers (each item's, in order): the drive loop's sink."""
         try:
             with naming(self.name):
-                self._write(answers)
+                self._write([a for per_item in answers for a in per_item])
                 self.file.flush()
         except OSError:
             self._cut_back()

@@ -22,6 +22,7 @@ from vlmbatch.models.embedding import POOLINGS
 from vlmbatch.pipeline.paths import DEFAULT_EMBED_MODEL as DEFAULT_EMBED_MODEL
 from vlmbatch.pipeline.paths import DEFAULT_MODEL as DEFAULT_MODEL
 from vlmbatch.pipeline.paths import DEFAULT_QWEN_MODEL as DEFAULT_QWEN_MODEL
+from vlmbatch.preprocessing.decode import DEFAULT_MAX_PIXELS
 from vlmbatch.preprocessing.prepare import TILING_MODES
 from vlmbatch.vit_trt import RUNNERS
 
@@ -164,6 +165,18 @@ class EmbedConfig:
                               "--dimensions apply to pooled (single-vector) embeddings")
         if self.prompt is not None and not self.prompt.strip():
             raise ConfigError("--prompt must not be empty")
+
+
+@dataclass(frozen=True)
+class PrepareOptions:
+    """How stage 1 runs: images over ``max_pixels`` are that item's error; ``threads``
+    preprocessing workers prepare the next ``ahead`` groups while the model answers (0: each
+    group when asked for, in the caller's thread); ``decode_timeout > 0``: the workers are
+    decoder processes and each image has that many seconds (else threads, no deadline)."""
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    threads: int = 2
+    decode_timeout: float = 0.0
+    ahead: int = 2
 
 
 def check_threads(threads: int | None, preprocess_threads: int | None) -> None:

@@ -1,15 +1,28 @@
-"""The drive loop: items -> prepared groups -> one engine call per group -> ``Answer``s.
+"""The one drive loop: groups of items -> stage 1 (prepare) -> stage 2 (the model) -> a sink,
+for any ``Task`` (``pipeline/task.py``), yielding per group.
 
-Stage 1 (CPU): each item of a group is read (``preprocessing.sources``), decoded and
-prepared with the engine's image plan; a failure becomes that item's ``ItemError`` (with its
-kind), never the group's. ``prepared_groups`` runs stage 1 ahead, on the next groups while
-the model answers the current one: in decoder processes, each image under a deadline, so a
-decoder that hangs or crashes fails that item only (``--decode-timeout``, the default), or on
-threads of this process. Stage 2 (the model,
-``score_group``): the group's questions go to the engine in one ``score`` call; an engine
-failure (e.g. out of memory) fails that group's items with kind ``engine`` and the caller goes
-on. ``jobs/`` (the in-process runner, the job store, Ray), ``evaluate.py``, ``quantize.py``
-and the Python API all answer through these functions, so they behave alike.
+    Drive(stages, groups, sink, cancelled, hooks)     the loop: for each group, in order,
+        stages.results(groups)                         (items, results) from the executor:
+            LocalStages: prepared_groups (stage 1 ahead, in decoder processes under a
+                deadline, or threads) -> run_group (stage 2 here)
+            jobs/ray_executor.py RayStages: prepare tasks -> model actors
+        sink.write(items, results)                     e.g. a results file, a job store
+        hooks.group_done(); yield; stop if cancelled() after this group
+
+What every caller gets from this one loop (a run, a job in-process, on Ray or in the server,
+the Python API, ``embed``, ``eval``):
+
+- an unreadable, undecodable or over-sized image is that item's ``ItemError`` (kind
+  ``source``, ``decode``, ``too_large``); with a ``decode_timeout`` a decoder that hangs or
+  crashes is that item's ``decode_timeout`` / ``decoder_crashed``, never the caller's;
+- an engine failure (out of memory, ...) fails that group's items with kind ``engine`` and
+  the loop goes on (``run_group``);
+- a group is written to the sink whole before the next one is, so an interrupted loop keeps
+  whole groups; closing the loop (an exception, Ctrl-C, a consumer that stops) cancels the
+  groups prepared ahead and stops the decoder processes; ``Drive.final`` says how it ended;
+- memory stays bounded: at most ``ahead + 2`` groups' prepared images are alive at once.
+
+This module imports no torch: a Ray prepare worker loads it (``prepare_task``).
 """
 
 from __future__ import annotations
@@ -17,37 +30,36 @@ from __future__ import annotations
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
 from queue import SimpleQueue
-from typing import Protocol
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import numpy as np
 
-from vlmbatch.pipeline.engine import Engine
-from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
-from vlmbatch.pipeline.records import Answer, ErrorKind, ImageItem, ItemError, Request
+from vlmbatch.pipeline.config import PrepareOptions
+from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks, Named
+from vlmbatch.pipeline.records import Answer, ErrorKind, ImageItem, ItemError
+from vlmbatch.pipeline.task import AnswerTask, ImageRef, Prepared, Task
 from vlmbatch.preprocessing.decode import DEFAULT_MAX_PIXELS, ImageError, ImageTooLarge
 from vlmbatch.preprocessing.isolated import DecoderCrashed, DecoderPool, DecodeTimeout
 from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage, prepare_bytes
 from vlmbatch.preprocessing.sources import SourceError, read_bytes
 
+if TYPE_CHECKING:
+    from vlmbatch.pipeline.engine import Engine
 
-@dataclass
-class PreparedGroup:
-    """Stage 1 of a group (CPU): each item's prepared image, or the reason it has none.
-
-    ``images[i]`` is ``None`` exactly when ``errors`` holds ``group[i].id``."""
-    group: list[ImageItem]
-    images: list[PreparedImage | None]
-    errors: dict[str, ItemError]
+I = TypeVar("I", bound=Named)  # noqa: E741  (an item)
+R = TypeVar("R")  # a result
+Done = tuple[list[I], list[list[R]]]  # a group's items and each item's results
 
 
-def prepare_item(item: ImageItem, plan: ImagePlan,
+# --- stage 1 -------------------------------------------------------------------------------
+
+def prepare_item(ref: ImageRef, plan: ImagePlan,
                  max_pixels: int = DEFAULT_MAX_PIXELS) -> PreparedImage:
     """Read, decode, prepare; raises SourceError or ImageError with the reason."""
-    src = item.image
+    src = ref.image
     if isinstance(src, np.ndarray):  # decoded pixels (the Python API)
         if src.ndim != 3 or src.shape[2] != 3 or src.dtype != np.uint8:
             raise ImageError(f"an image array must be uint8 RGB [H, W, 3], got {src.dtype} "
@@ -56,113 +68,135 @@ def prepare_item(item: ImageItem, plan: ImagePlan,
             raise ImageTooLarge(f"image is {src.shape[1]}x{src.shape[0]} pixels, over the "
                                 f"limit of {max_pixels:,} (raise --max-pixels to allow it)")
         return plan.prepare(src)
-    data = src if isinstance(src, bytes) else read_bytes(src, item.base_dir)
+    data = src if isinstance(src, bytes) else read_bytes(src, ref.base_dir)
     return prepare_bytes(data, plan, max_pixels)
 
 
-def item_error(item: ImageItem, e: SourceError | ImageError) -> ItemError:
-    """Why ``item`` has no prepared image, with its kind."""
+def item_error(ref: ImageRef, e: SourceError | ImageError) -> ItemError:
+    """Why the image of ``ref`` could not be prepared, with its kind."""
     kind = (ErrorKind.SOURCE if isinstance(e, SourceError) else
             ErrorKind.TOO_LARGE if isinstance(e, ImageTooLarge) else
             ErrorKind.DECODE_TIMEOUT if isinstance(e, DecodeTimeout) else
             ErrorKind.DECODER_CRASHED if isinstance(e, DecoderCrashed) else ErrorKind.DECODE)
-    return ItemError(kind, f"{item.source}: {e}")
+    return ItemError(kind, f"{ref.source}: {e}")
 
 
-def _prepare_hooked(item: ImageItem, plan: ImagePlan, max_pixels: int,
+def _prepare_hooked(ref: ImageRef, plan: ImagePlan, max_pixels: int,
                     hooks: FaultHooks) -> PreparedImage:
-    hooks.prepare(item)
-    return prepare_item(item, plan, max_pixels)
+    hooks.prepare(ref)
+    return prepare_item(ref, plan, max_pixels)
 
 
-def _prepare_or_error(item: ImageItem, plan: ImagePlan, max_pixels: int,
-                      hooks: FaultHooks = NO_HOOKS) -> PreparedImage | ItemError:
-    """The item's prepared image, or why it has none (an unreadable or undecodable image)."""
-    try:
-        return _prepare_hooked(item, plan, max_pixels, hooks)
-    except (SourceError, ImageError) as e:
-        return item_error(item, e)
+def _collect(task: Task[I, R], items: list[I],
+             outcomes: list[PreparedImage | ItemError | None]) -> Prepared[I]:
+    images = [x if isinstance(x, PreparedImage) else None for x in outcomes]
+    errors = {task.key(it): x for it, x in zip(items, outcomes) if isinstance(x, ItemError)}
+    return Prepared(items, images, errors)
 
 
-def _outcome(item: ImageItem, f: Future) -> PreparedImage | ItemError:
-    try:
-        return f.result()
-    except (SourceError, ImageError) as e:
-        return item_error(item, e)
-
-
-def _collect(group: list[ImageItem], done: list[PreparedImage | ItemError]) -> PreparedGroup:
-    images = [None if isinstance(d, ItemError) else d for d in done]
-    errors = {it.id: d for it, d in zip(group, done) if isinstance(d, ItemError)}
-    return PreparedGroup(group, images, errors)
-
-
-def prepare_group(group: list[ImageItem], plan: ImagePlan,
+def prepare_group(task: Task[I, R], items: list[I], plan: ImagePlan,
                   max_pixels: int = DEFAULT_MAX_PIXELS,
-                  hooks: FaultHooks = NO_HOOKS) -> PreparedGroup:
-    return _collect(group, [_prepare_or_error(it, plan, max_pixels, hooks) for it in group])
+                  hooks: FaultHooks = NO_HOOKS) -> Prepared[I]:
+    """Stage 1 of one group, in this thread."""
+    outcomes: list[PreparedImage | ItemError | None] = []
+    for it in items:
+        ref = task.image(it)
+        try:
+            outcomes.append(None if ref is None else _prepare_hooked(ref, plan, max_pixels, hooks))
+        except (SourceError, ImageError) as e:
+            assert ref is not None
+            outcomes.append(item_error(ref, e))
+    return _collect(task, items, outcomes)
 
 
-def prepare_task(group: list, plan: ImagePlan, max_pixels: int, hooks: FaultHooks,
-                 stage1: Callable[[list, ImagePlan, int], object] | None = None
-                 ) -> tuple[int, object]:
+def prepare_task(task: Task[I, R], items: list[I], plan: ImagePlan, max_pixels: int,
+                 hooks: FaultHooks) -> tuple[int, Prepared[I]]:
     """A Ray prepare task (``jobs/ray_executor.py``) with two return objects
     (``num_returns=2``): a small one the driver fetches to learn that the task succeeded, and
-    the tiles, which go from the object store straight to a model actor without passing
-    through the driver. ``stage1``: the job's stage 1 (a module-level function, pickled by
-    reference; default ``prepare_group``). Here, in a module whose imports are light,
-    because a fresh worker imports it before the task's deadline starts to count its work
-    (an embedding job's stage 1 imports more: ``pipeline/embed_drive.py``)."""
-    for it in group:
+    the prepared group, which goes from the object store straight to a model actor without
+    passing through the driver. Here, in a module whose imports are light, because a fresh
+    worker imports it before the task's deadline starts to count its work."""
+    for it in items:
         hooks.prepare(it)
-    return len(group), (stage1 or prepare_group)(group, plan, max_pixels)
+    return len(items), prepare_group(task, items, plan, max_pixels)
 
 
-def prepared_groups(groups: Iterable[list[ImageItem]], plan: ImagePlan, max_pixels: int,
-                    threads: int, ahead: int = 2, decode_timeout: float = 0.0,
-                    hooks: FaultHooks = NO_HOOKS) -> Generator[PreparedGroup, None, None]:
-    """``groups`` prepared, in order.
+def prepared_groups(task: Task[I, R], groups: Iterable[list[I]], plan: ImagePlan,
+                    opts: PrepareOptions = PrepareOptions(), hooks: FaultHooks = NO_HOOKS,
+                    workers: Preparer | None = None) -> Generator[Prepared[I], None, None]:
+    """``groups`` prepared, in order (``PrepareOptions`` says where and how far ahead).
+    ``workers``: a caller's long-lived ``Preparer`` (made by ``preparer`` for the same plan and
+    options: a Python API object, a server), used and left running; else one is made here
+    and stopped at the end.
 
-    ``decode_timeout > 0``: in ``max(threads, 1)`` decoder processes
-    (``preprocessing.isolated.DecoderPool``), each image under that deadline; a hang or a
-    crash is that item's error (``decode_timeout``, ``decoder_crashed``) and the rest go on.
-    Otherwise in this process, with no deadline: ``threads == 0``, each group when asked
-    for, in this thread; else ``threads`` daemon threads (OpenCV and NumPy release the GIL).
-
-    With threads or processes the items of the next ``ahead`` groups are prepared while the
-    caller scores the current one (``threads == 0``: none ahead), so at most ``ahead + 2``
-    groups' tiles are alive at once (the caller's previous one until it lets go). ``groups``
-    is advanced in the calling thread only (it may read a SQLite store). Closing the
-    generator, or an exception, cancels what has not started and does not wait for what has
-    (threads stuck on a hung mount die with the process; decoder processes are killed)."""
-    if threads == 0 and not decode_timeout > 0:
-        for group in groups:
-            yield prepare_group(group, plan, max_pixels, hooks)
+    At most ``ahead + 2`` groups' images are alive at once (the caller's previous one until
+    it lets go). ``groups`` is advanced in the calling thread only (it may read a SQLite
+    store). Closing the generator, or an exception, cancels what has not started and does not
+    wait for what has (threads stuck on a hung mount die with the process; the decoder
+    processes of a pool made here are killed)."""
+    pool = workers or preparer(plan, opts, hooks)
+    if pool is None:
+        for items in groups:
+            yield prepare_group(task, items, plan, opts.max_pixels, hooks)
         return
     source = iter(groups)
-    pool: _Preparer = (_ProcessPreparer(max(threads, 1), plan, max_pixels, decode_timeout, hooks)
-                       if decode_timeout > 0 else _ThreadPreparer(threads, plan, max_pixels, hooks))
-    ahead = ahead if threads else 0
-    queue: deque[tuple[list[ImageItem], list[Future]]] = deque()
+    ahead = opts.ahead if opts.threads else 0
+    queue: deque[tuple[list[I], list[tuple[ImageRef, Future] | None]]] = deque()
     try:
         while True:
             while len(queue) <= ahead and (nxt := next(source, None)) is not None:
-                queue.append((nxt, [pool.submit(it) for it in nxt]))
+                refs = [task.image(it) for it in nxt]
+                queue.append((nxt, [None if r is None else (r, pool.submit(r)) for r in refs]))
             if not queue:
                 return
-            group, futures = queue[0]
-            done = [_outcome(it, f) for it, f in zip(group, futures)]
+            items, futures = queue[0]
+            done = [None if f is None else _outcome(*f) for f in futures]
             queue.popleft()
-            yield _collect(group, done)
+            yield _collect(task, items, done)
     finally:
         for _, futures in queue:
             for f in futures:
-                f.cancel()
-        pool.stop()
+                if f is not None:
+                    f[1].cancel()
+        if workers is None:
+            pool.stop()
 
 
-class _Preparer(Protocol):
-    def submit(self, item: ImageItem) -> Future: ...
+def preparer(plan: ImagePlan, opts: PrepareOptions,
+             hooks: FaultHooks = NO_HOOKS) -> Preparer | None:
+    """The workers ``opts`` asks for: decoder processes (``decode_timeout > 0``), threads,
+    or None (``threads == 0`` and no deadline: each group prepared in the caller's thread).
+    Each starts its processes with the first image; ``stop`` ends them."""
+    if opts.decode_timeout > 0:
+        return _ProcessPreparer(max(opts.threads, 1), plan, opts.max_pixels,
+                                opts.decode_timeout, hooks)
+    if opts.threads:
+        return _ThreadPreparer(opts.threads, plan, opts.max_pixels, hooks)
+    return None
+
+
+def prepare_now(ref: ImageRef, plan: ImagePlan, opts: PrepareOptions,
+                workers: Preparer | None) -> PreparedImage:
+    """One image prepared on ``workers`` (a decoder process: under the deadline), else in
+    this thread; raises ``SourceError``/``ImageError`` (``DecodeTimeout``,
+    ``DecoderCrashed`` included) with the reason."""
+    if workers is None:
+        return prepare_item(ref, plan, opts.max_pixels)
+    return workers.submit(ref).result()
+
+
+def _outcome(ref: ImageRef, f: Future) -> PreparedImage | ItemError:
+    try:
+        return f.result()
+    except (SourceError, ImageError) as e:
+        return item_error(ref, e)
+
+
+class Preparer(Protocol):
+    """Stage-1 workers: ``submit`` an image, get its ``PreparedImage`` in a future (or its
+    ``SourceError``/``ImageError``); thread-safe."""
+
+    def submit(self, ref: ImageRef) -> Future: ...
 
     def stop(self) -> None: ...
 
@@ -173,8 +207,8 @@ class _ThreadPreparer:
         self.pool = _DaemonPool(threads)
         self.args = plan, max_pixels, hooks
 
-    def submit(self, item: ImageItem) -> Future:
-        return self.pool.submit(_prepare_hooked, item, *self.args)
+    def submit(self, ref: ImageRef) -> Future:
+        return self.pool.submit(_prepare_hooked, ref, *self.args)
 
     def stop(self) -> None:
         self.pool.stop()
@@ -189,12 +223,12 @@ class _ProcessPreparer:
         self.pool = DecoderPool(workers, plan, max_pixels, timeout_s, hooks.before_prepare)
         self.plan, self.max_pixels = plan, max_pixels
 
-    def submit(self, item: ImageItem) -> Future:
-        if not isinstance(item.image, np.ndarray):
-            return self.pool.submit(item.image, item.base_dir)
+    def submit(self, ref: ImageRef) -> Future:
+        if not isinstance(ref.image, np.ndarray):
+            return self.pool.submit(ref.image, ref.base_dir)
         f: Future = Future()
         try:
-            f.set_result(prepare_item(item, self.plan, self.max_pixels))
+            f.set_result(prepare_item(ref, self.plan, self.max_pixels))
         except (SourceError, ImageError) as e:
             f.set_exception(e)
         return f
@@ -235,37 +269,106 @@ class _DaemonPool:
                 f.set_exception(e)
 
 
-def score_group(engine: Engine, pg: PreparedGroup) -> list[Answer]:
-    """Stage 2 of a group (the model): its answers, in item then question order."""
-    errors = dict(pg.errors)
-    index: dict[str, int] = {}
-    prepared: list[PreparedImage] = []
-    for item, im in zip(pg.group, pg.images):
-        if im is not None:
-            index[item.id] = len(prepared)
-            prepared.append(im)
-    requests = [Request(index[it.id], q.text, q.max_new_tokens) for it in pg.group
-                if it.id in index for q in it.questions]
+# --- stage 2 and the loop -------------------------------------------------------------------
+
+def run_group(task: Task[I, R], engine: Engine, p: Prepared[I]) -> list[list[R]]:
+    """Stage 2 of a group: each item's results; an engine failure (e.g. out of memory) fails
+    the group's items that had not failed already, with kind ``engine``."""
     try:
-        scores = iter(engine.score(prepared, requests))
-    except Exception as e:  # noqa: BLE001  (e.g. out of memory: fail this group, not the job)
-        print(f"vlmbatch: engine failed on images {[it.id for it in pg.group]}: "
-              f"{type(e).__name__}: {e}", file=sys.stderr)
-        failed = ItemError(ErrorKind.ENGINE, f"engine failed: {type(e).__name__}: {e}")
-        errors.update({it_id: failed for it_id in index})
-        index.clear()
-        scores = iter(())
-    answers = []
-    for item in pg.group:
-        for q in item.questions:
-            if item.id in index:
-                answers.append(Answer.scored(item.id, q, next(scores)))
-            else:
-                answers.append(Answer.failed(item.id, q, errors[item.id]))
-    return answers
+        return task.run(engine, p)
+    except Exception as e:  # noqa: BLE001  (fail this group, not the run)
+        keys = [task.key(it) for it in p.items]
+        print(f"vlmbatch: engine failed on items {keys}: {type(e).__name__}: {e}",
+              file=sys.stderr)
+        err = ItemError(ErrorKind.ENGINE, f"engine failed: {type(e).__name__}: {e}")
+        return [task.failed(it, p.errors.get(task.key(it), err)) for it in p.items]
 
 
-def answer_group(engine: Engine, group: list[ImageItem],
+class Stages(Protocol[I, R]):
+    """Where the two stages run: each group's (items, results), in the groups' order.
+    Closing the generator stops the work in flight."""
+
+    def results(self, groups: Iterable[list[I]]) -> Generator[Done[I, R], None, None]: ...
+
+
+class Sink(Protocol[I, R]):
+    def write(self, items: list[I], results: list[list[R]]) -> None:
+        """Take one group's results (each item's, in order), whole."""
+
+
+class LocalStages(Generic[I, R]):
+    """Stage 1 on this machine (``prepared_groups``, on ``workers`` if given), stage 2 in
+    this process."""
+
+    def __init__(self, task: Task[I, R], engine: Engine, opts: PrepareOptions,
+                 hooks: FaultHooks = NO_HOOKS, workers: Preparer | None = None) -> None:
+        self.task, self.engine, self.opts, self.hooks = task, engine, opts, hooks
+        self.workers = workers
+
+    def results(self, groups: Iterable[list[I]]) -> Generator[Done[I, R], None, None]:
+        prepared = prepared_groups(self.task, groups, self.engine.image_plan, self.opts,
+                                   self.hooks, self.workers)
+        try:
+            for p in prepared:
+                yield p.items, run_group(self.task, self.engine, p)
+        finally:
+            prepared.close()  # stops the decoder processes or threads
+
+
+class Drive(Generic[I, R]):
+    """The loop (module docstring). Iterate it to run it; ``final`` is then ``done``,
+    ``cancelled`` (``cancelled()`` was true after a group) or ``interrupted`` (an exception,
+    or the consumer stopped early)."""
+
+    def __init__(self, stages: Stages[I, R], groups: Iterable[list[I]],
+                 sink: Sink[I, R] | None = None, cancelled: Callable[[], bool] | None = None,
+                 hooks: FaultHooks = NO_HOOKS) -> None:
+        self.stages, self.groups, self.sink, self.hooks = stages, groups, sink, hooks
+        self.cancelled = cancelled or (lambda: False)
+        self.final = "interrupted"  # until the loop ends by itself
+
+    def __iter__(self) -> Iterator[Done[I, R]]:
+        results = self.stages.results(self.groups)
+        try:
+            while not self.cancelled():  # before each group's model work
+                done = next(results, None)
+                if done is None:
+                    self.final = "done"
+                    return
+                if self.sink is not None:
+                    self.sink.write(*done)
+                self.hooks.group_done()
+                yield done
+            self.final = "cancelled"
+        finally:
+            results.close()  # what is in flight is dropped (a job's items stay pending)
+
+
+def drive(task: Task[I, R], engine: Engine, groups: Iterable[list[I]],
+          opts: PrepareOptions = PrepareOptions(), sink: Sink[I, R] | None = None,
+          cancelled: Callable[[], bool] | None = None, hooks: FaultHooks = NO_HOOKS,
+          workers: Preparer | None = None) -> Drive[I, R]:
+    """The loop with both stages on this machine (``LocalStages``)."""
+    return Drive(LocalStages(task, engine, opts, hooks, workers), groups, sink, cancelled,
+                 hooks)
+
+
+def groups_of(items: Iterable[I], n: int) -> Iterator[list[I]]:
+    """``items`` in lists of ``n`` (the last one shorter), streamed."""
+    group: list[I] = []
+    for it in items:
+        group.append(it)
+        if len(group) == n:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+def answer_group(engine: Engine, items: list[ImageItem],
                  max_pixels: int = DEFAULT_MAX_PIXELS) -> list[Answer]:
-    """Answers for one group of items, in item then question order."""
-    return score_group(engine, prepare_group(group, engine.image_plan, max_pixels))
+    """One group's answers, in item then question order, both stages in this thread (a
+    calibration pass, a benchmark row)."""
+    task = AnswerTask()
+    p = prepare_group(task, items, engine.image_plan, max_pixels)
+    return [a for answers in run_group(task, engine, p) for a in answers]

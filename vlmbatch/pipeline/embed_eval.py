@@ -17,17 +17,17 @@ built-in embedding model never saw this split (its training reads easy-vqa's tra
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import easy_vqa
 import numpy as np
 
+from vlmbatch.pipeline.config import PrepareOptions
+from vlmbatch.pipeline.drive import drive, groups_of
 from vlmbatch.pipeline.embed import Embedder
-from vlmbatch.pipeline.embed_drive import embed_group, prepared_embed_groups
 from vlmbatch.pipeline.records import EmbedItem, EmbedRequest
-from vlmbatch.preprocessing.decode import DEFAULT_MAX_PIXELS
+from vlmbatch.pipeline.task import EmbedTask
 
 COLOURS = ("red", "green", "blue", "black", "gray", "teal", "yellow", "brown")
 SHAPES = ("circle", "rectangle", "triangle")
@@ -87,14 +87,13 @@ def embed_texts(embedder: Embedder, texts: list[str]) -> np.ndarray:
 
 
 def embed_images(embedder: Embedder, paths: list[str], images_per_batch: int = 64,
-                 threads: int = 2) -> np.ndarray:
+                 opts: PrepareOptions = PrepareOptions()) -> np.ndarray:
     """[N, D] unit vectors of image files, through the same drive loop as the CLI."""
     items = [EmbedItem(k, str(k), p, None, Path(p).parent) for k, p in enumerate(paths)]
-    groups: Iterator[list[EmbedItem]] = (items[g: g + images_per_batch]
-                                         for g in range(0, len(items), images_per_batch))
     out = []
-    for peg in prepared_embed_groups(groups, embedder.image_plan, DEFAULT_MAX_PIXELS, threads):
-        for e in embed_group(embedder, peg):
+    for _, results in drive(EmbedTask(embedder.cfg), embedder.engine,
+                            groups_of(items, images_per_batch), opts):
+        for (e,) in results:
             if e.vector is None:
                 raise RuntimeError(f"{paths[e.index]}: {e.error}")
             out.append(e.vector)
@@ -119,14 +118,14 @@ def retrieval(image_vecs: np.ndarray, image_labels: list[tuple[str, str]],
 
 
 def evaluate_retrieval(embedder: Embedder, split: str = "test", limit: int | None = None,
-                       threads: int = 2) -> RetrievalResult:
+                       opts: PrepareOptions = PrepareOptions()) -> RetrievalResult:
     """Both figures for ``embedder`` on easy-vqa's labelled ``split`` images (first
     ``limit``)."""
     lab = labels(split)
     paths = easy_vqa.get_test_image_paths() if split == "test" else \
         easy_vqa.get_train_image_paths()
     ids = list(lab)[:limit]
-    image_vecs = embed_images(embedder, [paths[i] for i in ids], threads=threads)
+    image_vecs = embed_images(embedder, [paths[i] for i in ids], opts=opts)
     captions = [(c, s) for c in COLOURS for s in SHAPES]
     caption_vecs = embed_texts(embedder, [caption(c, s) for c, s in captions])
     return retrieval(image_vecs, [lab[i] for i in ids], caption_vecs, captions)

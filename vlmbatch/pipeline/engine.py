@@ -5,7 +5,8 @@ An engine takes prepared images (``preprocessing.PreparedImage``, made with its 
 order. Backends register a builder in ``ENGINES`` where they are defined (ours:
 ``pipeline/torch_engine.py``; LMDeploy's TurboMind: ``pipeline/lmdeploy_engine.py``);
 ``pipeline.build.build_engine`` picks one by name. What callers may read besides ``score``
-is ``image_plan`` and ``summary()``: no engine's internals (its cache, its vision runner).
+is ``image_plan``, ``summary()`` and, where the engine can, ``embed``/``embedding``: no
+engine's internals (its cache, its planner, its vision runner).
 """
 
 from __future__ import annotations
@@ -13,10 +14,17 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from vlmbatch.common.registry import Registry
-from vlmbatch.pipeline.records import Request, Score
+from vlmbatch.pipeline.config import ConfigError
+from vlmbatch.pipeline.records import EmbedRequest, Request, Score, Vector
 from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
+
+if TYPE_CHECKING:
+    from vlmbatch.models.base import Prompt
+    from vlmbatch.pipeline.config import EmbedConfig
+    from vlmbatch.pipeline.embed import Resolved
 
 
 @dataclass
@@ -44,6 +52,24 @@ class Engine(ABC):
     @abstractmethod
     def score(self, images: list[PreparedImage], requests: list[Request]) -> list[Score]:
         """One score per request, in order; ``Request.image`` indexes ``images``."""
+
+    def embedding(self, cfg: EmbedConfig) -> Resolved:
+        """What ``embed`` does with ``cfg`` on this checkpoint; ConfigError if it cannot."""
+        raise ConfigError(f"embeddings run on the torch engine (--engine torch), not "
+                          f"{type(self).__name__}")
+
+    def embed(self, images: list[PreparedImage], requests: list[EmbedRequest],
+              cfg: EmbedConfig) -> list[Vector]:
+        """One vector per request, in order (``EmbedRequest.image`` indexes ``images``)."""
+        raise ConfigError(f"embeddings run on the torch engine (--engine torch), not "
+                          f"{type(self).__name__}")
+
+    def embed_prompt(self, request: EmbedRequest, images: list[PreparedImage],
+                     cfg: EmbedConfig) -> Prompt:
+        """The prompt ``embed`` builds for ``request`` (its tokens: what ``Vector.tokens``
+        counts and a reference computation reads)."""
+        raise ConfigError(f"embeddings run on the torch engine (--engine torch), not "
+                          f"{type(self).__name__}")
 
     def summary(self) -> EngineSummary:
         return EngineSummary(self.stats.prefill_tokens, self.stats.prompt_tokens, None)

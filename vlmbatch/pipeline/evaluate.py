@@ -8,7 +8,6 @@ engine: ``pipeline.drive``), so the figure is the accuracy a user gets.
 from __future__ import annotations
 
 import time
-from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,10 +15,11 @@ import easy_vqa
 from tqdm import tqdm
 
 from vlmbatch.pipeline.build import build_engine
-from vlmbatch.pipeline.config import EngineConfig, ModelConfig, preprocess_threads_for
-from vlmbatch.pipeline.drive import prepared_groups, score_group
+from vlmbatch.pipeline.config import EngineConfig, ModelConfig, PrepareOptions
+from vlmbatch.pipeline.drive import drive, groups_of
+from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.pipeline.records import ImageItem, Question
-from vlmbatch.preprocessing.decode import DEFAULT_MAX_PIXELS
+from vlmbatch.pipeline.task import AnswerTask
 
 
 @dataclass(frozen=True)
@@ -67,22 +67,21 @@ def easy_vqa_items(split: str = "test", limit: int | None = None) -> list[ImageI
 
 def evaluate(model_cfg: ModelConfig, engine_cfg: EngineConfig, split: str = "test",
              limit: int | None = None, images_per_batch: int = 16,
-             progress: bool = True, preprocess_threads: int | None = None) -> EvalResult:
+             progress: bool = True, opts: PrepareOptions = PrepareOptions(),
+             hooks: FaultHooks = NO_HOOKS) -> EvalResult:
+    """Accuracy of the model on easy-vqa's ``split``; items through the drive loop (each
+    image in a decoder process under ``opts.decode_timeout``, as ``vlmbatch run``)."""
     data = easy_vqa_set(split, limit)
-    items = data.items
     engine = build_engine(model_cfg, engine_cfg)
     total = correct = 0
     start = time.perf_counter()
     bar = tqdm(total=len(data.expected), unit="q", disable=not progress,
                desc=f"easy-vqa {split}")
-    groups = (items[g: g + images_per_batch] for g in range(0, len(items), images_per_batch))
-    threads = preprocess_threads_for(preprocess_threads, model_cfg.device)
-    with closing(prepared_groups(groups, engine.image_plan, DEFAULT_MAX_PIXELS,
-                                 threads)) as prepared:
-        for pg in prepared:
-            for a in score_group(engine, pg):
-                total += 1
-                correct += a.answer == data.expected[(a.image_id, a.question_id)]
-                bar.update(1)
+    for _, results in drive(AnswerTask(), engine, groups_of(data.items, images_per_batch),
+                            opts, hooks=hooks):
+        for a in (a for per_item in results for a in per_item):
+            total += 1
+            correct += a.answer == data.expected[(a.image_id, a.question_id)]
+            bar.update(1)
     bar.close()
     return EvalResult(total, correct, time.perf_counter() - start)

@@ -10,8 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
-from vlmbatch.pipeline.records import ImageItem
+
+class Named(Protocol):
+    """An item or image as messages name it: its path or URL, else ``image ID``."""
+
+    @property
+    def source(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -32,7 +38,7 @@ class FaultHooks:
     before_load: Callable[[], None] | None = None
     after_export_line: Callable[[int], None] | None = None
 
-    def prepare(self, item: ImageItem) -> None:
+    def prepare(self, item: Named) -> None:
         if self.before_prepare is not None:
             self.before_prepare(item.source)
 

@@ -75,7 +75,7 @@ class Planner:
             phases.append([i for im in chunk for i in by_image[im][1:]])
         return [p for p in phases if p]
 
-    def plan(self, req: int, prompt: Prompt, image: PreparedImage,
+    def plan(self, req: int, prompt: Prompt, image: PreparedImage | None,
              prefixes: dict[str, list[BlockId]], reuse_limit: int | None = None) -> Plan:
         """Find the cached part of the prompt's shared prefix (up to and with the image's end
         marker); ``prefixes`` memoises the block ids per image for the call. ``reuse_limit``:
@@ -85,8 +85,11 @@ class Planner:
 
         Only the shared prefix is cached: the blocks after it hold the question, which the
         next request about the same image does not share. The prefix's last block may be
-        partial, so a hit covers every image token, not only the full blocks.
+        partial, so a hit covers every image token, not only the full blocks. A prompt
+        without an image (a text to embed) is never cached.
         """
+        if image is None:
+            return Plan(req, prompt, ImageSpan(0, 0, ""))
         span = ImageSpan(prompt.image_start, prompt.image_len, image.cache_key)
         plan = Plan(req, prompt, span)
         if self.cache is None:

@@ -1,43 +1,56 @@
-"""Our torch engine: encode each image once, prefill many (image, question) prompts in batches
-over an image-aware prefix KV cache, read P(yes) at the first generated position.
+"""Our torch engine: encode each image once, prefill many prompts in batches over an
+image-aware prefix KV cache, and read what the call asks for: P(yes) at the first generated
+position (``score``) or pooled hidden states (``embed``).
 
 Flow of one ``score`` call::
 
     Request[] --prompts--> Prompt[]     the family's chat template, image span expanded
     planner.phases                      leaders (first question per image), then followers
-    per phase:
+    per phase (``_phase``, shared with ``embed``):
       planner.plan      longest cached prefix per prompt -> pinned slots + past_len
       runner.encode     images whose tokens are not all cached -> ImageEmbeds, once per
                         image per call
       planner.batches   sorted by new length, B * (P_max + T_max) <= max_batch_tokens
-      runner.prefill    one forward per batch -> [B, 2] (p_yes, margin) on the device;
-                        new prefix blocks cached; greedy text for rows that want it
+      forward           one per batch: runner.prefill -> [B, 2] (p_yes, margin) on the
+                        device, new prefix blocks cached, greedy text for rows that want it
+                        (``embed``: runner.hidden -> the embedding head's vectors)
+      planner.release   once the batch has gathered its cached KV
     read back           one device-to-host copy per call -> Score[]
 
-The planner (``planner.py``) is pure Python; the runner (``model_runner.py``) holds every
-tensor. Counters (``EngineStats``) make the savings visible and testable: tiles encoded,
-tokens prefilled, image tokens prefilled.
+``embed`` runs one phase whose plans reuse cached KV only before each prompt's first pooled
+position (``pipeline/embed.py``). The planner (``planner.py``) is pure Python; the runner
+(``model_runner.py``) holds every tensor; nothing outside this class reaches either.
+Counters (``EngineStats``) make the savings visible and testable: tiles encoded, tokens
+prefilled, image tokens prefilled.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import numpy as np
 import torch
 
-from vlmbatch.models.base import LoadedModel
-from vlmbatch.pipeline.config import ConfigError, EngineConfig, ModelConfig
+from vlmbatch.models.base import LoadedModel, Prompt
+from vlmbatch.pipeline.config import ConfigError, EmbedConfig, EngineConfig, ModelConfig
+from vlmbatch.pipeline.embed import EmbedHead, Resolved, cut
 from vlmbatch.pipeline.engine import ENGINES, Engine, EngineStats, EngineSummary
 from vlmbatch.pipeline.loading import image_plan_for, load_model, vision_model
 from vlmbatch.pipeline.model_runner import ImageEmbeds, ModelRunner
 from vlmbatch.pipeline.planner import Plan, Planner
 from vlmbatch.pipeline.prefix_cache import BlockId, PrefixCache
-from vlmbatch.pipeline.records import Request, Score
+from vlmbatch.pipeline.records import EmbedRequest, Request, Score, Vector
 from vlmbatch.pipeline.scoring import AnswerTokens
 from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
 from vlmbatch.vit_trt import RunnerOptions, VitRunner, make_runner
 from vlmbatch.vit_trt.torch_runner import TorchRunner
 
+Out = TypeVar("Out")
+# a batch's forward: (its plans, each row's image embeddings or None) -> what it gives
+Forward = Callable[[list[Plan], list[ImageEmbeds | None]], Out]
 # per queued batch: its plans, [B, 2] (p_yes, margin) on the device, its texts
-_Queued = list[tuple[list[Plan], torch.Tensor, list[str | None]]]
+_Queued = list[tuple[list[Plan], tuple[torch.Tensor, list[str | None]]]]
 
 
 class TorchEngine(Engine):
@@ -55,6 +68,7 @@ class TorchEngine(Engine):
         self.runner = ModelRunner(model, self.vision, self.cache, self.answers, self.stats,
                                   cfg.max_batch_tiles, cfg.ignore_eos, cfg.compile_llm)
         self.device = self.runner.device
+        self._heads: dict[EmbedConfig, EmbedHead] = {}
         if self.cache is not None:
             self._allocate_cache()
 
@@ -88,36 +102,79 @@ class TorchEngine(Engine):
     def score(self, images: list[PreparedImage], requests: list[Request]) -> list[Score]:
         prompts = [self.model.prompts.build(r.question, images[r.image]) for r in requests]
         self.stats.prompt_tokens += sum(len(p.ids) for p in prompts)  # what was asked
+        image_of: list[int | None] = [r.image for r in requests]
         embeds: dict[int, ImageEmbeds] = {}
         prefixes: dict[str, list[BlockId]] = {}
+
+        def forward(batch: list[Plan], ims: list[ImageEmbeds | None]
+                    ) -> tuple[torch.Tensor, list[str | None]]:
+            return self.runner.prefill(batch, ims, [self._limit(requests[p.req]) for p in batch])
+
         done: _Queued = []
         for phase in self.planner.phases(requests, prompts):
-            plans: list[Plan] = []
-            try:
-                for i in phase:  # each lookup pins: appended at once, so released below
-                    plans.append(self.planner.plan(i, prompts[i], images[requests[i].image],
-                                                   prefixes))
-                done += self._run_phase(plans, requests, images, embeds)
-            finally:
-                self.planner.release(plans)  # what an exception left pinned
+            done += self._phase(phase, prompts, image_of, images, embeds, prefixes, forward)
         return self._read_back(done, len(requests))
 
-    def _run_phase(self, plans: list[Plan], requests: list[Request],
-                   images: list[PreparedImage], embeds: dict[int, ImageEmbeds]) -> _Queued:
-        """Encode what the plans need and queue their prefills in batches: per batch, its
-        plans, ``[B, 2]`` (p_yes, margin) on the device and its texts."""
-        need = sorted({requests[p.req].image for p in plans if p.needs_image} - embeds.keys())
-        embeds.update(zip(need, self.runner.encode([images[i] for i in need])))
-        done: _Queued = []
-        for batch in self.planner.batches(plans):
-            limits = [self._limit(requests[p.req]) for p in batch]
-            scores, texts = self.runner.prefill(
-                batch, [embeds.get(requests[p.req].image) for p in batch], limits)
-            # their cached KV was gathered into the batch's past: a later insert into the
-            # same slots is queued after that gather on the same stream
-            self.planner.release(batch)
-            done.append((batch, scores, texts))
-        return done
+    def embedding(self, cfg: EmbedConfig) -> Resolved:
+        return self._head(cfg).resolved
+
+    @torch.inference_mode()
+    def embed(self, images: list[PreparedImage], requests: list[EmbedRequest],
+              cfg: EmbedConfig) -> list[Vector]:
+        head = self._head(cfg)
+        prompts = [head.prompt(r, images) for r in requests]
+        ranges = [head.range(p) for p in prompts]
+        self.stats.prompt_tokens += sum(g.end for g in ranges)
+
+        def forward(batch: list[Plan], ims: list[ImageEmbeds | None]) -> list[np.ndarray]:
+            return head.vectors(self.runner.hidden(batch, ims), batch, ranges,
+                                self.runner.to_device)
+
+        values: list[np.ndarray | None] = [None] * len(requests)
+        for batch, vecs in self._phase(range(len(requests)),
+                                       [cut(p, g.end) for p, g in zip(prompts, ranges)],
+                                       [r.image for r in requests], images, {}, {}, forward,
+                                       reuse=[g.start for g in ranges]):
+            for p, v in zip(batch, vecs):
+                values[p.req] = v
+        return [Vector(v, len(p.ids)) for v, p in zip(values, prompts)]  # type: ignore[arg-type]
+
+    def embed_prompt(self, request: EmbedRequest, images: list[PreparedImage],
+                     cfg: EmbedConfig) -> Prompt:
+        return self._head(cfg).prompt(request, images)
+
+    def _head(self, cfg: EmbedConfig) -> EmbedHead:
+        if cfg not in self._heads:  # resolved (and its projection loaded) once per config
+            self._heads[cfg] = EmbedHead(self.model, cfg, self.device)
+        return self._heads[cfg]
+
+    def _phase(self, phase: Sequence[int], prompts: list[Prompt], image_of: list[int | None],
+               images: list[PreparedImage], embeds: dict[int, ImageEmbeds],
+               prefixes: dict[str, list[BlockId]], forward: Forward[Out],
+               reuse: list[int] | None = None) -> list[tuple[list[Plan], Out]]:
+        """Plan the prompts ``phase`` indexes (each lookup pins cache slots; ``reuse``: the
+        position before which each may reuse cached KV), encode the images they need (once per
+        call: ``embeds``), run ``forward`` on each batch and unpin its slots once it has
+        gathered them; what an exception left pinned is released too."""
+        plans: list[Plan] = []
+        try:
+            for i in phase:
+                k = image_of[i]
+                plans.append(self.planner.plan(i, prompts[i], None if k is None else images[k],
+                                               prefixes, None if reuse is None else reuse[i]))
+            need = sorted({k for p in plans if p.needs_image and (k := image_of[p.req])
+                           is not None} - embeds.keys())
+            embeds.update(zip(need, self.runner.encode([images[k] for k in need])))
+            out = []
+            for batch in self.planner.batches(plans):
+                ims = [None if (k := image_of[p.req]) is None else embeds.get(k) for p in batch]
+                out.append((batch, forward(batch, ims)))
+                # its cached KV was gathered into the batch's past: a later insert into the
+                # same slots is queued after that gather on the same stream
+                self.planner.release(batch)
+            return out
+        finally:
+            self.planner.release(plans)
 
     def _limit(self, r: Request) -> int:
         """Answer tokens to generate for ``r``: its own limit, else the engine's."""
@@ -129,9 +186,9 @@ class TorchEngine(Engine):
         results: list[Score | None] = [None] * n
         if not done:
             return results  # type: ignore[return-value]
-        host = torch.cat([s for _, s, _ in done]).tolist()  # [rows][2]: the call's one wait
+        host = torch.cat([s for _, (s, _) in done]).tolist()  # [rows][2]: the call's one wait
         row = 0
-        for batch, _, texts in done:
+        for batch, (_, texts) in done:
             for j, p in enumerate(batch):
                 p_yes, margin = host[row]
                 results[p.req] = Score(p_yes, margin, p.prompt.image_len, texts[j],

@@ -53,6 +53,10 @@ def add_server_args(s: argparse.ArgumentParser) -> None:
                    "with the built-in chat model, else --model)")
     g.add_argument("--no-embeddings", action="store_true",
                    help="answer /v1/embeddings with 501 (no embedding model loaded)")
+    g.add_argument("--decode-timeout", type=float, default=_d("decode_timeout"),
+                   help="seconds an image may take to read and decode before its decoder "
+                   "process is killed: a request's 400, a batch line's error (default "
+                   "%(default)s); 0: no limit, decoding on the request's thread")
     g.add_argument("--batch-wait-ms", type=float,
                    default=1000 * _d("batch_wait_s"),  # type: ignore[operator]
                    help="how long the engine waits after a request for others to batch "
@@ -69,5 +73,6 @@ def server_config(a: argparse.Namespace, model: ModelConfig, engine: EngineConfi
         max_prompt_chars=a.max_prompt_chars, max_completion_tokens=a.max_completion_tokens,
         batch_wait_s=a.batch_wait_ms / 1000, max_batch_requests=a.max_batch_requests,
         max_queue=a.max_queue, images_per_batch=a.images_per_batch, threads=a.threads,
-        preprocess_threads=a.preprocess_threads, model=model, engine=engine,
-        embed_model=a.embed_model, embeddings=not a.no_embeddings)
+        preprocess_threads=a.preprocess_threads, decode_timeout=a.decode_timeout,
+        model=model, engine=engine, embed_model=a.embed_model,
+        embeddings=not a.no_embeddings)

@@ -32,7 +32,7 @@ from vlmbatch.app.server.config import ServerConfig
 from vlmbatch.app.server.errors import APIError
 from vlmbatch.app.server.files import FileStore
 from vlmbatch.app.server.media import MediaRefused, check_image_url
-from vlmbatch.jobs.config import RunConfig
+from vlmbatch.jobs.config import ExecutorConfig, RunConfig
 from vlmbatch.jobs.embed_requests import iter_embed_requests
 from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.export import embed_request_lines
@@ -104,10 +104,11 @@ def embed_input_errors(path: Path, cfg: ServerConfig) -> list[dict]:
 
 def run_config(path: Path, cfg: ServerConfig, endpoint: str = CHAT) -> RunConfig:
     """The job of a batch: the server's model and engine (for embeddings, its embedding
-    model: task ``embed``), its group size and pixel limit."""
+    model: task ``embed``), its group size, pixel limit and decode deadline."""
     embed = endpoint == EMBEDDINGS
     return RunConfig(manifest=path, images_per_batch=cfg.images_per_batch,
                      max_pixels=cfg.max_pixels, progress=False,
+                     executor=ExecutorConfig(decode_timeout=cfg.decode_timeout),
                      model=cfg.embed_model_config if embed else cfg.model,
                      engine=cfg.engine, task="embed" if embed else "answer",
                      # one pooled vector per string, as /v1/embeddings (not a multi-vector

@@ -11,7 +11,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vlmbatch.pipeline.config import DEFAULT_EMBED_MODEL, ConfigError, EngineConfig, ModelConfig
+from vlmbatch.pipeline.config import (
+    DEFAULT_EMBED_MODEL,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    PrepareOptions,
+    preprocess_threads_for,
+)
 from vlmbatch.preprocessing.decode import DEFAULT_MAX_PIXELS
 
 API_KEY_ENV = "VLMBATCH_API_KEY"
@@ -38,7 +45,11 @@ class ServerConfig:
     image_cache_bytes: int = 64 << 20  # prepared data: images kept by URL hash (no re-decode)
     images_per_batch: int = 16  # a batch job's group: the most an interactive request waits
     threads: int | None = None  # torch threads (None: torch's default)
-    preprocess_threads: int | None = None  # batch jobs' prefetch threads (None: auto)
+    preprocess_threads: int | None = None  # decoder processes (None: auto)
+    # seconds an image may take to read and decode before its decoder process is killed: an
+    # interactive request's 400, a batch line's error; 0: decode on the request's thread (a
+    # batch's job: on threads), no deadline. A batch keeps the value it was submitted with
+    decode_timeout: float = 30.0
     shutdown_timeout_s: int = 30  # SIGTERM: how long in-flight requests may take
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -71,12 +82,20 @@ class ServerConfig:
                      "images_per_batch"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.decode_timeout >= 0:  # NaN too
+            raise ConfigError(f"--decode-timeout must be >= 0, got {self.decode_timeout}")
         if self.image_cache_bytes < 0 or not 0 <= self.batch_wait_s <= 1:
             raise ConfigError("image_cache_bytes must be >= 0 and batch_wait_s in [0, 1] seconds")
         if self.allowed_local_media_path is not None \
                 and not Path(self.allowed_local_media_path).is_dir():
             raise ConfigError(f"--allowed-local-media-path {self.allowed_local_media_path} is "
                               "not a folder")
+
+    @property
+    def prepare(self) -> PrepareOptions:
+        """How interactive requests' images are prepared (decoder processes, deadline)."""
+        return PrepareOptions(self.max_pixels, preprocess_threads_for(
+            self.preprocess_threads, self.model.device), self.decode_timeout)
 
     @property
     def files_dir(self) -> Path:

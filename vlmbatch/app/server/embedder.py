@@ -1,6 +1,8 @@
-"""The ``Embedder`` the ``/v1/embeddings`` endpoint calls: our embedder
-(``pipeline/embed.py``, the same pooling and prefix cache as ``vlmbatch embed``) run on the
-server's engine thread (``Scheduler.call``), since no engine is thread-safe.
+"""The ``Embedder`` the ``/v1/embeddings`` endpoint calls: the drive loop's two stages
+(``pipeline/drive.py`` with ``pipeline.task.EmbedTask``: the same pooling and prefix cache as
+``vlmbatch embed``): images decoded in the server's decoder processes for the embedding
+model's plan (under ``--decode-timeout``) while the request's worker thread waits, then the
+model on the server's engine thread (``Scheduler.call``), since no engine is thread-safe.
 
 The embedding checkpoint may be the chat model itself or another one (``--embed-model``: by
 default the built-in embedding model when the chat model is the built-in one); both run on
@@ -11,25 +13,28 @@ embedder builds its prompts from text.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
 
 from vlmbatch.app.server.embeddings import Embeddings, EmbedInput, EmbedOptions, EmbedRefused
 from vlmbatch.app.server.scheduler import Scheduler
-from vlmbatch.pipeline.config import ConfigError, EmbedConfig
+from vlmbatch.pipeline.config import ConfigError, EmbedConfig, PrepareOptions
+from vlmbatch.pipeline.drive import Preparer, prepared_groups, run_group
 from vlmbatch.pipeline.embed import Embedder, build_embedder
-from vlmbatch.pipeline.embed_drive import embed_group, prepare_embed_group
 from vlmbatch.pipeline.engine import Engine
 from vlmbatch.pipeline.records import Embedding, EmbedItem
+from vlmbatch.pipeline.task import EmbedTask
 
 
 class EngineEmbedder:
-    def __init__(self, engine: Engine, scheduler: Scheduler, max_pixels: int) -> None:
-        self.engine, self.scheduler, self.max_pixels = engine, scheduler, max_pixels
+    def __init__(self, engine: Engine, scheduler: Scheduler, opts: PrepareOptions,
+                 workers: Preparer | None) -> None:
+        self.engine, self.scheduler, self.opts, self.workers = engine, scheduler, opts, workers
         self._by_dims: dict[int | None, Embedder] = {}
         # pooled vectors are the decoder's hidden size (a projection serves multi-vector only)
-        self.dimensions = int(self._embedder(None).engine.model.spec.text.hidden)
+        self.dimensions = self._embedder(None).resolved.hidden
 
     def _embedder(self, dims: int | None) -> Embedder:
         if dims not in self._by_dims:  # built once per size (a Matryoshka size is checked)
@@ -42,13 +47,15 @@ class EngineEmbedder:
 
     def __call__(self, inputs: Sequence[EmbedInput], options: EmbedOptions) -> Embeddings:
         items = [_item(i, x) for i, x in enumerate(inputs)]
-        embedder = self._embedder(options.dimensions)
+        task = EmbedTask(self._embedder(options.dimensions).cfg)
+        with closing(prepared_groups(task, [items], self.engine.image_plan, self.opts,
+                                     workers=self.workers)) as stage1:
+            p = next(stage1)  # decoded here, on the request's thread
 
-        def work() -> list[Embedding]:  # on the engine thread
-            return embed_group(embedder, prepare_embed_group(items, embedder.image_plan,
-                                                             self.max_pixels))
+        def work() -> list[list[Embedding]]:  # on the engine thread
+            return run_group(task, self.engine, p)
 
-        out: list[Embedding] = self.scheduler.call(work).result()
+        out = [e for per_item in self.scheduler.call(work).result() for e in per_item]
         total = 0
         for e in out:
             if e.vector is None:

@@ -1,8 +1,10 @@
-"""A chat request's image: checked against the media policy, read, decoded and tiled on
-the request's worker thread (so a bad image is that request's 400), and kept in a small LRU
-by the xxh3 hash of its ``data:`` URL (at most ``budget`` bytes of tiles), so clients that
-send the same image again (the usual case: several questions about one image) skip its
-decode. ``file://`` images are read each time (the file may change).
+"""A chat request's image: checked against the media policy, then read, decoded and tiled
+in one of the server's decoder processes while the request's worker thread waits (each
+image under ``--decode-timeout``: one that hangs or crashes its decoder is that request's
+400, and the server goes on; a bad image likewise), and kept in a small LRU by the xxh3 hash
+of its ``data:`` URL (at most ``budget`` bytes of tiles), so clients that send the same image
+again (the usual case: several questions about one image) skip its decode. ``file://``
+images are read each time (the file may change).
 
 The engine's prefix cache is keyed by pixels, not by URL: two different URLs of the same
 pixels still share their cached prefix; this cache only saves the decode.
@@ -18,9 +20,12 @@ import xxhash
 
 from vlmbatch.app.server.errors import bad_request
 from vlmbatch.app.server.media import MediaRefused, check_image_url
-from vlmbatch.pipeline.drive import prepare_item
+from vlmbatch.pipeline.config import PrepareOptions
+from vlmbatch.pipeline.drive import Preparer, prepare_now
 from vlmbatch.pipeline.records import ImageItem
+from vlmbatch.pipeline.task import ImageRef
 from vlmbatch.preprocessing.decode import ImageError, ImageTooLarge
+from vlmbatch.preprocessing.isolated import DecoderCrashed, DecodeTimeout
 from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
 from vlmbatch.preprocessing.sources import SourceError
 
@@ -28,9 +33,12 @@ PARAM = "messages"
 
 
 class ImageCache:
-    def __init__(self, plan: ImagePlan, max_pixels: int, allowed: Path | None,
-                 budget: int) -> None:
-        self.plan, self.max_pixels, self.allowed, self.budget = plan, max_pixels, allowed, budget
+    def __init__(self, plan: ImagePlan, opts: PrepareOptions, allowed: Path | None,
+                 budget: int, workers: Preparer | None) -> None:
+        """``workers``: the server's decoder processes for ``plan`` (None: decode on the
+        request's thread, ``--decode-timeout 0``)."""
+        self.plan, self.opts, self.allowed, self.budget = plan, opts, allowed, budget
+        self.workers = workers
         self._lru: OrderedDict[bytes, PreparedImage] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
@@ -59,7 +67,7 @@ class ImageCache:
         key = _key(url)
         if (hit := self._hit(key)) is not None:
             return hit
-        image = self._decode(ImageItem(item.id, url, item.questions, item.base_dir))
+        image = self._decode(ImageRef(url, item.base_dir, item.source))
         if url.startswith("data:") and _size(image) <= self.budget:
             with self._lock:
                 if key not in self._lru:
@@ -69,14 +77,17 @@ class ImageCache:
                     self._bytes -= _size(self._lru.popitem(last=False)[1])
         return image
 
-    def _decode(self, item: ImageItem) -> PreparedImage:
+    def _decode(self, ref: ImageRef) -> PreparedImage:
         try:
-            return prepare_item(item, self.plan, self.max_pixels)
+            return prepare_now(ref, self.plan, self.opts, self.workers)
         except SourceError as e:
             raise bad_request(f"the image could not be read: {e}", PARAM,
                               "invalid_image_url") from None
         except ImageTooLarge as e:
             raise bad_request(f"the image is too large: {e}", PARAM, "image_too_large") from None
+        except (DecodeTimeout, DecoderCrashed) as e:
+            code = "decode_timeout" if isinstance(e, DecodeTimeout) else "decoder_crashed"
+            raise bad_request(f"the image could not be decoded: {e}", PARAM, code) from None
         except ImageError as e:
             raise bad_request(f"the image could not be decoded: {e}", PARAM,
                               "invalid_image") from None

@@ -24,6 +24,7 @@ breaks the engine fails alone (a 500 naming the engine error), never its neighbo
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import queue
 import threading
@@ -32,17 +33,36 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, InvalidStateError
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from vlmbatch.app.server.batches import BatchBook
 from vlmbatch.app.server.config import ServerConfig
 from vlmbatch.app.server.errors import APIError
-from vlmbatch.app.server.job_run import JobRun, JobRunError
+from vlmbatch.jobs.errors import ManifestError
+from vlmbatch.jobs.folder import load_config
+from vlmbatch.jobs.job import JobRun
+from vlmbatch.pipeline.config import (
+    ConfigError,
+    ModelConfig,
+    PrepareOptions,
+    preprocess_threads_for,
+)
 from vlmbatch.pipeline.engine import Engine
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.pipeline.records import ImageItem, Request, Score
 from vlmbatch.preprocessing.prepare import PreparedImage
 
 log = logging.getLogger("vlmbatch.app.server")
+
+
+@dataclass
+class _Batch:
+    batch_id: str
+    run: JobRun  # its job, a group per step
+
+
+def _absolute(m: ModelConfig) -> ModelConfig:
+    return dataclasses.replace(m, path=Path(m.path).absolute() if m.path else None)
 
 
 @dataclass
@@ -150,7 +170,7 @@ class Scheduler:
 
     # --- the engine thread ---
     def _run(self) -> None:
-        job: JobRun | None = None
+        job: _Batch | None = None
         try:
             while not (self._stop.is_set() and self.chat.empty() and self.calls_q.empty()):
                 self._run_calls()
@@ -166,7 +186,7 @@ class Scheduler:
             raise
         finally:
             if job is not None:
-                job.close("interrupted")
+                job.run.close()  # its run ends "interrupted": resumable
 
     def _take(self, block: bool) -> list[ChatWork]:
         """Up to ``max_batch_requests`` queued requests: the first (waiting up to 50 ms when
@@ -225,7 +245,7 @@ class Scheduler:
         for w, s in zip(works, scores):
             _settle(w.future, s)
 
-    def _next_job(self) -> JobRun | None:
+    def _next_job(self) -> _Batch | None:
         while True:
             with self._lock:
                 if not self.batches:
@@ -240,33 +260,54 @@ class Scheduler:
                 self._release(batch_id)
                 continue
             try:
-                return JobRun(batch_id, self.book.job_of(batch_id), self.engines, self.cfg)
-            except JobRunError as e:  # left in progress: a server that can run it resumes it
+                return _Batch(batch_id, self._open(self.book.job_of(batch_id)))
+            except (ManifestError, ConfigError) as e:  # JobBusy too: `vlmbatch run` has it
+                # left in progress: a server that can run it resumes it
                 log.warning("batch %s skipped: %s", batch_id, e)
                 self._release(batch_id)
 
-    def _step(self, job: JobRun) -> JobRun | None:
-        """One group of the job; None once the job is drained, cancelled or broken."""
-        if job.batch_id in self._cancel:
-            job.close("cancelled")
-            self._release(job.batch_id)
-            self.drained(job.batch_id)
-            return None
+    def _open(self, job: Path) -> JobRun:
+        """The batch's job, run with this server's engine for its task (ConfigError: it was
+        submitted with another model or engine settings, or embeds and this server has no
+        embedding model: the batch is left as it is). Pending items are prepared ahead in
+        decoder processes under the job's --decode-timeout, as `vlmbatch run JOB`: a hung or
+        crashing image fails that item, never the engine thread (or the server)."""
+        run = load_config(job)
+        engine = self.engines.get(run.task)
+        if engine is None:
+            raise ConfigError(f"the batch's job has task {run.task!r}, which this server does "
+                              "not run (started with --no-embeddings?); start it with "
+                              "embeddings to finish the batch")
+        want = self.cfg.embed_model_config if run.task == "embed" else self.cfg.model
+        if (_absolute(run.model), run.engine) != (_absolute(want), self.cfg.engine):
+            raise ConfigError("the batch was submitted to a server with another model or "
+                              "engine settings; start the server with those to finish it")
+        opts = PrepareOptions(run.max_pixels, preprocess_threads_for(
+            self.cfg.preprocess_threads, self.cfg.model.device), run.executor.decode_timeout)
+        return JobRun(job, run, engine, opts, self.hooks)
+
+    def _step(self, b: _Batch) -> _Batch | None:
+        """One group of the batch's job; None once the job is drained, cancelled or
+        broken."""
+        cancelled = b.batch_id in self._cancel
+        if cancelled:
+            b.run.cancel()  # its run ends "cancelled" at this step, before any more work
         try:
-            more = job.step()
+            more = b.run.step()
         except Exception as e:  # noqa: BLE001  (e.g. a full disk: this batch fails, not all)
-            log.exception("batch %s stopped", job.batch_id)
-            job.close("interrupted")
-            self._fail(job.batch_id, f"the job stopped: {type(e).__name__}: {e}")
+            log.exception("batch %s stopped", b.batch_id)
+            b.run.close()
+            self._fail(b.batch_id, f"the job stopped: {type(e).__name__}: {e}")
             return None
         if more:
             self.hooks.group_done()
-            return job
-        job.close("done")
-        self.book.update(job.batch_id, lambda r: r.at("finalizing")
-                         if r.status == "in_progress" else r)
-        self._release(job.batch_id)
-        self.drained(job.batch_id)
+            return b
+        b.run.close()
+        if not cancelled:
+            self.book.update(b.batch_id, lambda r: r.at("finalizing")
+                             if r.status == "in_progress" else r)
+        self._release(b.batch_id)
+        self.drained(b.batch_id)
         return None
 
     def _fail(self, batch_id: str, message: str) -> None:

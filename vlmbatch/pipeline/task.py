@@ -1,0 +1,156 @@
+"""What the drive loop does with a group of items, as one typed interface: ``Task[I, R]``,
+and the two tasks of this layer (``AnswerTask``: yes/no questions; ``EmbedTask``: vectors).
+
+Every way in (a run, a job in-process or on Ray, a server batch, the Python API, ``embed``,
+``eval``) drives items through the same two stages (``pipeline/drive.py``)::
+
+    stage 1 (CPU, generic)   each item's image (``Task.image``: an ``ImageRef`` or None) read,
+                             decoded and prepared with the engine's image plan -> Prepared[I]
+                             (an unreadable or undecodable image is that item's ItemError)
+    stage 2 (the model)      Task.run(engine, prepared) -> one list of results per item
+
+A task differs from another only in what its items are, which image an item names, what the
+model computes for a group and what a failed item's results are. Tasks are small frozen
+records: a Ray prepare task or model actor receives them pickled, and this module (which
+imports no torch) is all a prepare worker loads of them. ``jobs/`` adds its own task (OpenAI
+``/v1/embeddings`` requests, ``jobs/embed_requests.py``) and how each kind of item is stored.
+
+Invariant: ``run`` and ``failed`` give, for each item, its results (``Answer`` per question,
+one ``Embedding``, ...), each failed result carrying ``error`` and ``error_kind``; a job
+records an item done iff none of its results has an error.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+from vlmbatch.pipeline.hooks import Named
+from vlmbatch.pipeline.records import (
+    Answer,
+    Embedding,
+    EmbedItem,
+    EmbedRequest,
+    ImageItem,
+    ImageSource,
+    ItemError,
+    Request,
+)
+from vlmbatch.preprocessing.prepare import PreparedImage
+
+if TYPE_CHECKING:
+    from vlmbatch.pipeline.config import EmbedConfig
+    from vlmbatch.pipeline.engine import Engine
+
+I = TypeVar("I", bound=Named)  # noqa: E741  (an item)
+R = TypeVar("R")  # a result
+
+# inputs per embedding call unless a run says otherwise: one prompt per input (a yes/no group
+# of 16 images holds 16 x its questions), so a larger group fills the same prefill batches
+# and costs fewer, larger forwards
+EMBED_GROUP = 64
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """The image stage 1 reads for an item: a path (relative to ``base_dir``), a ``file://``
+    or ``data:`` URL, encoded bytes, or decoded uint8 RGB pixels ``[H, W, 3]``."""
+    image: ImageSource
+    base_dir: Path
+    source: str  # how messages name it
+
+
+@dataclass
+class Prepared(Generic[I]):
+    """Stage 1 of a group: ``images[i]`` is item i's prepared image, None when it needs none
+    or when it failed, and then ``errors`` holds why, by ``Task.key``."""
+    items: list[I]
+    images: list[PreparedImage | None]
+    errors: dict[str, ItemError] = field(default_factory=dict)
+
+
+class Task(ABC, Generic[I, R]):
+    """One kind of work over items of type ``I`` giving results of type ``R``."""
+
+    name: str
+
+    @abstractmethod
+    def key(self, item: I) -> str:
+        """The item's id, unique in a run (what errors and a job store key it by)."""
+
+    @abstractmethod
+    def image(self, item: I) -> ImageRef | None:
+        """The image stage 1 prepares for the item; None: it needs none."""
+
+    @abstractmethod
+    def run(self, engine: Engine, p: Prepared[I]) -> list[list[R]]:
+        """Stage 2 of a group on ``engine``: each item's results, in item order (an item with
+        an error in ``p.errors`` gets ``failed`` results). May raise: the drive loop then
+        fails the group's items with kind ``engine``."""
+
+    @abstractmethod
+    def failed(self, item: I, err: ItemError) -> list[R]:
+        """The item's results when it could not be prepared or answered."""
+
+
+def with_images(task: Task[I, R], p: Prepared[I]) -> tuple[list[PreparedImage], dict[str, int]]:
+    """The group's prepared images, each once, and the index of each item's (by key)."""
+    images: list[PreparedImage] = []
+    index: dict[str, int] = {}
+    for item, im in zip(p.items, p.images):
+        if im is not None:
+            index[task.key(item)] = len(images)
+            images.append(im)
+    return images, index
+
+
+@dataclass(frozen=True)
+class AnswerTask(Task[ImageItem, Answer]):
+    """Every question of every item (``vlmbatch run``/``submit``, the API's ``ask``, eval):
+    one ``Answer`` per question, in the item's order."""
+    name = "answer"
+
+    def key(self, item: ImageItem) -> str:
+        return item.id
+
+    def image(self, item: ImageItem) -> ImageRef:
+        return ImageRef(item.image, item.base_dir, item.source)
+
+    def run(self, engine: Engine, p: Prepared[ImageItem]) -> list[list[Answer]]:
+        images, index = with_images(self, p)
+        requests = [Request(index[it.id], q.text, q.max_new_tokens) for it in p.items
+                    if it.id in index for q in it.questions]
+        scores = iter(engine.score(images, requests))
+        return [[Answer.scored(it.id, q, next(scores)) for q in it.questions]
+                if it.id in index else self.failed(it, p.errors[it.id]) for it in p.items]
+
+    def failed(self, item: ImageItem, err: ItemError) -> list[Answer]:
+        return [Answer.failed(item.id, q, err) for q in item.questions]
+
+
+@dataclass(frozen=True)
+class EmbedTask(Task[EmbedItem, Embedding]):
+    """One vector (or one per token) per input: an image, a text or both (``vlmbatch
+    embed``, the API's ``embed_many``, ``submit --task embed``), as ``cfg`` says."""
+    cfg: EmbedConfig
+    name = "embed"
+
+    def key(self, item: EmbedItem) -> str:
+        return item.key
+
+    def image(self, item: EmbedItem) -> ImageRef | None:
+        return None if item.image is None else ImageRef(item.image, item.base_dir, item.source)
+
+    def run(self, engine: Engine, p: Prepared[EmbedItem]) -> list[list[Embedding]]:
+        images, index = with_images(self, p)
+        todo = [it for it in p.items if it.image is None or it.key in index]
+        requests = [EmbedRequest(None if it.image is None else index[it.key], it.text)
+                    for it in todo]
+        vectors = dict(zip((it.key for it in todo), engine.embed(images, requests, self.cfg)))
+        return [[Embedding.of(it, vectors[it.key])] if it.key in vectors
+                else self.failed(it, p.errors[it.key]) for it in p.items]
+
+    def failed(self, item: EmbedItem, err: ItemError) -> list[Embedding]:
+        return [Embedding.failed(item, err)]
