@@ -11,13 +11,12 @@ import numpy as np
 import pytest
 
 from vlmbatch.models.embedding import read_embedding_spec
-from vlmbatch.pipeline.config import ConfigError, EmbedConfig, EngineConfig
-from vlmbatch.pipeline.embed import Embedder
-from vlmbatch.pipeline.config import PrepareOptions
+from vlmbatch.pipeline.config import ConfigError, EmbedConfig, EngineConfig, PrepareOptions
 from vlmbatch.pipeline.drive import prepare_group, prepared_groups, run_group
-from vlmbatch.pipeline.task import EmbedTask
+from vlmbatch.pipeline.embed import Embedder
 from vlmbatch.pipeline.loading import load_model
 from vlmbatch.pipeline.records import EmbedItem, EmbedRequest, ErrorKind, Request
+from vlmbatch.pipeline.task import EmbedTask
 from vlmbatch.pipeline.torch_engine import TorchEngine
 from vlmbatch.preprocessing.prepare import prepare
 
