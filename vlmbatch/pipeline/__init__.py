@@ -1,15 +1,21 @@
-"""Engines and the drive loop: from prepared images and questions to ``Answer``s.
+"""Engines and the drive loop: from prepared images and questions to ``Answer``s and
+``Embedding``s.
 
 - ``records.py``: the records between stages (``ImageItem``, ``Question``, ``Request``,
-  ``Score``, ``Answer`` with its ``ErrorKind``);
-- ``config.py``: ``ModelConfig`` and ``EngineConfig`` (the engine side of the config tree);
+  ``Score``, ``Answer`` with its ``ErrorKind``, ``EmbedItem``, ``Vector``, ``Embedding``);
+- ``config.py``: ``ModelConfig``, ``EngineConfig``, ``EmbedConfig``, ``PrepareOptions`` (the
+  engine side of the config tree); ``paths.py``: where the built-in checkpoints live;
+- ``task.py``: what a group of items goes through (``Task``: ``AnswerTask``, ``EmbedTask``);
+  ``drive.py``: the one drive loop (stage 1 prepared ahead in decoder processes, stage 2 on
+  the engine, a sink, per group); ``hooks.py``: fault injection passed in by tests;
 - ``engine.py``: the ``Engine`` interface and the ``ENGINES`` registry; ``build.py`` imports
   every engine module (which registers it) and picks one;
 - ``torch_engine.py`` (ours: ``planner.py`` pure Python, ``model_runner.py`` tensors,
-  ``prefix_cache.py``, ``scoring.py``) and ``lmdeploy_engine.py`` (TurboMind, GPU env only);
+  ``prefix_cache.py``, ``scoring.py``; embeddings through ``embed.py``'s head and
+  ``pooling.py``) and ``lmdeploy_engine.py`` (TurboMind, GPU env only);
 - ``loading.py``: checkpoint folder -> ``LoadedModel`` (family + quant runtime conversions);
-- ``drive.py``: items -> prepared groups (preprocessing threads) -> ``Answer``s;
-- ``evaluate.py`` (easy-vqa accuracy), ``quantize.py`` (the AWQ/GPTQ command's driver).
+- ``evaluate.py`` (easy-vqa accuracy), ``embed_eval.py`` (easy-vqa retrieval),
+  ``quantize.py`` (the AWQ/GPTQ command's driver).
 
 The package itself imports nothing, so a process that only prepares images (a Ray prepare
 worker: ``drive.prepare_task``) loads ``drive.py``'s light imports, not torch, the models and

@@ -10,7 +10,9 @@ Modules, in data-flow order:
   ``Int4Linear``, the W4A16 layer on CPU or CUDA;
 - ``runtime.py``: the swap of a loaded float decoder's linears for ``Int4Linear`` or torch's
   dynamic int8 ones (``pipeline/build.py`` calls it; no loader imports this package);
-- ``checkpoint.py``: writing and reading compressed-tensors ``pack-quantized`` checkpoints.
+- ``checkpoint.py``: writing and reading compressed-tensors ``pack-quantized`` checkpoints;
+- ``fp8.py``: e4m3 W8A8 linears (``--quant fp8``) through ``torch._scaled_mm`` on CUDA and a
+  CPU reference of the same arithmetic.
 
 The int8 paths need no checkpoint: ``--llm-quant int8-dynamic`` (torch dynamic int8 linears,
 CPU) and ``--vit-backend onnxruntime-int8`` (``vit_trt/export.quantize_int8``).
