@@ -21,7 +21,7 @@ from vlmbatch.pipeline.config import (
     ModelConfig,
     check_threads,
 )
-from vlmbatch.preprocessing.decode import DEFAULT_MAX_PIXELS
+from vlmbatch.preprocessing.limits import DEFAULT_MAX_PIXELS
 
 EXECUTORS = ("local", "ray")
 # what a run does with its items: answer their questions (yes/no), or embed them

@@ -16,6 +16,8 @@ from collections.abc import Generator, Iterable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
 
+# re-exported: inputs per embedder call by default, defined with the configs (the CLI's)
+from vlmbatch.pipeline.config import EMBED_GROUP as EMBED_GROUP
 from vlmbatch.pipeline.drive import PreparedGroup, prepare_group, prepared_groups
 from vlmbatch.pipeline.embed import Embedder
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
@@ -29,11 +31,6 @@ from vlmbatch.pipeline.records import (
 )
 from vlmbatch.preprocessing.decode import DEFAULT_MAX_PIXELS
 from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
-
-# inputs per embedder call unless a run says otherwise: one prompt per input (a yes/no group
-# of 16 images holds 16 x its questions), so a larger group fills the same prefill batches
-# and costs fewer, larger forwards
-EMBED_GROUP = 64
 
 
 @dataclass

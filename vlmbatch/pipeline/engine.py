@@ -1,8 +1,8 @@
-"""The engine interface: ``score(images, requests) -> scores``, and the registry of engines.
+"""The engine interface: ``score(images, requests) -> scores``.
 
 An engine takes prepared images (``preprocessing.PreparedImage``, made with its own
 ``image_plan``) and one ``Request`` per question, and returns one ``Score`` per request, in
-order. Backends register a builder in ``ENGINES`` where they are defined (ours:
+order. Backends are builders named in ``pipeline/build.py``'s ``ENGINES`` (ours:
 ``pipeline/torch_engine.py``; LMDeploy's TurboMind: ``pipeline/lmdeploy_engine.py``);
 ``pipeline.build.build_engine`` picks one by name. What callers may read besides ``score``
 is ``image_plan`` and ``summary()``: no engine's internals (its cache, its vision runner).
@@ -11,10 +11,8 @@ is ``image_plan`` and ``summary()``: no engine's internals (its cache, its visio
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from vlmbatch.common.registry import Registry
 from vlmbatch.pipeline.records import Request, Score
 from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
 
@@ -47,7 +45,3 @@ class Engine(ABC):
 
     def summary(self) -> EngineSummary:
         return EngineSummary(self.stats.prefill_tokens, self.stats.prompt_tokens, None)
-
-
-# name -> builder(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> Engine
-ENGINES: Registry[Callable[..., Engine]] = Registry("engine")

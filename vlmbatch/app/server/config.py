@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vlmbatch.pipeline.config import DEFAULT_EMBED_MODEL, ConfigError, EngineConfig, ModelConfig
-from vlmbatch.preprocessing.decode import DEFAULT_MAX_PIXELS
+from vlmbatch.preprocessing.limits import DEFAULT_MAX_PIXELS
 
 API_KEY_ENV = "VLMBATCH_API_KEY"
 
