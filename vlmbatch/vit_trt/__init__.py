@@ -35,6 +35,7 @@ RUNNERS: Registry[RunnerFactory] = Registry("vision backend", {
     "tensorrt": "vlmbatch.vit_trt.tensorrt_runner:build_tensorrt",
     "torch": "vlmbatch.vit_trt.torch_runner:build_torch",
 })
+OPSET = 17  # export.py's default ONNX opset (SDPA exports as plain ops in 17-20)
 _BASE = ("RunnerOptions", "VisionModel", "VitRunner", "make_runner")  # from base.py, lazily
 
 
