@@ -6,8 +6,11 @@ round-robin (so the machine's load falls on every row alike), median and fastest
 The light commands import no torch, transformers, fastapi or OpenCV (``tests/app/
 test_startup.py`` checks that; ``vlmbatch/app/commands.py`` says how). Target: ``--help``
 under 0.5 s; the bench exits 1 when the median misses ``--target-s`` (after the table).
+``--before DIR`` adds the same commands run from another source tree of vlmbatch (first on
+``PYTHONPATH``), e.g. the commit before the lazy CLI, in the same rounds.
 
     python bench/startup.py --rounds 15
+    git archive a636d83 | tar -x -C /tmp/old && python bench/startup.py --before /tmp/old
 """
 
 from __future__ import annotations
@@ -41,10 +44,10 @@ def make_job(tmp: Path) -> Path:
     return job
 
 
-def timed(argv: list[str]) -> tuple[float, float]:
+def timed(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
     """(wall seconds, peak RSS MiB) of one run of ``argv``, its output discarded."""
     t0 = time.perf_counter()
-    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     _, status, usage = os.wait4(p.pid, 0)  # this child's own rusage: its peak RSS
     seconds = time.perf_counter() - t0
     p.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
@@ -58,6 +61,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--target-s", type=float, default=0.5,
                     help="--help's median must be under this (default %(default)s)")
+    ap.add_argument("--before", type=Path, default=None,
+                    help="also time --help and status JOB from this vlmbatch source tree")
     args = ap.parse_args()
     cli = vlmbatch_cmd()
     with tempfile.TemporaryDirectory(prefix="vlmbatch-startup-") as tmp:
@@ -68,10 +73,15 @@ def main() -> None:
                 "vlmbatch results JOB (JSONL)": [*cli, "results", str(job)],
                 'python -c "import torch"': [sys.executable, "-c", "import torch"],
                 'python -c "pass"': [sys.executable, "-c", "pass"]}
+        env: dict[str, dict[str, str] | None] = {name: None for name in rows}
+        if args.before is not None:
+            old = {**os.environ, "PYTHONPATH": str(args.before.resolve())}
+            for name in ("vlmbatch --help", "vlmbatch status JOB"):
+                rows[f"before: {name}"], env[f"before: {name}"] = rows[name], old
         runs: dict[str, list[tuple[float, float]]] = {name: [] for name in rows}
         for _ in range(args.rounds):
             for name, argv in rows.items():
-                runs[name].append(timed(argv))
+                runs[name].append(timed(argv, env[name]))
     print(f"{args.rounds} rounds, round-robin; {' '.join(cli)}; {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.1f} at the end")
     print(f"{'command':<32} {'median s':>9} {'fastest s':>10} {'peak RSS MiB':>13}")
