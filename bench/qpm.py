@@ -75,7 +75,7 @@ from vlmbatch.models.qwen_vl.random import save_random_qwen_vl  # noqa: E402
 from vlmbatch.pipeline.config import DEFAULT_MODEL, DTYPES, EngineConfig  # noqa: E402
 from vlmbatch.pipeline.drive import answer_group  # noqa: E402
 from vlmbatch.pipeline.evaluate import easy_vqa_set  # noqa: E402
-from vlmbatch.pipeline.loading import load_model, vision_model  # noqa: E402
+from vlmbatch.pipeline.loading import load_model, torch_dtype, vision_model  # noqa: E402
 from vlmbatch.pipeline.scoring import AnswerTokens  # noqa: E402
 from vlmbatch.pipeline.torch_engine import TorchEngine  # noqa: E402
 from vlmbatch.vit_trt import RunnerOptions, make_runner  # noqa: E402
@@ -308,7 +308,7 @@ def timed_rows(args: argparse.Namespace, items: list, warm: list, dtype: torch.d
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    dtype = DTYPES[args.dtype]
+    dtype = torch_dtype(args.dtype)
     cuda = args.device.startswith("cuda")
 
     if args.random_shape:

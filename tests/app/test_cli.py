@@ -270,17 +270,17 @@ def test_ctrl_c_keeps_lines_and_says_how_to_resume(tmp_path: Path, sig: str, rc:
 def test_os_errors_named_by_the_user_are_messages_others_tracebacks(monkeypatch, capsys) -> None:  # noqa: ANN001
     import errno
 
-    import vlmbatch.app.commands as cli
+    import vlmbatch.app.commands as commands
 
     def fail(code: int):  # noqa: ANN202
         def cmd(a, hooks) -> int:  # noqa: ANN001
             raise OSError(code, "boom")
         return cmd
 
-    monkeypatch.setitem(cli.COMMANDS, "status", fail(errno.ENOSPC))
+    monkeypatch.setattr(commands, "cmd_status", fail(errno.ENOSPC))  # COMMANDS reads it live
     assert main(["status", "j"]) == 1
     assert capsys.readouterr().err == "vlmbatch: error: boom\n"
-    monkeypatch.setitem(cli.COMMANDS, "status", fail(errno.EMFILE))  # a bug, not the user's
+    monkeypatch.setattr(commands, "cmd_status", fail(errno.EMFILE))  # a bug, not the user's
     with pytest.raises(OSError):
         main(["status", "j"])
 

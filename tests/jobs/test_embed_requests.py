@@ -1,4 +1,4 @@
-"""OpenAI batch files of ``/v1/embeddings`` requests as embedding jobs (``jobs/embed_requests.py``):
+"""OpenAI batch files of ``/v1/embeddings`` requests as embedding jobs (``jobs/openai_embeddings.py``):
 every bad line named, one job item per request whatever its input's length, vectors equal
 ``VLM.embed``, a repeated ``custom_id`` refused at submit."""
 
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import vlmbatch
 from tests.jobs.test_fuzz_readers import fuzz
 from vlmbatch.app.cli import EXIT_BAD_INPUT, EXIT_OK, main
-from vlmbatch.jobs.embed_requests import (
+from vlmbatch.jobs.openai_embeddings import (
     EmbedRequestItem,
     iter_embed_requests,
     limited,

@@ -48,6 +48,7 @@ from vlmbatch.jobs.config import ExecutorConfig, RunConfig
 from vlmbatch.jobs.manifest import parse_question
 from vlmbatch.pipeline.build import build_engine
 from vlmbatch.pipeline.config import (
+    EMBED_GROUP,
     EmbedConfig,
     EngineConfig,
     ModelConfig,
@@ -59,7 +60,7 @@ from vlmbatch.pipeline.drive import Preparer, drive, groups_of, preparer
 from vlmbatch.pipeline.embed import Embedder, build_embedder
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.pipeline.records import Answer, Embedding, EmbedItem, ImageItem, Question
-from vlmbatch.pipeline.task import EMBED_GROUP, AnswerTask, EmbedTask, Task
+from vlmbatch.pipeline.task import AnswerTask, EmbedTask, Task
 
 ImageLike = str | Path | bytes | np.ndarray | Image.Image
 QuestionLike = str | dict | Question

@@ -1,21 +1,20 @@
 """The ``vlmbatch`` argument parser: every command's options, their defaults and help.
 
 It only parses: ``vlmbatch/app/cli.py`` maps ``args.command`` to the function that builds the
-config tree and runs it (``vlmbatch/commands.py``). Option names follow vLLM/LMDeploy where
+config tree and runs it (``commands.COMMANDS``). Option names follow vLLM/LMDeploy where
 they exist (``--max-new-tokens``, ``--dtype``, ``--device``). Every default is read from the
-config dataclasses and every choice list from the registry or tuple that owns it, so neither
-is written twice.
+config dataclasses (or the light constants of the package that owns it: ``quant``'s methods
+and sizes, ``vit_trt.OPSET``) and every choice list from the registry or tuple that owns it,
+so neither is written twice. Light: it imports no torch, no model code and no server, so
+``--help`` costs only the interpreter and these modules.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from vlmbatch.app.embed_cli import add_embed_parser, embed_option_args
+from vlmbatch.app.embed_args import add_embed_parser, embed_option_args
 from vlmbatch.app.server.args import add_server_args
 from vlmbatch.jobs.config import EXECUTORS, TASKS, ExecutorConfig, RayOptions, RunConfig
 from vlmbatch.pipeline.build import ENGINES
@@ -28,17 +27,11 @@ from vlmbatch.pipeline.config import (
     default_of,
     vit_backends,
 )
-from vlmbatch.pipeline.quantize import quantize_model
-from vlmbatch.preprocessing.prepare import TILING_MODES
-from vlmbatch.quant.calibrate import METHODS
-from vlmbatch.vit_trt.export import export_onnx
+from vlmbatch.preprocessing.tiling import TILING_MODES
+from vlmbatch.quant import GROUP_SIZE, METHODS, SAMPLES
+from vlmbatch.vit_trt import OPSET
 
 M, E, R, X = ModelConfig(), EngineConfig(), RayOptions(), ExecutorConfig()  # the defaults
-
-
-def param_default(fn: Callable, name: str) -> Any:
-    """The default of ``fn``'s parameter ``name`` (commands whose options are a function's)."""
-    return inspect.signature(fn).parameters[name].default
 
 
 def positive_int(text: str, least: int = 1) -> int:
@@ -307,10 +300,10 @@ def _add_quantize(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--calib", type=Path, required=True,
                    help="JSONL manifest of calibration images and questions")
     q.add_argument("--policy", type=Path, help="YAML/TOML questions asked of every image")
-    q.add_argument("--samples", type=int, default=param_default(quantize_model, "samples"),
+    q.add_argument("--samples", type=int, default=SAMPLES,
                    help="calibration (image, question) pairs (default %(default)s)")
     q.add_argument("--group-size", type=int,
-                   default=param_default(quantize_model, "group_size"),
+                   default=GROUP_SIZE,
                    help="input columns per scale (default %(default)s)")
     q.add_argument("--out", type=Path, required=True, help="new model folder")
     q.add_argument("--device", default="cpu",
@@ -330,7 +323,7 @@ def _add_export_vit(sub: argparse._SubParsersAction) -> None:
     x.add_argument("--model", type=Path, default=None,
                    help="HF-format checkpoint directory (default: the built-in model)")
     x.add_argument("--out", type=Path, required=True, help="output folder")
-    x.add_argument("--opset", type=int, default=param_default(export_onnx, "opset"),
+    x.add_argument("--opset", type=int, default=OPSET,
                    choices=range(17, 21), metavar="{17..20}",
                    help="ONNX opset (default %(default)s; SDPA exports as plain ops in 17-20)")
 

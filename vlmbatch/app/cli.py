@@ -1,5 +1,8 @@
 """``vlmbatch`` command line: parse (``args.py``), dispatch to the command
-(``commands.py``), turn errors into one-line messages and exit codes.
+(``commands.COMMANDS``: its module is imported only when it runs), turn errors into one-line
+messages and exit codes. Everything imported here is light (no torch, transformers, fastapi
+or OpenCV): ``--help``, ``COMMAND --help``, ``status``, ``cancel`` and ``results`` pay for
+nothing else (``tests/app/test_startup.py``, ``bench/startup.py``).
 
 Exit codes: 0 all answered; 3 finished but some items failed (their lines carry ``error``),
 or a job was cancelled with items left; 2 bad input or model, or a job another process
@@ -20,8 +23,6 @@ import sys
 import threading
 from collections.abc import Iterator
 
-import cv2
-
 from vlmbatch.app.args import build_parser, given_options
 from vlmbatch.app.commands import (
     COMMANDS,
@@ -35,11 +36,10 @@ from vlmbatch.app.commands import (
     is_job_arg,
 )
 from vlmbatch.jobs.errors import ManifestError
-from vlmbatch.jobs.job import is_job
-from vlmbatch.models.io import ModelError
-from vlmbatch.pipeline.config import ConfigError
+from vlmbatch.jobs.folder import is_job
+from vlmbatch.models.config_io import ModelError
+from vlmbatch.pipeline.config import AnswerWordsError, ConfigError
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
-from vlmbatch.pipeline.scoring import AnswerWordsError
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_CRASH", "EXIT_INTERRUPTED", "EXIT_ITEM_ERRORS", "EXIT_OK",
            "EXIT_TERMINATED", "main"]
@@ -50,8 +50,12 @@ USER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPER
 
 def _quiet_opencv() -> None:
     """OpenCV logs its own line for every undecodable image; each is already that item's
-    ``error``, so the CLI silences OpenCV unless OPENCV_LOG_LEVEL asks otherwise."""
-    if "OPENCV_LOG_LEVEL" not in os.environ:
+    ``error``, so the CLI silences OpenCV unless OPENCV_LOG_LEVEL asks otherwise. Called once
+    the command's module is imported: a command that decodes images has OpenCV loaded by then
+    (cv2 is imported at module level wherever it is used: the layer rule), the others never
+    load it, and this does not either."""
+    cv2 = sys.modules.get("cv2")
+    if cv2 is not None and "OPENCV_LOG_LEVEL" not in os.environ:
         cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)
 
 
@@ -60,7 +64,6 @@ def main(argv: list[str] | None = None, hooks: FaultHooks = NO_HOOKS) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     args.given = given_options(argv)
-    _quiet_opencv()
     with _sigterm_as_interrupt():
         return _main(args, hooks)
 
@@ -100,7 +103,9 @@ def _main(args: argparse.Namespace, hooks: FaultHooks) -> int:
     try:
         if hasattr(args, "executor"):
             executor_config(args)  # Ray-only options without --executor ray are an error
-        return COMMANDS[args.command](args, hooks)
+        command = COMMANDS.get(args.command)  # imports its module (model_commands: torch)
+        _quiet_opencv()
+        return command(args, hooks)
     except (ConfigError, ManifestError, ModelError, AnswerWordsError, ImportError) as e:
         print(f"vlmbatch: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -1,56 +1,41 @@
-"""One function per ``vlmbatch`` command: argparse namespace -> the config tree -> a call into
-``jobs/`` or ``pipeline/``, and the exit code. ``vlmbatch/app/cli.py`` dispatches to them and
-turns errors into messages.
+"""The ``vlmbatch`` commands by name, the exit codes, and the commands that need no model.
+
+``COMMANDS`` names each command's function as ``"module:attr"``: the CLI imports only the
+module of the command it runs, so ``--help``, ``status``, ``cancel`` and ``results`` (this
+module: argparse namespace -> a call into ``jobs/``) import no torch, transformers, fastapi
+or OpenCV; the commands that load or run a model are ``model_commands.py``'s.
+``vlmbatch/app/cli.py`` dispatches to them and turns errors into messages.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
-from vlmbatch.app.embed_cli import embed_config, embed_results, run_embed
-from vlmbatch.app.server.args import server_config
-from vlmbatch.app.server.run import serve
 from vlmbatch.common.atomic import replaced_on_success
-from vlmbatch.jobs.config import ExecutorConfig, RayOptions, RunConfig
-from vlmbatch.jobs.export import export_parquet, export_text
-from vlmbatch.jobs.folder import job_task
-from vlmbatch.jobs.job import cancel, is_job, run_job, status, submit
-from vlmbatch.jobs.manifest import read_manifest, read_policy
-from vlmbatch.jobs.runner import run
-from vlmbatch.jobs.sinks import check_writable, format_of, naming, open_text
-from vlmbatch.pipeline.config import (
-    DEFAULT_EMBED_MODEL,
-    ConfigError,
-    EmbedConfig,
-    EngineConfig,
-    ModelConfig,
-    PrepareOptions,
-    preprocess_threads_for,
+from vlmbatch.common.registry import Registry
+from vlmbatch.jobs.config import ExecutorConfig, RayOptions
+from vlmbatch.jobs.embed_sinks import JsonlSink, NpySink, ParquetSink, embed_format_of
+from vlmbatch.jobs.export import (
+    export_embed_requests,
+    export_embeddings,
+    export_parquet,
+    export_text,
+    recorded_results,
 )
-from vlmbatch.pipeline.embed import embedding_checkpoint
-from vlmbatch.pipeline.evaluate import evaluate
+from vlmbatch.jobs.folder import cancel, is_job, job_format, job_task, status
+from vlmbatch.jobs.sinks import check_writable, format_of, naming, open_text
+from vlmbatch.pipeline.config import ConfigError, EngineConfig, ModelConfig
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
-from vlmbatch.pipeline.loading import load_model, vision_model
-from vlmbatch.pipeline.quantize import quantize_model
-from vlmbatch.pipeline.task import EMBED_GROUP
-from vlmbatch.vit_trt.export import export_onnx
 
 EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT, EXIT_ITEM_ERRORS = 0, 1, 2, 3
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # 128 + SIGINT, 128 + SIGTERM
 
 # options of the Ray executor only
 RAY_ONLY = ("address", "preprocess_workers", "model_workers", "model_cpus")
-# `run JOB`: options that may change between runs of a job; the rest were fixed at submit
-RUN_JOB_OPTIONS = {"manifest", "no_progress", "retry_failed", "executor", *RAY_ONLY,
-                   "decode_timeout", "threads", "preprocess_threads"}
 
 
 def model_configs(a: argparse.Namespace) -> tuple[ModelConfig, EngineConfig]:
@@ -88,120 +73,8 @@ def executor_config(a: argparse.Namespace) -> ExecutorConfig:
                                            a.model_cpus), a.decode_timeout)
 
 
-# `submit --task embed` only
-EMBED_OPTIONS = ("pooling", "dimensions", "force_dimensions", "multi_vector", "prompt",
-                 "query_prefix", "document_prefix")
-
-
-def run_config(a: argparse.Namespace, out: Path | None) -> RunConfig:
-    model, engine = model_configs(a)
-    task = getattr(a, "task", "answer")
-    embed = EmbedConfig()
-    per_batch = a.images_per_batch
-    if task == "embed":
-        embed = embed_config(a)
-        if a.model is None:  # the built-in embedding model, not the chat one
-            model = dataclasses.replace(model, path=DEFAULT_EMBED_MODEL)
-        if "images_per_batch" not in a.given:
-            per_batch = EMBED_GROUP  # one prompt per input: larger groups
-    else:
-        typed = ["--" + k.replace("_", "-") for k in EMBED_OPTIONS if k in a.given]
-        if typed:
-            raise ConfigError(f"{', '.join(typed)}: embedding options; add --task embed")
-        refuse_embedding_model(model.path)
-    return RunConfig(manifest=a.manifest, images=a.images, policy=a.policy, out=out,
-                     images_per_batch=per_batch, threads=a.threads,
-                     preprocess_threads=a.preprocess_threads, max_pixels=a.max_pixels,
-                     progress=not a.no_progress, model=model, engine=engine,
-                     executor=executor_config(a), task=task, embed=embed)
-
-
-def refuse_embedding_model(path: Path | None) -> None:
-    """ConfigError, naming the commands that fit, for an embedding checkpoint asked yes/no
-    questions (its LM head was not trained for answers)."""
-    if path is not None and embedding_checkpoint(path):
-        raise ConfigError(f"{path} is an embedding model (its files declare an embedding "
-                          "pooling, Matryoshka sizes or a projection layer, e.g. ColQwen2's "
-                          "embedding_proj_layer): embed with it (`vlmbatch embed --model DIR`, "
-                          "`vlmbatch submit --task embed`); yes/no questions need a chat model, "
-                          "e.g. the default (leave out --model)")
-
-
-def _job_exit(job: Path, a: argparse.Namespace, hooks: FaultHooks) -> int:
-    """Run a job folder (after re-queueing its failed items with --retry-failed)."""
-    retry = getattr(a, "retry_failed", False)
-    st = run_job(job, not a.no_progress, executor_config(a), retry_failed=retry,
-                 threads=getattr(a, "threads", None),
-                 preprocess_threads=getattr(a, "preprocess_threads", None), hooks=hooks)
-    if retry:
-        print(f"vlmbatch: job {job}: {st.requeued} failed images were queued again",
-              file=sys.stderr)
-    print(f"vlmbatch: job {job}: {st.text()}", file=sys.stderr)
-    if st.pending:
-        return EXIT_ITEM_ERRORS  # cancelled with work left
-    return EXIT_ITEM_ERRORS if st.failed else EXIT_OK
-
-
 def is_job_arg(a: argparse.Namespace) -> bool:
     return getattr(a, "manifest", None) is not None and is_job(a.manifest)
-
-
-def cmd_run(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
-    if is_job_arg(a):
-        fixed = sorted("--" + k.replace("_", "-") for k in a.given - RUN_JOB_OPTIONS)
-        if fixed:
-            raise ConfigError(
-                f"{a.manifest} is a job: its input, model and engine settings were fixed at "
-                f"submit, so {', '.join(fixed)} would be ignored. Submit a new job to change "
-                "them; `vlmbatch results JOB -o FILE` writes the results to a file")
-        return _job_exit(a.manifest, a, hooks)
-    if a.retry_failed:
-        raise ConfigError("--retry-failed applies to a job folder (`vlmbatch run JOB "
-                          "--retry-failed`); a plain run has nothing recorded to retry")
-    cfg = run_config(a, a.out)  # validates, --out included, before any work
-    if a.out is not None and a.out.is_dir():
-        raise ConfigError(f"--out {a.out} is a folder; give a file name, e.g. {a.out}/out.jsonl")
-    if format_of(a.out) == "parquet":
-        raise ConfigError("`run` streams JSONL or CSV (a Parquet file is readable only once "
-                          "closed, so a killed run would leave nothing); for Parquet, "
-                          "`vlmbatch submit ... --job DIR --wait`, then `vlmbatch results DIR "
-                          "-o FILE.parquet`")
-    if a.out is not None:
-        check_writable(a.out)  # a read-only --out fails here, before any work
-    if cfg.executor.kind == "ray":
-        return _run_on_ray(a, cfg, hooks)
-    summary = run(cfg, hooks=hooks)
-    print(f"vlmbatch: {summary.text()}", file=sys.stderr)
-    if a.out:
-        print(f"vlmbatch: results in {a.out}", file=sys.stderr)
-    return EXIT_ITEM_ERRORS if summary.failed_images else EXIT_OK
-
-
-def _run_on_ray(a: argparse.Namespace, cfg: RunConfig, hooks: FaultHooks) -> int:
-    """`run MANIFEST --executor ray`: a job in a temporary folder, run on Ray, exported."""
-    with tempfile.TemporaryDirectory(prefix="vlmbatch-job-") as tmp:
-        job = Path(tmp) / "job"
-        submit(dataclasses.replace(cfg, out=None), job)
-        try:
-            rc = _job_exit(job, a, hooks)
-        except KeyboardInterrupt:  # Ctrl-C, SIGTERM: the lines answered so far, as in-process
-            _export_text(job, a.out, format_of(a.out))
-            raise
-        _export_text(job, a.out, format_of(a.out))
-        if a.out is not None:
-            print(f"vlmbatch: results in {a.out}", file=sys.stderr)
-    return rc
-
-
-def cmd_submit(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
-    if a.job is None:
-        raise ConfigError("submit needs --job DIR: the folder the job is kept in")
-    cfg = run_config(a, None)
-    n = submit(cfg, a.job, hooks)
-    what = "inputs" if cfg.task == "embed" else "images"
-    print(f"vlmbatch: job {a.job}: {n} {what} submitted; run it with `vlmbatch run {a.job}`",
-          file=sys.stderr)
-    return _job_exit(a.job, a, hooks) if a.wait else EXIT_OK
 
 
 def cmd_status(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
@@ -241,8 +114,30 @@ def cmd_results(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
     return EXIT_OK
 
 
-def cmd_embed(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
-    return run_embed(a, *model_configs(a), hooks)
+def embed_results(a: argparse.Namespace) -> int:
+    """An embedding job's vectors: JSONL (standard output without -o), Parquet or .npy; a job
+    of OpenAI embedding requests gives OpenAI batch output lines as its JSONL."""
+    fmt = a.format or ("csv" if format_of(a.out) == "csv" else embed_format_of(a.out))
+    if fmt == "csv":
+        raise ConfigError("an embedding job's results are vectors: JSONL, Parquet or .npy")
+    if fmt != "jsonl" and a.out is None:
+        raise ConfigError(f"--format {fmt} needs --out FILE.{fmt}")
+    openai = fmt == "jsonl" and job_format(a.job) == "openai"  # OpenAI output lines
+    if a.out is None:
+        n = (export_embed_requests(a.job, sys.stdout) if openai
+             else export_embeddings(a.job, JsonlSink(sys.stdout)))
+    else:  # all or nothing, errors naming --out (as a yes/no job's `results`)
+        check_writable(a.out)
+        with naming(a.out), replaced_on_success(a.out) as part:
+            if fmt == "jsonl":
+                with open(part, "w", encoding="utf-8") as f:
+                    n = (export_embed_requests(a.job, f) if openai
+                         else export_embeddings(a.job, JsonlSink(f)))
+            else:
+                n = export_embeddings(a.job, ParquetSink(part) if fmt == "parquet"
+                                      else NpySink(part, recorded_results(a.job)))
+    print(f"vlmbatch: {n} {'requests' if openai else 'embeddings'}", file=sys.stderr)
+    return 0
 
 
 def cmd_cancel(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
@@ -256,57 +151,14 @@ def cmd_cancel(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
     return EXIT_OK
 
 
-def cmd_resume(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
-    return _job_exit(a.job, a, hooks)
-
-
-def cmd_eval(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    model, engine = model_configs(a)
-    refuse_embedding_model(model.path)
-    opts = PrepareOptions(threads=preprocess_threads_for(a.preprocess_threads, model.device),
-                          decode_timeout=ExecutorConfig(
-                              decode_timeout=a.decode_timeout).decode_timeout)
-    r = evaluate(model, engine, a.split, a.limit, a.images_per_batch, not a.no_progress,
-                 opts, hooks)
-    print(f"easy-vqa {a.split} yes/no accuracy: {r.accuracy:.4f} ({r.correct}/{r.questions}) "
-          f"in {r.seconds:.1f}s ({60 * r.questions / r.seconds:.0f} QPM)")
-    return EXIT_OK
-
-
-def cmd_export_vit(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
-    r = export_onnx(vision_model(load_model(a.model)), a.out, opset=a.opset)
-    print(f"wrote {r.onnx_path} (+ vision.json); onnxruntime vs torch max abs error "
-          f"{r.max_abs_err:.2e}")
-    if r.max_abs_err > 1e-4:
-        print("vlmbatch: error: the exported model disagrees with torch", file=sys.stderr)
-        return EXIT_CRASH
-    return EXIT_OK
-
-
-def cmd_quantize(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    items = read_manifest(a.calib, read_policy(a.policy) if a.policy else ())
-    r = quantize_model(a.model, a.out, a.method, items, a.samples, a.group_size, a.device,
-                       progress=not a.no_progress)
-    if r.method == "awq":
-        for e in r.report:
-            print(f"  layer {e['layer']} {e['linears']}: output MSE {e['mse']:.3e} "
-                  f"(round-to-nearest {e['mse_rtn']:.3e})", file=sys.stderr)
-    print(f"wrote {r.out}: {r.linears} linears W4A16 ({r.method}, group size {a.group_size}), "
-          f"calibrated on {r.samples} questions")
-    return EXIT_OK
-
-
-def cmd_serve(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
-    serve(server_config(a, *model_configs(a)), hooks)  # until SIGTERM or Ctrl-C
-    return EXIT_OK
-
-
 Command = Callable[[argparse.Namespace, FaultHooks], int]
-COMMANDS: dict[str, Command] = {
-    "run": cmd_run, "submit": cmd_submit, "status": cmd_status, "cancel": cmd_cancel,
-    "resume": cmd_resume, "results": cmd_results, "eval": cmd_eval, "quantize": cmd_quantize,
-    "export-vit": cmd_export_vit, "embed": cmd_embed, "serve": cmd_serve}
+
+_MODEL = "vlmbatch.app.model_commands"  # the commands that load or run a model
+_LIGHT = "vlmbatch.app.commands"  # this module
+COMMANDS: Registry[Command] = Registry("command", {
+    "run": f"{_MODEL}:cmd_run", "submit": f"{_MODEL}:cmd_submit",
+    "status": f"{_LIGHT}:cmd_status", "cancel": f"{_LIGHT}:cmd_cancel",
+    "resume": f"{_MODEL}:cmd_resume", "results": f"{_LIGHT}:cmd_results",
+    "eval": f"{_MODEL}:cmd_eval", "quantize": f"{_MODEL}:cmd_quantize",
+    "export-vit": f"{_MODEL}:cmd_export_vit", "embed": f"{_MODEL}:cmd_embed",
+    "serve": f"{_MODEL}:cmd_serve"})

@@ -1,6 +1,6 @@
 """``vlmbatch embed``: texts, images or a manifest -> embeddings (JSONL, Parquet, .npy), the
 cosine-similarity matrix (``-sim``), late-interaction scores (``--maxsim``) or the retrieval
-evaluation (``--eval``); and the embedding options ``submit --task embed`` shares.
+evaluation (``--eval``).
 
     vlmbatch embed "a red circle" "a blue square"        # one JSON line per text
     printf 'a\\nb\\n' | vlmbatch embed -sim               # texts from stdin, 4-decimal matrix
@@ -9,10 +9,12 @@ evaluation (``--eval``); and the embedding options ``submit --task embed`` share
     vlmbatch embed --maxsim queries.txt docs.jsonl        # multi-vector MaxSim matrix
     vlmbatch embed --eval                                 # easy-vqa test retrieval figures
 
-The parser is built here (``add_embed_parser``), the command runs here (``run_embed``, given
-the model and engine configs ``commands.py`` builds), through the same drive loop as the
-Python API and jobs (``pipeline/drive.py`` with ``pipeline.task.EmbedTask``): one behaviour
-for all three, each image decoded in a decoder process under ``--decode-timeout``.
+The command runs here (``run_embed``, given the model and engine configs ``commands.py``
+builds), through the same drive loop as the Python API and jobs (``pipeline/drive.py`` with
+``pipeline.task.EmbedTask``): one behaviour for all three, each image decoded in a decoder
+process under ``--decode-timeout``. Its parser and the embedding options ``submit --task embed``
+shares are ``embed_args.py`` (light, as every parser module); ``results`` of an embedding
+job is ``commands.embed_results``.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from vlmbatch.app.embed_args import embed_config
 from vlmbatch.common.atomic import replaced_on_success
 from vlmbatch.jobs.config import ExecutorConfig
 from vlmbatch.jobs.embed_input import (
@@ -41,15 +44,10 @@ from vlmbatch.jobs.embed_sinks import (
     ParquetSink,
     embed_format_of,
 )
-from vlmbatch.jobs.export import export_embed_requests, export_embeddings, recorded_results
-from vlmbatch.jobs.folder import job_format
-from vlmbatch.jobs.sinks import check_writable, format_of, naming
-from vlmbatch.models.embedding import POOLINGS
 from vlmbatch.pipeline.build import build_engine
 from vlmbatch.pipeline.config import (
     DEFAULT_EMBED_MODEL,
     ConfigError,
-    EmbedConfig,
     EngineConfig,
     ModelConfig,
     PrepareOptions,
@@ -61,75 +59,7 @@ from vlmbatch.pipeline.embed_eval import evaluate_retrieval
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.pipeline.pooling import maxsim
 from vlmbatch.pipeline.records import Embedding, EmbedItem
-from vlmbatch.pipeline.task import EMBED_GROUP, EmbedTask
-from vlmbatch.preprocessing.decode import DEFAULT_MAX_PIXELS
-
-E = EmbedConfig()  # the defaults
-
-
-def embed_option_args(p: argparse.ArgumentParser) -> None:
-    """The ``EmbedConfig`` options (``embed`` and ``submit --task embed``)."""
-    g = p.add_argument_group("embeddings")
-    g.add_argument("--pooling", default=E.pooling, choices=POOLINGS,
-                   help="image-mean: an image's hidden states over <img>..</img>, a text's "
-                   "over its tokens (jina-embeddings-v4); mean: every token; last: the last "
-                   "token (GME/VLM2Vec). Default: the checkpoint's, else its family's")
-    g.add_argument("--dimensions", type=int, default=E.dimensions,
-                   help="Matryoshka: keep the first N components, re-normalised (N must be "
-                   "one of the checkpoint's matryoshka_dims)")
-    g.add_argument("--force-dimensions", action="store_true",
-                   help="--dimensions even where the checkpoint declares no such size")
-    g.add_argument("--multi-vector", action=argparse.BooleanOptionalAction,
-                   default=E.multi_vector,
-                   help="one unit vector per token (after the checkpoint's projection layer); "
-                   "default: the checkpoint's (a ColQwen2 one: yes, unless --pooling or "
-                   "--dimensions is given)")
-    g.add_argument("--prompt", default=E.prompt,
-                   help="text after the image of an image-only input (default: the family's, "
-                   "'Describe the image.')")
-    g.add_argument("--query-prefix", default=E.query_prefix,
-                   help="put before every text-only input, as given (e.g. 'Query: ')")
-    g.add_argument("--document-prefix", default=E.document_prefix,
-                   help="put before the text of inputs with an image, and of --maxsim DOCS")
-
-
-def embed_config(a: argparse.Namespace) -> EmbedConfig:
-    return EmbedConfig(a.pooling, a.dimensions, a.force_dimensions, a.multi_vector, a.prompt,
-                       a.query_prefix, a.document_prefix)
-
-
-def add_embed_parser(sub: argparse._SubParsersAction,
-                     model_args: Callable[[argparse.ArgumentParser], None],
-                     decode_timeout_arg: Callable[[argparse.ArgumentParser], None]) -> None:
-    """``embed`` with the model/engine options and ``--decode-timeout`` the two functions
-    add (``args.py``'s)."""
-    e = sub.add_parser("embed", help="texts, images or a manifest -> embeddings (JSONL, "
-                       "Parquet, .npy), -sim, --maxsim, --eval",
-                       description="Unit vectors for texts (arguments, else standard input, "
-                       "one per line), image files (--images) or a JSONL manifest of {\"id\", "
-                       "\"image\"?, \"text\"?} (--manifest); default model: the built-in "
-                       "embedding model. docs/embeddings.md.")
-    e.add_argument("texts", nargs="*", help="texts to embed")
-    e.add_argument("--images", type=Path, nargs="+", help="image files (or one folder)")
-    e.add_argument("--manifest", type=Path, help='JSONL: {"id", "image"?, "text"?} per line')
-    e.add_argument("--out", "-o", type=Path, help="JSONL (default, standard output), .parquet "
-                   "or .npy")
-    e.add_argument("-sim", "--sim", action="store_true",
-                   help="print the cosine-similarity matrix (input order, 4 decimals)")
-    e.add_argument("--maxsim", type=Path, nargs=2, metavar=("QUERIES", "DOCS"),
-                   help="late-interaction (MaxSim) scores of multi-vector embeddings: each a "
-                   "text file (one per line) or a JSONL manifest; prints a QUERIES x DOCS "
-                   "matrix")
-    e.add_argument("--eval", action="store_true",
-                   help="text->image precision@10 and image->image top-1 on easy-vqa's test "
-                   "images")
-    e.add_argument("--limit", type=int, default=None, help="--eval: first N labelled images")
-    e.add_argument("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS,
-                   help="images with more pixels are that input's error (default %(default)s)")
-    decode_timeout_arg(e)
-    embed_option_args(e)
-    model_args(e)
-    e.set_defaults(images_per_batch=EMBED_GROUP)  # inputs per embedder call
+from vlmbatch.pipeline.task import EmbedTask
 
 
 def inputs_of(a: argparse.Namespace) -> list[EmbedItem]:
@@ -191,30 +121,6 @@ def run_embed(a: argparse.Namespace, model: ModelConfig, engine: EngineConfig,
     return 3 if failed else 0
 
 
-def embed_results(a: argparse.Namespace) -> int:
-    """An embedding job's vectors: JSONL (standard output without -o), Parquet or .npy; a job
-    of OpenAI embedding requests gives OpenAI batch output lines as its JSONL."""
-    fmt = a.format or ("csv" if format_of(a.out) == "csv" else embed_format_of(a.out))
-    if fmt == "csv":
-        raise ConfigError("an embedding job's results are vectors: JSONL, Parquet or .npy")
-    if fmt != "jsonl" and a.out is None:
-        raise ConfigError(f"--format {fmt} needs --out FILE.{fmt}")
-    openai = fmt == "jsonl" and job_format(a.job) == "openai"  # OpenAI output lines
-    if a.out is None:
-        n = (export_embed_requests(a.job, sys.stdout) if openai
-             else export_embeddings(a.job, JsonlSink(sys.stdout)))
-    else:  # all or nothing, errors naming --out (as a yes/no job's `results`)
-        check_writable(a.out)
-        with naming(a.out), replaced_on_success(a.out) as part:
-            if fmt == "jsonl":
-                with open(part, "w", encoding="utf-8") as f:
-                    n = (export_embed_requests(a.job, f) if openai
-                         else export_embeddings(a.job, JsonlSink(f)))
-            else:
-                n = export_embeddings(a.job, ParquetSink(part) if fmt == "parquet"
-                                      else NpySink(part, recorded_results(a.job)))
-    print(f"vlmbatch: {n} {'requests' if openai else 'embeddings'}", file=sys.stderr)
-    return 0
 
 
 def _write(batches: Iterator[list[Embedding]], a: argparse.Namespace, n: int) -> int:

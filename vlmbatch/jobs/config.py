@@ -23,7 +23,7 @@ from vlmbatch.pipeline.config import (
     check_threads,
     preprocess_threads_for,
 )
-from vlmbatch.preprocessing.decode import DEFAULT_MAX_PIXELS
+from vlmbatch.preprocessing.limits import DEFAULT_MAX_PIXELS
 
 EXECUTORS = ("local", "ray")
 # what a run does with its items: answer their questions (yes/no), or embed them

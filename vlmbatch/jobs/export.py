@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from vlmbatch.jobs.embed_requests import EmbedRequestItem, to_embed_output
 from vlmbatch.jobs.embed_sinks import EmbeddingSink
 from vlmbatch.jobs.folder import STORE_FILE, job_format, require_job
+from vlmbatch.jobs.openai_embeddings import EmbedRequestItem, to_embed_output
 from vlmbatch.jobs.sinks import line_writer
 from vlmbatch.jobs.store import JobStore
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
@@ -105,7 +105,7 @@ def export_embeddings(job: Path, sink: EmbeddingSink, batch: int = 1024) -> int:
 
 def embed_request_lines(job: Path, model: str = "vlmbatch") -> Iterator[dict]:
     """The OpenAI batch output line of every recorded request of a job submitted from a file
-    of ``/v1/embeddings`` requests (``jobs/embed_requests.py``), in input order."""
+    of ``/v1/embeddings`` requests (``jobs/openai_embeddings.py``), in input order."""
     require_job(job)
     store = JobStore(Path(job) / STORE_FILE)
     try:

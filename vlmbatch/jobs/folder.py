@@ -5,9 +5,11 @@
     JOB/store.sqlite   every item, its state and its answers (jobs/store.py)
     JOB/run.lock       held (flock) by the one process running the job (jobs/lock.py)
 
-``status`` reads the store and works from another shell while a job runs; a run that died
-without marking the store (kill -9, a lost machine) shows as ``interrupted`` once its lock
-is free (the kernel frees it when the process dies, whatever its pid becomes).
+``status`` reads the store and works from another shell while a job runs (``cancel`` sets
+its flag from there too); a run that died without marking the store (kill -9, a lost
+machine) shows as ``interrupted`` once its lock is free (the kernel frees it when the process
+dies, whatever its pid becomes). Light (no torch, no decoding): ``vlmbatch status`` and
+``cancel`` import only this, the store and the config tree.
 """
 
 from __future__ import annotations
@@ -167,6 +169,19 @@ def status(job: Path) -> JobStatus:
         runner = (runner_of(Path(job)) or recorded_runner(store)) if st == "running" else None
         return JobStatus(st, c.total, c.done, c.failed, c.pending, q, qpm, eta, runner=runner,
                          task=job_task(Path(job)))
+    finally:
+        store.close()
+
+
+def cancel(job: Path) -> str:
+    """Ask a running job to stop after its current group; returns the job's status. The flag
+    is set whenever the store says ``running``."""
+    require_job(job)
+    store = JobStore(Path(job) / STORE_FILE)
+    try:
+        if store.get("status") == "running":  # even if it looks interrupted: a stray flag is
+            store.set("cancel", "1")         # harmless (the next run clears it)
+        return state(store)
     finally:
         store.close()
 

@@ -29,14 +29,14 @@ from tqdm import tqdm
 from vlmbatch.common.atomic import replaced_on_success
 from vlmbatch.jobs.config import ExecutorConfig, RunConfig, prepare_options
 from vlmbatch.jobs.errors import ManifestError
-from vlmbatch.jobs.folder import (
+from vlmbatch.jobs.folder import (  # cancel, status: re-exported
     STORE_FILE,
     JobStatus,
+    cancel,
     is_job,
     job_format,
     load_config,
     require_job,
-    state,
     status,
     write_job_file,
 )
@@ -113,19 +113,6 @@ def _naming_job(job: Path) -> Iterator[None]:
             raise
         inside = name[len(prefix):].partition(".part")[2]  # "" or "/store.sqlite"
         raise OSError(e.errno, e.strerror, str(job) + inside) from e
-
-
-def cancel(job: Path) -> str:
-    """Ask a running job to stop after its current group; returns the job's status. The flag
-    is set whenever the store says ``running``."""
-    require_job(job)
-    store = JobStore(Path(job) / STORE_FILE)
-    try:
-        if store.get("status") == "running":  # even if it looks interrupted: a stray flag is
-            store.set("cancel", "1")         # harmless (the next run clears it)
-        return state(store)
-    finally:
-        store.close()
 
 
 def run_job(job: Path, progress: bool = True, executor: ExecutorConfig | None = None,

@@ -6,6 +6,7 @@ job side of those items: where they come from (``items``), what is checked at su
     AnswerJob    ImageItem -> Answer per question     manifests, folders, OpenAI chat lines
     EmbedJob     EmbedItem -> one Embedding           embedding manifests, folders
     RequestJob   EmbedRequestItem -> one per string   OpenAI /v1/embeddings batch lines
+                                                      (``openai_embeddings.RequestTask``)
 
 ``job_task(cfg, fmt)`` picks one from the run's task (``RunConfig.task``) and the input's
 format (``"openai"`` or ``"vlmbatch"``: a job's ``job.json`` keeps it, so a job runs from its
@@ -19,11 +20,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
-from vlmbatch.jobs import embed_input, embed_requests
+from vlmbatch.jobs import embed_input
 from vlmbatch.jobs.config import RunConfig
-from vlmbatch.jobs.embed_requests import EmbedRequestItem, RequestTask
 from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.manifest import first_line, items_from_folder, iter_manifest, read_policy
+from vlmbatch.jobs.openai_embeddings import EmbedRequestItem, RequestTask, iter_embed_requests
 from vlmbatch.jobs.store import item_from_json, item_to_json
 from vlmbatch.pipeline.config import ConfigError
 from vlmbatch.pipeline.embed import check_embed_config
@@ -111,7 +112,7 @@ class EmbedJob(JobTask[EmbedItem, Embedding]):
 
 class RequestJob(JobTask[EmbedRequestItem, Embedding]):
     """An OpenAI batch file of ``/v1/embeddings`` requests: one item per request holding its
-    strings (``jobs/embed_requests.py``), one pooled vector per string, whatever the
+    strings (``jobs/openai_embeddings.py``), one pooled vector per string, whatever the
     checkpoint's default (a ColQwen2 one is multi-vector)."""
 
     def __init__(self, cfg: RunConfig) -> None:
@@ -122,11 +123,11 @@ class RequestJob(JobTask[EmbedRequestItem, Embedding]):
         assert manifest is not None
 
         def first(item_id: str) -> str:
-            lines = embed_requests.iter_embed_requests(manifest)
+            lines = iter_embed_requests(manifest)
             return f"line {next(ln for ln, r in lines if r.custom_id == item_id)}"
 
         return ((f"{manifest}:{ln}", r)
-                for ln, r in embed_requests.iter_embed_requests(manifest)), first
+                for ln, r in iter_embed_requests(manifest)), first
 
     def check(self, cfg: RunConfig) -> None:
         """What the server's batches check: each request's dimensions one of the model's
@@ -137,7 +138,7 @@ class RequestJob(JobTask[EmbedRequestItem, Embedding]):
                               "at each request's body.dimensions: --multi-vector and "
                               "--dimensions do not apply to it")
         assert cfg.manifest is not None
-        for ln, r in embed_requests.iter_embed_requests(cfg.manifest):
+        for ln, r in iter_embed_requests(cfg.manifest):
             if r.dimensions is not None and r.dimensions not in sizes:
                 have = (f"declares the sizes {list(sizes)}: give one of them" if sizes
                         else "declares no Matryoshka sizes")

@@ -1,10 +1,10 @@
 """Model families behind one interface (``models/base.py``), found by ``model_type``
-(``models/registry.py``): importing this package registers every family. Shared layers
-(``layers.py``), the Qwen2 decoder (``qwen2.py``) and checkpoint reading (``io.py``) live
-here once; each family is a folder (``internvl/``, ``qwen_vl/``)."""
+(``models/registry.py``: names to ``"module:attr"``, so importing this package imports no
+family; ``family_for`` imports the one a checkpoint needs). Shared layers (``layers.py``),
+the Qwen2 decoder (``qwen2.py``) and checkpoint reading (``io.py`` weights, ``config_io.py``
+JSON files and ``ModelError``) live here once; each family is a folder (``internvl/``,
+``qwen_vl/``)."""
 
-from vlmbatch.models.internvl import family as _internvl  # noqa: F401  (registers the family)
-from vlmbatch.models.qwen_vl import family as _qwen_vl  # noqa: F401  (registers the family)
 from vlmbatch.models.registry import FAMILIES, family_for
 
 __all__ = ["FAMILIES", "family_for"]

@@ -16,6 +16,10 @@ Declarations understood (the reference checkpoints' own names):
 
 A checkpoint that declares none of these is a chat model: it still embeds (pooled hidden
 states, with the family's default pooling), and ``declared`` is False so the CLI can say so.
+
+Light (``pipeline/config.py`` and the CLI read ``POOLINGS`` from here): JSON files and
+safetensors headers only; torch is loaded by safetensors when ``read_projection`` reads the
+projection's tensors.
 """
 
 from __future__ import annotations
@@ -23,11 +27,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import safe_open
 
-from vlmbatch.models.io import ModelError, read_json
+from vlmbatch.models.config_io import ModelError, read_json
+
+if TYPE_CHECKING:
+    import torch
 
 # mean: every real token of the prompt; image-mean: an image's span with its start/end markers
 # (a text-only input: its tokens); last: the last real token

@@ -1,11 +1,11 @@
-"""Reading a checkpoint folder: its JSON files and safetensors weights, with errors that say
-what to do. Every model family loads through here, so a truncated file or a config that
-does not fit its weights reads the same whatever the family.
+"""Reading a checkpoint folder: its JSON files (``config_io.py``, re-exported here) and
+safetensors weights, with errors that say what to do. Every model family loads through here,
+so a truncated file or a config that does not fit its weights reads the same whatever the
+family.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Protocol
 
@@ -13,34 +13,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-
-class ModelError(RuntimeError):
-    """The model directory is missing, incomplete or of an unsupported kind."""
-
-
-def read_json(p: Path) -> dict:
-    """``p`` as a dict, ``{}`` if absent; ModelError naming the file if it is not a JSON object."""
-    if not p.is_file():
-        return {}
-    try:
-        d = json.loads(p.read_text())
-    except ValueError as e:  # JSONDecodeError; UnicodeDecodeError for a binary file
-        raise ModelError(f"{p} is not valid JSON ({e}); restore it from the original "
-                         "checkpoint") from e
-    if not isinstance(d, dict):
-        raise ModelError(f"{p} is not a JSON object; restore it from the original checkpoint")
-    return d
-
-
-def read_config(path: Path) -> dict:
-    """The model directory's ``config.json``; ModelError, saying what to do, if absent."""
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ModelError(
-            f"no model at {path}: looked for {cfg_file}. Pass --model DIR with an HF-format "
-            "checkpoint (config.json, *.safetensors, tokenizer files), or leave --model out to "
-            "use the built-in model.")
-    return read_json(cfg_file)
+# re-exported: the JSON half and ModelError live in a light module (no torch)
+from vlmbatch.models.config_io import ModelError as ModelError
+from vlmbatch.models.config_io import read_config as read_config
+from vlmbatch.models.config_io import read_json as read_json
 
 
 def raw_state_dict(path: Path) -> dict[str, torch.Tensor]:

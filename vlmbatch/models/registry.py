@@ -1,17 +1,33 @@
 """Model families by ``model_type``; ``family_for`` reads a checkpoint's config.json and
-picks one (the message for another type lists the supported ones)."""
+picks one (the message for another type lists the supported ones).
+
+``FAMILIES`` names each family object as ``"module:attr"``: listing the model types, or
+refusing one, imports no family (nor torch, nor transformers); ``get`` imports the family's
+module on first use. ``REFUSED``: model types a family knows and refuses, with the reason.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vlmbatch.common.registry import Registry
-from vlmbatch.models.base import ModelFamily
-from vlmbatch.models.io import ModelError, read_config
+from vlmbatch.models.config_io import ModelError, read_config
 
-FAMILIES: Registry[ModelFamily] = Registry("model type")
-# model types a family knows and refuses: model_type -> why (e.g. Qwen3-VL MoE)
-REFUSED: dict[str, str] = {}
+if TYPE_CHECKING:
+    from vlmbatch.models.base import ModelFamily
+
+_QWEN_VL = "vlmbatch.models.qwen_vl.family:QWEN_VL"  # one family object for the three kinds
+FAMILIES: Registry[ModelFamily] = Registry("model type", {
+    "internvl": "vlmbatch.models.internvl.family:INTERNVL",
+    "qwen2_vl": _QWEN_VL, "qwen2_5_vl": _QWEN_VL, "qwen3_vl": _QWEN_VL,  # qwen_vl.spec.KINDS
+    "colqwen2": "vlmbatch.models.qwen_vl.family:COLQWEN2_FAMILY",
+})
+REFUSED: dict[str, str] = {
+    "qwen3_vl_moe": ("Qwen3-VL MoE is not supported: its mixture-of-experts decoder layers "
+                     "are not implemented; the dense Qwen3-VL models (model_type 'qwen3_vl') "
+                     "are"),
+}
 
 
 def family_for(path: Path) -> tuple[ModelFamily, dict]:

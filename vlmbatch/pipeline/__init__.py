@@ -4,12 +4,13 @@
 - ``records.py``: the records between stages (``ImageItem``, ``Question``, ``Request``,
   ``Score``, ``Answer`` with its ``ErrorKind``, ``EmbedItem``, ``Vector``, ``Embedding``);
 - ``config.py``: ``ModelConfig``, ``EngineConfig``, ``EmbedConfig``, ``PrepareOptions`` (the
-  engine side of the config tree); ``paths.py``: where the built-in checkpoints live;
+  engine side of the config tree; names only, no torch: the CLI's ``--help`` imports it);
+  ``paths.py``: where the built-in checkpoints live;
 - ``task.py``: what a group of items goes through (``Task``: ``AnswerTask``, ``EmbedTask``);
   ``drive.py``: the one drive loop (stage 1 prepared ahead in decoder processes, stage 2 on
   the engine, a sink, per group); ``hooks.py``: fault injection passed in by tests;
-- ``engine.py``: the ``Engine`` interface and the ``ENGINES`` registry; ``build.py`` imports
-  every engine module (which registers it) and picks one;
+- ``engine.py``: the ``Engine`` interface; ``build.py``: the ``ENGINES`` registry (each
+  engine's builder as ``"module:attr"``, imported when built) and ``build_engine``;
 - ``torch_engine.py`` (ours: ``planner.py`` pure Python, ``model_runner.py`` tensors,
   ``prefix_cache.py``, ``scoring.py``; embeddings through ``embed.py``'s head and
   ``pooling.py``) and ``lmdeploy_engine.py`` (TurboMind, GPU env only);

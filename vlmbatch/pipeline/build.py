@@ -1,16 +1,25 @@
-"""``build_engine``: the configured engine, by name from the ``ENGINES`` registry. Every
-engine module registers itself when imported; this module imports them all, so whoever
-builds an engine (or lists the engines: the CLI's choices) imports this."""
+"""``build_engine``: the configured engine, by name from the ``ENGINES`` registry, whose table
+names each engine's builder as ``"module:attr"``: listing the engines (the CLI's choices)
+imports none of them, building one imports its module. A builder takes
+``(ModelConfig, EngineConfig)`` and returns an ``Engine`` (``pipeline/engine.py``)."""
 
 from __future__ import annotations
 
-from vlmbatch.common.registry import UnknownName
-from vlmbatch.pipeline import lmdeploy_engine as _lmdeploy  # noqa: F401  (registers "lmdeploy")
-from vlmbatch.pipeline import torch_engine as _torch  # noqa: F401  (registers "torch")
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from vlmbatch.common.registry import Registry, UnknownName
 from vlmbatch.pipeline.config import ConfigError, EngineConfig, ModelConfig
-from vlmbatch.pipeline.engine import ENGINES, Engine
+
+if TYPE_CHECKING:
+    from vlmbatch.pipeline.engine import Engine
 
 __all__ = ["ENGINES", "build_engine"]
+
+ENGINES: Registry[Callable[[ModelConfig, EngineConfig], Engine]] = Registry("engine", {
+    "torch": "vlmbatch.pipeline.torch_engine:build_torch",  # ours: CPU and CUDA
+    "lmdeploy": "vlmbatch.pipeline.lmdeploy_engine:build_lmdeploy",  # TurboMind, GPU env only
+})
 
 
 def build_engine(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> Engine:

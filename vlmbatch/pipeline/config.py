@@ -5,16 +5,20 @@ holds both, with the run's input, output and executor; the CLI builds it.
 Validation lives in ``__post_init__`` so a bad value fails before any model is loaded. Each
 choice list is written once here (or in the registry that owns it) and read by the CLI's
 ``choices``; each default is the dataclass field's, which the CLI reads too.
+
+Light by design (``--help`` and ``status`` import it): no torch, no model or runner code. The
+dtype and the device are names, checked here as strings (``DTYPES``; ``cpu``, ``cuda``,
+``cuda:N`` as ``torch.device`` reads them) and resolved where the model is loaded
+(``pipeline/loading.py``); choice lists come from registry names and light constants.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from vlmbatch.models.embedding import POOLINGS
 
@@ -22,8 +26,8 @@ from vlmbatch.models.embedding import POOLINGS
 from vlmbatch.pipeline.paths import DEFAULT_EMBED_MODEL as DEFAULT_EMBED_MODEL
 from vlmbatch.pipeline.paths import DEFAULT_MODEL as DEFAULT_MODEL
 from vlmbatch.pipeline.paths import DEFAULT_QWEN_MODEL as DEFAULT_QWEN_MODEL
-from vlmbatch.preprocessing.decode import DEFAULT_MAX_PIXELS
-from vlmbatch.preprocessing.prepare import TILING_MODES
+from vlmbatch.preprocessing.limits import DEFAULT_MAX_PIXELS
+from vlmbatch.preprocessing.tiling import TILING_MODES
 from vlmbatch.vit_trt import RUNNERS
 
 
@@ -31,14 +35,34 @@ class ConfigError(ValueError):
     """A bad option or config value, found before any work starts."""
 
 
+class AnswerWordsError(ValueError):
+    """The yes/no answer words do not fit the model's vocabulary (found when the engine is
+    built: ``pipeline/scoring.py``)."""
+
+
 LLM_QUANT = ("none", "int8-dynamic")
 QUANT = ("none", "fp8")  # W8A8 of the decoder's and the vision encoder's linears
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# dtype names; pipeline/loading.py maps each to its torch dtype where the model is loaded
+DTYPES = ("float32", "bfloat16", "float16")
+# the device strings torch.device reads as a CPU or CUDA device: cpu, cuda, cuda:N (and
+# cpu:N), N a decimal index without leading zeros that torch's int32 parse accepts
+_DEVICE = re.compile(r"(cpu|cuda)(?::(0|[1-9][0-9]*))?")
+# inputs per embedder call unless a run says otherwise: one prompt per input (a yes/no group
+# of 16 images holds 16 x its questions), so a larger group fills the same prefill batches
+# and costs fewer, larger forwards
+EMBED_GROUP = 64
 
 
 def vit_backends() -> tuple[str, ...]:
     """``--vit-backend`` choices: ``auto`` and every registered runner."""
     return ("auto", *RUNNERS.names())
+
+
+def device_ok(device: object) -> bool:
+    """``device`` names a CPU or CUDA device as ``torch.device`` would read it (tested
+    against it), without importing torch."""
+    m = _DEVICE.fullmatch(device) if isinstance(device, str) else None
+    return m is not None and (m[2] is None or int(m[2]) < 2**31)
 
 
 def default_of(cls: type, name: str) -> Any:
@@ -50,7 +74,7 @@ def default_of(cls: type, name: str) -> Any:
 class ModelConfig:
     path: Path | None = None  # None: the built-in model (DEFAULT_MODEL)
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "float32"  # one of DTYPES (a name: loading.py resolves it)
     max_tiles: int | None = None  # override the checkpoint's max tiles per image
     # "reduced" (fewest tiles that keep the image's resolution, letterboxed; the default since
     # the built-in model trains on it too) | "reference" (InternVL's dynamic_preprocess)
@@ -63,11 +87,7 @@ class ModelConfig:
     quant: str = "none"
 
     def __post_init__(self) -> None:
-        try:
-            kind = torch.device(self.device).type
-        except (RuntimeError, TypeError):
-            kind = None
-        if kind not in ("cpu", "cuda"):
+        if not device_ok(self.device):
             raise ConfigError(f"device {self.device!r} not supported: use cpu, cuda or cuda:N")
         if self.llm_quant not in LLM_QUANT:
             raise ConfigError(f"llm_quant {self.llm_quant!r} not one of {LLM_QUANT}")
@@ -86,10 +106,6 @@ class ModelConfig:
             raise ConfigError(f"max_image_tokens must be >= 1, got {self.max_image_tokens}")
         if not self.upscale_limit > 0:
             raise ConfigError(f"upscale_limit must be > 0, got {self.upscale_limit}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
 
     @property
     def model_dir(self) -> Path:

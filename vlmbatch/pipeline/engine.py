@@ -1,8 +1,8 @@
-"""The engine interface: ``score(images, requests) -> scores``, and the registry of engines.
+"""The engine interface: ``score(images, requests) -> scores``.
 
 An engine takes prepared images (``preprocessing.PreparedImage``, made with its own
 ``image_plan``) and one ``Request`` per question, and returns one ``Score`` per request, in
-order. Backends register a builder in ``ENGINES`` where they are defined (ours:
+order. Backends are builders named in ``pipeline/build.py``'s ``ENGINES`` (ours:
 ``pipeline/torch_engine.py``; LMDeploy's TurboMind: ``pipeline/lmdeploy_engine.py``);
 ``pipeline.build.build_engine`` picks one by name. What callers may read besides ``score``
 is ``image_plan``, ``summary()`` and, where the engine can, ``embed``/``embedding``: no
@@ -12,11 +12,9 @@ engine's internals (its cache, its planner, its vision runner).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from vlmbatch.common.registry import Registry
 from vlmbatch.pipeline.config import ConfigError
 from vlmbatch.pipeline.records import EmbedRequest, Request, Score, Vector
 from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
@@ -73,7 +71,3 @@ class Engine(ABC):
 
     def summary(self) -> EngineSummary:
         return EngineSummary(self.stats.prefill_tokens, self.stats.prompt_tokens, None)
-
-
-# name -> builder(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> Engine
-ENGINES: Registry[Callable[..., Engine]] = Registry("engine")

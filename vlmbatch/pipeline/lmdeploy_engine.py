@@ -35,7 +35,7 @@ from PIL import Image
 from vlmbatch.models.internvl.family import InternVLSpec
 from vlmbatch.models.io import ModelError
 from vlmbatch.pipeline.config import EngineConfig, ModelConfig
-from vlmbatch.pipeline.engine import ENGINES, Engine, EngineStats
+from vlmbatch.pipeline.engine import Engine, EngineStats
 from vlmbatch.pipeline.loading import image_plan_for, read_spec
 from vlmbatch.pipeline.records import Request, Score
 from vlmbatch.pipeline.scoring import AnswerTokens, yes_no
@@ -146,7 +146,6 @@ class LMDeployEngine(Engine):
                 for r, resp, n in zip(requests, responses, limits)]
 
 
-@ENGINES.register("lmdeploy")
 def build_lmdeploy(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> LMDeployEngine:
     """An lmdeploy TurboMind pipeline on an InternVL checkpoint."""
     require_lmdeploy()  # before reading the model: fail fast and say what to install

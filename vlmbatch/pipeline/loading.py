@@ -22,6 +22,14 @@ from vlmbatch.quant.fp8 import Fp8Unavailable, convert_linears_fp8, require_fp8
 from vlmbatch.quant.runtime import QuantError, convert_for_runtime, int8_dynamic
 from vlmbatch.vit_trt import VisionModel
 
+# ModelConfig.dtype's names (the keys are pipeline.config.DTYPES: tested) -> torch dtypes
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a ``ModelConfig.dtype`` name (one of ``DTYPES``)."""
+    return TORCH_DTYPES[name]
+
 
 def check_device(device: str) -> None:
     """Raise ModelError, saying what to do, if torch here cannot use ``device``."""

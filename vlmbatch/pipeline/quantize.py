@@ -20,7 +20,8 @@ from vlmbatch.pipeline.config import DEFAULT_MODEL, ConfigError, EngineConfig, M
 from vlmbatch.pipeline.drive import answer_group
 from vlmbatch.pipeline.records import ErrorKind, ImageItem
 from vlmbatch.pipeline.torch_engine import TorchEngine, build_torch
-from vlmbatch.quant.calibrate import METHODS, quantize_llm
+from vlmbatch.quant import GROUP_SIZE, METHODS, SAMPLES
+from vlmbatch.quant.calibrate import quantize_llm
 from vlmbatch.quant.checkpoint import save_quantized
 
 
@@ -50,7 +51,7 @@ def calibration_items(items: list[ImageItem], samples: int) -> list[ImageItem]:
 
 
 def quantize_model(model: Path | None, out: Path, method: str, items: list[ImageItem],
-                   samples: int = 128, group_size: int = 128, device: str = "cpu",
+                   samples: int = SAMPLES, group_size: int = GROUP_SIZE, device: str = "cpu",
                    images_per_batch: int = 16, progress: bool = True) -> QuantizeResult:
     if method not in METHODS:
         raise ConfigError(f"--method {method!r} not one of {METHODS}")

@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-
-class AnswerWordsError(ValueError):
-    """The yes/no answer words do not fit the model's vocabulary."""
+# re-exported: defined with the configs (a light module: the CLI catches it)
+from vlmbatch.pipeline.config import AnswerWordsError as AnswerWordsError
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,9 @@ Every way in (a run, a job in-process or on Ray, a server batch, the Python API,
 A task differs from another only in what its items are, which image an item names, what the
 model computes for a group and what a failed item's results are. Tasks are small frozen
 records: a Ray prepare task or model actor receives them pickled, and this module (which
-imports no torch) is all a prepare worker loads of them. ``jobs/`` adds its own task (OpenAI
-``/v1/embeddings`` requests, ``jobs/embed_requests.py``) and how each kind of item is stored.
+imports no torch, no decoder: a job folder's readers load it too) is all a prepare worker
+loads of them. ``jobs/`` adds its own task (OpenAI
+``/v1/embeddings`` requests, ``jobs/openai_embeddings.py``) and how each kind of item is stored.
 
 Invariant: ``run`` and ``failed`` give, for each item, its results (``Answer`` per question,
 one ``Embedding``, ...), each failed result carrying ``error`` and ``error_kind``; a job
@@ -38,19 +39,14 @@ from vlmbatch.pipeline.records import (
     ItemError,
     Request,
 )
-from vlmbatch.preprocessing.prepare import PreparedImage
 
 if TYPE_CHECKING:
     from vlmbatch.pipeline.config import EmbedConfig
     from vlmbatch.pipeline.engine import Engine
+    from vlmbatch.preprocessing.prepare import PreparedImage
 
 I = TypeVar("I", bound=Named)  # noqa: E741  (an item)
 R = TypeVar("R")  # a result
-
-# inputs per embedding call unless a run says otherwise: one prompt per input (a yes/no group
-# of 16 images holds 16 x its questions), so a larger group fills the same prefill batches
-# and costs fewer, larger forwards
-EMBED_GROUP = 64
 
 
 @dataclass(frozen=True)

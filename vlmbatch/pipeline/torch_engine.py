@@ -35,8 +35,8 @@ import torch
 from vlmbatch.models.base import LoadedModel, Prompt
 from vlmbatch.pipeline.config import ConfigError, EmbedConfig, EngineConfig, ModelConfig
 from vlmbatch.pipeline.embed import EmbedHead, Resolved, cut
-from vlmbatch.pipeline.engine import ENGINES, Engine, EngineStats, EngineSummary
-from vlmbatch.pipeline.loading import image_plan_for, load_model, vision_model
+from vlmbatch.pipeline.engine import Engine, EngineStats, EngineSummary
+from vlmbatch.pipeline.loading import image_plan_for, load_model, torch_dtype, vision_model
 from vlmbatch.pipeline.model_runner import ImageEmbeds, ModelRunner
 from vlmbatch.pipeline.planner import Plan, Planner
 from vlmbatch.pipeline.prefix_cache import BlockId, PrefixCache
@@ -197,10 +197,9 @@ class TorchEngine(Engine):
         return results  # type: ignore[return-value]
 
 
-@ENGINES.register("torch")
 def build_torch(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> TorchEngine:
     """Our engine on ``model_cfg``'s checkpoint and device."""
-    model = load_model(model_cfg.path, model_cfg.device, model_cfg.torch_dtype,
+    model = load_model(model_cfg.path, model_cfg.device, torch_dtype(model_cfg.dtype),
                        model_cfg.llm_quant, model_cfg.quant)
     plan = image_plan_for(model.family, model.spec, model_cfg)
     # stream-ordered: the engine reads the embeddings on the stream that made them, so the graph

@@ -25,7 +25,8 @@ import cv2
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-DEFAULT_MAX_PIXELS = 100_000_000  # 100 MP: a 10000 x 10000 image
+# re-exported: the guard's default lives in a light module (limits.py), for the configs
+from vlmbatch.preprocessing.limits import DEFAULT_MAX_PIXELS as DEFAULT_MAX_PIXELS
 
 # Pillow's own decompression-bomb warning: our max_pixels decides. Set once, here, because
 # warnings.catch_warnings() is not thread-safe and headers are checked in preprocessing

@@ -29,6 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+# the two planners below ("reduced": plan_reduced, "reference": plan_reference); a light
+# module, so the configs and the CLI name the modes without importing the decoder
+TILING_MODES = ("reduced", "reference")
+
 
 @dataclass(frozen=True)
 class TileGrid:

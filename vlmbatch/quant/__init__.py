@@ -17,4 +17,11 @@ Modules, in data-flow order:
 The int8 paths need no checkpoint: ``--llm-quant int8-dynamic`` (torch dynamic int8 linears,
 CPU) and ``--vit-backend onnxruntime-int8`` (``vit_trt/export.quantize_int8``).
 See docs/quantization.md for the figures.
+
+The package itself holds only the names ``vlmbatch quantize`` offers and its defaults, so the
+CLI's parser reads them without importing torch.
 """
+
+METHODS = ("awq", "gptq", "rtn")  # rtn: plain round-to-nearest, for comparison
+GROUP_SIZE = 128  # input columns per int4 scale
+SAMPLES = 128  # calibration (image, question) pairs

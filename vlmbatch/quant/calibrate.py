@@ -30,11 +30,11 @@ import torch
 from tqdm import tqdm
 
 from vlmbatch.models.base import Decoder
+from vlmbatch.quant import GROUP_SIZE, METHODS
 from vlmbatch.quant.awq import awq_scale
 from vlmbatch.quant.gptq import Hessian, gptq
 from vlmbatch.quant.int4 import dequantize, rtn
 
-METHODS = ("awq", "gptq", "rtn")
 QWeights = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -91,7 +91,7 @@ class _Recorder:
 
 
 def quantize_llm(llm: Decoder, run_calibration: Callable[[], None], method: str,
-                 group_size: int = 128, max_rows: int = 8192,
+                 group_size: int = GROUP_SIZE, max_rows: int = 8192,
                  progress: bool = True) -> tuple[QWeights, list[dict]]:
     """Quantise every decoder-layer linear of ``llm`` (a family's ``Decoder``) in place.
 

@@ -1,14 +1,47 @@
-"""Vision-encoder runners behind ``encode(pixels)`` (``base.py``: the interface, the
-``RUNNERS`` registry, ``make_runner``): torch, optionally CUDA-graph pooled
-(``torch_runner.py``), ``torch.compile`` (``compile_runner.py``), onnxruntime
-(``onnx_runner.py``), TensorRT (``tensorrt_runner.py``),
-and the ONNX export they share (``export.py``). Importing the package registers them all.
-A runner wraps the vision module a model family built (``models/``)."""
+"""Vision-encoder runners behind ``encode(pixels)`` (``base.py``: the interface,
+``make_runner``): torch, optionally CUDA-graph pooled (``torch_runner.py``),
+``torch.compile`` (``compile_runner.py``), onnxruntime (``onnx_runner.py``), TensorRT
+(``tensorrt_runner.py``), and the ONNX export they share (``export.py``). A runner wraps the
+vision module a model family built (``models/``).
 
-from vlmbatch.vit_trt import compile_runner as _compile  # noqa: F401  (each registers its backends)
-from vlmbatch.vit_trt import onnx_runner as _ort  # noqa: F401
-from vlmbatch.vit_trt import tensorrt_runner as _trt  # noqa: F401
-from vlmbatch.vit_trt import torch_runner as _torch  # noqa: F401
-from vlmbatch.vit_trt.base import RUNNERS, RunnerOptions, VisionModel, VitRunner, make_runner
+``RUNNERS`` names each backend's factory as ``"module:attr"``: the ``--vit-backend`` choices
+import no runner (nor torch); ``make_runner`` imports the one it builds. The package's other
+public names resolve to ``base.py`` on first use (module ``__getattr__``), so importing
+``vlmbatch.vit_trt`` for ``RUNNERS`` stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from vlmbatch.common.registry import Registry
+
+if TYPE_CHECKING:
+    from vlmbatch.vit_trt.base import (
+        RunnerFactory,
+        RunnerOptions,
+        VisionModel,
+        VitRunner,
+        make_runner,
+    )
 
 __all__ = ["RUNNERS", "RunnerOptions", "VisionModel", "VitRunner", "make_runner"]
+
+RUNNERS: Registry[RunnerFactory] = Registry("vision backend", {
+    "compile": "vlmbatch.vit_trt.compile_runner:build_compiled",
+    "onnxruntime": "vlmbatch.vit_trt.onnx_runner:build_ort",
+    "onnxruntime-int8": "vlmbatch.vit_trt.onnx_runner:build_ort_int8",
+    "tensorrt": "vlmbatch.vit_trt.tensorrt_runner:build_tensorrt",
+    "torch": "vlmbatch.vit_trt.torch_runner:build_torch",
+})
+OPSET = 17  # export.py's default ONNX opset (SDPA exports as plain ops in 17-20)
+_BASE = ("RunnerOptions", "VisionModel", "VitRunner", "make_runner")  # from base.py, lazily
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _BASE:
+        raise AttributeError(f"module 'vlmbatch.vit_trt' has no attribute {name!r}")
+    value = getattr(importlib.import_module("vlmbatch.vit_trt.base"), name)
+    globals()[name] = value  # resolved once
+    return value

@@ -6,7 +6,7 @@
 is run with ``encode_packed(rows, dims) -> VisionOutput`` instead, by the runners that
 support it (torch). A runner wraps a ``VisionModel`` (the vision module a model family
 built, plus its shapes), never the whole loaded model. Backends (``--vit-backend``), each
-registered in ``RUNNERS`` by the module that defines it:
+a factory named in ``RUNNERS`` (the package's ``__init__``) and defined in its module:
 
 - ``torch`` (``torch_runner.py``): the module itself (CPU or CUDA; fp32/bf16/fp16); on CUDA,
   optionally through the batch-size-bucketed CUDA graph pool (``cudagraph_pool``);
@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vlmbatch.common.registry import Registry
 from vlmbatch.cudagraph_pool import BudgetPool, GraphPool
 from vlmbatch.models.base import BudgetForward, VisionOutput
+from vlmbatch.vit_trt import RUNNERS
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,6 @@ class VitRunner(ABC):
 
 
 RunnerFactory = Callable[[VisionModel, RunnerOptions], VitRunner]
-RUNNERS: Registry[RunnerFactory] = Registry("vision backend")
 
 
 def default_backend(device: str) -> str:

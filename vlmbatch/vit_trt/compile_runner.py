@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from vlmbatch.cudagraph_pool import GraphPool
-from vlmbatch.vit_trt.base import RUNNERS, RunnerOptions, VisionModel, VitRunner
+from vlmbatch.vit_trt.base import RunnerOptions, VisionModel, VitRunner
 
 
 class CompiledRunner(VitRunner):
@@ -40,7 +40,6 @@ class CompiledRunner(VitRunner):
         return self.buckets(pixels.to(self.device, non_blocking=True))
 
 
-@RUNNERS.register("compile")
-def _compile(vision: VisionModel, opts: RunnerOptions) -> CompiledRunner:
+def build_compiled(vision: VisionModel, opts: RunnerOptions) -> CompiledRunner:
     return CompiledRunner(vision, cuda_graphs=opts.cuda_graphs, max_batch=opts.max_batch,
                           stream_ordered=opts.stream_ordered)

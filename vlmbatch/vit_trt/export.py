@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from vlmbatch.common.atomic import replaced_on_success
+from vlmbatch.vit_trt import OPSET
 from vlmbatch.vit_trt.base import VisionModel
 
 INPUT, OUTPUT = "tiles", "embeds"
@@ -56,7 +57,7 @@ def _fp32_cpu_copy(module: nn.Module) -> nn.Module:
         return copy.deepcopy(module).to("cpu", torch.float32).eval()
 
 
-def export_onnx(vision: VisionModel, out_dir: Path, opset: int = 17,
+def export_onnx(vision: VisionModel, out_dir: Path, opset: int = OPSET,
                 check_batch: int = 3, budget: int = 4096) -> ExportResult:
     """Export ``vision.module`` (an fp32 CPU copy of it) and verify it with onnxruntime;
     a packed model at ``budget`` rows (module docstring).

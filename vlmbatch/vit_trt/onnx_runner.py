@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from vlmbatch.models.io import ModelError
-from vlmbatch.vit_trt.base import RUNNERS, RunnerOptions, VisionModel, VitRunner
+from vlmbatch.vit_trt.base import RunnerOptions, VisionModel, VitRunner
 from vlmbatch.vit_trt.export import INPUT, OUTPUT, export_onnx, quantize_int8
 
 PACKED = ("a packed vision model (Qwen-VL: images of any size as patch rows) exports only at "
@@ -54,11 +54,9 @@ class OnnxRuntimeRunner(VitRunner):
         return torch.from_numpy(out).to(self.device)
 
 
-@RUNNERS.register("onnxruntime")
-def _ort(vision: VisionModel, opts: RunnerOptions) -> OnnxRuntimeRunner:
+def build_ort(vision: VisionModel, opts: RunnerOptions) -> OnnxRuntimeRunner:
     return OnnxRuntimeRunner(vision, opts.onnx_path, opts.device)
 
 
-@RUNNERS.register("onnxruntime-int8")
-def _ort_int8(vision: VisionModel, opts: RunnerOptions) -> OnnxRuntimeRunner:
+def build_ort_int8(vision: VisionModel, opts: RunnerOptions) -> OnnxRuntimeRunner:
     return OnnxRuntimeRunner(vision, opts.onnx_path, opts.device, int8=True)

@@ -27,7 +27,7 @@ import torch
 from vlmbatch.common.atomic import replaced_on_success
 from vlmbatch.cudagraph_pool import GraphPool, default_buckets
 from vlmbatch.models.io import ModelError
-from vlmbatch.vit_trt.base import RUNNERS, RunnerOptions, VisionModel, VitRunner
+from vlmbatch.vit_trt.base import RunnerOptions, VisionModel, VitRunner
 from vlmbatch.vit_trt.export import export_onnx, model_hash
 from vlmbatch.vit_trt.onnx_runner import PACKED
 
@@ -167,8 +167,7 @@ class TensorRTRunner(VitRunner):
         return result
 
 
-@RUNNERS.register("tensorrt")
-def _tensorrt(vision: VisionModel, opts: RunnerOptions) -> TensorRTRunner:
+def build_tensorrt(vision: VisionModel, opts: RunnerOptions) -> TensorRTRunner:
     # the optimisation profile [1, opt, max]: max is the largest batch the runner prepares for
     top = opts.max_batch
     return TensorRTRunner(vision, opts.onnx_path, profile=(1, min(8, top), top),

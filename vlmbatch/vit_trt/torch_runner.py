@@ -12,7 +12,7 @@ import torch
 
 from vlmbatch.cudagraph_pool import BudgetPool, GraphPool, default_budgets
 from vlmbatch.models.base import VisionOutput
-from vlmbatch.vit_trt.base import RUNNERS, RunnerOptions, VisionModel, VitRunner
+from vlmbatch.vit_trt.base import RunnerOptions, VisionModel, VitRunner
 
 
 class TorchRunner(VitRunner):
@@ -59,7 +59,6 @@ class TorchRunner(VitRunner):
         return out
 
 
-@RUNNERS.register("torch")
-def _torch(vision: VisionModel, opts: RunnerOptions) -> TorchRunner:
+def build_torch(vision: VisionModel, opts: RunnerOptions) -> TorchRunner:
     return TorchRunner(vision, cuda_graphs=opts.cuda_graphs, max_batch=opts.max_batch,
                        stream_ordered=opts.stream_ordered, max_budget=opts.max_budget)

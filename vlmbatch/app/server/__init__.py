@@ -14,7 +14,7 @@
     state.py         what a running server holds; resuming unfinished batches
     run.py           serve(): the engine, the data folder's lock, uvicorn
 
-``docs/server.md`` has the design; ``vlmbatch/commands.py`` ``cmd_serve`` starts it.
+``docs/server.md`` has the design; ``vlmbatch/app/model_commands.py`` ``cmd_serve`` starts it.
 """
 
 from vlmbatch.app.server.config import ServerConfig

@@ -4,7 +4,7 @@ runs the jobs' groups, ``scheduler.py``).
 
 Validation reads the input file line by line (bounded memory) as ``vlmbatch submit`` would
 (chat: ``jobs.manifest.iter_manifest``, OpenAI batch lines only, every image URL checked
-against the server's media policy, ``media.py``; embeddings: ``jobs.embed_requests``, every
+against the server's media policy, ``media.py``; embeddings: ``jobs.openai_embeddings``, every
 line checked and each ``dimensions`` against the embedding model), and then submits the
 file as a job (an embeddings batch: task ``embed`` on the embedding model, one item per
 request). Any problem fails the batch, its ``errors`` naming the lines (at most
@@ -12,7 +12,7 @@ request). Any problem fails the batch, its ``errors`` naming the lines (at most
 
 Finalizing writes the job's answered lines to ``file-<batch>-output`` and its failed lines to
 ``file-<batch>-errors``, as ``vlmbatch run`` writes them (``jobs.openai_batch.to_output``;
-embeddings: ``jobs.embed_requests.to_embed_output``), in input order; doing it twice writes
+embeddings: ``jobs.openai_embeddings.to_embed_output``), in input order; doing it twice writes
 the same files.
 """
 
@@ -33,7 +33,7 @@ from vlmbatch.app.server.errors import APIError
 from vlmbatch.app.server.files import FileStore
 from vlmbatch.app.server.media import MediaRefused, check_image_url
 from vlmbatch.jobs.config import ExecutorConfig, RunConfig
-from vlmbatch.jobs.embed_requests import iter_embed_requests
+from vlmbatch.jobs.openai_embeddings import iter_embed_requests
 from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.export import embed_request_lines
 from vlmbatch.jobs.folder import STORE_FILE, is_job
@@ -78,7 +78,7 @@ def input_errors(path: Path, cfg: ServerConfig) -> list[dict]:
 
 def embed_input_errors(path: Path, cfg: ServerConfig) -> list[dict]:
     """What is wrong with an embeddings batch file: every bad line (at most ``MAX_ERRORS``),
-    read as ``vlmbatch submit --task embed`` reads it (``jobs/embed_requests.py``), and each
+    read as ``vlmbatch submit --task embed`` reads it (``jobs/openai_embeddings.py``), and each
     ``dimensions`` checked against the sizes the embedding model declares."""
     if manifest_format(path) != "openai":
         return [line_error("the input file is not an OpenAI batch file: each line needs "

@@ -19,7 +19,7 @@ from vlmbatch.pipeline.config import (
     PrepareOptions,
     preprocess_threads_for,
 )
-from vlmbatch.preprocessing.decode import DEFAULT_MAX_PIXELS
+from vlmbatch.preprocessing.limits import DEFAULT_MAX_PIXELS
 
 API_KEY_ENV = "VLMBATCH_API_KEY"
 

@@ -1,6 +1,7 @@
 """The Qwen-VL family: HF-native Qwen2-VL, Qwen2.5-VL and Qwen3-VL (dense) checkpoints,
-registered as ``qwen2_vl``, ``qwen2_5_vl`` and ``qwen3_vl``; ``qwen3_vl_moe`` is refused
-with the reason (mixture-of-experts decoder layers are not implemented).
+registered as ``qwen2_vl``, ``qwen2_5_vl`` and ``qwen3_vl`` (``models/registry.py``);
+``qwen3_vl_moe`` is refused there with the reason (mixture-of-experts decoder layers are not
+implemented).
 
 A model directory holds ``config.json`` (flat hub layout or transformers 5's nested
 ``text_config``, ``spec.py``), ``model.safetensors`` or a sharded index, the tokenizer files
@@ -32,11 +33,10 @@ from typing import Any
 from vlmbatch.models.base import BudgetForward, ImageOptions, ModelFamily, ModelSpec
 from vlmbatch.models.io import ModelError, load_weights, read_json
 from vlmbatch.models.qwen_vl.prompt import COLQWEN2, JINA, EmbedTemplate, QwenVLPrompts
-from vlmbatch.models.qwen_vl.spec import KINDS, SpecError, TextSpec, VisionSpec, spec_from_config
+from vlmbatch.models.qwen_vl.spec import SpecError, TextSpec, VisionSpec, spec_from_config
 from vlmbatch.models.qwen_vl.text import QwenVLText
 from vlmbatch.models.qwen_vl.vision import VisionTower
 from vlmbatch.models.qwen_vl.vision_static import budget_forward, budget_meta
-from vlmbatch.models.registry import FAMILIES, REFUSED
 from vlmbatch.models.tokenizer import check_tokenizer, load_tokenizer
 from vlmbatch.preprocessing.qwen_vl import QwenVLPreprocess
 
@@ -147,9 +147,6 @@ class ColQwen2(QwenVL):
         return super().normalise_key(key[len("vlm."):] if key.startswith("vlm.") else key)
 
 
-for _kind in KINDS:
-    FAMILIES.register(_kind)(QwenVL())
-FAMILIES.register("colqwen2")(ColQwen2())
-REFUSED["qwen3_vl_moe"] = ("Qwen3-VL MoE is not supported: its mixture-of-experts decoder "
-                           "layers are not implemented; the dense Qwen3-VL models "
-                           "(model_type 'qwen3_vl') are")
+# the family objects models/registry.py names (one for every kind of spec.KINDS)
+QWEN_VL = QwenVL()
+COLQWEN2_FAMILY = ColQwen2()

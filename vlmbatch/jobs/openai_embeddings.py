@@ -1,4 +1,5 @@
-"""The OpenAI Batch API file format for embeddings, in and out.
+"""The OpenAI Batch API file format for embeddings, in and out (``RequestTask`` below embeds
+and embeds a job of these requests).
 
 Input line (one embeddings request)::
 
@@ -17,13 +18,17 @@ size; ``dimensions`` (a Matryoshka size of the checkpoint: truncate, then re-nor
 Token-id inputs (arrays of integers) are refused: the embedder builds its prompts from text.
 Every line is checked as read (``iter_embed_requests``): a bad one names its line. Tokens
 are counted by the embedder, so the token limits of ``/v1/embeddings`` (8,192 per string,
-300,000 per request) fail a request when it is embedded (``too_large_error``).
+300,000 per request) fail a request when it is embedded (``too_large_error``:
+``limited``).
 
 Output line: ``{"id", "custom_id", "response": {"status_code": 200, "request_id", "body":
 {"object": "list", "data": [{"object": "embedding", "index", "embedding"}], "model",
 "usage": {"prompt_tokens", "total_tokens"}}}, "error": null}``; a request with an input
 that failed gets ``"response": null`` and ``"error": {"code", "message"}`` (the code naming
 the failure's ``ErrorKind``, as chat lines do: ``engine_error``, ...).
+
+Light (no torch, no image decoding): ``vlmbatch results`` of such a job and the server's
+batch worker read and write these lines without the model's stack.
 """
 
 from __future__ import annotations
@@ -192,7 +197,29 @@ def _line(raw: bytes, lineno: int) -> EmbedRequestItem | None:
     return parse_embed_request(rec)
 
 
-# --- the task of an embedding job whose items are requests (pipeline/task.py) ---
+# --- output ---
+
+def limited(results: list[Embedding]) -> list[Embedding]:
+    """One request's results, the first input over ``MAX_INPUT_TOKENS`` (else the one that
+    takes the request over ``MAX_REQUEST_TOKENS``) failed (``too_large``): the limits
+    ``/v1/embeddings`` refuses a request over."""
+    total = 0
+    for k, e in enumerate(results):
+        tokens = e.tokens or 0
+        total += tokens
+        if tokens > MAX_INPUT_TOKENS:
+            why = f"{tokens:,} tokens, over the limit of {MAX_INPUT_TOKENS:,} per input"
+        elif total > MAX_REQUEST_TOKENS:
+            why = f"the request's inputs reach {total:,} tokens here, over the limit of " \
+                  f"{MAX_REQUEST_TOKENS:,} per request"
+        else:
+            continue
+        failed = Embedding(e.index, e.id, e.tokens, None, why, ErrorKind.TOO_LARGE)
+        return [*results[:k], failed, *results[k + 1:]]
+    return results
+
+
+# --- the task of a job of requests (pipeline/task.py: both stages) ---
 
 @dataclass(frozen=True)
 class RequestTask(Task[EmbedRequestItem, Embedding]):
@@ -221,28 +248,6 @@ class RequestTask(Task[EmbedRequestItem, Embedding]):
         return [Embedding(i, item.custom_id, None, None, err.message, err.kind)
                 for i in range(len(item.texts))]
 
-
-def limited(results: list[Embedding]) -> list[Embedding]:
-    """One request's results, the first input over ``MAX_INPUT_TOKENS`` (else the one that
-    takes the request over ``MAX_REQUEST_TOKENS``) failed (``too_large``): the limits
-    ``/v1/embeddings`` refuses a request over."""
-    total = 0
-    for k, e in enumerate(results):
-        tokens = e.tokens or 0
-        total += tokens
-        if tokens > MAX_INPUT_TOKENS:
-            why = f"{tokens:,} tokens, over the limit of {MAX_INPUT_TOKENS:,} per input"
-        elif total > MAX_REQUEST_TOKENS:
-            why = f"the request's inputs reach {total:,} tokens here, over the limit of " \
-                  f"{MAX_REQUEST_TOKENS:,} per request"
-        else:
-            continue
-        failed = Embedding(e.index, e.id, e.tokens, None, why, ErrorKind.TOO_LARGE)
-        return [*results[:k], failed, *results[k + 1:]]
-    return results
-
-
-# --- output ---
 
 def _vector(v: np.ndarray, dims: int | None) -> np.ndarray:
     """``v`` [D] at ``dims`` components: truncated and re-normalised (Matryoshka)."""

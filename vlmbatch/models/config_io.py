@@ -1,0 +1,39 @@
+"""A checkpoint folder's JSON files and the error for a folder that is missing, incomplete or
+of an unsupported kind (``ModelError``). No torch and no weights, so that naming the families
+(``models/registry.py``: ``family_for``), reading the embedding declarations and the CLI's
+error handling stay light; ``io.py`` reads the weights and re-exports these.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class ModelError(RuntimeError):
+    """The model directory is missing, incomplete or of an unsupported kind."""
+
+
+def read_json(p: Path) -> dict:
+    """``p`` as a dict, ``{}`` if absent; ModelError naming the file if it is not a JSON object."""
+    if not p.is_file():
+        return {}
+    try:
+        d = json.loads(p.read_text())
+    except ValueError as e:  # JSONDecodeError; UnicodeDecodeError for a binary file
+        raise ModelError(f"{p} is not valid JSON ({e}); restore it from the original "
+                         "checkpoint") from e
+    if not isinstance(d, dict):
+        raise ModelError(f"{p} is not a JSON object; restore it from the original checkpoint")
+    return d
+
+
+def read_config(path: Path) -> dict:
+    """The model directory's ``config.json``; ModelError, saying what to do, if absent."""
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelError(
+            f"no model at {path}: looked for {cfg_file}. Pass --model DIR with an HF-format "
+            "checkpoint (config.json, *.safetensors, tokenizer files), or leave --model out to "
+            "use the built-in model.")
+    return read_json(cfg_file)
