@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vlmbatch.jobs.config import RunConfig  # noqa: E402
 from vlmbatch.jobs.runner import run  # noqa: E402
-from vlmbatch.pipeline.config import EngineConfig, ModelConfig  # noqa: E402
+from vlmbatch.pipeline.config import EngineConfig, ModelConfig, PrepareConfig  # noqa: E402
 
 
 def make_images(folder: Path, n: int) -> Path:
@@ -55,7 +55,7 @@ def make_images(folder: Path, n: int) -> Path:
 
 def answer(manifest: Path, threads: int, args: argparse.Namespace) -> tuple[float, str]:
     cfg = RunConfig(manifest=manifest, images_per_batch=args.images_per_batch,
-                    preprocess_threads=threads, progress=False,
+                    prepare=PrepareConfig(preprocess_threads=threads), progress=False,
                     model=ModelConfig(device=args.device, dtype=args.dtype),
                     engine=EngineConfig())
     out = io.StringIO()

@@ -54,7 +54,7 @@ def test_embed_job_equals_direct_embed(tmp_path: Path, random_model_dir: Path,
                                        capsys) -> None:  # noqa: ANN001
     m, job = submit(tmp_path, random_model_dir, 7, "--images-per-batch", "3", "--pooling",
                     "last")
-    assert json.loads((job / JOB_FILE).read_text())["version"] == 4
+    assert json.loads((job / JOB_FILE).read_text())["version"] == 5
     assert main(["run", str(job), "--no-progress"]) == EXIT_ITEM_ERRORS  # the missing image
     st = status(job)
     assert (st.task, st.done, st.failed, st.pending, st.questions) == ("embed", 7, 1, 0, 8)
@@ -111,28 +111,38 @@ def test_submit_checks_embedding_options(tmp_path: Path, random_model_dir: Path,
 
 
 def test_job_files_of_earlier_versions_load(tmp_path: Path, random_model_dir: Path) -> None:
-    """A job is written at the current version; version 2 (before embeddings: no task keys,
-    decode_timeout among the Ray options) and version 3 (task keys, the same Ray options)
-    load with their decode timeout moved to the executor's and the task "answer"."""
+    """A job is written at the current version (5: the pixel limit, preprocessing threads and
+    decode timeout in ``prepare``); version 4 (those three apart: two at the top, the timeout
+    the executor's), version 3 (the timeout among the Ray options) and version 2 (no task keys
+    either) load as the same config, the task "answer"."""
     from vlmbatch.jobs.config import RunConfig
     from vlmbatch.jobs.folder import load_config
 
     m = make_manifest(tmp_path, 2)
     assert main(["submit", str(m), "--job", str(tmp_path / "j"), "--model",
-                 str(random_model_dir), "--decode-timeout", "7"]) == EXIT_OK
+                 str(random_model_dir), "--decode-timeout", "7", "--max-pixels", "12345",
+                 "--preprocess-threads", "1"]) == EXIT_OK
     path = tmp_path / "j" / JOB_FILE
     d = json.loads(path.read_text())
-    assert d["version"] == RunConfig.VERSION == 4
-    assert d["config"]["executor"]["decode_timeout"] == 7 and d["config"]["task"] == "answer"
+    assert d["version"] == RunConfig.VERSION == 5 and d["config"]["task"] == "answer"
+    assert d["config"]["prepare"] == {"max_pixels": 12345, "preprocess_threads": 1,
+                                      "decode_timeout": 7}
     current = load_config(tmp_path / "j")
-    for version in (2, 3):
+    for version in (4, 3, 2):
         body = json.loads(json.dumps(d["config"]))
-        body["executor"]["ray"]["decode_timeout"] = body["executor"].pop("decode_timeout")
+        prepare = body.pop("prepare")
+        body["max_pixels"], body["preprocess_threads"] = (prepare["max_pixels"],
+                                                          prepare["preprocess_threads"])
+        if version == 4:
+            body["executor"]["decode_timeout"] = prepare["decode_timeout"]
+        else:
+            body["executor"]["ray"]["decode_timeout"] = prepare["decode_timeout"]
         if version == 2:
             del body["task"], body["embed"]
         path.write_text(json.dumps({**d, "version": version, "config": body}))
         old = load_config(tmp_path / "j")
-        assert old == current and old.executor.decode_timeout == 7, version
+        assert old == current and old.prepare.decode_timeout == 7, version
+        assert (old.prepare.max_pixels, old.prepare.preprocess_threads) == (12345, 1), version
     assert status(tmp_path / "j").task == "answer"
     assert main(["run", str(tmp_path / "j"), "--no-progress"]) == EXIT_OK
 

@@ -213,7 +213,7 @@ def test_thread_counts_are_kept_with_the_job_and_a_run_may_change_them(
     _, job = submit_job(tmp_path, random_model_dir, 3, "--threads", "1",
                         "--preprocess-threads", "0", "--images-per-batch", "2", broken=1)
     saved = (job / "job.json").read_text()
-    assert (load_config(job).threads, load_config(job).preprocess_threads) == (1, 0)
+    assert (load_config(job).threads, load_config(job).prepare.preprocess_threads) == (1, 0)
     assert main(["run", str(job), "--no-progress", "--threads", "2",
                  "--preprocess-threads", "3"]) == 3  # the missing image
     (tmp_path / "missing.png").write_bytes((tmp_path / "0.png").read_bytes())
@@ -323,14 +323,15 @@ def test_a_job_from_an_older_version_still_runs(tmp_path: Path, random_model_dir
     engine = {**new["engine"], "ignore_eos": True}
     del engine["vit_max_batch"]  # older than the option
     v1 = {"version": 1, "format": "vlmbatch", "model": new["model"], "engine": engine,
-          "images_per_batch": new["images_per_batch"], "max_pixels": new["max_pixels"],
+          "images_per_batch": new["images_per_batch"],
+          "max_pixels": new["prepare"]["max_pixels"],
           "threads": None, "source": {"manifest": new["manifest"], "images": None,
                                       "policy": None}}  # and no preprocess_threads
     (job / "job.json").write_text(json.dumps(v1))
     from vlmbatch.jobs.folder import load_config
 
     old = load_config(job)
-    assert old.preprocess_threads is None and old.engine.vit_max_batch == 32
+    assert old.prepare.preprocess_threads is None and old.engine.vit_max_batch == 32
     assert old.engine.ignore_eos is False and old.manifest == Path(new["manifest"])
     after = status(job)
     assert (after.questions, after.failed) == (before.questions, before.failed) == (5, 1)

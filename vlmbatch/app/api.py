@@ -41,10 +41,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps
 
-from vlmbatch.jobs.config import ExecutorConfig, RunConfig
+from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.manifest import parse_question
 from vlmbatch.pipeline.build import build_engine
 from vlmbatch.pipeline.config import (
@@ -52,9 +51,8 @@ from vlmbatch.pipeline.config import (
     EmbedConfig,
     EngineConfig,
     ModelConfig,
-    PrepareOptions,
+    PrepareConfig,
     default_of,
-    preprocess_threads_for,
 )
 from vlmbatch.pipeline.drive import Preparer, drive, groups_of, preparer
 from vlmbatch.pipeline.embed import Embedder, build_embedder
@@ -94,15 +92,12 @@ class VLM:
                                              if k in _ENGINE_FIELDS})
         self.images_per_batch = images_per_batch or default_of(RunConfig, "images_per_batch")
         self.embed_batch = images_per_batch or EMBED_GROUP  # inputs per embedder call
-        timeout = default_of(ExecutorConfig, "decode_timeout") if decode_timeout is None \
-            else decode_timeout
-        self.prepare = PrepareOptions(max_pixels or default_of(RunConfig, "max_pixels"),
-                                      preprocess_threads_for(preprocess_threads, device),
-                                      ExecutorConfig(decode_timeout=timeout).decode_timeout)
+        p = PrepareConfig()
+        self.prepare = PrepareConfig(  # checked as the CLI's
+            max_pixels or p.max_pixels, preprocess_threads,
+            p.decode_timeout if decode_timeout is None else decode_timeout).options(device)
         self.hooks = hooks
-        if threads:
-            torch.set_num_threads(threads)
-        self.engine = build_engine(self.model_config, self.engine_config)
+        self.engine = build_engine(self.model_config, self.engine_config, threads)
         self._embedders: dict[EmbedConfig, Embedder] = {}
         self._workers: Preparer | None = None
         self._finalizer: weakref.finalize | None = None

@@ -1,7 +1,10 @@
 """The ``vlmbatch`` argument parser: every command's options, their defaults and help.
 
 It only parses: ``vlmbatch/app/cli.py`` maps ``args.command`` to the function that builds the
-config tree and runs it (``commands.COMMANDS``). Option names follow vLLM/LMDeploy where
+command's config root and runs it (``commands.COMMANDS``). Each option's ``dest`` is the
+name of the config field it fills (``app/config.py`` ``from_args``), its ``type`` converts
+units (``--cache-mib`` to ``cache_bytes``, ``--yes a,b`` to ``yes_words``), and a ``--no-X``
+switch stores False into field ``X``. Option names follow vLLM/LMDeploy where
 they exist (``--max-new-tokens``, ``--dtype``, ``--device``). Every default is read from the
 config dataclasses (or the light constants of the package that owns it: ``quant``'s methods
 and sizes, ``vit_trt.OPSET``) and every choice list from the registry or tuple that owns it,
@@ -14,9 +17,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from vlmbatch.app.config import SPLITS
 from vlmbatch.app.embed_args import add_embed_parser, embed_option_args
-from vlmbatch.app.server.args import add_server_args
-from vlmbatch.jobs.config import EXECUTORS, TASKS, ExecutorConfig, RayOptions, RunConfig
+from vlmbatch.app.server.config import add_server_args
+from vlmbatch.jobs.config import EXECUTORS, TASKS, RayOptions, RunConfig
 from vlmbatch.pipeline.build import ENGINES
 from vlmbatch.pipeline.config import (
     DTYPES,
@@ -24,6 +28,7 @@ from vlmbatch.pipeline.config import (
     QUANT,
     EngineConfig,
     ModelConfig,
+    PrepareConfig,
     default_of,
     vit_backends,
 )
@@ -31,7 +36,7 @@ from vlmbatch.preprocessing.tiling import TILING_MODES
 from vlmbatch.quant import GROUP_SIZE, METHODS, SAMPLES
 from vlmbatch.vit_trt import OPSET
 
-M, E, R, X = ModelConfig(), EngineConfig(), RayOptions(), ExecutorConfig()  # the defaults
+M, E, R, P = ModelConfig(), EngineConfig(), RayOptions(), PrepareConfig()  # the defaults
 
 
 def positive_int(text: str, least: int = 1) -> int:
@@ -50,10 +55,20 @@ def non_negative_int(text: str) -> int:
     return positive_int(text, least=0)
 
 
+def mib(text: str) -> int:
+    """argparse type: MiB (an integer >= 0) as bytes."""
+    return positive_int(text, least=0) << 20
+
+
+def words(text: str) -> tuple[str, ...]:
+    """argparse type: comma-separated words (empty ones dropped)."""
+    return tuple(w for w in text.split(",") if w)
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     """The model, its images and the engine: ``ModelConfig`` and ``EngineConfig``."""
     g = p.add_argument_group("model")
-    g.add_argument("--model", type=Path, default=M.path,
+    g.add_argument("--model", dest="path", type=Path, default=M.path,
                    help="HF-format checkpoint directory, e.g. an InternVL '-hf' release "
                    "(default: the built-in model)")
     g.add_argument("--device", default=M.device,
@@ -93,7 +108,7 @@ def _engine_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--vit-backend", default=E.vit_backend, choices=vit_backends(),
                    help="vision encoder runner (default auto: tensorrt on CUDA when installed, "
                    "else torch); onnxruntime-int8: dynamic int8 ViT on CPU")
-    g.add_argument("--no-cuda-graphs", action="store_true",
+    g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="torch/tensorrt vision backends on CUDA: run without the CUDA graph pool")
     g.add_argument("--vit-max-batch", type=positive_int, default=E.vit_max_batch,
                    help="largest vision batch prepared for: the CUDA graph pool's largest "
@@ -105,11 +120,12 @@ def _engine_args(g: argparse._ArgumentGroup) -> None:
                    "shapes; the first batches pay the compilation)")
     g.add_argument("--max-batch-tokens", type=int, default=E.max_batch_tokens,
                    help="padded prompt tokens per LLM forward (default %(default)s)")
-    g.add_argument("--yes", default=",".join(E.yes_words),
+    g.add_argument("--yes", dest="yes_words", type=words, default=E.yes_words,
                    help="comma-separated answer words counted as yes; P(yes) sums their "
-                   "first-token probabilities (default %(default)s)")
-    g.add_argument("--no", default=",".join(E.no_words),
-                   help="comma-separated answer words counted as no (default %(default)s)")
+                   f"first-token probabilities (default {','.join(E.yes_words)})")
+    g.add_argument("--no", dest="no_words", type=words, default=E.no_words,
+                   help="comma-separated answer words counted as no (default "
+                   f"{','.join(E.no_words)})")
     g.add_argument("--max-new-tokens", type=int, default=E.max_new_tokens,
                    help="also write a greedy text answer of up to N tokens (default 0: none); "
                    "a question's own max_new_tokens (policy/manifest) overrides it")
@@ -118,14 +134,14 @@ def _engine_args(g: argparse._ArgumentGroup) -> None:
 
 
 def _cache_args(c: argparse._ArgumentGroup) -> None:
-    c.add_argument("--no-prefix-cache", action="store_true",
+    c.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="recompute every prompt's image tokens (for comparison)")
     c.add_argument("--block-size", type=int, default=E.block_size,
                    help="tokens per cache block (default %(default)s)")
-    c.add_argument("--cache-mib", type=int, default=E.cache_bytes >> 20,
+    c.add_argument("--cache-mib", dest="cache_bytes", type=mib, default=E.cache_bytes,
                    help="KV cache budget in MiB: one pool of this size (on CUDA taken when the "
                    "engine starts), least recently used blocks evicted first (default "
-                   "%(default)s)")
+                   f"{E.cache_bytes >> 20})")
 
 
 def _thread_args(g: argparse._ActionsContainer, note: str = "") -> None:
@@ -162,23 +178,35 @@ def _executor_args(p: argparse.ArgumentParser) -> None:
 def decode_timeout_arg(g: argparse._ActionsContainer) -> None:
     """``--decode-timeout``: every command that decodes images has it (run, jobs, eval,
     embed; the server's batches take their job's)."""
-    g.add_argument("--decode-timeout", type=float, default=X.decode_timeout,
+    g.add_argument("--decode-timeout", type=float, default=P.decode_timeout,
                    help="seconds one image may take to read and decode before its worker (a "
                    "decoder process, or a Ray prepare task) is killed and that item fails "
                    "(default %(default)s); 0: no limit, and in-process decoding runs on "
                    "threads of this process, where a hung or crashing decoder stops the run")
 
 
-def given_options(argv: list[str]) -> set[str]:
-    """The option dests ``argv`` (one command line) actually sets, whatever their values:
-    the same parser with every default suppressed leaves only what was typed."""
-    p = build_parser()
-    for action in p._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sp in action.choices.values():
-                for a in sp._actions:
-                    a.default = argparse.SUPPRESS
-    return set(vars(p.parse_args(argv))) - {"command"}
+def given_options(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, str]:
+    """Each option ``argv`` (one command line, already parsed by ``parser``) actually types,
+    whatever its value: its ``dest`` -> the option's long name (``-o`` -> ``--out``), read
+    off the command's parser (abbreviations resolved as argparse does)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    at = next((i for i, tok in enumerate(argv) if tok in sub.choices), None)
+    if at is None:
+        return {}
+    table = sub.choices[argv[at]]._option_string_actions
+    out: dict[str, str] = {}
+    for tok in argv[at + 1:]:
+        if tok == "--":
+            break
+        opt = tok.split("=", 1)[0]
+        action = table.get(opt)
+        if action is None and opt.startswith("--"):  # an abbreviation argparse accepted
+            found = {a for s, a in table.items() if s.startswith(opt)}
+            action = found.pop() if len(found) == 1 else None
+        if action is not None and action.dest not in out:
+            out[action.dest] = next((s for s in action.option_strings if s.startswith("--")),
+                                    opt)
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -210,10 +238,11 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                    help="YAML/TOML file of questions asked of every image")
     r.add_argument("--out", "-o", type=Path, help="results file: JSONL, or CSV when it ends "
                    "in .csv (default: JSONL on standard output)")
-    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar")
     r.add_argument("--retry-failed", action="store_true",
                    help="a job: first queue its failed images again (as `resume --retry-failed`)")
-    r.add_argument("--max-pixels", type=int, default=default_of(RunConfig, "max_pixels"),
+    r.add_argument("--max-pixels", type=int, default=P.max_pixels,
                    help="images with more pixels (read from the header) are that item's error "
                    "(default %(default)s)")
     _model_args(r)
@@ -234,8 +263,9 @@ def _add_submit(sub: argparse._SubParsersAction) -> None:
                    "the embedding options below (default model: the built-in embedding one)")
     s.add_argument("--job", type=Path, help="the job folder to create")
     s.add_argument("--wait", action="store_true", help="run the job now")
-    s.add_argument("--no-progress", action="store_true", help="no progress bar")
-    s.add_argument("--max-pixels", type=int, default=default_of(RunConfig, "max_pixels"),
+    s.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar")
+    s.add_argument("--max-pixels", type=int, default=P.max_pixels,
                    help="images with more pixels are that item's error (default %(default)s)")
     _model_args(s)
     _executor_args(s)
@@ -254,9 +284,11 @@ def _add_job_commands(sub: argparse._SubParsersAction) -> None:
                            help="one JSON object: status, items, done, failed, pending, "
                            "questions, qpm, eta_s, runner ({pid, host} or null)")
         if name != "resume":  # accepted as before, does nothing
-            c.add_argument("--no-progress", action="store_true", help=argparse.SUPPRESS)
+            c.add_argument("--no-progress", dest="progress", action="store_false",
+                           help=argparse.SUPPRESS)
         else:
-            c.add_argument("--no-progress", action="store_true", help="no progress bar")
+            c.add_argument("--no-progress", dest="progress", action="store_false",
+                           help="no progress bar")
             c.add_argument("--retry-failed", action="store_true",
                            help="first queue the failed images again (e.g. after fixing a "
                            "missing file or an out-of-memory batch)")
@@ -277,9 +309,10 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     """``eval``: easy-vqa accuracy."""
     e = sub.add_parser("eval", help="accuracy on easy-vqa's test split (yes/no questions)",
                        description="Accuracy of a model on easy-vqa's yes/no questions.")
-    e.add_argument("--split", default="test", choices=["test", "train"])
+    e.add_argument("--split", default="test", choices=SPLITS)
     e.add_argument("--limit", type=positive_int, default=None, help="first N questions only")
-    e.add_argument("--no-progress", action="store_true", help="no progress bar")
+    e.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar")
     decode_timeout_arg(e)
     _model_args(e)
 
@@ -310,7 +343,8 @@ def _add_quantize(sub: argparse._SubParsersAction) -> None:
                    help="where calibration runs: cpu (default) or cuda; the model is float32")
     q.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads (default: torch's, one per core)")
-    q.add_argument("--no-progress", action="store_true", help="no progress bar")
+    q.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar")
 
 
 def _add_export_vit(sub: argparse._SubParsersAction) -> None:
@@ -329,7 +363,7 @@ def _add_export_vit(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    """``serve``: the OpenAI-compatible server (its options: ``vlmbatch/app/server/args.py``)."""
+    """``serve``: the OpenAI-compatible server (its options: ``vlmbatch/app/server/config.py``)."""
     s = sub.add_parser("serve", help="an OpenAI-compatible server: chat completions with "
                        "P(yes), embeddings, files and batches (docs/server.md)",
                        description="Serve the model over HTTP: /v1/chat/completions (yes/no "

@@ -62,8 +62,9 @@ def _quiet_opencv() -> None:
 def main(argv: list[str] | None = None, hooks: FaultHooks = NO_HOOKS) -> int:
     """Run one command line; ``hooks``: fault injection for tests (none otherwise)."""
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
-    args.given = given_options(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.given = given_options(parser, argv)
     with _sigterm_as_interrupt():
         return _main(args, hooks)
 

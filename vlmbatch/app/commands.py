@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from vlmbatch.app.config import from_args
 from vlmbatch.common.atomic import replaced_on_success
 from vlmbatch.common.registry import Registry
 from vlmbatch.jobs.config import ExecutorConfig, RayOptions
@@ -28,7 +29,7 @@ from vlmbatch.jobs.export import (
 )
 from vlmbatch.jobs.folder import cancel, is_job, job_format, job_task, status
 from vlmbatch.jobs.sinks import check_writable, format_of, naming, open_text
-from vlmbatch.pipeline.config import ConfigError, EngineConfig, ModelConfig
+from vlmbatch.pipeline.config import ConfigError
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 
 EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT, EXIT_ITEM_ERRORS = 0, 1, 2, 3
@@ -38,39 +39,23 @@ EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # 128 + SIGINT, 128 + SIGTERM
 RAY_ONLY = ("address", "preprocess_workers", "model_workers", "model_cpus")
 
 
-def model_configs(a: argparse.Namespace) -> tuple[ModelConfig, EngineConfig]:
-    model = ModelConfig(a.model, a.device, a.dtype, a.max_tiles, a.tiling, a.upscale_limit,
-                        a.max_image_tokens, a.llm_quant, a.quant)
-    engine = EngineConfig(engine=a.engine, vit_backend=a.vit_backend,
-                          cuda_graphs=not a.no_cuda_graphs, max_batch_tokens=a.max_batch_tokens,
-                          max_batch_tiles=a.max_batch_tiles, vit_max_batch=a.vit_max_batch,
-                          compile_llm=a.compile_llm,
-                          prefix_cache=not a.no_prefix_cache, block_size=a.block_size,
-                          cache_bytes=a.cache_mib << 20, max_new_tokens=a.max_new_tokens,
-                          ignore_eos=a.ignore_eos,
-                          yes_words=tuple(w for w in a.yes.split(",") if w),
-                          no_words=tuple(w for w in a.no.split(",") if w))
-    return model, engine
-
-
 def executor_config(a: argparse.Namespace) -> ExecutorConfig:
     """The run's executor; options typed for the other executor are refused (``ConfigError``),
     not ignored."""
-    given: set[str] = getattr(a, "given", set())
+    given: dict[str, str] = getattr(a, "given", {})
     kind = getattr(a, "executor", "local")
     if kind != "ray":
-        ray_only = ["--" + k.replace("_", "-") for k in RAY_ONLY if k in given]
+        ray_only = [given[k] for k in RAY_ONLY if k in given]
         if ray_only:
             raise ConfigError(f"{', '.join(ray_only)}: Ray executor options; add --executor ray")
-        return ExecutorConfig(kind, decode_timeout=a.decode_timeout)
+        return ExecutorConfig(kind)
     if "preprocess_threads" in given:
         raise ConfigError("--preprocess-threads applies to in-process runs; with --executor "
                           "ray, decoding runs in Ray tasks: use --preprocess-workers")
     if "threads" in given:
         raise ConfigError("--threads applies to in-process runs; with --executor ray, each "
                           "model actor runs --model-cpus torch threads (what Ray reserves)")
-    return ExecutorConfig(kind, RayOptions(a.address, a.preprocess_workers, a.model_workers,
-                                           a.model_cpus), a.decode_timeout)
+    return ExecutorConfig(kind, from_args(RayOptions, a))
 
 
 def is_job_arg(a: argparse.Namespace) -> bool:

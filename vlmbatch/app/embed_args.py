@@ -1,6 +1,5 @@
 """The ``embed`` command's parser (``add_embed_parser``) and the embedding options that
-``submit --task embed`` shares (``embed_option_args``), with the ``EmbedConfig`` they make
-(``embed_config``). Defaults are the config's; light, as every parser module is: the command
+``submit --task embed`` shares (``embed_option_args``: the ``EmbedConfig`` fields, by name). Defaults are the config's; light, as every parser module is: the command
 itself runs in ``embed_cli.py``.
 """
 
@@ -41,11 +40,6 @@ def embed_option_args(p: argparse.ArgumentParser) -> None:
                    help="put before every text-only input, as given (e.g. 'Query: ')")
     g.add_argument("--document-prefix", default=E.document_prefix,
                    help="put before the text of inputs with an image, and of --maxsim DOCS")
-
-
-def embed_config(a: argparse.Namespace) -> EmbedConfig:
-    return EmbedConfig(a.pooling, a.dimensions, a.force_dimensions, a.multi_vector, a.prompt,
-                       a.query_prefix, a.document_prefix)
 
 
 def add_embed_parser(sub: argparse._SubParsersAction,

@@ -19,18 +19,15 @@ job is ``commands.embed_results``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from vlmbatch.app.embed_args import embed_config
+from vlmbatch.app.config import EmbedCommandConfig
 from vlmbatch.common.atomic import replaced_on_success
-from vlmbatch.jobs.config import ExecutorConfig
 from vlmbatch.jobs.embed_input import (
     folder_items,
     image_items,
@@ -46,12 +43,8 @@ from vlmbatch.jobs.embed_sinks import (
 )
 from vlmbatch.pipeline.build import build_engine
 from vlmbatch.pipeline.config import (
-    DEFAULT_EMBED_MODEL,
     ConfigError,
-    EngineConfig,
-    ModelConfig,
     PrepareOptions,
-    preprocess_threads_for,
 )
 from vlmbatch.pipeline.drive import drive, groups_of
 from vlmbatch.pipeline.embed import Embedder, build_embedder
@@ -62,18 +55,16 @@ from vlmbatch.pipeline.records import Embedding, EmbedItem
 from vlmbatch.pipeline.task import EmbedTask
 
 
-def inputs_of(a: argparse.Namespace) -> list[EmbedItem]:
-    """The command line's inputs: exactly one of texts, --images, --manifest (none: stdin)."""
-    given = [x for x in (a.texts or None, a.images, a.manifest) if x is not None]
-    if len(given) > 1:
-        raise ConfigError("give texts, --images or --manifest, not several")
-    if a.manifest is not None:
-        return read_embed_manifest(a.manifest)
-    if a.images is not None:
-        if len(a.images) == 1 and a.images[0].is_dir():
-            return folder_items(a.images[0])
-        return image_items(a.images)
-    return text_items(a.texts or [line.rstrip("\r\n") for line in sys.stdin if line.strip()])
+def inputs_of(cfg: EmbedCommandConfig) -> list[EmbedItem]:
+    """The command line's inputs: texts, --images or --manifest (none: standard input)."""
+    if cfg.manifest is not None:
+        return read_embed_manifest(cfg.manifest)
+    if cfg.images is not None:
+        if len(cfg.images) == 1 and Path(cfg.images[0]).is_dir():
+            return folder_items(Path(cfg.images[0]))
+        return image_items(list(cfg.images))
+    return text_items(list(cfg.texts) or [line.rstrip("\r\n") for line in sys.stdin
+                                          if line.strip()])
 
 
 def embed_items(embedder: Embedder, items: list[EmbedItem], images_per_batch: int,
@@ -84,55 +75,40 @@ def embed_items(embedder: Embedder, items: list[EmbedItem], images_per_batch: in
         yield [e for per_item in results for e in per_item]
 
 
-def prepare_options(a: argparse.Namespace, device: str) -> PrepareOptions:
-    """Stage 1 of ``embed`` as its options say (decoder processes under --decode-timeout)."""
-    return PrepareOptions(a.max_pixels, preprocess_threads_for(a.preprocess_threads, device),
-                          ExecutorConfig(decode_timeout=a.decode_timeout).decode_timeout)
-
-
-def run_embed(a: argparse.Namespace, model: ModelConfig, engine: EngineConfig,
-              hooks: FaultHooks = NO_HOOKS) -> int:
+def run_embed(cfg: EmbedCommandConfig, hooks: FaultHooks = NO_HOOKS) -> int:
     """The ``embed`` command; exit 0, or 3 when some inputs could not be embedded."""
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    if a.model is None:  # the built-in embedding model, not the chat one
-        model = dataclasses.replace(model, path=DEFAULT_EMBED_MODEL)
-    cfg = embed_config(a)
-    if a.maxsim:
-        cfg = dataclasses.replace(cfg, multi_vector=True)
-    sides = (_side(a.maxsim[0]), _side(a.maxsim[1])) if a.maxsim else None
-    items = [] if a.eval or sides else inputs_of(a)  # all read before the model loads
-    embedder = build_embedder(build_engine(model, engine), cfg)
+    sides = (_side(cfg.maxsim[0]), _side(cfg.maxsim[1])) if cfg.maxsim else None
+    items = [] if cfg.eval or sides else inputs_of(cfg)  # all read before the model loads
+    embedder = build_embedder(build_engine(cfg.model, cfg.engine, cfg.threads),
+                              cfg.embed_config)
     if not embedder.resolved.spec.declared:
-        print(f"vlmbatch: note: {model.model_dir} declares no embedding pooling: a chat "
+        print(f"vlmbatch: note: {cfg.model.model_dir} declares no embedding pooling: a chat "
               "model's pooled hidden states are weak embeddings (the default model of `embed` "
               "is the built-in embedding model)", file=sys.stderr)
-    opts = prepare_options(a, model.device)
-    if a.eval:
-        print(evaluate_retrieval(embedder, limit=a.limit, opts=opts).text())
+    opts = cfg.prepare.options(cfg.model.device)
+    if cfg.eval:
+        print(evaluate_retrieval(embedder, limit=cfg.limit, opts=opts).text())
         return 0
     if sides is not None:
-        return _print_maxsim(embedder, sides, a, opts)
-    batches = embed_items(embedder, items, a.images_per_batch, opts, hooks)
-    failed = _write(batches, a, len(items)) if not a.sim else _print_sim(batches)
+        return _print_maxsim(embedder, sides, cfg, opts)
+    batches = embed_items(embedder, items, cfg.images_per_batch, opts, hooks)
+    failed = _write(batches, cfg.out, len(items)) if not cfg.sim else _print_sim(batches)
     if failed:
         print(f"vlmbatch: {failed} of {len(items)} inputs could not be embedded (their "
               "lines carry error)", file=sys.stderr)
     return 3 if failed else 0
 
 
-
-
-def _write(batches: Iterator[list[Embedding]], a: argparse.Namespace, n: int) -> int:
-    """Write to --out (JSONL streamed; Parquet and .npy whole or not at all); failures."""
-    fmt = embed_format_of(a.out)
-    if a.out is None:
+def _write(batches: Iterator[list[Embedding]], out: Path | None, n: int) -> int:
+    """Write to ``out`` (JSONL streamed; Parquet and .npy whole or not at all); failures."""
+    fmt = embed_format_of(out)
+    if out is None:
         return _drain(batches, JsonlSink(sys.stdout))
     if fmt == "jsonl":
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        with open(a.out, "w", encoding="utf-8") as f:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "w", encoding="utf-8") as f:
             return _drain(batches, JsonlSink(f))
-    with replaced_on_success(a.out) as part:
+    with replaced_on_success(out) as part:
         sink: EmbeddingSink = ParquetSink(part) if fmt == "parquet" else NpySink(part, n)
         return _drain(batches, sink)
 
@@ -168,9 +144,9 @@ def _side(p: Path) -> list[EmbedItem]:
     return text_items([t for t in p.read_text(encoding="utf-8").splitlines() if t.strip()])
 
 
-def _vectors(embedder: Embedder, items: list[EmbedItem], a: argparse.Namespace,
+def _vectors(embedder: Embedder, items: list[EmbedItem], cfg: EmbedCommandConfig,
              opts: PrepareOptions) -> list[np.ndarray]:
-    out = [e for g in embed_items(embedder, items, a.images_per_batch, opts) for e in g]
+    out = [e for g in embed_items(embedder, items, cfg.images_per_batch, opts) for e in g]
     for e in out:
         if e.vector is None:
             raise ConfigError(f"--maxsim: input {e.index} could not be embedded: {e.error}")
@@ -178,11 +154,12 @@ def _vectors(embedder: Embedder, items: list[EmbedItem], a: argparse.Namespace,
 
 
 def _print_maxsim(embedder: Embedder, sides: tuple[list[EmbedItem], list[EmbedItem]],
-                  a: argparse.Namespace, opts: PrepareOptions) -> int:
+                  cfg: EmbedCommandConfig, opts: PrepareOptions) -> int:
     """QUERIES x DOCS MaxSim scores, 4 decimals; DOCS' texts take the document prefix."""
     docs = Embedder(embedder.engine, dataclasses.replace(
         embedder.cfg, query_prefix=embedder.cfg.document_prefix))
-    scores = maxsim(_vectors(embedder, sides[0], a, opts), _vectors(docs, sides[1], a, opts))
+    scores = maxsim(_vectors(embedder, sides[0], cfg, opts),
+                    _vectors(docs, sides[1], cfg, opts))
     for row in scores:
         print(" ".join(f"{x:.4f}" for x in row))
     return 0

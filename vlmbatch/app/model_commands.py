@@ -13,8 +13,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 from vlmbatch.app.commands import (
     EXIT_CRASH,
     EXIT_ITEM_ERRORS,
@@ -23,25 +21,23 @@ from vlmbatch.app.commands import (
     _export_text,  # `run --executor ray` writes its job's lines as `results` does
     executor_config,
     is_job_arg,
-    model_configs,
 )
-from vlmbatch.app.embed_args import embed_config
+from vlmbatch.app.config import (
+    EmbedCommandConfig,
+    EvalConfig,
+    ExportVitConfig,
+    QuantizeConfig,
+    from_args,
+)
 from vlmbatch.app.embed_cli import run_embed
-from vlmbatch.app.server.args import server_config
+from vlmbatch.app.server.config import server_config
 from vlmbatch.app.server.run import serve
-from vlmbatch.jobs.config import ExecutorConfig, RunConfig
+from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.job import run_job, submit
 from vlmbatch.jobs.manifest import read_manifest, read_policy
 from vlmbatch.jobs.runner import run
 from vlmbatch.jobs.sinks import check_writable, format_of
-from vlmbatch.pipeline.config import (
-    DEFAULT_EMBED_MODEL,
-    EMBED_GROUP,
-    ConfigError,
-    EmbedConfig,
-    PrepareOptions,
-    preprocess_threads_for,
-)
+from vlmbatch.pipeline.config import DEFAULT_EMBED_MODEL, EMBED_GROUP, ConfigError, ModelConfig
 from vlmbatch.pipeline.embed import embedding_checkpoint
 from vlmbatch.pipeline.evaluate import evaluate
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
@@ -50,7 +46,7 @@ from vlmbatch.pipeline.quantize import quantize_model
 from vlmbatch.vit_trt.export import export_onnx
 
 # `run JOB`: options that may change between runs of a job; the rest were fixed at submit
-RUN_JOB_OPTIONS = {"manifest", "no_progress", "retry_failed", "executor", *RAY_ONLY,
+RUN_JOB_OPTIONS = {"manifest", "progress", "retry_failed", "executor", *RAY_ONLY,
                    "decode_timeout", "threads", "preprocess_threads"}
 
 
@@ -60,26 +56,20 @@ EMBED_OPTIONS = ("pooling", "dimensions", "force_dimensions", "multi_vector", "p
 
 
 def run_config(a: argparse.Namespace, out: Path | None) -> RunConfig:
-    model, engine = model_configs(a)
+    """``run``'s or ``submit``'s config root (``jobs/config.py``), from the command line."""
     task = getattr(a, "task", "answer")
-    embed = EmbedConfig()
-    per_batch = a.images_per_batch
+    extra: dict = {"out": out, "executor": executor_config(a), "task": task}
     if task == "embed":
-        embed = embed_config(a)
-        if a.model is None:  # the built-in embedding model, not the chat one
-            model = dataclasses.replace(model, path=DEFAULT_EMBED_MODEL)
+        if a.path is None:  # the built-in embedding model, not the chat one
+            extra["model"] = from_args(ModelConfig, a, path=DEFAULT_EMBED_MODEL)
         if "images_per_batch" not in a.given:
-            per_batch = EMBED_GROUP  # one prompt per input: larger groups
+            extra["images_per_batch"] = EMBED_GROUP  # one prompt per input: larger groups
     else:
-        typed = ["--" + k.replace("_", "-") for k in EMBED_OPTIONS if k in a.given]
+        typed = [a.given[k] for k in EMBED_OPTIONS if k in a.given]
         if typed:
             raise ConfigError(f"{', '.join(typed)}: embedding options; add --task embed")
-        refuse_embedding_model(model.path)
-    return RunConfig(manifest=a.manifest, images=a.images, policy=a.policy, out=out,
-                     images_per_batch=per_batch, threads=a.threads,
-                     preprocess_threads=a.preprocess_threads, max_pixels=a.max_pixels,
-                     progress=not a.no_progress, model=model, engine=engine,
-                     executor=executor_config(a), task=task, embed=embed)
+        refuse_embedding_model(a.path)
+    return from_args(RunConfig, a, **extra)
 
 
 def refuse_embedding_model(path: Path | None) -> None:
@@ -96,9 +86,11 @@ def refuse_embedding_model(path: Path | None) -> None:
 def _job_exit(job: Path, a: argparse.Namespace, hooks: FaultHooks) -> int:
     """Run a job folder (after re-queueing its failed items with --retry-failed)."""
     retry = getattr(a, "retry_failed", False)
-    st = run_job(job, not a.no_progress, executor_config(a), retry_failed=retry,
+    st = run_job(job, a.progress, executor_config(a), retry_failed=retry,
                  threads=getattr(a, "threads", None),
-                 preprocess_threads=getattr(a, "preprocess_threads", None), hooks=hooks)
+                 preprocess_threads=getattr(a, "preprocess_threads", None),
+                 decode_timeout=a.decode_timeout if "decode_timeout" in a.given else None,
+                 hooks=hooks)
     if retry:
         print(f"vlmbatch: job {job}: {st.requeued} failed images were queued again",
               file=sys.stderr)
@@ -110,7 +102,7 @@ def _job_exit(job: Path, a: argparse.Namespace, hooks: FaultHooks) -> int:
 
 def cmd_run(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
     if is_job_arg(a):
-        fixed = sorted("--" + k.replace("_", "-") for k in a.given - RUN_JOB_OPTIONS)
+        fixed = sorted(opt for dest, opt in a.given.items() if dest not in RUN_JOB_OPTIONS)
         if fixed:
             raise ConfigError(
                 f"{a.manifest} is a job: its input, model and engine settings were fixed at "
@@ -167,7 +159,9 @@ def cmd_submit(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
 
 
 def cmd_embed(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
-    return run_embed(a, *model_configs(a), hooks)
+    given = {} if a.path is not None else {  # the built-in embedding model, not the chat one
+        "model": from_args(ModelConfig, a, path=DEFAULT_EMBED_MODEL)}
+    return run_embed(from_args(EmbedCommandConfig, a, **given), hooks)
 
 
 def cmd_resume(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
@@ -175,22 +169,18 @@ def cmd_resume(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
 
 
 def cmd_eval(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    model, engine = model_configs(a)
-    refuse_embedding_model(model.path)
-    opts = PrepareOptions(threads=preprocess_threads_for(a.preprocess_threads, model.device),
-                          decode_timeout=ExecutorConfig(
-                              decode_timeout=a.decode_timeout).decode_timeout)
-    r = evaluate(model, engine, a.split, a.limit, a.images_per_batch, not a.no_progress,
-                 opts, hooks)
-    print(f"easy-vqa {a.split} yes/no accuracy: {r.accuracy:.4f} ({r.correct}/{r.questions}) "
-          f"in {r.seconds:.1f}s ({60 * r.questions / r.seconds:.0f} QPM)")
+    cfg = from_args(EvalConfig, a)
+    refuse_embedding_model(cfg.model.path)
+    r = evaluate(cfg.model, cfg.engine, cfg.split, cfg.limit, cfg.images_per_batch,
+                 cfg.progress, cfg.prepare.options(cfg.model.device), hooks, cfg.threads)
+    print(f"easy-vqa {cfg.split} yes/no accuracy: {r.accuracy:.4f} ({r.correct}/"
+          f"{r.questions}) in {r.seconds:.1f}s ({60 * r.questions / r.seconds:.0f} QPM)")
     return EXIT_OK
 
 
 def cmd_export_vit(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
-    r = export_onnx(vision_model(load_model(a.model)), a.out, opset=a.opset)
+    cfg = from_args(ExportVitConfig, a)
+    r = export_onnx(vision_model(load_model(cfg.model)), cfg.out, opset=cfg.opset)
     print(f"wrote {r.onnx_path} (+ vision.json); onnxruntime vs torch max abs error "
           f"{r.max_abs_err:.2e}")
     if r.max_abs_err > 1e-4:
@@ -200,20 +190,19 @@ def cmd_export_vit(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
 
 
 def cmd_quantize(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    items = read_manifest(a.calib, read_policy(a.policy) if a.policy else ())
-    r = quantize_model(a.model, a.out, a.method, items, a.samples, a.group_size, a.device,
-                       progress=not a.no_progress)
+    cfg = from_args(QuantizeConfig, a)
+    items = read_manifest(cfg.calib, read_policy(cfg.policy) if cfg.policy else ())
+    r = quantize_model(cfg.model, cfg.out, cfg.method, items, cfg.samples, cfg.group_size,
+                       cfg.device, progress=cfg.progress, threads=cfg.threads)
     if r.method == "awq":
         for e in r.report:
             print(f"  layer {e['layer']} {e['linears']}: output MSE {e['mse']:.3e} "
                   f"(round-to-nearest {e['mse_rtn']:.3e})", file=sys.stderr)
-    print(f"wrote {r.out}: {r.linears} linears W4A16 ({r.method}, group size {a.group_size}), "
-          f"calibrated on {r.samples} questions")
+    print(f"wrote {r.out}: {r.linears} linears W4A16 ({r.method}, group size "
+          f"{cfg.group_size}), calibrated on {r.samples} questions")
     return EXIT_OK
 
 
 def cmd_serve(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
-    serve(server_config(a, *model_configs(a)), hooks)  # until SIGTERM or Ctrl-C
+    serve(server_config(a), hooks)  # until SIGTERM or Ctrl-C
     return EXIT_OK

@@ -1,8 +1,11 @@
-"""The one frozen config tree of a run: ``RunConfig`` (input, output, batching, threads) holds
-``ModelConfig`` and ``EngineConfig`` (``pipeline/config.py``) and ``ExecutorConfig`` (where
-the run's stages execute, with the Ray options). The CLI builds it from argparse; a job
-stores it serialised (``to_json``/``from_json``, with ``RunConfig.VERSION``) and each run may
-change only what does not change an answer: thread counts and the executor (``for_run``).
+"""The config root of a run and of a job: ``RunConfig`` (input, output, batching, threads)
+holds the shared sub-configs ``ModelConfig``, ``EngineConfig`` and ``PrepareConfig``
+(``pipeline/config.py``: the same records the other commands' roots hold, ``app/config.py``,
+``app/server/config.py``) and ``ExecutorConfig`` (where the run's stages execute, with the Ray
+options). The CLI builds it from argparse by field name (``app/config.py``); a job stores it
+serialised (``to_json``/``from_json``, with ``RunConfig.VERSION``) and each run may change only
+what does not change an answer: thread counts, the decode deadline and the executor
+(``for_run``).
 """
 
 from __future__ import annotations
@@ -19,11 +22,10 @@ from vlmbatch.pipeline.config import (
     EmbedConfig,
     EngineConfig,
     ModelConfig,
+    PrepareConfig,
     PrepareOptions,
     check_threads,
-    preprocess_threads_for,
 )
-from vlmbatch.preprocessing.limits import DEFAULT_MAX_PIXELS
 
 EXECUTORS = ("local", "ray")
 # what a run does with its items: answer their questions (yes/no), or embed them
@@ -48,38 +50,29 @@ class RayOptions:
 class ExecutorConfig:
     kind: str = "local"  # one of EXECUTORS: this process, or Ray tasks and actors
     ray: RayOptions = field(default_factory=RayOptions)
-    # seconds one image may take to read, decode and tile before its worker (a decoder
-    # process in-process, a prepare task on Ray) is killed and that item fails; 0: none,
-    # and in-process decoding runs on threads of this process (a hang then stops the run)
-    decode_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if self.kind not in EXECUTORS:
             raise ConfigError(f"executor {self.kind!r} not one of {EXECUTORS}")
-        if not self.decode_timeout >= 0:  # NaN too
-            raise ConfigError(f"--decode-timeout must be >= 0, got {self.decode_timeout}")
 
 
 @dataclass(frozen=True)
 class RunConfig:
     # of the serialised form (job.json); 3: task and embed; 4: decode_timeout moved from the
-    # Ray options to the executor's (jobs.folder.load_config reads versions 1-3)
-    VERSION: ClassVar[int] = 4
+    # Ray options to the executor's; 5: max_pixels, preprocess_threads and decode_timeout in
+    # the shared PrepareConfig (jobs.folder.load_config reads versions 1-4)
+    VERSION: ClassVar[int] = 5
 
     manifest: Path | None = None
     images: Path | None = None  # a folder of images, asked the policy's questions
     policy: Path | None = None
     out: Path | None = None  # JSONL (or CSV: .csv) results; None: standard output
     images_per_batch: int = 16  # images preprocessed and scored together
-    max_pixels: int = DEFAULT_MAX_PIXELS  # larger images are that item's error (bomb guard)
     threads: int | None = None  # torch intra-op threads; None: torch's default
-    # threads decoding and tiling the next groups while the model scores the current one;
-    # 0: none (each group prepared in the main thread before it is scored); None: auto
-    # (pipeline.config.preprocess_threads_for)
-    preprocess_threads: int | None = None
     progress: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     task: str = "answer"  # one of TASKS
     embed: EmbedConfig = field(default_factory=EmbedConfig)  # task "embed": how
@@ -94,36 +87,36 @@ class RunConfig:
             raise ConfigError("--policy asks questions: it does not apply to --task embed")
         if self.task == "answer" and self.images is not None and self.policy is None:
             raise ConfigError("--images DIR needs --policy FILE to say which questions to ask")
-        if self.max_pixels < 1:
-            raise ConfigError(f"max_pixels must be >= 1, got {self.max_pixels}")
         if self.images_per_batch < 1:
             raise ConfigError(f"images_per_batch must be >= 1, got {self.images_per_batch}")
-        check_threads(self.threads, self.preprocess_threads)
+        check_threads(self.threads, None)
         if self.out is not None:
             for name, src in (("manifest", self.manifest), ("policy", self.policy)):
                 if src is not None and Path(src).resolve() == Path(self.out).resolve():
                     raise ConfigError(f"--out {self.out} is the {name}: writing results there "
                                       "would overwrite it; pick another file")
 
+    @property
+    def prepare_options(self) -> PrepareOptions:
+        """Stage 1 of this run, resolved for its model's device."""
+        return self.prepare.options(self.model.device)
+
     def for_run(self, threads: int | None = None, preprocess_threads: int | None = None,
-                executor: ExecutorConfig | None = None) -> RunConfig:
-        """This config with one run's thread counts and executor in place of those stored
-        (None: keep them). These change no answer, only speed and where the work runs, and a
-        job may run on another machine than the one it was submitted on."""
+                executor: ExecutorConfig | None = None,
+                decode_timeout: float | None = None) -> RunConfig:
+        """This config with one run's thread counts, decode deadline and executor in place of
+        those stored (None: keep them). These change no answer, only speed, what a hung image
+        costs and where the work runs, and a job may run on another machine than the one it
+        was submitted on."""
         check_threads(threads, preprocess_threads)
-        return dataclasses.replace(
-            self, threads=self.threads if threads is None else threads,
-            preprocess_threads=(self.preprocess_threads if preprocess_threads is None
-                                else preprocess_threads),
-            executor=executor or self.executor)
-
-
-def prepare_options(cfg: RunConfig) -> PrepareOptions:
-    """Stage 1 of a run as its config says: preprocessing workers by device
-    (``preprocess_threads_for``), the executor's decode deadline."""
-    return PrepareOptions(cfg.max_pixels,
-                          preprocess_threads_for(cfg.preprocess_threads, cfg.model.device),
-                          cfg.executor.decode_timeout)
+        prepare = dataclasses.replace(
+            self.prepare, preprocess_threads=(self.prepare.preprocess_threads
+                                              if preprocess_threads is None
+                                              else preprocess_threads),
+            decode_timeout=(self.prepare.decode_timeout if decode_timeout is None
+                            else decode_timeout))
+        return dataclasses.replace(self, threads=self.threads if threads is None else threads,
+                                   prepare=prepare, executor=executor or self.executor)
 
 
 def to_json(obj: Any) -> Any:

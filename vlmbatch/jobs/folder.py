@@ -44,8 +44,9 @@ def require_job(job: Path) -> None:
 
 def write_job_file(job: Path, cfg: RunConfig, fmt: str) -> None:
     """``job.json`` at ``RunConfig.VERSION`` (3 added the task and its embedding settings, 4
-    moved ``decode_timeout`` from the Ray options to the executor's; ``load_config`` reads
-    every earlier version)."""
+    moved ``decode_timeout`` from the Ray options to the executor's, 5 moved it, the pixel
+    limit and the preprocessing threads into ``prepare``; ``load_config`` reads every earlier
+    version)."""
     d = {"version": RunConfig.VERSION, "format": fmt, "config": to_json(cfg)}
     (Path(job) / JOB_FILE).write_text(json.dumps(d, indent=2) + "\n")
 
@@ -84,6 +85,8 @@ def load_config(job: Path) -> RunConfig:
     body = d["config"] if version >= 2 else _from_v1(d)
     if version < 4:
         body = _decode_timeout_to_executor(body)
+    if version < 5:
+        body = _prepare_apart(body)
     try:
         return from_json(RunConfig, body)
     except (ConfigError, TypeError, ValueError) as e:
@@ -99,6 +102,18 @@ def _decode_timeout_to_executor(body: dict) -> dict:
         executor["decode_timeout"] = ray.pop("decode_timeout")
         executor["ray"] = ray
     return {**body, "executor": executor} if executor else body
+
+
+def _prepare_apart(body: dict) -> dict:
+    """A version-4 (or earlier, mapped to 4) config in version 5's layout: ``max_pixels``,
+    ``preprocess_threads`` and the executor's ``decode_timeout`` in ``prepare``."""
+    body, executor = dict(body), dict(body.get("executor") or {})
+    prepare = {k: body.pop(k) for k in ("max_pixels", "preprocess_threads") if k in body}
+    if "decode_timeout" in executor:
+        prepare["decode_timeout"] = executor.pop("decode_timeout")
+    if "executor" in body:
+        body["executor"] = executor
+    return {**body, "prepare": prepare} if prepare else body
 
 
 def _from_v1(d: dict) -> dict:

@@ -23,11 +23,10 @@ from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
 from vlmbatch.common.atomic import replaced_on_success
-from vlmbatch.jobs.config import ExecutorConfig, RunConfig, prepare_options
+from vlmbatch.jobs.config import ExecutorConfig, RunConfig
 from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.folder import (  # cancel, status: re-exported
     STORE_FILE,
@@ -117,15 +116,17 @@ def _naming_job(job: Path) -> Iterator[None]:
 
 def run_job(job: Path, progress: bool = True, executor: ExecutorConfig | None = None,
             retry_failed: bool = False, threads: int | None = None,
-            preprocess_threads: int | None = None, hooks: FaultHooks = NO_HOOKS) -> JobStatus:
+            preprocess_threads: int | None = None, decode_timeout: float | None = None,
+            hooks: FaultHooks = NO_HOOKS) -> JobStatus:
     """Answer every pending item (a fresh run or a resume) with the job's stored config, on
     this run's ``executor`` (None: the stored one); with ``retry_failed``, first queue the
     failed items again, under the same lock. In-process, ``threads``/``preprocess_threads``
-    replace the stored ones for this run; on Ray, where each model actor runs ``model_cpus``
+    replace the stored ones for this run (``decode_timeout`` on either executor); on Ray,
+    where each model actor runs ``model_cpus``
     torch threads, the CLI refuses them. Raises ``JobBusy`` if another process is running
     the job."""
     require_job(job)
-    cfg = load_config(Path(job)).for_run(threads, preprocess_threads, executor)
+    cfg = load_config(Path(job)).for_run(threads, preprocess_threads, executor, decode_timeout)
     if cfg.executor.kind == "ray" and (threads, preprocess_threads) != (None, None):
         raise ConfigError("threads and preprocess_threads apply to in-process runs; on Ray "
                           "use model_cpus (--model-cpus) and preprocess_workers")
@@ -238,9 +239,7 @@ def _run(job: Path, progress: bool, cfg: RunConfig, hooks: FaultHooks) -> JobSta
 
 @contextlib.contextmanager
 def _local_stages(cfg: RunConfig, task: Task, hooks: FaultHooks) -> Iterator[LocalStages]:
-    """Both stages in this process: the engine built here (torch threads set first)."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    """Both stages in this process: the engine built here, on the run's torch threads."""
     hooks.loading()
-    engine = build_engine(cfg.model, cfg.engine)
-    yield LocalStages(task, engine, prepare_options(cfg), hooks)
+    engine = build_engine(cfg.model, cfg.engine, cfg.threads)
+    yield LocalStages(task, engine, cfg.prepare_options, hooks)

@@ -49,8 +49,6 @@ from collections import deque
 from collections.abc import Generator, Iterable, Iterator
 from typing import Any
 
-import torch
-
 from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.ray_cluster import init_ray
 from vlmbatch.pipeline.build import build_engine
@@ -76,9 +74,7 @@ class ModelWorker:
 
     def __init__(self, cfg: RunConfig, task: Task, threads: int | None,
                  hooks: FaultHooks) -> None:
-        if threads:
-            torch.set_num_threads(threads)
-        self.engine = build_engine(cfg.model, cfg.engine)
+        self.engine = build_engine(cfg.model, cfg.engine, threads)
         self.task, self.hooks = task, hooks
         self.calls = 0
 
@@ -196,9 +192,10 @@ class _Scheduler:
             self._submit_prepare(group)
 
     def _submit_prepare(self, group: list) -> None:
-        done, prepared = self.prepare.remote(self.task, group, self.plan, self.cfg.max_pixels,
+        done, prepared = self.prepare.remote(self.task, group, self.plan,
+                                             self.cfg.prepare.max_pixels,
                                              self.hooks)
-        timeout = self.cfg.executor.decode_timeout or float("inf")  # 0: no deadline
+        timeout = self.cfg.prepare.decode_timeout or float("inf")  # 0: no deadline
         deadline = time.monotonic() + timeout * len(group)
         self.preparing[done] = (group, deadline, prepared)
 
@@ -248,7 +245,7 @@ class _Scheduler:
     def _failure(self, item: Named, e: BaseException) -> ItemError:
         if isinstance(e, TimeoutError):
             return ItemError(ErrorKind.DECODE_TIMEOUT, f"{item.source}: decoding timed out after "
-                             f"{self.cfg.executor.decode_timeout:g}s (worker killed)")
+                             f"{self.cfg.prepare.decode_timeout:g}s (worker killed)")
         return ItemError(ErrorKind.DECODER_CRASHED,
                          f"{item.source}: preprocessing worker died ({type(e).__name__})")
 

@@ -15,10 +15,9 @@ import time
 from dataclasses import dataclass
 from typing import IO
 
-import torch
 from tqdm import tqdm
 
-from vlmbatch.jobs.config import RunConfig, prepare_options
+from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.manifest import items_from_folder, manifest_format, read_manifest, read_policy
 from vlmbatch.jobs.sinks import GroupWriter, format_of
 from vlmbatch.pipeline.build import build_engine
@@ -70,10 +69,8 @@ def run(cfg: RunConfig, out: IO[str] | None = None, hooks: FaultHooks = NO_HOOKS
     items = load_items(cfg)
     openai = cfg.manifest is not None and manifest_format(cfg.manifest) == "openai"
     fmt = format_of(cfg.out)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     hooks.loading()
-    engine = build_engine(cfg.model, cfg.engine)
+    engine = build_engine(cfg.model, cfg.engine, cfg.threads)
     n_q = sum(len(it.questions) for it in items)
     sink = GroupWriter(cfg.out, fmt, openai, out)
     failed_images = failed_q = 0
@@ -81,7 +78,7 @@ def run(cfg: RunConfig, out: IO[str] | None = None, hooks: FaultHooks = NO_HOOKS
     bar = tqdm(total=n_q, unit="q", disable=not cfg.progress, file=sys.stderr,
                desc="answering", dynamic_ncols=True)
     loop = drive(AnswerTask(), engine, groups_of(items, cfg.images_per_batch),
-                 prepare_options(cfg), sink, hooks=hooks)
+                 cfg.prepare_options, sink, hooks=hooks)
     try:
         for _, results in loop:
             failed = [r for r in results if r and r[0].error]

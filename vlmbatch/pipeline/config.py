@@ -185,14 +185,43 @@ class EmbedConfig:
 
 @dataclass(frozen=True)
 class PrepareOptions:
-    """How stage 1 runs: images over ``max_pixels`` are that item's error; ``threads``
-    preprocessing workers prepare the next ``ahead`` groups while the model answers (0: each
-    group when asked for, in the caller's thread); ``decode_timeout > 0``: the workers are
-    decoder processes and each image has that many seconds (else threads, no deadline)."""
+    """How stage 1 runs, resolved (``PrepareConfig.options``): images over ``max_pixels`` are
+    that item's error; ``threads`` preprocessing workers prepare the next ``ahead`` groups
+    while the model answers (0: each group when asked for, in the caller's thread);
+    ``decode_timeout > 0``: the workers are decoder processes and each image has that many
+    seconds (else threads, no deadline)."""
     max_pixels: int = DEFAULT_MAX_PIXELS
     threads: int = 2
     decode_timeout: float = 0.0
     ahead: int = 2
+
+
+@dataclass(frozen=True)
+class PrepareConfig:
+    """Stage 1 of every command that decodes images (run and jobs, serve, embed, eval, the
+    API): the shared sub-config of their config roots. ``preprocess_threads`` None: by
+    device (``preprocess_threads_for``)."""
+    max_pixels: int = DEFAULT_MAX_PIXELS  # larger images are that item's error (bomb guard)
+    # decoder processes (threads with decode_timeout 0) decoding and tiling the next groups
+    # while the model answers the current one; 0: none ahead; None: by device
+    preprocess_threads: int | None = None
+    # seconds one image may take to read, decode and tile before its worker (a decoder
+    # process; a prepare task on Ray) is killed and that item fails; 0: no deadline, and
+    # in-process decoding runs on threads of this process (a hang then stops the run)
+    decode_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_pixels < 1:
+            raise ConfigError(f"max_pixels must be >= 1, got {self.max_pixels}")
+        check_threads(None, self.preprocess_threads)
+        if not self.decode_timeout >= 0:  # NaN too
+            raise ConfigError(f"--decode-timeout must be >= 0, got {self.decode_timeout}")
+
+    def options(self, device: str) -> PrepareOptions:
+        """Resolved for a model on ``device``."""
+        return PrepareOptions(self.max_pixels,
+                              preprocess_threads_for(self.preprocess_threads, device),
+                              self.decode_timeout)
 
 
 def check_threads(threads: int | None, preprocess_threads: int | None) -> None:

@@ -68,11 +68,11 @@ def easy_vqa_items(split: str = "test", limit: int | None = None) -> list[ImageI
 def evaluate(model_cfg: ModelConfig, engine_cfg: EngineConfig, split: str = "test",
              limit: int | None = None, images_per_batch: int = 16,
              progress: bool = True, opts: PrepareOptions = PrepareOptions(),
-             hooks: FaultHooks = NO_HOOKS) -> EvalResult:
+             hooks: FaultHooks = NO_HOOKS, threads: int | None = None) -> EvalResult:
     """Accuracy of the model on easy-vqa's ``split``; items through the drive loop (each
     image in a decoder process under ``opts.decode_timeout``, as ``vlmbatch run``)."""
     data = easy_vqa_set(split, limit)
-    engine = build_engine(model_cfg, engine_cfg)
+    engine = build_engine(model_cfg, engine_cfg, threads)
     total = correct = 0
     start = time.perf_counter()
     bar = tqdm(total=len(data.expected), unit="q", disable=not progress,

@@ -146,8 +146,10 @@ class LMDeployEngine(Engine):
                 for r, resp, n in zip(requests, responses, limits)]
 
 
-def build_lmdeploy(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> LMDeployEngine:
-    """An lmdeploy TurboMind pipeline on an InternVL checkpoint."""
+def build_lmdeploy(model_cfg: ModelConfig, engine_cfg: EngineConfig,
+                   threads: int | None = None) -> LMDeployEngine:
+    """An lmdeploy TurboMind pipeline on an InternVL checkpoint (``threads``: unused, the
+    model runs on the GPU)."""
     require_lmdeploy()  # before reading the model: fail fast and say what to install
     family, spec = read_spec(model_cfg.path)
     if not isinstance(spec, InternVLSpec):

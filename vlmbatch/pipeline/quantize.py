@@ -52,7 +52,8 @@ def calibration_items(items: list[ImageItem], samples: int) -> list[ImageItem]:
 
 def quantize_model(model: Path | None, out: Path, method: str, items: list[ImageItem],
                    samples: int = SAMPLES, group_size: int = GROUP_SIZE, device: str = "cpu",
-                   images_per_batch: int = 16, progress: bool = True) -> QuantizeResult:
+                   images_per_batch: int = 16, progress: bool = True,
+                   threads: int | None = None) -> QuantizeResult:
     if method not in METHODS:
         raise ConfigError(f"--method {method!r} not one of {METHODS}")
     if group_size < 8 or group_size % 8:
@@ -70,7 +71,8 @@ def quantize_model(model: Path | None, out: Path, method: str, items: list[Image
     calib = calibration_items(items, samples)
     n = sum(len(it.questions) for it in calib)
     engine: TorchEngine = build_torch(ModelConfig(src, device),
-                                      EngineConfig(vit_backend="torch", prefix_cache=False))
+                                      EngineConfig(vit_backend="torch", prefix_cache=False),
+                                      threads)
     llm = engine.model.llm
     spec = llm.spec
     for size in (spec.hidden, spec.intermediate, spec.heads * spec.head_dim):

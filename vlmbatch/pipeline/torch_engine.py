@@ -197,8 +197,11 @@ class TorchEngine(Engine):
         return results  # type: ignore[return-value]
 
 
-def build_torch(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> TorchEngine:
-    """Our engine on ``model_cfg``'s checkpoint and device."""
+def build_torch(model_cfg: ModelConfig, engine_cfg: EngineConfig,
+                threads: int | None = None) -> TorchEngine:
+    """Our engine on ``model_cfg``'s checkpoint and device, on ``threads`` torch threads."""
+    if threads:
+        torch.set_num_threads(threads)
     model = load_model(model_cfg.path, model_cfg.device, torch_dtype(model_cfg.dtype),
                        model_cfg.llm_quant, model_cfg.quant)
     plan = image_plan_for(model.family, model.spec, model_cfg)

@@ -8,16 +8,14 @@ from pathlib import Path
 import pytest
 
 from vlmbatch.app.args import build_parser
-from vlmbatch.app.commands import model_configs
-from vlmbatch.app.server.args import server_config
-from vlmbatch.app.server.config import API_KEY_ENV, ServerConfig
+from vlmbatch.app.server.config import API_KEY_ENV, ServerConfig, server_config
 from vlmbatch.app.server.run import _take_data_dir
 from vlmbatch.pipeline.config import ConfigError
 
 
 def config(*argv: str) -> ServerConfig:
     a = build_parser().parse_args(["serve", *argv])
-    return server_config(a, *model_configs(a))
+    return server_config(a)
 
 
 def test_options_and_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -28,7 +26,7 @@ def test_options_and_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
                "--allowed-local-media-path", str(tmp_path), "--images-per-batch", "4",
                "--max-pixels", "100", "--no-prefix-cache")
     assert (c.port, c.api_key, c.max_body_bytes, c.batch_wait_s, c.images_per_batch,
-            c.max_pixels, c.engine.prefix_cache) == (9, "k", 3 << 20, 0.002, 4, 100, False)
+            c.prepare.max_pixels, c.engine.prefix_cache) == (9, "k", 3 << 20, 0.002, 4, 100, False)
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     assert config().api_key == "from-env" and config("--api-key", "typed").api_key == "typed"
     with pytest.raises(ConfigError, match="not a folder"):

@@ -32,14 +32,14 @@ from vlmbatch.app.server.config import ServerConfig
 from vlmbatch.app.server.errors import APIError
 from vlmbatch.app.server.files import FileStore
 from vlmbatch.app.server.media import MediaRefused, check_image_url
-from vlmbatch.jobs.config import ExecutorConfig, RunConfig
-from vlmbatch.jobs.openai_embeddings import iter_embed_requests
+from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.export import embed_request_lines
 from vlmbatch.jobs.folder import STORE_FILE, is_job
 from vlmbatch.jobs.job import submit
 from vlmbatch.jobs.manifest import iter_manifest, manifest_format
 from vlmbatch.jobs.openai_batch import to_output
+from vlmbatch.jobs.openai_embeddings import iter_embed_requests
 from vlmbatch.jobs.store import JobStore
 from vlmbatch.pipeline.config import EmbedConfig
 from vlmbatch.pipeline.embed import check_embed_config
@@ -107,8 +107,7 @@ def run_config(path: Path, cfg: ServerConfig, endpoint: str = CHAT) -> RunConfig
     model: task ``embed``), its group size, pixel limit and decode deadline."""
     embed = endpoint == EMBEDDINGS
     return RunConfig(manifest=path, images_per_batch=cfg.images_per_batch,
-                     max_pixels=cfg.max_pixels, progress=False,
-                     executor=ExecutorConfig(decode_timeout=cfg.decode_timeout),
+                     prepare=cfg.prepare, progress=False,
                      model=cfg.embed_model_config if embed else cfg.model,
                      engine=cfg.engine, task="embed" if embed else "answer",
                      # one pooled vector per string, as /v1/embeddings (not a multi-vector

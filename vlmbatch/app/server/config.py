@@ -1,25 +1,32 @@
-"""``ServerConfig``: everything ``vlmbatch serve`` is started with, one frozen record.
+"""``ServerConfig``: everything ``vlmbatch serve`` is started with, one frozen record (the
+serve command's config root, ``app/config.py``), and the options that make it.
 
-The model and engine are the same ``ModelConfig``/``EngineConfig`` as ``vlmbatch run``'s;
-the rest is the server's: where it listens, who may call it, where batches live, and the
-limits that turn an oversized or hostile request into a 4xx before it reaches the engine.
+The model, engine and stage-1 settings are the same sub-configs as ``vlmbatch run``'s
+(``ModelConfig``, ``EngineConfig``, ``PrepareConfig``, added by ``app/args.py``); the rest is
+the server's: where it listens, who may call it, where batches live, and the limits that turn
+an oversized or hostile request into a 4xx before it reaches the engine. Each option's
+``dest`` is its field's name (``from_args``); defaults are the fields'.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vlmbatch.app.config import from_args
 from vlmbatch.pipeline.config import (
     DEFAULT_EMBED_MODEL,
     ConfigError,
     EngineConfig,
     ModelConfig,
+    PrepareConfig,
     PrepareOptions,
-    preprocess_threads_for,
+    check_threads,
+    default_of,
 )
-from vlmbatch.preprocessing.limits import DEFAULT_MAX_PIXELS
 
 API_KEY_ENV = "VLMBATCH_API_KEY"
 
@@ -34,7 +41,6 @@ class ServerConfig:
     # file:// image URLs are read only from under this folder; None: file:// is refused
     allowed_local_media_path: Path | None = None
     max_body_bytes: int = 64 << 20  # any request body (413 beyond): images, uploads
-    max_pixels: int = DEFAULT_MAX_PIXELS  # decompression-bomb guard (400 beyond)
     max_prompt_chars: int = 16_384  # a chat request's question text (400 beyond)
     max_completion_tokens: int = 512  # largest max_tokens a request may ask for (400 beyond)
     # interactive scheduling: the engine thread waits up to batch_wait_s after the first
@@ -45,18 +51,36 @@ class ServerConfig:
     image_cache_bytes: int = 64 << 20  # prepared data: images kept by URL hash (no re-decode)
     images_per_batch: int = 16  # a batch job's group: the most an interactive request waits
     threads: int | None = None  # torch threads (None: torch's default)
-    preprocess_threads: int | None = None  # decoder processes (None: auto)
-    # seconds an image may take to read and decode before its decoder process is killed: an
-    # interactive request's 400, a batch line's error; 0: decode on the request's thread (a
-    # batch's job: on threads), no deadline. A batch keeps the value it was submitted with
-    decode_timeout: float = 30.0
     shutdown_timeout_s: int = 30  # SIGTERM: how long in-flight requests may take
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    # every image's pixel limit (400 beyond), the decoder processes and each image's decode
+    # deadline: an interactive request's 400, a new batch's line error (a batch keeps what it
+    # was submitted with)
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
     # /v1/embeddings: the checkpoint (None: the built-in embedding model when the chat model
     # is the built-in one, else the chat model itself); embeddings False: answered 501
     embed_model: Path | None = None
     embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be in 0..65535, got {self.port}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError(f"--api-key (or ${API_KEY_ENV}) must not be empty")
+        if not self.served_model_name.strip():
+            raise ConfigError("--served-model-name must not be empty")
+        for name in ("max_body_bytes", "max_prompt_chars", "max_completion_tokens",
+                     "max_batch_requests", "max_queue", "images_per_batch"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.image_cache_bytes < 0 or not 0 <= self.batch_wait_s <= 1:
+            raise ConfigError("image_cache_bytes must be >= 0 and batch_wait_s in [0, 1] seconds")
+        check_threads(self.threads, None)
+        if self.allowed_local_media_path is not None \
+                and not Path(self.allowed_local_media_path).is_dir():
+            raise ConfigError(f"--allowed-local-media-path {self.allowed_local_media_path} is "
+                              "not a folder")
 
     @property
     def embed_model_dir(self) -> Path:
@@ -70,32 +94,10 @@ class ServerConfig:
         (what ``/v1/embeddings`` and embedding batches run on)."""
         return dataclasses.replace(self.model, path=self.embed_model_dir)
 
-    def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"--port must be in 0..65535, got {self.port}")
-        if self.api_key is not None and not self.api_key.strip():
-            raise ConfigError(f"--api-key (or ${API_KEY_ENV}) must not be empty")
-        if not self.served_model_name.strip():
-            raise ConfigError("--served-model-name must not be empty")
-        for name in ("max_body_bytes", "max_pixels", "max_prompt_chars",
-                     "max_completion_tokens", "max_batch_requests", "max_queue",
-                     "images_per_batch"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.decode_timeout >= 0:  # NaN too
-            raise ConfigError(f"--decode-timeout must be >= 0, got {self.decode_timeout}")
-        if self.image_cache_bytes < 0 or not 0 <= self.batch_wait_s <= 1:
-            raise ConfigError("image_cache_bytes must be >= 0 and batch_wait_s in [0, 1] seconds")
-        if self.allowed_local_media_path is not None \
-                and not Path(self.allowed_local_media_path).is_dir():
-            raise ConfigError(f"--allowed-local-media-path {self.allowed_local_media_path} is "
-                              "not a folder")
-
     @property
-    def prepare(self) -> PrepareOptions:
+    def prepare_options(self) -> PrepareOptions:
         """How interactive requests' images are prepared (decoder processes, deadline)."""
-        return PrepareOptions(self.max_pixels, preprocess_threads_for(
-            self.preprocess_threads, self.model.device), self.decode_timeout)
+        return self.prepare.options(self.model.device)
 
     @property
     def files_dir(self) -> Path:
@@ -104,3 +106,74 @@ class ServerConfig:
     @property
     def batches_dir(self) -> Path:
         return Path(self.data_dir) / "batches"
+
+
+def _d(name: str) -> object:
+    return default_of(ServerConfig, name)
+
+
+def _ms(text: str) -> float:
+    """argparse type: milliseconds as seconds."""
+    return float(text) / 1000
+
+
+def _mib(text: str) -> int:
+    """argparse type: MiB as bytes."""
+    return int(text) << 20
+
+
+# the integer limits: (option, field, help)
+LIMITS = [
+    ("--max-pixels", "max_pixels", "images with more pixels (read from the header) are "
+     "refused with a 400"),
+    ("--max-prompt-chars", "max_prompt_chars", "longest question text; 400 beyond"),
+    ("--max-completion-tokens", "max_completion_tokens", "largest max_tokens a request may "
+     "ask; 400 beyond"),
+    ("--max-batch-requests", "max_batch_requests", "chat requests per engine call"),
+    ("--max-queue", "max_queue", "queued chat requests; 429 beyond")]
+
+
+def add_server_args(s: argparse.ArgumentParser) -> None:
+    """``serve``'s own options (the model, engine and stage-1 options are ``run``'s)."""
+    g = s.add_argument_group("server")
+    g.add_argument("--host", default=_d("host"),
+                   help="address to listen on (default %(default)s: this machine only)")
+    g.add_argument("--port", type=int, default=_d("port"), help="default %(default)s")
+    g.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on every endpoint but /health "
+                   f"(default: ${API_KEY_ENV} if set, else no key)")
+    g.add_argument("--data-dir", type=Path, default=_d("data_dir"),
+                   help="uploaded files and batches (each batch a job folder) (default "
+                   "%(default)s)")
+    g.add_argument("--served-model-name", default=_d("served_model_name"),
+                   help="the model id clients name (default %(default)s)")
+    g.add_argument("--allowed-local-media-path", type=Path, default=None,
+                   help="let image URLs be file:// paths inside this folder (default: only "
+                   "data: URLs)")
+    for flag, name, text in LIMITS:
+        default = default_of(PrepareConfig, name) if name == "max_pixels" else _d(name)
+        g.add_argument(flag, type=int, default=default, help=f"{text} (default {default})")
+    g.add_argument("--max-body-mib", dest="max_body_bytes", type=_mib,
+                   default=_d("max_body_bytes"),
+                   help="largest request body, uploads included; 413 beyond (default "
+                   f"{int(_d('max_body_bytes')) >> 20})")  # type: ignore[call-overload]
+    g.add_argument("--embed-model", type=Path, default=None,
+                   help="checkpoint for /v1/embeddings (default: the built-in embedding model "
+                   "with the built-in chat model, else --model)")
+    g.add_argument("--no-embeddings", dest="embeddings", action="store_false",
+                   help="answer /v1/embeddings with 501 (no embedding model loaded)")
+    g.add_argument("--decode-timeout", type=float,
+                   default=default_of(PrepareConfig, "decode_timeout"),
+                   help="seconds an image may take to read and decode before its decoder "
+                   "process is killed: a request's 400, a batch line's error (default "
+                   "%(default)s); 0: no limit, decoding on the request's thread")
+    g.add_argument("--batch-wait-ms", dest="batch_wait_s", type=_ms,
+                   default=_d("batch_wait_s"),
+                   help="how long the engine waits after a request for others to batch "
+                   f"with it (default {1000 * float(_d('batch_wait_s')):g})")  # type: ignore[arg-type]
+
+
+def server_config(a: argparse.Namespace) -> ServerConfig:
+    """The server's config root from its command line (``--api-key``, else $VLMBATCH_API_KEY)."""
+    key = a.api_key if a.api_key is not None else os.environ.get(API_KEY_ENV)
+    return from_args(ServerConfig, a, api_key=key)

@@ -15,7 +15,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch
 import uvicorn
 
 from vlmbatch.app.server.app import create_app
@@ -51,16 +50,14 @@ def _embed_engine(cfg: ServerConfig, chat: Engine) -> Engine:
     model = cfg.embed_model_dir
     if cfg.model.path is not None and Path(cfg.model.path).resolve() == model.resolve():
         return chat
-    return build_engine(cfg.embed_model_config, cfg.engine)
+    return build_engine(cfg.embed_model_config, cfg.engine, cfg.threads)
 
 
 def serve(cfg: ServerConfig, hooks: FaultHooks = NO_HOOKS) -> None:
     """Run the server until SIGTERM or Ctrl-C."""
     fd = _take_data_dir(Path(cfg.data_dir))
     try:
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        engine = build_engine(cfg.model, cfg.engine)
+        engine = build_engine(cfg.model, cfg.engine, cfg.threads)
         state = ServerState.build(cfg, engine, hooks)
         if cfg.embeddings:
             state.serve_embeddings(_embed_engine(cfg, engine))

@@ -44,8 +44,6 @@ from vlmbatch.jobs.job import JobRun
 from vlmbatch.pipeline.config import (
     ConfigError,
     ModelConfig,
-    PrepareOptions,
-    preprocess_threads_for,
 )
 from vlmbatch.pipeline.engine import Engine
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
@@ -282,8 +280,9 @@ class Scheduler:
         if (_absolute(run.model), run.engine) != (_absolute(want), self.cfg.engine):
             raise ConfigError("the batch was submitted to a server with another model or "
                               "engine settings; start the server with those to finish it")
-        opts = PrepareOptions(run.max_pixels, preprocess_threads_for(
-            self.cfg.preprocess_threads, self.cfg.model.device), run.executor.decode_timeout)
+        # the job's pixel limit and deadline, this server's decoder processes
+        opts = dataclasses.replace(run.prepare, preprocess_threads=(
+            self.cfg.prepare.preprocess_threads)).options(self.cfg.model.device)
         return JobRun(job, run, engine, opts, self.hooks)
 
     def _step(self, b: _Batch) -> _Batch | None:

@@ -51,8 +51,8 @@ class ServerState:
         book = BatchBook(cfg.batches_dir)
         worker = BatchWorker(cfg, book, files)
         scheduler = Scheduler(engine, cfg, book, worker.finalize, hooks)
-        decoders = preparer(engine.image_plan, cfg.prepare, hooks)
-        images = ImageCache(engine.image_plan, cfg.prepare, cfg.allowed_local_media_path,
+        decoders = preparer(engine.image_plan, cfg.prepare_options, hooks)
+        images = ImageCache(engine.image_plan, cfg.prepare_options, cfg.allowed_local_media_path,
                             cfg.image_cache_bytes, decoders)
         words = (cfg.engine.yes_words[0], cfg.engine.no_words[0])
         return cls(cfg, engine, scheduler, images, files, book, worker, embedder, words,
@@ -63,10 +63,11 @@ class ServerState:
         engine itself when the checkpoint is the same), on the engine thread; its images
         decoded by the chat images' decoder processes when the plan is the same."""
         decoders = self.images.workers if engine.image_plan == self.engine.image_plan \
-            else preparer(engine.image_plan, self.cfg.prepare, self.hooks)
+            else preparer(engine.image_plan, self.cfg.prepare_options, self.hooks)
         if decoders is not None and decoders is not self.images.workers:
             self.decoders.append(decoders)
-        self.embedder = EngineEmbedder(engine, self.scheduler, self.cfg.prepare, decoders)
+        self.embedder = EngineEmbedder(engine, self.scheduler, self.cfg.prepare_options,
+                                       decoders)
         self.scheduler.engines["embed"] = engine
 
     def start(self) -> None:
