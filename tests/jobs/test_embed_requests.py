@@ -1,4 +1,4 @@
-"""OpenAI batch files of ``/v1/embeddings`` requests as embedding jobs (``jobs/openai_embeddings.py``):
+"""OpenAI batch files of ``/v1/embeddings`` requests as embedding jobs
 every bad line named, one job item per request whatever its input's length, vectors equal
 ``VLM.embed``, a repeated ``custom_id`` refused at submit."""
 
@@ -18,14 +18,14 @@ from hypothesis import strategies as st
 import vlmbatch
 from tests.jobs.test_fuzz_readers import fuzz
 from vlmbatch.app.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from vlmbatch.jobs.errors import ManifestError
+from vlmbatch.jobs.folder import STORE_FILE
 from vlmbatch.jobs.openai_embeddings import (
     EmbedRequestItem,
     iter_embed_requests,
     limited,
     to_embed_output,
 )
-from vlmbatch.jobs.errors import ManifestError
-from vlmbatch.jobs.folder import STORE_FILE
 from vlmbatch.jobs.store import JobStore
 from vlmbatch.pipeline.records import Embedding, ErrorKind
 

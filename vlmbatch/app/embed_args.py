@@ -1,6 +1,7 @@
 """The ``embed`` command's parser (``add_embed_parser``) and the embedding options that
-``submit --task embed`` shares (``embed_option_args``: the ``EmbedConfig`` fields, by name). Defaults are the config's; light, as every parser module is: the command
-itself runs in ``embed_cli.py``.
+``submit --task embed`` shares (``embed_option_args``: the ``EmbedConfig`` fields, by
+name). Defaults are the config's; light, as every parser module is: the command itself runs
+in ``embed_cli.py``.
 """
 
 from __future__ import annotations
