@@ -1,4 +1,5 @@
 """OpenAI batch files of ``/v1/embeddings`` requests as embedding jobs
+(``jobs/openai_embeddings.py``):
 every bad line named, one job item per request whatever its input's length, vectors equal
 ``VLM.embed``, a repeated ``custom_id`` refused at submit."""
 
