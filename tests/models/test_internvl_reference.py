@@ -82,7 +82,7 @@ def test_full_logits_match(models) -> None:  # noqa: ANN001
     with torch.no_grad():
         x = ours.llm.embed_tokens(torch.tensor([p.ids]))
         x[0, p.image_start: p.image_start + p.image_len] = emb[0].embeds
-        got = ours.llm.prefill_last(x, torch.tensor([len(p.ids)]))[0]
+        got = ours.llm.prefill(x, torch.tensor([len(p.ids)]))[0][0]
         want = ref(input_ids=torch.tensor([list(p.ids)]),
                    pixel_values=reference_pixels(torch.from_numpy(im.tiles))).logits[0, -1]
     assert (got - want).abs().max() <= 1e-4

@@ -16,9 +16,9 @@ import torch
 
 from tests.models.conftest import Pair
 from tests.models.qwen_vl_helpers import EOS, IMAGE, prompt_ids, reference_pixels
+from vlmbatch.models.base import KV, DeepStack
 from vlmbatch.models.qwen_vl.load import load_qwen_vl
 from vlmbatch.models.qwen_vl.positions import batch_positions, prompt_positions
-from vlmbatch.models.qwen_vl.text import KV, DeepStack
 from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.preprocessing.qwen_vl import PatchGrid, prepare_qwen_vl
 
