@@ -24,8 +24,8 @@ Decided once (the two former decoders differed): ``past`` given without ``past_l
 means every cached position is real (and 1-D positions continue after them); checkpoint
 weights under ``language_model.`` that the spec does not expect are refused with their
 names, except the known-harmless ones (``HARMLESS``: a saved ``rotary_emb.inv_freq``
-buffer, which older transformers wrote and which is recomputed from ``rope_theta``; a saved
-``lm_head.weight`` of a tied model, which transformers also ignores).
+buffer, which older transformers wrote and which is recomputed from ``rope_theta``); a tied
+model's saved ``lm_head.weight`` is ignored, as transformers ignores it.
 
 Parameter names are transformers' without the family's prefix (``layers.0.self_attn.
 q_proj.weight``, ``layers.0.mlp.gate_proj.weight``), so ``ModelFamily.llm_param`` /
