@@ -18,7 +18,7 @@ from vlmbatch.models.base import weight_key
 from vlmbatch.models.decoder import TextDecoder, TextSpec
 from vlmbatch.models.io import ModelError, raw_state_dict
 from vlmbatch.models.registry import family_for
-from vlmbatch.pipeline.loading import load_model
+from vlmbatch.pipeline.loading import load_model, read_spec
 from vlmbatch.pipeline.paths import DEFAULT_MODEL, DEFAULT_QWEN_MODEL
 
 BASE = TextSpec(vocab=50, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=16,
@@ -153,3 +153,18 @@ def test_one_weight_naming_for_every_family(path: Path) -> None:
     for n in names:
         assert family.llm_key(n) in keys, n
         assert family.llm_param(family.llm_key(n)) == n
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    ({"num_key_value_heads": 3}, "4 query heads do not share 3 kv heads"),
+    ({"hidden_act": "swish"}, "unsupported activation 'swish'")])
+def test_a_config_the_decoder_cannot_build_is_a_model_error(tmp_path: Path, edit: dict,
+                                                            message: str) -> None:
+    """Raised while reading the spec, naming the file, before any weight is read."""
+    m = tmp_path / "model"
+    m.mkdir()
+    cfg = json.loads((DEFAULT_MODEL / "config.json").read_text())
+    cfg["text_config"].update(edit)
+    (m / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelError, match=rf"config\.json: text_config: {message}"):
+        read_spec(m)

@@ -86,7 +86,8 @@ EXPAND_KV = False
 
 @dataclass(frozen=True)
 class TextSpec:
-    """A decoder's sizes and variants (module docstring); validated on construction."""
+    """A decoder's sizes and variants (module docstring); ValueError on construction for one
+    the decoder cannot build (the families' config readers turn it into their error)."""
     vocab: int
     hidden: int
     layers: int
@@ -125,6 +126,7 @@ class TextSpec:
             raise ValueError(f"{len(self.layer_kinds)} layer kinds for {self.layers} layers")
         if bad := sorted(set(self.layer_kinds) - set(LAYERS)):
             raise ValueError(f"layer kinds {bad} are not implemented (only {sorted(LAYERS)})")
+        activation(self.act)  # ValueError naming the supported ones
 
     @property
     def rope_dim(self) -> int:

@@ -58,14 +58,17 @@ def _text_spec(cfg: dict, t: dict, cfg_file: Path) -> TextSpec:
     if rope.get("rope_type", "default") != "default":
         raise ModelError(f"{cfg_file}: rope_type {rope['rope_type']!r} is not supported yet")
     heads = int(t["num_attention_heads"])
-    return TextSpec(
-        vocab=t["vocab_size"], hidden=int(t["hidden_size"]), layers=t["num_hidden_layers"],
-        heads=heads, kv_heads=t.get("num_key_value_heads") or heads,
-        head_dim=int(t.get("head_dim") or int(t["hidden_size"]) // heads),
-        intermediate=t["intermediate_size"], eps=float(t.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope["rope_theta"]),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", t.get("tie_word_embeddings", False))),
-        rope="1d", qkv_bias=True, o_bias=False, act=t.get("hidden_act", "silu"))
+    tie = cfg.get("tie_word_embeddings", t.get("tie_word_embeddings", False))
+    try:
+        return TextSpec(
+            vocab=t["vocab_size"], hidden=int(t["hidden_size"]), layers=t["num_hidden_layers"],
+            heads=heads, kv_heads=t.get("num_key_value_heads") or heads,
+            head_dim=int(t.get("head_dim") or int(t["hidden_size"]) // heads),
+            intermediate=t["intermediate_size"], eps=float(t.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope["rope_theta"]), tie_embeddings=bool(tie),
+            rope="1d", qkv_bias=True, o_bias=False, act=t.get("hidden_act", "silu"))
+    except ValueError as e:  # a decoder TextSpec cannot build
+        raise ModelError(f"{cfg_file}: text_config: {e}") from e
 
 
 def _vision_spec(cfg: dict, v: dict, pre: dict, text_hidden: int) -> VisionSpec:

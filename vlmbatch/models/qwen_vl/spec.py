@@ -140,17 +140,21 @@ def _text_spec(kind: str, cfg: dict[str, Any]) -> TextSpec:
                         f"head_dim / 2 = {head_dim // 2}")
     tie = cfg.get("tie_word_embeddings") or (cfg.get("text_config") or {}).get(
         "tie_word_embeddings", False)
-    return TextSpec(
-        vocab=int(t["vocab_size"]), hidden=int(t["hidden_size"]),
-        layers=int(t["num_hidden_layers"]), heads=heads,
-        kv_heads=int(t.get("num_key_value_heads") or heads), head_dim=head_dim,
-        intermediate=int(t["intermediate_size"]),
-        eps=float(t.get("rms_norm_eps", 1e-6 if qwen3 else 1e-5)),
-        rope_theta=float(rope.get("rope_theta", t.get("rope_theta", 5e5 if qwen3 else 1e6))),
-        rope="mrope-interleaved" if qwen3 else "mrope-sectioned", mrope_section=section,
-        qk_norm=qwen3, qkv_bias=bool(t.get("attention_bias", False)) if qwen3 else True,
-        o_bias=bool(t.get("attention_bias", False)) if qwen3 else False,
-        act=t.get("hidden_act", "silu"), tie_embeddings=bool(tie))
+    try:
+        return TextSpec(
+            vocab=int(t["vocab_size"]), hidden=int(t["hidden_size"]),
+            layers=int(t["num_hidden_layers"]), heads=heads,
+            kv_heads=int(t.get("num_key_value_heads") or heads), head_dim=head_dim,
+            intermediate=int(t["intermediate_size"]),
+            eps=float(t.get("rms_norm_eps", 1e-6 if qwen3 else 1e-5)),
+            rope_theta=float(rope.get("rope_theta", t.get("rope_theta",
+                                                          5e5 if qwen3 else 1e6))),
+            rope="mrope-interleaved" if qwen3 else "mrope-sectioned", mrope_section=section,
+            qk_norm=qwen3, qkv_bias=bool(t.get("attention_bias", False)) if qwen3 else True,
+            o_bias=bool(t.get("attention_bias", False)) if qwen3 else False,
+            act=t.get("hidden_act", "silu"), tie_embeddings=bool(tie))
+    except ValueError as e:  # a decoder TextSpec cannot build
+        raise SpecError(f"{kind}: text config: {e}") from e
 
 
 def _preprocess(kind: str, v: VisionSpec, pre: dict[str, Any]) -> QwenVLPreprocess:
