@@ -1,10 +1,10 @@
 """Grouped-query attention with a padding mask: SDPA's ``enable_gqa`` vs K/V repeated per head.
 
-``models/qwen2.py`` uses ``enable_gqa`` (``EXPAND_KV`` forces the other); this prints both
-side by side, in one process, at Qwen2-0.5B's head layout (14 query heads, 2 key/value heads,
-head dim 64) for a scoring prefill (prompts after a cached image prefix) and a decode step,
-and checks that the two agree. On CUDA it also says whether the memory-efficient kernel
-accepts each form.
+The text decoder (``vlmbatch/models/decoder.py``) uses ``enable_gqa`` (``EXPAND_KV`` forces
+the other); this prints both side by side, in one process, at Qwen2-0.5B's head layout (14
+query heads, 2 key/value heads, head dim 64) for a scoring prefill (prompts after a cached
+image prefix) and a decode step, and checks that the two agree. On CUDA it also says whether
+the memory-efficient kernel accepts each form.
 
     python bench/attention.py                      # CPU
     python bench/attention.py --device cuda --dtype bfloat16

@@ -7,7 +7,7 @@ scenes (``scripts/shapes.py``: 1-3 shapes, many sizes and aspect ratios, 1-7 til
 captioned from theirs ("a blue triangle and a red circle"). Images are tiled by the serving
 plan (reduced tiling), prompts built and pooled by the serving code
 (``InternVLPrompts.embed``, ``pipeline.pooling.pool_range``) and run through the serving
-modules (our ``VisionEncoder`` and ``Qwen2LM``), so training computes exactly the vectors
+modules (our ``VisionEncoder`` and ``TextDecoder``), so training computes exactly the vectors
 ``vlmbatch embed`` serves: an image's is the mean of the last hidden states over
 ``<img>``..``</img>``, a caption's over its tokens, then L2.
 
@@ -49,8 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.shapes import make_scene  # noqa: E402
 from scripts.train_default_model import seeded  # noqa: E402
-from vlmbatch.models.layers import rotary  # noqa: E402
-from vlmbatch.models.qwen2 import Qwen2LM, hf_key  # noqa: E402
+from vlmbatch.models.base import weight_key  # noqa: E402
+from vlmbatch.models.decoder import TextDecoder  # noqa: E402
 from vlmbatch.pipeline.build import build_engine  # noqa: E402
 from vlmbatch.pipeline.config import DEFAULT_MODEL, EmbedConfig, EngineConfig, ModelConfig  # noqa: E402
 from vlmbatch.pipeline.embed import Embedder  # noqa: E402
@@ -82,14 +82,14 @@ def load_images(n_scenes: int, seed: int, plan) -> list[tuple[np.ndarray, str]]:
     return data
 
 
-def run_layers(llm: Qwen2LM, x: torch.Tensor, lengths: torch.Tensor, first: int,
+def run_layers(llm: TextDecoder, x: torch.Tensor, lengths: torch.Tensor, first: int,
                last: int) -> torch.Tensor:
     """Decoder layers ``[first, last)`` over right-padded ``x [B, T, D]`` (positions from 0,
-    causal, padding masked), as ``Qwen2LM.prefill_hidden`` runs them."""
+    causal, padding masked), as ``TextDecoder.prefill_hidden`` runs them."""
     b, t, _ = x.shape
     pos = torch.arange(t)
     mask = (pos[None, :] <= pos[:, None])[None] & (pos[None, :] < lengths[:, None])[:, None]
-    cos, sin = rotary(pos[None].expand(b, t), llm.spec.head_dim, llm.spec.rope_theta, x.dtype)
+    cos, sin = llm.rotary(pos[None].expand(b, t), x.dtype)
     for layer in llm.layers[first:last]:
         x, _ = layer(x, cos, sin, mask[:, None])
     return x
@@ -135,7 +135,7 @@ def frozen_states(loaded, images: list[tuple[np.ndarray, str]], below: int,  # n
     return out, captions
 
 
-def pooled(llm: Qwen2LM, batch: list[Example], below: int) -> torch.Tensor:
+def pooled(llm: TextDecoder, batch: list[Example], below: int) -> torch.Tensor:
     """The trained layers and the final norm over ``batch``, each row's range averaged:
     [B, D], not normalised."""
     h, n = _pad([x for x, _, _ in batch])
@@ -171,7 +171,7 @@ def _multi_positive(logits: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return (-(logp * pos).sum(1) / pos.sum(1)).mean()
 
 
-def step(llm: Qwen2LM, items: list[Example], captions: dict[str, Example], below: int,
+def step(llm: TextDecoder, items: list[Example], captions: dict[str, Example], below: int,
          args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
     names = sorted({c for _, _, c in items})
     img = pooled(llm, items, below)
@@ -181,7 +181,7 @@ def step(llm: Qwen2LM, items: list[Example], captions: dict[str, Example], below
                   args.image_weight)
 
 
-def train(llm: Qwen2LM, data: list[Example], captions: dict[str, Example], below: int,
+def train(llm: TextDecoder, data: list[Example], captions: dict[str, Example], below: int,
           args: argparse.Namespace, log: list[str]) -> int:
     params = [p for layer in llm.layers[below:] for p in layer.parameters()]
     params += list(llm.norm.parameters())
@@ -207,13 +207,13 @@ def train(llm: Qwen2LM, data: list[Example], captions: dict[str, Example], below
     return n
 
 
-def save(llm: Qwen2LM, init: Path, out: Path, dims: str) -> None:
+def save(llm: TextDecoder, init: Path, out: Path, dims: str) -> None:
     """The init checkpoint with the decoder's weights replaced by ``llm``'s (HF layout),
     plus the embedding declarations in config.json."""
     from transformers import InternVLForConditionalGeneration
 
     model = InternVLForConditionalGeneration.from_pretrained(str(init))
-    ours = {hf_key(k): v for k, v in llm.state_dict().items()}
+    ours = {weight_key(k): v for k, v in llm.state_dict().items()}
     with torch.no_grad():
         for name, t in model.state_dict().items():
             key = name.removeprefix("model.")

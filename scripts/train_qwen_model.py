@@ -12,7 +12,7 @@ family's prompt builder, so training and serving see the same pixels and ids.
 Pixel range 112x112 .. 224x224: an easy-vqa image (64 px) is enlarged to 112 px, 16 image
 tokens as the InternVL model's tile; scenes keep their aspect ratio, up to 64 tokens.
 
-It trains our serving modules (``models/qwen_vl``: ``VisionTower``, ``QwenVLText``, equal to
+It trains our serving modules (``VisionTower``, ``models.decoder.TextDecoder``, equal to
 transformers' on the same weights, tested), not transformers' classes: transformers' Qwen
 vision attention runs one SDPA call per image and layer on the CPU (64 images: 256 calls, a
 vision step 2.5-6.6 s measured), ours one padded call per layer. Weights start from
@@ -57,12 +57,13 @@ from scripts.train_default_model import (  # noqa: E402
     vision_loop,
     write_training_log,
 )
+from vlmbatch.models.base import weight_key  # noqa: E402
+from vlmbatch.models.decoder import TextDecoder  # noqa: E402
+from vlmbatch.models.qwen_vl.family import QwenVL  # noqa: E402
 from vlmbatch.models.qwen_vl.positions import Grid, batch_positions, prompt_positions  # noqa: E402
 from vlmbatch.models.qwen_vl.prompt import QwenVLPrompts  # noqa: E402
 from vlmbatch.models.qwen_vl.random import preprocessor_config  # noqa: E402
 from vlmbatch.models.qwen_vl.spec import spec_from_config  # noqa: E402
-from vlmbatch.models.qwen_vl.text import QwenVLText  # noqa: E402
-from vlmbatch.models.qwen_vl.text import our_name as text_name  # noqa: E402
 from vlmbatch.models.qwen_vl.tokenizer import build_tokenizer  # noqa: E402
 from vlmbatch.models.qwen_vl.vision import VisionTower  # noqa: E402
 from vlmbatch.models.qwen_vl.vision import our_name as vision_name  # noqa: E402
@@ -70,6 +71,7 @@ from vlmbatch.preprocessing.qwen_vl import PatchGrid, QwenVLPreprocess  # noqa: 
 
 PRE = QwenVLPreprocess(patch=14, merge=2, temporal=2, min_pixels=112 * 112,
                        max_pixels=224 * 224)
+NORMALISE = QwenVL().normalise_key  # transformers' keys -> the decoder's (``language_model.*``)
 # (patch rows uint8, [(question, answer)], aux target, aux mask, grid_thw): the InternVL
 # script's item order (its corpus() reads it), the grid last
 Item = tuple[np.ndarray, list[tuple[str, str]], np.ndarray, np.ndarray, Grid]
@@ -136,10 +138,10 @@ class Model(torch.nn.Module):
         spec = spec_from_config(hf.config.to_dict(), preprocessor_config(
             "qwen2_5_vl", PRE.patch, PRE.merge, (PRE.min_pixels, PRE.max_pixels)))
         self.spec, self.hf = spec, [hf]  # a list: not a submodule, its weights not trained
-        self.vision, self.text = VisionTower(spec.vision), QwenVLText(spec.text)
+        self.vision, self.text = VisionTower(spec.vision), TextDecoder(spec.text)
         sd = hf.state_dict()
         self.vision.load_hf(sd)
-        self.text.load_hf(sd)
+        self.text.load_hf({NORMALISE(k): t for k, t in sd.items()})
 
     @property
     def config(self):  # noqa: ANN201
@@ -149,10 +151,10 @@ class Model(torch.nn.Module):
         """transformers' model holding the trained weights (names and shapes mapped back)."""
         hf = self.hf[0]
         ours = {**{("v", k): t for k, t in self.vision.state_dict().items()},
-                **{("t", k): t for k, t in self.text.state_dict().items()}}
+                **{("t", weight_key(k)): t for k, t in self.text.state_dict().items()}}
         sd = {}
         for key, t in hf.state_dict().items():
-            name = ("v", vision_name(key)) if vision_name(key) else ("t", text_name(key))
+            name = ("v", vision_name(key)) if vision_name(key) else ("t", NORMALISE(key))
             sd[key] = ours[name].reshape(t.shape)
         hf.load_state_dict(sd)
         return hf
@@ -217,7 +219,7 @@ def lm_losses(model: Model, batcher: Batcher, seqs: list, owner: list[int],
                             match)
 
 
-def decoder_hidden(text: QwenVLText, x: torch.Tensor, positions: torch.Tensor,
+def decoder_hidden(text: TextDecoder, x: torch.Tensor, positions: torch.Tensor,
                    valid: torch.Tensor, match_layer: int) -> list[torch.Tensor]:
     """Hidden states [B, T, D] after ``match_layer`` layers and after the last, causal
     attention over the real tokens (right padding: a pad query still sees real keys)."""

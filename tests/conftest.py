@@ -1,7 +1,11 @@
 """Shared fixtures: small random-weight InternVL checkpoints built and saved by the tests.
 
 Nothing is downloaded: the config is written here, weights are random (seeded), and the
-tokenizer is our own byte-level BPE trained on a few sentences.
+tokenizer is our own byte-level BPE trained on a few sentences. Every parameter is random
+(``models/internvl/random.py``: weights drawn with a 0.1 spread, so logits are O(1), and
+every bias, norm and layer scale moved off transformers' constants), and the vision tower
+has q/k/v biases (InternViT-300M's ``attention_bias``), so the reference tests see a
+dropped bias or a wrong head order (``tests/models/test_internvl_reference.py``).
 """
 
 from __future__ import annotations
@@ -16,13 +20,15 @@ from vlmbatch.models.internvl.random import save_random_internvl
 
 def make_model_dir(path: Path, *, tile: int = 56, patch: int = 14, vision_layers: int = 2,
                    norm_type: str = "layer_norm", qk_norm: bool = False,
-                   mean_pooling: bool = True, max_tiles: int = 6, seed: int = 0) -> Path:
+                   mean_pooling: bool = True, attention_bias: bool = True, max_tiles: int = 6,
+                   seed: int = 0) -> Path:
     """Save a tiny random InternVL (HF-native) with our tokenizer into ``path``; returns it."""
     return save_random_internvl(
-        path, tile=tile, patch=patch, max_tiles=max_tiles, seed=seed,
+        path, tile=tile, patch=patch, max_tiles=max_tiles, seed=seed, initializer_range=0.1,
         vision=dict(hidden_size=32, num_hidden_layers=vision_layers, num_attention_heads=2,
                     intermediate_size=64, norm_type=norm_type, use_qk_norm=qk_norm,
-                    use_mean_pooling=mean_pooling, layer_scale_init_value=0.5),
+                    use_mean_pooling=mean_pooling, attention_bias=attention_bias,
+                    layer_scale_init_value=0.5),
         text=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, intermediate_size=64, max_position_embeddings=2048))
 

@@ -15,8 +15,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.flops import attended_keys, prefill_flops, vision_tile_flops, workload_flops
+from vlmbatch.models.decoder import TextSpec
 from vlmbatch.models.internvl.vision import VisionSpec
-from vlmbatch.models.qwen2 import TextSpec
 from vlmbatch.pipeline.loading import load_model
 
 TINY_VISION = VisionSpec(
@@ -24,8 +24,8 @@ TINY_VISION = VisionSpec(
     norm_type="layer_norm", eps=1e-6, qk_norm=False, act="gelu", mean_pooling=True,
     feature_layer=-1, drop_cls=True, downsample=0.5, projector_act="gelu", text_hidden=6,
     mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
-TINY_TEXT = TextSpec(vocab=10, hidden=8, layers=1, heads=2, kv_heads=1, intermediate=12,
-                     eps=1e-6, rope_theta=1e4, tie_embeddings=True)
+TINY_TEXT = TextSpec(vocab=10, hidden=8, layers=1, heads=2, kv_heads=1, head_dim=4,
+                     intermediate=12, eps=1e-6, rope_theta=1e4, tie_embeddings=True)
 
 
 def test_vision_hand_count() -> None:

@@ -3,24 +3,35 @@
 The reference side is ``InternVLForConditionalGeneration.forward(input_ids, pixel_values)`` with
 pixel values normalised the model-card way and the prompt expanded the way transformers'
 ``InternVLProcessor`` does (``<img>`` + N x ``<IMG_CONTEXT>`` + ``</img>``, then tokenized).
+
+The fixture's every parameter is random (``tests/conftest.py``), and the last tests show that
+this comparison catches a decoder bug: each fault of ``fault_injection.py`` misses the
+reference by far more than the tolerance, and so does resetting any one constant-initialised
+decoder parameter to transformers' constant.
 """
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
+from torch import nn
 from transformers import InternVLForConditionalGeneration
 
 from tests.conftest import reference_pixels
+from tests.models.fault_injection import FAULTS, constant_init_parameters, with_fault
+from vlmbatch.models.base import Prompt
 from vlmbatch.pipeline.config import EngineConfig
 from vlmbatch.pipeline.loading import load_model
 from vlmbatch.pipeline.records import Request
 from vlmbatch.pipeline.torch_engine import TorchEngine
-from vlmbatch.preprocessing.prepare import prepare
+from vlmbatch.preprocessing.prepare import PreparedImage, prepare
 
 SIZES = [(56, 56), (112, 56), (200, 90), (30, 170), (300, 200)]  # (width, height)
 QUESTIONS = ["is there a red shape?", "Does the image contain a circle?"]
+TOL = 1e-4  # max |logit difference|
 
 
 @pytest.fixture(scope="module")
@@ -71,21 +82,73 @@ def test_logits_match_transformers(models) -> None:  # noqa: ANN001
         assert s.image_tokens == im.grid.num_tiles * ours.spec.tokens_per_tile
 
 
-def test_full_logits_match(models) -> None:  # noqa: ANN001
-    """The whole vocabulary row, not just the yes/no pair, for one multi-tile image."""
+@pytest.fixture(scope="module")
+def full_row(models) -> tuple[Prompt, PreparedImage, torch.Tensor]:  # noqa: ANN001
+    """One multi-tile image's prompt, the image, and transformers' whole logits row."""
     ours, ref = models
     im = prepare(np.random.default_rng(1).integers(0, 256, (90, 200, 3), dtype=np.uint8),
                  ours.spec.tiling)
-    engine = TorchEngine(ours, EngineConfig())
     p = ours.prompts.build(QUESTIONS[0], im)
-    emb = engine.encode([im])
     with torch.no_grad():
-        x = ours.llm.embed_tokens(torch.tensor([p.ids]))
-        x[0, p.image_start: p.image_start + p.image_len] = emb[0].embeds
-        got = ours.llm.prefill_last(x, torch.tensor([len(p.ids)]))[0]
         want = ref(input_ids=torch.tensor([list(p.ids)]),
                    pixel_values=reference_pixels(torch.from_numpy(im.tiles))).logits[0, -1]
-    assert (got - want).abs().max() <= 1e-4
+    return p, im, want
+
+
+def logits_row(vision: nn.Module, llm: nn.Module, p: Prompt,
+               image: torch.Tensor) -> torch.Tensor:
+    """Our last-position logits [V] for ``p`` with ``image`` (tiles, or the image's
+    embeddings [n, D] when they are already 2-D)."""
+    with torch.no_grad():
+        emb = image if image.dim() == 2 else vision(image).flatten(0, 1)
+        x = llm.embed_tokens(torch.tensor([p.ids]))
+        x[0, p.image_start: p.image_start + p.image_len] = emb
+        return llm.prefill(x, torch.tensor([len(p.ids)]))[0][0]
+
+
+def test_full_logits_match(models, full_row) -> None:  # noqa: ANN001
+    """The whole vocabulary row, not just the yes/no pair, for one multi-tile image (the
+    image through the engine's vision runner). Measured: 6e-7."""
+    ours, _ = models
+    p, im, want = full_row
+    emb = TorchEngine(ours, EngineConfig()).encode([im])[0].embeds
+    assert (logits_row(ours.vision, ours.llm, p, emb) - want).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_decoder_fault_is_caught(models, full_row, fault: str) -> None:  # noqa: ANN001
+    """The same comparison on our decoder with a bug injected misses by > 100x the
+    tolerance. Measured max |logit difference|: no q/k/v biases 0.85, query heads 0 and 1
+    swapped in layer 0 0.26 (the former fixture, transformers' zero biases and 0.02 init:
+    9e-8 and 2.9e-4; max |logit| 0.69 there, 2.6 here)."""
+    ours, _ = models
+    p, im, want = full_row
+    got = logits_row(ours.vision, with_fault(ours.llm, FAULTS[fault]), p,
+                     torch.from_numpy(im.tiles))
+    assert (got - want).abs().max() > 100 * TOL
+
+
+def test_every_constant_initialised_decoder_parameter_matters(models, full_row) -> None:  # noqa: ANN001
+    """Each decoder parameter that transformers initialises to a constant (biases, norm
+    weights) is moved off it far enough that putting it back moves the logits by > 10x the
+    tolerance (measured: 0.011 for the least, a k bias; the vision tower's parameters are
+    checked on its own output, ``test_internvl_vision.py``)."""
+    ours, _ = models
+    p, im, _ = full_row
+    llm = copy.deepcopy(ours.llm)
+    with torch.no_grad():
+        emb = ours.vision(torch.from_numpy(im.tiles)).flatten(0, 1)
+    base = logits_row(ours.vision, llm, p, emb)
+    small = {}
+    for name, t, value in constant_init_parameters(llm, layer_scale=0.5):
+        keep = t.detach().clone()
+        with torch.no_grad():
+            t.fill_(value)
+            moved = float((logits_row(ours.vision, llm, p, emb) - base).abs().max())
+            t.copy_(keep)
+        if moved <= 10 * TOL:
+            small[name] = moved
+    assert not small, small
 
 
 @pytest.mark.parametrize("cache", [False, True])

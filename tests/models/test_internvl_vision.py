@@ -1,7 +1,9 @@
-"""Our SDPA InternViT + projector equals transformers' get_image_features (fp32, random weights)."""
+"""Our SDPA InternViT + projector equals transformers' get_image_features (fp32, random weights);
+the comparison catches an injected attention bug and a fixture parameter left at its constant."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -9,13 +11,17 @@ import torch
 from transformers import InternVLForConditionalGeneration
 
 from tests.conftest import make_model_dir, reference_pixels
+from tests.models.fault_injection import FAULTS, constant_init_parameters, with_fault
 from vlmbatch.pipeline.loading import load_model
+
+TOL = 1e-5  # relative: max |ours - reference| / max |reference|
 
 VARIANTS = {
     "layernorm": {},
     "rmsnorm_qknorm_final_norm": {"norm_type": "rms_norm", "qk_norm": True,
                                   "mean_pooling": False},
     "tile42_patch7": {"tile": 42, "patch": 7},
+    "no_attention_bias": {"attention_bias": False},  # q/k/v biases absent: zero-filled
 }
 
 
@@ -37,8 +43,61 @@ def test_vision_matches_transformers(pair, batch: int) -> None:  # noqa: ANN001
         got = ours.vision(tiles)
         want = ref.model.get_image_features(pixel_values=reference_pixels(tiles)).pooler_output
     assert got.shape == want.shape == (batch, ours.spec.tokens_per_tile, ours.spec.text.hidden)
-    rel = (got - want).abs().max() / want.abs().max()
-    assert rel <= 1e-5, f"relative error {rel:.2e}"
+    rel = rel_err(got, want)
+    assert rel <= TOL, f"relative error {rel:.2e}"
+
+
+@pytest.fixture(scope="module")
+def default_pair(random_model_dir: Path):  # noqa: ANN201
+    """The shared fixture's model (q/k/v biases in the tower), ours and transformers', and
+    three random tiles with the reference's features for them."""
+    ours = load_model(random_model_dir)
+    ref = InternVLForConditionalGeneration.from_pretrained(str(random_model_dir)).eval()
+    tile = ours.spec.tiling.tile_size
+    g = torch.Generator().manual_seed(3)
+    tiles = torch.randint(0, 256, (3, tile, tile, 3), dtype=torch.uint8, generator=g)
+    with torch.no_grad():
+        want = ref.model.get_image_features(pixel_values=reference_pixels(tiles)).pooler_output
+    return ours, tiles, want
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_vision_fault_is_caught(default_pair, fault: str) -> None:  # noqa: ANN001
+    """Our tower with a bug injected misses the reference by > 100x the tolerance.
+    Measured relative error: no q/k/v biases 0.016, query heads 0 and 1 swapped in layer 0
+    0.012 (the former fixture, no q/k/v biases and 0.02 init: 3e-7 and 8e-5)."""
+    ours, tiles, want = default_pair
+    with torch.no_grad():
+        got = with_fault(ours.vision, FAULTS[fault])(tiles)
+    assert rel_err(got, want) > 100 * TOL
+
+
+def test_every_constant_initialised_vision_parameter_matters(default_pair) -> None:  # noqa: ANN001
+    """Each tower and projector parameter that transformers initialises to a constant
+    (biases, norm weights, layer scales 0.5, class token and position table 0) is moved off
+    it far enough that putting it back moves the output by > 10x the tolerance (measured:
+    8.6e-4 for the least, a q bias). Not the k biases: a key bias adds the same q . b to
+    every key's score of a query, which softmax removes (measured 1.7e-7)."""
+    ours, tiles, _ = default_pair
+    vision = copy.deepcopy(ours.vision)
+    with torch.no_grad():
+        base = vision(tiles)
+    small = {}
+    for name, t, value in constant_init_parameters(vision, layer_scale=0.5):
+        if name.endswith("k_proj.bias"):
+            continue
+        keep = t.detach().clone()
+        with torch.no_grad():
+            t.fill_(value)
+            moved = rel_err(vision(tiles), base)
+            t.copy_(keep)
+        if moved <= 10 * TOL:
+            small[name] = moved
+    assert not small, small
 
 
 def test_position_embedding_interpolation(tmp_path: Path) -> None:

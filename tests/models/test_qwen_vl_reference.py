@@ -5,20 +5,25 @@ The reference is ``...ForConditionalGeneration.forward`` / ``generate`` of the s
 checkpoint (fp32, CPU) on the same uint8 patches, normalised the image processor's way, with
 the prompt built by hand: text, ``<|vision_start|>``, the image pad repeated once per image
 token, ``<|vision_end|>``, text. Logits tolerance: max abs 1e-4 over the whole vocabulary row
-(logits here are O(1): the test weights have a 0.1 spread).
+(logits here are O(1): the test weights have a 0.1 spread). The last tests show that this
+comparison catches a decoder bug (``fault_injection.py``) and that every constant-initialised
+decoder parameter of the fixture matters.
 """
 
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 import pytest
 import torch
 
 from tests.models.conftest import Pair
-from tests.models.qwen_vl_helpers import EOS, IMAGE, prompt_ids, reference_pixels
+from tests.models.fault_injection import FAULTS, constant_init_parameters, with_fault
+from tests.models.qwen_vl_helpers import EOS, IMAGE, KINDS, prompt_ids, reference_pixels
+from vlmbatch.models.base import KV, DeepStack
 from vlmbatch.models.qwen_vl.load import load_qwen_vl
 from vlmbatch.models.qwen_vl.positions import batch_positions, prompt_positions
-from vlmbatch.models.qwen_vl.text import KV, DeepStack
 from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.preprocessing.qwen_vl import PatchGrid, prepare_qwen_vl
 
@@ -86,6 +91,50 @@ def test_logits_match_transformers(pair: Pair, w: int, h: int) -> None:
     with torch.no_grad():
         got, _ = pair.ours.text.prefill(x, lengths, positions=pos, deepstack=deep)
     assert (got[0] - reference_logits(pair, ids, im)).abs().max() <= TOL
+
+
+# Qwen3-VL's decoder has no q/k/v biases (attention_bias false): only the head swap applies
+DECODER_FAULTS = [(k, f) for k in KINDS for f in sorted(FAULTS)
+                  if not (k == "qwen3_vl" and f == "no_qkv_biases")]
+
+
+@pytest.mark.parametrize("kind,fault", DECODER_FAULTS)
+def test_decoder_fault_is_caught(pairs: dict[str, Pair], kind: str, fault: str) -> None:
+    """``test_logits_match_transformers``'s comparison on our decoder with a bug injected
+    misses by > 100x the tolerance. Measured max |logit difference| (no q/k/v biases;
+    query heads 0 and 1 swapped in layer 0; max |logit| 2.3-3.3): Qwen2-VL 0.81, 0.47;
+    Qwen2.5-VL 0.98, 0.99; Qwen3-VL -, 1.3 (our decoder as loaded: 1.3e-6 to 2.4e-6)."""
+    pair = pairs[kind]
+    im = image(pair, 200, 90, seed=200)
+    ids = prompt_ids(6, grid(im).tokens, 5, seed=90)
+    x, lengths, pos, deep, _ = our_inputs(pair, [(ids, im)])
+    text = with_fault(pair.ours.text, FAULTS[fault])
+    with torch.no_grad():
+        got, _ = text.prefill(x, lengths, positions=pos, deepstack=deep)
+    assert (got[0] - reference_logits(pair, ids, im)).abs().max() > 100 * TOL
+
+
+def test_every_constant_initialised_decoder_parameter_matters(pair: Pair) -> None:
+    """Each decoder parameter transformers initialises to a constant (biases, norm weights,
+    Qwen3-VL's q/k norms) is moved off it far enough that putting it back moves the logits
+    by > 10x the tolerance (measured, the least of each kind: 0.010, 0.017 (k biases),
+    0.050 (a k norm))."""
+    im = image(pair, 200, 90, seed=200)
+    ids = prompt_ids(6, grid(im).tokens, 5, seed=90)
+    x, lengths, pos, deep, _ = our_inputs(pair, [(ids, im)])
+    text = copy.deepcopy(pair.ours.text)
+    small = {}
+    with torch.no_grad():
+        base, _ = text.prefill(x, lengths, positions=pos, deepstack=deep)
+        for name, t, value in constant_init_parameters(text, layer_scale=1.0):
+            keep = t.clone()
+            t.fill_(value)
+            moved = float((text.prefill(x, lengths, positions=pos, deepstack=deep)[0]
+                           - base).abs().max())
+            t.copy_(keep)
+            if moved <= 10 * TOL:
+                small[name] = moved
+    assert not small, small
 
 
 def test_controls_positions_and_deepstack_matter(pair: Pair) -> None:

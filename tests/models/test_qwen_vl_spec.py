@@ -40,7 +40,9 @@ def test_saved_config(pair: Pair) -> None:
     assert spec.vision.patch == v.patch_size and spec.vision.merge == v.spatial_merge_size
     assert spec.text.layers == t.num_hidden_layers and spec.text.kv_heads == 2
     assert spec.text.mrope_section == (2, 3, 3)
-    assert spec.text.mrope_interleaved == spec.text.qk_norm == (cfg.model_type == "qwen3_vl")
+    qwen3 = cfg.model_type == "qwen3_vl"
+    assert spec.text.rope == ("mrope-interleaved" if qwen3 else "mrope-sectioned")
+    assert spec.text.qk_norm == qwen3
     pre = spec.preprocess
     assert (pre.min_pixels, pre.max_pixels) == PIXELS[cfg.model_type]
     assert pre.factor == (32 if cfg.model_type == "qwen3_vl" else 28)

@@ -1,7 +1,9 @@
-"""Our Qwen-VL vision towers vs transformers' ``model.visual`` (fp32, CPU, random weights)."""
+"""Our Qwen-VL vision towers vs transformers' ``model.visual`` (fp32, CPU, random weights); the
+comparison catches an injected attention bug and a fixture parameter left at its constant."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -9,7 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from tests.models.conftest import Pair
+from tests.models.fault_injection import FAULTS, constant_init_parameters, with_fault
 from tests.models.qwen_vl_helpers import reference_pixels, rel_err
+from vlmbatch.models.base import VisionOutput
 from vlmbatch.models.qwen_vl.vision import VisionTower
 
 # (t, h, w) in patches: several sizes and aspect ratios, a ragged Qwen2.5-VL window edge
@@ -43,6 +47,46 @@ def test_batch_matches_transformers(pair: Pair) -> None:
     assert len(got.deepstack) == len(want_deep) == len(pair.ours.spec.vision.deepstack)
     for a, b in zip(got.deepstack, want_deep):
         assert rel_err(a, b) <= TOL
+
+
+def worst_err(got: VisionOutput, want: tuple[torch.Tensor, list]) -> float:
+    """The largest relative error over the embeddings and each DeepStack feature."""
+    return max(rel_err(a, b) for a, b in zip((got.embeds, *got.deepstack),
+                                             (want[0], *want[1]), strict=True))
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_vision_fault_is_caught(pair: Pair, fault: str) -> None:
+    """Our tower with a bug injected misses the reference by > 100x the tolerance.
+    Measured relative error, the worst output (no qkv biases; query heads 0 and 1 swapped
+    in block 0): Qwen2-VL 0.028, 0.023; Qwen2.5-VL 0.023, 0.020; Qwen3-VL 0.052, 0.026
+    (our tower as loaded: 7e-7 to 1e-6)."""
+    x = patches(pair, GRIDS)
+    want = reference(pair, x, GRIDS)
+    with torch.no_grad():
+        got = with_fault(pair.ours.vision, FAULTS[fault])(x, GRIDS)
+    assert worst_err(got, want) > 100 * TOL
+
+
+def test_every_constant_initialised_vision_parameter_matters(pair: Pair) -> None:
+    """Each tower parameter transformers initialises to a constant (biases, norm weights
+    and shifts), DeepStack mergers' included, is moved off it far enough that putting it
+    back moves the output by > 10x the tolerance (measured: 2.5e-3 for the least, a norm
+    weight)."""
+    x = patches(pair, GRIDS, seed=2)
+    vision = copy.deepcopy(pair.ours.vision)
+    small = {}
+    with torch.no_grad():
+        out = vision(x, GRIDS)
+        base = (out.embeds, list(out.deepstack))
+        for name, t, value in constant_init_parameters(vision, layer_scale=1.0):
+            keep = t.clone()
+            t.fill_(value)
+            moved = worst_err(vision(x, GRIDS), base)
+            t.copy_(keep)
+            if moved <= 10 * TOL:
+                small[name] = moved
+    assert not small, small
 
 
 def test_batch_equals_one_image_at_a_time(pair: Pair) -> None:

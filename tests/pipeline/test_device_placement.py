@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import vlmbatch.models.qwen2
+import vlmbatch.models.decoder
 from vlmbatch.pipeline.loading import load_model
 
 META = "meta"
@@ -34,7 +34,7 @@ def test_vision_encoder_on_the_model_device(model) -> None:  # noqa: ANN001
 
 @pytest.mark.parametrize("expand", [False, True], ids=["enable_gqa", "expanded_kv"])
 def test_prefill_and_decode_on_the_model_device(model, monkeypatch, expand: bool) -> None:  # noqa: ANN001
-    monkeypatch.setattr(vlmbatch.models.qwen2, "EXPAND_KV", expand)
+    monkeypatch.setattr(vlmbatch.models.decoder, "EXPAND_KV", expand)
     llm, t = model.llm, model.spec.text
     dtype = next(llm.parameters()).dtype
     emb = torch.empty(2, 7, t.hidden, device=META, dtype=dtype)

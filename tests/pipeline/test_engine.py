@@ -94,7 +94,7 @@ def test_budget_below_one_tile_is_a_config_error(model) -> None:  # noqa: ANN001
 def test_expanded_kv_equals_enable_gqa(model, monkeypatch, cache: bool) -> None:  # noqa: ANN001
     """The CUDA attention form (K/V repeated per query head) answers as the CPU one, with
     cached prefixes and greedy generation too (the random model has 4 q / 2 kv heads)."""
-    import vlmbatch.models.qwen2
+    import vlmbatch.models.decoder
 
     assert model.spec.text.heads != model.spec.text.kv_heads
     ims = images(model, 3)
@@ -102,7 +102,7 @@ def test_expanded_kv_equals_enable_gqa(model, monkeypatch, cache: bool) -> None:
     cfg = EngineConfig(prefix_cache=cache, max_new_tokens=4, ignore_eos=True)
     out = {}
     for expand in (False, True):
-        monkeypatch.setattr(vlmbatch.models.qwen2, "EXPAND_KV", expand)
+        monkeypatch.setattr(vlmbatch.models.decoder, "EXPAND_KV", expand)
         out[expand] = TorchEngine(model, cfg).score(ims, reqs)
     assert max(abs(a.margin - b.margin) for a, b in zip(out[False], out[True])) <= 1e-5
     assert [a.text for a in out[False]] == [b.text for b in out[True]]

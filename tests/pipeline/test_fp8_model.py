@@ -32,9 +32,12 @@ def test_fp8_model_swaps_the_linears_and_answers_like_float(random_model_dir: Pa
     reqs = [Request(i, q) for i in range(3) for q in ("is there a red shape?", "no", "yes?")]
     a = TorchEngine(fp8, EngineConfig()).score(ims, reqs)
     b = TorchEngine(flt, EngineConfig()).score(ims, reqs)
-    # measured: max |d margin| 0.0046, max |d p_yes| 0.0010 (random weights, margins ~ -0.59)
-    assert max(abs(x.margin - y.margin) for x, y in zip(a, b)) <= 0.02
-    assert max(abs(x.p_yes - y.p_yes) for x, y in zip(a, b)) <= 0.01
+    # measured: max |d margin| 0.063 on margins of -0.8 to -1.5, max |d p_yes| 0.013: e4m3
+    # keeps 3 mantissa bits, and every weight of this fixture moves the output
+    # (tests/conftest.py; on transformers' 0.02 init with zero biases it was 0.0046 on
+    # margins ~ -0.59). The built-in model: 0.10 on margins of +-9, d p_yes 2e-5.
+    assert max(abs(x.margin - y.margin) for x, y in zip(a, b)) <= 0.1
+    assert max(abs(x.p_yes - y.p_yes) for x, y in zip(a, b)) <= 0.03
 
 
 def test_fp8_refuses_what_it_cannot_serve(random_model_dir: Path) -> None:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlmbatch.models.qwen2 import Qwen2LM, TextSpec
+from vlmbatch.models.decoder import TextDecoder, TextSpec
 from vlmbatch.quant.fp8 import (
     FP8,
     FP8_MAX,
@@ -123,11 +123,11 @@ def test_fp8_linear_close_to_float() -> None:
     assert F.cosine_similarity(y1.flatten(), y2.float().flatten(), dim=0) > 0.999
 
 
-def _tiny_qwen2() -> Qwen2LM:
+def _tiny_qwen2() -> TextDecoder:
     torch.manual_seed(0)
-    spec = TextSpec(vocab=128, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128,
-                    eps=1e-6, rope_theta=1e4, tie_embeddings=True)
-    return Qwen2LM(spec).eval()
+    spec = TextSpec(vocab=128, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
+                    intermediate=128, eps=1e-6, rope_theta=1e4, tie_embeddings=True)
+    return TextDecoder(spec).eval()
 
 
 def test_converted_qwen2_decoder_close_to_float() -> None:
@@ -141,7 +141,7 @@ def test_converted_qwen2_decoder_close_to_float() -> None:
     lengths = torch.tensor([20, 17, 12, 5])  # right-padded batch, as the engine's
     with torch.inference_mode():
         e = lm.embed_tokens(ids)
-        a, b = lm.prefill_last(e, lengths), q.prefill_last(e, lengths)  # [4, V]
+        a, b = lm.prefill(e, lengths)[0], q.prefill(e, lengths)[0]  # [4, V]
     cos = F.cosine_similarity(a, b, dim=-1)
     assert bool((cos >= 0.999).all()), cos  # measured >= 0.99992
     p_a, p_b = torch.sigmoid(a[:, 3] - a[:, 4]), torch.sigmoid(b[:, 3] - b[:, 4])
@@ -152,12 +152,14 @@ def test_convert_include_exclude() -> None:
     lm = _tiny_qwen2()
     names = convert_linears_fp8(lm, include=["layers.0.*"], exclude=["*down_proj"])
     assert names == [f"layers.0.{n}" for n in
-                     ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")]
-    assert isinstance(lm.layers[0].q_proj, Fp8Linear)
-    assert isinstance(lm.layers[0].down_proj, nn.Linear)
-    assert isinstance(lm.layers[1].q_proj, nn.Linear)
-    assert lm.layers[0].q_proj.bias is not None and lm.layers[0].o_proj.bias is None
-    assert convert_linears_fp8(lm, include=["layers.0.*"]) == ["layers.0.down_proj"]
+                     ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                      "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj")]
+    attn0, attn1 = lm.layers[0].self_attn, lm.layers[1].self_attn
+    assert isinstance(attn0.q_proj, Fp8Linear)
+    assert isinstance(lm.layers[0].mlp.down_proj, nn.Linear)
+    assert isinstance(attn1.q_proj, nn.Linear)
+    assert attn0.q_proj.bias is not None and attn0.o_proj.bias is None
+    assert convert_linears_fp8(lm, include=["layers.0.*"]) == ["layers.0.mlp.down_proj"]
 
 
 def test_model_dtype_cast_keeps_fp8_weights_and_scales() -> None:
@@ -253,5 +255,5 @@ def test_converted_decoder_on_cuda_equals_reference() -> None:
     lengths = torch.tensor([20, 17, 12, 5], device="cuda")
     with torch.inference_mode():
         e = lm.embed_tokens(ids)
-        a, b = ref.prefill_last(e, lengths), mm.prefill_last(e, lengths)
+        a, b = ref.prefill(e, lengths)[0], mm.prefill(e, lengths)[0]
     assert bool((F.cosine_similarity(a, b, dim=-1) >= 0.9999).all())

@@ -11,13 +11,13 @@ from safetensors.torch import load_file
 
 from vlmbatch.app.cli import main
 from vlmbatch.jobs.manifest import read_manifest, read_policy
-from vlmbatch.models.qwen2 import DecoderLayer, TextSpec
+from vlmbatch.models.decoder import DecoderLayer, TextSpec
 from vlmbatch.pipeline.build import build_engine
 from vlmbatch.pipeline.config import EngineConfig, ModelConfig
 from vlmbatch.pipeline.drive import answer_group
 from vlmbatch.pipeline.loading import load_model
 from vlmbatch.pipeline.quantize import quantize_model
-from vlmbatch.quant.calibrate import apply_scale, layer_groups
+from vlmbatch.quant.calibrate import apply_scale, layer_groups, layer_linear
 from vlmbatch.quant.int4 import Int4Linear
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,9 +56,9 @@ def test_random_model_checkpoint_format(method: str, random_model_dir: Path,
         if "language_model" not in k and "lm_head" not in k:
             assert torch.equal(sd[k], t), k
     model = load_model(out)
-    kinds = {type(getattr(layer, n)) for layer in model.llm.layers
-             for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                       "down_proj")}
+    kinds = {type(layer.get_submodule(n)) for layer in model.llm.layers
+             for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                       "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
     assert kinds == {Int4Linear}
     lines = answers(out)
     assert all(ln["error"] is None and 0 <= ln["p_yes"] <= 1 for ln in lines)
@@ -171,7 +171,8 @@ def test_int8_vit_runner_close_to_torch() -> None:
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)])
 def test_awq_folding_keeps_the_layer_output(heads: int, kv_heads: int) -> None:
     spec = TextSpec(vocab=10, hidden=32, layers=1, heads=heads, kv_heads=kv_heads,
-                    intermediate=64, eps=1e-6, rope_theta=1e4, tie_embeddings=False)
+                    head_dim=32 // heads, intermediate=64, eps=1e-6, rope_theta=1e4,
+                    tie_embeddings=False)
     torch.manual_seed(0)
     layer = DecoderLayer(spec).eval()
     x = torch.randn(2, 5, 32)
@@ -185,7 +186,7 @@ def test_awq_folding_keeps_the_layer_output(heads: int, kv_heads: int) -> None:
         folded = 0
         for g in layer_groups(heads, kv_heads):
             if g.producer is not None:
-                n = getattr(layer, g.linears[0]).in_features
+                n = layer_linear(layer, g.linears[0])[1].in_features
                 apply_scale(layer, g, torch.rand(n) * 3 + 0.2)
                 folded += 1
         got, _ = layer(x, cos, sin, mask)

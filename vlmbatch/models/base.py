@@ -38,7 +38,7 @@ KV = tuple[torch.Tensor, torch.Tensor]  # (k, v), each [B, K, T, d], rotary appl
 
 
 class TextSizes(Protocol):
-    """The decoder sizes the engine and ``quant/`` read (each family's ``TextSpec``)."""
+    """The decoder sizes the engine and ``quant/`` read (``models.decoder.TextSpec``)."""
 
     @property
     def vocab(self) -> int: ...
@@ -214,7 +214,7 @@ class ModelFamily(ABC):
     @abstractmethod
     def normalise_key(self, key: str) -> str:
         """A weight name as the checkpoint's files spell it -> the family's normal form, in
-        which decoder weights read ``language_model.*`` (``models.qwen2.hf_key``)."""
+        which decoder weights read ``language_model.*`` (``weight_key``)."""
 
     @abstractmethod
     def build(self, spec: ModelSpec, weights: dict, path: Path) -> tuple[nn.Module, Decoder]:
@@ -252,12 +252,19 @@ class ModelFamily(ABC):
 
     def llm_param(self, key: str) -> str | None:
         """A normalised decoder weight name -> our decoder's parameter name, None if it is
-        not a decoder-layer weight. By default our names are the checkpoint's without
-        ``language_model.`` (``layers.0.self_attn.q_proj.weight``)."""
+        not a decoder-layer weight. Our names are the checkpoint's without
+        ``language_model.`` (``layers.0.self_attn.q_proj.weight``), for every family."""
         prefix = "language_model.layers."
         return key[len("language_model."):] if key.startswith(prefix) else None
 
     def llm_key(self, param: str) -> str:
         """Our decoder's parameter name -> its normalised weight name (the inverse of
         ``llm_param``, for every decoder parameter; ``lm_head.weight`` stays)."""
-        return param if param == "lm_head.weight" else "language_model." + param
+        return weight_key(param)
+
+
+def weight_key(param: str) -> str:
+    """A parameter name of ``models.decoder.TextDecoder`` -> its normalised weight name
+    (``layers.0.self_attn.q_proj.weight`` -> ``language_model.layers.0.self_attn.q_proj.
+    weight``; ``lm_head.weight`` stays): one scheme for every family."""
+    return param if param == "lm_head.weight" else "language_model." + param

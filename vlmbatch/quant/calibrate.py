@@ -12,11 +12,11 @@ Padding rows of the engine's right-padded batches are recorded too (hooks see wh
 tensors); prompts are sorted by length before batching, so they are few.
 
 Layers are read by their modules' names (``q_proj``, ``input_layernorm``, ...) wherever
-they sit in a decoder layer: ``Qwen2LM``'s are flat (``layers.0.q_proj``), the Qwen-VL
-decoders' nested as in transformers (``layers.0.self_attn.q_proj``); ``layer_module``
-finds either.
+they sit in a decoder layer (``models.decoder``'s nest them as transformers does:
+``layers.0.self_attn.q_proj``); ``layer_module`` finds them by the last name.
 
-Result: ``{our linear name ("layers.0.q_proj"): (q int8 [N, K], scale float32 [N, G])}``;
+Result: ``{our linear name ("layers.0.self_attn.q_proj"): (q int8 [N, K], scale float32
+[N, G])}``;
 the ``LoadedModel`` passed in is modified in place (AWQ also rescales norms and the linears
 that feed ``down_proj`` / ``o_proj``), and ``quant.checkpoint.save_quantized`` writes it.
 """

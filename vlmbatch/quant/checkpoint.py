@@ -57,9 +57,9 @@ def save_quantized(src: Path, out: Path, family: ModelFamily,
                    method: str, samples: int) -> Path:
     """Write the quantised checkpoint to ``out``.
 
-    llm_state: our language-model state dict (names like ``layers.0.q_proj.weight``,
-    mapped to weight keys by ``family.llm_key``); qweights: ``{"layers.0.q_proj": (q,
-    scale)}``. Language-model tensors keep the key
+    llm_state: our language-model state dict (names like ``layers.0.self_attn.q_proj.
+    weight``, mapped to weight keys by ``family.llm_key``); qweights:
+    ``{"layers.0.self_attn.q_proj": (q, scale)}``. Language-model tensors keep the key
     spelling of the source files (read once, here; ``family`` normalises them).
     """
     out.mkdir(parents=True, exist_ok=True)

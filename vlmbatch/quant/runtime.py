@@ -38,7 +38,8 @@ def int8_dynamic(llm: nn.Module) -> nn.Module:
 
 
 def _linear_of(llm: nn.Module, key: str, param: str | None) -> tuple[nn.Module, str]:
-    """``layers.0.q_proj.weight`` -> (our layer 0, "q_proj"); QuantError if not a linear."""
+    """``layers.0.self_attn.q_proj.weight`` -> (layer 0's attention, "q_proj");
+    QuantError if not a linear."""
     if param is None or not param.endswith(".weight"):
         raise QuantError(f"quantised tensor {key} is not a decoder-layer linear")
     *path, name, _ = param.split(".")

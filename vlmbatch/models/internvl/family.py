@@ -1,5 +1,6 @@
 """The InternVL family: HF-native ``InternVLForConditionalGeneration`` checkpoints with a Qwen2
-decoder (the ``-hf`` InternVL2.5/3 releases, and the built-in model).
+decoder (the ``-hf`` InternVL2.5/3 releases, and the built-in model): ``models.decoder`` with a
+1-D rotary spec and q/k/v biases.
 
 A model directory holds ``config.json`` (``model_type: internvl``), ``model.safetensors`` or a
 sharded ``model.safetensors.index.json``, the tokenizer files and optionally
@@ -18,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from vlmbatch.models.base import ImageOptions, ModelFamily, ModelSpec
+from vlmbatch.models.decoder import TextDecoder, TextSpec
 from vlmbatch.models.internvl.prompt import InternVLPrompts
 from vlmbatch.models.internvl.vision import VisionEncoder, VisionSpec
 from vlmbatch.models.io import ModelError, load_weights, read_json
-from vlmbatch.models.qwen2 import Qwen2LM, TextSpec, hf_key, our_name
 from vlmbatch.models.tokenizer import check_tokenizer, load_tokenizer
 from vlmbatch.preprocessing.prepare import TilingConfig
 
@@ -55,12 +56,18 @@ def _text_spec(cfg: dict, t: dict, cfg_file: Path) -> TextSpec:
                                         "rope_theta": t.get("rope_theta", 10000.0)}
     if rope.get("rope_type", "default") != "default":
         raise ModelError(f"{cfg_file}: rope_type {rope['rope_type']!r} is not supported yet")
-    return TextSpec(
-        vocab=t["vocab_size"], hidden=int(t["hidden_size"]), layers=t["num_hidden_layers"],
-        heads=t["num_attention_heads"], kv_heads=t.get("num_key_value_heads") or
-        t["num_attention_heads"], intermediate=t["intermediate_size"],
-        eps=float(t.get("rms_norm_eps", 1e-6)), rope_theta=float(rope["rope_theta"]),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", t.get("tie_word_embeddings", False))))
+    heads = int(t["num_attention_heads"])
+    tie = cfg.get("tie_word_embeddings", t.get("tie_word_embeddings", False))
+    try:
+        return TextSpec(
+            vocab=t["vocab_size"], hidden=int(t["hidden_size"]), layers=t["num_hidden_layers"],
+            heads=heads, kv_heads=t.get("num_key_value_heads") or heads,
+            head_dim=int(t.get("head_dim") or int(t["hidden_size"]) // heads),
+            intermediate=t["intermediate_size"], eps=float(t.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope["rope_theta"]), tie_embeddings=bool(tie),
+            rope="1d", qkv_bias=True, o_bias=False, act=t.get("hidden_act", "silu"))
+    except ValueError as e:  # a decoder TextSpec cannot build
+        raise ModelError(f"{cfg_file}: text_config: {e}") from e
 
 
 def _vision_spec(cfg: dict, v: dict, pre: dict, text_hidden: int) -> VisionSpec:
@@ -100,12 +107,13 @@ class InternVL(ModelFamily):
             key = "lm_head.weight"
         return key
 
-    def build(self, spec: ModelSpec, weights: dict, path: Path) -> tuple[VisionEncoder, Qwen2LM]:
+    def build(self, spec: ModelSpec, weights: dict,
+              path: Path) -> tuple[VisionEncoder, TextDecoder]:
         assert isinstance(spec, InternVLSpec)
         vision = VisionEncoder(spec.vision)
         load_weights(vision, weights, path)
         assert isinstance(spec.text, TextSpec)
-        llm = Qwen2LM(spec.text)
+        llm = TextDecoder(spec.text)
         load_weights(llm, weights, path)
         return vision, llm
 
@@ -139,14 +147,6 @@ class InternVL(ModelFamily):
             max_tiles = min(max_tiles, budget if budget < thumb_from else budget - 1)
         return TilingConfig(t.tile_size, min(t.min_tiles, max_tiles), max_tiles, t.use_thumbnail,
                             mode=options.tiling, upscale_limit=options.upscale_limit)
-
-    def llm_param(self, key: str) -> str | None:
-        """``language_model.layers.0.self_attn.q_proj.weight`` -> ``layers.0.q_proj.weight``
-        (``Qwen2LM``'s flat layer names)."""
-        return our_name(key)
-
-    def llm_key(self, param: str) -> str:
-        return hf_key(param)
 
     def vision_input_shape(self, spec: ModelSpec) -> tuple[int, ...]:
         assert isinstance(spec, InternVLSpec)

@@ -3,7 +3,17 @@
 ``save_random_internvl`` writes what ``pipeline.loading.load_model`` and transformers'
 ``InternVLForConditionalGeneration`` both read: config, safetensors weights (seeded), our own
 byte-level BPE tokenizer (``models/internvl/tokenizer.py``) and a preprocessor config. Nothing is
-downloaded. The tests use tiny shapes (tests/conftest.py); ``SHAPES`` holds the shapes of
+downloaded.
+
+Weights: transformers' initialisation with ``initializer_range`` as given (the tests use 0.1,
+so logits are O(1)), then every parameter transformers leaves at a constant moved off it
+(``perturb``): each 1-D parameter (Linear and conv biases, norm weights and biases) by
+``spread`` * N(0, 1), the layer scales drawn from U(0.5, 1.5), the class token and position
+embeddings from N(0, 0.5). With transformers' zero biases a decoder that dropped its q/k/v
+biases passed every reference test; released Qwen2 decoders have large ones
+(``tests/models/test_internvl_reference.py`` injects that fault and sees it caught).
+
+The tests use tiny shapes (tests/conftest.py); ``SHAPES`` holds the shapes of
 InternVL3-1B (InternViT-300M, 448 px tiles, 256 tokens per tile, Qwen2-0.5B), -2B and -8B
 (Qwen2.5-1.5B and -7B decoders), for measuring speed at real size (``bench/qpm.py
 --random-shape internvl3-1b``; an 8B random model is ~16 GB in bf16). Its answers mean nothing,
@@ -17,6 +27,7 @@ import json
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import InternVLConfig, InternVLForConditionalGeneration
 
 from vlmbatch.models.internvl.tokenizer import build_tokenizer
@@ -50,29 +61,38 @@ SHAPES = {"internvl3-1b": INTERNVL3_1B, "internvl3-2b": INTERNVL3_2B,
           "internvl3-8b": INTERNVL3_8B}
 
 
-def save_random_internvl(path: Path, *, vision: dict, text: dict, tile: int, patch: int,
-                         max_tiles: int, seed: int = 0, dtype: torch.dtype = torch.float32,
-                         vocab_size: int = 300) -> Path:
-    """Save a seeded random InternVL with ``vision``/``text`` config keywords into ``path``."""
-    tok = build_tokenizer(CORPUS, vocab_size=vocab_size)
-    cfg = InternVLConfig(
-        vision_config=dict(image_size=tile, patch_size=patch, **vision),
-        text_config=dict(model_type="qwen2", vocab_size=len(tok), tie_word_embeddings=True,
-                         pad_token_id=tok.pad_token_id, **text),
-        image_token_id=int(tok.convert_tokens_to_ids("<IMG_CONTEXT>")),  # type: ignore[arg-type]
-        image_seq_length=(tile // patch) ** 2 // 4,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(seed)
-    model = InternVLForConditionalGeneration(cfg).eval()
-    with torch.no_grad():  # HF zero-inits these; random values make a test stronger
+def perturb(model: nn.Module, spread: float) -> None:
+    """Move every parameter that transformers initialises to a constant (module docstring)."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "position_embeddings" in name or "cls_token" in name:
                 p.normal_(0, 0.5)
             elif "lambda" in name:
                 p.uniform_(0.5, 1.5)
-            elif "norm" in name and "bias" in name:
-                p.normal_(0, 0.1)
+            elif p.dim() == 1:
+                p.add_(spread * torch.randn_like(p))
+
+
+def save_random_internvl(path: Path, *, vision: dict, text: dict, tile: int, patch: int,
+                         max_tiles: int, seed: int = 0, dtype: torch.dtype = torch.float32,
+                         vocab_size: int = 300, initializer_range: float = 0.02,
+                         spread: float = 0.1) -> Path:
+    """Save a seeded random InternVL with ``vision``/``text`` config keywords into ``path``
+    (weights: module docstring)."""
+    tok = build_tokenizer(CORPUS, vocab_size=vocab_size)
+    cfg = InternVLConfig(
+        vision_config=dict(image_size=tile, patch_size=patch,
+                           initializer_range=initializer_range, **vision),
+        text_config=dict(model_type="qwen2", vocab_size=len(tok), tie_word_embeddings=True,
+                         pad_token_id=tok.pad_token_id, initializer_range=initializer_range,
+                         **text),
+        image_token_id=int(tok.convert_tokens_to_ids("<IMG_CONTEXT>")),  # type: ignore[arg-type]
+        image_seq_length=(tile // patch) ** 2 // 4,
+        tie_word_embeddings=True, initializer_range=initializer_range,
+    )
+    torch.manual_seed(seed)
+    model = InternVLForConditionalGeneration(cfg).eval()
+    perturb(model, spread)
     path.mkdir(parents=True, exist_ok=True)
     model.to(dtype).save_pretrained(path)
     tok.save_pretrained(path)

@@ -8,13 +8,13 @@ A model directory holds ``config.json`` (flat hub layout or transformers 5's nes
 (with ``<|vision_start|>``, ``<|image_pad|>``, ``<|vision_end|>``) and optionally
 ``preprocessor_config.json`` (patch/merge sizes, min/max pixels, mean/std). transformers
 reads only the tokenizer; the weights go from safetensors into ``vision.VisionTower`` and
-``text.QwenVLText``.
+``models.decoder.TextDecoder`` (M-RoPE spec).
 
 Key layouts accepted, all normalised to ``visual.*``, ``language_model.*`` and
 ``lm_head.weight``: the hub's Qwen2/2.5-VL (``visual.*``, ``model.*``), transformers 5's
 (``model.visual.*``, ``model.language_model.*``), and ``language_model.model.*``. Our decoder
 parameter names are the checkpoint's without ``language_model.`` (``layers.0.self_attn.
-q_proj.weight``), ``ModelFamily``'s default mapping for ``quant/``.
+q_proj.weight``), as for every family.
 
 Embeddings (``docs/embeddings.md``): jina-embeddings-v4's layout and pooling for the three
 kinds (``prompt.JINA``; default ``image-mean``); ``colqwen2`` checkpoints (transformers'
@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from vlmbatch.models.base import BudgetForward, ImageOptions, ModelFamily, ModelSpec
+from vlmbatch.models.decoder import TextDecoder, TextSpec
 from vlmbatch.models.io import ModelError, load_weights, read_json
 from vlmbatch.models.qwen_vl.prompt import COLQWEN2, JINA, EmbedTemplate, QwenVLPrompts
-from vlmbatch.models.qwen_vl.spec import SpecError, TextSpec, VisionSpec, spec_from_config
-from vlmbatch.models.qwen_vl.text import QwenVLText
+from vlmbatch.models.qwen_vl.spec import SpecError, VisionSpec, spec_from_config
 from vlmbatch.models.qwen_vl.vision import VisionTower
 from vlmbatch.models.qwen_vl.vision_static import budget_forward, budget_meta
 from vlmbatch.models.tokenizer import check_tokenizer, load_tokenizer
@@ -73,11 +73,12 @@ class QwenVL(ModelFamily):
                 return ours + key[len(theirs):]
         return key
 
-    def build(self, spec: ModelSpec, weights: dict, path: Path) -> tuple[VisionTower, QwenVLText]:
+    def build(self, spec: ModelSpec, weights: dict,
+              path: Path) -> tuple[VisionTower, TextDecoder]:
         assert isinstance(spec, QwenVLModelSpec) and isinstance(spec.text, TextSpec)
         vision = VisionTower(spec.vision)
         load_weights(vision, weights, path)
-        text = QwenVLText(spec.text)
+        text = TextDecoder(spec.text)
         load_weights(text, weights, path)
         return vision, text
 

@@ -2,7 +2,8 @@
 
 The directory holds ``config.json``, optionally ``preprocessor_config.json``, and
 ``model.safetensors`` or shards listed in ``model.safetensors.index.json``. Key layouts
-accepted are those of ``VisionTower.load_hf`` and ``QwenVLText.load_hf``.
+accepted are those of ``VisionTower.load_hf`` and the family's ``normalise_key`` (the decoder
+reads normalised keys, ``TextDecoder.load_hf``).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from vlmbatch.models.decoder import TextDecoder
+from vlmbatch.models.qwen_vl.family import QwenVL
 from vlmbatch.models.qwen_vl.spec import QwenVLSpec, SpecError, read_spec
-from vlmbatch.models.qwen_vl.text import QwenVLText
 from vlmbatch.models.qwen_vl.vision import VisionTower
 
 
@@ -23,7 +25,7 @@ from vlmbatch.models.qwen_vl.vision import VisionTower
 class QwenVLModel:
     spec: QwenVLSpec
     vision: VisionTower
-    text: QwenVLText
+    text: TextDecoder
 
 
 def state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -47,7 +49,7 @@ def load_qwen_vl(path: Path | str, device: str = "cpu",
     path = Path(path)
     spec = read_spec(path)
     sd = state_dict(path)
-    vision, text = VisionTower(spec.vision), QwenVLText(spec.text)
+    vision, text = VisionTower(spec.vision), TextDecoder(spec.text)
     vision.load_hf(sd)
-    text.load_hf(sd)
+    text.load_hf({QwenVL().normalise_key(k): t for k, t in sd.items()})
     return QwenVLModel(spec, vision.to(device, dtype).eval(), text.to(device, dtype).eval())

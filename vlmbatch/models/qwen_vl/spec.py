@@ -3,7 +3,8 @@
 Reads ``model_type`` ``qwen2_vl``, ``qwen2_5_vl`` and ``qwen3_vl`` in both layouts found in
 the wild: the hub's flat one (Qwen2/2.5-VL: text settings at the top level, ``rope_scaling``
 with ``"type": "mrope"``) and transformers 5's nested ``text_config`` with
-``rope_parameters``. The MoE variant (``qwen3_vl_moe``) is refused with a clear error.
+``rope_parameters``. The MoE variant (``qwen3_vl_moe``) is refused with a clear error. The
+decoder's spec is ``models.decoder.TextSpec`` (M-RoPE, sectioned or interleaved).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vlmbatch.models.decoder import TextSpec
 from vlmbatch.preprocessing.qwen_vl import QWEN2VL_PIXELS, QWEN3VL_PIXELS, QwenVLPreprocess
 
 KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
@@ -54,26 +56,6 @@ class VisionSpec:
     @property
     def row_size(self) -> int:
         return 3 * self.temporal * self.patch * self.patch
-
-
-@dataclass(frozen=True)
-class TextSpec:
-    vocab: int
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    eps: float
-    rope_theta: float
-    mrope_section: tuple[int, int, int]  # rotary frequency pairs given to the t, h, w axes
-    mrope_interleaved: bool  # Qwen3-VL: t/h/w frequencies interleaved, not in sections
-    qk_norm: bool  # Qwen3-VL: RMSNorm of q and k over the head dim
-    qkv_bias: bool
-    o_bias: bool
-    act: str
-    tie_embeddings: bool
 
 
 @dataclass(frozen=True)
@@ -158,17 +140,21 @@ def _text_spec(kind: str, cfg: dict[str, Any]) -> TextSpec:
                         f"head_dim / 2 = {head_dim // 2}")
     tie = cfg.get("tie_word_embeddings") or (cfg.get("text_config") or {}).get(
         "tie_word_embeddings", False)
-    return TextSpec(
-        vocab=int(t["vocab_size"]), hidden=int(t["hidden_size"]),
-        layers=int(t["num_hidden_layers"]), heads=heads,
-        kv_heads=int(t.get("num_key_value_heads") or heads), head_dim=head_dim,
-        intermediate=int(t["intermediate_size"]),
-        eps=float(t.get("rms_norm_eps", 1e-6 if qwen3 else 1e-5)),
-        rope_theta=float(rope.get("rope_theta", t.get("rope_theta", 5e5 if qwen3 else 1e6))),
-        mrope_section=section, mrope_interleaved=qwen3,  # type: ignore[arg-type]
-        qk_norm=qwen3, qkv_bias=bool(t.get("attention_bias", False)) if qwen3 else True,
-        o_bias=bool(t.get("attention_bias", False)) if qwen3 else False,
-        act=t.get("hidden_act", "silu"), tie_embeddings=bool(tie))
+    try:
+        return TextSpec(
+            vocab=int(t["vocab_size"]), hidden=int(t["hidden_size"]),
+            layers=int(t["num_hidden_layers"]), heads=heads,
+            kv_heads=int(t.get("num_key_value_heads") or heads), head_dim=head_dim,
+            intermediate=int(t["intermediate_size"]),
+            eps=float(t.get("rms_norm_eps", 1e-6 if qwen3 else 1e-5)),
+            rope_theta=float(rope.get("rope_theta", t.get("rope_theta",
+                                                          5e5 if qwen3 else 1e6))),
+            rope="mrope-interleaved" if qwen3 else "mrope-sectioned", mrope_section=section,
+            qk_norm=qwen3, qkv_bias=bool(t.get("attention_bias", False)) if qwen3 else True,
+            o_bias=bool(t.get("attention_bias", False)) if qwen3 else False,
+            act=t.get("hidden_act", "silu"), tie_embeddings=bool(tie))
+    except ValueError as e:  # a decoder TextSpec cannot build
+        raise SpecError(f"{kind}: text config: {e}") from e
 
 
 def _preprocess(kind: str, v: VisionSpec, pre: dict[str, Any]) -> QwenVLPreprocess:

@@ -1,0 +1,388 @@
+"""The text decoder of every family: one module, its variants options of one ``TextSpec``.
+
+InternVL's Qwen2 decoder and the Qwen2-VL / Qwen2.5-VL / Qwen3-VL decoders are this class
+with different specs (each family's config reader builds it: ``internvl/family.py``,
+``qwen_vl/spec.py``). Weights and maths follow transformers' ``Qwen2Model`` /
+``Qwen2VLTextModel`` / ``Qwen3VLTextModel``: RMSNorm (``F.rms_norm``), rotary embedding with
+``rotate_half`` as one roll (``layers.py``), grouped-query attention on SDPA, SwiGLU MLP.
+The options:
+
+- ``rope``: ``"1d"`` (position = sequence index), ``"mrope-sectioned"`` (Qwen2/2.5-VL: the
+  head's rotary frequency pairs split ``mrope_section = (t, h, w)``, each section turned by
+  that axis' position) or ``"mrope-interleaved"`` (Qwen3-VL: pair j follows h if j % 3 == 1
+  and j < 3 * section_h, w if j % 3 == 2 and j < 3 * section_w, else t);
+- ``rotary_dim``: rotary on the first ``rotary_dim`` channels of each head only, the rest
+  passed through (transformers' ``partial_rotary_factor``; None: the whole head);
+- ``qk_norm`` (RMSNorm of q and k over the head dim, before rotary: Qwen3), ``qkv_bias``,
+  ``o_bias``, ``act`` (the MLP's gate activation), ``head_dim`` (explicit: Qwen3's is not
+  hidden / heads), GQA (``kv_heads`` < ``heads``: SDPA ``enable_gqa``, K/V never repeated);
+- DeepStack (Qwen3-VL): extra image features added at the image positions after each of the
+  first ``len(features)`` layers, for any spec that is given them;
+- ``layer_kinds``: the attention kind of each layer (only ``"full"`` today).
+
+Decided once (the two former decoders differed): ``past`` given without ``past_lengths``
+means every cached position is real (and 1-D positions continue after them); checkpoint
+weights under ``language_model.`` that the spec does not expect are refused with their
+names, except the known-harmless ones (``HARMLESS``: a saved ``rotary_emb.inv_freq``
+buffer, which older transformers wrote and which is recomputed from ``rope_theta``); a tied
+model's saved ``lm_head.weight`` is ignored, as transformers ignores it.
+
+Parameter names are transformers' without the family's prefix (``layers.0.self_attn.
+q_proj.weight``, ``layers.0.mlp.gate_proj.weight``), so ``ModelFamily.llm_param`` /
+``llm_key`` map every family the same way (``base.weight_key``).
+
+Seams for what the next model family issue adds (not implemented here):
+
+- Qwen3 text under InternVL: a spec with ``qk_norm=True`` and ``qkv_bias = o_bias =
+  attention_bias`` (the Qwen-VL reader already builds Qwen3-VL's that way).
+- InternLM2's fused grouped ``wqkv`` (per KV head: its q heads, then k, then v): a subclass
+  of ``Attention`` whose ``qkv`` splits one projection, the only method that builds q, k, v;
+  its weight names (``wqkv``, ``wo``, ``w1/w2/w3``) map in the family's ``normalise_key``.
+  Dynamic NTK rope scaling: ``TextDecoder.rotary`` is the one place the tables are made.
+- Qwen3.5's hybrid layers: ``layer_kinds`` names each layer's kind and ``LAYERS`` maps a
+  kind to its module; a Gated DeltaNet layer takes its recurrent and conv state in the
+  ``past`` slot and returns the new state where an attention layer returns its k, v. Gated
+  full attention: an ``Attention`` subclass whose ``qkv`` also yields the output gate from
+  ``q_proj``. Partial rotary: ``rotary_dim``.
+
+Shapes: B rows, T new tokens (right-padded), P cached tokens, D hidden, V vocabulary, H query
+heads, K key/value heads, d head dim, r rotary dim. K/V are returned with rotary applied, so
+a cached prefix is reusable as is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlmbatch.models.base import KV, Decoder, DeepStack, weight_key
+from vlmbatch.models.layers import (
+    FusedRMSNorm,
+    activation,
+    inverse_frequencies,
+    rope,
+    rope_tables,
+    rotary,
+)
+
+ROPE_KINDS = ("1d", "mrope-sectioned", "mrope-interleaved")
+HARMLESS = ("rotary_emb.inv_freq",)  # name endings of checkpoint weights that are dropped
+
+# Repeat K/V per query head instead of SDPA's ``enable_gqa``? No, on both devices, measured
+# with ``bench/attention.py`` at Qwen2-0.5B's layout:
+# - CPU: ``enable_gqa`` level for a long prefill, 2-4x faster for short prompts after a cached
+#   prefix, ~20x at decode (docs/engine.md);
+# - CUDA (H200, bf16, bench/gpu_check.sh, 2026-11-30): ``enable_gqa`` takes the math kernel
+#   (flash takes no mask, memory-efficient no GQA) and expanded K/V the memory-efficient one,
+#   yet ``enable_gqa`` is still faster: expanding costs 0.61x (16 prompts of 32 after 512
+#   cached), 0.79x (4 x 1024) and 0.21x (decode, 64 rows after 600), because the
+#   ``repeat_interleave`` copy costs more than the kernel saves at these sizes.
+# Kept as a switch so that tests check both forms agree.
+EXPAND_KV = False
+
+
+@dataclass(frozen=True)
+class TextSpec:
+    """A decoder's sizes and variants (module docstring); ValueError on construction for one
+    the decoder cannot build (the families' config readers turn it into their error)."""
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    rope_theta: float
+    tie_embeddings: bool
+    rope: str = "1d"  # one of ROPE_KINDS
+    mrope_section: tuple[int, ...] = ()  # M-RoPE: rotary pairs given to the t, h, w axes
+    rotary_dim: int | None = None  # rotary on the first rotary_dim channels; None: all
+    qk_norm: bool = False
+    qkv_bias: bool = True
+    o_bias: bool = False
+    act: str = "silu"
+    layer_kinds: tuple[str, ...] = ()  # per layer, one of LAYERS; (): every layer "full"
+
+    def __post_init__(self) -> None:
+        if self.heads % self.kv_heads:
+            raise ValueError(f"{self.heads} query heads do not share {self.kv_heads} kv heads")
+        if self.rope not in ROPE_KINDS:
+            raise ValueError(f"rope {self.rope!r} not one of {ROPE_KINDS}")
+        r = self.rope_dim
+        if r % 2 or not 0 < r <= self.head_dim:
+            raise ValueError(f"rotary dim {r} must be even and in (0, head_dim {self.head_dim}]")
+        if (self.rope != "1d") != bool(self.mrope_section):
+            raise ValueError(f"mrope_section {self.mrope_section} is for M-RoPE only, and "
+                             f"M-RoPE needs one (rope {self.rope!r})")
+        if self.mrope_section and (len(self.mrope_section) != 3
+                                   or sum(self.mrope_section) != r // 2):
+            raise ValueError(f"mrope_section {self.mrope_section} must be 3 numbers summing "
+                             f"to the rotary pairs, {r // 2}")
+        if self.layer_kinds and len(self.layer_kinds) != self.layers:
+            raise ValueError(f"{len(self.layer_kinds)} layer kinds for {self.layers} layers")
+        if bad := sorted(set(self.layer_kinds) - set(LAYERS)):
+            raise ValueError(f"layer kinds {bad} are not implemented (only {sorted(LAYERS)})")
+        activation(self.act)  # ValueError naming the supported ones
+
+    @property
+    def rope_dim(self) -> int:
+        """r: the channels of each head that rotary turns (the first r)."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Each layer's attention kind."""
+        return self.layer_kinds or ("full",) * self.layers
+
+
+def mrope_axes(spec: TextSpec) -> list[int]:
+    """Which position axis (0 = t, 1 = h, 2 = w) turns each of the r/2 frequency pairs."""
+    t, h, w = spec.mrope_section
+    if spec.rope == "mrope-sectioned":
+        return [0] * t + [1] * h + [2] * w
+    return [1 if j % 3 == 1 and j < 3 * h else 2 if j % 3 == 2 and j < 3 * w else 0
+            for j in range(t + h + w)]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary on the first r channels of ``x [..., d]`` (cos/sin ``[..., r]``), the rest as
+    they are; r = d is one ``rope`` call (the fast path)."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return rope(x, cos, sin)
+    return torch.cat([rope(x[..., :r], cos, sin), x[..., r:]], -1)
+
+
+class Attention(nn.Module):
+    def __init__(self, s: TextSpec) -> None:
+        super().__init__()
+        self.s = s
+        self.q_proj = nn.Linear(s.hidden, s.heads * s.head_dim, bias=s.qkv_bias)
+        self.k_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.qkv_bias)
+        self.v_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.qkv_bias)
+        self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=s.o_bias)
+        if s.qk_norm:
+            self.q_norm = FusedRMSNorm(s.head_dim, s.eps)
+            self.k_norm = FusedRMSNorm(s.head_dim, s.eps)
+
+    def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h [B, T, D] -> q [B, T, H, d], k and v [B, T, K, d] (before norm and rotary)."""
+        b, t, _ = h.shape
+        s = self.s
+        return (self.q_proj(h).view(b, t, s.heads, s.head_dim),
+                self.k_proj(h).view(b, t, s.kv_heads, s.head_dim),
+                self.v_proj(h).view(b, t, s.kv_heads, s.head_dim))
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                past: KV | None) -> tuple[torch.Tensor, KV]:
+        # h: [B, T, D]; cos/sin: [B, 1, T, r]; mask: [B, 1, T, P + T] bool, True = may attend;
+        # past: k, v [B, K, P, d] (rotary applied). Returns the output and the new k, v.
+        b, t, _ = h.shape
+        q, k, v = self.qkv(h)
+        if self.s.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        # (one pass over torch.cat([q, k], 1) measured 7x slower on the CPU: a strided cat)
+        q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, d]
+        k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, K, T, d]
+        v = v.transpose(1, 2)
+        k_all, v_all = (k, v) if past is None else (torch.cat([past[0], k], 2),
+                                                    torch.cat([past[1], v], 2))
+        heads = self.s.heads
+        if heads != k_all.shape[1] and EXPAND_KV:
+            g = heads // k_all.shape[1]  # [B, K, S, d] -> [B, H, S, d]
+            k_all, v_all = k_all.repeat_interleave(g, 1), v_all.repeat_interleave(g, 1)
+        a = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
+                                           enable_gqa=heads != k_all.shape[1])
+        return self.o_proj(a.transpose(1, 2).reshape(b, t, -1)), (k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, s: TextSpec) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(s.hidden, s.intermediate, bias=False)
+        self.up_proj = nn.Linear(s.hidden, s.intermediate, bias=False)
+        self.down_proj = nn.Linear(s.intermediate, s.hidden, bias=False)
+        self.act = activation(s.act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention then MLP, each added to the residual stream."""
+
+    def __init__(self, s: TextSpec) -> None:
+        super().__init__()
+        self.self_attn = Attention(s)
+        self.mlp = MLP(s)
+        self.input_layernorm = FusedRMSNorm(s.hidden, s.eps)
+        self.post_attention_layernorm = FusedRMSNorm(s.hidden, s.eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                past: KV | None = None) -> tuple[torch.Tensor, KV]:
+        # x: [B, T, D]; as Attention.forward. Returns x and this step's k, v.
+        a, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
+
+
+# a layer kind -> its module (module docstring: the seam for linear-attention layers)
+LAYERS: dict[str, type[DecoderLayer]] = {"full": DecoderLayer}
+
+
+class TextDecoder(Decoder):
+    """Token embeddings, the layers, the final norm and the LM head of one checkpoint."""
+
+    spec: TextSpec
+
+    def __init__(self, spec: TextSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab, spec.hidden)
+        self.layers = nn.ModuleList(LAYERS[kind](spec) for kind in spec.kinds)
+        self.norm = FusedRMSNorm(spec.hidden, spec.eps)
+        self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
+        if spec.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        if spec.rope != "1d":
+            # a buffer (moves with .to(device), never cast): indexing with a Python list
+            # would copy the index to the device on every call, which a CUDA graph cannot
+            # capture
+            self.axes: torch.Tensor
+            self.register_buffer("axes", torch.tensor(mrope_axes(spec)), persistent=False)
+
+    def rotary(self, positions: torch.Tensor,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] (1-D) or [3, B, T] (M-RoPE) long -> (cos, sin) each
+        [B, 1, T, r] in ``dtype``, computed in float32."""
+        s = self.spec
+        if s.rope == "1d":
+            return rotary(positions, s.rope_dim, s.rope_theta, dtype)
+        inv = inverse_frequencies(s.rope_dim, s.rope_theta, positions.device)
+        per_pair = positions.index_select(0, self.axes).permute(1, 2, 0).float()  # [B, T, r/2]
+        cos, sin = rope_tables(per_pair * inv, dtype)
+        return cos[:, None], sin[:, None]
+
+    def prefill(self, embeds: torch.Tensor, lengths: torch.Tensor, past: list[KV] | None = None,
+                past_lengths: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None,
+                deepstack: DeepStack | None = None) -> tuple[torch.Tensor, list[KV]]:
+        """Prefill new tokens after an optional cached prefix; logits of the last real token.
+
+        embeds: [B, T, D] new tokens, right-padded; lengths: [B] (1..T) real new tokens.
+        past: per layer (k, v) [B, K, P, d], row b's first past_lengths[b] entries real (no
+        past_lengths: all P). positions of the new tokens: 1-D [B, T] (None: past_lengths[b]
+        + t) or M-RoPE [3, B, T] (required; ``qwen_vl/positions.py``; padding slots: any
+        value). Keys: the real past, then the new tokens causally; padding queries attend to
+        real tokens only, so no attention row is fully masked. deepstack: features added
+        after the leading layers (module docstring).
+        Returns (logits [B, V] float32, per layer (k, v) [B, K, T, d] of the new tokens).
+        """
+        x, new_kv = self._prefill_states(embeds, lengths, past, past_lengths, positions,
+                                         deepstack)
+        last = x[torch.arange(x.shape[0], device=x.device), lengths - 1]  # [B, D]
+        return self.lm_head(self.norm(last)).float(), new_kv
+
+    def prefill_hidden(self, embeds: torch.Tensor, lengths: torch.Tensor,
+                       past: list[KV] | None = None, past_lengths: torch.Tensor | None = None,
+                       *, positions: torch.Tensor | None = None,
+                       deepstack: DeepStack | None = None) -> tuple[torch.Tensor, list[KV]]:
+        """As ``prefill`` (same inputs), but every new position's last hidden state after
+        the final norm, ``[B, T, D]`` in the model's dtype (row b's first lengths[b] real):
+        transformers' ``hidden_states[-1]``, what embeddings pool. No LM head."""
+        x, new_kv = self._prefill_states(embeds, lengths, past, past_lengths, positions,
+                                         deepstack)
+        return self.norm(x), new_kv
+
+    def _prefill_states(self, embeds: torch.Tensor, lengths: torch.Tensor,
+                        past: list[KV] | None, past_lengths: torch.Tensor | None,
+                        positions: torch.Tensor | None, deepstack: DeepStack | None
+                        ) -> tuple[torch.Tensor, list[KV]]:
+        """``prefill``'s positions and masks around the stack: the last layer's output
+        [B, T, D] before the final norm, and the new tokens' KV."""
+        b, t, _ = embeds.shape
+        dev = embeds.device
+        p = 0 if past is None else past[0][0].shape[2]
+        offset = past_lengths if past_lengths is not None else torch.full(
+            (b,), p, dtype=torch.long, device=dev)
+        pos = torch.arange(t, device=dev)
+        positions = self._positions(positions, offset, pos, b)
+        valid = pos[None, :] < lengths[:, None]  # [B, T]
+        mask = (pos[None, :] <= pos[:, None])[None] & valid[:, None, :]  # [B, T, T]
+        if past is not None:
+            seen = torch.arange(p, device=dev)[None, :] < offset[:, None]  # [B, P]
+            mask = torch.cat([seen[:, None, :].expand(b, t, p), mask], dim=2)  # [B, T, P+T]
+        return self._layers(embeds, positions, mask, past, deepstack)
+
+    def _positions(self, positions: torch.Tensor | None, offset: torch.Tensor,
+                   pos: torch.Tensor, b: int) -> torch.Tensor:
+        """The new tokens' positions, checked: [B, T] (1-D; default offset + t) or
+        [3, B, T] (M-RoPE, given)."""
+        shape = (b, len(pos)) if self.spec.rope == "1d" else (3, b, len(pos))
+        if positions is None and self.spec.rope == "1d":
+            return offset[:, None] + pos[None, :]
+        if positions is None or positions.shape != shape:
+            raise ValueError(f"{self.spec.rope} positions must be {list(shape)}, got "
+                             f"{None if positions is None else list(positions.shape)}")
+        return positions
+
+    def decode_step(self, embeds: torch.Tensor, positions: torch.Tensor, kv: list[KV],
+                    key_valid: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:
+        """One token per row after cached keys.
+
+        embeds: [B, 1, D]; positions: [B] long (M-RoPE: a generated token is text, the same
+        position on all three axes, = its sequence index + the prompt's rope delta) or, for
+        M-RoPE, [3, B]; kv: per layer (k, v) [B, K, S, d]; key_valid: [B, S] bool (False
+        for padding holes). Returns (logits [B, V] float32, per layer (k, v) [B, K, 1, d]).
+        """
+        b = embeds.shape[0]
+        if self.spec.rope == "1d":
+            pos = positions[:, None]  # [B, 1]
+        else:
+            pos = (positions.expand(3, b) if positions.dim() == 1 else positions)[:, :, None]
+        ones = torch.ones((b, 1), dtype=torch.bool, device=embeds.device)
+        mask = torch.cat([key_valid, ones], dim=1)[:, None, :]  # [B, 1, S+1]
+        x, new_kv = self._layers(embeds, pos, mask, kv)
+        return self.lm_head(self.norm(x[:, 0])).float(), new_kv
+
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                past: list[KV] | None, deepstack: DeepStack | None = None
+                ) -> tuple[torch.Tensor, list[KV]]:
+        # x: [B, T, D]; positions: [B, T] or [3, B, T]; mask: [B, T, P+T] bool
+        cos, sin = self.rotary(positions, x.dtype)
+        feats = deepstack.features if deepstack is not None else ()
+        if len(feats) > len(self.layers):
+            raise ValueError(f"{len(feats)} DeepStack features for {len(self.layers)} layers")
+        new_kv = []
+        for i, layer in enumerate(self.layers):
+            x, kv = layer(x, cos, sin, mask[:, None], None if past is None else past[i])
+            new_kv.append(kv)
+            if i < len(feats):
+                assert deepstack is not None
+                x = x.index_put((deepstack.mask,), feats[i].to(x.dtype), accumulate=True)
+        return x, new_kv
+
+    def load_hf(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load from weights whose keys a family has normalised (``language_model.*``, and
+        ``lm_head.weight`` unless tied). KeyError naming what is missing, or unexpected
+        (module docstring: ``HARMLESS`` excepted); a shape that does not fit raises from
+        ``copy_`` with that weight the last one read (``io.load_weights`` names it)."""
+        own = self.state_dict()
+        tied = self.spec.tie_embeddings
+        need = {weight_key(n): t for n, t in own.items() if not (tied and n == "lm_head.weight")}
+        missing = sorted(set(need) - set(sd))
+        if missing:
+            raise KeyError(f"checkpoint lacks language-model weights: {missing[:5]} "
+                           f"({len(missing)} missing)")
+        unexpected = sorted(k for k in sd if k.startswith("language_model.") and k not in need
+                            and not k.endswith(HARMLESS))
+        if unexpected:
+            raise KeyError(f"language-model weights the config does not expect: "
+                           f"{unexpected[:5]} ({len(unexpected)} unexpected)")
+        with torch.no_grad():
+            for key, t in need.items():
+                t.copy_(sd[key])
