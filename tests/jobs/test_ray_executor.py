@@ -282,7 +282,8 @@ def test_joins_a_running_cluster_by_address_and_by_ray_client(tmp_path: Path,
                 p = subprocess.run([sys.executable, "-m", "vlmbatch", "run", str(job), *RAY,
                                     "--address", address, "--no-progress"], cwd=ROOT,
                                    env=head.env, capture_output=True, text=True, timeout=300)
-            assert p.returncode == 3, p.stderr[-3000:]  # the broken item failed, as in-process
+            # the broken item failed, as in-process
+            assert p.returncode == 3, p.stderr[-3000:] + head.client_logs()
             assert head.drivers() == joined + 1, address  # it ran there, not on its own Ray
             assert_same_lines(results(job), want)
     finally:
@@ -317,7 +318,8 @@ def test_without_an_address_a_run_starts_its_own_instance(monkeypatch) -> None: 
 def test_a_refused_ray_client_join_says_why_and_what_to_change() -> None:
     """Ray's "Initialization failure from server:" comes with the server's traceback; the
     message keeps its last line, and for a server process that did not start in time on the
-    head (what made the join test flaky on a loaded machine) names the head's setting."""
+    head, or died as it started (what made the join test flaky on a loaded machine), names
+    the head's setting."""
     from vlmbatch.jobs.ray_cluster import CLIENT_WAIT_ENV, _join_hint
 
     tb = ("Initialization failure from server:\nTraceback (most recent call last):\n  File "
@@ -326,11 +328,16 @@ def test_a_refused_ray_client_join_says_why_and_what_to_change() -> None:
     hint = _join_hint(ConnectionAbortedError(tb))
     assert "RuntimeError: Proxy failed to Connect to backend! Check" in hint
     assert f"{CLIENT_WAIT_ENV}=120 ray start --head" in hint and "30 s" in hint
+    died = _join_hint(ConnectionAbortedError(
+        "Initialization failure from server:\nTraceback (most recent call last):\n"
+        "RuntimeError: Starting Ray client server failed. See ray_client_server_23000.err\n"))
+    assert "Starting Ray client server failed" in died
+    assert "GRPC_ENABLE_FORK_SUPPORT=0 ray start --head" in died
     other = _join_hint(ConnectionAbortedError(
         "Initialization failure from server:\nTraceback (most recent call last):\n"
         "ValueError: Runtime environment doesn't match\n"))
     assert other.endswith("ValueError: Runtime environment doesn't match")
-    assert CLIENT_WAIT_ENV not in other
+    assert CLIENT_WAIT_ENV not in other and "GRPC" not in other
 
 
 class _Ref:

@@ -82,8 +82,9 @@ CLIENT_WAIT_ENV, CLIENT_WAIT_DEFAULT_S = "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOU
 
 def _client_server_hint(message: str) -> str:
     """A ray:// join that the head's Ray Client server refused: the server's own reason (the
-    last line of the traceback it sent back), and for the one cause we know, a server process
-    for this driver that did not start in time on the head, what to change there."""
+    last line of the traceback it sent back), and for the two causes we know (the server
+    process for this driver did not start in time, or died as it started) what to change on
+    the head."""
     lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
     reason = lines[-1] if len(lines) > 1 else "no reason given"
     hint = f"the head's Ray Client server refused this driver: {reason}"
@@ -93,6 +94,11 @@ def _client_server_hint(message: str) -> str:
                  f"loaded head start Ray with a longer wait, e.g. {CLIENT_WAIT_ENV}=120 ray "
                  "start --head ..., or join by the GCS address HOST:PORT from a node of the "
                  "cluster)")
+    elif "Starting Ray client server failed" in message or "ZombieProcess" in message:
+        hint += (" (its server process for this driver died as it started, a fork of the "
+                 "head's gRPC server crashing: start the head with GRPC_ENABLE_FORK_SUPPORT=0 "
+                 "ray start --head ..., or join by the GCS address HOST:PORT from a node of "
+                 "the cluster)")
     return hint
 
 
