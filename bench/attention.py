@@ -3,8 +3,9 @@
 The text decoder (``vlmbatch/models/decoder.py``) uses ``enable_gqa`` (``EXPAND_KV`` forces
 the other); this prints both side by side, in one process, at Qwen2-0.5B's head layout (14
 query heads, 2 key/value heads, head dim 64) for a scoring prefill (prompts after a cached
-image prefix) and a decode step, and checks that the two agree. On CUDA it also says whether
-the memory-efficient kernel accepts each form.
+image prefix) and a decode step, and checks that the two agree (max abs diff within
+``--check-tol``: 1e-5 in fp32, 2e-2 in bf16/fp16; exit 1 after the table past it). On CUDA
+it also says whether the memory-efficient kernel accepts each form.
 
     python bench/attention.py                      # CPU
     python bench/attention.py --device cuda --dtype bfloat16
@@ -13,10 +14,15 @@ the memory-efficient kernel accepts each form.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.checks import Checks  # noqa: E402
 
 H, K, D = 14, 2, 64
 SHAPES = {  # name: (batch, new tokens T, cached tokens P)
@@ -75,7 +81,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--check-tol", type=float, default=None,
+                    help="bound on the two forms' max abs diff (default 1e-5 in fp32, else 2e-2)")
     args = ap.parse_args()
+    tol = args.check_tol if args.check_tol is not None else (
+        1e-5 if args.dtype == "float32" else 2e-2)
+    checks = Checks()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     cuda = args.device.startswith("cuda")
@@ -91,6 +102,11 @@ def main() -> None:
             a, e = timed(gqa, x, args.reps, cuda), timed(expanded, x, args.reps, cuda)
             extra = f" {efficient_ok(gqa, x)} / {efficient_ok(expanded, x)} |" if cuda else ""
             print(f"| {name} | {a:.3f} | {e:.3f} | {a / e:.2f}x | {diff:.1e} |{extra}")
+            checks.verdict(diff <= tol, f"{name}: enable_gqa = expanded K/V within {tol:g}: "
+                           f"max abs diff {diff:.1e}")
+    print(f"\ncheck: the two forms agree within {tol:g} on every shape: "
+          f"{'FAILED' if checks.failed else 'OK'}")
+    checks.exit()
 
 
 if __name__ == "__main__":

@@ -23,7 +23,9 @@ Rows, each timed over ``--rounds`` interleaved rounds, best kept:
   ``<img>``..``</img>`` span (a text: its tokens), L2 (``pipeline/pooling.py``'s rule).
 
 Printed: embeddings/s per row and set, each row's ratio to transformers, the agreement, and
-the process's peak RSS after each row's set-up. Same torch threads for all (``--threads``).
+the process's peak RSS after each row's set-up. The agreement is checked: a minimum cosine
+under ``--check-cos`` (0.999; measured 0.9997-0.9998, ``docs/embeddings.md``) exits 1 after
+the tables, naming the set on stderr. Same torch threads for all (``--threads``).
 Not a test: timings on shared machines are noisy, so compare rows of one run.
 """
 
@@ -46,6 +48,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.checks import Checks  # noqa: E402
 from scripts.shapes import make_scene  # noqa: E402
 from vlmbatch import VLM  # noqa: E402
 from vlmbatch.pipeline.config import DEFAULT_EMBED_MODEL  # noqa: E402
@@ -138,15 +141,18 @@ def interleaved(rows: dict[str, Callable[[], np.ndarray]], rounds: int
     return best
 
 
-def report(title: str, n: int, res: dict[str, tuple[float, np.ndarray]]) -> None:
+def report(title: str, n: int, res: dict[str, tuple[float, np.ndarray]], checks: Checks,
+           min_cos: float) -> None:
     base = res["transformers"][0]
     print(f"{title} ({n}):")
     for name, (secs, _) in res.items():
         print(f"  {name:<32} {n / secs:>8.1f}/s  {base / secs:>5.2f}x")
     if "vlmbatch, reference tiling" in res:
         v, w = res["vlmbatch, reference tiling"][1], res["transformers"][1]
-        print(f"  agreement, reference tiling vs transformers: min cosine "
-              f"{float((v * w).sum(1).min()):.5f}")
+        cos = float((v * w).sum(1).min())
+        ok = checks.verdict(cos >= min_cos, f"{title}: reference tiling vs transformers, min "
+                            f"cosine {cos:.5f} >= {min_cos:g}")
+        print(f"  agreement, reference tiling vs transformers: min cosine {cos:.5f} {ok}")
 
 
 def main() -> None:
@@ -160,8 +166,11 @@ def main() -> None:
                     help="vlmbatch inputs per embedder call (default: the API's)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--check-cos", type=float, default=0.999,
+                    help="least min cosine, reference tiling vs transformers; exit 1 below it")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    checks = Checks()
     tmp = Path(tempfile.mkdtemp(prefix="vlmbatch-bench-embed-"))
     sets = {"easy-vqa": [easy_vqa.get_test_image_paths()[i] for i in range(args.images)],
             "scenes": scene_files(args.images, tmp)}
@@ -178,17 +187,19 @@ def main() -> None:
         rows["transformers"] = lambda paths=paths: hf.images(paths)  # type: ignore[misc]
         for fn in rows.values():
             fn()  # warm-up (the onnxruntime export, allocator, kernel choice)
-        report(f"images, {title}", len(paths), interleaved(rows, args.rounds))
+        report(f"images, {title}", len(paths), interleaved(rows, args.rounds), checks,
+               args.check_cos)
     text_rows = {"vlmbatch": ours(vlms["vlmbatch"], texts),
                  "transformers": lambda: hf.texts(texts)}
     for fn in text_rows.values():
         fn()
-    report("texts", len(texts), interleaved(text_rows, args.rounds))
+    report("texts", len(texts), interleaved(text_rows, args.rounds), checks, args.check_cos)
     print(f"{args.model.name}, {args.threads} torch threads, best of {args.rounds} "
           f"interleaved rounds; peak RSS MiB after set-up: vlmbatch rows "
           f"{rss['vlmbatch rows']:.0f}, + transformers {rss['transformers']:.0f}, end "
           f"{peak_rss_mib():.0f}")
     shutil.rmtree(tmp, ignore_errors=True)
+    checks.exit()
 
 
 if __name__ == "__main__":

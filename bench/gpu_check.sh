@@ -33,7 +33,8 @@
 # STEPS="gpu tests,qpm bench" runs only the steps named (a rerun inside the device budget);
 # QPM_IMAGES sets the built-in model's QPM run's images (default 500).
 # Writes the whole log to $OUT/gpu_check.txt (./out without $OUT) and ends with a table of
-# steps, exit codes and seconds; bench/qpm.py also writes one profile per vlmbatch path there.
+# steps, exit codes and seconds (exit 1, naming them on stderr, when a step failed: a bench
+# whose check fails exits 1 too); bench/qpm.py also writes one profile per vlmbatch path there.
 # Each step has its own time limit; on the H200 the script ran in about 4 minutes (docs/gpu.md).
 #
 #   bash bench/gpu_check.sh
@@ -49,6 +50,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 summary=()
+failed=()
 OPTIONAL=",qpm 8b-shape,"  # steps that run only when STEPS names them
 step() {  # step NAME LIMIT_S CMD...: full output to the log, its tail to stdout
   local name=$1 limit=$2; shift 2
@@ -58,6 +60,7 @@ step() {  # step NAME LIMIT_S CMD...: full output to the log, its tail to stdout
   echo "== $name: $*" | tee -a "$log"
   timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$log" | tail -n 30
   local rc=${PIPESTATUS[0]}
+  if [[ $rc -ne 0 ]]; then failed+=("$name"); fi
   summary+=("$(printf '| %-14s | %3s | %4ss |' "$name" "$rc" "$((SECONDS - t0))")")
 }
 {
@@ -95,3 +98,7 @@ step "qpm 8b-shape" 420 "$PY" bench/qpm.py --device cuda --dtype bfloat16 --imag
   echo; echo "| step | rc | time |"; echo "|---|---|---|"
   printf '%s\n' "${summary[@]}"
 } | tee -a "$log"
+if (( ${#failed[@]} )); then  # a failed check or step fails the script (after the table)
+  echo "gpu_check.sh: steps that failed: $(IFS=,; echo "${failed[*]}")" | tee -a "$log" >&2
+  exit 1
+fi

@@ -7,7 +7,8 @@
     computed once and passed back for all its questions (``mm_encoder_outputs``, a forward
     argument of transformers 5), or with ``--baseline-vit per-prompt`` its pixel values
     passed per prompt (the vision tower run per question). The bench checks that its P(yes)
-    equals (a')'s within 1e-4 in fp32 and prints the check;
+    equals (a')'s within ``--check-tol`` (1e-4) in fp32, prints the check, and exits 1 after
+    the tables when it fails (the reason on stderr);
 (a') per-question transformers ("x per-q"), the naive loop: per question, Pillow decode +
     ``dynamic_preprocess`` + ToTensor/Normalize, then one forward on that single prompt;
 (b) vlmbatch without the prefix cache: ``pipeline.drive.answer_group`` (OpenCV preprocessing,
@@ -65,6 +66,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.checks import Checks  # noqa: E402
 from bench.flops import workload_flops  # noqa: E402
 from bench.hf_baseline import Batched, Work, load_reference, per_question  # noqa: E402
 from bench.hf_qwen import QwenBatched, load_qwen_reference, qwen_per_question  # noqa: E402
@@ -227,6 +229,9 @@ def parse_args() -> argparse.Namespace:
                     help="add a row with --compile-llm (torch.compile of the prefill)")
     ap.add_argument("--profile", type=Path, default=None, metavar="DIR",
                     help="also write a torch.profiler table per vlmbatch path into DIR")
+    ap.add_argument("--check-tol", type=float, default=1e-4,
+                    help="fp32 bound on |batched - per-question transformers P(yes)|; the run "
+                    "exits 1 past it (default 1e-4)")
     args = ap.parse_args()
     if args.peak_tflops is None and args.device.startswith("cuda"):
         args.peak_tflops = 790.0
@@ -344,7 +349,7 @@ def main() -> None:
           f"model {args.model.name}; batched baseline: {args.baseline_batch} prompts per "
           f"forward, {how}")
     print_table(rows, truth, host.spec, args.peak_tflops)
-    print_checks(rows, args.dtype)
+    print_checks(rows, args.dtype, args.check_tol).exit()
 
 
 def print_table(rows: list[tuple], truth: list[str], spec,  # noqa: ANN001
@@ -377,16 +382,19 @@ def print_table(rows: list[tuple], truth: list[str], spec,  # noqa: ANN001
               f"{flops / n / 1e9:>10.3f}{rate:>10.4f}{frac:>9}")
 
 
-def print_checks(rows: list[tuple], dtype: str) -> None:
+def print_checks(rows: list[tuple], dtype: str, tol: float) -> Checks:
+    checks = Checks()
     p_b, p_q = rows[0][2], rows[1][2]
     d = max(abs(a - b) for a, b in zip(p_b, p_q))
-    verdict = ("OK" if d <= 1e-4 else "FAILED") if dtype == "float32" else "(bound is for fp32)"
-    print(f"\ncheck: batched transformers P(yes) = per-question transformers P(yes) within "
-          f"1e-4: max |dP(yes)| = {d:.2e} {verdict}")
+    what = (f"batched transformers P(yes) = per-question transformers P(yes) within {tol:g}: "
+            f"max |dP(yes)| = {d:.2e}")
+    verdict = checks.verdict(d <= tol, what) if dtype == "float32" else "(bound is for fp32)"
+    print(f"\ncheck: {what} {verdict}")
     cache = next(r for r in rows if r[0] == "vlmbatch, prefix cache")
     max_dp = max(abs(a - b) for a, b in zip(cache[2], p_b))
     print(f"max |dP(yes)| vlmbatch (cache) vs batched transformers: {max_dp:.4f} "
           "(OpenCV vs Pillow resize; the models are the same)")
+    return checks
 
 
 if __name__ == "__main__":

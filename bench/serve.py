@@ -12,7 +12,8 @@ HTTP/1.1 connection sending pre-encoded requests (asyncio streams), so that the 
 which share the machine with the server here, take little of its CPU (the official
 ``openai`` client costs ~3.6 ms of CPU per request on our machines, more than the
 server). Rows: QPM, latency p50/p99, and the ratio to offline QPM; the served
-P(yes) is checked against the offline one (equal to 1e-6). Also CPU milliseconds per
+P(yes) is checked against the offline one (equal to ``--check-tol``, 1e-6; the script exits 1
+after its table when a row is not, naming it on stderr). Also CPU milliseconds per
 question: the server process's (all its threads) and the client loop's, against the offline
 run's; on a shared machine wall clock swings with other work, CPU time much less.
 
@@ -42,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import vlmbatch  # noqa: E402
+from bench.checks import Checks  # noqa: E402
 from tests.app.server.serving import Server, chat_body  # noqa: E402
 from vlmbatch.pipeline.evaluate import easy_vqa_set  # noqa: E402
 
@@ -141,6 +143,8 @@ def main() -> None:
                     help="the server's torch threads (default: --threads); its event loop "
                     "and request threads need CPU too")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--check-tol", type=float, default=1e-6,
+                    help="bound on |served - offline P(yes)| per question; exit 1 past it")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     items = easy_vqa_set("test").items[: args.images]
@@ -156,14 +160,15 @@ def main() -> None:
             row = served(bodies, warm, c, args.server_threads or args.threads)
             if f"{c} clients" not in best or row[0] < best[f"{c} clients"][0]:
                 best[f"{c} clients"] = row
-    report(best, n, len(items), args)
+    report(best, n, len(items), args).exit()
 
 
-def report(best: dict[str, tuple], n: int, images: int, args: argparse.Namespace) -> None:
+def report(best: dict[str, tuple], n: int, images: int, args: argparse.Namespace) -> Checks:
     """QPM and its ratio to offline (wall clock), latencies, and CPU milliseconds per
     question (the server's process, or the offline run's, plus the client loop's): on a
     shared machine wall clock follows the load, CPU time much less."""
     t_off, _, p_off, cpu_off, _ = best["offline"]
+    checks = Checks()
     print(f"easy-vqa test: {images} images, {n} yes/no questions, torch threads: offline "
           f"{args.threads}, server {args.server_threads or args.threads}; built-in model; "
           f"best of {args.rounds} rounds; load average "
@@ -174,9 +179,14 @@ def report(best: dict[str, tuple], n: int, images: int, args: argparse.Namespace
         p50 = f"{1000 * statistics.median(lat):.1f}" if lat else "-"
         p99 = f"{1000 * sorted(lat)[int(0.99 * (len(lat) - 1))]:.1f}" if lat else "-"
         dp = max(abs(a - b) for a, b in zip(p, p_off))
+        checks.verdict(dp <= args.check_tol, f"{name}: served P(yes) = offline within "
+                       f"{args.check_tol:g}: max |dP| = {dp:.1e}")
         print(f"{name:<12}{secs:>9.2f}{60 * n / secs:>9.0f}{t_off / secs:>11.2f}{p50:>9}"
               f"{p99:>9}{1000 * cpu / n:>10.2f}{1000 * client / n:>9.2f}"
               f"{cpu_off / (cpu + client):>11.2f}{dp:>10.1e}")
+    print(f"check: served P(yes) = offline within {args.check_tol:g} on every row: "
+          f"{'FAILED' if checks.failed else 'OK'}")
+    return checks
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ same transaction as each change, ``jobs/store_schema.py``) and per item (columns
 ``answered``); before the totals, status summed the columns over every item, and before those
 it parsed every item's JSON result with SQLite's ``json_each``. This fills a temporary store
 with ``--items`` done items of ``--questions`` result lines each and times the three, side
-by side, in one process, checking that they agree.
+by side, in one process, checking that they agree (exit 1 after the table if not).
 
     python bench/store.py --items 1000000
 """
@@ -23,6 +23,7 @@ from pathlib import Path
 
 # the repo root first: bench/jobs.py would otherwise shadow the jobs package
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.checks import Checks  # noqa: E402
 from vlmbatch.jobs.store import JobStore  # noqa: E402
 from vlmbatch.jobs.store_schema import ANSWERED_OF_RESULT  # noqa: E402
 
@@ -62,19 +63,22 @@ def main() -> None:
                    "per-state totals (status now)": lambda: (store.questions_done(),
                                                              store.questions_answered())}
         best = dict.fromkeys(queries, float("inf"))
+        answers: set[tuple] = set()
         for _ in range(args.rounds):  # interleaved, best of rounds
-            got = set()
             for name, query in queries.items():
                 t = time.perf_counter()
-                got.add(query())
+                answers.add(query())
                 best[name] = min(best[name], time.perf_counter() - t)
-            assert len(got) == 1, got  # all three agree
         store.close()
     base = best["parse every result (json_each)"]
     print(f"\n{args.items:,} done items x {args.questions} result lines; best of {args.rounds}\n")
     print("| query | time | speed-up |\n|---|---|---|")
     for name, s in best.items():
         print(f"| {name} | {s * 1e3:.2f} ms | {base / s:,.0f}x |")
+    checks = Checks()
+    what = f"the three queries give the same (lines, answered): {sorted(answers)}"
+    print(f"\ncheck: {what} {checks.verdict(len(answers) == 1, what)}")
+    checks.exit()
 
 
 if __name__ == "__main__":

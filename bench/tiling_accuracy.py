@@ -1,7 +1,8 @@
 """Reference vs reduced-token tiling with the built-in model: accuracy, tokens, QPM.
 
 Two sets: easy-vqa's test split (yes/no questions; 64x64 images, so both modes give one tile
-and should agree exactly) and held-out shape scenes from ``scripts/shapes.py`` with a seed
+and should agree exactly: the script checks that every answer is the same, and exits 1 after
+its table if not) and held-out shape scenes from ``scripts/shapes.py`` with a seed
 the training never used (many sizes and aspect ratios, 1-7 tiles: where the modes differ).
 
     python bench/tiling_accuracy.py --scenes 400
@@ -21,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.checks import Checks  # noqa: E402
 from scripts.shapes import make_questions, make_scene  # noqa: E402
 from vlmbatch.pipeline.build import build_engine  # noqa: E402
 from vlmbatch.pipeline.config import DEFAULT_MODEL, EngineConfig, ModelConfig  # noqa: E402
@@ -46,17 +48,20 @@ def scene_items(n: int, folder: Path) -> EvalSet:
     return EvalSet(items, expected)
 
 
-def run(data: EvalSet, model: Path, tiling: str) -> tuple[float, float, float]:
+def run(data: EvalSet, model: Path, tiling: str) -> tuple[float, float, float, list[str]]:
+    """Accuracy, image tokens per question, QPM and the answers, in order."""
     engine = build_engine(ModelConfig(model, tiling=tiling), EngineConfig())
     right = total = tokens = 0
+    answers = []
     start = time.perf_counter()
     for g in range(0, len(data.items), 16):
         for a in answer_group(engine, data.items[g: g + 16]):
             total += 1
             right += a.answer == data.expected[(a.image_id, a.question_id)]
             tokens += a.image_tokens
+            answers.append(a.answer)
     secs = time.perf_counter() - start
-    return right / total, tokens / total, 60 * total / secs
+    return right / total, tokens / total, 60 * total / secs, answers
 
 
 def main() -> None:
@@ -67,14 +72,21 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    easy = "easy-vqa test (yes/no)"
+    answers = {}
     with tempfile.TemporaryDirectory() as tmp:
-        sets = {"easy-vqa test (yes/no)": easy_vqa_set("test", args.easy_limit),
+        sets = {easy: easy_vqa_set("test", args.easy_limit),
                 f"held-out scenes ({args.scenes})": scene_items(args.scenes, Path(tmp))}
         print(f"{'set':<28}{'tiling':<11}{'accuracy':>10}{'img tok/q':>11}{'QPM':>9}")
         for name, items in sets.items():
             for tiling in ("reference", "reduced"):
-                acc, tok, qpm = run(items, args.model, tiling)
+                acc, tok, qpm, answers[name, tiling] = run(items, args.model, tiling)
                 print(f"{name:<28}{tiling:<11}{acc:>10.4f}{tok:>11.1f}{qpm:>9.0f}")
+    checks = Checks()
+    differ = sum(a != b for a, b in zip(answers[easy, "reference"], answers[easy, "reduced"]))
+    what = f"easy-vqa (one 64 px tile either way): the two tilings' answers differ on {differ}"
+    print(f"\ncheck: {what} {checks.verdict(differ == 0, what)}")
+    checks.exit()
 
 
 if __name__ == "__main__":

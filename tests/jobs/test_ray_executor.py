@@ -1,23 +1,23 @@
 """The Ray executor: same results as in-process, a killed model worker, a hung decoder,
 cancel and resume, Parquet export, joining a running cluster (`--address`). Each test starts
-(and stops) a local Ray instance, or a head with `ray start`."""
+(and stops) a local Ray instance, or a head with `ray start` (``tests/jobs/ray_head.py``)."""
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 
+from tests.jobs.ray_head import RayHead, free_port, ray_client_lock
 from tests.jobs.test_job import ROOT, cli, make_manifest, submit_job
 from vlmbatch.app.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from vlmbatch.jobs.folder import STORE_FILE
@@ -227,29 +227,11 @@ def test_a_sigterm_while_ray_starts_is_ours_not_rays(monkeypatch) -> None:  # no
     assert SIGTERMS == [signal.SIGTERM]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_listening(*ports: int, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    for port in ports:
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, f"nothing listens on {port}"
-                time.sleep(0.2)
-
-
 @pytest.mark.parametrize("via", ["--address", "RAY_ADDRESS"])
 def test_unreachable_address_fails_fast(tmp_path: Path, random_model_dir: Path, capsys,  # noqa: ANN001
                                         monkeypatch, via: str) -> None:  # noqa: ANN001
     job = submit(tmp_path, random_model_dir, 1)
-    port = _free_port()  # closed again: nothing listens there
+    port = free_port()  # closed again: nothing listens there
     address = f"ray://127.0.0.1:{port}"
     args = ["--address", address] if via == "--address" else []
     if via == "RAY_ADDRESS":
@@ -285,50 +267,77 @@ def test_missing_auth_token_is_named(tmp_path: Path, random_model_dir: Path) -> 
 def test_joins_a_running_cluster_by_address_and_by_ray_client(tmp_path: Path,
                                                               random_model_dir: Path) -> None:
     """A head started apart (`ray start --head`, as on a cluster), joined through its GCS
-    address and through Ray Client (ray://); without --address a run starts its own instance
-    beside it instead of joining it. The lines equal the in-process run's."""
-    ray_cli = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")
-    assert ray_cli, "the ray command comes with the ray package"
-    gcs, client = _free_port(), _free_port()
-    # token auth, with a token of the test's own (no ~/.ray/auth_token needed or touched)
-    (tmp_path / "home").mkdir()
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
-           "PYTHONPATH": str(ROOT), "HOME": str(tmp_path / "home")}
-    env.pop("RAY_ADDRESS", None)
-    # --block in its own session: stopping it stops this head only (`ray stop` would stop
-    # every Ray instance on the machine)
-    # its own temp dir (short: Ray's socket paths must fit 107 bytes), so that another Ray on
-    # the machine and this head do not share /tmp/ray's "current cluster" file
-    temp = tempfile.mkdtemp(prefix="vr", dir="/tmp")
-    head = subprocess.Popen([ray_cli, "start", "--head", "--block", f"--port={gcs}",
-                             f"--ray-client-server-port={client}", "--num-cpus=3",
-                             f"--temp-dir={temp}", "--include-dashboard=false",
-                             "--disable-usage-stats"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    address and through Ray Client (ray://): each run is one more driver on that head, and
+    its lines equal the in-process run's (the broken item's error included)."""
+    head = RayHead(tmp_path)
     try:
-        _wait_listening(gcs, client)
-        m = make_manifest(tmp_path, 5, broken=1)
+        m = make_manifest(tmp_path, 2, broken=1)
         want = direct(tmp_path, random_model_dir, m)
-        joins = [["--address", f"127.0.0.1:{gcs}"], ["--address", f"ray://127.0.0.1:{client}"],
-                 []]
-        for i, address in enumerate(joins):
+        for i, address in enumerate([head.address, head.client_address]):
             job = tmp_path / f"job{i}"
             main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir),
                   "--images-per-batch", "2", "--no-progress"])
-            p = subprocess.run([sys.executable, "-m", "vlmbatch", "run", str(job), *RAY,
-                                *address, "--no-progress"], cwd=ROOT, env=env,
-                               capture_output=True, text=True, timeout=300)
-            assert p.returncode == 3, p.stderr[-3000:]  # the broken item failed, as in-process
+            joined = head.drivers()
+            with ray_client_lock() if address.startswith("ray://") else nullcontext():
+                p = subprocess.run([sys.executable, "-m", "vlmbatch", "run", str(job), *RAY,
+                                    "--address", address, "--no-progress"], cwd=ROOT,
+                                   env=head.env, capture_output=True, text=True, timeout=300)
+            # the broken item failed, as in-process
+            assert p.returncode == 3, p.stderr[-3000:] + head.client_logs()
+            assert head.drivers() == joined + 1, address  # it ran there, not on its own Ray
             assert_same_lines(results(job), want)
     finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
-        shutil.rmtree(temp, ignore_errors=True)
+        head.stop()
+
+
+def test_without_an_address_a_run_starts_its_own_instance(monkeypatch) -> None:  # noqa: ANN001
+    """No --address and no $RAY_ADDRESS: ray.init(address="local"), which always starts a new
+    instance sized for the run (ray.init() alone would join the cluster `ray start` last made
+    on this machine); with $RAY_ADDRESS, that address."""
+    from vlmbatch.jobs.config import RayOptions
+    from vlmbatch.jobs.ray_cluster import init_ray
+
+    calls: list[dict] = []
+
+    class Recorder:
+        class exceptions:  # noqa: N801
+            RayError = RuntimeError
+
+        @staticmethod
+        def init(**kw: object) -> None:
+            calls.append(kw)
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    init_ray(Recorder, RayOptions(preprocess_workers=2, model_cpus=1.5))
+    assert calls[-1]["address"] == "local" and calls[-1]["num_cpus"] == 4  # ceil(2 + 1.5)
+    monkeypatch.setenv("RAY_ADDRESS", "auto")  # no port: no TCP check
+    init_ray(Recorder, RayOptions())
+    assert calls[-1]["address"] == "auto" and calls[-1]["num_cpus"] is None
+
+
+def test_a_refused_ray_client_join_says_why_and_what_to_change() -> None:
+    """Ray's "Initialization failure from server:" comes with the server's traceback; the
+    message keeps its last line, and for a server process that did not start in time on the
+    head, or died as it started (what made the join test flaky on a loaded machine), names
+    the head's setting."""
+    from vlmbatch.jobs.ray_cluster import CLIENT_WAIT_ENV, _join_hint
+
+    tb = ("Initialization failure from server:\nTraceback (most recent call last):\n  File "
+          '"proxier.py", line 777, in Datapath\nRuntimeError: Proxy failed to Connect to '
+          "backend! Check `ray_client_server.err` on the head node\n")
+    hint = _join_hint(ConnectionAbortedError(tb))
+    assert "RuntimeError: Proxy failed to Connect to backend! Check" in hint
+    assert f"{CLIENT_WAIT_ENV}=120 ray start --head" in hint and "30 s" in hint
+    died = _join_hint(ConnectionAbortedError(
+        "Initialization failure from server:\nTraceback (most recent call last):\n"
+        "RuntimeError: Starting Ray client server failed. See ray_client_server_23000.err\n"))
+    assert "Starting Ray client server failed" in died
+    assert "GRPC_ENABLE_FORK_SUPPORT=0 ray start --head" in died
+    other = _join_hint(ConnectionAbortedError(
+        "Initialization failure from server:\nTraceback (most recent call last):\n"
+        "ValueError: Runtime environment doesn't match\n"))
+    assert other.endswith("ValueError: Runtime environment doesn't match")
+    assert CLIENT_WAIT_ENV not in other and "GRPC" not in other
 
 
 class _Ref:

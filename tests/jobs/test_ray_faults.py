@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.jobs.ray_head import free_port, wait_listening
 from tests.jobs.test_job import ROOT, cli, submit_job
-from tests.jobs.test_ray_executor import _free_port, _wait_listening
 from vlmbatch.app.cli import EXIT_OK, main
 from vlmbatch.jobs.folder import STORE_FILE
 from vlmbatch.jobs.job import status
@@ -126,7 +126,7 @@ def test_a_worker_node_lost_mid_job_completes_exactly_once(tmp_path: Path,
     is not the image's fault) and every item is answered once."""
     ray_cli = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")
     assert ray_cli
-    gcs = _free_port()
+    gcs = free_port()
     (tmp_path / "home").mkdir()
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
            "PYTHONPATH": str(ROOT), "HOME": str(tmp_path / "home")}
@@ -140,7 +140,7 @@ def test_a_worker_node_lost_mid_job_completes_exactly_once(tmp_path: Path,
                   f"--temp-dir={temp}", "--include-dashboard=false")
     worker = None
     try:
-        _wait_listening(gcs)
+        wait_listening(gcs)
         worker = _start(ray_cli, {**env, "VLMBATCH_TEST_NODE": "worker"},
                         f"--address=127.0.0.1:{gcs}", "--num-cpus=2")
         _wait_for_nodes(f"127.0.0.1:{gcs}", env, 2)

@@ -12,9 +12,10 @@ from vlmbatch.pipeline.config import DEFAULT_MODEL, EngineConfig, ModelConfig
 from vlmbatch.pipeline.evaluate import evaluate
 from vlmbatch.pipeline.loading import load_model
 
-# The measured accuracy of the committed model, rounded down: a regression floor, not the
-# goal (issue 2 asks for >= 0.95; the committed model measures 0.9985).
-FLOOR = 0.99
+# The committed model measures 0.9985 (7,125 of 7,136 right: README, `vlmbatch eval`); the
+# floor is that figure less 3 questions (>= 7,122 right), so a change that costs the model a
+# handful of answers fails here (issue 2 asked for >= 0.95; 0.99 let 60 answers go).
+FLOOR = 0.998
 
 
 def test_default_model_is_hf_internvl() -> None:
@@ -33,7 +34,7 @@ def test_default_model_is_hf_internvl() -> None:
 def test_easy_vqa_test_accuracy() -> None:
     r = evaluate(ModelConfig(), EngineConfig(), split="test", progress=False)
     assert r.questions == 7136
-    assert r.accuracy >= FLOOR, f"accuracy {r.accuracy:.4f}"
+    assert r.accuracy >= FLOOR, f"accuracy {r.accuracy:.4f} ({r.correct} right)"
 
 
 def test_answers_agree_with_pillow_reference_preprocessing() -> None:

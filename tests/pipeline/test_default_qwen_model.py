@@ -12,9 +12,10 @@ import vlmbatch
 from vlmbatch.pipeline.config import DEFAULT_QWEN_MODEL, EngineConfig, ModelConfig
 from vlmbatch.pipeline.evaluate import evaluate
 
-# issue 18's target; the committed model measures 0.9983 (`vlmbatch eval --model
-# vlmbatch/pipeline/default_qwen_model`)
-TARGET = 0.99
+# The committed model measures 0.9983 (7,124 of 7,136 right: README, `vlmbatch eval --model
+# vlmbatch/pipeline/default_qwen_model`); the floor is that figure less 2 questions (>= 7,122
+# right). Issue 18's target was 0.99.
+FLOOR = 0.998
 
 
 def test_default_qwen_model_is_hf_qwen2_5_vl() -> None:
@@ -30,4 +31,4 @@ def test_easy_vqa_test_accuracy() -> None:
     r = evaluate(ModelConfig(path=DEFAULT_QWEN_MODEL), EngineConfig(), split="test",
                  progress=False)
     assert r.questions == 7136
-    assert r.accuracy >= TARGET, f"accuracy {r.accuracy:.4f}"
+    assert r.accuracy >= FLOOR, f"accuracy {r.accuracy:.4f} ({r.correct} right)"

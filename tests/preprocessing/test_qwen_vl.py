@@ -139,4 +139,5 @@ def test_large_jpeg_is_decoded_reduced_to_what_the_resize_keeps(name: str) -> No
         fast, ref = prepare_bytes(data, cfg, 10**9), prepare_qwen_vl(decode(data), cfg)
         assert fast.grid == ref.grid and (fast.width, fast.height) == (4000, 3000)
         diff = np.abs(fast.rows.astype(np.int16) - ref.rows.astype(np.int16))
-        assert diff.mean() < 1.5 and (diff.mean() == 0) == (not reduced)
+        # docs/qwen_vl.md: 0.66 / 0.68 grey levels apart on average (Qwen2/2.5-VL / Qwen3-VL)
+        assert diff.mean() <= 0.75 and (diff.mean() == 0) == (not reduced)

@@ -63,6 +63,8 @@ def _join_hint(e: BaseException) -> str:
     text = " ".join(chain)
     if "ray[client]" in text:
         return "ray:// addresses need Ray Client: pip install 'ray[client]'"
+    if "Initialization failure from server" in text:
+        return _client_server_hint(str(e))
     token = ("RAY_AUTH_MODE=token here and the cluster's token (~/.ray/auth_token, "
              "RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH)")
     if "token" in text.lower() and "uthentica" in text:
@@ -71,6 +73,33 @@ def _join_hint(e: BaseException) -> str:
     if "timeout" in text.lower() and os.environ.get("RAY_AUTH_MODE") != "token":
         return f"{first} (if the cluster uses token authentication: {token})"
     return first
+
+
+# Ray's Ray Client server (ray/util/client/server/proxier.py) starts one server process per
+# driver and waits this long (head-side environment variable, seconds) for its gRPC port
+CLIENT_WAIT_ENV, CLIENT_WAIT_DEFAULT_S = "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S", 30
+
+
+def _client_server_hint(message: str) -> str:
+    """A ray:// join that the head's Ray Client server refused: the server's own reason (the
+    last line of the traceback it sent back), and for the two causes we know (the server
+    process for this driver did not start in time, or died as it started) what to change on
+    the head."""
+    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
+    reason = lines[-1] if len(lines) > 1 else "no reason given"
+    hint = f"the head's Ray Client server refused this driver: {reason}"
+    if "Proxy failed to Connect to backend" in message:
+        hint += (f" (its server process for this driver did not listen within "
+                 f"{CLIENT_WAIT_ENV}, {CLIENT_WAIT_DEFAULT_S} s unless set on the head: on a "
+                 f"loaded head start Ray with a longer wait, e.g. {CLIENT_WAIT_ENV}=120 ray "
+                 "start --head ..., or join by the GCS address HOST:PORT from a node of the "
+                 "cluster)")
+    elif "Starting Ray client server failed" in message or "ZombieProcess" in message:
+        hint += (" (its server process for this driver died as it started, a fork of the "
+                 "head's gRPC server crashing: start the head with GRPC_ENABLE_FORK_SUPPORT=0 "
+                 "ray start --head ..., or join by the GCS address HOST:PORT from a node of "
+                 "the cluster)")
+    return hint
 
 
 def check_reachable(address: str, named: str, timeout_s: float = 5.0) -> None:

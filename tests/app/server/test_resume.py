@@ -76,6 +76,55 @@ def sigterm_with_a_request_in_flight(data: Path, text: str) -> str:
     return str(b["id"])
 
 
+def test_sigkill_mid_batch_resumed_once_then_sigterm_answers_the_request_in_flight(
+        tmp_path: Path) -> None:
+    """The slow test below, trimmed for CI (two server starts, 10 requests): a server
+    SIGKILLed mid-batch; the next one on the same data folder completes the batch, every
+    request answered once, lines equal to ``vlmbatch run``'s; then a chat request in flight
+    (its engine call slowed by 1 s) when SIGTERM arrives is answered, and the server exits
+    143."""
+    data, n = tmp_path / "data", 10
+    reqs = [(f"k{i}", data_url(IMAGES / f"scene_{i % 6:02d}.png"),
+             ["Is there a red shape?", "Is there a circle?"][i % 2]) for i in range(n)]
+    (tmp_path / "in.jsonl").write_text(batch_lines(reqs))
+    k = Server(data, "--images-per-batch", "2", faults=SLOW).wait_ready()
+    with k.client() as c:
+        f = c.post("/v1/files", files={"file": ("in.jsonl", batch_lines(reqs).encode())},
+                   data={"purpose": "batch"}).json()
+        batch_id = c.post("/v1/batches", json={"input_file_id": f["id"],
+                                               "completion_window": "24h",
+                                               "endpoint": "/v1/chat/completions"}).json()["id"]
+        wait_for(c, batch_id, done=4)
+    k.kill()  # SIGKILL mid-batch: no chance to mark anything
+    job = data / "batches" / batch_id / "job"
+    assert 0 < pending(job) < n
+    r = Server(data, "--images-per-batch", "2", faults={"slow_score": 1.0}).wait_ready()
+    with r.client() as c:
+        assert wait_for(c, batch_id) == ("completed", n)  # resumed by the new server
+        out = c.get(f"/v1/batches/{batch_id}").json()
+        lines = c.get(f"/v1/files/{out['output_file_id']}/content").text.splitlines()
+        got: list[httpx.Response] = []
+        body = chat_body(data_url(IMAGES / "scene_07.png"), "Is there a red shape?")
+        t = threading.Thread(target=lambda: got.append(c.post("/v1/chat/completions",
+                                                              json=body)))
+        t.start()
+        time.sleep(0.3)  # in flight: in the engine thread (slowed by 1 s)
+        rc = r.stop()
+        t.join()
+    assert rc == 143, r.output()
+    assert got and got[0].status_code == 200, got  # the request in flight was answered
+    assert out["request_counts"] == {"total": n, "completed": n, "failed": 0}
+    store = JobStore(job / STORE_FILE)
+    recorded = [ln["id"] for (x,) in store.db.execute("SELECT result FROM items")
+                for ln in json.loads(x)]
+    store.close()
+    assert sorted(recorded) == sorted(cid for cid, _, _ in reqs)  # each once in the store
+    run_out = tmp_path / "run.jsonl"
+    assert main(["run", str(tmp_path / "in.jsonl"), "-o", str(run_out),
+                 "--no-progress"]) == EXIT_OK
+    assert lines == run_out.read_text().splitlines()  # = vlmbatch run, line for line
+
+
 @pytest.mark.slow  # three server starts, ~25 s on 2 cores
 def test_sigterm_then_sigkill_then_the_batch_completes_exactly_once(tmp_path: Path) -> None:
     data = tmp_path / "data"
