@@ -1,8 +1,11 @@
-"""Write examples/: a dozen shape scenes, a manifest asking about them, and a policy.
+"""Write examples/: a dozen shape scenes, a manifest asking about them, and a policy; and
+examples/labelled/: 48 more scenes, a manifest whose questions carry their true answers
+(``expected``, from the scene's shapes) and the same labels as a labels file, for ``vlmbatch
+eval MANIFEST``, ``calibrate`` and ``report``.
 
     python scripts/make_examples.py
 
-Deterministic (fixed seed); the committed files are this script's output.
+Deterministic (fixed seeds); the committed files are this script's output.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.shapes import make_questions, make_scene  # noqa: E402
+from scripts.shapes import Scene, make_questions, make_scene  # noqa: E402
 
 POLICY = """\
 # Asked of every image in the manifest (vlmbatch run ... --policy examples/policy.yaml).
@@ -46,6 +49,36 @@ def main() -> None:
         lines.append({"id": f"scene_{i:02d}", "image": name, "questions": qs})
     (out / "manifest.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     (out / "policy.yaml").write_text(POLICY)
+    labelled(out / "labelled")
+
+
+# the labelled example's questions: id -> (text, the truth of a scene)
+LABELLED = {
+    "red": ("Is there a red shape?", lambda sc: any(s.color == "red" for s in sc.shapes)),
+    "circle": ("Does the image contain a circle?",
+               lambda sc: any(s.kind == "circle" for s in sc.shapes)),
+    "triangle": ("Is there a triangle?",
+                 lambda sc: any(s.kind == "triangle" for s in sc.shapes)),
+    "three": ("Are there three shapes?", lambda sc: len(sc.shapes) == 3),
+}
+
+
+def labelled(out: Path, n: int = 48) -> None:
+    """``n`` scenes, each asked LABELLED's questions with ``expected`` its true answer."""
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(2027)
+    lines, labels = [], []
+    for i in range(n):
+        scene: Scene = make_scene(rng)
+        name = f"images/l{i:02d}.png"
+        cv2.imwrite(str(out / name), cv2.cvtColor(scene.image, cv2.COLOR_RGB2BGR))
+        qs = [{"id": qid, "text": text, "expected": "yes" if truth(scene) else "no"}
+              for qid, (text, truth) in LABELLED.items()]
+        lines.append({"id": f"l{i:02d}", "image": name, "questions": qs})
+        labels += [{"id": f"l{i:02d}", "question_id": q["id"], "expected": q["expected"]}
+                   for q in qs]
+    (out / "manifest.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (out / "labels.jsonl").write_text("".join(json.dumps(x) + "\n" for x in labels))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from vlmbatch.app.config import SPLITS
 from vlmbatch.app.embed_args import add_embed_parser, embed_option_args
+from vlmbatch.app.label_args import add_calibrate_parser, add_report_parser
 from vlmbatch.app.server.config import add_server_args
 from vlmbatch.jobs.config import EXECUTORS, TASKS, RayOptions, RunConfig
 from vlmbatch.pipeline.build import ENGINES
@@ -214,8 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="vlmbatch",
         description="Ask a vision-language model yes/no questions about many images, fast.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_run, _add_submit, _add_job_commands, _add_eval, _add_quantize,
-                _add_export_vit, _add_serve):
+    for add in (_add_run, _add_submit, _add_job_commands, _add_eval, add_calibrate_parser,
+                add_report_parser, _add_quantize, _add_export_vit, _add_serve):
         add(sub)
     add_embed_parser(sub, _model_args, decode_timeout_arg)
     return p
@@ -306,9 +307,20 @@ def _add_job_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
-    """``eval``: easy-vqa accuracy."""
-    e = sub.add_parser("eval", help="accuracy on easy-vqa's test split (yes/no questions)",
-                       description="Accuracy of a model on easy-vqa's yes/no questions.")
+    """``eval [MANIFEST]``: easy-vqa accuracy, or a labelled evaluation."""
+    e = sub.add_parser("eval", help="accuracy on easy-vqa's test split (yes/no questions), or "
+                       "metrics on your own labelled manifest",
+                       description="Without MANIFEST: accuracy of a model on easy-vqa's yes/no "
+                       "questions. With MANIFEST (questions carrying \"expected\"): ask its "
+                       "labelled questions and print accuracy and, per question, precision, "
+                       "recall, F1, AUROC and expected calibration error (10 bins), with a "
+                       "confusion matrix for label-set questions; --json for scripts.")
+    e.add_argument("manifest", type=Path, nargs="?",
+                   help='a labelled manifest: questions {"id", "text", "expected": "yes"|"no"|'
+                   "a choice}; only questions with expected are asked")
+    e.add_argument("--policy", type=Path, help="with MANIFEST: questions asked of every image "
+                   "(their expected holds for every image)")
+    e.add_argument("--json", action="store_true", help="with MANIFEST: one JSON object")
     e.add_argument("--split", default="test", choices=SPLITS)
     e.add_argument("--limit", type=positive_int, default=None, help="first N questions only")
     e.add_argument("--no-progress", dest="progress", action="store_false",

@@ -8,7 +8,10 @@ One frozen record per command, the shared sub-configs once each (``pipeline/conf
                                               executor, embed  (a job stores it: job.json)
     serve          server.config.ServeConfig  listen, limits, batches; model, engine, prepare
     embed          EmbedCommandConfig         inputs, outputs; model, engine, prepare, embed
-    eval           EvalConfig                 split, limit; model, engine, prepare
+    eval           EvalConfig                 split, limit (or a labelled manifest); model,
+                                              engine, prepare
+    calibrate      CalibrateConfig            results, labels, target, outputs
+    report         ReportConfig               job, output, contact sheet size
     quantize       QuantizeConfig             method, calibration, output
     export-vit     ExportVitConfig            output, opset
 
@@ -73,12 +76,16 @@ def _config_type(tp: Any) -> type | None:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """``vlmbatch eval``: accuracy on easy-vqa's yes/no questions."""
+    """``vlmbatch eval``: accuracy on easy-vqa's yes/no questions, or, given a manifest whose
+    questions carry ``expected``, the metrics of a labelled evaluation on it."""
     split: str = "test"  # one of SPLITS
     limit: int | None = None  # the first N questions only
     images_per_batch: int = 16
     threads: int | None = None  # torch threads (None: torch's default)
     progress: bool = True
+    manifest: Path | None = None  # a labelled manifest instead of easy-vqa
+    policy: Path | None = None  # with a manifest: questions asked of every image
+    json: bool = False  # with a manifest: the metrics as one JSON object
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
@@ -88,6 +95,12 @@ class EvalConfig:
             raise ConfigError(f"split {self.split!r} not one of {SPLITS}")
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"--limit must be >= 1, got {self.limit}")
+        if self.manifest is None and (self.policy is not None or self.json):
+            raise ConfigError("--policy and --json apply to `vlmbatch eval MANIFEST` (a "
+                              "labelled manifest); plain `eval` runs easy-vqa")
+        if self.manifest is not None and (self.limit is not None or self.split != "test"):
+            raise ConfigError("--split and --limit choose easy-vqa's questions; a manifest's "
+                              "are all asked")
         if self.images_per_batch < 1:
             raise ConfigError(f"images_per_batch must be >= 1, got {self.images_per_batch}")
         check_threads(self.threads, None)
@@ -166,3 +179,53 @@ class ExportVitConfig:
     def __post_init__(self) -> None:
         if not 17 <= self.opset <= 20:
             raise ConfigError(f"--opset must be in 17..20, got {self.opset}")
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    """``vlmbatch calibrate``: per yes/no question, the threshold meeting one target."""
+    results: Path  # a results JSONL file or a job folder
+    labels: Path  # a labels JSONL file or a manifest with `expected` on its questions
+    precision: float | None = None
+    recall: float | None = None
+    max_fpr: float | None = None
+    f1: bool = False
+    plots: Path | None = None  # a folder for pr.png and roc.png
+    write_policy: Path | None = None
+    json: bool = False
+
+    def __post_init__(self) -> None:
+        given = [n for n, v in (("--precision", self.precision), ("--recall", self.recall),
+                                ("--max-fpr", self.max_fpr)) if v is not None]
+        if len(given) + self.f1 != 1:
+            raise ConfigError("give exactly one target: --precision P, --recall R, "
+                              "--max-fpr F or --f1")
+        for name, v in (("--precision", self.precision), ("--recall", self.recall),
+                        ("--max-fpr", self.max_fpr)):
+            if v is not None and not 0.0 <= v <= 1.0:
+                raise ConfigError(f"{name} must be in [0, 1], got {v}")
+        if self.write_policy is not None and self.write_policy.suffix not in (".yaml", ".yml"):
+            raise ConfigError(f"--write-policy {self.write_policy}: give a .yaml file")
+
+    @property
+    def target(self) -> tuple[str, float | None]:
+        """(kind, value) of the one target given: ``jobs/calibration.py``'s ``Target``."""
+        for kind in ("precision", "recall", "max_fpr"):
+            if (v := getattr(self, kind)) is not None:
+                return kind, v
+        return "f1", None
+
+
+@dataclass(frozen=True)
+class ReportConfig:
+    """``vlmbatch report``: one self-contained HTML page about a job."""
+    job: Path
+    out: Path
+    borderline: int = 8  # thumbnails per question
+    thumb_size: int = 128  # pixels, the longer side
+
+    def __post_init__(self) -> None:
+        if self.borderline < 0 or not 16 <= self.thumb_size <= 512:
+            raise ConfigError("--borderline must be >= 0 and --thumb-size in 16..512")
+        if self.out.suffix.lower() not in (".html", ".htm"):
+            raise ConfigError(f"-o {self.out}: give an .html file")

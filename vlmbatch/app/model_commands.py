@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -33,9 +34,10 @@ from vlmbatch.app.embed_cli import run_embed
 from vlmbatch.app.server.config import server_config
 from vlmbatch.app.server.run import serve
 from vlmbatch.jobs.config import RunConfig
+from vlmbatch.jobs.evaluation import report_text
 from vlmbatch.jobs.job import run_job, submit
 from vlmbatch.jobs.manifest import read_manifest, read_policy
-from vlmbatch.jobs.runner import run
+from vlmbatch.jobs.runner import evaluate_labelled, run
 from vlmbatch.jobs.sinks import check_writable, format_of
 from vlmbatch.pipeline.config import DEFAULT_EMBED_MODEL, EMBED_GROUP, ConfigError, ModelConfig
 from vlmbatch.pipeline.embed import embedding_checkpoint
@@ -171,11 +173,25 @@ def cmd_resume(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
 def cmd_eval(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
     cfg = from_args(EvalConfig, a)
     refuse_embedding_model(cfg.model.path)
+    if cfg.manifest is not None:
+        return _eval_labelled(cfg, hooks)
     r = evaluate(cfg.model, cfg.engine, cfg.split, cfg.limit, cfg.images_per_batch,
                  cfg.progress, cfg.prepare.options(cfg.model.device), hooks, cfg.threads)
     print(f"easy-vqa {cfg.split} yes/no accuracy: {r.accuracy:.4f} ({r.correct}/"
           f"{r.questions}) in {r.seconds:.1f}s ({60 * r.questions / r.seconds:.0f} QPM)")
     return EXIT_OK
+
+
+def _eval_labelled(cfg: EvalConfig, hooks: FaultHooks) -> int:
+    """``eval MANIFEST``: the metrics on stdout (text or JSON), the run's summary on stderr."""
+    run_cfg = RunConfig(manifest=cfg.manifest, policy=cfg.policy,
+                        images_per_batch=cfg.images_per_batch, threads=cfg.threads,
+                        progress=cfg.progress, model=cfg.model, engine=cfg.engine,
+                        prepare=cfg.prepare)
+    summary, report = evaluate_labelled(run_cfg, hooks)
+    print(f"vlmbatch: {summary.text()}", file=sys.stderr)
+    print(json.dumps(report.as_json()) if cfg.json else report_text(report))
+    return EXIT_ITEM_ERRORS if summary.failed_images else EXIT_OK
 
 
 def cmd_export_vit(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:

@@ -1,9 +1,11 @@
 """Job inputs: JSONL manifests, policy files (YAML/TOML) and folders of images.
 
 Manifest line: ``{"id": ..., "image": <path | file:// URL | data: URL>, "questions": [...]}``
-where a question is a string or ``{"id", "text", "threshold"?, "max_new_tokens"?}``
-(``max_new_tokens``: also generate up to that many answer tokens for this question, e.g. an
-explanation for the few questions that need one; default the run's ``--max-new-tokens``).
+where a question is a string or ``{"id", "text", "threshold"?, "max_new_tokens"?,
+"expected"?}`` (``max_new_tokens``: also generate up to that many answer tokens for this
+question, e.g. an explanation for the few questions that need one; default the run's
+``--max-new-tokens``; ``expected``: the user's label, ``"yes"`` or ``"no"`` (one of its
+choices for a label-set question), which only ``vlmbatch eval MANIFEST`` reads).
 Relative paths are resolved against the manifest's folder. A policy names questions applied
 to every image:
 
@@ -30,17 +32,19 @@ from vlmbatch.jobs.errors import ManifestError, brief, check_id, check_unicode
 from vlmbatch.jobs.openai_batch import is_openai_request, parse_request
 from vlmbatch.pipeline.records import ImageItem, Question
 
-__all__ = ["ImageItem", "ManifestError", "Question", "first_line", "items_from_folder",
-           "iter_manifest", "manifest_format", "parse_question", "read_manifest", "read_policy"]
+__all__ = ["ImageItem", "ManifestError", "Question", "check_expected", "first_line",
+           "items_from_folder", "iter_manifest", "manifest_format", "parse_question",
+           "read_manifest", "read_policy"]
 
-QUESTION_KEYS = {"id", "text", "threshold", "max_new_tokens"}
+QUESTION_KEYS = {"id", "text", "threshold", "max_new_tokens", "expected"}
+YES_NO = ("yes", "no")
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 
 
 def parse_question(raw: object, where: str, index: int, prefix: str = "q") -> Question:
-    """A question given as a string or ``{"id", "text", "threshold"?, "max_new_tokens"?}``;
-    ManifestError naming ``where`` and ``index`` otherwise. Without an id it is
-    ``{prefix}{index}``."""
+    """A question given as a string or ``{"id", "text", "threshold"?, "max_new_tokens"?,
+    "expected"?}``; ManifestError naming ``where`` and ``index`` otherwise. Without an id it
+    is ``{prefix}{index}``."""
     if isinstance(raw, str):
         if not raw.strip():
             raise ManifestError(f"{where}: question {index} is empty")
@@ -62,8 +66,26 @@ def parse_question(raw: object, where: str, index: int, prefix: str = "q") -> Qu
         raise ManifestError(f"{where}: question {index} max_new_tokens must be a whole number "
                             f">= 0, got {brief(gen)}")
     qid = check_id(raw.get("id", f"{prefix}{index}"), where, f"question {index} id")
+    # None: a yes/no question's labels; a label-set question passes its choices
+    expected = check_expected(raw.get("expected"), None, where, f"question {index}")
     return Question(id=qid, text=raw["text"],
-                    threshold=float(thr), max_new_tokens=gen)
+                    threshold=float(thr), max_new_tokens=gen, expected=expected)
+
+
+def check_expected(raw: object, choices: tuple[str, ...] | None, where: str,
+                   what: str) -> str | None:
+    """A label as given (``expected`` of a question or a labels line): None when absent,
+    else ``"yes"``/``"no"`` for a yes/no question (``choices`` None) or one of ``choices``;
+    ManifestError naming ``where`` and ``what`` otherwise. Exact: ``"Yes"`` is refused, not
+    read as yes, as a label-set's choices are matched exactly."""
+    if raw is None:
+        return None
+    allowed = YES_NO if choices is None else choices
+    if not isinstance(raw, str) or raw not in allowed:
+        kind = "a yes/no question's" if choices is None else "its"
+        raise ManifestError(f"{where}: {what} expected must be one of {kind} answers "
+                            f"{list(allowed)}, got {brief(raw)}")
+    return raw
 
 
 def _questions(raw: object, where: str, prefix: str = "q") -> tuple[Question, ...]:

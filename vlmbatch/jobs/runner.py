@@ -5,11 +5,14 @@ CSV) results, with progress.
 ``images_per_batch`` through the drive loop (``pipeline/drive.py``: preprocessing threads
 prepare the next groups while the model answers this one); each group's answers are
 written and flushed before the next group's are, so an interrupted run keeps whole lines.
-Jobs (``jobs/job.py``) run the same loop over a job store.
+Jobs (``jobs/job.py``) run the same loop over a job store. ``evaluate_labelled`` (``vlmbatch
+eval MANIFEST``) runs a labelled manifest's questions the same way and scores the lines.
 """
 
 from __future__ import annotations
 
+import io
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -18,6 +21,8 @@ from typing import IO
 from tqdm import tqdm
 
 from vlmbatch.jobs.config import RunConfig
+from vlmbatch.jobs.evaluation import EvalReport, evaluate, join
+from vlmbatch.jobs.labels import labelled_manifest, scored
 from vlmbatch.jobs.manifest import items_from_folder, manifest_format, read_manifest, read_policy
 from vlmbatch.jobs.sinks import GroupWriter, format_of
 from vlmbatch.pipeline.build import build_engine
@@ -63,10 +68,11 @@ def load_items(cfg: RunConfig) -> list[ImageItem]:
     return items_from_folder(cfg.images, policy)
 
 
-def run(cfg: RunConfig, out: IO[str] | None = None, hooks: FaultHooks = NO_HOOKS) -> RunSummary:
-    """Run a whole manifest in this process. Raises ManifestError/ModelError before any
-    work."""
-    items = load_items(cfg)
+def run(cfg: RunConfig, out: IO[str] | None = None, hooks: FaultHooks = NO_HOOKS,
+        items: list[ImageItem] | None = None) -> RunSummary:
+    """Run a whole manifest (or ``items``, read from it already) in this process. Raises
+    ManifestError/ModelError before any work."""
+    items = load_items(cfg) if items is None else items
     openai = cfg.manifest is not None and manifest_format(cfg.manifest) == "openai"
     fmt = format_of(cfg.out)
     hooks.loading()
@@ -93,3 +99,17 @@ def run(cfg: RunConfig, out: IO[str] | None = None, hooks: FaultHooks = NO_HOOKS
         sink.close()
     return RunSummary(len(items), n_q, failed_images, failed_q, time.perf_counter() - start,
                       engine.summary())
+
+
+def evaluate_labelled(cfg: RunConfig, hooks: FaultHooks = NO_HOOKS
+                      ) -> tuple[RunSummary, EvalReport]:
+    """``vlmbatch eval MANIFEST``: the manifest's labelled questions (``expected``; the
+    others are not asked) answered as ``run`` answers them, their result lines scored
+    against the labels (``jobs/evaluation.py``)."""
+    assert cfg.manifest is not None
+    items, labels = labelled_manifest(cfg.manifest, cfg.policy)
+    buf = io.StringIO()
+    summary = run(cfg, buf, hooks, items)
+    lines = (scored(json.loads(text), f"result line {n}")
+             for n, text in enumerate(buf.getvalue().splitlines(), 1))
+    return summary, evaluate(join(lines, labels))

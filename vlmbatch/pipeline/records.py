@@ -38,6 +38,9 @@ class Question:
     # greedy answer tokens to generate for this question (an explanation after the yes/no);
     # None: the run's --max-new-tokens (0 by default: P(yes) only)
     max_new_tokens: int | None = None
+    # the user's label for this question ("yes"/"no", or one of its choices): read by
+    # `vlmbatch eval MANIFEST` only; a run or a job ignores it (a job's store does not keep it)
+    expected: str | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,55 @@
+"""The commands over labels and recorded results, which load no model: ``calibrate`` and
+``report`` (argparse namespace -> the config root -> ``jobs/calibration.py``, ``jobs/plots.py``
+or ``jobs/report.py``, and the exit code). Imported only when one of them runs
+(``commands.COMMANDS``); ``report`` imports Pillow, ``calibrate --plots`` matplotlib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from vlmbatch.app.commands import EXIT_OK
+from vlmbatch.app.config import CalibrateConfig, ReportConfig, from_args
+from vlmbatch.jobs.calibration import Target, calibrate, table, write_policy
+from vlmbatch.jobs.evaluation import join
+from vlmbatch.jobs.labels import read_labels, read_results
+from vlmbatch.jobs.plots import curve_plots
+from vlmbatch.jobs.report import write_report
+from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
+
+
+def cmd_calibrate(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
+    cfg = from_args(CalibrateConfig, a)
+    target = Target(*cfg.target)
+    joined = join(read_results(cfg.results), read_labels(cfg.labels))
+    chosen = calibrate(joined.pairs, target)
+    ops = [o for o, _ in chosen]
+    if cfg.json:
+        print(json.dumps({"target": {"kind": target.kind, "value": target.value},
+                          "missing": joined.missing,
+                          "questions": {o.question_id: o.as_json() for o in ops}}))
+    else:
+        print(table(ops, target))
+    if joined.missing:
+        print(f"vlmbatch: {joined.missing} labels have no result line (not answered, or "
+              "another id)", file=sys.stderr)
+    if cfg.plots is not None:
+        paths = curve_plots(chosen, target, cfg.plots)
+        print(f"vlmbatch: wrote {', '.join(map(str, paths))}", file=sys.stderr)
+    if cfg.write_policy is not None:
+        texts: dict[str, set[str]] = {}
+        for s, _ in joined.pairs:
+            texts.setdefault(s.question_id, set()).add(s.question)
+        n = write_policy(cfg.write_policy, ops, target, texts)
+        print(f"vlmbatch: wrote {cfg.write_policy} ({n} questions)", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_report(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
+    cfg = from_args(ReportConfig, a)
+    r = write_report(cfg.job, cfg.out, cfg.borderline, cfg.thumb_size)
+    print(f"vlmbatch: wrote {cfg.out} ({len(r.questions)} questions, "
+          f"{sum(r.errors.values())} failed images)", file=sys.stderr)
+    return EXIT_OK
