@@ -1,5 +1,6 @@
 """The CLI starts at once: ``vlmbatch --help``, ``COMMAND --help``, ``status``, ``cancel`` and
-``results`` (JSONL, CSV) import neither torch, transformers nor fastapi (nor OpenCV), with
+``results`` (JSONL, CSV) import neither torch, transformers nor fastapi (nor OpenCV, nor
+matplotlib: only `calibrate --plots` needs it), with
 their usual exit codes and outputs.
 
 Each command runs as ``python -X importtime -m vlmbatch ...`` in a fresh interpreter: the
@@ -24,9 +25,9 @@ from vlmbatch.app.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from vlmbatch.pipeline.records import Answer
 
 ROOT = Path(__file__).resolve().parents[2]
-HEAVY = ("torch", "transformers", "fastapi", "uvicorn", "cv2")
-COMMANDS = ["run", "submit", "status", "cancel", "resume", "results", "eval", "quantize",
-            "export-vit", "embed", "serve"]
+HEAVY = ("torch", "transformers", "fastapi", "uvicorn", "cv2", "matplotlib")
+COMMANDS = ["run", "submit", "status", "cancel", "resume", "results", "eval", "calibrate",
+            "report", "quantize", "export-vit", "embed", "serve"]
 
 
 @dataclass

@@ -4,6 +4,9 @@ them: ``openai_embeddings.py``), embedding inputs (``embed_input.py``), the run'
 (``config.py``), sinks and exports (``sinks.py``, ``embed_sinks.py``, ``export.py``), the
 in-process runner (``runner.py``), a job's kinds of work (``tasks.py``), the job folder and
 its SQLite store (``folder.py``, ``store.py``, ``store_schema.py``, ``lock.py``, ``job.py``)
-and the Ray executor (``ray_executor.py``, ``ray_cluster.py``). Computes no tensors: answers
+and the Ray executor (``ray_executor.py``, ``ray_cluster.py``); the user's labels and result
+lines read back (``labels.py``), a labelled evaluation (``evaluation.py``, its maths in
+``metrics.py``), thresholds calibrated on labels (``calibration.py``, curves drawn by
+``plots.py``: matplotlib) and a job's HTML report (``report.py``). Computes no tensors: answers
 come from ``pipeline/``. What ``status``, ``cancel`` and ``results`` read (``folder.py``, the
 store, ``export.py``, ``config.py``) imports no torch and no image decoder."""

@@ -161,11 +161,20 @@ def _operating(qid: str, text: str, c: Curve, target: Target) -> Operating:
     if not c.positives:
         return Operating(qid, text, None, None, None, None, None, 0, n, False)
     i, reachable = choose(c, target)
-    t = c.thresholds
-    threshold = float((t[i] + t[i + 1]) / 2 if i + 1 < len(t) else t[i])
+    threshold = _between(c.thresholds, i)
     return Operating(qid, text, threshold, float(c.precision[i]),
                      float(c.recall[i]), float(c.fpr[i]) if c.negatives else None,
                      float(c.f1[i]), c.positives, n, reachable)
+
+
+def _between(t: np.ndarray, i: int) -> float:
+    """Midway between point ``i``'s P(yes) and the next lower one, in 7 decimals when that
+    stays strictly between them (result lines hold P(yes) in 6)."""
+    if i + 1 == len(t):
+        return float(t[i])
+    mid = float((t[i] + t[i + 1]) / 2)
+    short = round(mid, 7)
+    return short if t[i + 1] < short <= t[i] else mid
 
 
 def _f(v: float | None) -> str:

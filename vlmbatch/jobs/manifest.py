@@ -77,9 +77,12 @@ def check_expected(raw: object, choices: tuple[str, ...] | None, where: str,
     """A label as given (``expected`` of a question or a labels line): None when absent,
     else ``"yes"``/``"no"`` for a yes/no question (``choices`` None) or one of ``choices``;
     ManifestError naming ``where`` and ``what`` otherwise. Exact: ``"Yes"`` is refused, not
-    read as yes, as a label-set's choices are matched exactly."""
+    read as yes, as a label-set's choices are matched exactly; but true/false are yes/no
+    (YAML 1.1 reads a policy's bare ``expected: yes`` as true)."""
     if raw is None:
         return None
+    if isinstance(raw, bool):
+        raw = "yes" if raw else "no"
     allowed = YES_NO if choices is None else choices
     if not isinstance(raw, str) or raw not in allowed:
         kind = "a yes/no question's" if choices is None else "its"
