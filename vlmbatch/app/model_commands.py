@@ -32,7 +32,7 @@ from vlmbatch.app.config import (
 )
 from vlmbatch.app.embed_cli import run_embed
 from vlmbatch.app.server.config import server_config
-from vlmbatch.app.server.run import serve
+from vlmbatch.app.server.serve import serve
 from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.evaluation import report_text
 from vlmbatch.jobs.job import run_job, submit
