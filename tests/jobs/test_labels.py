@@ -43,8 +43,8 @@ def test_a_bad_expected_names_the_line(tmp_path: Path, bad: object) -> None:
     m = write(tmp_path / "m.jsonl", [{"id": "a", "image": "a.png", "questions": [q("ok")]},
                                      {"id": "b", "image": "b.png",
                                       "questions": [q("x"), {"text": "Y?", "expected": bad}]}])
-    with pytest.raises(ManifestError, match=rf"m.jsonl:2: question 1 expected must be one of "
-                       rf"a yes/no question's answers \['yes', 'no'\], got"):
+    with pytest.raises(ManifestError, match=r"m.jsonl:2: question 1 expected must be one of "
+                       r"a yes/no question's answers \['yes', 'no'\], got"):
         read_manifest(m)
 
 
