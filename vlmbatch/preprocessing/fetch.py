@@ -256,6 +256,8 @@ class Fetcher:
             if isinstance(size, int):
                 self._check_size(size)
             return bytes(fs.cat_file(path))
+        except SourceError:
+            raise
         except FileNotFoundError:
             raise SourceError("not found", "not_found") from None
         except PermissionError as e:
