@@ -22,11 +22,13 @@ each blocks in a socket read or in pyarrow, both outside the GIL.
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
+import io
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from queue import SimpleQueue
@@ -245,6 +247,36 @@ class Fetcher:
             return data
         return bytes(body)
 
+    @contextlib.contextmanager
+    def open_stream(self, url: str) -> Iterator[io.BufferedReader]:
+        """``url``'s body as a file read front to back (a tar shard being listed), in bounded
+        memory: http(s) streamed (its first response retried as ``http_get`` is), an object
+        store through fsspec. A failure to open is a ``SourceError``."""
+        if scheme(url) not in HTTP:
+            fs, path = self._fs_of(url)
+            try:
+                f = fs.open(path, "rb", block_size=8 << 20)
+            except FileNotFoundError:
+                raise SourceError(f"{url}: not found", "not_found") from None
+            except (OSError, ValueError) as e:
+                raise SourceError(f"{url}: cannot open: {e}", "connection") from None
+            with f:
+                yield f
+            return
+        try:
+            for attempt in range(self.opts.retries + 1):
+                with self._client().stream("GET", url) as r:
+                    if r.status_code in RETRIED_STATUS and attempt < self.opts.retries:
+                        wait = self._wait(r, attempt)
+                    elif r.status_code != 200:
+                        raise status_error(r)
+                    else:
+                        yield io.BufferedReader(_Chunks(r.iter_bytes()), 1 << 20)
+                        return
+                time.sleep(wait)
+        except httpx.HTTPError as e:
+            raise SourceError(f"{type(e).__name__}: {e}", "connection") from None
+
     # --- object stores ---------------------------------------------------------------------
 
     def _object(self, url: str, span: tuple[int, int] | None = None) -> bytes:
@@ -293,6 +325,25 @@ class Fetcher:
         t = self.opts.timeout_s
         return {"config_kwargs": {"connect_timeout": t, "read_timeout": t,
                                   "retries": {"max_attempts": self.opts.retries + 1}}}
+
+
+class _Chunks(io.RawIOBase):
+    """An iterator of byte chunks as a raw, read-only file."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self.chunks, self.rest = chunks, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        while not self.rest:
+            self.rest = next(self.chunks, b"")
+            if not self.rest:
+                return 0
+        n = min(len(b), len(self.rest))
+        b[:n], self.rest = self.rest[:n], self.rest[n:]
+        return n
 
 
 def retry_after(value: str | None) -> float | None:
