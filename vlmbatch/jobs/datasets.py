@@ -42,13 +42,14 @@ from vlmbatch.preprocessing.table_rows import read_arrow_table
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 HF_FILES = ("state.json", "dataset_info.json")
-_BRACE = re.compile(r"\{([^{}]*)\}")
+COMPRESSED = (".tar.gz", ".tgz", ".tar.zst", ".tar.bz2", ".tar.xz")  # refused: no offsets
+_BRACE = re.compile(r"\{[^{}]*(,|\.\.)[^{}]*\}")  # a brace pattern's innermost group
 
 
 def input_kind(text: str) -> str | None:
     """"table" (Parquet/Arrow: a file, a folder of them, a glob, an HF dataset folder),
     "shards" (tar shards: ``.tar`` paths or URLs, brace patterns), else None (a manifest)."""
-    if _BRACE.search(text) or text.endswith(".tar"):
+    if _BRACE.search(text) or text.endswith((".tar", *COMPRESSED)):
         return "shards"
     if text.endswith((".parquet", ".arrow")) or (not is_remote(text) and glob.has_magic(text)):
         return "table"
@@ -241,20 +242,49 @@ def _with_policy(own: tuple[Question, ...], policy: tuple[Question, ...], where:
 
 def expand_braces(text: str) -> list[str]:
     """Bash-style brace expansion: ``{a,b}`` alternatives and ``{000..099}`` ranges (zero
-    padding kept), nested or several, left to right."""
-    m = _BRACE.search(text)
+    padding as bash pads), nested or several, outermost and leftmost first; a ``{x}`` with
+    neither stays as written (tested against bash)."""
+    start = text.find("{")
+    while start != -1:
+        group = _group(text, start)
+        if group is None:
+            return [text]  # unbalanced: literal
+        end, commas = group
+        body = text[start + 1:end]
+        options = ([text[a + 1:b] for a, b in zip([start, *commas], [*commas, end])] if commas
+                   else _range(body))
+        if options is not None:
+            head, tail = text[:start], text[end + 1:]
+            return [x for opt in options for x in expand_braces(head + opt + tail)]
+        start = text.find("{", start + 1)
+    return [text]
+
+
+def _group(text: str, start: int) -> tuple[int, list[int]] | None:
+    """The index of the ``}`` closing the ``{`` at ``start``, and of its top-level commas."""
+    depth, commas = 0, []
+    for j in range(start, len(text)):
+        c = text[j]
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return j, commas
+        elif c == "," and depth == 1:
+            commas.append(j)
+    return None
+
+
+def _range(body: str) -> list[str] | None:
+    m = re.fullmatch(r"(-?\d+)\.\.(-?\d+)", body)
     if m is None:
-        return [text]
-    body, head, tail = m.group(1), text[:m.start()], text[m.end():]
-    rng = re.fullmatch(r"(-?\d+)\.\.(-?\d+)", body)
-    if rng:
-        a, b = rng.group(1), rng.group(2)
-        width = len(a) if a.lstrip("-").startswith("0") or len(a) == len(b) else 0
-        step = 1 if int(b) >= int(a) else -1
-        options = [str(i).zfill(width) for i in range(int(a), int(b) + step, step)]
-    else:
-        options = body.split(",")
-    return [x for opt in options for x in expand_braces(head + opt + tail)]
+        return None
+    a, b = m.group(1), m.group(2)
+    pad = any(len(x.lstrip("-")) > 1 and x.lstrip("-").startswith("0") for x in (a, b))
+    width = max(len(a), len(b)) if pad else 0
+    step = 1 if int(b) >= int(a) else -1
+    return [str(i).zfill(width) for i in range(int(a), int(b) + step, step)]
 
 
 def iter_shards(pattern: str, policy: tuple[Question, ...],
@@ -263,7 +293,7 @@ def iter_shards(pattern: str, policy: tuple[Question, ...],
     ``opener(url)``: a context manager giving a URL shard's stream (``fetch.open_stream``)."""
     shards = [s if is_remote(s) else str(Path(s).absolute()) for s in expand_braces(pattern)]
     for shard in shards:
-        if shard.endswith((".tar.gz", ".tgz", ".tar.zst", ".tar.bz2", ".tar.xz")):
+        if shard.endswith(COMPRESSED):
             raise ManifestError(f"{shard}: a compressed shard; its members cannot be read by "
                                 "offset: give uncompressed .tar shards")
         name = shard.rsplit("/", 1)[-1]
