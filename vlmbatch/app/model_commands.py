@@ -31,7 +31,7 @@ from vlmbatch.app.config import (
 )
 from vlmbatch.app.embed_cli import run_embed
 from vlmbatch.app.server.config import server_config
-from vlmbatch.app.server.run import serve
+from vlmbatch.app.server.serve import serve
 from vlmbatch.jobs.config import RUN_FETCH, RunConfig
 from vlmbatch.jobs.datasets import input_kind
 from vlmbatch.jobs.job import run_job, submit
