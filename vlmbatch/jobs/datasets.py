@@ -262,7 +262,7 @@ def expand_braces(text: str) -> list[str]:
 
 def _group(text: str, start: int) -> tuple[int, list[int]] | None:
     """The index of the ``}`` closing the ``{`` at ``start``, and of its top-level commas."""
-    depth, commas = 0, []
+    depth, commas = 0, list[int]()
     for j in range(start, len(text)):
         c = text[j]
         if c == "{":

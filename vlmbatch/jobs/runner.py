@@ -64,7 +64,8 @@ def load_items(cfg: RunConfig) -> list[ImageItem]:
     if cfg.manifest is not None:
         return read_manifest(cfg.manifest, policy)
     if cfg.dataset is not None:
-        items, seen = [], {}
+        items: list[ImageItem] = []
+        seen: dict[str, str] = {}
         for where, it in iter_dataset(cfg.dataset, cfg.image_column, cfg.id_column,
                                       cfg.questions_column, policy, cfg.prepare.fetch):
             if (first := seen.setdefault(it.id, where)) != where:

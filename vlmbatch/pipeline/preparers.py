@@ -49,14 +49,13 @@ def prepare_item(ref: ImageRef, plan: ImagePlan, max_pixels: int = DEFAULT_MAX_P
         return plan.prepare(src)
     if isinstance(src, bytes):
         data = src
-    elif is_remote(src):
-        if fetcher is None:
-            with Fetcher() as own:
-                data = own.fetch(src, ref.base_dir)
-        else:
-            data = fetcher.fetch(src, ref.base_dir)
-    else:
+    elif isinstance(src, str) and not is_remote(src):
         data = read_bytes(src, ref.base_dir)
+    elif fetcher is None:  # a remote image, a table row or a shard member
+        with Fetcher() as own:
+            data = own.fetch(src, ref.base_dir)
+    else:
+        data = fetcher.fetch(src, ref.base_dir)
     return prepare_bytes(data, plan, max_pixels)
 
 
@@ -175,7 +174,8 @@ class _ThreadPreparer:
 
 class _ProcessPreparer:
     """Decoder processes for encoded images (paths, URLs, bytes); decoded pixels (the
-    Python API's arrays) need no decoder and are tiled here, at once."""
+    Python API's arrays) need no decoder and are tiled here, at once (as is a table row or
+    shard member that reached it unfetched: ``_Fetching`` normally reads those first)."""
 
     def __init__(self, workers: int, plan: ImagePlan, max_pixels: int, timeout_s: float,
                  hooks: FaultHooks) -> None:
@@ -183,7 +183,7 @@ class _ProcessPreparer:
         self.plan, self.max_pixels = plan, max_pixels
 
     def submit(self, ref: ImageRef) -> Future:
-        if not isinstance(ref.image, np.ndarray):
+        if isinstance(ref.image, (str, bytes)):
             return self.pool.submit(ref.image, ref.base_dir)
         f: Future = Future()
         try:
