@@ -13,15 +13,18 @@ misbehave on purpose. Nothing leaves the loopback interface.
     /flaky/NAME                  503 while ``server.failing`` holds NAME, else the file
 
 ``requests[path]`` counts requests per path, ``sent[path]`` the body bytes written, and
-``max_in_flight`` the most requests being answered at once.
+``max_in_flight`` the most requests being answered at once. ``python -m tests.loopback DIR``
+serves a folder from a process of its own (``serve``).
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 CHUNK = 64 << 10
 
@@ -156,3 +159,19 @@ class _Handler(BaseHTTPRequestHandler):
             self._write(b"\0" * CHUNK)
             self.wfile.write(b"\r\n")
         self.wfile.write(b"0\r\n\r\n")
+
+
+def serve(folder: str) -> None:
+    """``python -m tests.loopback DIR``: every file under DIR served (read into memory
+    first), in its own process (a benchmark's client then shares no GIL with the server);
+    prints the base URL, then serves until killed."""
+    root = Path(folder)
+    files = {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*")
+             if p.is_file()}
+    server = LoopbackServer(files)
+    print(server.base, flush=True)
+    server.thread.join()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
