@@ -9,7 +9,7 @@ its own, so the run shares no GIL with it; nothing leaves 127.0.0.1. Images: ``-
 synthetic photo-like JPEGs (``--size``, quality 90), 2 questions each, the built-in model.
 Every row must answer exactly as the local-files row does, id for id (the script checks it:
 exit 1); each row's time is the answering loop's (model loading excluded), best of
-``--rounds`` interleaved rounds.
+``--rounds`` interleaved rounds, each starting at another row.
 
     python bench/fetch.py                                  # CPU
     python bench/fetch.py --images 512 --device cuda --dtype bfloat16
@@ -181,9 +181,10 @@ def measure(configs: dict, rounds: int) -> tuple[dict[str, float], dict[str, dic
     answer(next(iter(configs.values())))  # warm-up: model load, first calls
     best: dict[str, float] = {}
     outputs: dict[str, dict] = {}
-    for _ in range(rounds):
-        for name, cfg in configs.items():
-            secs, out = answer(cfg)
+    names = list(configs)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:  # no row always first
+            secs, out = answer(configs[name])
             best[name] = min(best.get(name, secs), secs)
             outputs[name] = out
     return best, outputs
