@@ -54,7 +54,8 @@ def kill_mid_run(job: Path) -> None:
     assert 0 < left.pending < left.total, (left, p.stderr.read() if p.stderr else "")
 
 
-@pytest.mark.parametrize("form", ["parquet", "shards"])
+# shards: slow (~30 s on 2 loaded cores; CI time): the same job store path as a table's rows
+@pytest.mark.parametrize("form", ["parquet", pytest.param("shards", marks=pytest.mark.slow)])
 def test_kill_minus_9_then_resume_answers_each_row_or_member_once(
         tmp_path: Path, random_model_dir: Path, form: str) -> None:
     n = 24

@@ -6,6 +6,7 @@ validation; Parquet dataset results."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -32,15 +33,27 @@ pa = pytest.importorskip("pyarrow")
 N = 7
 
 
-@pytest.fixture
-def ref(tmp_path: Path, random_model_dir: Path) -> tuple[list[Path], dict, list[str]]:
-    """The images, their answers through a manifest (ids 0..N-1), and the model options."""
-    images = make_images(tmp_path / "img", N)
-    opts = ["--model", str(random_model_dir), "--policy", str(write_policy(tmp_path)),
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory,
+              random_model_dir: Path) -> tuple[list[Path], dict, list[str]]:
+    """The images, their answers through a manifest (ids 0..N-1), and the model options:
+    answered once for the module (CI time)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    images = make_images(tmp / "img", N)
+    opts = ["--model", str(random_model_dir), "--policy", str(write_policy(tmp)),
             "--images-per-batch", "3", "--no-progress"]
-    m = write_manifest(tmp_path, images, [str(i) for i in range(N)])
-    assert main(["run", str(m), "-o", str(tmp_path / "ref.jsonl"), *opts]) == EXIT_OK
-    return images, answers(tmp_path / "ref.jsonl"), opts
+    m = write_manifest(tmp, images, [str(i) for i in range(N)])
+    assert main(["run", str(m), "-o", str(tmp / "ref.jsonl"), *opts]) == EXIT_OK
+    return images, answers(tmp / "ref.jsonl"), opts
+
+
+@pytest.fixture
+def ref(tmp_path: Path, reference: tuple) -> tuple[list[Path], dict, list[str]]:
+    """``reference`` with the images copied to ``tmp_path / "img"`` (tables name them
+    relative to their own folder)."""
+    images, want, opts = reference
+    (tmp_path / "img").mkdir()
+    return [Path(shutil.copy(p, tmp_path / "img")) for p in images], want, opts
 
 
 def run_input(tmp_path: Path, text: str, opts: list[str], *extra: str,
