@@ -87,7 +87,8 @@ def test_sources(tmp_path: Path) -> None:
     assert read_bytes(f"file://{tmp_path}/x.bin", Path("/")) == b"abc"
     assert read_bytes("data:image/png;base64," + base64.b64encode(b"abc").decode(), tmp_path) \
         == b"abc"
-    for src, msg in [("missing.png", "not found"), ("https://example.com/a.png", "scheme 'https'"),
+    for src, msg in [("missing.png", "not found"), ("ftp://example.com/a.png", "scheme 'ftp'"),
+                     ("https://example.com/a.png", "fetch stage"),
                      ("data:image/png;base64,@@@", "base64"), (".", "directory")]:
         with pytest.raises(SourceError, match=msg):
             read_bytes(src, tmp_path)

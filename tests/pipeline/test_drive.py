@@ -15,7 +15,7 @@ import cv2
 import numpy as np
 import pytest
 
-import vlmbatch.pipeline.drive
+import vlmbatch.pipeline.preparers
 from vlmbatch.app.cli import main
 from vlmbatch.pipeline.config import PrepareOptions
 from vlmbatch.pipeline.drive import prepare_group, prepare_item, prepared_groups
@@ -80,7 +80,7 @@ def slow_prepare(calls: list, gate: threading.Event | None = None):  # noqa: ANN
 
 def test_closing_cancels_what_has_not_started(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     calls: list[str] = []
-    monkeypatch.setattr(vlmbatch.pipeline.drive, "prepare_item", slow_prepare(calls))
+    monkeypatch.setattr(vlmbatch.pipeline.preparers, "prepare_item", slow_prepare(calls))
     its = items(tmp_path, 12, seed=5)
     gen = prepared_groups(TASK, groups_of(its, 2), TILING, opts(1, ahead=2))
     next(gen)
@@ -91,7 +91,7 @@ def test_closing_cancels_what_has_not_started(tmp_path: Path, monkeypatch) -> No
 
 def test_a_stuck_preparation_does_not_hold_up_closing(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     gate = threading.Event()
-    monkeypatch.setattr(vlmbatch.pipeline.drive, "prepare_item", slow_prepare([], gate))
+    monkeypatch.setattr(vlmbatch.pipeline.preparers, "prepare_item", slow_prepare([], gate))
     gen = prepared_groups(TASK, groups_of(items(tmp_path, 6, seed=6), 2), TILING, opts(1))
     next(gen)  # i0, i1; i2 then blocks its thread
     closer = threading.Thread(target=gen.close, daemon=True)
@@ -141,7 +141,7 @@ def test_an_unexpected_error_reaches_the_caller(tmp_path: Path, monkeypatch) -> 
     def boom(*_: object) -> None:
         raise RuntimeError("a bug, not a bad image")
 
-    monkeypatch.setattr(vlmbatch.pipeline.drive, "prepare_item", boom)
+    monkeypatch.setattr(vlmbatch.pipeline.preparers, "prepare_item", boom)
     with pytest.raises(RuntimeError, match="a bug"):
         list(prepared_groups(TASK, groups_of(items(tmp_path, 4, seed=1), 2), TILING, opts(2)))
 

@@ -22,6 +22,7 @@ from vlmbatch.app.embed_args import add_embed_parser, embed_option_args
 from vlmbatch.app.label_args import add_calibrate_parser, add_report_parser
 from vlmbatch.app.server.config import add_server_args
 from vlmbatch.jobs.config import EXECUTORS, TASKS, RayOptions, RunConfig
+from vlmbatch.jobs.export import PARQUET_ROWS_PER_FILE
 from vlmbatch.pipeline.build import ENGINES
 from vlmbatch.pipeline.config import (
     DTYPES,
@@ -186,6 +187,39 @@ def decode_timeout_arg(g: argparse._ActionsContainer) -> None:
                    "threads of this process, where a hung or crashing decoder stops the run")
 
 
+def fetch_args(g: argparse._ActionsContainer, at_submit: bool = True) -> None:
+    """The fetch stage's options (``PrepareConfig``): remote images (http(s), s3/gs/az),
+    table rows and shard members. ``at_submit``: also the size cap, fixed with the job."""
+    g.add_argument("--fetch-concurrency", type=positive_int, default=P.fetch_concurrency,
+                   help="remote images (http(s)://, s3://, gs://, az://), table rows and shard "
+                   "members read at once, ahead of decoding (default %(default)s)")
+    g.add_argument("--fetch-timeout", type=float, default=P.fetch_timeout,
+                   help="seconds a fetch attempt may wait to connect or between two reads "
+                   "(default %(default)s); apart from --decode-timeout")
+    g.add_argument("--fetch-retries", type=non_negative_int, default=P.fetch_retries,
+                   help="more attempts after a 429, a 5xx or a connection error, backing off "
+                   "(Retry-After honoured up to 60 s) (default %(default)s)")
+    if at_submit:
+        g.add_argument("--max-image-mib", dest="max_image_bytes", type=mib,
+                       default=P.max_image_bytes,
+                       help="an encoded image larger than this many MiB is that item's error, "
+                       "refused before it is read whole (default "
+                       f"{P.max_image_bytes >> 20})")
+
+
+def dataset_args(p: argparse.ArgumentParser) -> None:
+    """A table input's columns (``RunConfig``)."""
+    g = p.add_argument_group("tables (Parquet, HF datasets)")
+    g.add_argument("--image-column", default=default_of(RunConfig, "image_column"),
+                   help="the column of encoded bytes, {bytes, path} structs (HF datasets' "
+                   "Image) or paths/URLs (default %(default)s)")
+    g.add_argument("--id-column", default=None,
+                   help="the column of item ids (default: FILE:ROW)")
+    g.add_argument("--questions-column", default=None,
+                   help="the column of each row's own questions (a string, or a list of "
+                   "strings or question objects), asked before the policy's")
+
+
 def given_options(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, str]:
     """Each option ``argv`` (one command line, already parsed by ``parser``) actually types,
     whatever its value: its ``dest`` -> the option's long name (``-o`` -> ``--out``), read
@@ -231,9 +265,11 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                        "(from `submit`), run its pending items instead: with a job only --threads, "
                        "--preprocess-threads (default: as submitted), --retry-failed and the "
                        "executor options may be given; the rest was fixed at submit.")
-    r.add_argument("manifest", type=Path, nargs="?",
-                   help='JSONL, one image per line: {"id", "image", "questions"}; or a job '
-                   "folder")
+    r.add_argument("manifest", nargs="?",
+                   help='JSONL, one image per line: {"id", "image", "questions"}; a Parquet '
+                   "file, folder or glob, or an HF dataset's save_to_disk folder "
+                   "(--image-column); WebDataset shards ('shards/{00000..00099}.tar', paths "
+                   "or URLs); or a job folder")
     r.add_argument("--images", type=Path, help="a folder of images instead of a manifest")
     r.add_argument("--policy", type=Path,
                    help="YAML/TOML file of questions asked of every image")
@@ -246,6 +282,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--max-pixels", type=int, default=P.max_pixels,
                    help="images with more pixels (read from the header) are that item's error "
                    "(default %(default)s)")
+    dataset_args(r)
+    fetch_args(r.add_argument_group("fetching"))
     _model_args(r)
     _executor_args(r)
 
@@ -255,7 +293,10 @@ def _add_submit(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("submit", help="create a resumable job (SQLite store) from a manifest",
                        description="Validate the input and create a job folder: config + a "
                        "store of every item. Run it with `vlmbatch run JOB` (or --wait).")
-    s.add_argument("manifest", type=Path, nargs="?", help="JSONL manifest")
+    s.add_argument("manifest", nargs="?",
+                   help="JSONL manifest; a Parquet file, folder or glob, or an HF dataset's "
+                   "save_to_disk folder; or WebDataset shards (a brace pattern of .tar paths "
+                   "or URLs)")
     s.add_argument("--images", type=Path, help="a folder of images instead of a manifest")
     s.add_argument("--policy", type=Path, help="YAML/TOML file of questions")
     s.add_argument("--task", default=TASKS[0], choices=TASKS,
@@ -268,6 +309,8 @@ def _add_submit(sub: argparse._SubParsersAction) -> None:
                    help="no progress bar")
     s.add_argument("--max-pixels", type=int, default=P.max_pixels,
                    help="images with more pixels are that item's error (default %(default)s)")
+    dataset_args(s)
+    fetch_args(s.add_argument_group("fetching"))
     _model_args(s)
     _executor_args(s)
     embed_option_args(s)
@@ -294,11 +337,18 @@ def _add_job_commands(sub: argparse._SubParsersAction) -> None:
                            help="first queue the failed images again (e.g. after fixing a "
                            "missing file or an out-of-memory batch)")
             _thread_args(c, "as submitted")
+            fetch_args(c.add_argument_group("fetching (default: as submitted)"),
+                       at_submit=False)
             _executor_args(c)
     x = sub.add_parser("results", help="export a job's results as JSONL, CSV or Parquet",
                        description="Every recorded result line of a job, in manifest order.")
     x.add_argument("job", type=Path)
-    x.add_argument("--out", "-o", type=Path, help="file (default: standard output)")
+    x.add_argument("--out", "-o",
+                   help="file (default: standard output); a folder (a name ending in /, or an "
+                   "existing folder) for Parquet: a dataset of several files")
+    x.add_argument("--rows-per-file", type=positive_int, default=None,
+                   help="Parquet into the folder --out as files of at most N rows each "
+                   f"(default {PARQUET_ROWS_PER_FILE:,} when --out is a folder)")
     x.add_argument("--format", choices=["jsonl", "csv", "parquet", "npy"], default=None,
                    help="default: from --out's suffix (.parquet, .csv, .npy), else JSONL "
                    "(OpenAI batch output lines for a job submitted in that format); CSV and "

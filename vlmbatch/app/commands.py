@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ from vlmbatch.common.registry import Registry
 from vlmbatch.jobs.config import ExecutorConfig, RayOptions
 from vlmbatch.jobs.embed_sinks import JsonlSink, NpySink, ParquetSink, embed_format_of
 from vlmbatch.jobs.export import (
+    PARQUET_ROWS_PER_FILE,
     export_embed_requests,
     export_embeddings,
     export_parquet,
@@ -77,6 +79,10 @@ def _export_text(job: Path, out: Path | None, fmt: str) -> int:
 
 
 def cmd_results(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
+    folder = a.out is not None and (a.out.endswith(("/", os.sep)) or Path(a.out).is_dir())
+    a.out = Path(a.out) if a.out is not None else None
+    if folder or a.rows_per_file is not None:
+        return _results_dataset(a, hooks)
     fmt = a.format or format_of(a.out)
     if job_task(a.job) == "embed":
         return embed_results(a)
@@ -96,6 +102,25 @@ def cmd_results(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
                 with open_text(part, fmt) as f:
                     n = export_text(a.job, f, fmt, hooks)
     print(f"vlmbatch: {n} result lines", file=sys.stderr)
+    return EXIT_OK
+
+
+def _results_dataset(a: argparse.Namespace, hooks: FaultHooks) -> int:
+    """``results JOB -o DIR/ [--rows-per-file N]``: a Parquet dataset, written whole or not
+    at all (the folder is built beside DIR and renamed onto it; an existing empty DIR is
+    replaced, a DIR with files is refused)."""
+    if a.out is None or (a.format or "parquet") != "parquet" or job_task(a.job) == "embed":
+        raise ConfigError("a folder --out and --rows-per-file write a yes/no job's results as "
+                          "a Parquet dataset: give -o DIR/ (and --format parquet, if any)")
+    if a.out.exists() and (not a.out.is_dir() or any(a.out.iterdir())):
+        raise ConfigError(f"--out {a.out} already holds files: give a new or empty folder")
+    check_writable(a.out)
+    with naming(a.out), replaced_on_success(a.out) as part:
+        n = export_parquet(a.job, part, hooks=hooks,
+                           rows_per_file=a.rows_per_file or PARQUET_ROWS_PER_FILE)
+    files = len(list(a.out.glob("*.parquet")))
+    print(f"vlmbatch: {n} result lines in {files} Parquet files under {a.out}",
+          file=sys.stderr)
     return EXIT_OK
 
 

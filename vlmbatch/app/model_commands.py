@@ -35,6 +35,8 @@ from vlmbatch.app.server.config import server_config
 from vlmbatch.app.server.serve import serve
 from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.evaluation import report_text
+from vlmbatch.jobs.config import RUN_FETCH, RunConfig
+from vlmbatch.jobs.datasets import input_kind
 from vlmbatch.jobs.job import run_job, submit
 from vlmbatch.jobs.manifest import read_manifest, read_policy
 from vlmbatch.jobs.runner import evaluate_labelled, run
@@ -49,7 +51,7 @@ from vlmbatch.vit_trt.export import export_onnx
 
 # `run JOB`: options that may change between runs of a job; the rest were fixed at submit
 RUN_JOB_OPTIONS = {"manifest", "progress", "retry_failed", "executor", *RAY_ONLY,
-                   "decode_timeout", "threads", "preprocess_threads"}
+                   "decode_timeout", "threads", "preprocess_threads", *RUN_FETCH}
 
 
 # `submit --task embed` only
@@ -61,6 +63,11 @@ def run_config(a: argparse.Namespace, out: Path | None) -> RunConfig:
     """``run``'s or ``submit``'s config root (``jobs/config.py``), from the command line."""
     task = getattr(a, "task", "answer")
     extra: dict = {"out": out, "executor": executor_config(a), "task": task}
+    text = a.manifest
+    if text is not None and input_kind(text) is not None:  # a table or shards
+        extra.update(manifest=None, dataset=text)
+    else:
+        extra["manifest"] = None if text is None else Path(text)
     if task == "embed":
         if a.path is None:  # the built-in embedding model, not the chat one
             extra["model"] = from_args(ModelConfig, a, path=DEFAULT_EMBED_MODEL)
@@ -92,7 +99,7 @@ def _job_exit(job: Path, a: argparse.Namespace, hooks: FaultHooks) -> int:
                  threads=getattr(a, "threads", None),
                  preprocess_threads=getattr(a, "preprocess_threads", None),
                  decode_timeout=a.decode_timeout if "decode_timeout" in a.given else None,
-                 hooks=hooks)
+                 hooks=hooks, fetch={k: getattr(a, k) for k in RUN_FETCH if k in a.given})
     if retry:
         print(f"vlmbatch: job {job}: {st.requeued} failed images were queued again",
               file=sys.stderr)
@@ -110,7 +117,7 @@ def cmd_run(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
                 f"{a.manifest} is a job: its input, model and engine settings were fixed at "
                 f"submit, so {', '.join(fixed)} would be ignored. Submit a new job to change "
                 "them; `vlmbatch results JOB -o FILE` writes the results to a file")
-        return _job_exit(a.manifest, a, hooks)
+        return _job_exit(Path(a.manifest), a, hooks)
     if a.retry_failed:
         raise ConfigError("--retry-failed applies to a job folder (`vlmbatch run JOB "
                           "--retry-failed`); a plain run has nothing recorded to retry")

@@ -1,6 +1,8 @@
 """Jobs: manifests and policies (``manifest.py``, their errors: ``errors.py``), the OpenAI
 batch format (``openai_batch.py``; ``/v1/embeddings`` request lines and the task of a job of
-them: ``openai_embeddings.py``), embedding inputs (``embed_input.py``), the run's config tree
+them: ``openai_embeddings.py``), embedding inputs (``embed_input.py``), Parquet, HF-dataset
+and WebDataset inputs listed as references to their rows and members (``datasets.py``), the
+run's config tree
 (``config.py``), sinks and exports (``sinks.py``, ``embed_sinks.py``, ``export.py``), the
 in-process runner (``runner.py``), a job's kinds of work (``tasks.py``), the job folder and
 its SQLite store (``folder.py``, ``store.py``, ``store_schema.py``, ``lock.py``, ``job.py``)

@@ -28,6 +28,9 @@ from vlmbatch.pipeline.config import (
 )
 
 EXECUTORS = ("local", "ray")
+# the fetch stage's settings a run of a job may change (PrepareConfig fields; the size cap is
+# fixed at submit, as the pixel limit is)
+RUN_FETCH = ("fetch_concurrency", "fetch_timeout", "fetch_retries")
 # what a run does with its items: answer their questions (yes/no), or embed them
 TASKS = ("answer", "embed")
 
@@ -60,11 +63,18 @@ class ExecutorConfig:
 class RunConfig:
     # of the serialised form (job.json); 3: task and embed; 4: decode_timeout moved from the
     # Ray options to the executor's; 5: max_pixels, preprocess_threads and decode_timeout in
-    # the shared PrepareConfig (jobs.folder.load_config reads versions 1-4)
-    VERSION: ClassVar[int] = 5
+    # the shared PrepareConfig; 6: tabular and sharded inputs (dataset and its columns), the
+    # fetch stage's settings in PrepareConfig (jobs.folder.load_config reads versions 1-5)
+    VERSION: ClassVar[int] = 6
 
     manifest: Path | None = None
     images: Path | None = None  # a folder of images, asked the policy's questions
+    # Parquet (a file, folder or glob), an HF dataset's save_to_disk folder, or WebDataset
+    # shards (a brace pattern of .tar paths or URLs), as typed (jobs/datasets.py)
+    dataset: str | None = None
+    image_column: str = "image"  # a table's column of bytes, {bytes, path} or paths/URLs
+    id_column: str | None = None  # a table's column of item ids (default FILE:ROW)
+    questions_column: str | None = None  # a table's column of each row's own questions
     policy: Path | None = None
     out: Path | None = None  # JSONL (or CSV: .csv) results; None: standard output
     images_per_batch: int = 16  # images preprocessed and scored together
@@ -80,9 +90,11 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise ConfigError(f"task {self.task!r} not one of {TASKS}")
-        if (self.manifest is None) == (self.images is None):
-            raise ConfigError("give exactly one input: a manifest, or --images DIR" +
+        if sum(x is not None for x in (self.manifest, self.images, self.dataset)) != 1:
+            raise ConfigError("give exactly one input: a manifest, a Parquet/HF dataset or "
+                              "WebDataset shards, or --images DIR" +
                               (" with --policy" if self.task == "answer" else ""))
+        self._check_dataset()
         if self.task == "embed" and self.policy is not None:
             raise ConfigError("--policy asks questions: it does not apply to --task embed")
         if self.task == "answer" and self.images is not None and self.policy is None:
@@ -96,6 +108,22 @@ class RunConfig:
                     raise ConfigError(f"--out {self.out} is the {name}: writing results there "
                                       "would overwrite it; pick another file")
 
+    def _check_dataset(self) -> None:
+        columns = [o for o, v in (("--id-column", self.id_column),
+                                  ("--questions-column", self.questions_column),
+                                  ("--image-column", self.image_column != "image" or None))
+                   if v is not None]
+        if self.dataset is None:
+            if columns:
+                raise ConfigError(f"{', '.join(columns)}: options of a Parquet or HF dataset "
+                                  "input (a manifest's lines name their own fields)")
+            return
+        if self.task != "answer":
+            raise ConfigError("--task embed reads a manifest or --images DIR; Parquet, HF "
+                              "datasets and WebDataset shards are inputs of yes/no jobs")
+        if not self.image_column:
+            raise ConfigError("--image-column must not be empty")
+
     @property
     def prepare_options(self) -> PrepareOptions:
         """Stage 1 of this run, resolved for its model's device."""
@@ -103,18 +131,24 @@ class RunConfig:
 
     def for_run(self, threads: int | None = None, preprocess_threads: int | None = None,
                 executor: ExecutorConfig | None = None,
-                decode_timeout: float | None = None) -> RunConfig:
-        """This config with one run's thread counts, decode deadline and executor in place of
-        those stored (None: keep them). These change no answer, only speed, what a hung image
-        costs and where the work runs, and a job may run on another machine than the one it
-        was submitted on."""
+                decode_timeout: float | None = None,
+                fetch: dict[str, Any] | None = None) -> RunConfig:
+        """This config with one run's thread counts, decode deadline, fetch settings
+        (``fetch``: any of ``RUN_FETCH``) and executor in place of those stored (None: keep
+        them). These change no answer, only speed, what a hung image or a slow server costs
+        and where the work runs, and a job may run on another machine than the one it was
+        submitted on."""
         check_threads(threads, preprocess_threads)
+        unknown = sorted(set(fetch or {}) - set(RUN_FETCH))
+        if unknown:
+            raise ConfigError(f"not settings a run may change: {unknown}")
         prepare = dataclasses.replace(
             self.prepare, preprocess_threads=(self.prepare.preprocess_threads
                                               if preprocess_threads is None
                                               else preprocess_threads),
             decode_timeout=(self.prepare.decode_timeout if decode_timeout is None
-                            else decode_timeout))
+                            else decode_timeout),
+            **{k: v for k, v in (fetch or {}).items() if v is not None})
         return dataclasses.replace(self, threads=self.threads if threads is None else threads,
                                    prepare=prepare, executor=executor or self.executor)
 

@@ -1,4 +1,5 @@
-"""A job's results out of its store: JSONL (ours or OpenAI batch output lines), CSV or Parquet.
+"""A job's results out of its store: JSONL (ours or OpenAI batch output lines), CSV or Parquet
+(one file, or a dataset of several: a folder of ``part-NNNNN.parquet`` files).
 
 All stream the store in manifest order, so memory stays bounded whatever the job's size. The
 columns are ``Answer.COLUMNS`` (``pipeline/records.py``), for every format. An embedding job's
@@ -11,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from vlmbatch.jobs.embed_sinks import EmbeddingSink
 from vlmbatch.jobs.folder import STORE_FILE, job_format, require_job
@@ -39,37 +40,64 @@ def export_text(job: Path, out: IO[str], fmt: str = "jsonl", hooks: FaultHooks =
         store.close()
 
 
-def export_parquet(job: Path, path: Path, rows_per_group: int = 65536,
-                   hooks: FaultHooks = NO_HOOKS) -> int:
-    """Every recorded answer as a Parquet row (columns ``Answer.COLUMNS``), written in row
-    groups: memory stays bounded."""
-    require_job(job)
+PARQUET_ROWS_PER_FILE = 1_000_000  # a Parquet dataset's files, unless --rows-per-file
+
+
+def _pyarrow() -> tuple:
     try:  # optional dependency: the parquet extra
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ModuleNotFoundError as e:
         raise ImportError("Parquet output needs pyarrow: pip install 'vlmbatch[parquet]'") from e
+    return pa, pq
+
+
+def export_parquet(job: Path, path: Path, rows_per_group: int = 65536,
+                   hooks: FaultHooks = NO_HOOKS, rows_per_file: int | None = None) -> int:
+    """Every recorded answer as a Parquet row (columns ``Answer.COLUMNS``), written in row
+    groups: memory stays bounded. ``rows_per_file``: ``path`` is a folder, a Parquet dataset
+    of files ``part-00000.parquet``, ... of at most that many rows each, in manifest order
+    (``pyarrow.parquet.read_table(path)`` reads them back as one table)."""
+    require_job(job)
+    pa, pq = _pyarrow()
     types = {str: pa.string(), float: pa.float64(), int: pa.int64()}
     schema = pa.schema([(name, types[t]) for name, t in Answer.COLUMNS])
+    if rows_per_file is not None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    per_file = rows_per_file or float("inf")
+    rows_per_group = min(rows_per_group, rows_per_file or rows_per_group)
     store = JobStore(Path(job) / STORE_FILE)
-    n = 0
+    n, files, writer, in_file = 0, 0, None, 0
     try:
-        with pq.ParquetWriter(str(path), schema) as writer:
-            rows: list[dict] = []
-            for a in store.answers():
-                line = a.line()
-                rows.append({name: line.get(name) for name, _ in Answer.COLUMNS})
-                hooks.exported(n + len(rows))
-                if len(rows) == rows_per_group:
-                    writer.write_table(pa.Table.from_pylist(rows, schema))
-                    n += len(rows)
-                    rows = []
-            if rows or n == 0:
+        rows: list[dict] = []
+        for a in store.answers():
+            line = a.line()
+            rows.append({name: line.get(name) for name, _ in Answer.COLUMNS})
+            hooks.exported(n + len(rows))
+            if len(rows) == rows_per_group or in_file + len(rows) == per_file:
+                if writer is None:
+                    writer = _writer(pq, path, schema, rows_per_file, files)
+                    files += 1
                 writer.write_table(pa.Table.from_pylist(rows, schema))
-                n += len(rows)
+                n, in_file, rows = n + len(rows), in_file + len(rows), []
+                if in_file == per_file:
+                    writer.close()
+                    writer, in_file = None, 0
+        if rows or n == 0:  # the rest; an empty job still gets one (empty) file
+            writer = writer or _writer(pq, path, schema, rows_per_file, files)
+            writer.write_table(pa.Table.from_pylist(rows, schema))
+            n += len(rows)
     finally:
+        if writer is not None:
+            writer.close()
         store.close()
     return n
+
+
+def _writer(pq: Any, path: Path, schema: Any, rows_per_file: int | None, index: int) -> Any:
+    """The ParquetWriter of ``path``, or of a dataset's ``index``-th file in it."""
+    where = Path(path) / f"part-{index:05d}.parquet" if rows_per_file else Path(path)
+    return pq.ParquetWriter(str(where), schema)
 
 
 def recorded_results(job: Path) -> int:

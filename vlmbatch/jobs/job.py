@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import sys
 import time
 from collections.abc import Generator, Iterator
@@ -51,6 +52,7 @@ from vlmbatch.pipeline.engine import Engine
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.pipeline.loading import read_spec
 from vlmbatch.pipeline.task import Task
+from vlmbatch.preprocessing.sources import is_remote
 
 __all__ = ["JobRun", "cancel", "is_job", "run_job", "status", "submit"]
 
@@ -61,8 +63,11 @@ def _absolute(cfg: RunConfig) -> RunConfig:
     def ab(p: Path | None) -> Path | None:
         return Path(p).absolute() if p is not None else None
 
+    dataset = cfg.dataset
+    if dataset is not None and not is_remote(dataset):  # a path, glob or brace pattern
+        dataset = os.path.abspath(dataset)
     return dataclasses.replace(cfg, manifest=ab(cfg.manifest), images=ab(cfg.images),
-                               policy=ab(cfg.policy), out=None,
+                               dataset=dataset, policy=ab(cfg.policy), out=None,
                                model=dataclasses.replace(cfg.model, path=ab(cfg.model.path)))
 
 
@@ -117,16 +122,18 @@ def _naming_job(job: Path) -> Iterator[None]:
 def run_job(job: Path, progress: bool = True, executor: ExecutorConfig | None = None,
             retry_failed: bool = False, threads: int | None = None,
             preprocess_threads: int | None = None, decode_timeout: float | None = None,
-            hooks: FaultHooks = NO_HOOKS) -> JobStatus:
+            hooks: FaultHooks = NO_HOOKS, fetch: dict[str, Any] | None = None) -> JobStatus:
     """Answer every pending item (a fresh run or a resume) with the job's stored config, on
     this run's ``executor`` (None: the stored one); with ``retry_failed``, first queue the
     failed items again, under the same lock. In-process, ``threads``/``preprocess_threads``
-    replace the stored ones for this run (``decode_timeout`` on either executor); on Ray,
+    replace the stored ones for this run (``decode_timeout`` and ``fetch``, the fetch stage's
+    settings of ``jobs.config.RUN_FETCH``, on either executor); on Ray,
     where each model actor runs ``model_cpus``
     torch threads, the CLI refuses them. Raises ``JobBusy`` if another process is running
     the job."""
     require_job(job)
-    cfg = load_config(Path(job)).for_run(threads, preprocess_threads, executor, decode_timeout)
+    cfg = load_config(Path(job)).for_run(threads, preprocess_threads, executor, decode_timeout,
+                                         fetch)
     if cfg.executor.kind == "ray" and (threads, preprocess_threads) != (None, None):
         raise ConfigError("threads and preprocess_threads apply to in-process runs; on Ray "
                           "use model_cpus (--model-cpus) and preprocess_workers")

@@ -57,7 +57,9 @@ from vlmbatch.pipeline.hooks import FaultHooks, Named
 from vlmbatch.pipeline.loading import read_spec
 from vlmbatch.pipeline.records import ErrorKind, ItemError
 from vlmbatch.pipeline.task import Prepared, Task
+from vlmbatch.preprocessing.limits import MAX_RETRY_AFTER_S
 from vlmbatch.preprocessing.prepare import ImagePlan
+from vlmbatch.preprocessing.sources import is_remote
 
 
 def require_ray() -> Any:
@@ -192,11 +194,16 @@ class _Scheduler:
             self._submit_prepare(group)
 
     def _submit_prepare(self, group: list) -> None:
+        fetch = self.cfg.prepare.fetch
         done, prepared = self.prepare.remote(self.task, group, self.plan,
-                                             self.cfg.prepare.max_pixels,
-                                             self.hooks)
+                                             self.cfg.prepare.max_pixels, self.hooks, fetch)
         timeout = self.cfg.prepare.decode_timeout or float("inf")  # 0: no deadline
-        deadline = time.monotonic() + timeout * len(group)
+        # the task fetches its group's remote images first, at once, under their own timeout:
+        # the decode deadline gets that on top, so it still measures decoding
+        remote = any(is_remote(getattr(self.task.image(it), "image", None)) for it in group)
+        fetching = (fetch.retries + 1) * fetch.timeout_s + fetch.backoff_s * 2 ** (
+            fetch.retries + 1) + MAX_RETRY_AFTER_S * fetch.retries if remote else 0.0
+        deadline = time.monotonic() + timeout * len(group) + fetching
         self.preparing[done] = (group, deadline, prepared)
 
     def collect_prepared(self, ready: set) -> None:

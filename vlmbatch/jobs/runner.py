@@ -23,6 +23,8 @@ from tqdm import tqdm
 from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.evaluation import EvalReport, evaluate, join
 from vlmbatch.jobs.labels import labelled_manifest, scored
+from vlmbatch.jobs.datasets import iter_dataset
+from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.manifest import items_from_folder, manifest_format, read_manifest, read_policy
 from vlmbatch.jobs.sinks import GroupWriter, format_of
 from vlmbatch.pipeline.build import build_engine
@@ -61,9 +63,20 @@ class RunSummary:
 
 
 def load_items(cfg: RunConfig) -> list[ImageItem]:
+    """Every input item, validated (a table's or shard's items are references: their images
+    are read when prepared)."""
     policy = read_policy(cfg.policy) if cfg.policy else ()
     if cfg.manifest is not None:
         return read_manifest(cfg.manifest, policy)
+    if cfg.dataset is not None:
+        items: list[ImageItem] = []
+        seen: dict[str, str] = {}
+        for where, it in iter_dataset(cfg.dataset, cfg.image_column, cfg.id_column,
+                                      cfg.questions_column, policy, cfg.prepare.fetch):
+            if (first := seen.setdefault(it.id, where)) != where:
+                raise ManifestError(f"{where}: id {it.id!r} appears twice (first at {first})")
+            items.append(it)
+        return items
     assert cfg.images is not None
     return items_from_folder(cfg.images, policy)
 

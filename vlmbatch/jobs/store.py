@@ -24,6 +24,7 @@ Every SQLite error reaches callers as ``StoreDamaged`` (a truncated or corrupted
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sqlite3
@@ -39,6 +40,7 @@ from urllib.parse import quote
 from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.store_schema import StoreDamaged, create, store_error, upgrade
 from vlmbatch.pipeline.records import Answer, ImageItem, Question
+from vlmbatch.preprocessing.sources import MemberRef, RowRef
 
 
 @dataclass(frozen=True)
@@ -70,10 +72,18 @@ def by_item(answers: list[Answer]) -> dict[str, list[Answer]]:
 
 
 def item_to_json(item: ImageItem) -> str:
-    if not isinstance(item.image, str):
+    """An item as the store keeps it: its image as the path or URL, or as the reference of
+    a table's row (``{"row": {file, row, column}}``) or a shard's member (``{"member":
+    {shard, name, offset, size}}``): where the image is, never its bytes."""
+    image: object = item.image
+    if isinstance(image, RowRef):
+        image = {"row": dataclasses.asdict(image)}
+    elif isinstance(image, MemberRef):
+        image = {"member": dataclasses.asdict(image)}
+    elif not isinstance(image, str):
         raise ManifestError(f"item {item.id!r}: a job stores image paths or URLs, not "
                             f"{type(item.image).__name__}")
-    return json.dumps({"id": item.id, "image": item.image, "base_dir": str(item.base_dir),
+    return json.dumps({"id": item.id, "image": image, "base_dir": str(item.base_dir),
                        "questions": [_question_json(q) for q in item.questions]})
 
 
@@ -86,7 +96,10 @@ def _question_json(q: Question) -> list:
 
 def item_from_json(text: str) -> ImageItem:
     d = json.loads(text)
-    return ImageItem(d["id"], d["image"], tuple(Question(*q) for q in d["questions"]),
+    image = d["image"]
+    if isinstance(image, dict):
+        image = RowRef(**image["row"]) if "row" in image else MemberRef(**image["member"])
+    return ImageItem(d["id"], image, tuple(Question(*q) for q in d["questions"]),
                      Path(d["base_dir"]))
 
 

@@ -3,7 +3,8 @@ items go through (``pipeline/task.py``: stage 1 and 2, the same for every execut
 job side of those items: where they come from (``items``), what is checked at submit
 (``check``), and how the store keeps them (``to_json``/``from_json``).
 
-    AnswerJob    ImageItem -> Answer per question     manifests, folders, OpenAI chat lines
+    AnswerJob    ImageItem -> Answer per question     manifests, folders, OpenAI chat lines,
+                                                      Parquet/HF datasets, WebDataset shards
     EmbedJob     EmbedItem -> one Embedding           embedding manifests, folders
     RequestJob   EmbedRequestItem -> one per string   OpenAI /v1/embeddings batch lines
                                                       (``openai_embeddings.RequestTask``)
@@ -22,6 +23,7 @@ from typing import Generic, TypeVar
 
 from vlmbatch.jobs import embed_input
 from vlmbatch.jobs.config import RunConfig
+from vlmbatch.jobs.datasets import iter_dataset
 from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.manifest import first_line, items_from_folder, iter_manifest, read_policy
 from vlmbatch.jobs.openai_embeddings import EmbedRequestItem, RequestTask, iter_embed_requests
@@ -65,6 +67,9 @@ class AnswerJob(JobTask[ImageItem, Answer]):
 
     def items(self, cfg: RunConfig) -> Items[ImageItem]:
         policy = read_policy(cfg.policy) if cfg.policy else ()
+        if cfg.dataset is not None:
+            return iter_dataset(cfg.dataset, cfg.image_column, cfg.id_column,
+                                cfg.questions_column, policy, cfg.prepare.fetch), None
         manifest = cfg.manifest
         if manifest is not None:
             def first(item_id: str) -> str:

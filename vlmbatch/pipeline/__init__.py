@@ -8,7 +8,9 @@
   ``paths.py``: where the built-in checkpoints live;
 - ``task.py``: what a group of items goes through (``Task``: ``AnswerTask``, ``EmbedTask``);
   ``drive.py``: the one drive loop (stage 1 prepared ahead in decoder processes, stage 2 on
-  the engine, a sink, per group); ``hooks.py``: fault injection passed in by tests;
+  the engine, a sink, per group); ``preparers.py``: stage 1's workers (decoder processes or
+  threads, remote images fetched many at once ahead of them); ``hooks.py``: fault injection
+  passed in by tests;
 - ``engine.py``: the ``Engine`` interface; ``build.py``: the ``ENGINES`` registry (each
   engine's builder as ``"module:attr"``, imported when built) and ``build_engine``;
 - ``torch_engine.py`` (ours: ``planner.py`` pure Python, ``model_runner.py`` tensors,

@@ -26,7 +26,7 @@ from vlmbatch.models.embedding import POOLINGS
 from vlmbatch.pipeline.paths import DEFAULT_EMBED_MODEL as DEFAULT_EMBED_MODEL
 from vlmbatch.pipeline.paths import DEFAULT_MODEL as DEFAULT_MODEL
 from vlmbatch.pipeline.paths import DEFAULT_QWEN_MODEL as DEFAULT_QWEN_MODEL
-from vlmbatch.preprocessing.limits import DEFAULT_MAX_PIXELS
+from vlmbatch.preprocessing.limits import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_PIXELS, FetchOptions
 from vlmbatch.preprocessing.tiling import TILING_MODES
 from vlmbatch.vit_trt import RUNNERS
 
@@ -189,11 +189,13 @@ class PrepareOptions:
     that item's error; ``threads`` preprocessing workers prepare the next ``ahead`` groups
     while the model answers (0: each group when asked for, in the caller's thread);
     ``decode_timeout > 0``: the workers are decoder processes and each image has that many
-    seconds (else threads, no deadline)."""
+    seconds (else threads, no deadline); remote images, table rows and shard members are
+    read by a fetch stage ahead of them, as ``fetch`` says."""
     max_pixels: int = DEFAULT_MAX_PIXELS
     threads: int = 2
     decode_timeout: float = 0.0
     ahead: int = 2
+    fetch: FetchOptions = FetchOptions()
 
 
 @dataclass(frozen=True)
@@ -209,6 +211,12 @@ class PrepareConfig:
     # process; a prepare task on Ray) is killed and that item fails; 0: no deadline, and
     # in-process decoding runs on threads of this process (a hang then stops the run)
     decode_timeout: float = 30.0
+    # the fetch stage (http(s), s3/gs/az, table rows, shard members): reads at once, seconds
+    # per attempt (connect; between two reads), more attempts on 429/5xx/connection errors
+    fetch_concurrency: int = 32
+    fetch_timeout: float = 30.0
+    fetch_retries: int = 3
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # a larger encoded image: refused unread
 
     def __post_init__(self) -> None:
         if self.max_pixels < 1:
@@ -216,12 +224,23 @@ class PrepareConfig:
         check_threads(None, self.preprocess_threads)
         if not self.decode_timeout >= 0:  # NaN too
             raise ConfigError(f"--decode-timeout must be >= 0, got {self.decode_timeout}")
+        if self.fetch_concurrency < 1 or self.fetch_retries < 0:
+            raise ConfigError("--fetch-concurrency must be >= 1 and --fetch-retries >= 0")
+        if not self.fetch_timeout > 0:
+            raise ConfigError(f"--fetch-timeout must be > 0, got {self.fetch_timeout}")
+        if self.max_image_bytes < 1:
+            raise ConfigError(f"--max-image-mib must be > 0, got {self.max_image_bytes >> 20}")
+
+    @property
+    def fetch(self) -> FetchOptions:
+        return FetchOptions(self.fetch_concurrency, self.fetch_timeout, self.fetch_retries,
+                            self.max_image_bytes)
 
     def options(self, device: str) -> PrepareOptions:
         """Resolved for a model on ``device``."""
         return PrepareOptions(self.max_pixels,
                               preprocess_threads_for(self.preprocess_threads, device),
-                              self.decode_timeout)
+                              self.decode_timeout, fetch=self.fetch)
 
 
 def check_threads(threads: int | None, preprocess_threads: int | None) -> None:

@@ -3,8 +3,10 @@ for any ``Task`` (``pipeline/task.py``), yielding per group.
 
     Drive(stages, groups, sink, cancelled, hooks)     the loop: for each group, in order,
         stages.results(groups)                         (items, results) from the executor:
-            LocalStages: prepared_groups (stage 1 ahead, in decoder processes under a
-                deadline, or threads) -> run_group (stage 2 here)
+            LocalStages: prepared_groups (stage 1 ahead: remote images, table rows and
+                shard members through the fetch stage, many at once, their bytes to
+                decoder processes under a deadline, or threads: pipeline/preparers.py)
+                -> run_group (stage 2 here)
             jobs/ray_executor.py RayStages: prepare tasks -> model actors
         sink.write(items, results)                     e.g. a results file, a job store
         hooks.group_done(); yield; stop if cancelled() after this group
@@ -13,38 +15,48 @@ What every caller gets from this one loop (a run, a job in-process, on Ray or in
 the Python API, ``embed``, ``eval``):
 
 - an unreadable, undecodable or over-sized image is that item's ``ItemError`` (kind
-  ``source``, ``decode``, ``too_large``); with a ``decode_timeout`` a decoder that hangs or
-  crashes is that item's ``decode_timeout`` / ``decoder_crashed``, never the caller's;
+  ``source``, ``decode``, ``too_large``; a failed fetch is ``source`` with its reason: an
+  HTTP status, a timeout, too many bytes, not found, access denied); with a
+  ``decode_timeout`` a decoder that hangs or crashes is that item's ``decode_timeout`` /
+  ``decoder_crashed``, never the caller's;
 - an engine failure (out of memory, ...) fails that group's items with kind ``engine`` and
   the loop goes on (``run_group``);
 - a group is written to the sink whole before the next one is, so an interrupted loop keeps
   whole groups; closing the loop (an exception, Ctrl-C, a consumer that stops) cancels the
   groups prepared ahead and stops the decoder processes; ``Drive.final`` says how it ended;
-- memory stays bounded: at most ``ahead + 2`` groups' prepared images are alive at once.
+- memory stays bounded: at most ``ahead + 2`` groups' prepared images are alive at once
+  (groups with remote images: also as many as hold ``fetch.concurrency`` items, so that
+  many fetches stay in flight).
 
 This module imports no torch: a Ray prepare worker loads it (``prepare_task``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import sys
-import threading
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future
-from queue import SimpleQueue
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
-
-import numpy as np
 
 from vlmbatch.pipeline.config import PrepareOptions
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks, Named
+
+# re-exported: stage 1's workers (pipeline/preparers.py)
+from vlmbatch.pipeline.preparers import Preparer as Preparer
+from vlmbatch.pipeline.preparers import item_error, outcome, prepare_hooked
+from vlmbatch.pipeline.preparers import prepare_item as prepare_item
+from vlmbatch.pipeline.preparers import prepare_now as prepare_now
+from vlmbatch.pipeline.preparers import preparer as preparer
 from vlmbatch.pipeline.records import Answer, ErrorKind, ImageItem, ItemError
 from vlmbatch.pipeline.task import AnswerTask, ImageRef, Prepared, Task
-from vlmbatch.preprocessing.decode import DEFAULT_MAX_PIXELS, ImageError, ImageTooLarge
-from vlmbatch.preprocessing.isolated import DecoderCrashed, DecoderPool, DecodeTimeout
-from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage, prepare_bytes
-from vlmbatch.preprocessing.sources import SourceError, read_bytes
+from vlmbatch.preprocessing.decode import DEFAULT_MAX_PIXELS, ImageError
+from vlmbatch.preprocessing.fetch import Fetcher
+from vlmbatch.preprocessing.limits import FetchOptions
+from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
+from vlmbatch.preprocessing.sources import SourceError, is_remote
 
 if TYPE_CHECKING:
     from vlmbatch.pipeline.engine import Engine
@@ -56,37 +68,6 @@ Done = tuple[list[I], list[list[R]]]  # a group's items and each item's results
 
 # --- stage 1 -------------------------------------------------------------------------------
 
-def prepare_item(ref: ImageRef, plan: ImagePlan,
-                 max_pixels: int = DEFAULT_MAX_PIXELS) -> PreparedImage:
-    """Read, decode, prepare; raises SourceError or ImageError with the reason."""
-    src = ref.image
-    if isinstance(src, np.ndarray):  # decoded pixels (the Python API)
-        if src.ndim != 3 or src.shape[2] != 3 or src.dtype != np.uint8:
-            raise ImageError(f"an image array must be uint8 RGB [H, W, 3], got {src.dtype} "
-                             f"{list(src.shape)}")
-        if src.shape[0] * src.shape[1] > max_pixels:
-            raise ImageTooLarge(f"image is {src.shape[1]}x{src.shape[0]} pixels, over the "
-                                f"limit of {max_pixels:,} (raise --max-pixels to allow it)")
-        return plan.prepare(src)
-    data = src if isinstance(src, bytes) else read_bytes(src, ref.base_dir)
-    return prepare_bytes(data, plan, max_pixels)
-
-
-def item_error(ref: ImageRef, e: SourceError | ImageError) -> ItemError:
-    """Why the image of ``ref`` could not be prepared, with its kind."""
-    kind = (ErrorKind.SOURCE if isinstance(e, SourceError) else
-            ErrorKind.TOO_LARGE if isinstance(e, ImageTooLarge) else
-            ErrorKind.DECODE_TIMEOUT if isinstance(e, DecodeTimeout) else
-            ErrorKind.DECODER_CRASHED if isinstance(e, DecoderCrashed) else ErrorKind.DECODE)
-    return ItemError(kind, f"{ref.source}: {e}")
-
-
-def _prepare_hooked(ref: ImageRef, plan: ImagePlan, max_pixels: int,
-                    hooks: FaultHooks) -> PreparedImage:
-    hooks.prepare(ref)
-    return prepare_item(ref, plan, max_pixels)
-
-
 def _collect(task: Task[I, R], items: list[I],
              outcomes: list[PreparedImage | ItemError | None]) -> Prepared[I]:
     images = [x if isinstance(x, PreparedImage) else None for x in outcomes]
@@ -95,22 +76,31 @@ def _collect(task: Task[I, R], items: list[I],
 
 
 def prepare_group(task: Task[I, R], items: list[I], plan: ImagePlan,
-                  max_pixels: int = DEFAULT_MAX_PIXELS,
-                  hooks: FaultHooks = NO_HOOKS) -> Prepared[I]:
-    """Stage 1 of one group, in this thread."""
-    outcomes: list[PreparedImage | ItemError | None] = []
-    for it in items:
-        ref = task.image(it)
-        try:
-            outcomes.append(None if ref is None else _prepare_hooked(ref, plan, max_pixels, hooks))
-        except (SourceError, ImageError) as e:
-            assert ref is not None
-            outcomes.append(item_error(ref, e))
+                  max_pixels: int = DEFAULT_MAX_PIXELS, hooks: FaultHooks = NO_HOOKS,
+                  fetch: FetchOptions | Fetcher = FetchOptions()) -> Prepared[I]:
+    """Stage 1 of one group: its remote images fetched at once (on ``fetch``, a caller's
+    fetch stage, or one made for this group), then each decoded and prepared in this
+    thread."""
+    refs = [task.image(it) for it in items]
+    with contextlib.ExitStack() as own:
+        fetcher = fetch if isinstance(fetch, Fetcher) else own.enter_context(Fetcher(fetch))
+        fetched = {i: fetcher.submit(r.image, r.base_dir) for i, r in enumerate(refs)
+                   if r is not None and is_remote(r.image)}
+        outcomes: list[PreparedImage | ItemError | None] = []
+        for i, ref in enumerate(refs):
+            try:
+                if ref is not None and i in fetched:
+                    ref = dataclasses.replace(ref, image=fetched[i].result())
+                outcomes.append(None if ref is None
+                                else prepare_hooked(ref, plan, max_pixels, hooks))
+            except (SourceError, ImageError) as e:
+                outcomes.append(item_error(refs[i], e))  # type: ignore[arg-type]
     return _collect(task, items, outcomes)
 
 
 def prepare_task(task: Task[I, R], items: list[I], plan: ImagePlan, max_pixels: int,
-                 hooks: FaultHooks) -> tuple[int, Prepared[I]]:
+                 hooks: FaultHooks, fetch: FetchOptions = FetchOptions()
+                 ) -> tuple[int, Prepared[I]]:
     """A Ray prepare task (``jobs/ray_executor.py``) with two return objects
     (``num_returns=2``): a small one the driver fetches to learn that the task succeeded, and
     the prepared group, which goes from the object store straight to a model actor without
@@ -118,7 +108,7 @@ def prepare_task(task: Task[I, R], items: list[I], plan: ImagePlan, max_pixels: 
     worker imports it before the task's deadline starts to count its work."""
     for it in items:
         hooks.prepare(it)
-    return len(items), prepare_group(task, items, plan, max_pixels)
+    return len(items), prepare_group(task, items, plan, max_pixels, fetch=fetch)
 
 
 def prepared_groups(task: Task[I, R], groups: Iterable[list[I]], plan: ImagePlan,
@@ -136,21 +126,25 @@ def prepared_groups(task: Task[I, R], groups: Iterable[list[I]], plan: ImagePlan
     processes of a pool made here are killed)."""
     pool = workers or preparer(plan, opts, hooks)
     if pool is None:
-        for items in groups:
-            yield prepare_group(task, items, plan, opts.max_pixels, hooks)
+        with Fetcher(opts.fetch) as fetcher:
+            for items in groups:
+                yield prepare_group(task, items, plan, opts.max_pixels, hooks, fetcher)
         return
     source = iter(groups)
     ahead = opts.ahead if opts.threads else 0
     queue: deque[tuple[list[I], list[tuple[ImageRef, Future] | None]]] = deque()
+    remote = False  # the last group had a remote image: look further ahead
     try:
         while True:
-            while len(queue) <= ahead and (nxt := next(source, None)) is not None:
+            while _wants_more(queue, ahead, opts.fetch.concurrency if remote else 0) and (
+                    nxt := next(source, None)) is not None:
                 refs = [task.image(it) for it in nxt]
+                remote = any(r is not None and is_remote(r.image) for r in refs)
                 queue.append((nxt, [None if r is None else (r, pool.submit(r)) for r in refs]))
             if not queue:
                 return
             items, futures = queue[0]
-            done = [None if f is None else _outcome(*f) for f in futures]
+            done = [None if f is None else outcome(*f) for f in futures]
             queue.popleft()
             yield _collect(task, items, done)
     finally:
@@ -162,111 +156,12 @@ def prepared_groups(task: Task[I, R], groups: Iterable[list[I]], plan: ImagePlan
             pool.stop()
 
 
-def preparer(plan: ImagePlan, opts: PrepareOptions,
-             hooks: FaultHooks = NO_HOOKS) -> Preparer | None:
-    """The workers ``opts`` asks for: decoder processes (``decode_timeout > 0``), threads,
-    or None (``threads == 0`` and no deadline: each group prepared in the caller's thread).
-    Each starts its processes with the first image; ``stop`` ends them."""
-    if opts.decode_timeout > 0:
-        return _ProcessPreparer(max(opts.threads, 1), plan, opts.max_pixels,
-                                opts.decode_timeout, hooks)
-    if opts.threads:
-        return _ThreadPreparer(opts.threads, plan, opts.max_pixels, hooks)
-    return None
-
-
-def prepare_now(ref: ImageRef, plan: ImagePlan, opts: PrepareOptions,
-                workers: Preparer | None) -> PreparedImage:
-    """One image prepared on ``workers`` (a decoder process: under the deadline), else in
-    this thread; raises ``SourceError``/``ImageError`` (``DecodeTimeout``,
-    ``DecoderCrashed`` included) with the reason."""
-    if workers is None:
-        return prepare_item(ref, plan, opts.max_pixels)
-    return workers.submit(ref).result()
-
-
-def _outcome(ref: ImageRef, f: Future) -> PreparedImage | ItemError:
-    try:
-        return f.result()
-    except (SourceError, ImageError) as e:
-        return item_error(ref, e)
-
-
-class Preparer(Protocol):
-    """Stage-1 workers: ``submit`` an image, get its ``PreparedImage`` in a future (or its
-    ``SourceError``/``ImageError``); thread-safe."""
-
-    def submit(self, ref: ImageRef) -> Future: ...
-
-    def stop(self) -> None: ...
-
-
-class _ThreadPreparer:
-    def __init__(self, threads: int, plan: ImagePlan, max_pixels: int,
-                 hooks: FaultHooks) -> None:
-        self.pool = _DaemonPool(threads)
-        self.args = plan, max_pixels, hooks
-
-    def submit(self, ref: ImageRef) -> Future:
-        return self.pool.submit(_prepare_hooked, ref, *self.args)
-
-    def stop(self) -> None:
-        self.pool.stop()
-
-
-class _ProcessPreparer:
-    """Decoder processes for encoded images (paths, URLs, bytes); decoded pixels (the
-    Python API's arrays) need no decoder and are tiled here, at once."""
-
-    def __init__(self, workers: int, plan: ImagePlan, max_pixels: int, timeout_s: float,
-                 hooks: FaultHooks) -> None:
-        self.pool = DecoderPool(workers, plan, max_pixels, timeout_s, hooks.before_prepare)
-        self.plan, self.max_pixels = plan, max_pixels
-
-    def submit(self, ref: ImageRef) -> Future:
-        if not isinstance(ref.image, np.ndarray):
-            return self.pool.submit(ref.image, ref.base_dir)
-        f: Future = Future()
-        try:
-            f.set_result(prepare_item(ref, self.plan, self.max_pixels))
-        except (SourceError, ImageError) as e:
-            f.set_exception(e)
-        return f
-
-    def stop(self) -> None:
-        self.pool.stop()
-
-
-class _DaemonPool:
-    """A few daemon threads running submitted calls, FIFO, each result in a ``Future``. Unlike
-    ``ThreadPoolExecutor`` (whose threads Python joins at exit), a thread blocked in a read
-    never keeps the process alive."""
-
-    def __init__(self, threads: int) -> None:
-        self.jobs: SimpleQueue = SimpleQueue()
-        for i in range(threads):
-            threading.Thread(target=self._work, name=f"vlmbatch-prepare-{i}",
-                             daemon=True).start()
-        self.threads = threads
-
-    def submit(self, fn: Callable, *args: object) -> Future:
-        f: Future = Future()
-        self.jobs.put((f, fn, args))
-        return f
-
-    def stop(self) -> None:
-        for _ in range(self.threads):
-            self.jobs.put(None)
-
-    def _work(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            f, fn, args = job
-            if not f.set_running_or_notify_cancel():
-                continue  # cancelled before it started
-            try:
-                f.set_result(fn(*args))
-            except BaseException as e:  # noqa: BLE001  (handed to whoever waits on f)
-                f.set_exception(e)
+def _wants_more(queue: deque, ahead: int, fetching: int) -> bool:
+    """Whether to take another group: fewer than ``ahead`` wait behind the first, or (remote
+    images) fewer than ``fetching`` items do, so that many fetches stay in flight."""
+    if len(queue) <= ahead:
+        return True
+    return fetching > 0 and sum(len(g) for g, _ in list(queue)[1:]) < fetching
 
 
 # --- stage 2 and the loop -------------------------------------------------------------------

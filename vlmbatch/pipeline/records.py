@@ -24,10 +24,13 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-# an image as an item may hold it: a path (relative to ``base_dir``), a file:// or data: URL
-# (strings: what a manifest or a job store holds), encoded bytes, or decoded uint8 RGB pixels
-# [H, W, 3] (the Python API)
-ImageSource = str | bytes | np.ndarray
+from vlmbatch.preprocessing.sources import MemberRef, RowRef
+
+# an image as an item may hold it: a path (relative to ``base_dir``), a file://, data:,
+# http(s):// or s3/gs/az URL (strings: what a manifest or a job store holds), a table's row or
+# a shard's member (``preprocessing/sources.py``: what a job over a Parquet file or WebDataset
+# shards stores), encoded bytes, or decoded uint8 RGB pixels [H, W, 3] (the Python API)
+ImageSource = str | bytes | np.ndarray | RowRef | MemberRef
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,10 @@ class ImageItem:
 
     @property
     def source(self) -> str:
-        """How messages name the image: its path or URL as given, else ``image ID``."""
+        """How messages name the image: its path or URL as given, a table's ``FILE:ROW``, a
+        shard's ``SHARD:MEMBER``, else ``image ID``."""
+        if isinstance(self.image, (RowRef, MemberRef)):
+            return self.image.source
         return self.image if isinstance(self.image, str) else f"image {self.id}"
 
 

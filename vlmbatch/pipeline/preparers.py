@@ -1,0 +1,196 @@
+"""Stage 1's workers: where each image of a group is read, decoded and prepared, for the
+drive loop (``drive.py``; re-exported there).
+
+    preparer(plan, opts)   the workers ``PrepareOptions`` asks for, behind ``Preparer``:
+        _Fetching              the fetch stage (``preprocessing/fetch.py``: remote images,
+                               table rows and shard members read ``opts.fetch.concurrency``
+                               at once) handing bytes to
+            _ProcessPreparer   decoder processes, each image under ``decode_timeout``
+                               (``preprocessing/isolated.py``), or
+            _ThreadPreparer    threads of this process (``decode_timeout`` 0)
+    prepare_item(ref, plan)    one image in this thread (the serial path, a Ray prepare task)
+
+A failure is a ``SourceError`` (kind ``source``) or an ``ImageError`` (``decode``,
+``too_large``, ``decode_timeout``, ``decoder_crashed``): ``item_error`` makes it that item's
+``ItemError``. Light (no torch): a Ray prepare worker imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import Future, InvalidStateError
+from typing import Protocol
+
+import numpy as np
+
+from vlmbatch.pipeline.config import PrepareOptions
+from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
+from vlmbatch.pipeline.records import ErrorKind, ItemError
+from vlmbatch.pipeline.task import ImageRef
+from vlmbatch.preprocessing.decode import DEFAULT_MAX_PIXELS, ImageError, ImageTooLarge
+from vlmbatch.preprocessing.fetch import DaemonPool, Fetcher
+from vlmbatch.preprocessing.isolated import DecoderCrashed, DecoderPool, DecodeTimeout
+from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage, prepare_bytes
+from vlmbatch.preprocessing.sources import SourceError, is_remote, read_bytes
+
+
+def prepare_item(ref: ImageRef, plan: ImagePlan, max_pixels: int = DEFAULT_MAX_PIXELS,
+                 fetcher: Fetcher | None = None) -> PreparedImage:
+    """Read (a remote image through ``fetcher``, else a fetcher of default options made for
+    it), decode, prepare; raises SourceError or ImageError with the reason."""
+    src = ref.image
+    if isinstance(src, np.ndarray):  # decoded pixels (the Python API)
+        if src.ndim != 3 or src.shape[2] != 3 or src.dtype != np.uint8:
+            raise ImageError(f"an image array must be uint8 RGB [H, W, 3], got {src.dtype} "
+                             f"{list(src.shape)}")
+        if src.shape[0] * src.shape[1] > max_pixels:
+            raise ImageTooLarge(f"image is {src.shape[1]}x{src.shape[0]} pixels, over the "
+                                f"limit of {max_pixels:,} (raise --max-pixels to allow it)")
+        return plan.prepare(src)
+    if isinstance(src, bytes):
+        data = src
+    elif isinstance(src, str) and not is_remote(src):
+        data = read_bytes(src, ref.base_dir)
+    elif fetcher is None:  # a remote image, a table row or a shard member
+        with Fetcher() as own:
+            data = own.fetch(src, ref.base_dir)
+    else:
+        data = fetcher.fetch(src, ref.base_dir)
+    return prepare_bytes(data, plan, max_pixels)
+
+
+def item_error(ref: ImageRef, e: SourceError | ImageError) -> ItemError:
+    """Why the image of ``ref`` could not be prepared, with its kind."""
+    kind = (ErrorKind.SOURCE if isinstance(e, SourceError) else
+            ErrorKind.TOO_LARGE if isinstance(e, ImageTooLarge) else
+            ErrorKind.DECODE_TIMEOUT if isinstance(e, DecodeTimeout) else
+            ErrorKind.DECODER_CRASHED if isinstance(e, DecoderCrashed) else ErrorKind.DECODE)
+    return ItemError(kind, f"{ref.source}: {e}")
+
+
+def prepare_hooked(ref: ImageRef, plan: ImagePlan, max_pixels: int,
+                    hooks: FaultHooks) -> PreparedImage:
+    hooks.prepare(ref)
+    return prepare_item(ref, plan, max_pixels)
+
+
+def preparer(plan: ImagePlan, opts: PrepareOptions,
+             hooks: FaultHooks = NO_HOOKS) -> Preparer | None:
+    """The workers ``opts`` asks for: decoder processes (``decode_timeout > 0``), threads,
+    or None (``threads == 0`` and no deadline: each group prepared in the caller's thread).
+    Each starts its processes with the first image; ``stop`` ends them. Remote images go
+    through a fetch stage first (``_Fetching``), which hands their bytes to the workers."""
+    inner: Preparer
+    if opts.decode_timeout > 0:
+        inner = _ProcessPreparer(max(opts.threads, 1), plan, opts.max_pixels,
+                                 opts.decode_timeout, hooks)
+    elif opts.threads:
+        inner = _ThreadPreparer(opts.threads, plan, opts.max_pixels, hooks)
+    else:
+        return None
+    return _Fetching(inner, Fetcher(opts.fetch))
+
+
+def prepare_now(ref: ImageRef, plan: ImagePlan, opts: PrepareOptions,
+                workers: Preparer | None) -> PreparedImage:
+    """One image prepared on ``workers`` (a decoder process: under the deadline), else in
+    this thread; raises ``SourceError``/``ImageError`` (``DecodeTimeout``,
+    ``DecoderCrashed`` included) with the reason."""
+    if workers is None:
+        return prepare_item(ref, plan, opts.max_pixels)
+    return workers.submit(ref).result()
+
+
+def outcome(ref: ImageRef, f: Future) -> PreparedImage | ItemError:
+    try:
+        return f.result()
+    except (SourceError, ImageError) as e:
+        return item_error(ref, e)
+
+
+class Preparer(Protocol):
+    """Stage-1 workers: ``submit`` an image, get its ``PreparedImage`` in a future (or its
+    ``SourceError``/``ImageError``); thread-safe."""
+
+    def submit(self, ref: ImageRef) -> Future: ...
+
+    def stop(self) -> None: ...
+
+
+class _Fetching:
+    """The fetch stage ahead of ``inner``: a remote image (``sources.is_remote``) is fetched
+    on ``fetcher``'s threads, many at once, and its bytes handed to ``inner`` (so a decoder
+    process's deadline measures decoding alone); other images go to ``inner`` at once."""
+
+    def __init__(self, inner: Preparer, fetcher: Fetcher) -> None:
+        self.inner, self.fetcher = inner, fetcher
+
+    def submit(self, ref: ImageRef) -> Future:
+        if not is_remote(ref.image):
+            return self.inner.submit(ref)
+        out: Future = Future()
+        self.fetcher.submit(ref.image, ref.base_dir).add_done_callback(
+            lambda f: self._fetched(ref, f, out))
+        return out
+
+    def _fetched(self, ref: ImageRef, f: Future, out: Future) -> None:
+        if out.cancelled():
+            return
+        if f.exception() is not None:
+            return _settle(out, f)
+        prepared = self.inner.submit(dataclasses.replace(ref, image=f.result()))
+        prepared.add_done_callback(lambda p: _settle(out, p))
+
+    def stop(self) -> None:
+        self.fetcher.stop()
+        self.inner.stop()
+
+
+def _settle(out: Future, f: Future) -> None:
+    """``out`` given ``f``'s outcome, unless ``out`` was cancelled meanwhile."""
+    try:
+        if f.cancelled():
+            out.cancel()
+        elif (e := f.exception()) is not None:
+            out.set_exception(e)
+        else:
+            out.set_result(f.result())
+    except InvalidStateError:
+        pass  # cancelled by its caller
+
+
+class _ThreadPreparer:
+    def __init__(self, threads: int, plan: ImagePlan, max_pixels: int,
+                 hooks: FaultHooks) -> None:
+        self.pool = DaemonPool(threads)
+        self.args = plan, max_pixels, hooks
+
+    def submit(self, ref: ImageRef) -> Future:
+        return self.pool.submit(prepare_hooked, ref, *self.args)
+
+    def stop(self) -> None:
+        self.pool.stop()
+
+
+class _ProcessPreparer:
+    """Decoder processes for encoded images (paths, URLs, bytes); decoded pixels (the
+    Python API's arrays) need no decoder and are tiled here, at once (as is a table row or
+    shard member that reached it unfetched: ``_Fetching`` normally reads those first)."""
+
+    def __init__(self, workers: int, plan: ImagePlan, max_pixels: int, timeout_s: float,
+                 hooks: FaultHooks) -> None:
+        self.pool = DecoderPool(workers, plan, max_pixels, timeout_s, hooks.before_prepare)
+        self.plan, self.max_pixels = plan, max_pixels
+
+    def submit(self, ref: ImageRef) -> Future:
+        if isinstance(ref.image, (str, bytes)):
+            return self.pool.submit(ref.image, ref.base_dir)
+        f: Future = Future()
+        try:
+            f.set_result(prepare_item(ref, self.plan, self.max_pixels))
+        except (SourceError, ImageError) as e:
+            f.set_exception(e)
+        return f
+
+    def stop(self) -> None:
+        self.pool.stop()
