@@ -33,10 +33,9 @@ from vlmbatch.app.config import (
 from vlmbatch.app.embed_cli import run_embed
 from vlmbatch.app.server.config import server_config
 from vlmbatch.app.server.serve import serve
-from vlmbatch.jobs.config import RunConfig
-from vlmbatch.jobs.evaluation import report_text
 from vlmbatch.jobs.config import RUN_FETCH, RunConfig
 from vlmbatch.jobs.datasets import input_kind
+from vlmbatch.jobs.evaluation import report_text
 from vlmbatch.jobs.job import run_job, submit
 from vlmbatch.jobs.manifest import read_manifest, read_policy
 from vlmbatch.jobs.runner import evaluate_labelled, run

@@ -21,10 +21,10 @@ from typing import IO
 from tqdm import tqdm
 
 from vlmbatch.jobs.config import RunConfig
-from vlmbatch.jobs.evaluation import EvalReport, evaluate, join
-from vlmbatch.jobs.labels import labelled_manifest, scored
 from vlmbatch.jobs.datasets import iter_dataset
 from vlmbatch.jobs.errors import ManifestError
+from vlmbatch.jobs.evaluation import EvalReport, evaluate, join
+from vlmbatch.jobs.labels import labelled_manifest, scored
 from vlmbatch.jobs.manifest import items_from_folder, manifest_format, read_manifest, read_policy
 from vlmbatch.jobs.sinks import GroupWriter, format_of
 from vlmbatch.pipeline.build import build_engine
