@@ -57,8 +57,7 @@ def export_parquet(job: Path, path: Path, rows_per_group: int = 65536,
         with pq.ParquetWriter(str(path), schema) as writer:
             rows: list[dict] = []
             for a in store.answers():
-                line = a.line()
-                rows.append({name: line.get(name) for name, _ in Answer.COLUMNS})
+                rows.append(a.row())
                 hooks.exported(n + len(rows))
                 if len(rows) == rows_per_group:
                     writer.write_table(pa.Table.from_pylist(rows, schema))

@@ -101,9 +101,18 @@ def to_output(a: Answer) -> dict:
             "choices": [{"index": 0, "finish_reason": "stop",
                          "message": {"role": "assistant", "content": content}}],
             "usage": {"prompt_tokens": None, "completion_tokens": None, "total_tokens": None},
-            "vlmbatch": {"p_yes": a.p_yes, "margin": a.margin, "image_tokens": a.image_tokens}}
+            "vlmbatch": vlmbatch_fields(a)}
     return {"id": rid, "custom_id": a.image_id,
             "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
+
+
+def vlmbatch_fields(a: Answer) -> dict:
+    """The completion body's ``vlmbatch`` field: ``p_yes``, ``margin`` and ``image_tokens``,
+    and for a label-set question its ``label``, ``probs`` and ``logprobs`` (``Answer``)."""
+    out: dict = {"p_yes": a.p_yes, "margin": a.margin, "image_tokens": a.image_tokens}
+    if a.choices:
+        out.update(label=a.label, probs=a.probs, logprobs=a.logprobs)
+    return out
 
 
 def write_lines(answers: list[Answer], openai: bool) -> str:
