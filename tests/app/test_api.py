@@ -16,6 +16,7 @@ import vlmbatch
 from vlmbatch.app.cli import EXIT_OK, main
 from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.manifest import read_manifest, read_policy
+from vlmbatch.pipeline.config import ChoiceError
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFEST, POLICY = ROOT / "examples" / "manifest.jsonl", ROOT / "examples" / "policy.yaml"
@@ -34,6 +35,32 @@ def test_answers_equal_the_run_lines_on_the_examples(vlm: vlmbatch.VLM, tmp_path
     want = [json.loads(x) for x in out.read_text().splitlines()]
     got = [a.line() for a in vlm.ask_many(read_manifest(MANIFEST, read_policy(POLICY)))]
     assert got == want and len(got) == 60
+
+
+def test_label_sets_and_instructions_equal_the_run_lines(vlm: vlmbatch.VLM,
+                                                         tmp_path: Path) -> None:
+    """The label-set example (choices, a policy's system turn, an instruction): ``ask``'s
+    ``Answer``s carry label, probs and logprobs and equal ``vlmbatch run``'s lines."""
+    m, p = ROOT / "examples" / "labels.jsonl", ROOT / "examples" / "labels.yaml"
+    out = tmp_path / "r.jsonl"
+    assert main(["run", str(m), "--policy", str(p), "-o", str(out), "--no-progress"]) == EXIT_OK
+    want = [json.loads(x) for x in out.read_text().splitlines()]
+    got = list(vlm.ask_many(read_manifest(m, read_policy(p))))
+    assert [a.line() for a in got] == want and len(got) == 13
+    labelled = [a for a in got if a.choices]
+    assert len(labelled) == 9 and all(a.p_yes is None and a.label == a.answer for a in labelled)
+    for a in labelled:
+        assert a.probs is not None and a.logprobs is not None
+        assert list(a.probs) == list(a.choices) and abs(sum(a.probs.values()) - 1) < 1e-5
+        assert a.label == max(a.logprobs, key=a.logprobs.__getitem__)
+    (one,) = vlm.ask([ROOT / "examples" / "images" / "scene_01.png"], [
+        {"id": "colour", "text": "What color is the shape?", "system":
+         "You are a careful image annotator.",
+         "choices": ["red", "green", "blue", "black", "gray", "teal", "yellow", "brown"]}])
+    alone, batched = one.line(), want[4]  # scene_01's colour line, asked alone
+    assert alone["label"] == batched["label"] and alone["id"] == "0"
+    for k in ("probs", "logprobs"):  # another batch's padding: float32 rounding apart
+        assert alone[k] == pytest.approx(batched[k], abs=1e-5)
 
 
 def test_every_kind_of_image_gets_the_same_answer(vlm: vlmbatch.VLM) -> None:
@@ -69,6 +96,11 @@ def test_bad_questions_and_options_fail_before_any_work(vlm: vlmbatch.VLM) -> No
         vlm.ask(["x.png"], [{"text": "Red?", "threshold": 2}])
     with pytest.raises(ManifestError, match="unknown key"):
         vlm.ask(["x.png"], [{"text": "Red?", "treshold": 0.2}])
+    with pytest.raises(ManifestError, match="at least 2"):
+        vlm.ask(["x.png"], [{"text": "Colour?", "choices": ["red"]}])
+    with pytest.raises(ChoiceError, match="'red' and 'red shape'"):
+        vlmbatch.VLM(choice_scoring="first-token").ask(["x.png"], [
+            {"text": "Colour?", "choices": ["red", "red shape"]}])
     with pytest.raises(TypeError, match="unknown VLM option.*prefix_cahce"):
         vlmbatch.VLM(prefix_cahce=False)
 

@@ -60,8 +60,9 @@ class ExecutorConfig:
 class RunConfig:
     # of the serialised form (job.json); 3: task and embed; 4: decode_timeout moved from the
     # Ray options to the executor's; 5: max_pixels, preprocess_threads and decode_timeout in
-    # the shared PrepareConfig (jobs.folder.load_config reads versions 1-4)
-    VERSION: ClassVar[int] = 5
+    # the shared PrepareConfig; 6: engine.choice_scoring (versions 1-5 read it as "exact",
+    # its default; jobs.folder.load_config reads versions 1-5)
+    VERSION: ClassVar[int] = 6
 
     manifest: Path | None = None
     images: Path | None = None  # a folder of images, asked the policy's questions
