@@ -225,9 +225,10 @@ class TorchEngine(Engine):
                                       len(p.prompt.ids))
             if lp is not None:
                 for p in batch:
-                    if choices[p.req]:
+                    s = results[p.req]
+                    if choices[p.req] and s is not None:
                         lps = tuple(next(host) for _ in choices[p.req])
-                        results[p.req] = dataclasses.replace(results[p.req], logprobs=lps)
+                        results[p.req] = dataclasses.replace(s, logprobs=lps)
         return results  # type: ignore[return-value]
 
 

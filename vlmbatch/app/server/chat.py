@@ -161,8 +161,9 @@ def label_logprobs(a: Answer, top: int) -> dict[str, Any]:
     """``choices[0].logprobs`` of a label-set answer: the answer's entry, log of its
     probability normalised over the choices, and ``top`` of the choices most likely first."""
     assert a.probs is not None and a.label is not None
-    entries = {c: {"token": c, "logprob": max(math.log(p), -9999.0) if p > 0 else -9999.0,
-                   "bytes": list(c.encode())} for c, p in a.probs.items()}
+    entries: dict[str, dict[str, Any]] = {
+        c: {"token": c, "logprob": max(math.log(p), -9999.0) if p > 0 else -9999.0,
+            "bytes": list(c.encode())} for c, p in a.probs.items()}  # OpenAI's floor
     ranked = sorted(entries.values(), key=lambda e: -e["logprob"])
     return {"content": [{**entries[a.label], "top_logprobs": ranked[:top]}], "refusal": None}
 
