@@ -106,9 +106,11 @@ def test_bad_questions_and_options_fail_before_any_work(vlm: vlmbatch.VLM) -> No
         vlm.ask(["x.png"], [{"text": "Red?", "treshold": 0.2}])
     with pytest.raises(ManifestError, match="at least 2"):
         vlm.ask(["x.png"], [{"text": "Colour?", "choices": ["red"]}])
+    first = vlmbatch.VLM(choice_scoring="first-token")
     with pytest.raises(ChoiceError, match="'red' and 'red shape'"):
-        vlmbatch.VLM(choice_scoring="first-token").ask(["x.png"], [
-            {"text": "Colour?", "choices": ["red", "red shape"]}])
+        first.ask(["x.png"], [{"text": "Colour?", "choices": ["red", "red shape"]}])
+    with pytest.raises(ChoiceError, match="'red' and 'red shape'"):
+        list(first.ask_many([("x.png", [{"text": "Colour?", "choices": ["red", "red shape"]}])]))
     with pytest.raises(TypeError, match="unknown VLM option.*prefix_cahce"):
         vlmbatch.VLM(prefix_cahce=False)
 

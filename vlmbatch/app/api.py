@@ -124,9 +124,20 @@ class VLM:
     def ask_many(self, items: Iterable[ImageItem | tuple[ImageLike, Sequence[QuestionLike]]]
                  ) -> Iterator[Answer]:
         """Answers for a stream of items: ``ImageItem``s, or ``(image, questions)`` pairs
-        (ids are their positions in the stream)."""
-        groups = groups_of((_item(i, x) for i, x in enumerate(items)), self.images_per_batch)
+        (ids are their positions in the stream). A label set the engine cannot score as
+        configured raises ``ChoiceError`` when the stream reaches its item, before that
+        item's group is answered."""
+        groups = groups_of(self._checked(_item(i, x) for i, x in enumerate(items)),
+                           self.images_per_batch)
         yield from self._results(AnswerTask(), groups)
+
+    def _checked(self, items: Iterable[ImageItem]) -> Iterator[ImageItem]:
+        """``items``, each label set checked against the engine (``Engine.check_choices``)."""
+        for it in items:
+            for q in it.questions:
+                if q.choices:
+                    self.engine.check_choices(q.choices)
+            yield it
 
     def embed(self, texts: Sequence[str] = (), images: Sequence[ImageLike] = (),
               **options: Any) -> np.ndarray:
