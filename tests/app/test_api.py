@@ -16,6 +16,7 @@ import vlmbatch
 from vlmbatch.app.cli import EXIT_OK, main
 from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.manifest import read_manifest, read_policy
+from vlmbatch.pipeline.config import ChoiceError
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFEST, POLICY = ROOT / "examples" / "manifest.jsonl", ROOT / "examples" / "policy.yaml"
@@ -34,6 +35,40 @@ def test_answers_equal_the_run_lines_on_the_examples(vlm: vlmbatch.VLM, tmp_path
     want = [json.loads(x) for x in out.read_text().splitlines()]
     got = [a.line() for a in vlm.ask_many(read_manifest(MANIFEST, read_policy(POLICY)))]
     assert got == want and len(got) == 60
+
+
+def test_label_sets_and_instructions_equal_the_run_lines(vlm: vlmbatch.VLM,
+                                                         tmp_path: Path) -> None:
+    """The label-set example (choices, a policy's system turn, an instruction): ``ask``'s
+    ``Answer``s carry label, probs and logprobs and equal ``vlmbatch run``'s lines."""
+    m, p = ROOT / "examples" / "labels.jsonl", ROOT / "examples" / "labels.yaml"
+    out = tmp_path / "r.jsonl"
+    assert main(["run", str(m), "--policy", str(p), "-o", str(out), "--no-progress"]) == EXIT_OK
+    want = [json.loads(x) for x in out.read_text().splitlines()]
+    got = list(vlm.ask_many(read_manifest(m, read_policy(p))))
+    assert len(got) == len(want) == 13
+    for a, line in zip(got, want):  # a warm cache's KV vs this run's: float32 rounding apart
+        assert same_line(a.line(), line), (a.line(), line)
+    labelled = [a for a in got if a.choices]
+    assert len(labelled) == 9 and all(a.p_yes is None and a.label == a.answer for a in labelled)
+    for a in labelled:
+        assert a.probs is not None and a.logprobs is not None
+        assert list(a.probs) == list(a.choices) and abs(sum(a.probs.values()) - 1) < 1e-5
+        assert a.label == max(a.logprobs, key=a.logprobs.__getitem__)
+    (one,) = vlm.ask([ROOT / "examples" / "images" / "scene_01.png"], [
+        {"id": "colour", "text": "What color is the shape?", "system":
+         "You are a careful image annotator.",
+         "choices": ["red", "green", "blue", "black", "gray", "teal", "yellow", "brown"]}])
+    assert one.image_id == "0" and same_line({**one.line(), "id": "scene_01"}, want[4])
+
+
+def same_line(a: dict, b: dict) -> bool:
+    """Equal result lines, a label set's probs and logprobs to 1e-5 (their 6 decimals move
+    with float32 rounding between batches and cached or computed prefixes)."""
+    maps = ("probs", "logprobs")
+    return ({k: v for k, v in a.items() if k not in maps}
+            == {k: v for k, v in b.items() if k not in maps}
+            and all(a.get(k) == pytest.approx(b.get(k), abs=1e-5) for k in maps))
 
 
 def test_every_kind_of_image_gets_the_same_answer(vlm: vlmbatch.VLM) -> None:
@@ -69,6 +104,13 @@ def test_bad_questions_and_options_fail_before_any_work(vlm: vlmbatch.VLM) -> No
         vlm.ask(["x.png"], [{"text": "Red?", "threshold": 2}])
     with pytest.raises(ManifestError, match="unknown key"):
         vlm.ask(["x.png"], [{"text": "Red?", "treshold": 0.2}])
+    with pytest.raises(ManifestError, match="at least 2"):
+        vlm.ask(["x.png"], [{"text": "Colour?", "choices": ["red"]}])
+    first = vlmbatch.VLM(choice_scoring="first-token")
+    with pytest.raises(ChoiceError, match="'red' and 'red shape'"):
+        first.ask(["x.png"], [{"text": "Colour?", "choices": ["red", "red shape"]}])
+    with pytest.raises(ChoiceError, match="'red' and 'red shape'"):
+        list(first.ask_many([("x.png", [{"text": "Colour?", "choices": ["red", "red shape"]}])]))
     with pytest.raises(TypeError, match="unknown VLM option.*prefix_cahce"):
         vlmbatch.VLM(prefix_cahce=False)
 

@@ -6,6 +6,7 @@ import base64
 import json
 import subprocess
 import sys
+from csv import DictReader
 from pathlib import Path
 
 import cv2
@@ -99,6 +100,30 @@ def test_malformed_manifest_fails_before_work(job: Path, random_model_dir: Path,
     assert rc == EXIT_BAD_INPUT
     assert "bad.jsonl:2:" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_label_sets_first_token_clash_fails_before_work(job: Path, random_model_dir: Path,
+                                                         capsys) -> None:  # noqa: ANN001
+    """``--choice-scoring first-token`` with two choices that start with the same token is
+    bad input naming them, for ``run`` and ``submit``, before any work; exact scoring runs
+    the same label set, and a CSV row holds its maps as JSON text."""
+    m = job / "labels.jsonl"
+    m.write_text(json.dumps({"id": "good", "image": "good.png", "questions": [
+        {"id": "c", "text": "Which?", "choices": ["red", "red shape", "blue"]}]}) + "\n")
+    out = job / "never.jsonl"
+    for argv in (["run", str(m), "-o", str(out)], ["submit", str(m), "--job", str(job / "j")]):
+        rc = main([*argv, "--model", str(random_model_dir), "--choice-scoring", "first-token"])
+        assert rc == EXIT_BAD_INPUT
+        assert "'red' and 'red shape'" in capsys.readouterr().err
+    assert not out.exists() and not (job / "j").exists()
+    csv = job / "r.csv"
+    assert main(["run", str(m), "--model", str(random_model_dir), "-o", str(csv),
+                 "--no-progress"]) == EXIT_OK
+    with csv.open(newline="") as f:
+        (row,) = list(DictReader(f))
+    probs = json.loads(row["probs"])
+    assert list(probs) == ["red", "red shape", "blue"] and row["label"] == row["answer"]
+    assert row["label"] == max(probs, key=probs.__getitem__) and row["p_yes"] == ""
 
 
 def test_unknown_model(job: Path, capsys) -> None:  # noqa: ANN001

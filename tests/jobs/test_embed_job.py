@@ -54,7 +54,7 @@ def test_embed_job_equals_direct_embed(tmp_path: Path, random_model_dir: Path,
                                        capsys) -> None:  # noqa: ANN001
     m, job = submit(tmp_path, random_model_dir, 7, "--images-per-batch", "3", "--pooling",
                     "last")
-    assert json.loads((job / JOB_FILE).read_text())["version"] == 5
+    assert json.loads((job / JOB_FILE).read_text())["version"] == 6
     assert main(["run", str(job), "--no-progress"]) == EXIT_ITEM_ERRORS  # the missing image
     st = status(job)
     assert (st.task, st.done, st.failed, st.pending, st.questions) == ("embed", 7, 1, 0, 8)
@@ -111,9 +111,10 @@ def test_submit_checks_embedding_options(tmp_path: Path, random_model_dir: Path,
 
 
 def test_job_files_of_earlier_versions_load(tmp_path: Path, random_model_dir: Path) -> None:
-    """A job is written at the current version (5: the pixel limit, preprocessing threads and
-    decode timeout in ``prepare``); version 4 (those three apart: two at the top, the timeout
-    the executor's), version 3 (the timeout among the Ray options) and version 2 (no task keys
+    """A job is written at the current version (6: the engine's choice scoring; 5: the pixel
+    limit, preprocessing threads and decode timeout in ``prepare``); version 5 (no choice
+    scoring: exact), version 4 (those three apart: two at the top, the timeout the
+    executor's), version 3 (the timeout among the Ray options) and version 2 (no task keys
     either) load as the same config, the task "answer"."""
     from vlmbatch.jobs.config import RunConfig
     from vlmbatch.jobs.folder import load_config
@@ -124,12 +125,17 @@ def test_job_files_of_earlier_versions_load(tmp_path: Path, random_model_dir: Pa
                  "--preprocess-threads", "1"]) == EXIT_OK
     path = tmp_path / "j" / JOB_FILE
     d = json.loads(path.read_text())
-    assert d["version"] == RunConfig.VERSION == 5 and d["config"]["task"] == "answer"
+    assert d["version"] == RunConfig.VERSION == 6 and d["config"]["task"] == "answer"
+    assert d["config"]["engine"]["choice_scoring"] == "exact"
     assert d["config"]["prepare"] == {"max_pixels": 12345, "preprocess_threads": 1,
                                       "decode_timeout": 7}
     current = load_config(tmp_path / "j")
+    five = json.loads(json.dumps(d["config"]))
+    del five["engine"]["choice_scoring"]
+    path.write_text(json.dumps({**d, "version": 5, "config": five}))
+    assert load_config(tmp_path / "j") == current
     for version in (4, 3, 2):
-        body = json.loads(json.dumps(d["config"]))
+        body = json.loads(json.dumps(five))
         prepare = body.pop("prepare")
         body["max_pixels"], body["preprocess_threads"] = (prepare["max_pixels"],
                                                           prepare["preprocess_threads"])

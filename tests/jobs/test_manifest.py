@@ -164,3 +164,55 @@ def test_a_questions_max_new_tokens_is_a_whole_number(tmp_path: Path, bad: str) 
                  f'"max_new_tokens": {bad}}}]}}\n')
     with pytest.raises(ManifestError, match=r"m.jsonl:1: question 0 max_new_tokens must be"):
         read_manifest(m)
+
+
+def test_label_sets_system_turns_and_instructions(tmp_path: Path) -> None:
+    """``choices``, ``prompt`` and ``system`` on manifest lines and in policies: a policy's
+    ``system:`` goes to each of its questions that has none of its own."""
+    y = tmp_path / "p.yaml"
+    y.write_text("system: You are a content moderator.\nquestions:\n"
+                 "  - {id: cat, text: 'Which category?', choices: [safe, sexual, violence, hate]}\n"
+                 "  - {id: own, text: 'Is it red?', prompt: 'Answer yes or no.',"
+                 " system: 'Be brief.'}\n")
+    cat, own = read_policy(y)
+    assert cat == Question("cat", "Which category?", choices=("safe", "sexual", "violence",
+                                                               "hate"),
+                           system="You are a content moderator.")
+    assert (own.system, own.prompt, own.user_text) == ("Be brief.", "Answer yes or no.",
+                                                       "Answer yes or no.\nIs it red?")
+    m = write(tmp_path / "m.jsonl", [{"id": "a", "image": "a.png", "questions": [
+        {"id": "c", "text": "Colour?", "choices": ["red", "grün"]}]}])
+    (item,) = read_manifest(m, (cat,))
+    assert [q.choices for q in item.questions] == [("red", "grün"), cat.choices]
+
+
+@pytest.mark.parametrize("choices,msg", [
+    (["safe"], "at least 2"),
+    ([], "at least 2"),
+    (["safe", " "], "choice 1 is empty"),
+    (["safe", "hate", "safe"], "repeat: \\['safe'\\]"),
+    ([f"c{i}" for i in range(65)], "65 choices, over the limit of 64"),
+    ("safe,hate", "list of strings"),
+    (["safe", 3], "list of strings"),
+])
+def test_malformed_label_sets_name_the_line(tmp_path: Path, choices: object, msg: str) -> None:
+    m = write(tmp_path / "m.jsonl", [
+        {"id": "a", "image": "a.png", "questions": [{"text": "q", "choices": ["x", "y"]}]},
+        {"id": "b", "image": "b.png", "questions": [{"text": "q", "choices": choices}]}])
+    with pytest.raises(ManifestError, match=rf"m\.jsonl:2: question 0.*{msg}"):
+        read_manifest(m)
+    read_manifest(write(tmp_path / "ok.jsonl", [{"id": "a", "image": "a.png", "questions": [
+        {"text": "q", "choices": [f"c{i}" for i in range(64)]}]}]))  # 64 is allowed
+
+
+def test_label_set_with_threshold_or_blank_texts(tmp_path: Path) -> None:
+    for q, msg in [({"text": "q", "choices": ["a", "b"], "threshold": 0.5}, "threshold"),
+                   ({"text": "q", "prompt": " "}, "prompt must be a non-empty"),
+                   ({"text": "q", "system": 3}, "system must be a non-empty")]:
+        m = write(tmp_path / "m.jsonl", [{"id": "a", "image": "a.png", "questions": [q]}])
+        with pytest.raises(ManifestError, match=rf"m\.jsonl:1: .*{msg}"):
+            read_manifest(m)
+    y = tmp_path / "p.yaml"
+    y.write_text("system: ''\nquestions: ['Is it red?']\n")
+    with pytest.raises(ManifestError, match="system must be a non-empty"):
+        read_policy(y)

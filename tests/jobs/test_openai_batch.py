@@ -57,6 +57,30 @@ def test_bad_requests_name_the_line(tmp_path: Path, bad: dict, msg: str) -> None
         read_manifest(m)
 
 
+def test_structured_output_choices(tmp_path: Path, png_url: str) -> None:
+    """vLLM's ``structured_outputs: {"choice": [...]}`` and ``guided_choice`` ask a label
+    set; another structured output, two different lists or a malformed list name the line."""
+    def with_body(cid: str, **extra: object) -> dict:
+        r = request(cid, png_url, "Which colour?")
+        r["body"].update(extra)
+        return r
+
+    m = write(tmp_path / "b.jsonl", [
+        with_body("a", structured_outputs={"choice": ["red", "blue"]}),
+        with_body("b", guided_choice=["red", "blue"]),
+        with_body("c", guided_choice=["x", "y"], structured_outputs={"choice": ["x", "y"]}),
+        with_body("d")])
+    assert [it.questions[0].choices for it in read_manifest(m)] == [
+        ("red", "blue"), ("red", "blue"), ("x", "y"), ()]
+    for extra, msg in [({"structured_outputs": {"regex": "a+"}}, "supports only"),
+                       ({"guided_choice": ["a", "b"], "structured_outputs": {"choice": ["a"]}},
+                        "differ"),
+                       ({"guided_choice": ["a"]}, "guided_choice: choices must list at least 2")]:
+        bad = write(tmp_path / "bad.jsonl", [with_body("a"), with_body("b", **extra)])
+        with pytest.raises(ManifestError, match=rf"bad\.jsonl:2: .*{msg}"):
+            read_manifest(bad)
+
+
 def test_max_tokens_above_one_asks_for_a_text_answer(tmp_path: Path, png_url: str,
                                                       random_model_dir: Path) -> None:
     """max_tokens 1 (yes/no clients) keeps the thresholded answer; more asks for a text

@@ -77,6 +77,6 @@ def test_a_signal_while_the_model_loads(tmp_path: Path, random_model_dir: Path,
     err = signalled(tmp_path / "m2", sig, "run", str(job), where="before_load")
     assert "`vlmbatch resume JOB` continues the job" in err
     assert status(job).status == "submitted"
-    assert json.loads((job / "job.json").read_text())["version"] == 5  # untouched, whole
+    assert json.loads((job / "job.json").read_text())["version"] == 6  # untouched, whole
     assert main(["run", str(job), "--no-progress"]) == EXIT_OK
     assert status(job).done == 3

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from vlmbatch.pipeline.config import DEFAULT_MODEL, EngineConfig, ModelConfig
 from vlmbatch.pipeline.evaluate import evaluate
 from vlmbatch.pipeline.loading import load_model
@@ -16,6 +18,9 @@ from vlmbatch.pipeline.loading import load_model
 # floor is that figure less 3 questions (>= 7,122 right), so a change that costs the model a
 # handful of answers fails here (issue 2 asked for >= 0.95; 0.99 let 60 answers go).
 FLOOR = 0.998
+# `vlmbatch eval --open` (README) measures 0.9976 (2,531 of 2,537 right); the floor is the
+# issue's target, 0.95, raised to 0.99: 2 wrong in the first 200, 25 in all
+OPEN_FLOOR = 0.99
 
 
 def test_default_model_is_hf_internvl() -> None:
@@ -35,6 +40,30 @@ def test_easy_vqa_test_accuracy() -> None:
     r = evaluate(ModelConfig(), EngineConfig(), split="test", progress=False)
     assert r.questions == 7136
     assert r.accuracy >= FLOOR, f"accuracy {r.accuracy:.4f} ({r.correct} right)"
+
+
+def test_easy_vqa_open_questions_are_label_sets() -> None:
+    """``eval --open``'s set: easy-vqa's 2,537 open test questions, each asked over the 3
+    shapes or the 8 colours, the expected answer among its choices."""
+    from vlmbatch.pipeline.embed_eval import COLOURS, SHAPES
+    from vlmbatch.pipeline.evaluate import easy_vqa_set
+
+    data = easy_vqa_set("test", open_questions=True)
+    qs = {(it.id, q.id): q for it in data.items for q in it.questions}
+    assert len(qs) == len(data.expected) == 2537
+    for key, want in data.expected.items():
+        assert qs[key].choices == (COLOURS if want in COLOURS else SHAPES), (qs[key], want)
+
+
+@pytest.mark.parametrize("limit", [pytest.param(200), pytest.param(None, marks=pytest.mark.slow)])
+def test_easy_vqa_open_accuracy(limit: int | None) -> None:
+    """``vlmbatch eval --open`` (label sets, exact scoring): the README's figure is
+    0.9976 on all 2,537; the floor is OPEN_FLOOR (the first 200 in CI, all with
+    --run-slow)."""
+    r = evaluate(ModelConfig(), EngineConfig(), split="test", limit=limit, progress=False,
+                 open_questions=True)
+    assert r.questions == (limit or 2537)
+    assert r.accuracy >= OPEN_FLOOR, f"accuracy {r.accuracy:.4f} ({r.correct} right)"
 
 
 def test_answers_agree_with_pillow_reference_preprocessing() -> None:

@@ -18,9 +18,16 @@
 Images are paths (relative to the current folder), ``file://`` or ``data:`` URLs, encoded
 bytes, PIL images or uint8 RGB arrays ``[H, W, 3]`` (gray ``[H, W]`` and RGBA ``[H, W, 4]``
 are converted as Pillow's ``convert("RGB")`` would). Questions are strings or objects as in
-a manifest (``id``, ``text``, ``threshold``, ``max_new_tokens``); a malformed one raises
-``ManifestError`` before any work. A bad image is never an exception: its answers carry
-``error`` and ``error_kind``, as ``vlmbatch run``'s lines do, and the rest go on.
+a manifest (``id``, ``text``, ``threshold``, ``max_new_tokens``, ``choices``, ``prompt``,
+``system``); a malformed one raises ``ManifestError`` before any work. A label-set question
+(``choices``) gives ``Answer``s with ``label``, ``probs`` and ``logprobs``::
+
+    a, = vlm.ask("a.jpg", [{"id": "colour", "text": "What color is the shape?",
+                            "choices": ["red", "green", "blue"]}])
+    a.label, a.probs["red"], a.logprobs["red"]
+
+A bad image is never an exception: its answers carry ``error`` and ``error_kind``, as
+``vlmbatch run``'s lines do, and the rest go on.
 
 Both calls stream: images are taken ``images_per_batch`` at a time, prepared in decoder
 processes while the model answers the previous batch (each image under ``decode_timeout``
@@ -108,15 +115,29 @@ class VLM:
         if isinstance(images, (str, Path, bytes, np.ndarray, Image.Image)):
             images = [images]
         qs = questions_of(questions)
+        for q in qs:  # a label set the engine cannot score fails here, before any work
+            if q.choices:
+                self.engine.check_choices(q.choices)
         return self.ask_many(ImageItem(str(i), image_source(im), qs, Path.cwd())
                              for i, im in enumerate(images))
 
     def ask_many(self, items: Iterable[ImageItem | tuple[ImageLike, Sequence[QuestionLike]]]
                  ) -> Iterator[Answer]:
         """Answers for a stream of items: ``ImageItem``s, or ``(image, questions)`` pairs
-        (ids are their positions in the stream)."""
-        groups = groups_of((_item(i, x) for i, x in enumerate(items)), self.images_per_batch)
+        (ids are their positions in the stream). A label set the engine cannot score as
+        configured raises ``ChoiceError`` when the stream reaches its item, before that
+        item's group is answered."""
+        groups = groups_of(self._checked(_item(i, x) for i, x in enumerate(items)),
+                           self.images_per_batch)
         yield from self._results(AnswerTask(), groups)
+
+    def _checked(self, items: Iterable[ImageItem]) -> Iterator[ImageItem]:
+        """``items``, each label set checked against the engine (``Engine.check_choices``)."""
+        for it in items:
+            for q in it.questions:
+                if q.choices:
+                    self.engine.check_choices(q.choices)
+            yield it
 
     def embed(self, texts: Sequence[str] = (), images: Sequence[ImageLike] = (),
               **options: Any) -> np.ndarray:

@@ -25,6 +25,7 @@ from vlmbatch.jobs.config import EXECUTORS, TASKS, RayOptions, RunConfig
 from vlmbatch.jobs.export import PARQUET_ROWS_PER_FILE
 from vlmbatch.pipeline.build import ENGINES
 from vlmbatch.pipeline.config import (
+    CHOICE_SCORING,
     DTYPES,
     LLM_QUANT,
     QUANT,
@@ -128,6 +129,12 @@ def _engine_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--no", dest="no_words", type=words, default=E.no_words,
                    help="comma-separated answer words counted as no (default "
                    f"{','.join(E.no_words)})")
+    g.add_argument("--choice-scoring", default=E.choice_scoring, choices=CHOICE_SCORING,
+                   help="label-set questions (choices): exact (default) scores each choice's "
+                   "whole token sequence after the prompt, sum of log P(token | prompt, the "
+                   "choice's tokens before it), in one continuation forward after the "
+                   "prompt's KV; first-token scores its first token only (cheaper; refused, "
+                   "naming them, when two choices start with the same token)")
     g.add_argument("--max-new-tokens", type=int, default=E.max_new_tokens,
                    help="also write a greedy text answer of up to N tokens (default 0: none); "
                    "a question's own max_new_tokens (policy/manifest) overrides it")
@@ -373,6 +380,10 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--json", action="store_true", help="with MANIFEST: one JSON object")
     e.add_argument("--split", default="test", choices=SPLITS)
     e.add_argument("--limit", type=positive_int, default=None, help="first N questions only")
+    e.add_argument("--open", dest="open_questions", action="store_true",
+                   help="easy-vqa's open questions instead, asked as label sets: the 3 shapes "
+                   "(\"what is the red shape?\") or the 8 colours (\"what color is the "
+                   "triangle?\") as choices (see --choice-scoring)")
     e.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar")
     decode_timeout_arg(e)

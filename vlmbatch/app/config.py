@@ -76,9 +76,11 @@ def _config_type(tp: Any) -> type | None:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """``vlmbatch eval``: accuracy on easy-vqa's yes/no questions, or, given a manifest whose
-    questions carry ``expected``, the metrics of a labelled evaluation on it."""
+    """``vlmbatch eval``: accuracy on easy-vqa's yes/no questions (``open_questions``: its
+    open ones, asked as label sets), or, given a manifest whose questions carry ``expected``,
+    the metrics of a labelled evaluation on it."""
     split: str = "test"  # one of SPLITS
+    open_questions: bool = False
     limit: int | None = None  # the first N questions only
     images_per_batch: int = 16
     threads: int | None = None  # torch threads (None: torch's default)

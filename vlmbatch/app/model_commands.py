@@ -182,8 +182,10 @@ def cmd_eval(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
     if cfg.manifest is not None:
         return _eval_labelled(cfg, hooks)
     r = evaluate(cfg.model, cfg.engine, cfg.split, cfg.limit, cfg.images_per_batch,
-                 cfg.progress, cfg.prepare.options(cfg.model.device), hooks, cfg.threads)
-    print(f"easy-vqa {cfg.split} yes/no accuracy: {r.accuracy:.4f} ({r.correct}/"
+                 cfg.progress, cfg.prepare.options(cfg.model.device), hooks, cfg.threads,
+                 cfg.open_questions)
+    kind = f"open (label sets, {cfg.engine.choice_scoring})" if cfg.open_questions else "yes/no"
+    print(f"easy-vqa {cfg.split} {kind} accuracy: {r.accuracy:.4f} ({r.correct}/"
           f"{r.questions}) in {r.seconds:.1f}s ({60 * r.questions / r.seconds:.0f} QPM)")
     return EXIT_OK
 

@@ -64,7 +64,8 @@ class RunConfig:
     # of the serialised form (job.json); 3: task and embed; 4: decode_timeout moved from the
     # Ray options to the executor's; 5: max_pixels, preprocess_threads and decode_timeout in
     # the shared PrepareConfig; 6: tabular and sharded inputs (dataset and its columns), the
-    # fetch stage's settings in PrepareConfig (jobs.folder.load_config reads versions 1-5)
+    # fetch stage's settings in PrepareConfig, engine.choice_scoring (versions 1-5 read it as
+    # "exact", its default; jobs.folder.load_config reads versions 1-5)
     VERSION: ClassVar[int] = 6
 
     manifest: Path | None = None

@@ -5,6 +5,8 @@ from __future__ import annotations
 import reprlib
 from collections.abc import Iterable
 
+from vlmbatch.pipeline.records import MAX_CHOICES
+
 _BRIEF = reprlib.Repr()
 _BRIEF.maxstring = _BRIEF.maxother = 80
 _BRIEF.maxlevel, _BRIEF.maxlist, _BRIEF.maxdict = 3, 4, 4
@@ -41,3 +43,20 @@ def check_unicode(texts: Iterable[str], where: str) -> None:
             raise ManifestError(f"{where}: {brief(text)} holds a lone surrogate "
                                 f"({text[e.start]!r} at character {e.start}), which is not "
                                 "valid Unicode") from None
+
+
+def parse_choices(raw: object, where: str) -> tuple[str, ...]:
+    """A label set: a list of 2 to ``MAX_CHOICES`` distinct non-empty strings, as given;
+    ManifestError naming ``where`` otherwise."""
+    if not isinstance(raw, list) or not all(isinstance(c, str) for c in raw):
+        raise ManifestError(f"{where}: choices must be a list of strings, got {brief(raw)}")
+    if len(raw) < 2:
+        raise ManifestError(f"{where}: choices must list at least 2 labels, got {brief(raw)} "
+                            "(a yes/no question has no choices)")
+    if len(raw) > MAX_CHOICES:
+        raise ManifestError(f"{where}: {len(raw)} choices, over the limit of {MAX_CHOICES}")
+    if empty := [i for i, c in enumerate(raw) if not c.strip()]:
+        raise ManifestError(f"{where}: choice {empty[0]} is empty")
+    if dup := sorted({c for c in raw if raw.count(c) > 1}):
+        raise ManifestError(f"{where}: choices repeat: {brief(dup)}")
+    return tuple(raw)

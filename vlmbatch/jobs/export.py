@@ -71,8 +71,7 @@ def export_parquet(job: Path, path: Path, rows_per_group: int = 65536,
     try:
         rows: list[dict] = []
         for a in store.answers():
-            line = a.line()
-            rows.append({name: line.get(name) for name, _ in Answer.COLUMNS})
+            rows.append(a.row())
             hooks.exported(n + len(rows))
             if len(rows) == rows_per_group or in_file + len(rows) == per_file:
                 if writer is None:

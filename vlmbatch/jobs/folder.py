@@ -45,8 +45,9 @@ def require_job(job: Path) -> None:
 def write_job_file(job: Path, cfg: RunConfig, fmt: str) -> None:
     """``job.json`` at ``RunConfig.VERSION`` (3 added the task and its embedding settings, 4
     moved ``decode_timeout`` from the Ray options to the executor's, 5 moved it, the pixel
-    limit and the preprocessing threads into ``prepare``, 6 added tabular and sharded inputs
-    and the fetch stage's settings, both with defaults that read a version-5 file as it was;
+    limit and the preprocessing threads into ``prepare``, 6 added tabular and sharded inputs,
+    the fetch stage's settings and ``engine.choice_scoring``, all with defaults that read a
+    version-5 file as it was;
     ``load_config`` reads every earlier version)."""
     d = {"version": RunConfig.VERSION, "format": fmt, "config": to_json(cfg)}
     (Path(job) / JOB_FILE).write_text(json.dumps(d, indent=2) + "\n")

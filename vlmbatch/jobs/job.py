@@ -43,6 +43,7 @@ from vlmbatch.jobs.folder import (  # cancel, status: re-exported
 from vlmbatch.jobs.lock import host_id, run_lock
 from vlmbatch.jobs.manifest import manifest_format
 from vlmbatch.jobs.ray_executor import ray_stages
+from vlmbatch.jobs.runner import label_sets
 from vlmbatch.jobs.store import JobStore
 from vlmbatch.jobs.tasks import JobTask, job_task
 from vlmbatch.pipeline.build import build_engine
@@ -50,7 +51,7 @@ from vlmbatch.pipeline.config import ConfigError
 from vlmbatch.pipeline.drive import Done, Drive, LocalStages, PrepareOptions, Stages
 from vlmbatch.pipeline.engine import Engine
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
-from vlmbatch.pipeline.loading import read_spec
+from vlmbatch.pipeline.loading import check_label_sets, read_spec
 from vlmbatch.pipeline.task import Task
 from vlmbatch.preprocessing.sources import is_remote
 
@@ -86,11 +87,13 @@ def submit(cfg: RunConfig, job: Path, hooks: FaultHooks = NO_HOOKS) -> int:
     jt = job_task(cfg, fmt)  # answer questions, or embed (jobs/tasks.py)
     jt.check(cfg)
     items, first = jt.items(cfg)
+    sets: set[tuple[str, ...]] = set()
     with _naming_job(job), replaced_on_success(job) as part:
         part.mkdir()
         store = JobStore(part / STORE_FILE)
         try:
-            n = store.add_items(_counted(items, hooks), first, jt.to_json, jt.task.key)
+            n = store.add_items(_counted(items, hooks, sets), first, jt.to_json, jt.task.key)
+            check_label_sets(cfg.model.path, cfg.engine, sets)  # before the job exists
             store.set("status", "submitted")
             store.set("created", str(time.time()))
         finally:
@@ -99,8 +102,11 @@ def submit(cfg: RunConfig, job: Path, hooks: FaultHooks = NO_HOOKS) -> int:
     return n
 
 
-def _counted(items: Iterator[tuple[str, Any]], hooks: FaultHooks) -> Iterator[tuple[str, Any]]:
+def _counted(items: Iterator[tuple[str, Any]], hooks: FaultHooks,
+             sets: set[tuple[str, ...]]) -> Iterator[tuple[str, Any]]:
+    """``items``, counted for the hooks; the label sets they ask are added to ``sets``."""
     for n, x in enumerate(items, 1):
+        sets |= label_sets([x[1]])
         yield x
         hooks.submitted(n)
 

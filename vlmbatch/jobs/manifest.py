@@ -2,17 +2,23 @@
 
 Manifest line: ``{"id": ..., "image": <path | file:// URL | data: URL>, "questions": [...]}``
 where a question is a string or ``{"id", "text", "threshold"?, "max_new_tokens"?,
-"expected"?}`` (``max_new_tokens``: also generate up to that many answer tokens for this
-question, e.g. an explanation for the few questions that need one; default the run's
-``--max-new-tokens``; ``expected``: the user's label, ``"yes"`` or ``"no"`` (one of its
-choices for a label-set question), which only ``vlmbatch eval MANIFEST`` reads).
-Relative paths are resolved against the manifest's folder. A policy names questions applied
-to every image:
+"choices"?, "prompt"?, "system"?, "expected"?}`` (``max_new_tokens``: also generate up to that
+many answer tokens for this question, e.g. an explanation for the few questions that need
+one; default the run's ``--max-new-tokens``; ``choices``: a label set of 2 to 64 distinct
+non-empty strings, the answer the most probable of them instead of yes/no; ``prompt``: an
+instruction placed before the question in its user turn; ``system``: a system turn;
+``expected``: the user's label, ``"yes"`` or ``"no"`` (one of its choices for a label-set
+question), which only ``vlmbatch eval MANIFEST`` reads). Relative paths are resolved against
+the manifest's folder. A policy names questions applied to every image, and may give them a
+system turn (a question's own ``system`` wins):
 
+    system: You are a content moderator.
     questions:
       - {id: red, text: "Is there a red shape?", threshold: 0.5}
       - {id: beds, text: "Are there more than 3 beds? Answer yes or no, then explain.",
          max_new_tokens: 64}
+      - {id: category, text: "Which category fits the image best?",
+         choices: [safe, sexual, violence, hate]}
 
 Validation is complete before any work starts: a malformed line raises ``ManifestError``
 naming the file and line number. Reading image bytes happens later, per item, so a missing
@@ -21,6 +27,7 @@ image is that item's error, not the job's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tomllib
 from collections.abc import Iterator
@@ -28,22 +35,23 @@ from pathlib import Path
 
 import yaml
 
-from vlmbatch.jobs.errors import ManifestError, brief, check_id, check_unicode
+from vlmbatch.jobs.errors import ManifestError, brief, check_id, check_unicode, parse_choices
 from vlmbatch.jobs.openai_batch import is_openai_request, parse_request
 from vlmbatch.pipeline.records import ImageItem, Question
 
 __all__ = ["ImageItem", "ManifestError", "Question", "check_expected", "first_line",
-           "items_from_folder", "iter_manifest", "manifest_format", "parse_question",
-           "read_manifest", "read_policy"]
+           "items_from_folder", "iter_manifest", "manifest_format", "parse_choices",
+           "parse_question", "read_manifest", "read_policy"]
 
-QUESTION_KEYS = {"id", "text", "threshold", "max_new_tokens", "expected"}
+QUESTION_KEYS = {"id", "text", "threshold", "max_new_tokens", "choices", "prompt", "system",
+                 "expected"}
 YES_NO = ("yes", "no")
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 
 
 def parse_question(raw: object, where: str, index: int, prefix: str = "q") -> Question:
     """A question given as a string or ``{"id", "text", "threshold"?, "max_new_tokens"?,
-    "expected"?}``; ManifestError naming ``where`` and ``index`` otherwise. Without an id it
+    "choices"?, "prompt"?, "system"?, "expected"?}``; ManifestError naming ``where`` and ``index`` otherwise. Without an id it
     is ``{prefix}{index}``."""
     if isinstance(raw, str):
         if not raw.strip():
@@ -65,11 +73,26 @@ def parse_question(raw: object, where: str, index: int, prefix: str = "q") -> Qu
     if gen is not None and (not isinstance(gen, int) or isinstance(gen, bool) or gen < 0):
         raise ManifestError(f"{where}: question {index} max_new_tokens must be a whole number "
                             f">= 0, got {brief(gen)}")
+    choices = parse_choices(raw["choices"], f"{where}: question {index}") \
+        if "choices" in raw else ()
+    if choices and "threshold" in raw:
+        raise ManifestError(f"{where}: question {index} has choices and a threshold: a label "
+                            "set's answer is its most probable choice, a threshold applies to "
+                            "yes/no questions")
     qid = check_id(raw.get("id", f"{prefix}{index}"), where, f"question {index} id")
-    # None: a yes/no question's labels; a label-set question passes its choices
-    expected = check_expected(raw.get("expected"), None, where, f"question {index}")
-    return Question(id=qid, text=raw["text"],
-                    threshold=float(thr), max_new_tokens=gen, expected=expected)
+    expected = check_expected(raw.get("expected"), choices or None, where, f"question {index}")
+    return Question(id=qid, text=raw["text"], threshold=float(thr), max_new_tokens=gen,
+                    choices=choices, system=_text(raw, "system", where, index),
+                    prompt=_text(raw, "prompt", where, index), expected=expected)
+
+
+def _text(raw: dict, key: str, where: str, index: int) -> str | None:
+    """A question's optional non-blank text field (``system``, ``prompt``)."""
+    v = raw.get(key)
+    if v is not None and (not isinstance(v, str) or not v.strip()):
+        raise ManifestError(f"{where}: question {index} {key} must be a non-empty string, got "
+                            f"{brief(v)}")
+    return v
 
 
 def check_expected(raw: object, choices: tuple[str, ...] | None, where: str,
@@ -123,11 +146,20 @@ def read_policy(path: Path) -> tuple[Question, ...]:
         raise ManifestError(f"{path}: cannot parse policy: {_reason(e)}") from None
     if not isinstance(data, dict) or "questions" not in data:
         raise ManifestError(f"{path}: a policy needs a top-level 'questions' list")
-    qs = _questions(data["questions"], str(path), prefix="p")
-    check_unicode((s for q in qs for s in (q.id, q.text)), str(path))
+    system = data.get("system")
+    if system is not None and (not isinstance(system, str) or not system.strip()):
+        raise ManifestError(f"{path}: system must be a non-empty string, got {brief(system)}")
+    qs = tuple(q if q.system is not None else dataclasses.replace(q, system=system)
+               for q in _questions(data["questions"], str(path), prefix="p"))
+    check_unicode((s for q in qs for s in _texts(q)), str(path))
     if not qs:
         raise ManifestError(f"{path}: the policy has no questions")
     return qs
+
+
+def _texts(q: Question) -> list[str]:
+    """Every string of a question (what the results file and the prompt will hold)."""
+    return [q.id, q.text, *q.choices, *(t for t in (q.system, q.prompt) if t is not None)]
 
 
 def read_manifest(path: Path, policy: tuple[Question, ...] = ()) -> list[ImageItem]:
@@ -174,7 +206,7 @@ def iter_manifest(path: Path, policy: tuple[Question, ...] = ()
             if not isinstance(rec, dict):
                 raise ManifestError(f"{where}: each line must be a JSON object")
             item = _item(rec, where, lineno, base_dir, policy)
-            asked = [t for q in item.questions for t in (q.id, q.text)]
+            asked = [t for q in item.questions for t in _texts(q)]
             check_unicode([item.id, item.source, *asked], where)  # item.image: a string here
             if (kind := "openai" if is_openai_request(rec) else "vlmbatch") != fmt.setdefault(
                     "kind", kind):

@@ -10,16 +10,18 @@ Input line (one chat completion request)::
 Each request becomes one item with one question (its text parts joined) about its one image
 (the only ``image_url`` part). ``file://`` and ``data:`` URLs and local paths work; http(s)
 URLs are refused when the file is read, since no network is assumed. Requests for the same
-image share its prefix cache entry, keyed by pixel content.
+image share its prefix cache entry, keyed by pixel content. A body with vLLM's
+``structured_outputs: {"choice": [...]}`` (or ``guided_choice: [...]``, its older name) asks
+a label-set question: the answer is the most probable choice (``Question.choices``).
 
 Output line: ``{"id", "custom_id", "response": {"status_code": 200, "request_id", "body":
 <chat.completion>}, "error": null}``; a failed item gets ``"response": null`` and
 ``"error": {"code", "message"}``, the code naming its ``ErrorKind`` (``decode_error``,
 ``source_error``, ``too_large_error``, ``engine_error``, ...). The completion's content is
-``"yes"``/``"no"``, or the generated text when the request's
-``max_completion_tokens``/``max_tokens`` is above 1 (up to that many tokens) or
-``--max-new-tokens`` is set; ``p_yes`` and ``margin`` ride along in the body under
-``"vlmbatch"``.
+``"yes"``/``"no"`` (a label set's most probable choice), or the generated text when the
+request's ``max_completion_tokens``/``max_tokens`` is above 1 (up to that many tokens) or
+``--max-new-tokens`` is set; ``p_yes`` and ``margin`` (a label set's ``label``, ``probs`` and
+``logprobs``) ride along in the body under ``"vlmbatch"``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from vlmbatch.jobs.errors import ManifestError, brief, check_id
+from vlmbatch.jobs.errors import ManifestError, brief, check_id, parse_choices
 from vlmbatch.pipeline.records import Answer, ImageItem, Question
 
 
@@ -72,8 +74,27 @@ def parse_request(rec: dict, where: str, base_dir: Path) -> ImageItem:
     if not question:
         raise ManifestError(f"{where}: no text part to ask")
     return ImageItem(check_id(rec["custom_id"], where, "custom_id"), images[0],
-                     (Question("q0", question, max_new_tokens=_answer_tokens(rec, where)),),
-                     base_dir)
+                     (Question("q0", question, max_new_tokens=_answer_tokens(rec, where),
+                               choices=_choices(rec["body"], where)),), base_dir)
+
+
+def _choices(body: dict, where: str) -> tuple[str, ...]:
+    """The label set of ``structured_outputs.choice`` (vLLM) or ``guided_choice`` (its older
+    name), () for neither; ManifestError for another kind of structured output, or two
+    different lists."""
+    so = body.get("structured_outputs")
+    if so is not None and (not isinstance(so, dict) or set(so) != {"choice"}):
+        raise ManifestError(f"{where}: body.structured_outputs supports only "
+                            f'{{"choice": [...]}} (a label set), got {brief(so)}')
+    given = [(name, v) for name, v in (("structured_outputs.choice", (so or {}).get("choice")),
+                                       ("guided_choice", body.get("guided_choice")))
+             if v is not None]
+    if len(given) == 2 and given[0][1] != given[1][1]:
+        raise ManifestError(f"{where}: body.structured_outputs.choice and body.guided_choice "
+                            "differ; give one")
+    if not given:
+        return ()
+    return parse_choices(given[0][1], f"{where}: body.{given[0][0]}")
 
 
 def _answer_tokens(rec: dict, where: str) -> int | None:
@@ -101,9 +122,18 @@ def to_output(a: Answer) -> dict:
             "choices": [{"index": 0, "finish_reason": "stop",
                          "message": {"role": "assistant", "content": content}}],
             "usage": {"prompt_tokens": None, "completion_tokens": None, "total_tokens": None},
-            "vlmbatch": {"p_yes": a.p_yes, "margin": a.margin, "image_tokens": a.image_tokens}}
+            "vlmbatch": vlmbatch_fields(a)}
     return {"id": rid, "custom_id": a.image_id,
             "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
+
+
+def vlmbatch_fields(a: Answer) -> dict:
+    """The completion body's ``vlmbatch`` field: ``p_yes``, ``margin`` and ``image_tokens``,
+    and for a label-set question its ``label``, ``probs`` and ``logprobs`` (``Answer``)."""
+    out: dict = {"p_yes": a.p_yes, "margin": a.margin, "image_tokens": a.image_tokens}
+    if a.choices:
+        out.update(label=a.label, probs=a.probs, logprobs=a.logprobs)
+    return out
 
 
 def write_lines(answers: list[Answer], openai: bool) -> str:

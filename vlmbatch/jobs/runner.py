@@ -15,6 +15,7 @@ import io
 import json
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import IO
 
@@ -31,6 +32,7 @@ from vlmbatch.pipeline.build import build_engine
 from vlmbatch.pipeline.drive import drive, groups_of
 from vlmbatch.pipeline.engine import EngineSummary
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
+from vlmbatch.pipeline.loading import check_label_sets
 from vlmbatch.pipeline.records import ImageItem
 from vlmbatch.pipeline.task import AnswerTask
 
@@ -81,6 +83,12 @@ def load_items(cfg: RunConfig) -> list[ImageItem]:
     return items_from_folder(cfg.images, policy)
 
 
+def label_sets(items: Iterable[object]) -> set[tuple[str, ...]]:
+    """The distinct label sets asked of ``items`` (what ``check_label_sets`` checks)."""
+    return {q.choices for it in items if isinstance(it, ImageItem) for q in it.questions
+            if q.choices}
+
+
 def run(cfg: RunConfig, out: IO[str] | None = None, hooks: FaultHooks = NO_HOOKS,
         items: list[ImageItem] | None = None) -> RunSummary:
     """Run a whole manifest (or ``items``, read from it already) in this process. Raises
@@ -88,6 +96,7 @@ def run(cfg: RunConfig, out: IO[str] | None = None, hooks: FaultHooks = NO_HOOKS
     items = load_items(cfg) if items is None else items
     openai = cfg.manifest is not None and manifest_format(cfg.manifest) == "openai"
     fmt = format_of(cfg.out)
+    check_label_sets(cfg.model.path, cfg.engine, label_sets(items))
     hooks.loading()
     engine = build_engine(cfg.model, cfg.engine, cfg.threads)
     n_q = sum(len(it.questions) for it in items)

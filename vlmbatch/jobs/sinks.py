@@ -4,8 +4,9 @@ group at a time by ``vlmbatch run`` (``jobs/runner.py``) and ``vlmbatch results`
 
 Every format is derived from ``pipeline.records.Answer``: a JSONL line is ``Answer.line()``
 (``text`` only where the question generates text: its ``max_new_tokens``, else
---max-new-tokens); CSV has the columns ``RESULT_COLUMNS`` (``Answer.COLUMNS``) in that
-order, a header row, and an empty field for null.
+--max-new-tokens; ``label``, ``probs`` and ``logprobs`` only for a label-set question); CSV
+has the columns ``RESULT_COLUMNS`` (``Answer.COLUMNS``) in that order (``Answer.row``: the
+two maps as JSON text), a header row, and an empty field for null.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def line_writer(out: IO[str], fmt: str, openai: bool = False
         writer.writeheader()
 
         def rows(answers: list[Answer]) -> None:
-            writer.writerows(a.line() for a in answers)
+            writer.writerows(a.row() for a in answers)
 
         return rows
     if fmt != "jsonl":

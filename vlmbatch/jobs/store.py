@@ -87,11 +87,23 @@ def item_to_json(item: ImageItem) -> str:
                        "questions": [_question_json(q) for q in item.questions]})
 
 
-def _question_json(q: Question) -> list:
+def _question_json(q: Question) -> list | dict:
     """[id, text, threshold], plus max_new_tokens when set (stores stay readable by
-    versions that know three fields, unless a question uses the fourth)."""
+    versions that know three fields, unless a question uses the fourth); a question with a
+    label set, a system turn or an instruction as an object of its set fields."""
+    if q.choices or q.system is not None or q.prompt is not None:
+        d = {"id": q.id, "text": q.text, "threshold": q.threshold,
+             "max_new_tokens": q.max_new_tokens, "choices": list(q.choices),
+             "system": q.system, "prompt": q.prompt}
+        return {k: v for k, v in d.items() if v not in (None, [])}
     fields = [q.id, q.text, q.threshold]
     return fields if q.max_new_tokens is None else [*fields, q.max_new_tokens]
+
+
+def _question(q: list | dict) -> Question:
+    if isinstance(q, list):
+        return Question(*q)
+    return Question(**{**q, "choices": tuple(q.get("choices", ()))})
 
 
 def item_from_json(text: str) -> ImageItem:
@@ -99,7 +111,7 @@ def item_from_json(text: str) -> ImageItem:
     image = d["image"]
     if isinstance(image, dict):
         image = RowRef(**image["row"]) if "row" in image else MemberRef(**image["member"])
-    return ImageItem(d["id"], image, tuple(Question(*q) for q in d["questions"]),
+    return ImageItem(d["id"], image, tuple(_question(q) for q in d["questions"]),
                      Path(d["base_dir"]))
 
 

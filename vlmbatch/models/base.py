@@ -158,10 +158,28 @@ class Decoder(nn.Module, ABC):
         """One token per row: embeds [B, 1, D], positions [B] long, kv per layer [B, K, S, d],
         key_valid [B, S] bool -> (logits [B, V] float32, per layer (k, v) [B, K, 1, d])."""
 
+    def extend(self, embeds: torch.Tensor, positions: torch.Tensor, kv: list[KV],
+               key_valid: torch.Tensor, new_mask: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:
+        """N tokens per row after cached keys, each new token seeing the valid cached keys
+        and the new tokens ``new_mask`` allows: embeds [B, N, D], positions [B, N] (M-RoPE
+        [3, B, N]), kv per layer [B, K, S, d], key_valid [B, S] bool, new_mask [B, N, N]
+        bool -> (logits of every new position [B, N, V] float32, per layer (k, v)
+        [B, K, N, d])."""
+        raise NotImplementedError(f"{type(self).__name__} cannot extend a cached prefix by "
+                                  "several tokens: label sets of this family are not "
+                                  "supported")
+
 
 class PromptBuilder(Protocol):
-    def build(self, question: str, image: PreparedImage) -> Prompt:
-        """A yes/no question about an image, ending where the answer starts."""
+    def build(self, question: str, image: PreparedImage, system: str | None = None) -> Prompt:
+        """A question about an image (the user turn's text), after ``system``'s turn when
+        given, ending where the answer starts. A system turn comes before the image, so it is
+        part of the shared prefix (``Prompt.prefix_len``)."""
+
+    def answer_ids(self, text: str) -> tuple[int, ...]:
+        """``text``'s token ids as the assistant's answer right after ``build``'s prompt
+        (the chat template's text between the generation prompt and an answer, then
+        ``text``: ``models/chat.py``): what a label set's choice is scored as."""
 
     def embed(self, text: str, image: PreparedImage | None) -> Prompt:
         """An embedding input: with an image, the family's user turn holding the image then

@@ -349,6 +349,21 @@ class TextDecoder(Decoder):
         x, new_kv = self._layers(embeds, pos, mask, kv)
         return self.lm_head(self.norm(x[:, 0])).float(), new_kv
 
+    def extend(self, embeds: torch.Tensor, positions: torch.Tensor, kv: list[KV],
+               key_valid: torch.Tensor, new_mask: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:
+        """N tokens per row after cached keys (``Decoder.extend``): ``decode_step`` for
+        several tokens, which see each other only where ``new_mask [B, N, N]`` says (causal
+        for a plain continuation; block-causal for a label set's choices side by side, each
+        after the same prompt). Every row's valid cached keys are visible to all its new
+        tokens, so a padding token (masked from the real ones) still attends to something.
+        positions: [B, N] (1-D) or [3, B, N] (M-RoPE). Returns (logits [B, N, V] float32,
+        per layer (k, v) [B, K, N, d])."""
+        b, n, _ = embeds.shape
+        mask = torch.cat([key_valid[:, None, :].expand(b, n, key_valid.shape[1]), new_mask],
+                         dim=2)  # [B, N, S + N]
+        x, new_kv = self._layers(embeds, positions, mask, kv)
+        return self.lm_head(self.norm(x)).float(), new_kv
+
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                 past: list[KV] | None, deepstack: DeepStack | None = None
                 ) -> tuple[torch.Tensor, list[KV]]:

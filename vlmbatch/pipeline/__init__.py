@@ -14,11 +14,12 @@
 - ``engine.py``: the ``Engine`` interface; ``build.py``: the ``ENGINES`` registry (each
   engine's builder as ``"module:attr"``, imported when built) and ``build_engine``;
 - ``torch_engine.py`` (ours: ``planner.py`` pure Python, ``model_runner.py`` tensors,
-  ``prefix_cache.py``, ``scoring.py``; embeddings through ``embed.py``'s head and
+  ``prefix_cache.py``, ``scoring.py``, ``choices.py``: a label set's log-likelihoods in one
+  continuation after the prompt's KV; embeddings through ``embed.py``'s head and
   ``pooling.py``) and ``lmdeploy_engine.py`` (TurboMind, GPU env only);
 - ``loading.py``: checkpoint folder -> ``LoadedModel`` (family + quant runtime conversions);
-- ``evaluate.py`` (easy-vqa accuracy), ``embed_eval.py`` (easy-vqa retrieval),
-  ``quantize.py`` (the AWQ/GPTQ command's driver).
+- ``evaluate.py`` (easy-vqa accuracy: yes/no, or open questions as label sets),
+  ``embed_eval.py`` (easy-vqa retrieval), ``quantize.py`` (the AWQ/GPTQ command's driver).
 
 The package itself imports nothing, so a process that only prepares images (a Ray prepare
 worker: ``drive.prepare_task``) loads ``drive.py``'s light imports, not torch, the models and

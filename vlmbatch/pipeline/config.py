@@ -40,7 +40,16 @@ class AnswerWordsError(ValueError):
     built: ``pipeline/scoring.py``)."""
 
 
+class ChoiceError(ConfigError):
+    """A label set the engine cannot score as asked: two choices whose tokens are the same
+    (or, with ``--choice-scoring first-token``, start with the same token); the message names
+    them (``pipeline/scoring.py``)."""
+
+
 LLM_QUANT = ("none", "int8-dynamic")
+# how a label set's choices are scored: each choice's whole token sequence after the prompt
+# (exact), or its first token only (cheaper; choices must then start with different tokens)
+CHOICE_SCORING = ("exact", "first-token")
 QUANT = ("none", "fp8")  # W8A8 of the decoder's and the vision encoder's linears
 # dtype names; pipeline/loading.py maps each to its torch dtype where the model is loaded
 DTYPES = ("float32", "bfloat16", "float16")
@@ -135,6 +144,7 @@ class EngineConfig:
     # tokens in Qwen2's vocabulary, not in the built-in model's).
     yes_words: tuple[str, ...] = ("yes", "Yes", "YES", "是")
     no_words: tuple[str, ...] = ("no", "No", "NO", "否")
+    choice_scoring: str = "exact"  # one of CHOICE_SCORING
 
     def __post_init__(self) -> None:
         if min(self.max_batch_tokens, self.max_batch_tiles, self.block_size,
@@ -153,6 +163,9 @@ class EngineConfig:
             raise ConfigError(f"cache_bytes must be >= 0, got {self.cache_bytes}")
         if not self.yes_words or not self.no_words:
             raise ConfigError("yes_words and no_words must not be empty")
+        if self.choice_scoring not in CHOICE_SCORING:
+            raise ConfigError(f"choice_scoring {self.choice_scoring!r} not one of "
+                              f"{CHOICE_SCORING}")
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,15 @@ class Engine(ABC):
 
     @abstractmethod
     def score(self, images: list[PreparedImage], requests: list[Request]) -> list[Score]:
-        """One score per request, in order; ``Request.image`` indexes ``images``."""
+        """One score per request, in order; ``Request.image`` indexes ``images``. A request
+        with a label set gets its choices' log-likelihoods (``Score.logprobs``)."""
+
+    def check_choices(self, choices: tuple[str, ...]) -> None:
+        """ConfigError (``ChoiceError``) if this engine cannot score the label set ``choices``
+        as configured (naming the choices it cannot tell apart); called before any work by
+        the commands that can."""
+        raise ConfigError(f"label sets (choices) are scored by the torch engine (--engine "
+                          f"torch), not {type(self).__name__}")
 
     def embedding(self, cfg: EmbedConfig) -> Resolved:
         """What ``embed`` does with ``cfg`` on this checkpoint; ConfigError if it cannot."""

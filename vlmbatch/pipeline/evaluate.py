@@ -1,4 +1,7 @@
-"""Accuracy on easy-vqa's *test* split (yes/no questions): ``vlmbatch eval``.
+"""Accuracy on easy-vqa's *test* split: its yes/no questions (``vlmbatch eval``), or its
+open ones asked as label-set questions (``vlmbatch eval --open``: "what is the red shape?"
+with the 3 shapes as choices, "what color is the triangle?" with the 8 colours; 2,537 in the
+test split).
 
 The built-in model never saw this split (training reads only easy-vqa's train split and our
 own shape scenes). Items go through the same path as ``vlmbatch run`` (read, decode, tile,
@@ -17,6 +20,7 @@ from tqdm import tqdm
 from vlmbatch.pipeline.build import build_engine
 from vlmbatch.pipeline.config import EngineConfig, ModelConfig, PrepareOptions
 from vlmbatch.pipeline.drive import drive, groups_of
+from vlmbatch.pipeline.embed_eval import COLOURS, SHAPES
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.pipeline.records import ImageItem, Question
 from vlmbatch.pipeline.task import AnswerTask
@@ -36,12 +40,22 @@ class EvalResult:
 @dataclass(frozen=True)
 class EvalSet:
     items: list[ImageItem]
-    expected: dict[tuple[str, str], str]  # (image id, question id) -> "yes" | "no"
+    # (image id, question id) -> "yes" | "no" (an open question: its colour or shape)
+    expected: dict[tuple[str, str], str]
 
 
-def easy_vqa_set(split: str = "test", limit: int | None = None) -> EvalSet:
+def label_set(question: str) -> tuple[str, ...]:
+    """The choices of an open easy-vqa question, from its text: the 8 colours for a question
+    about colour ("what color is the triangle?"), else the 3 shapes ("what is the red
+    shape?")."""
+    return COLOURS if "color" in question else SHAPES
+
+
+def easy_vqa_set(split: str = "test", limit: int | None = None,
+                 open_questions: bool = False) -> EvalSet:
     """easy-vqa yes/no questions grouped per image, with their answers; ``limit`` caps the
-    number of questions. A question's id is its index in easy-vqa's list."""
+    number of questions. A question's id is its index in easy-vqa's list. With
+    ``open_questions``, the other questions instead, each a label set (``label_set``)."""
     if split == "test":
         texts, answers, ids = easy_vqa.get_test_questions()
         paths = easy_vqa.get_test_image_paths()
@@ -51,9 +65,11 @@ def easy_vqa_set(split: str = "test", limit: int | None = None) -> EvalSet:
     per_image: dict[int, list[Question]] = {}
     expected: dict[tuple[str, str], str] = {}
     for k, (t, a, i) in enumerate(zip(texts, answers, ids)):
-        if a not in ("yes", "no") or (limit is not None and len(expected) >= limit):
+        if (a in ("yes", "no")) == open_questions or (limit is not None
+                                                        and len(expected) >= limit):
             continue
-        per_image.setdefault(i, []).append(Question(id=str(k), text=t))
+        per_image.setdefault(i, []).append(Question(
+            id=str(k), text=t, choices=label_set(t) if open_questions else ()))
         expected[(str(i), str(k))] = a
     items = [ImageItem(str(i), str(paths[i]), tuple(qs), Path(paths[i]).parent)
              for i, qs in sorted(per_image.items())]
@@ -68,10 +84,12 @@ def easy_vqa_items(split: str = "test", limit: int | None = None) -> list[ImageI
 def evaluate(model_cfg: ModelConfig, engine_cfg: EngineConfig, split: str = "test",
              limit: int | None = None, images_per_batch: int = 16,
              progress: bool = True, opts: PrepareOptions = PrepareOptions(),
-             hooks: FaultHooks = NO_HOOKS, threads: int | None = None) -> EvalResult:
-    """Accuracy of the model on easy-vqa's ``split``; items through the drive loop (each
-    image in a decoder process under ``opts.decode_timeout``, as ``vlmbatch run``)."""
-    data = easy_vqa_set(split, limit)
+             hooks: FaultHooks = NO_HOOKS, threads: int | None = None,
+             open_questions: bool = False) -> EvalResult:
+    """Accuracy of the model on easy-vqa's ``split`` (its open questions as label sets with
+    ``open_questions``); items through the drive loop (each image in a decoder process under
+    ``opts.decode_timeout``, as ``vlmbatch run``)."""
+    data = easy_vqa_set(split, limit, open_questions)
     engine = build_engine(model_cfg, engine_cfg, threads)
     total = correct = 0
     start = time.perf_counter()

@@ -34,7 +34,7 @@ from PIL import Image
 
 from vlmbatch.models.internvl.family import InternVLSpec
 from vlmbatch.models.io import ModelError
-from vlmbatch.pipeline.config import EngineConfig, ModelConfig
+from vlmbatch.pipeline.config import ConfigError, EngineConfig, ModelConfig
 from vlmbatch.pipeline.engine import Engine, EngineStats
 from vlmbatch.pipeline.loading import image_plan_for, read_spec
 from vlmbatch.pipeline.records import Request, Score
@@ -131,6 +131,9 @@ class LMDeployEngine(Engine):
         self.stats = EngineStats()
 
     def score(self, images: list[PreparedImage], requests: list[Request]) -> list[Score]:
+        if any(r.choices or r.system is not None for r in requests):
+            raise ConfigError("label sets (choices) and system turns are asked by the torch "
+                              "engine (--engine torch), not lmdeploy")
         prompts = []
         for r in requests:
             im = images[r.image]

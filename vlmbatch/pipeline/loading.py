@@ -8,6 +8,7 @@ builds it (``models/``), then the runtime conversions of ``quant/`` are applied 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -15,7 +16,8 @@ import torch
 from vlmbatch.models import family_for
 from vlmbatch.models.base import ImageOptions, LoadedModel, ModelFamily, ModelSpec
 from vlmbatch.models.io import ModelError, raw_state_dict
-from vlmbatch.pipeline.config import DEFAULT_MODEL, ConfigError, ModelConfig
+from vlmbatch.pipeline.config import DEFAULT_MODEL, ConfigError, EngineConfig, ModelConfig
+from vlmbatch.pipeline.scoring import choice_ids
 from vlmbatch.preprocessing.prepare import ImagePlan
 from vlmbatch.quant.checkpoint import check_config, int4_weights
 from vlmbatch.quant.fp8 import Fp8Unavailable, convert_linears_fp8, require_fp8
@@ -52,6 +54,25 @@ def read_spec(path: Path | None = None) -> tuple[ModelFamily, ModelSpec]:
     path = Path(path) if path is not None else DEFAULT_MODEL
     family, cfg = family_for(path)
     return family, family.read_spec(path, cfg)
+
+
+def check_label_sets(path: Path | None, cfg: EngineConfig,
+                     label_sets: Iterable[tuple[str, ...]]) -> None:
+    """Before any work: ConfigError (``ChoiceError``) for a label set the engine of ``cfg``
+    would not score on this checkpoint (two choices it cannot tell apart under
+    ``cfg.choice_scoring``, or an engine without label sets). Reads the tokenizer, not the
+    weights, and only when there is a label set."""
+    sets = sorted(set(label_sets))
+    if not sets:
+        return
+    if cfg.engine != "torch":
+        raise ConfigError(f"label sets (choices) are scored by the torch engine (--engine "
+                          f"torch), not {cfg.engine}")
+    family, spec = read_spec(path)
+    path = Path(path) if path is not None else DEFAULT_MODEL
+    prompts = family.prompt_builder(family.load_tokenizer(path), spec)
+    for choices in sets:
+        choice_ids(prompts.answer_ids, choices, cfg.choice_scoring == "first-token")
 
 
 def load_model(path: Path | None = None, device: str = "cpu",

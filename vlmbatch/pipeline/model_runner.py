@@ -2,8 +2,10 @@
 the images a phase needs, one prefill forward per batch (text embeddings with image
 embeddings written into the uncached part of each image span, the cached prefixes gathered
 from the KV pool in one gather, new prefix blocks copied in), P(yes) and margin from the
-first generated position, and greedy decoding for the rows that want text. What to run and
-in which batches is the planner's (``pipeline/planner.py``).
+first generated position, a label set's log-likelihoods for the rows that have one (the
+first token's from the prefill; the others from one continuation forward of every choice
+side by side after the prompt's KV: ``pipeline/choices.py``), and greedy decoding for the
+rows that want text. What to run and in which batches is the planner's (``pipeline/planner.py``).
 
 What differs between families reaches the runner only through ``models.base``'s records:
 the prompt's M-RoPE ``positions`` (a row after a cached prefix of k tokens takes
@@ -30,10 +32,11 @@ import numpy as np
 import torch
 
 from vlmbatch.models.base import KV, DeepStack, LoadedModel
+from vlmbatch.pipeline.choices import AfterPrefill, choice_logprobs
 from vlmbatch.pipeline.engine import EngineStats
 from vlmbatch.pipeline.planner import Plan
 from vlmbatch.pipeline.prefix_cache import BlockKey, PrefixCache
-from vlmbatch.pipeline.scoring import AnswerTokens, yes_no
+from vlmbatch.pipeline.scoring import AnswerTokens, ChoiceIds, yes_no
 from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.vit_trt import VitRunner
 
@@ -128,9 +131,13 @@ class ModelRunner:
             self.stats.vision_tiles += n
         return result
 
-    def prefill(self, batch: list[Plan], images: list[ImageEmbeds | None], limits: list[int]
-                ) -> tuple[torch.Tensor, list[str | None]]:
-        """One forward over ``batch``: ([B, 2] (p_yes, margin) on the device, texts)."""
+    def prefill(self, batch: list[Plan], images: list[ImageEmbeds | None], limits: list[int],
+                choices: list[ChoiceIds] | None = None, first_token: bool = False
+                ) -> tuple[torch.Tensor, list[str | None], torch.Tensor | None]:
+        """One forward over ``batch``: ([B, 2] (p_yes, margin) on the device, texts, the
+        choices' log-likelihoods ``[M]`` on the device (``choices``: each row's label set,
+        () for none; every choice of every row in order; None without any), only their first
+        tokens' with ``first_token``)."""
         x, lengths, positions, deep = self._inputs(batch, images)
         past, past_lengths = self._gather_past(batch)
         logits, new_kv = self.prefill_fn(x, lengths, past, past_lengths,
@@ -138,9 +145,13 @@ class ModelRunner:
         if self.cache is not None:
             self._insert(batch, new_kv)
         p_yes, margin = yes_no(logits, self.answers)
-        deltas = [p.prompt.rope_delta for p in batch]
-        texts = self._texts(limits, logits, past, past_lengths, new_kv, lengths, deltas)
-        return torch.stack([p_yes, margin], 1), texts
+        after = AfterPrefill(past, past_lengths, new_kv, lengths,
+                             [p.prompt.rope_delta for p in batch],
+                             batch[0].prompt.positions is not None)
+        lp = choice_logprobs(self.model.llm, self.to_device, choices or [()] * len(batch),
+                             logits, after, first_token)
+        texts = self._texts(limits, logits, after)
+        return torch.stack([p_yes, margin], 1), texts, lp
 
     def hidden(self, batch: list[Plan], images: list[ImageEmbeds | None]) -> torch.Tensor:
         """One forward over ``batch`` for embeddings: the last hidden states ``[B, T, D]`` of
@@ -205,31 +216,23 @@ class ModelRunner:
             pos = pos.pin_memory()
         return pos.to(self.device, non_blocking=True)
 
-    def _texts(self, limits: list[int], logits: torch.Tensor, past: list[KV] | None,
-               past_lengths: torch.Tensor | None, new_kv: list[KV], lengths: torch.Tensor,
-               deltas: list[int]) -> list[str | None]:
+    def _texts(self, limits: list[int], logits: torch.Tensor, after: AfterPrefill
+               ) -> list[str | None]:
         """Greedy text for the rows whose limit is > 0 (None for the others): ``_generate``
         on those rows of the prefill's logits and KV only."""
         rows = [j for j, n in enumerate(limits) if n > 0]
         if not rows:
             return [None] * len(limits)
         if len(rows) < len(limits):  # a subset: its rows of everything (a copy)
-            sel = self.to_device(rows)
-            logits, lengths = logits[sel], lengths[sel]
-            past = None if past is None else [(k[sel], v[sel]) for k, v in past]
-            past_lengths = None if past_lengths is None else past_lengths[sel]
-            new_kv = [(k[sel], v[sel]) for k, v in new_kv]
-        generated = self._generate(logits, past, past_lengths, new_kv, lengths,
-                                   [limits[j] for j in rows], [deltas[j] for j in rows])
+            logits, after = logits[self.to_device(rows)], after.rows(self.to_device, rows)
+        generated = self._generate(logits, after, [limits[j] for j in rows])
         texts: list[str | None] = [None] * len(limits)
         for j, text in zip(rows, generated):
             texts[j] = text
         return texts
 
-    def _generate(self, logits: torch.Tensor, past: list[KV] | None,
-                  past_lengths: torch.Tensor | None, new_kv: list[KV],
-                  lengths: torch.Tensor, limits: list[int],
-                  deltas: list[int]) -> list[str | None]:
+    def _generate(self, logits: torch.Tensor, after: AfterPrefill,
+                  limits: list[int]) -> list[str | None]:
         """Greedy decode after a prefill, batched; row j stops at an end token or after
         ``limits[j]`` tokens (all >= 1).
 
@@ -238,19 +241,7 @@ class ModelRunner:
         delta (M-RoPE; 0 otherwise).
         """
         b = logits.shape[0]
-        kv = new_kv if past is None else [
-            (torch.cat([pk, nk], 2), torch.cat([pv, nv], 2))
-            for (pk, pv), (nk, nv) in zip(past, new_kv)]
-        width = new_kv[0][0].shape[2]  # T of the whole batch: rows may be a subset of it
-        valid = torch.arange(width, device=self.device)[None] < lengths[:, None]
-        pos = lengths.clone()
-        if past is not None and past_lengths is not None:
-            p = past[0][0].shape[2]
-            seen = torch.arange(p, device=self.device)[None] < past_lengths[:, None]
-            valid = torch.cat([seen, valid], 1)
-            pos += past_lengths
-        if any(deltas):
-            pos += self.to_device(deltas)
+        kv, valid, pos = after.keys(self.to_device)
         out: list[list[int]] = [[] for _ in range(b)]
         done = [False] * b
         tok = logits.argmax(-1)

@@ -1,12 +1,15 @@
 """The torch engine's planner: pure Python, no tensors (nano-vllm's ``Scheduler`` /
 ``BlockManager`` half). For one ``score`` call it decides
 
-- the phases: with the prefix cache, the first question of every image runs first (it
-  computes and caches the image's prefix), then all the others (they hit it), in chunks of
-  images whose prefixes fit in half the cache budget; without a cache, one phase;
+- the shared prefixes: the prompts about one image that render the same text before it (the
+  same system turn, or none) form a group; the group's shared prefix runs to the first token
+  where its prompts differ (so an instruction they all start with is shared too), at least
+  through the image's end marker and short of each prompt's last token (``shared_lengths``);
+- the phases: with the prefix cache, the first question of every group runs first (it
+  computes and caches the group's prefix), then all the others (they hit it), in chunks of
+  groups whose prefixes fit in half the cache budget; without a cache, one phase;
 - each prompt's plan: the longest cached prefix (full blocks, then the partial block that
-  ends the shared prefix at the image's end marker), as pinned pool slots, and the blocks
-  its prefill must insert;
+  ends the shared prefix), as pinned pool slots, and the blocks its prefill must insert;
 - the batches: plans sorted by new length, cut so ``B * (P_max + T_max) <=
   max_batch_tokens``.
 
@@ -22,6 +25,10 @@ from vlmbatch.models.base import Prompt
 from vlmbatch.pipeline.prefix_cache import BlockId, BlockKey, ImageSpan, PrefixCache, block_ids
 from vlmbatch.pipeline.records import Request
 from vlmbatch.preprocessing.prepare import PreparedImage
+
+# a shared prefix, as the planner memoises its blocks within a call: the image's cache key,
+# the ids before the image, the ids after it through the end of the shared prefix
+Prefix = tuple[str, tuple[int, ...], tuple[int, ...]]
 
 
 @dataclass
@@ -50,43 +57,60 @@ class Planner:
         self.cache = cache
         self.max_batch_tokens = max_batch_tokens
 
-    def phases(self, requests: list[Request], prompts: list[Prompt]) -> list[list[int]]:
-        """Leaders (first question of each image) before followers, in chunks of images whose
-        prefixes fit in half the cache budget, so a leader's blocks are still cached when its
-        followers look for them."""
+    def shared_lengths(self, requests: list[Request], prompts: list[Prompt]) -> list[int]:
+        """Each prompt's shared prefix length (module docstring): its group's common prefix,
+        within ``[prefix_len, len(ids) - 1]``; ``prefix_len`` for a prompt alone."""
+        out = [p.prefix_len for p in prompts]
+        for group in _groups(requests, prompts).values():
+            if len(group) < 2:
+                continue
+            ids = [prompts[i].ids for i in group]
+            lo = prompts[group[0]].prefix_len
+            hi = min(len(x) for x in ids) - 1
+            n = lo
+            while n < hi and all(x[n] == ids[0][n] for x in ids):
+                n += 1
+            for i in group:
+                out[i] = max(n, lo)
+        return out
+
+    def phases(self, requests: list[Request], prompts: list[Prompt],
+               shared: list[int]) -> list[list[int]]:
+        """Leaders (first question of each group) before followers, in chunks of groups whose
+        prefixes (``shared``) fit in half the cache budget, so a leader's blocks are still
+        cached when its followers look for them."""
         if self.cache is None:
             return [list(range(len(requests)))]
-        by_image: dict[int, list[int]] = {}
-        for i, r in enumerate(requests):
-            by_image.setdefault(r.image, []).append(i)
-        chunks: list[list[int]] = [[]]
+        groups = list(_groups(requests, prompts).values())
+        chunks: list[list[list[int]]] = [[]]
         used = 0
         bs = self.cache.block_size
-        for image, reqs in by_image.items():  # a slot per block, the partial one included
-            need = -(-prompts[reqs[0]].prefix_len // bs) * self.cache.slot_bytes
+        for reqs in groups:  # a slot per block, the partial one included
+            need = -(-shared[reqs[0]] // bs) * self.cache.slot_bytes
             if chunks[-1] and used + need > self.cache.budget_bytes // 2:
                 chunks.append([])
                 used = 0
-            chunks[-1].append(image)
+            chunks[-1].append(reqs)
             used += need
         phases = []
         for chunk in chunks:
-            phases.append([by_image[im][0] for im in chunk])
-            phases.append([i for im in chunk for i in by_image[im][1:]])
+            phases.append([reqs[0] for reqs in chunk])
+            phases.append([i for reqs in chunk for i in reqs[1:]])
         return [p for p in phases if p]
 
     def plan(self, req: int, prompt: Prompt, image: PreparedImage | None,
-             prefixes: dict[str, list[BlockId]], reuse_limit: int | None = None) -> Plan:
-        """Find the cached part of the prompt's shared prefix (up to and with the image's end
-        marker); ``prefixes`` memoises the block ids per image for the call. ``reuse_limit``:
-        only blocks ending at or before that position may come from the cache (an embedding
-        needs the hidden states, not just the KV, from there on); the rest are computed and
-        cached anew.
+             prefixes: dict[Prefix, list[BlockId]], reuse_limit: int | None = None,
+             shared: int | None = None) -> Plan:
+        """Find the cached part of the prompt's shared prefix (its first ``shared`` tokens,
+        by default through the image's end marker); ``prefixes`` memoises the block ids per
+        prefix for the call. ``reuse_limit``: only blocks ending at or before that position
+        may come from the cache (an embedding needs the hidden states, not just the KV, from
+        there on); the rest are computed and cached anew.
 
-        Only the shared prefix is cached: the blocks after it hold the question, which the
-        next request about the same image does not share. The prefix's last block may be
-        partial, so a hit covers every image token, not only the full blocks. A prompt
-        without an image (a text to embed) is never cached.
+        Only the shared prefix is cached: the blocks after it hold what the prompt's group
+        does not share. The prefix's last block may be partial, so a hit covers every shared
+        token, not only the full blocks. A prompt without an image (a text to embed) is never
+        cached.
         """
         if image is None:
             return Plan(req, prompt, ImageSpan(0, 0, ""))
@@ -94,18 +118,37 @@ class Planner:
         plan = Plan(req, prompt, span)
         if self.cache is None:
             return plan
-        blocks = prefixes.get(image.cache_key)
-        if blocks is None:  # same for every question about this image
-            blocks = block_ids(prompt.ids, [span], self.cache.block_size,
-                               limit=prompt.prefix_len, tail=True)
-            prefixes[image.cache_key] = blocks
+        limit = prompt.prefix_len if shared is None else shared
+        end = prompt.image_start + prompt.image_len
+        key = (image.cache_key, prompt.ids[: prompt.image_start], prompt.ids[end:limit])
+        blocks = prefixes.get(key)
+        if blocks is None:  # same for every question of the group
+            blocks = block_ids(prompt.ids, [span], self.cache.block_size, limit=limit,
+                               tail=True)
+            prefixes[key] = blocks
         plan.chain = [b.key for b in blocks]
         usable = blocks if reuse_limit is None else _ending_by(blocks, reuse_limit)
         plan.slots = self.cache.lookup_slots(usable)
         plan.past_len = sum(len(b.ids) for b in blocks[: len(plan.slots)])
-        plan.blocks = [(k * self.cache.block_size, b)
-                       for k, b in enumerate(blocks) if k >= len(plan.slots)]
+        bs = self.cache.block_size
+        plan.blocks = [(k * bs, b) for k, b in enumerate(blocks) if k >= len(plan.slots)]
+        start = prompt.prefix_len // bs * bs
+        if limit > prompt.prefix_len and prompt.prefix_len % bs and start >= plan.past_len:
+            # also the block that ends at the image's end marker: a later call's prompt
+            # alone shares only through there, and finds its whole image cached
+            plan.blocks.append((start, self._image_end(prompt, span, prefixes, key)))
         return plan
+
+    def _image_end(self, prompt: Prompt, span: ImageSpan, prefixes: dict[Prefix, list[BlockId]],
+                   key: Prefix) -> BlockId:
+        """The last block of the chain through the image's end marker (memoised)."""
+        end = prompt.image_start + prompt.image_len
+        own = (key[0], key[1], prompt.ids[end: prompt.prefix_len])
+        if own not in prefixes:
+            assert self.cache is not None
+            prefixes[own] = block_ids(prompt.ids, [span], self.cache.block_size,
+                                      limit=prompt.prefix_len, tail=True)
+        return prefixes[own][-1]
 
     def batches(self, plans: list[Plan]) -> list[list[Plan]]:
         """Plans sorted by new length (longest first), cut so B * (P + T) <=
@@ -131,6 +174,15 @@ class Planner:
             if p.slots:
                 self.cache.unpin(p.chain[: len(p.slots)])
                 p.slots = []
+
+
+def _groups(requests: list[Request], prompts: list[Prompt]
+            ) -> dict[tuple[int, tuple[int, ...]], list[int]]:
+    """Request indices by (image, the prompt's ids before the image), in first-seen order."""
+    out: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    for i, (r, p) in enumerate(zip(requests, prompts)):
+        out.setdefault((r.image, p.ids[: p.image_start]), []).append(i)
+    return out
 
 
 def _ending_by(blocks: list[BlockId], limit: int) -> list[BlockId]:

@@ -8,6 +8,12 @@ columns, the OpenAI batch output and the Python API's results are all derived fr
 ``Answer.line`` / ``Answer.COLUMNS``. A failed answer carries its ``ErrorKind`` as well as
 the message, so nothing downstream matches message text.
 
+Two kinds of question: yes/no (``p_yes`` against the question's threshold) and label sets
+(``Question.choices``: the most probable choice is the ``label``, with ``probs`` normalised
+over the choices and each choice's ``logprobs``, the log-likelihood of its whole token
+sequence after the prompt). A question may carry a system turn and an instruction placed
+before its text (``system``, ``prompt``): the family's chat template renders them.
+
 Embeddings (``pipeline/embed.py``)::
 
     EmbedItem (image, text or both) --prepare--> PreparedImage (if any)
@@ -17,6 +23,7 @@ Embeddings (``pipeline/embed.py``)::
 from __future__ import annotations
 
 import base64
+import json
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -33,6 +40,10 @@ from vlmbatch.preprocessing.sources import MemberRef, RowRef
 ImageSource = str | bytes | np.ndarray | RowRef | MemberRef
 
 
+# most choices a label-set question may have (each is a row of the engine's continuation)
+MAX_CHOICES = 64
+
+
 @dataclass(frozen=True)
 class Question:
     id: str
@@ -41,9 +52,19 @@ class Question:
     # greedy answer tokens to generate for this question (an explanation after the yes/no);
     # None: the run's --max-new-tokens (0 by default: P(yes) only)
     max_new_tokens: int | None = None
+    # a label set: 2..MAX_CHOICES distinct non-empty strings, scored as the assistant's whole
+    # answer; () for a yes/no question
+    choices: tuple[str, ...] = ()
+    system: str | None = None  # a system turn before the user's (a policy's ``system:``)
+    prompt: str | None = None  # an instruction before the question, in the same user turn
     # the user's label for this question ("yes"/"no", or one of its choices): read by
     # `vlmbatch eval MANIFEST` only; a run or a job ignores it (a job's store does not keep it)
     expected: str | None = None
+
+    @property
+    def user_text(self) -> str:
+        """The user turn's text: the instruction, a newline, then the question."""
+        return self.text if self.prompt is None else f"{self.prompt}\n{self.text}"
 
 
 @dataclass(frozen=True)
@@ -65,8 +86,15 @@ class ImageItem:
 @dataclass(frozen=True)
 class Request:
     image: int  # index into the images passed to ``Engine.score``
-    question: str
+    question: str  # the user turn's text (``Question.user_text``)
     max_new_tokens: int | None = None  # answer tokens to generate; None: the engine's
+    choices: tuple[str, ...] = ()  # a label set to score (``Score.logprobs``)
+    system: str | None = None  # the system turn, if any
+
+    @classmethod
+    def of(cls, image: int, q: Question) -> Request:
+        """The request asking ``q`` about image ``image``."""
+        return cls(image, q.user_text, q.max_new_tokens, q.choices, q.system)
 
 
 @dataclass(frozen=True)
@@ -76,6 +104,10 @@ class Score:
     image_tokens: int
     text: str | None = None  # greedy answer text when max_new_tokens > 0
     prompt_tokens: int | None = None  # the prompt's tokens (image ones included); None: unknown
+    # a label set's log-likelihoods, in the request's choice order (None: a yes/no request):
+    # log P(choice | prompt) summed over the choice's tokens, or its first token's alone
+    # (--choice-scoring first-token)
+    logprobs: tuple[float, ...] | None = None
 
 
 class ErrorKind(StrEnum):
@@ -102,7 +134,12 @@ class ItemError:
 @dataclass(frozen=True)
 class Answer:
     """One (image, question) result. ``p_yes`` is rounded to 6 decimals and ``margin`` to 4,
-    as every output shows them, so the API's answers equal ``vlmbatch run``'s lines."""
+    as every output shows them, so the API's answers equal ``vlmbatch run``'s lines.
+
+    A label-set question (``choices`` set) has ``label`` (its most probable choice, also its
+    ``answer``), ``probs`` (choice -> probability, the softmax of the log-likelihoods over the
+    choices, in the choices' order) and ``logprobs`` (choice -> log-likelihood of its whole
+    token sequence), both rounded to 6 decimals; its ``p_yes`` and ``margin`` are None."""
     image_id: str
     question_id: str
     question: str
@@ -113,49 +150,83 @@ class Answer:
     text: str | None = None  # greedy text, where the question (or run) asked for one
     error: str | None = None
     error_kind: ErrorKind | None = None
+    choices: tuple[str, ...] = ()  # the question's label set; (): a yes/no question
+    label: str | None = None
+    probs: dict[str, float] | None = None
+    logprobs: dict[str, float] | None = None
 
-    # the result line's fields, in order, with their types (CSV/Parquet columns); ``text``
-    # appears in a JSONL line only when set
+    # the result line's fields, in order, with their types (CSV/Parquet columns); ``label``,
+    # ``probs`` and ``logprobs`` appear in a JSONL line only for a label-set question (a CSV
+    # or Parquet row holds the two maps as JSON text), ``text`` only when set
     COLUMNS: ClassVar[tuple[tuple[str, type], ...]] = (
         ("id", str), ("question_id", str), ("question", str), ("answer", str),
         ("p_yes", float), ("margin", float), ("image_tokens", int), ("error", str),
-        ("text", str))
+        ("error_kind", str), ("label", str), ("probs", str), ("logprobs", str), ("text", str))
 
     @classmethod
     def scored(cls, image_id: str, q: Question, s: Score) -> Answer:
-        return cls(image_id, q.id, q.text, "yes" if s.p_yes >= q.threshold else "no",
-                   round(s.p_yes, 6), round(s.margin, 4), s.image_tokens, s.text)
+        if not q.choices:
+            return cls(image_id, q.id, q.text, "yes" if s.p_yes >= q.threshold else "no",
+                       round(s.p_yes, 6), round(s.margin, 4), s.image_tokens, s.text)
+        assert s.logprobs is not None and len(s.logprobs) == len(q.choices)
+        lp = np.asarray(s.logprobs, dtype=np.float64)
+        p = np.exp(lp - lp.max())
+        p /= p.sum()
+        label = q.choices[int(np.argmax(lp))]  # the first of equals, as argmax takes it
+        return cls(image_id, q.id, q.text, label, None, None, s.image_tokens, s.text,
+                   choices=q.choices, label=label,
+                   probs={c: round(float(v), 6) for c, v in zip(q.choices, p)},
+                   logprobs={c: round(float(v), 6) for c, v in zip(q.choices, lp)})
 
     @classmethod
     def failed(cls, image_id: str, q: Question, err: ItemError) -> Answer:
-        return cls(image_id, q.id, q.text, None, None, None, None, None, err.message, err.kind)
+        return cls(image_id, q.id, q.text, None, None, None, None, None, err.message, err.kind,
+                   choices=q.choices)
 
     def line(self) -> dict[str, Any]:
         """The result line: ``{"id", "question_id", "question", "answer", "p_yes", "margin",
-        "image_tokens", "error"}``, then ``"text"`` when set."""
+        "image_tokens", "error", "error_kind"}``, then ``"label"``, ``"probs"`` and
+        ``"logprobs"`` for a label-set question (null when failed), then ``"text"`` when
+        set."""
         d: dict[str, Any] = {"id": self.image_id, "question_id": self.question_id,
                              "question": self.question, "answer": self.answer,
                              "p_yes": self.p_yes, "margin": self.margin,
-                             "image_tokens": self.image_tokens, "error": self.error}
+                             "image_tokens": self.image_tokens, "error": self.error,
+                             "error_kind": None if self.error_kind is None
+                             else self.error_kind.value}
+        if self.choices:
+            d.update(label=self.label, probs=self.probs, logprobs=self.logprobs)
         if self.text is not None:
             d["text"] = self.text
         return d
 
-    def record(self) -> dict[str, Any]:
-        """``line()`` plus ``error_kind`` when failed: what a job store keeps."""
+    def row(self) -> dict[str, Any]:
+        """``line()`` as a flat row of ``COLUMNS`` (CSV, Parquet): the maps as JSON text,
+        a field the line lacks as None."""
         d = self.line()
-        if self.error_kind is not None:
-            d["error_kind"] = self.error_kind.value
+        for k in ("probs", "logprobs"):
+            if d.get(k) is not None:
+                d[k] = json.dumps(d[k], ensure_ascii=False)
+        return {name: d.get(name) for name, _ in self.COLUMNS}
+
+    def record(self) -> dict[str, Any]:
+        """What a job store keeps: ``line()``, plus the label set (a failed label-set
+        answer has no ``probs`` to read it from)."""
+        d = self.line()
+        if self.choices:
+            d["choices"] = list(self.choices)
         return d
 
     @classmethod
     def from_record(cls, d: dict[str, Any]) -> Answer:
-        """Inverse of ``record`` (also of a plain ``line``, as stores from before the kinds
-        hold: a failure there reads as kind ``unknown``)."""
+        """Inverse of ``record`` (also of a plain ``line``, and of the records of stores from
+        before label sets and error kinds: a failure without a kind reads as ``unknown``)."""
         kind = d.get("error_kind")
         error_kind = ErrorKind(kind) if kind else (ErrorKind.UNKNOWN if d.get("error") else None)
+        choices = tuple(d.get("choices") or d.get("probs") or ())
         return cls(d["id"], d["question_id"], d["question"], d["answer"], d["p_yes"],
-                   d["margin"], d["image_tokens"], d.get("text"), d.get("error"), error_kind)
+                   d["margin"], d["image_tokens"], d.get("text"), d.get("error"), error_kind,
+                   choices, d.get("label"), d.get("probs"), d.get("logprobs"))
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,30 @@
-"""Yes/no scoring from the first generated position's logits.
+"""Yes/no scoring from the first generated position's logits, and the token ids of a label
+set's choices.
 
 P(yes) = sum of softmax over the union of the yes and no answer tokens, restricted to yes.
 Answer words are given as text ("yes", "Yes", ...); each must be a single token of the model's
 vocabulary (multi-token words are skipped, and at least one word per side must survive).
 The logit margin ``logsumexp(yes) - logsumexp(no)`` is kept for calibration.
+
+A label set's choice is scored as the assistant's whole answer (``choice_ids``: the prompt
+builder's ``answer_ids``): log P(choice | prompt) = sum over its tokens of
+log P(token_i | prompt, token_<i), or with ``first-token`` scoring its first token's alone.
+The runner computes both (``pipeline/model_runner.py``).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 # re-exported: defined with the configs (a light module: the CLI catches it)
 from vlmbatch.pipeline.config import AnswerWordsError as AnswerWordsError
+from vlmbatch.pipeline.config import ChoiceError
+
+ChoiceIds = tuple[tuple[int, ...], ...]  # per choice, its answer token ids (at least one)
 
 
 @dataclass(frozen=True)
@@ -56,3 +66,22 @@ def yes_no(logits: torch.Tensor, tokens: AnswerTokens) -> tuple[torch.Tensor, to
     ln = logits.index_select(1, _index(tokens.no_ids, logits.device)).logsumexp(-1)
     margin = ly - ln
     return torch.sigmoid(margin), margin
+
+
+def choice_ids(answer_ids: Callable[[str], tuple[int, ...]], choices: tuple[str, ...],
+               first_token: bool = False) -> ChoiceIds:
+    """Each choice's token ids (``answer_ids``); ChoiceError naming the choices that cannot
+    be told apart: the same ids, or with ``first_token`` the same first id."""
+    ids = tuple(answer_ids(c) for c in choices)
+    if empty := [c for c, x in zip(choices, ids) if not x]:
+        raise ChoiceError(f"choice {empty[0]!r} has no tokens")
+    seen: dict[tuple[int, ...], str] = {}
+    for c, x in zip(choices, ids):
+        key = x[:1] if first_token else x
+        if key in seen:
+            why = (f"start with the same token ({key[0]}): --choice-scoring first-token "
+                   "cannot tell them apart; use the default, exact" if first_token
+                   else "are the same tokens")
+            raise ChoiceError(f"choices {seen[key]!r} and {c!r} {why}")
+        seen[key] = c
+    return ids

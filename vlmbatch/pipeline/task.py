@@ -105,7 +105,7 @@ def with_images(task: Task[I, R], p: Prepared[I]) -> tuple[list[PreparedImage], 
 @dataclass(frozen=True)
 class AnswerTask(Task[ImageItem, Answer]):
     """Every question of every item (``vlmbatch run``/``submit``, the API's ``ask``, eval):
-    one ``Answer`` per question, in the item's order."""
+    one ``Answer`` per question (yes/no, or a label set's), in the item's order."""
     name = "answer"
 
     def key(self, item: ImageItem) -> str:
@@ -116,8 +116,8 @@ class AnswerTask(Task[ImageItem, Answer]):
 
     def run(self, engine: Engine, p: Prepared[ImageItem]) -> list[list[Answer]]:
         images, index = with_images(self, p)
-        requests = [Request(index[it.id], q.text, q.max_new_tokens) for it in p.items
-                    if it.id in index for q in it.questions]
+        requests = [Request.of(index[it.id], q) for it in p.items if it.id in index
+                    for q in it.questions]
         scores = iter(engine.score(images, requests))
         return [[Answer.scored(it.id, q, next(scores)) for q in it.questions]
                 if it.id in index else self.failed(it, p.errors[it.id]) for it in p.items]

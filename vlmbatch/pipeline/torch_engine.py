@@ -4,15 +4,19 @@ position (``score``) or pooled hidden states (``embed``).
 
 Flow of one ``score`` call::
 
-    Request[] --prompts--> Prompt[]     the family's chat template, image span expanded
-    planner.phases                      leaders (first question per image), then followers
+    Request[] --prompts--> Prompt[]     the family's chat template (a system turn, when
+                                        given, before the image), image span expanded
+    planner.shared_lengths              each prompt's shared prefix (through the image, and
+                                        what the image's other prompts also start with)
+    planner.phases                      leaders (first question per prefix), then followers
     per phase (``_phase``, shared with ``embed``):
       planner.plan      longest cached prefix per prompt -> pinned slots + past_len
       runner.encode     images whose tokens are not all cached -> ImageEmbeds, once per
                         image per call
       planner.batches   sorted by new length, B * (P_max + T_max) <= max_batch_tokens
       forward           one per batch: runner.prefill -> [B, 2] (p_yes, margin) on the
-                        device, new prefix blocks cached, greedy text for rows that want it
+                        device, label sets' log-likelihoods (``pipeline/choices.py``), new
+                        prefix blocks cached, greedy text for rows that want it
                         (``embed``: runner.hidden -> the embedding head's vectors)
       planner.release   once the batch has gathered its cached KV
     read back           one device-to-host copy per call -> Score[]
@@ -26,6 +30,7 @@ prefilled, image tokens prefilled.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -38,10 +43,10 @@ from vlmbatch.pipeline.embed import EmbedHead, Resolved, cut
 from vlmbatch.pipeline.engine import Engine, EngineStats, EngineSummary
 from vlmbatch.pipeline.loading import image_plan_for, load_model, torch_dtype, vision_model
 from vlmbatch.pipeline.model_runner import ImageEmbeds, ModelRunner
-from vlmbatch.pipeline.planner import Plan, Planner
+from vlmbatch.pipeline.planner import Plan, Planner, Prefix
 from vlmbatch.pipeline.prefix_cache import BlockId, PrefixCache
 from vlmbatch.pipeline.records import EmbedRequest, Request, Score, Vector
-from vlmbatch.pipeline.scoring import AnswerTokens
+from vlmbatch.pipeline.scoring import AnswerTokens, ChoiceIds, choice_ids
 from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
 from vlmbatch.vit_trt import RunnerOptions, VitRunner, make_runner
 from vlmbatch.vit_trt.torch_runner import TorchRunner
@@ -49,8 +54,9 @@ from vlmbatch.vit_trt.torch_runner import TorchRunner
 Out = TypeVar("Out")
 # a batch's forward: (its plans, each row's image embeddings or None) -> what it gives
 Forward = Callable[[list[Plan], list[ImageEmbeds | None]], Out]
-# per queued batch: its plans, [B, 2] (p_yes, margin) on the device, its texts
-_Queued = list[tuple[list[Plan], tuple[torch.Tensor, list[str | None]]]]
+# per queued batch: its plans, [B, 2] (p_yes, margin) on the device, its texts, its label
+# sets' log-likelihoods [M] on the device (None: no label set)
+_Queued = list[tuple[list[Plan], tuple[torch.Tensor, list[str | None], torch.Tensor | None]]]
 
 
 class TorchEngine(Engine):
@@ -69,6 +75,8 @@ class TorchEngine(Engine):
                                   cfg.max_batch_tiles, cfg.ignore_eos, cfg.compile_llm)
         self.device = self.runner.device
         self._heads: dict[EmbedConfig, EmbedHead] = {}
+        self._choice_ids: dict[tuple[str, ...], ChoiceIds] = {}
+        self._first_token = cfg.choice_scoring == "first-token"
         if self.cache is not None:
             self._allocate_cache()
 
@@ -98,22 +106,40 @@ class TorchEngine(Engine):
     def encode(self, images: list[PreparedImage]) -> list[ImageEmbeds]:
         return self.runner.encode(images)
 
+    def check_choices(self, choices: tuple[str, ...]) -> None:
+        self.choice_ids(choices)
+
+    def choice_ids(self, choices: tuple[str, ...]) -> ChoiceIds:
+        """The label set's token ids (as the assistant's answer), checked for this engine's
+        scoring (``scoring.choice_ids``: ChoiceError naming two choices it cannot tell
+        apart); made once per label set."""
+        ids = self._choice_ids.get(choices)
+        if ids is None:
+            ids = choice_ids(self.model.prompts.answer_ids, choices, self._first_token)
+            self._choice_ids[choices] = ids
+        return ids
+
     @torch.inference_mode()
     def score(self, images: list[PreparedImage], requests: list[Request]) -> list[Score]:
-        prompts = [self.model.prompts.build(r.question, images[r.image]) for r in requests]
+        choices = [self.choice_ids(r.choices) if r.choices else () for r in requests]
+        prompts = [self.model.prompts.build(r.question, images[r.image], r.system)
+                   for r in requests]
         self.stats.prompt_tokens += sum(len(p.ids) for p in prompts)  # what was asked
         image_of: list[int | None] = [r.image for r in requests]
         embeds: dict[int, ImageEmbeds] = {}
-        prefixes: dict[str, list[BlockId]] = {}
+        prefixes: dict[Prefix, list[BlockId]] = {}
+        shared = self.planner.shared_lengths(requests, prompts)
 
         def forward(batch: list[Plan], ims: list[ImageEmbeds | None]
-                    ) -> tuple[torch.Tensor, list[str | None]]:
-            return self.runner.prefill(batch, ims, [self._limit(requests[p.req]) for p in batch])
+                    ) -> tuple[torch.Tensor, list[str | None], torch.Tensor | None]:
+            return self.runner.prefill(batch, ims, [self._limit(requests[p.req]) for p in batch],
+                                       [choices[p.req] for p in batch], self._first_token)
 
         done: _Queued = []
-        for phase in self.planner.phases(requests, prompts):
-            done += self._phase(phase, prompts, image_of, images, embeds, prefixes, forward)
-        return self._read_back(done, len(requests))
+        for phase in self.planner.phases(requests, prompts, shared):
+            done += self._phase(phase, prompts, image_of, images, embeds, prefixes, forward,
+                                shared=shared)
+        return self._read_back(done, len(requests), choices)
 
     def embedding(self, cfg: EmbedConfig) -> Resolved:
         return self._head(cfg).resolved
@@ -150,18 +176,21 @@ class TorchEngine(Engine):
 
     def _phase(self, phase: Sequence[int], prompts: list[Prompt], image_of: list[int | None],
                images: list[PreparedImage], embeds: dict[int, ImageEmbeds],
-               prefixes: dict[str, list[BlockId]], forward: Forward[Out],
-               reuse: list[int] | None = None) -> list[tuple[list[Plan], Out]]:
+               prefixes: dict[Prefix, list[BlockId]], forward: Forward[Out],
+               reuse: list[int] | None = None, shared: list[int] | None = None
+               ) -> list[tuple[list[Plan], Out]]:
         """Plan the prompts ``phase`` indexes (each lookup pins cache slots; ``reuse``: the
-        position before which each may reuse cached KV), encode the images they need (once per
-        call: ``embeds``), run ``forward`` on each batch and unpin its slots once it has
-        gathered them; what an exception left pinned is released too."""
+        position before which each may reuse cached KV; ``shared``: each one's shared prefix
+        length, by default through its image), encode the images they need (once per call:
+        ``embeds``), run ``forward`` on each batch and unpin its slots once it has gathered
+        them; what an exception left pinned is released too."""
         plans: list[Plan] = []
         try:
             for i in phase:
                 k = image_of[i]
                 plans.append(self.planner.plan(i, prompts[i], None if k is None else images[k],
-                                               prefixes, None if reuse is None else reuse[i]))
+                                               prefixes, None if reuse is None else reuse[i],
+                                               None if shared is None else shared[i]))
             need = sorted({k for p in plans if p.needs_image and (k := image_of[p.req])
                            is not None} - embeds.keys())
             embeds.update(zip(need, self.runner.encode([images[k] for k in need])))
@@ -180,20 +209,26 @@ class TorchEngine(Engine):
         """Answer tokens to generate for ``r``: its own limit, else the engine's."""
         return self.cfg.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens
 
-    def _read_back(self, done: _Queued, n: int) -> list[Score]:
-        """The queued batches' (p_yes, margin) in one device-to-host copy, as Scores in
-        request order."""
+    def _read_back(self, done: _Queued, n: int, choices: list[ChoiceIds]) -> list[Score]:
+        """The queued batches' (p_yes, margin) and label sets' log-likelihoods in one
+        device-to-host copy, as Scores in request order."""
         results: list[Score | None] = [None] * n
         if not done:
             return results  # type: ignore[return-value]
-        host = torch.cat([s for _, (s, _) in done]).tolist()  # [rows][2]: the call's one wait
-        row = 0
-        for batch, (_, texts) in done:
-            for j, p in enumerate(batch):
-                p_yes, margin = host[row]
+        # per batch its [B, 2] flattened, then its [M]: the call's one wait
+        host = iter(torch.cat([t for _, (s, _, lp) in done for t in (s.flatten(), lp)
+                               if t is not None]).tolist())
+        for batch, (_, texts, lp) in done:
+            pairs = [(next(host), next(host)) for _ in batch]
+            for j, (p, (p_yes, margin)) in enumerate(zip(batch, pairs)):
                 results[p.req] = Score(p_yes, margin, p.prompt.image_len, texts[j],
                                       len(p.prompt.ids))
-                row += 1
+            if lp is not None:
+                for p in batch:
+                    s = results[p.req]
+                    if choices[p.req] and s is not None:
+                        lps = tuple(next(host) for _ in choices[p.req])
+                        results[p.req] = dataclasses.replace(s, logprobs=lps)
         return results  # type: ignore[return-value]
 
 

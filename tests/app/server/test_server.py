@@ -90,6 +90,38 @@ def test_text_answers_and_one_top_logprob(client: openai.OpenAI) -> None:
     assert 0 <= r.model_extra["vlmbatch"]["p_yes"] <= 1
 
 
+def test_label_set_chat_equals_vlm_ask(server: Server, vlm: vlmbatch.VLM) -> None:
+    """vLLM's ``structured_outputs: {"choice": [...]}`` and its older ``guided_choice``: the
+    content is the most probable choice, ``vlmbatch`` carries ``vlmbatch.VLM.ask``'s label,
+    probs and logprobs, ``logprobs: true`` the choices' normalised log-probabilities; a
+    malformed label set is a 400."""
+    image = IMAGES / "scene_01.png"
+    colours = ["red", "green", "blue", "black", "gray", "teal", "yellow", "brown"]
+    q = "What color is the shape?"
+    (want,) = vlm.ask([image], [{"id": "c", "text": q, "choices": colours}])
+    assert want.probs is not None
+    with server.client() as c:
+        for extra in ({"structured_outputs": {"choice": colours}}, {"guided_choice": colours}):
+            r = c.post("/v1/chat/completions", json=chat_body(
+                data_url(image), q, logprobs=True, top_logprobs=3, **extra))
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["choices"][0]["message"]["content"] == want.label
+            v = body["vlmbatch"]
+            assert (v["label"], v["p_yes"], v["margin"]) == (want.label, None, None)
+            for k in ("probs", "logprobs"):  # batched apart: float32 rounding apart
+                assert v[k] == pytest.approx(getattr(want, k), abs=1e-5)
+            top = body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+            assert [t["token"] for t in top] == sorted(colours, key=lambda k: -want.probs[k])[:3]
+            assert math.exp(top[0]["logprob"]) == pytest.approx(want.probs[want.label], abs=1e-6)
+        for bad in ({"guided_choice": ["red"]}, {"guided_choice": ["red", "red"]},
+                    {"structured_outputs": {"regex": "a+"}},
+                    {"structured_outputs": {"choice": ["a", "b"]}, "guided_choice": ["c", "d"]}):
+            r = c.post("/v1/chat/completions", json=chat_body(data_url(image), q, **bad))
+            assert r.status_code == 400, (bad, r.text)
+            assert error_of(r)["message"]
+
+
 def test_concurrent_requests_and_a_bad_image_is_its_own_400(server: Server,
                                                            vlm: vlmbatch.VLM) -> None:
     questions = [RED, "Is there a circle?", "Is there a blue shape?"]

@@ -47,7 +47,7 @@ from vlmbatch.jobs.manifest import iter_manifest, manifest_format
 from vlmbatch.jobs.openai_batch import to_output
 from vlmbatch.jobs.openai_embeddings import iter_embed_requests
 from vlmbatch.jobs.store import JobStore
-from vlmbatch.pipeline.config import EmbedConfig
+from vlmbatch.pipeline.config import ConfigError, EmbedConfig
 from vlmbatch.pipeline.embed import check_embed_config
 
 log = logging.getLogger("vlmbatch.app.server")
@@ -188,7 +188,8 @@ class BatchWorker:
         shutil.rmtree(job, ignore_errors=True)  # a submit cut short by a kill
         try:
             submit(run_config(path, self.cfg, rec.endpoint), job)
-        except ManifestError as e:  # e.g. a custom_id repeated: the store's UNIQUE key
+        except (ManifestError, ConfigError) as e:  # e.g. a custom_id repeated (the store's
+            # UNIQUE key), or a label set --choice-scoring first-token cannot tell apart
             msg = str(e).replace(str(path), "input file")
             self.book.update(batch_id, lambda r: r.at("failed", errors=[line_error(msg)],
                                                       counts=_zero()))

@@ -14,6 +14,15 @@ one ``image_url`` part, its text parts joined as the question, ``max_completion_
 absent for the thresholded yes/no. So an interactive answer equals the batch line for the
 same request.
 
+A label set: vLLM's ``structured_outputs: {"choice": [...]}`` (or ``guided_choice``, its
+older name) makes the question a label set (``Question.choices``); the content is the most
+probable choice, the ``vlmbatch`` field carries ``label``, ``probs`` and ``logprobs`` (each
+choice's whole-sequence log-likelihood: ``jobs.openai_batch.vlmbatch_fields``), and
+``logprobs: true`` gives the choices' log-probabilities normalised over the label set (the
+answer's entry, its ``top_logprobs`` the choices most likely first). A label set the engine
+cannot score as configured (``--choice-scoring first-token`` and two choices starting with
+the same token) is a 400 naming them.
+
 ``logprobs``: the first token's, over the two answer classes (the yes words and the no
 words, ``--yes``/``--no``), renormalised: ``exp(logprob("yes")) == p_yes``, which is what a
 standard client computes from ``top_logprobs``. They are not the full vocabulary's
@@ -37,7 +46,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vlmbatch.app.server.errors import APIError, bad_request, error_body, log, parsed
 from vlmbatch.jobs.errors import ManifestError
-from vlmbatch.jobs.openai_batch import parse_request
+from vlmbatch.jobs.openai_batch import parse_request, vlmbatch_fields
+from vlmbatch.pipeline.config import ConfigError
 from vlmbatch.pipeline.records import Answer, ImageItem, Score
 
 if TYPE_CHECKING:
@@ -92,6 +102,9 @@ class ChatRequest(BaseModel):
     top_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = None
     user: str | None = None
+    # a label set (vLLM's names; jobs.openai_batch reads them from the body)
+    structured_outputs: dict[str, Any] | None = None
+    guided_choice: list[str] | None = None
 
 
 def question_of(req: ChatRequest, max_prompt_chars: int, max_tokens: int) -> ImageItem:
@@ -144,13 +157,30 @@ def logprobs_of(margin: float, top: int, words: tuple[str, str], yes: bool
                          "top_logprobs": ranked[:top]}], "refusal": None}
 
 
+def label_logprobs(a: Answer, top: int) -> dict[str, Any]:
+    """``choices[0].logprobs`` of a label-set answer: the answer's entry, log of its
+    probability normalised over the choices, and ``top`` of the choices most likely first."""
+    assert a.probs is not None and a.label is not None
+    entries: dict[str, dict[str, Any]] = {
+        c: {"token": c, "logprob": max(math.log(p), -9999.0) if p > 0 else -9999.0,
+            "bytes": list(c.encode())} for c, p in a.probs.items()}  # OpenAI's floor
+    ranked = sorted(entries.values(), key=lambda e: -e["logprob"])
+    return {"content": [{**entries[a.label], "top_logprobs": ranked[:top]}], "refusal": None}
+
+
 def completion(req: ChatRequest, item: ImageItem, model: str, s: Score,
                words: tuple[str, str]) -> dict:
     """The ``chat.completion`` for ``item``'s score ``s``, with ``vlmbatch: {p_yes, margin,
-    image_tokens}``."""
+    image_tokens}`` (a label set's: also ``label``, ``probs``, ``logprobs``)."""
     a = Answer.scored(item.id, item.questions[0], s)  # rounded and thresholded as a job's
-    assert a.p_yes is not None
     text = a.text if a.text is not None else a.answer
+    if not req.logprobs:
+        lp = None
+    elif a.choices:
+        lp = label_logprobs(a, req.top_logprobs or 0)
+    else:
+        lp = logprobs_of(s.margin, req.top_logprobs or 0, words,
+                         a.answer == "yes")
     prompt = s.prompt_tokens or 0
     out = 1 if a.text is None else None  # a text answer's token count is not reported
     return {
@@ -158,12 +188,10 @@ def completion(req: ChatRequest, item: ImageItem, model: str, s: Score,
         "created": int(time.time()), "model": model, "system_fingerprint": None,
         "choices": [{"index": 0, "finish_reason": "stop",
                      "message": {"role": "assistant", "content": text, "refusal": None},
-                     "logprobs": (logprobs_of(s.margin, req.top_logprobs or 0, words,
-                                              a.answer == "yes")
-                                  if req.logprobs else None)}],
+                     "logprobs": lp}],
         "usage": {"prompt_tokens": prompt, "completion_tokens": out,
                   "total_tokens": prompt + (out or 0)},
-        "vlmbatch": {"p_yes": a.p_yes, "margin": a.margin, "image_tokens": a.image_tokens}}
+        "vlmbatch": vlmbatch_fields(a)}
 
 
 def require_model(name: str, served: str, param: str = "model") -> None:
@@ -179,6 +207,11 @@ async def answer_chat(state: ServerState, body: bytes) -> dict:
         req = parsed(ChatRequest, body)
         require_model(req.model, cfg.served_model_name)
         item = question_of(req, cfg.max_prompt_chars, cfg.max_completion_tokens)
+        if choices := item.questions[0].choices:
+            try:
+                state.engine.check_choices(choices)
+            except ConfigError as e:
+                raise bad_request(str(e), "structured_outputs", "invalid_value") from None
         image = state.images.cached(item)
         if image is None:  # decode on a worker thread, not the event loop
             image = await run_in_threadpool(state.images.prepare, item)

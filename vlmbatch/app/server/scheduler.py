@@ -225,8 +225,7 @@ class Scheduler:
             if key not in index:
                 index[key] = len(images)
                 images.append(w.image)
-            q = w.item.questions[0]
-            requests.append(Request(index[key], q.text, q.max_new_tokens))
+            requests.append(Request.of(index[key], w.item.questions[0]))
         self.calls += 1
         try:
             self.hooks.score(self.calls)

@@ -5,7 +5,9 @@ pad is expanded to one per image token (``PatchGrid.tokens``), as transformers'
 ``Qwen2VLProcessor`` does. The shared prefix ends at ``<|vision_end|>`` (``Prompt.prefix_len``).
 Each prompt carries its M-RoPE positions and rope delta (``positions.py``); they depend only
 on the image start, the grid and the prompt's length, so they are memoised on those.
-Everything around the question is tokenized once; per request only the question is.
+Everything around the question is tokenized once (per system turn: a question's system turn
+comes before the image, in the shared prefix); per request only the question is. A label
+set's choices are tokenized as the assistant's answer would be (``models/chat.py``).
 
 Embedding inputs (``embed``) follow the embedding model's own layout, an ``EmbedTemplate``:
 jina-embeddings-v4's by default (an image: ``<|im_start|>user\n<|vision_start|>`` pads
@@ -24,12 +26,11 @@ from typing import Any
 import torch
 
 from vlmbatch.models.base import Prompt
+from vlmbatch.models.chat import chat_layout
 from vlmbatch.models.io import ModelError
 from vlmbatch.models.qwen_vl.positions import Grid, image_prompt_positions
 from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.preprocessing.qwen_vl import PatchGrid
-
-_MARK = "\x00QUESTION\x00"
 
 
 @dataclass(frozen=True)
@@ -58,22 +59,23 @@ class QwenVLPrompts:
         self.merge = merge
         pad = tokenizer.convert_ids_to_tokens(image_token_id)
         end = tokenizer.convert_ids_to_tokens(vision_end_id)
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": _MARK}]}],
-            tokenize=False, add_generation_prompt=True)
-        if text.count(pad) != 1 or text.count(_MARK) != 1 or pad + end not in text:
+        try:
+            self.layout = chat_layout(tokenizer, pad)
+        except ValueError as e:
+            raise ModelError(str(e)) from None
+        if not self.layout.between.startswith(end):
             raise ModelError(f"the chat template must render one image as {pad}{end} before "
-                             f"the question; got {text!r}")
-        head, rest = text.split(pad)
-        self._between, tail = rest[len(end):].split(_MARK)
-        self._head = self._encode(head)
-        if not self._head or self._head[-1] != vision_start_id:
-            raise ModelError(f"the chat template's image part must start with the token "
-                             f"{vision_start_id} (<|vision_start|>); got {head!r}")
+                             f"the question; got {self.layout.between!r} after {pad}")
+        self._between = self.layout.between[len(end):]
+        self._tail = self._encode(self.layout.tail)
+        self._vision_start = vision_start_id
+        self._head = self._head_ids(None)
         self._end = [vision_end_id]
-        self._tail = self._encode(tail)
-        # a policy asks the same few questions of every image: tokenize each once (bounded)
+        # a policy asks the same few questions (system turns, label sets) of every image:
+        # tokenize each once (bounded)
         self._question = functools.lru_cache(maxsize=4096)(self._encode_question)
+        self._heads = functools.lru_cache(maxsize=256)(self._head_ids)
+        self.answer_ids = functools.lru_cache(maxsize=4096)(self._answer_ids)
         self._positions = functools.lru_cache(maxsize=4096)(self._positions_of)
         self._embed_head = (*self._encode(embed_template.image_head), vision_start_id)
         self._embed_tail = tuple(self._encode(embed_template.image_tail))
@@ -89,20 +91,35 @@ class QwenVLPrompts:
     def _encode_question(self, question: str) -> tuple[int, ...]:
         return tuple(self._encode(self._between + question))
 
-    def _positions_of(self, grid_thw: Grid, length: int) -> tuple[torch.Tensor, int]:
-        return image_prompt_positions(len(self._head), grid_thw, self.merge, length)
+    def _head_ids(self, system: str | None) -> tuple[int, ...]:
+        """The ids through ``<|vision_start|>``, after ``system``'s turn when given."""
+        head = self.layout.head_with(system)
+        ids = tuple(self._encode(head))
+        if not ids or ids[-1] != self._vision_start:
+            raise ModelError(f"the chat template's image part must start with the token "
+                             f"{self._vision_start} (<|vision_start|>); got {head!r}")
+        return ids
 
-    def build(self, question: str, image: PreparedImage) -> Prompt:
+    def _answer_ids(self, text: str) -> tuple[int, ...]:
+        return tuple(self._encode(self.layout.answer_lead + text))
+
+    def _positions_of(self, start: int, grid_thw: Grid, length: int
+                      ) -> tuple[torch.Tensor, int]:
+        return image_prompt_positions(start, grid_thw, self.merge, length)
+
+    def build(self, question: str, image: PreparedImage, system: str | None = None) -> Prompt:
         grid = image.grid
         assert isinstance(grid, PatchGrid)  # the family's plan made it
-        return self.build_for_grid(question, grid)
+        return self.build_for_grid(question, grid, system)
 
-    def build_for_grid(self, question: str, grid: PatchGrid) -> Prompt:
+    def build_for_grid(self, question: str, grid: PatchGrid,
+                       system: str | None = None) -> Prompt:
         n = grid.tokens
-        ids = (*self._head, *[self.image_token_id] * n, *self._end, *self._question(question),
+        head = self._head if system is None else self._heads(system)
+        ids = (*head, *[self.image_token_id] * n, *self._end, *self._question(question),
                *self._tail)
-        positions, delta = self._positions(grid.thw, len(ids))  # [3, L]: shared, read-only
-        return Prompt(ids, len(self._head), n, positions, delta)
+        positions, delta = self._positions(len(head), grid.thw, len(ids))  # [3, L], read-only
+        return Prompt(ids, len(head), n, positions, delta)
 
     def _embed_positions_of(self, grid_thw: Grid, length: int) -> tuple[torch.Tensor, int]:
         return image_prompt_positions(len(self._embed_head), grid_thw, self.merge, length)
