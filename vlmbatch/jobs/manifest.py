@@ -51,8 +51,8 @@ IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".ti
 
 def parse_question(raw: object, where: str, index: int, prefix: str = "q") -> Question:
     """A question given as a string or ``{"id", "text", "threshold"?, "max_new_tokens"?,
-    "choices"?, "prompt"?, "system"?, "expected"?}``; ManifestError naming ``where`` and ``index`` otherwise. Without an id it
-    is ``{prefix}{index}``."""
+    "choices"?, "prompt"?, "system"?, "expected"?}``; ManifestError naming ``where`` and
+    ``index`` otherwise. Without an id it is ``{prefix}{index}``."""
     if isinstance(raw, str):
         if not raw.strip():
             raise ManifestError(f"{where}: question {index} is empty")
