@@ -16,6 +16,12 @@ The options:
 - ``qk_norm`` (RMSNorm of q and k over the head dim, before rotary: Qwen3), ``qkv_bias``,
   ``o_bias``, ``act`` (the MLP's gate activation), ``head_dim`` (explicit: Qwen3's is not
   hidden / heads), GQA (``kv_heads`` < ``heads``: SDPA ``enable_gqa``, K/V never repeated);
+- ``centered_norm``: every RMSNorm of the stack (layer norms, q/k norms, the final norm) in
+  Qwen3.5's zero-centred form, ``(1 + weight) * x / rms(x)`` (``layers.CenteredRMSNorm``);
+- ``attn_gate`` (Qwen3.5's gated attention, ``GatedAttention``): ``q_proj`` gives each
+  query head its query and an output gate of the same width, interleaved per head
+  (``[B, T, H, 2d]`` split in halves); the attention output is multiplied by
+  ``sigmoid(gate)`` before ``o_proj``;
 - DeepStack (Qwen3-VL): extra image features added at the image positions after each of the
   first ``len(features)`` layers, for any spec that is given them;
 - ``layer_kinds``: the attention kind of each layer (only ``"full"`` today).
@@ -42,8 +48,8 @@ Seams for what the next model family issue adds (not implemented here):
 - Qwen3.5's hybrid layers: ``layer_kinds`` names each layer's kind and ``LAYERS`` maps a
   kind to its module; a Gated DeltaNet layer takes its recurrent and conv state in the
   ``past`` slot and returns the new state where an attention layer returns its k, v. Gated
-  full attention: an ``Attention`` subclass whose ``qkv`` also yields the output gate from
-  ``q_proj``. Partial rotary: ``rotary_dim``.
+  full attention: ``GatedAttention`` (its ``project`` is the one place q, k, v and the gate
+  are made; ``Attention.project`` calls ``qkv``). Partial rotary: ``rotary_dim``.
 
 Shapes: B rows, T new tokens (right-padded), P cached tokens, D hidden, V vocabulary, H query
 heads, K key/value heads, d head dim, r rotary dim. K/V are returned with rotary applied, so
@@ -60,7 +66,9 @@ from torch import nn
 
 from vlmbatch.models.base import KV, Decoder, DeepStack, weight_key
 from vlmbatch.models.layers import (
+    CenteredRMSNorm,
     FusedRMSNorm,
+    RMSNorm,
     activation,
     inverse_frequencies,
     rope,
@@ -105,6 +113,8 @@ class TextSpec:
     qkv_bias: bool = True
     o_bias: bool = False
     act: str = "silu"
+    centered_norm: bool = False  # Qwen3.5: RMSNorm weights stored as offsets from 1
+    attn_gate: bool = False  # Qwen3.5: q_proj also gives a sigmoid output gate per head
     layer_kinds: tuple[str, ...] = ()  # per layer, one of LAYERS; (): every layer "full"
 
     def __post_init__(self) -> None:
@@ -157,17 +167,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([rope(x[..., :r], cos, sin), x[..., r:]], -1)
 
 
+def make_norm(s: TextSpec, dim: int) -> RMSNorm:
+    """The spec's RMSNorm over ``dim`` channels (module docstring: ``centered_norm``)."""
+    return CenteredRMSNorm(dim, s.eps) if s.centered_norm else FusedRMSNorm(dim, s.eps)
+
+
 class Attention(nn.Module):
+    q_width = 1  # q_proj's output per query head channel (GatedAttention: query and gate)
+
     def __init__(self, s: TextSpec) -> None:
         super().__init__()
         self.s = s
-        self.q_proj = nn.Linear(s.hidden, s.heads * s.head_dim, bias=s.qkv_bias)
+        self.q_proj = nn.Linear(s.hidden, self.q_width * s.heads * s.head_dim, bias=s.qkv_bias)
         self.k_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.qkv_bias)
         self.v_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.qkv_bias)
         self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=s.o_bias)
         if s.qk_norm:
-            self.q_norm = FusedRMSNorm(s.head_dim, s.eps)
-            self.k_norm = FusedRMSNorm(s.head_dim, s.eps)
+            self.q_norm = make_norm(s, s.head_dim)
+            self.k_norm = make_norm(s, s.head_dim)
 
     def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h [B, T, D] -> q [B, T, H, d], k and v [B, T, K, d] (before norm and rotary)."""
@@ -177,12 +194,17 @@ class Attention(nn.Module):
                 self.k_proj(h).view(b, t, s.kv_heads, s.head_dim),
                 self.v_proj(h).view(b, t, s.kv_heads, s.head_dim))
 
+    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                 torch.Tensor | None]:
+        """h [B, T, D] -> q, k, v as ``qkv`` and the output gate [B, T, H * d] (None: none)."""
+        return (*self.qkv(h), None)
+
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 past: KV | None) -> tuple[torch.Tensor, KV]:
         # h: [B, T, D]; cos/sin: [B, 1, T, r]; mask: [B, 1, T, P + T] bool, True = may attend;
         # past: k, v [B, K, P, d] (rotary applied). Returns the output and the new k, v.
         b, t, _ = h.shape
-        q, k, v = self.qkv(h)
+        q, k, v, gate = self.project(h)
         if self.s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         # (one pass over torch.cat([q, k], 1) measured 7x slower on the CPU: a strided cat)
@@ -197,7 +219,22 @@ class Attention(nn.Module):
             k_all, v_all = k_all.repeat_interleave(g, 1), v_all.repeat_interleave(g, 1)
         a = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
                                            enable_gqa=heads != k_all.shape[1])
-        return self.o_proj(a.transpose(1, 2).reshape(b, t, -1)), (k, v)
+        a = a.transpose(1, 2).reshape(b, t, -1)  # [B, T, H * d]
+        return self.o_proj(a if gate is None else a * torch.sigmoid(gate)), (k, v)
+
+
+class GatedAttention(Attention):
+    """Qwen3.5's full attention: ``q_proj`` rows are, per query head, its d query channels
+    then its d gate channels (transformers' ``Qwen3_5Attention``)."""
+    q_width = 2
+
+    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                 torch.Tensor | None]:
+        b, t, _ = h.shape
+        s = self.s
+        q, gate = self.q_proj(h).view(b, t, s.heads, 2 * s.head_dim).chunk(2, dim=-1)
+        return (q, self.k_proj(h).view(b, t, s.kv_heads, s.head_dim),
+                self.v_proj(h).view(b, t, s.kv_heads, s.head_dim), gate.reshape(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -217,10 +254,10 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, s: TextSpec) -> None:
         super().__init__()
-        self.self_attn = Attention(s)
+        self.self_attn = (GatedAttention if s.attn_gate else Attention)(s)
         self.mlp = MLP(s)
-        self.input_layernorm = FusedRMSNorm(s.hidden, s.eps)
-        self.post_attention_layernorm = FusedRMSNorm(s.hidden, s.eps)
+        self.input_layernorm = make_norm(s, s.hidden)
+        self.post_attention_layernorm = make_norm(s, s.hidden)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 past: KV | None = None) -> tuple[torch.Tensor, KV]:
@@ -244,7 +281,7 @@ class TextDecoder(Decoder):
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab, spec.hidden)
         self.layers = nn.ModuleList(LAYERS[kind](spec) for kind in spec.kinds)
-        self.norm = FusedRMSNorm(spec.hidden, spec.eps)
+        self.norm = make_norm(spec, spec.hidden)
         self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
         if spec.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
