@@ -158,6 +158,23 @@ class Decoder(nn.Module, ABC):
         """One token per row: embeds [B, 1, D], positions [B] long, kv per layer [B, K, S, d],
         key_valid [B, S] bool -> (logits [B, V] float32, per layer (k, v) [B, K, 1, d])."""
 
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Each layer's kind: ``"full"`` (attention: its ``past`` entry is per-token k, v) or
+        ``"linear"`` (Qwen3.5's linear attention: its entry is the layer's recurrent state,
+        ``(conv, recurrent)`` per row, which a call replaces rather than extends)."""
+        return ("full",) * len(self.layers)
+
+    def extend(self, cache: list[KV], new: list[KV]) -> list[KV]:
+        """A cache followed by a call's output (``prefill`` / ``decode_step``), per layer."""
+        return [(torch.cat([c[0], n[0]], 2), torch.cat([c[1], n[1]], 2))
+                for c, n in zip(cache, new)]
+
+    def state_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Per row, the shapes and dtypes of the linear layers' state tensors in layer order
+        (each layer's conv, then its recurrent state); empty without linear layers."""
+        return []
+
 
 class PromptBuilder(Protocol):
     def build(self, question: str, image: PreparedImage) -> Prompt:

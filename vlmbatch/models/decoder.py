@@ -24,7 +24,12 @@ The options:
   ``sigmoid(gate)`` before ``o_proj``;
 - DeepStack (Qwen3-VL): extra image features added at the image positions after each of the
   first ``len(features)`` layers, for any spec that is given them;
-- ``layer_kinds``: the attention kind of each layer (only ``"full"`` today).
+- ``layer_kinds``: each layer's token mixer, ``"full"`` (attention, per-token K/V) or
+  ``"linear"`` (Qwen3.5's Gated DeltaNet, ``models/linear_attention.py``, sized by
+  ``linear``): its entry of ``past`` / the returned list is its state ``(conv [B, C, K-1],
+  recurrent [B, Hv, dk, dv])`` before / after the call instead of k, v, a missing past
+  meaning zeros; ``extend`` joins a cache with a step's output per kind (K/V appended, a
+  state replaced). Positions and the attention mask concern the full layers only.
 
 Decided once (the two former decoders differed): ``past`` given without ``past_lengths``
 means every cached position is real (and 1-D positions continue after them); checkpoint
@@ -45,11 +50,10 @@ Seams for what the next model family issue adds (not implemented here):
   of ``Attention`` whose ``qkv`` splits one projection, the only method that builds q, k, v;
   its weight names (``wqkv``, ``wo``, ``w1/w2/w3``) map in the family's ``normalise_key``.
   Dynamic NTK rope scaling: ``TextDecoder.rotary`` is the one place the tables are made.
-- Qwen3.5's hybrid layers: ``layer_kinds`` names each layer's kind and ``LAYERS`` maps a
-  kind to its module; a Gated DeltaNet layer takes its recurrent and conv state in the
-  ``past`` slot and returns the new state where an attention layer returns its k, v. Gated
-  full attention: ``GatedAttention`` (its ``project`` is the one place q, k, v and the gate
-  are made; ``Attention.project`` calls ``qkv``). Partial rotary: ``rotary_dim``.
+- Qwen3.5 (done): ``layer_kinds`` with ``"linear"`` layers (``LAYERS`` maps a kind to its
+  module), gated full attention (``GatedAttention``: its ``project`` is the one place q, k,
+  v and the gate are made; ``Attention.project`` calls ``qkv``), partial rotary
+  (``rotary_dim``), zero-centred norms.
 
 Shapes: B rows, T new tokens (right-padded), P cached tokens, D hidden, V vocabulary, H query
 heads, K key/value heads, d head dim, r rotary dim. K/V are returned with rotary applied, so
@@ -75,6 +79,7 @@ from vlmbatch.models.layers import (
     rope_tables,
     rotary,
 )
+from vlmbatch.models.linear_attention import GatedDeltaNet, LinearSpec
 
 ROPE_KINDS = ("1d", "mrope-sectioned", "mrope-interleaved")
 HARMLESS = ("rotary_emb.inv_freq",)  # name endings of checkpoint weights that are dropped
@@ -116,6 +121,7 @@ class TextSpec:
     centered_norm: bool = False  # Qwen3.5: RMSNorm weights stored as offsets from 1
     attn_gate: bool = False  # Qwen3.5: q_proj also gives a sigmoid output gate per head
     layer_kinds: tuple[str, ...] = ()  # per layer, one of LAYERS; (): every layer "full"
+    linear: LinearSpec | None = None  # the "linear" layers' sizes
 
     def __post_init__(self) -> None:
         if self.heads % self.kv_heads:
@@ -136,6 +142,9 @@ class TextSpec:
             raise ValueError(f"{len(self.layer_kinds)} layer kinds for {self.layers} layers")
         if bad := sorted(set(self.layer_kinds) - set(LAYERS)):
             raise ValueError(f"layer kinds {bad} are not implemented (only {sorted(LAYERS)})")
+        if ("linear" in self.layer_kinds) != (self.linear is not None):
+            raise ValueError("linear-attention layers need their sizes (linear), and only "
+                             "they take them")
         activation(self.act)  # ValueError naming the supported ones
 
     @property
@@ -260,15 +269,39 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = make_norm(s, s.hidden)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                past: KV | None = None) -> tuple[torch.Tensor, KV]:
-        # x: [B, T, D]; as Attention.forward. Returns x and this step's k, v.
-        a, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
+                past: KV | None = None, valid: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, KV]:
+        # x: [B, T, D]; as Attention.forward (valid [B, T]: real new tokens, for mixers that
+        # need it). Returns x and this step's k, v.
+        a, kv = self.mix(self.input_layernorm(x), cos, sin, mask, past, valid)
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
+    def mix(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+            past: KV | None, valid: torch.Tensor | None) -> tuple[torch.Tensor, KV]:
+        """The token mixer on the normed stream: attention here."""
+        return self.self_attn(h, cos, sin, mask, past)
 
-# a layer kind -> its module (module docstring: the seam for linear-attention layers)
-LAYERS: dict[str, type[DecoderLayer]] = {"full": DecoderLayer}
+
+class LinearDecoderLayer(DecoderLayer):
+    """A Gated DeltaNet layer (``linear_attn``) in the same residual frame; its "KV" is its
+    state (module docstring), and it reads neither positions nor the attention mask."""
+
+    def __init__(self, s: TextSpec) -> None:
+        nn.Module.__init__(self)
+        assert s.linear is not None  # TextSpec checks it
+        self.linear_attn = GatedDeltaNet(s.hidden, s.linear, s.eps, s.act)
+        self.mlp = MLP(s)
+        self.input_layernorm = make_norm(s, s.hidden)
+        self.post_attention_layernorm = make_norm(s, s.hidden)
+
+    def mix(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+            past: KV | None, valid: torch.Tensor | None) -> tuple[torch.Tensor, KV]:
+        return self.linear_attn(h, past, valid)
+
+
+# a layer kind -> its module (module docstring: ``layer_kinds``)
+LAYERS: dict[str, type[DecoderLayer]] = {"full": DecoderLayer, "linear": LinearDecoderLayer}
 
 
 class TextDecoder(Decoder):
@@ -285,6 +318,8 @@ class TextDecoder(Decoder):
         self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
         if spec.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # the layers that keep per-token K/V (the others keep a state)
+        self.full_layers = [i for i, kind in enumerate(spec.kinds) if kind == "full"]
         if spec.rope != "1d":
             # a buffer (moves with .to(device), never cast): indexing with a Python list
             # would copy the index to the device on every call, which a CUDA graph cannot
@@ -343,7 +378,7 @@ class TextDecoder(Decoder):
         [B, T, D] before the final norm, and the new tokens' KV."""
         b, t, _ = embeds.shape
         dev = embeds.device
-        p = 0 if past is None else past[0][0].shape[2]
+        p = 0 if past is None or not self.full_layers else past[self.full_layers[0]][0].shape[2]
         offset = past_lengths if past_lengths is not None else torch.full(
             (b,), p, dtype=torch.long, device=dev)
         pos = torch.arange(t, device=dev)
@@ -353,7 +388,7 @@ class TextDecoder(Decoder):
         if past is not None:
             seen = torch.arange(p, device=dev)[None, :] < offset[:, None]  # [B, P]
             mask = torch.cat([seen[:, None, :].expand(b, t, p), mask], dim=2)  # [B, T, P+T]
-        return self._layers(embeds, positions, mask, past, deepstack)
+        return self._layers(embeds, positions, mask, past, deepstack, valid)
 
     def _positions(self, positions: torch.Tensor | None, offset: torch.Tensor,
                    pos: torch.Tensor, b: int) -> torch.Tensor:
@@ -375,6 +410,7 @@ class TextDecoder(Decoder):
         position on all three axes, = its sequence index + the prompt's rope delta) or, for
         M-RoPE, [3, B]; kv: per layer (k, v) [B, K, S, d]; key_valid: [B, S] bool (False
         for padding holes). Returns (logits [B, V] float32, per layer (k, v) [B, K, 1, d]).
+        A linear layer's entries are its state before and after the token (``extend``).
         """
         b = embeds.shape[0]
         if self.spec.rope == "1d":
@@ -386,17 +422,36 @@ class TextDecoder(Decoder):
         x, new_kv = self._layers(embeds, pos, mask, kv)
         return self.lm_head(self.norm(x[:, 0])).float(), new_kv
 
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return self.spec.kinds
+
+    def extend(self, cache: list[KV], new: list[KV]) -> list[KV]:
+        """A cache followed by a call's output, per layer: K/V appended along the tokens, a
+        linear layer's state replaced by the one after the call."""
+        return [n if kind == "linear" else (torch.cat([c[0], n[0]], 2),
+                                            torch.cat([c[1], n[1]], 2))
+                for kind, c, n in zip(self.kinds, cache, new)]
+
+    def state_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Per row, in layer order, the linear layers' (conv, recurrent) state tensors'
+        shapes and dtypes (no linear layers: empty)."""
+        return [shape for layer in self.layers if isinstance(layer, LinearDecoderLayer)
+                for shape in layer.linear_attn.state_shapes()]
+
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                past: list[KV] | None, deepstack: DeepStack | None = None
-                ) -> tuple[torch.Tensor, list[KV]]:
-        # x: [B, T, D]; positions: [B, T] or [3, B, T]; mask: [B, T, P+T] bool
+                past: list[KV] | None, deepstack: DeepStack | None = None,
+                valid: torch.Tensor | None = None) -> tuple[torch.Tensor, list[KV]]:
+        # x: [B, T, D]; positions: [B, T] or [3, B, T]; mask: [B, T, P+T] bool; valid:
+        # [B, T] bool real new tokens (None: all)
         cos, sin = self.rotary(positions, x.dtype)
         feats = deepstack.features if deepstack is not None else ()
         if len(feats) > len(self.layers):
             raise ValueError(f"{len(feats)} DeepStack features for {len(self.layers)} layers")
         new_kv = []
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, cos, sin, mask[:, None], None if past is None else past[i])
+            x, kv = layer(x, cos, sin, mask[:, None], None if past is None else past[i],
+                          valid)
             new_kv.append(kv)
             if i < len(feats):
                 assert deepstack is not None
