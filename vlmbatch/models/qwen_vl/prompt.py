@@ -6,6 +6,9 @@ pad is expanded to one per image token (``PatchGrid.tokens``), as transformers'
 Each prompt carries its M-RoPE positions and rope delta (``positions.py``); they depend only
 on the image start, the grid and the prompt's length, so they are memoised on those.
 Everything around the question is tokenized once; per request only the question is.
+``chat_kwargs`` go to the chat template: Qwen3.5's family passes ``enable_thinking=False``
+(the answer then starts right after the assistant turn's opening, with no reasoning first;
+a template that does not read it ignores it).
 
 Embedding inputs (``embed``) follow the embedding model's own layout, an ``EmbedTemplate``:
 jina-embeddings-v4's by default (an image: ``<|im_start|>user\n<|vision_start|>`` pads
@@ -52,7 +55,8 @@ COLQWEN2 = EmbedTemplate(image_tail="<|im_end|><|endoftext|>", query_before="Que
 
 class QwenVLPrompts:
     def __init__(self, tokenizer: Any, image_token_id: int, vision_start_id: int,
-                 vision_end_id: int, merge: int, embed_template: EmbedTemplate = JINA) -> None:
+                 vision_end_id: int, merge: int, embed_template: EmbedTemplate = JINA,
+                 chat_kwargs: dict[str, Any] | None = None) -> None:
         self.tok = tokenizer
         self.image_token_id = image_token_id
         self.merge = merge
@@ -60,7 +64,7 @@ class QwenVLPrompts:
         end = tokenizer.convert_ids_to_tokens(vision_end_id)
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": _MARK}]}],
-            tokenize=False, add_generation_prompt=True)
+            tokenize=False, add_generation_prompt=True, **(chat_kwargs or {}))
         if text.count(pad) != 1 or text.count(_MARK) != 1 or pad + end not in text:
             raise ModelError(f"the chat template must render one image as {pad}{end} before "
                              f"the question; got {text!r}")
