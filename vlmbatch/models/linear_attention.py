@@ -154,13 +154,11 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         return _fla(kernel, q, k, v, g, beta, state)
     q, k = l2norm(q.float()), l2norm(k.float())
     q = q * q.shape[-1] ** -0.5
-    args = [x.transpose(1, 2).float() for x in (q, k, v, g, beta)]  # heads first
     if state is None:
         state = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
-    if q.shape[1] <= 2:  # decoding: token by token
-        o, final = recurrent_rule(*args, state.float())
-    else:
-        o, final = chunk_rule(*args, state.float())
+    rule = recurrent_rule if q.shape[1] <= 2 else chunk_rule  # decoding: token by token
+    qh, kh, vh, gh, bh = (x.transpose(1, 2).float() for x in (q, k, v, g, beta))  # heads first
+    o, final = rule(qh, kh, vh, gh, bh, state.float())
     return o.transpose(1, 2), final
 
 
