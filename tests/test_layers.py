@@ -29,7 +29,8 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 ROW = {pkg: i for i, row in enumerate(LAYERS) for pkg in row}
 # the only modules a function may import (extras or a separate env), each with a comment
-OPTIONAL = {"onnxruntime", "onnx", "ray", "tensorrt", "lmdeploy", "pyarrow", "fsspec"}
+OPTIONAL = {"onnxruntime", "onnx", "ray", "tensorrt", "lmdeploy", "pyarrow", "fsspec",
+            "fla"}  # fla: flash-linear-attention, Qwen3.5's kernels on CUDA
 
 
 def modules(root: Path) -> dict[str, Path]:

@@ -12,17 +12,27 @@ that barely move the output:
   head under GQA, the subtle case.
 
 ``constant_init_parameters`` lists the parameters transformers initialises to a constant
-(biases and norm shifts 0, norm weights 1, layer scales, class token and position
-embeddings), with that constant: a fixture must move each of them off it.
+(biases and norm shifts 0, norm weights 1 (Qwen3.5's zero-centred norms 0), layer scales,
+class token and position embeddings, Qwen3.5's ``dt_bias`` 1), with that constant: a fixture
+must move each of them off it. Qwen3.5's ``A_log`` is drawn at random, not listed.
+
+``HYBRID_FAULTS`` are Qwen3.5's: the full attention's output gate dropped (``sigmoid(gate)``
+taken as 1), and the linear layers' decay dropped (``A_log`` to -inf: ``exp(g) = 1``, a state
+that never forgets).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+
+from vlmbatch.models.decoder import GatedAttention
+from vlmbatch.models.layers import CenteredRMSNorm
+from vlmbatch.models.linear_attention import GatedDeltaNet
 
 Fault = Callable[[nn.Module], None]
 
@@ -63,6 +73,32 @@ FAULTS: dict[str, Fault] = {"no_qkv_biases": drop_qkv_biases,
                             "query_heads_0_1_swapped": swap_query_heads}
 
 
+def drop_attention_gate(module: nn.Module) -> None:
+    """Every gated attention computes as if its output gate were open (no ``sigmoid``)."""
+    found = [m for m in module.modules() if isinstance(m, GatedAttention)]
+    assert found, "no gated attention found"
+    for m in found:
+        m.project = functools.partial(_ungated, m)  # type: ignore[method-assign]
+
+
+def _ungated(m: GatedAttention, h: torch.Tensor) -> tuple:
+    q, k, v, _ = GatedAttention.project(m, h)
+    return q, k, v, None
+
+
+def drop_linear_decay(module: nn.Module) -> None:
+    """Every Gated DeltaNet keeps its state undecayed (``g = 0``)."""
+    found = [m for m in module.modules() if isinstance(m, GatedDeltaNet)]
+    assert found, "no linear-attention layer found"
+    with torch.no_grad():
+        for m in found:
+            m.A_log.fill_(float("-inf"))
+
+
+HYBRID_FAULTS: dict[str, Fault] = {"no_attention_gate": drop_attention_gate,
+                                   "no_linear_decay": drop_linear_decay}
+
+
 def with_fault(module: nn.Module, fault: Fault) -> nn.Module:
     """A deep copy of ``module`` with ``fault`` applied."""
     faulty = copy.deepcopy(module)
@@ -76,9 +112,14 @@ def constant_init_parameters(module: nn.Module, layer_scale: float
     every 1-D one (norm weights 1, biases and norm shifts 0, InternViT's layer scales
     ``ls1``/``ls2`` the config's ``layer_scale``), and InternViT's class token and position
     table (0)."""
+    centred = {f"{path}.weight" for path, m in module.named_modules()
+               if isinstance(m, CenteredRMSNorm)}
     for name, p in module.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
+        if leaf == "A_log":  # drawn at random
+            continue
         if p.dim() == 1 or leaf in ("cls_token", "pos_embed"):
-            value = (layer_scale if leaf in ("ls1", "ls2")
-                     else 1.0 if leaf == "weight" and "norm" in name else 0.0)
+            value = (layer_scale if leaf in ("ls1", "ls2") else 0.0 if name in centred
+                     else 1.0 if leaf == "dt_bias" or leaf == "weight" and "norm" in name
+                     else 0.0)
             yield name, p, value

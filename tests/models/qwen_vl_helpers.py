@@ -1,9 +1,15 @@
-"""Tiny random Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoints built by the tests (no download).
+"""Tiny random Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5 checkpoints built by the tests (no
+download).
 
 Sizes are picked so that every code path is exercised with few weights: the decoder's head
 dim 16 gives 8 rotary pairs split (2, 3, 3) over t/h/w; Qwen2.5-VL's 56 px windows are 2x2
 merge units, so every grid used has several windows and a ragged edge; Qwen3-VL's learned
 position table is 4x4 (resampled to every grid) and DeepStack feeds 2 of 3 decoder layers.
+Qwen3.5: five decoder layers, linear-full-linear-linear-full (the first layer linear, two
+full ones, so the KV pool's layers are not the decoder's), q/k/v/o biases
+(``attention_bias``), head dim 32 with a quarter rotary (8 channels, 4 pairs split (2, 1, 1)),
+Gated DeltaNet with 2 key heads serving 4 value heads of unequal key/value dims (8, 12), and
+up to 80 image tokens, so prompts span several chunks of the chunked rule.
 Weights are drawn with a larger spread than transformers' default (0.02) so that logits are
 O(1) and a wrong position, mask or window changes them far above the tolerances.
 """
@@ -24,12 +30,12 @@ from vlmbatch.models.qwen_vl.random import (
     save_random_qwen_vl,
 )
 
-KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 VOCAB = 320
 IMAGE, VIDEO, START, END, EOS = 310, 311, 312, 313, 314
 # preprocessor_config.json of the test checkpoints: small pixel budgets, so grids stay small
 PIXELS = {"qwen2_vl": (56 * 56, 28 * 28 * 40), "qwen2_5_vl": (56 * 56, 28 * 28 * 40),
-          "qwen3_vl": (64 * 64, 32 * 32 * 40)}
+          "qwen3_vl": (64 * 64, 32 * 32 * 40), "qwen3_5": (64 * 64, 32 * 32 * 80)}
 
 
 def text_kwargs(kind: str) -> dict:
@@ -40,6 +46,13 @@ def text_kwargs(kind: str) -> dict:
     if kind == "qwen3_vl":
         rope["mrope_interleaved"] = True
         t["head_dim"] = 16
+    if kind == "qwen3_5":
+        rope.update(mrope_interleaved=True, partial_rotary_factor=0.25, mrope_section=[2, 1, 1])
+        t.update(num_hidden_layers=5, head_dim=32, attention_bias=True,
+                 layer_types=["linear_attention", "full_attention", "linear_attention",
+                              "linear_attention", "full_attention"],
+                 linear_conv_kernel_dim=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                 linear_key_head_dim=8, linear_value_head_dim=12)
     return t
 
 
@@ -51,6 +64,9 @@ def vision_kwargs(kind: str) -> dict:
     if kind == "qwen2_5_vl":
         return dict(v, hidden_size=32, intermediate_size=48, out_hidden_size=64, window_size=56,
                     fullatt_block_indexes=[1])
+    if kind == "qwen3_5":  # Qwen3-VL's tower without DeepStack
+        return dict(v, hidden_size=32, intermediate_size=48, out_hidden_size=64,
+                    num_position_embeddings=16)
     return dict(v, hidden_size=32, intermediate_size=48, out_hidden_size=64,
                 num_position_embeddings=16, deepstack_visual_indexes=[0, 2])
 
@@ -78,7 +94,7 @@ def save_engine_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
 def save_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
     """``save_pretrained`` of a tiny random model + a preprocessor config; returns ``path``."""
     reference_model(kind, seed).save_pretrained(path)
-    patch = 16 if kind == "qwen3_vl" else 14
+    patch = 16 if kind in ("qwen3_vl", "qwen3_5") else 14
     (path / "preprocessor_config.json").write_text(
         json.dumps(preprocessor_config(kind, patch, 2, PIXELS[kind])))
     return path

@@ -19,7 +19,12 @@ import pytest
 import torch
 
 from tests.models.conftest import Pair
-from tests.models.fault_injection import FAULTS, constant_init_parameters, with_fault
+from tests.models.fault_injection import (
+    FAULTS,
+    HYBRID_FAULTS,
+    constant_init_parameters,
+    with_fault,
+)
 from tests.models.qwen_vl_helpers import EOS, IMAGE, KINDS, prompt_ids, reference_pixels
 from vlmbatch.models.base import KV, DeepStack
 from vlmbatch.models.qwen_vl.load import load_qwen_vl
@@ -93,9 +98,11 @@ def test_logits_match_transformers(pair: Pair, w: int, h: int) -> None:
     assert (got[0] - reference_logits(pair, ids, im)).abs().max() <= TOL
 
 
-# Qwen3-VL's decoder has no q/k/v biases (attention_bias false): only the head swap applies
+# Qwen3-VL's decoder has no q/k/v biases (attention_bias false): only the head swap applies;
+# Qwen3.5's has them (the fixture sets attention_bias), and its own faults (HYBRID_FAULTS)
 DECODER_FAULTS = [(k, f) for k in KINDS for f in sorted(FAULTS)
-                  if not (k == "qwen3_vl" and f == "no_qkv_biases")]
+                  if not (k == "qwen3_vl" and f == "no_qkv_biases")] + [
+    ("qwen3_5", f) for f in sorted(HYBRID_FAULTS)]
 
 
 @pytest.mark.parametrize("kind,fault", DECODER_FAULTS)
@@ -103,12 +110,13 @@ def test_decoder_fault_is_caught(pairs: dict[str, Pair], kind: str, fault: str) 
     """``test_logits_match_transformers``'s comparison on our decoder with a bug injected
     misses by > 100x the tolerance. Measured max |logit difference| (no q/k/v biases;
     query heads 0 and 1 swapped in layer 0; max |logit| 2.3-3.3): Qwen2-VL 0.81, 0.47;
-    Qwen2.5-VL 0.98, 0.99; Qwen3-VL -, 1.3 (our decoder as loaded: 1.3e-6 to 2.4e-6)."""
+    Qwen2.5-VL 0.98, 0.99; Qwen3-VL -, 1.3 (our decoder as loaded: 1.3e-6 to 2.4e-6);
+    Qwen3.5 (no attention gate, no linear decay; see the report for its figures)."""
     pair = pairs[kind]
     im = image(pair, 200, 90, seed=200)
     ids = prompt_ids(6, grid(im).tokens, 5, seed=90)
     x, lengths, pos, deep, _ = our_inputs(pair, [(ids, im)])
-    text = with_fault(pair.ours.text, FAULTS[fault])
+    text = with_fault(pair.ours.text, {**FAULTS, **HYBRID_FAULTS}[fault])
     with torch.no_grad():
         got, _ = text.prefill(x, lengths, positions=pos, deepstack=deep)
     assert (got[0] - reference_logits(pair, ids, im)).abs().max() > 100 * TOL
@@ -182,13 +190,13 @@ def one_shot_and_split(pair: Pair, ids: list[int], im: PreparedImage,
                                deepstack=head)
         split, kv_b = text.prefill(x[:, k:], lengths - k, kv_a, torch.tensor([k]),
                                    positions=pos[:, :, k:], deepstack=tail)
-    return whole, kv, split, [(torch.cat([a[0], b[0]], 2), torch.cat([a[1], b[1]], 2))
-                              for a, b in zip(kv_a, kv_b)]
+    return whole, kv, split, text.join_cache(kv_a, kv_b)  # K/V joined; a linear layer's state
 
 
 def test_split_prefill_equals_one_shot(pair: Pair) -> None:
     """What the prefix cache does: prefill a prefix (through the image's end token, or at an
-    arbitrary block boundary, even inside the image), then the rest after its KV."""
+    arbitrary block boundary, even inside the image), then the rest after its KV (and, for
+    Qwen3.5's linear layers, after the state the prefix left)."""
     im = image(pair, 300, 200, 3)
     ids = prompt_ids(20, grid(im).tokens, 40, seed=3)
     assert len(ids) > 64
@@ -202,19 +210,31 @@ def test_split_prefill_equals_one_shot(pair: Pair) -> None:
 
 def test_rows_after_cached_prefixes_of_different_lengths(pair: Pair) -> None:
     """A batch whose rows continue after cached prefixes of different lengths (past padded
-    with large junk, which the mask must hide) equals each row's one-shot prefill."""
+    with large junk, which the mask must hide) equals each row's one-shot prefill. A linear
+    layer's past is each row's state after its prefix (no padding to hide)."""
     ims = [image(pair, 200, 90, 4), image(pair, 56, 56, 5)]
     rows = [(prompt_ids(5, grid(im).tokens, 9, seed=4 + i), im) for i, im in enumerate(ims)]
     cut = [r.index(IMAGE) + grid(im).tokens + 1 for r, im in rows]  # through <|vision_end|>
     text, p = pair.ours.text, max(cut)
+    d = text.spec.head_dim
     with torch.no_grad():
-        past = [(torch.full((2, 2, p, 16), 1e4), torch.full((2, 2, p, 16), 1e4))
+        past = [(torch.full((2, 2, p, d), 1e4), torch.full((2, 2, p, d), 1e4))
                 for _ in text.layers]
         tails, want = [], []
         for b, (ids, im) in enumerate(rows):
             whole, kv, _, _ = one_shot_and_split(pair, ids, im, cut[b])
             want.append(whole[0])
+            x, _, pos, deep, _ = our_inputs(pair, [(ids, im)])
+            _, head = text.prefill(x[:, : cut[b]], torch.tensor([cut[b]]),
+                                   positions=pos[:, :, : cut[b]],
+                                   deepstack=split_deepstack(deep, cut[b])[0])
             for layer, (k, v) in enumerate(kv):
+                if text.kinds[layer] == "linear":  # the state after the prefix, per row
+                    if b == 0:
+                        past[layer] = tuple(torch.cat([s] * 2) for s in head[layer])
+                    for s, one in zip(past[layer], head[layer]):
+                        s[b] = one[0]
+                    continue
                 past[layer][0][b, :, : cut[b]] = k[0, :, : cut[b]]
                 past[layer][1][b, :, : cut[b]] = v[0, :, : cut[b]]
             x, _, pos, _, _ = our_inputs(pair, [(ids, im)])
@@ -240,7 +260,14 @@ def test_different_images_same_ids_give_different_kv(pair: Pair) -> None:
     (la, kva), (lb, kvb), (la2, kva2) = out
     assert (la - lb).abs().max() > 1e-3
     end = start + grid(a).tokens
-    for layer, ((ka, va), (kb, vb), (ka2, _)) in enumerate(zip(kva, kvb, kva2)):
+    text = pair.ours.text
+    for layer in [i for i, kind in enumerate(text.kinds) if kind == "linear"]:
+        assert (kva[layer][1] - kvb[layer][1]).abs().max() > 1e-4  # the image moves the state
+        assert torch.equal(kva[layer][1], kva2[layer][1])
+    full = [kv for kind, kv in zip(text.kinds, zip(kva, kvb, kva2)) if kind == "full"]
+    for layer, ((ka, va), (kb, vb), (ka2, _)) in enumerate(full):
+        if text.kinds[0] == "linear":  # Qwen3.5: layer 0 is linear, so no full layer's
+            layer = 1  # k/v of a text token sees only that token
         assert torch.equal(ka[:, :, :start], kb[:, :, :start])
         # every image token's k and v differ; text after the image differs from the second
         # layer on (the first layer's k/v of a text token see only that token)
@@ -269,8 +296,7 @@ def greedy(pair: Pair, rows: list[tuple[list[int], PreparedImage]], steps: int) 
             position = lengths + step - 1 + torch.tensor(deltas)  # seq index + rope delta
             logits, new = text.decode_step(text.embed_tokens(out[-1])[:, None], position, kv,
                                            valid)
-            kv = [(torch.cat([k, nk], 2), torch.cat([v, nv], 2))
-                  for (k, v), (nk, nv) in zip(kv, new)]
+            kv = text.join_cache(kv, new)
             valid = torch.cat([valid, torch.ones(len(rows), 1, dtype=torch.bool)], 1)
             out.append(logits.argmax(-1))
     return torch.stack(out, 1).tolist()

@@ -39,13 +39,19 @@ def test_saved_config(pair: Pair) -> None:
     assert spec.vision.depth == v.depth and spec.vision.heads == v.num_heads
     assert spec.vision.patch == v.patch_size and spec.vision.merge == v.spatial_merge_size
     assert spec.text.layers == t.num_hidden_layers and spec.text.kv_heads == 2
-    assert spec.text.mrope_section == (2, 3, 3)
-    qwen3 = cfg.model_type == "qwen3_vl"
+    qwen3_5 = cfg.model_type == "qwen3_5"
+    assert spec.text.mrope_section == ((2, 1, 1) if qwen3_5 else (2, 3, 3))
+    qwen3 = cfg.model_type in ("qwen3_vl", "qwen3_5")
     assert spec.text.rope == ("mrope-interleaved" if qwen3 else "mrope-sectioned")
     assert spec.text.qk_norm == qwen3
+    assert spec.text.rope_dim == (8 if qwen3_5 else spec.text.head_dim)
+    assert spec.text.attn_gate == spec.text.centered_norm == qwen3_5
+    assert spec.text.kinds == (("linear", "full", "linear", "linear", "full") if qwen3_5
+                               else ("full",) * t.num_hidden_layers)
+    assert spec.vision.deepstack == ((0, 2) if cfg.model_type == "qwen3_vl" else ())
     pre = spec.preprocess
     assert (pre.min_pixels, pre.max_pixels) == PIXELS[cfg.model_type]
-    assert pre.factor == (32 if cfg.model_type == "qwen3_vl" else 28)
+    assert pre.factor == (32 if qwen3 else 28)
 
 
 def test_hub_layout_qwen2_vl(tmp_path: Path) -> None:

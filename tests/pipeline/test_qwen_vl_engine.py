@@ -170,7 +170,9 @@ def test_a_cached_prefix_ending_inside_the_image(models: Models,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Under a tight cache the chains' tails are evicted first, so followers resume inside
     the image span: embeddings (and Qwen3-VL's DeepStack features) are sliced there, and the
-    positions continue from the cached length. Answers equal the cacheless run."""
+    positions continue from the cached length. Answers equal the cacheless run. A hybrid
+    decoder (Qwen3.5) resumes only where a linear-state snapshot was taken, at a prefix's
+    end, so never inside the image (``docs/hybrid_cache.md``)."""
     ims = images(models, SIZES, seed=3)
     qs = QUESTIONS + ["red?", "round?"]
     off = margins(TorchEngine(models.ours, EngineConfig(prefix_cache=False)), ims, qs)
@@ -179,8 +181,11 @@ def test_a_cached_prefix_ending_inside_the_image(models: Models,
     got, _, batches = score_with_logits(tight, ims, reqs, monkeypatch)
     inside = [p for b in batches for p in b
               if p.span.start < p.past_len < p.span.start + p.span.length]
-    assert inside, "no prefix ended inside an image: the test lost its point"
     assert max(abs(s.margin - float(o)) for s, o in zip(got, off)) <= 1e-5
+    if "linear" in models.ours.llm.kinds:
+        assert not inside
+        return
+    assert inside, "no prefix ended inside an image: the test lost its point"
     assert tight.cache is not None and tight.cache.stats.evictions > 0
 
 

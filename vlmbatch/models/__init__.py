@@ -1,7 +1,8 @@
 """Model families behind one interface (``base.py``), found by ``model_type``
 (``registry.py``: names to ``"module:attr"``, so importing this package imports no family;
 ``family_for`` imports the one a checkpoint needs). Shared layers (``layers.py``), the one
-text decoder every family builds from its spec (``decoder.py``), checkpoint reading
+text decoder every family builds from its spec (``decoder.py``; its Gated DeltaNet
+linear-attention layers in ``linear_attention.py``), checkpoint reading
 (``io.py`` weights, ``config_io.py`` JSON files and ``ModelError``), the chat template cut
 into the pieces a prompt builder tokenizes (``chat.py``: system turn, image, question, the
 assistant answer's lead), our BPE tokenizers

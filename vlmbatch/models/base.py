@@ -54,6 +54,8 @@ class TextSizes(Protocol):
     def head_dim(self) -> int: ...
     @property
     def intermediate(self) -> int: ...
+    @property
+    def kinds(self) -> tuple[str, ...]: ...  # per layer "full" or "linear" (Qwen3.5)
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,23 @@ class Decoder(nn.Module, ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot extend a cached prefix by "
                                   "several tokens: label sets of this family are not "
                                   "supported")
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Each layer's kind: ``"full"`` (attention: its ``past`` entry is per-token k, v) or
+        ``"linear"`` (Qwen3.5's linear attention: its entry is the layer's recurrent state,
+        ``(conv, recurrent)`` per row, which a call replaces rather than extends)."""
+        return ("full",) * len(self.layers)
+
+    def join_cache(self, cache: list[KV], new: list[KV]) -> list[KV]:
+        """A cache followed by a call's output (``prefill`` / ``decode_step``), per layer."""
+        return [(torch.cat([c[0], n[0]], 2), torch.cat([c[1], n[1]], 2))
+                for c, n in zip(cache, new)]
+
+    def state_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Per row, the shapes and dtypes of the linear layers' state tensors in layer order
+        (each layer's conv, then its recurrent state); empty without linear layers."""
+        return []
 
 
 class PromptBuilder(Protocol):

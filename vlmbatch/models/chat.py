@@ -49,15 +49,18 @@ def _user(image: dict) -> dict:
     return {"role": "user", "content": [image, {"type": "text", "text": QUESTION}]}
 
 
-def chat_layout(tokenizer: Any, placeholder: str) -> ChatLayout:
+def chat_layout(tokenizer: Any, placeholder: str,
+                chat_kwargs: dict[str, Any] | None = None) -> ChatLayout:
     """The pieces of ``tokenizer``'s chat template around an image part rendered as
-    ``placeholder``; ValueError if it does not render exactly one placeholder before the
-    question."""
+    ``placeholder`` (``chat_kwargs``: the template's own switches, e.g. Qwen3.5's
+    ``enable_thinking=False``); ValueError if it does not render exactly one placeholder
+    before the question."""
     image = {"type": "image"}
 
     def render(messages: list[dict], generation: bool) -> str:
         return tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=generation)
+                                             add_generation_prompt=generation,
+                                             **(chat_kwargs or {}))
 
     text = render([_user(image)], True)
     if text.count(placeholder) != 1 or text.count(QUESTION) != 1 \

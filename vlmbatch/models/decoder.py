@@ -16,9 +16,20 @@ The options:
 - ``qk_norm`` (RMSNorm of q and k over the head dim, before rotary: Qwen3), ``qkv_bias``,
   ``o_bias``, ``act`` (the MLP's gate activation), ``head_dim`` (explicit: Qwen3's is not
   hidden / heads), GQA (``kv_heads`` < ``heads``: SDPA ``enable_gqa``, K/V never repeated);
+- ``centered_norm``: every RMSNorm of the stack (layer norms, q/k norms, the final norm) in
+  Qwen3.5's zero-centred form, ``(1 + weight) * x / rms(x)`` (``layers.CenteredRMSNorm``);
+- ``attn_gate`` (Qwen3.5's gated attention, ``GatedAttention``): ``q_proj`` gives each
+  query head its query and an output gate of the same width, interleaved per head
+  (``[B, T, H, 2d]`` split in halves); the attention output is multiplied by
+  ``sigmoid(gate)`` before ``o_proj``;
 - DeepStack (Qwen3-VL): extra image features added at the image positions after each of the
   first ``len(features)`` layers, for any spec that is given them;
-- ``layer_kinds``: the attention kind of each layer (only ``"full"`` today).
+- ``layer_kinds``: each layer's token mixer, ``"full"`` (attention, per-token K/V) or
+  ``"linear"`` (Qwen3.5's Gated DeltaNet, ``models/linear_attention.py``, sized by
+  ``linear``): its entry of ``past`` / the returned list is its state ``(conv [B, C, K-1],
+  recurrent [B, Hv, dk, dv])`` before / after the call instead of k, v, a missing past
+  meaning zeros; ``join_cache`` joins a cache with a step's output per kind (K/V appended, a
+  state replaced). Positions and the attention mask concern the full layers only.
 
 Decided once (the two former decoders differed): ``past`` given without ``past_lengths``
 means every cached position is real (and 1-D positions continue after them); checkpoint
@@ -39,11 +50,10 @@ Seams for what the next model family issue adds (not implemented here):
   of ``Attention`` whose ``qkv`` splits one projection, the only method that builds q, k, v;
   its weight names (``wqkv``, ``wo``, ``w1/w2/w3``) map in the family's ``normalise_key``.
   Dynamic NTK rope scaling: ``TextDecoder.rotary`` is the one place the tables are made.
-- Qwen3.5's hybrid layers: ``layer_kinds`` names each layer's kind and ``LAYERS`` maps a
-  kind to its module; a Gated DeltaNet layer takes its recurrent and conv state in the
-  ``past`` slot and returns the new state where an attention layer returns its k, v. Gated
-  full attention: an ``Attention`` subclass whose ``qkv`` also yields the output gate from
-  ``q_proj``. Partial rotary: ``rotary_dim``.
+- Qwen3.5 (done): ``layer_kinds`` with ``"linear"`` layers (``LAYERS`` maps a kind to its
+  module), gated full attention (``GatedAttention``: its ``project`` is the one place q, k,
+  v and the gate are made; ``Attention.project`` calls ``qkv``), partial rotary
+  (``rotary_dim``), zero-centred norms.
 
 Shapes: B rows, T new tokens (right-padded), P cached tokens, D hidden, V vocabulary, H query
 heads, K key/value heads, d head dim, r rotary dim. K/V are returned with rotary applied, so
@@ -60,13 +70,16 @@ from torch import nn
 
 from vlmbatch.models.base import KV, Decoder, DeepStack, weight_key
 from vlmbatch.models.layers import (
+    CenteredRMSNorm,
     FusedRMSNorm,
+    RMSNorm,
     activation,
     inverse_frequencies,
     rope,
     rope_tables,
     rotary,
 )
+from vlmbatch.models.linear_attention import GatedDeltaNet, LinearSpec
 
 ROPE_KINDS = ("1d", "mrope-sectioned", "mrope-interleaved")
 HARMLESS = ("rotary_emb.inv_freq",)  # name endings of checkpoint weights that are dropped
@@ -105,7 +118,10 @@ class TextSpec:
     qkv_bias: bool = True
     o_bias: bool = False
     act: str = "silu"
+    centered_norm: bool = False  # Qwen3.5: RMSNorm weights stored as offsets from 1
+    attn_gate: bool = False  # Qwen3.5: q_proj also gives a sigmoid output gate per head
     layer_kinds: tuple[str, ...] = ()  # per layer, one of LAYERS; (): every layer "full"
+    linear: LinearSpec | None = None  # the "linear" layers' sizes
 
     def __post_init__(self) -> None:
         if self.heads % self.kv_heads:
@@ -126,6 +142,9 @@ class TextSpec:
             raise ValueError(f"{len(self.layer_kinds)} layer kinds for {self.layers} layers")
         if bad := sorted(set(self.layer_kinds) - set(LAYERS)):
             raise ValueError(f"layer kinds {bad} are not implemented (only {sorted(LAYERS)})")
+        if ("linear" in self.layer_kinds) != (self.linear is not None):
+            raise ValueError("linear-attention layers need their sizes (linear), and only "
+                             "they take them")
         activation(self.act)  # ValueError naming the supported ones
 
     @property
@@ -157,17 +176,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([rope(x[..., :r], cos, sin), x[..., r:]], -1)
 
 
+def make_norm(s: TextSpec, dim: int) -> RMSNorm:
+    """The spec's RMSNorm over ``dim`` channels (module docstring: ``centered_norm``)."""
+    return CenteredRMSNorm(dim, s.eps) if s.centered_norm else FusedRMSNorm(dim, s.eps)
+
+
 class Attention(nn.Module):
+    q_width = 1  # q_proj's output per query head channel (GatedAttention: query and gate)
+
     def __init__(self, s: TextSpec) -> None:
         super().__init__()
         self.s = s
-        self.q_proj = nn.Linear(s.hidden, s.heads * s.head_dim, bias=s.qkv_bias)
+        self.q_proj = nn.Linear(s.hidden, self.q_width * s.heads * s.head_dim, bias=s.qkv_bias)
         self.k_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.qkv_bias)
         self.v_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.qkv_bias)
         self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=s.o_bias)
         if s.qk_norm:
-            self.q_norm = FusedRMSNorm(s.head_dim, s.eps)
-            self.k_norm = FusedRMSNorm(s.head_dim, s.eps)
+            self.q_norm = make_norm(s, s.head_dim)
+            self.k_norm = make_norm(s, s.head_dim)
 
     def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h [B, T, D] -> q [B, T, H, d], k and v [B, T, K, d] (before norm and rotary)."""
@@ -177,12 +203,17 @@ class Attention(nn.Module):
                 self.k_proj(h).view(b, t, s.kv_heads, s.head_dim),
                 self.v_proj(h).view(b, t, s.kv_heads, s.head_dim))
 
+    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                 torch.Tensor | None]:
+        """h [B, T, D] -> q, k, v as ``qkv`` and the output gate [B, T, H * d] (None: none)."""
+        return (*self.qkv(h), None)
+
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 past: KV | None) -> tuple[torch.Tensor, KV]:
         # h: [B, T, D]; cos/sin: [B, 1, T, r]; mask: [B, 1, T, P + T] bool, True = may attend;
         # past: k, v [B, K, P, d] (rotary applied). Returns the output and the new k, v.
         b, t, _ = h.shape
-        q, k, v = self.qkv(h)
+        q, k, v, gate = self.project(h)
         if self.s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         # (one pass over torch.cat([q, k], 1) measured 7x slower on the CPU: a strided cat)
@@ -197,7 +228,22 @@ class Attention(nn.Module):
             k_all, v_all = k_all.repeat_interleave(g, 1), v_all.repeat_interleave(g, 1)
         a = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
                                            enable_gqa=heads != k_all.shape[1])
-        return self.o_proj(a.transpose(1, 2).reshape(b, t, -1)), (k, v)
+        a = a.transpose(1, 2).reshape(b, t, -1)  # [B, T, H * d]
+        return self.o_proj(a if gate is None else a * torch.sigmoid(gate)), (k, v)
+
+
+class GatedAttention(Attention):
+    """Qwen3.5's full attention: ``q_proj`` rows are, per query head, its d query channels
+    then its d gate channels (transformers' ``Qwen3_5Attention``)."""
+    q_width = 2
+
+    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                 torch.Tensor | None]:
+        b, t, _ = h.shape
+        s = self.s
+        q, gate = self.q_proj(h).view(b, t, s.heads, 2 * s.head_dim).chunk(2, dim=-1)
+        return (q, self.k_proj(h).view(b, t, s.kv_heads, s.head_dim),
+                self.v_proj(h).view(b, t, s.kv_heads, s.head_dim), gate.reshape(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -217,21 +263,45 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, s: TextSpec) -> None:
         super().__init__()
-        self.self_attn = Attention(s)
+        self.self_attn = (GatedAttention if s.attn_gate else Attention)(s)
         self.mlp = MLP(s)
-        self.input_layernorm = FusedRMSNorm(s.hidden, s.eps)
-        self.post_attention_layernorm = FusedRMSNorm(s.hidden, s.eps)
+        self.input_layernorm = make_norm(s, s.hidden)
+        self.post_attention_layernorm = make_norm(s, s.hidden)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                past: KV | None = None) -> tuple[torch.Tensor, KV]:
-        # x: [B, T, D]; as Attention.forward. Returns x and this step's k, v.
-        a, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
+                past: KV | None = None, valid: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, KV]:
+        # x: [B, T, D]; as Attention.forward (valid [B, T]: real new tokens, for mixers that
+        # need it). Returns x and this step's k, v.
+        a, kv = self.mix(self.input_layernorm(x), cos, sin, mask, past, valid)
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
+    def mix(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+            past: KV | None, valid: torch.Tensor | None) -> tuple[torch.Tensor, KV]:
+        """The token mixer on the normed stream: attention here."""
+        return self.self_attn(h, cos, sin, mask, past)
 
-# a layer kind -> its module (module docstring: the seam for linear-attention layers)
-LAYERS: dict[str, type[DecoderLayer]] = {"full": DecoderLayer}
+
+class LinearDecoderLayer(DecoderLayer):
+    """A Gated DeltaNet layer (``linear_attn``) in the same residual frame; its "KV" is its
+    state (module docstring), and it reads neither positions nor the attention mask."""
+
+    def __init__(self, s: TextSpec) -> None:
+        nn.Module.__init__(self)
+        assert s.linear is not None  # TextSpec checks it
+        self.linear_attn = GatedDeltaNet(s.hidden, s.linear, s.eps, s.act)
+        self.mlp = MLP(s)
+        self.input_layernorm = make_norm(s, s.hidden)
+        self.post_attention_layernorm = make_norm(s, s.hidden)
+
+    def mix(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+            past: KV | None, valid: torch.Tensor | None) -> tuple[torch.Tensor, KV]:
+        return self.linear_attn(h, past, valid)
+
+
+# a layer kind -> its module (module docstring: ``layer_kinds``)
+LAYERS: dict[str, type[DecoderLayer]] = {"full": DecoderLayer, "linear": LinearDecoderLayer}
 
 
 class TextDecoder(Decoder):
@@ -244,10 +314,12 @@ class TextDecoder(Decoder):
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab, spec.hidden)
         self.layers = nn.ModuleList(LAYERS[kind](spec) for kind in spec.kinds)
-        self.norm = FusedRMSNorm(spec.hidden, spec.eps)
+        self.norm = make_norm(spec, spec.hidden)
         self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
         if spec.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # the layers that keep per-token K/V (the others keep a state)
+        self.full_layers = [i for i, kind in enumerate(spec.kinds) if kind == "full"]
         if spec.rope != "1d":
             # a buffer (moves with .to(device), never cast): indexing with a Python list
             # would copy the index to the device on every call, which a CUDA graph cannot
@@ -306,7 +378,7 @@ class TextDecoder(Decoder):
         [B, T, D] before the final norm, and the new tokens' KV."""
         b, t, _ = embeds.shape
         dev = embeds.device
-        p = 0 if past is None else past[0][0].shape[2]
+        p = 0 if past is None or not self.full_layers else past[self.full_layers[0]][0].shape[2]
         offset = past_lengths if past_lengths is not None else torch.full(
             (b,), p, dtype=torch.long, device=dev)
         pos = torch.arange(t, device=dev)
@@ -316,7 +388,7 @@ class TextDecoder(Decoder):
         if past is not None:
             seen = torch.arange(p, device=dev)[None, :] < offset[:, None]  # [B, P]
             mask = torch.cat([seen[:, None, :].expand(b, t, p), mask], dim=2)  # [B, T, P+T]
-        return self._layers(embeds, positions, mask, past, deepstack)
+        return self._layers(embeds, positions, mask, past, deepstack, valid)
 
     def _positions(self, positions: torch.Tensor | None, offset: torch.Tensor,
                    pos: torch.Tensor, b: int) -> torch.Tensor:
@@ -338,6 +410,7 @@ class TextDecoder(Decoder):
         position on all three axes, = its sequence index + the prompt's rope delta) or, for
         M-RoPE, [3, B]; kv: per layer (k, v) [B, K, S, d]; key_valid: [B, S] bool (False
         for padding holes). Returns (logits [B, V] float32, per layer (k, v) [B, K, 1, d]).
+        A linear layer's entries are its state before and after the token (``join_cache``).
         """
         b = embeds.shape[0]
         if self.spec.rope == "1d":
@@ -358,23 +431,45 @@ class TextDecoder(Decoder):
         tokens, so a padding token (masked from the real ones) still attends to something.
         positions: [B, N] (1-D) or [3, B, N] (M-RoPE). Returns (logits [B, N, V] float32,
         per layer (k, v) [B, K, N, d])."""
+        if "linear" in self.kinds:  # checked before any work: pipeline.loading
+            raise NotImplementedError("a linear-attention layer cannot extend a prefix by "
+                                      "several side-by-side continuations")
         b, n, _ = embeds.shape
         mask = torch.cat([key_valid[:, None, :].expand(b, n, key_valid.shape[1]), new_mask],
                          dim=2)  # [B, N, S + N]
         x, new_kv = self._layers(embeds, positions, mask, kv)
         return self.lm_head(self.norm(x)).float(), new_kv
 
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return self.spec.kinds
+
+    def join_cache(self, cache: list[KV], new: list[KV]) -> list[KV]:
+        """A cache followed by a call's output, per layer: K/V appended along the tokens, a
+        linear layer's state replaced by the one after the call."""
+        return [n if kind == "linear" else (torch.cat([c[0], n[0]], 2),
+                                            torch.cat([c[1], n[1]], 2))
+                for kind, c, n in zip(self.kinds, cache, new)]
+
+    def state_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Per row, in layer order, the linear layers' (conv, recurrent) state tensors'
+        shapes and dtypes (no linear layers: empty)."""
+        return [shape for layer in self.layers if isinstance(layer, LinearDecoderLayer)
+                for shape in layer.linear_attn.state_shapes()]
+
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                past: list[KV] | None, deepstack: DeepStack | None = None
-                ) -> tuple[torch.Tensor, list[KV]]:
-        # x: [B, T, D]; positions: [B, T] or [3, B, T]; mask: [B, T, P+T] bool
+                past: list[KV] | None, deepstack: DeepStack | None = None,
+                valid: torch.Tensor | None = None) -> tuple[torch.Tensor, list[KV]]:
+        # x: [B, T, D]; positions: [B, T] or [3, B, T]; mask: [B, T, P+T] bool; valid:
+        # [B, T] bool real new tokens (None: all)
         cos, sin = self.rotary(positions, x.dtype)
         feats = deepstack.features if deepstack is not None else ()
         if len(feats) > len(self.layers):
             raise ValueError(f"{len(feats)} DeepStack features for {len(self.layers)} layers")
         new_kv = []
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, cos, sin, mask[:, None], None if past is None else past[i])
+            x, kv = layer(x, cos, sin, mask[:, None], None if past is None else past[i],
+                          valid)
             new_kv.append(kv)
             if i < len(feats):
                 assert deepstack is not None

@@ -1,6 +1,6 @@
-"""Layers shared by the model families: RMSNorm (two forms), rotary position embedding, and
-activations by their config names. Each matches transformers' definition of the same layer
-(tested through the families' reference checks).
+"""Layers shared by the model families: RMSNorm (two forms, and Qwen3.5's zero-centred one),
+rotary position embedding, and activations by their config names. Each matches
+transformers' definition of the same layer (tested through the families' reference checks).
 
 Rotary convention (InternVL's Qwen2 decoder and every Qwen-VL tower and decoder):
 ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``. The sign is folded
@@ -54,6 +54,21 @@ class FusedRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+class CenteredRMSNorm(RMSNorm):
+    """Qwen3.5's RMSNorm: the weight is stored as an offset from 1 (transformers initialises
+    it to 0), ``(1 + weight) * x / rms(x)``, all in float32, then cast to the input dtype
+    (transformers' ``Qwen3_5RMSNorm``: ``(x * w).to(dtype)``, unlike Qwen2's
+    ``w * x.to(dtype)``)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__(dim, eps)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (1.0 + self.weight.float())
+        return y.to(x.dtype)
 
 
 def inverse_frequencies(dim: int, theta: float, device: torch.device | None = None

@@ -21,12 +21,16 @@ _QWEN_VL = "vlmbatch.models.qwen_vl.family:QWEN_VL"  # one family object for the
 FAMILIES: Registry[ModelFamily] = Registry("model type", {
     "internvl": "vlmbatch.models.internvl.family:INTERNVL",
     "qwen2_vl": _QWEN_VL, "qwen2_5_vl": _QWEN_VL, "qwen3_vl": _QWEN_VL,  # qwen_vl.spec.KINDS
+    "qwen3_5": _QWEN_VL,
     "colqwen2": "vlmbatch.models.qwen_vl.family:COLQWEN2_FAMILY",
 })
 REFUSED: dict[str, str] = {
     "qwen3_vl_moe": ("Qwen3-VL MoE is not supported: its mixture-of-experts decoder layers "
                      "are not implemented; the dense Qwen3-VL models (model_type 'qwen3_vl') "
                      "are"),
+    "qwen3_5_moe": ("Qwen3.5 MoE (35B-A3B and larger) is not supported: its mixture-of-experts "
+                    "decoder layers are not implemented; the dense Qwen3.5 models (model_type "
+                    "'qwen3_5') are"),
 }
 
 
@@ -41,5 +45,5 @@ def family_for(path: Path) -> tuple[ModelFamily, dict]:
         raise ModelError(f"{path / 'config.json'}: model_type {model_type!r} is not supported; "
                          f"vlmbatch reads HF-native checkpoints of model_type "
                          f"{', '.join(repr(n) for n in FAMILIES.names())} (e.g. the '-hf' "
-                         "InternVL2.5/3 releases, Qwen2-VL, Qwen2.5-VL, Qwen3-VL)")
+                         "InternVL2.5/3 releases, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5)")
     return FAMILIES.get(model_type), cfg

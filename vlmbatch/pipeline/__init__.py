@@ -14,7 +14,8 @@
 - ``engine.py``: the ``Engine`` interface; ``build.py``: the ``ENGINES`` registry (each
   engine's builder as ``"module:attr"``, imported when built) and ``build_engine``;
 - ``torch_engine.py`` (ours: ``planner.py`` pure Python, ``model_runner.py`` tensors,
-  ``prefix_cache.py``, ``scoring.py``, ``choices.py``: a label set's log-likelihoods in one
+  ``prefix_cache.py``, ``state_snapshots.py`` (a hybrid decoder's linear-layer states in
+  the cache), ``scoring.py``, ``choices.py``: a label set's log-likelihoods in one
   continuation after the prompt's KV; embeddings through ``embed.py``'s head and
   ``pooling.py``) and ``lmdeploy_engine.py`` (TurboMind, GPU env only);
 - ``loading.py``: checkpoint folder -> ``LoadedModel`` (family + quant runtime conversions);

@@ -50,18 +50,19 @@ class AfterPrefill:
             [(k[sel], v[sel]) for k, v in self.new_kv], self.lengths[sel],
             [self.deltas[j] for j in rows], self.mrope)
 
-    def keys(self, to_device: ToDevice) -> tuple[list[KV], torch.Tensor, torch.Tensor]:
-        """Per layer (k, v) ``[B, K, P + T, d]`` (past then new, each padded: a copy), which
-        are real ``[B, P + T]``, and the position of the token after each prompt ``[B]`` (its
-        length, plus its rope delta): what a decode or a continuation reads."""
-        kv = self.new_kv if self.past is None else [
-            (torch.cat([pk, nk], 2), torch.cat([pv, nv], 2))
-            for (pk, pv), (nk, nv) in zip(self.past, self.new_kv)]
+    def keys(self, to_device: ToDevice, llm: Decoder
+             ) -> tuple[list[KV], torch.Tensor, torch.Tensor]:
+        """Per layer (k, v) ``[B, K, P + T, d]`` (past then new, each padded: a copy; a
+        linear-attention layer's entry is its state after the prompt, ``llm.join_cache``),
+        which are real ``[B, P + T]``, and the position of the token after each prompt
+        ``[B]`` (its length, plus its rope delta): what a decode or a continuation reads."""
+        kv = self.new_kv if self.past is None else llm.join_cache(self.past, self.new_kv)
+        f = llm.kinds.index("full")  # a full layer's K/V give the widths
         dev = self.lengths.device
-        valid = torch.arange(self.new_kv[0][0].shape[2], device=dev)[None] < self.lengths[:, None]
+        valid = torch.arange(self.new_kv[f][0].shape[2], device=dev)[None] < self.lengths[:, None]
         pos = self.lengths.clone()
         if self.past is not None and self.past_lengths is not None:
-            seen = torch.arange(self.past[0][0].shape[2], device=dev)[None] \
+            seen = torch.arange(self.past[f][0].shape[2], device=dev)[None] \
                 < self.past_lengths[:, None]
             valid = torch.cat([seen, valid], 1)
             pos += self.past_lengths
@@ -99,7 +100,7 @@ def _continue(llm: Decoder, to_device: ToDevice, choices: list[ChoiceIds], bases
     t+1; ``bases[j]``: the index of row j's first choice in ``first``."""
     m = len(first)
     tok, tgt, seg, off = (to_device(x) for x in _segments(choices, bases, m))  # [R, N] each
-    kv, valid, pos0 = after.keys(to_device)  # per layer [R, K, S, d]; [R, S]; [R]
+    kv, valid, pos0 = after.keys(to_device, llm)  # per layer [R, K, S, d]; [R, S]; [R]
     pos = pos0[:, None] + off  # [R, N]: text after the prompt (+ its rope delta)
     if after.mrope:
         pos = pos.expand(3, *pos.shape)  # a text token: the same on all three axes

@@ -69,6 +69,11 @@ def check_label_sets(path: Path | None, cfg: EngineConfig,
         raise ConfigError(f"label sets (choices) are scored by the torch engine (--engine "
                           f"torch), not {cfg.engine}")
     family, spec = read_spec(path)
+    if "linear" in spec.text.kinds:
+        raise ConfigError(f"label sets (choices) are not supported on {spec.model_type}: its "
+                          "linear-attention layers keep one state per row, which a label "
+                          "set's choices side by side after one prompt cannot share; ask "
+                          "yes/no questions of this model")
     path = Path(path) if path is not None else DEFAULT_MODEL
     prompts = family.prompt_builder(family.load_tokenizer(path), spec)
     for choices in sets:

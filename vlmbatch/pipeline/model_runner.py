@@ -37,6 +37,13 @@ from vlmbatch.pipeline.engine import EngineStats
 from vlmbatch.pipeline.planner import Plan
 from vlmbatch.pipeline.prefix_cache import BlockKey, PrefixCache
 from vlmbatch.pipeline.scoring import AnswerTokens, ChoiceIds, yes_no
+from vlmbatch.pipeline.state_snapshots import (
+    StateCodec,
+    join_layers,
+    restore,
+    snapshot,
+    split_layers,
+)
 from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.vit_trt import VitRunner
 
@@ -69,6 +76,12 @@ class ModelRunner:
         self.max_batch_tiles = max_batch_tiles
         self.ignore_eos = ignore_eos
         self.device = next(model.llm.parameters()).device
+        # a hybrid decoder (Qwen3.5): the pool holds the full layers' K/V only, the linear
+        # layers' states go through snapshots (``state_snapshots.py``)
+        self.kinds = model.llm.kinds
+        self.full = [i for i, kind in enumerate(self.kinds) if kind == "full"]
+        self.codec = (StateCodec(model.llm.state_shapes()) if len(self.full) < len(self.kinds)
+                      else None)
         tok = model.tokenizer
         self.stop_ids = {i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"),
                                      tok.convert_tokens_to_ids("<|endoftext|>"))
@@ -241,7 +254,8 @@ class ModelRunner:
         delta (M-RoPE; 0 otherwise).
         """
         b = logits.shape[0]
-        kv, valid, pos = after.keys(self.to_device)
+        llm = self.model.llm
+        kv, valid, pos = after.keys(self.to_device, llm)
         out: list[list[int]] = [[] for _ in range(b)]
         done = [False] * b
         tok = logits.argmax(-1)
@@ -255,9 +269,8 @@ class ModelRunner:
             if all(done):
                 break
             x = self.model.llm.embed_tokens(tok)[:, None]  # [B, 1, D]
-            step_logits, step_kv = self.model.llm.decode_step(x, pos, kv, valid)
-            kv = [(torch.cat([k, sk], 2), torch.cat([v, sv], 2))
-                  for (k, v), (sk, sv) in zip(kv, step_kv)]
+            step_logits, step_kv = llm.decode_step(x, pos, kv, valid)
+            kv = llm.join_cache(kv, step_kv)
             valid = torch.cat([valid, torch.ones((b, 1), dtype=torch.bool,
                                                  device=self.device)], 1)
             pos += 1
@@ -268,10 +281,21 @@ class ModelRunner:
     def _gather_past(self, batch: list[Plan]) -> tuple[list[KV] | None, torch.Tensor | None]:
         """Cached prefixes -> per layer (k, v) ``[B, K, P, d]``, P the longest prefix; one
         gather from the pool for the whole batch. Row j's keys past its own ``past_len``
-        (another slot's or a padding slot's, all finite) are masked by ``past_lengths``."""
+        (another slot's or a padding slot's, all finite) are masked by ``past_lengths``.
+        A hybrid decoder's linear layers get each row's state snapshot instead (zeros for a
+        row without one, which then has no cached prefix either: ``planner._plan_state``)."""
         longest = max(p.past_len for p in batch)
         if longest == 0:
             return None, None
+        assert self.cache is not None
+        past = self._gather_kv(batch, longest)
+        if self.codec is not None:
+            states = restore(self.cache, self.codec, batch, self.device)
+            past = join_layers(self.kinds, past, states)
+        return past, self.to_device([p.past_len for p in batch])
+
+    def _gather_kv(self, batch: list[Plan], longest: int) -> list[KV]:
+        """The pool's layers' (the full layers') cached K/V, ``[B, K, longest, d]`` each."""
         assert self.cache is not None
         nb = max(len(p.slots) for p in batch)
         fill = next(p.slots[0] for p in batch if p.slots)  # a slot in use: finite
@@ -281,11 +305,15 @@ class ModelRunner:
         g = pool[idx]  # [B, nb, L, 2, K, bs, d]
         g = g.permute(2, 3, 0, 4, 1, 5, 6).reshape(layers, 2, len(batch), kv_heads, nb * bs, d)
         g = g[..., :longest, :]
-        past = [(g[i, 0], g[i, 1]) for i in range(layers)]
-        return past, self.to_device([p.past_len for p in batch])
+        return [(g[i, 0], g[i, 1]) for i in range(layers)]
 
     def _insert(self, batch: list[Plan], new_kv: list[KV]) -> None:
+        """New prefix blocks of the full layers' K/V into the pool; a hybrid decoder's
+        snapshots of the rows that end at their shared prefix (``Plan.snapshot``) after."""
         assert self.cache is not None
+        states: list[torch.Tensor] = []
+        if self.codec is not None:
+            new_kv, states = split_layers(self.kinds, new_kv)
         k_all = torch.stack([k for k, _ in new_kv], 1)  # [B, L, K, T, d]
         v_all = torch.stack([v for _, v in new_kv], 1)
         for j, p in enumerate(batch):
@@ -300,6 +328,8 @@ class ModelRunner:
             finally:  # also after an error (e.g. out of memory): the runner goes on
                 self.cache.unpin(pinned)
             self.cache.touch(p.chain)
+        if self.codec is not None:
+            snapshot(self.cache, self.codec, batch, states)
 
 
 def _chunks(sizes: list[int], budget: int) -> list[list[int]]:

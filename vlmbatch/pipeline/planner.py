@@ -15,6 +15,12 @@
 
 Invariant: every slot a plan holds is pinned in the cache until ``release`` (after its batch
 has gathered the slots' KV, or in a ``finally`` on error), so a later insert cannot reuse it.
+
+A decoder with linear-attention layers (Qwen3.5; ``state_bytes`` > 0: the bytes of one row's
+states, ``docs/hybrid_cache.md``) can resume only where a state snapshot was taken: at the end
+of a shared prefix. Its plans reuse the whole prefix (every block and the snapshot) or nothing;
+only a plan whose prompt ends at the prefix (``prefix_phases``' first phase of each chunk)
+caches blocks and a snapshot, so its followers, and its own full prompt, resume there.
 """
 
 from __future__ import annotations
@@ -22,7 +28,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vlmbatch.models.base import Prompt
-from vlmbatch.pipeline.prefix_cache import BlockId, BlockKey, ImageSpan, PrefixCache, block_ids
+from vlmbatch.pipeline.prefix_cache import (
+    BlockId,
+    BlockKey,
+    ImageSpan,
+    PrefixCache,
+    block_ids,
+    state_key,
+)
 from vlmbatch.pipeline.records import Request
 from vlmbatch.preprocessing.prepare import PreparedImage
 
@@ -41,6 +54,11 @@ class Plan:
     past_len: int = 0
     blocks: list[tuple[int, BlockId]] = field(default_factory=list)  # (start, block) to cache
     chain: list[BlockKey] = field(default_factory=list)  # keys of the whole shared prefix
+    # linear-attention state (module docstring): the prefix's last block (its snapshot's
+    # key), the snapshot's pinned slots if one is reused, whether to take one
+    state_tail: BlockId | None = None
+    state_slots: list[int] = field(default_factory=list)
+    snapshot: bool = False
 
     @property
     def new_len(self) -> int:
@@ -53,14 +71,19 @@ class Plan:
 
 
 class Planner:
-    def __init__(self, cache: PrefixCache | None, max_batch_tokens: int) -> None:
+    def __init__(self, cache: PrefixCache | None, max_batch_tokens: int,
+                 state_bytes: int = 0) -> None:
         self.cache = cache
         self.max_batch_tokens = max_batch_tokens
+        self.state_bytes = state_bytes  # one row's linear-layer states (0: none)
 
     def shared_lengths(self, requests: list[Request], prompts: list[Prompt]) -> list[int]:
         """Each prompt's shared prefix length (module docstring): its group's common prefix,
-        within ``[prefix_len, len(ids) - 1]``; ``prefix_len`` for a prompt alone."""
+        within ``[prefix_len, len(ids) - 1]``; ``prefix_len`` for a prompt alone, and for
+        every prompt of a decoder with linear layers (its snapshots are taken there)."""
         out = [p.prefix_len for p in prompts]
+        if self.state_bytes:  # a hybrid decoder resumes only at its snapshot: the image's end
+            return out
         for group in _groups(requests, prompts).values():
             if len(group) < 2:
                 continue
@@ -81,22 +104,38 @@ class Planner:
         cached when its followers look for them."""
         if self.cache is None:
             return [list(range(len(requests)))]
-        groups = list(_groups(requests, prompts).values())
+        phases = []
+        for chunk in self._chunks(requests, prompts, shared):
+            phases.append([reqs[0] for reqs in chunk])
+            phases.append([i for reqs in chunk for i in reqs[1:]])
+        return [p for p in phases if p]
+
+    def prefix_phases(self, requests: list[Request], prompts: list[Prompt],
+                      shared: list[int]) -> list[tuple[list[int], list[int]]]:
+        """With linear-attention layers (module docstring): per chunk of groups, (the first
+        request of each group, to prefill through its shared prefix only and snapshot it;
+        every request of the chunk, which then resume after that prefix)."""
+        assert self.cache is not None
+        return [([reqs[0] for reqs in chunk], [i for reqs in chunk for i in reqs])
+                for chunk in self._chunks(requests, prompts, shared)]
+
+    def _chunks(self, requests: list[Request], prompts: list[Prompt],
+                shared: list[int]) -> list[list[list[int]]]:
+        """Groups (``_groups``) in chunks whose prefixes (a slot per block of ``shared``, the
+        partial one included, and a state snapshot's slots) fit half the cache budget."""
+        assert self.cache is not None
         chunks: list[list[list[int]]] = [[]]
         used = 0
         bs = self.cache.block_size
-        for reqs in groups:  # a slot per block, the partial one included
-            need = -(-shared[reqs[0]] // bs) * self.cache.slot_bytes
+        state = self.cache.state_slots(self.state_bytes) if self.state_bytes else 0
+        for reqs in _groups(requests, prompts).values():
+            need = (-(-shared[reqs[0]] // bs) + state) * self.cache.slot_bytes
             if chunks[-1] and used + need > self.cache.budget_bytes // 2:
                 chunks.append([])
                 used = 0
             chunks[-1].append(reqs)
             used += need
-        phases = []
-        for chunk in chunks:
-            phases.append([reqs[0] for reqs in chunk])
-            phases.append([i for reqs in chunk for i in reqs[1:]])
-        return [p for p in phases if p]
+        return chunks
 
     def plan(self, req: int, prompt: Prompt, image: PreparedImage | None,
              prefixes: dict[Prefix, list[BlockId]], reuse_limit: int | None = None,
@@ -129,6 +168,8 @@ class Planner:
         plan.chain = [b.key for b in blocks]
         usable = blocks if reuse_limit is None else _ending_by(blocks, reuse_limit)
         plan.slots = self.cache.lookup_slots(usable)
+        if self.state_bytes:
+            return self._plan_state(plan, blocks)
         plan.past_len = sum(len(b.ids) for b in blocks[: len(plan.slots)])
         bs = self.cache.block_size
         plan.blocks = [(k * bs, b) for k, b in enumerate(blocks) if k >= len(plan.slots)]
@@ -150,10 +191,29 @@ class Planner:
                                       limit=prompt.prefix_len, tail=True)
         return prefixes[own][-1]
 
+    def _plan_state(self, plan: Plan, blocks: list[BlockId]) -> Plan:
+        """``plan`` for a decoder with linear layers: the whole prefix from the cache (every
+        block found and usable, and the snapshot at its end) or none of it; blocks and a
+        snapshot cached only by a prompt that ends at its prefix (module docstring)."""
+        assert self.cache is not None
+        plan.state_tail = blocks[-1]
+        if len(plan.slots) == len(blocks):
+            plan.state_slots = self.cache.lookup_state(blocks[-1])
+        if not plan.state_slots:  # K/V without the state where they end is of no use
+            self.cache.unpin(plan.chain[: len(plan.slots)])
+            plan.slots = []
+            plan.snapshot = len(plan.prompt.ids) == plan.prompt.prefix_len
+            if plan.snapshot:
+                plan.blocks = [(k * self.cache.block_size, b) for k, b in enumerate(blocks)]
+            return plan
+        plan.past_len = plan.prompt.prefix_len
+        return plan
+
     def batches(self, plans: list[Plan]) -> list[list[Plan]]:
         """Plans sorted by new length (longest first), cut so B * (P + T) <=
-        max_batch_tokens."""
-        plans = sorted(plans, key=lambda p: p.new_len, reverse=True)
+        max_batch_tokens. A plan with no new token (a prefix-only prompt whose prefix is
+        cached, ``prefix_phases``) needs no forward and is left out."""
+        plans = sorted((p for p in plans if p.new_len), key=lambda p: p.new_len, reverse=True)
         batches: list[list[Plan]] = []
         cur: list[Plan] = []
         for p in plans:
@@ -174,6 +234,10 @@ class Planner:
             if p.slots:
                 self.cache.unpin(p.chain[: len(p.slots)])
                 p.slots = []
+            if p.state_slots:
+                assert p.state_tail is not None
+                self.cache.unpin([state_key(p.state_tail)])
+                p.state_slots = []
 
 
 def _groups(requests: list[Request], prompts: list[Prompt]

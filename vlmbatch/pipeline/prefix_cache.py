@@ -15,15 +15,22 @@ blocks 0..i-1 match too.
 On a hit, the stored token ids and extra keys are compared with the request's (a hash
 collision must never return wrong KV).
 
-Storage is one pool tensor ``[slots, layers, 2, kv_heads, block_size, head_dim]`` made by
-``allocate`` (the engine calls it when built; else the first insert does),
-``slots = budget_bytes // bytes of a full block``; an entry owns one slot (a
-partial block uses its first tokens). One allocation instead of one per block: cached and
-freed blocks no longer interleave with the engine's temporaries in the allocator, which on
-CPU held the process ~2x the budget above it (glibc's heap cannot shrink around them;
-``docs/engine.md``). When no slot is free the least recently used *unpinned* entry is
-evicted. ``lookup`` returns views into the pool and pins what it found: a pinned slot is not
-reused until ``unpin``, so KV handed to a plan stays valid while later batches insert.
+Storage is one allocation of ``budget_bytes`` at most, cut into ``slots`` of one full block's
+KV each, made by ``allocate`` (the engine calls it when built; else the first insert does);
+``pool`` views it as ``[slots, layers, 2, kv_heads, block_size, head_dim]``, ``arena`` as
+bytes ``[slots, slot_bytes]``. A block entry owns one slot (a partial block uses its first
+tokens). One allocation instead of one per block: cached and freed blocks no longer
+interleave with the engine's temporaries in the allocator, which on CPU held the process ~2x
+the budget above it (glibc's heap cannot shrink around them; ``docs/engine.md``). When no
+slot is free the least recently used *unpinned* entry is evicted. ``lookup`` returns views
+into the pool and pins what it found: a pinned slot is not reused until ``unpin``, so KV
+handed to a plan stays valid while later batches insert.
+
+State snapshots (Qwen3.5's linear-attention layers, ``docs/hybrid_cache.md``): a state entry
+holds the bytes of every linear layer's state at the end of a shared prefix, in as many
+slots as they need (``state_slots``, not necessarily adjacent), keyed by ``state_key`` of the
+prefix's last block, so by the same content hash as the blocks. Blocks and snapshots share
+the slots, the budget and the LRU order; a snapshot is looked up, pinned and evicted whole.
 """
 
 from __future__ import annotations
@@ -62,6 +69,9 @@ class CacheStats:
     inserts: int = 0
     evictions: int = 0
     collisions: int = 0  # key matched but ids/extras did not
+    state_hits: int = 0  # state snapshots found (each one whole prefix's)
+    state_misses: int = 0
+    state_inserts: int = 0
 
     def hit_rate(self) -> float:
         return self.hits / max(self.hits + self.misses, 1)
@@ -91,11 +101,17 @@ def block_ids(ids: Sequence[int], images: Sequence[ImageSpan], block_size: int,
     return out
 
 
+def state_key(tail: BlockId) -> BlockKey:
+    """The key of the state snapshot at the end of the prefix whose last block is ``tail``:
+    derived from the block's chained key, so from every token and image before it."""
+    return BlockKey(xxhash.xxh3_128(b"linear-state\0" + tail.key).digest())
+
+
 @dataclass
 class _Entry:
-    block: BlockId
-    slot: int  # its KV: pool[slot, :, :, :, :len(block.ids)]
-    pins: int = 0  # lookups not yet unpinned: the slot must not be reused
+    block: BlockId  # a state snapshot: the last block of its prefix (checked on a hit)
+    slots: list[int]  # a block's KV: pool[slots[0], :, :, :, :len(block.ids)]
+    pins: int = 0  # lookups not yet unpinned: the slots must not be reused
 
 
 class PrefixCache:
@@ -107,6 +123,7 @@ class PrefixCache:
         self.stats = CacheStats()
         self._entries: OrderedDict[BlockKey, _Entry] = OrderedDict()
         self._pool: torch.Tensor | None = None  # [slots, L, 2, K, block_size, d]
+        self._arena: torch.Tensor | None = None  # the same memory, [slots, slot_bytes] uint8
         self._free: list[int] = []
 
     def __len__(self) -> int:
@@ -122,7 +139,11 @@ class PrefixCache:
     @property
     def bytes(self) -> int:
         """Bytes of the slots in use (the pool itself is ``budget_bytes`` at most)."""
-        return len(self._entries) * self.slot_bytes
+        return sum(len(e.slots) for e in self._entries.values()) * self.slot_bytes
+
+    def state_slots(self, nbytes: int) -> int:
+        """Slots a state snapshot of ``nbytes`` bytes takes (0 before the pool exists)."""
+        return -(-nbytes // self.slot_bytes) if self.slot_bytes else 0
 
     def clear(self) -> None:
         """Drop every block (counters and the pool kept); e.g. between benchmark rounds, never
@@ -144,19 +165,44 @@ class PrefixCache:
         the prefix's tokens are the slots' first ``sum(len(b.ids))`` positions in order."""
         found: list[int] = []
         for b in blocks:
-            e = self._entries.get(b.key)
-            if e is not None and (e.block.ids, e.block.extra, e.block.parent) != (
-                    b.ids, b.extra, b.parent):
-                self.stats.collisions += 1
-                e = None
+            e = self._checked(b.key, b)
             if e is None:
                 self.stats.misses += 1
                 break
             self.stats.hits += 1
             e.pins += 1
-            found.append(e.slot)
+            found.append(e.slots[0])
         self.touch([b.key for b in blocks[: len(found)]])
         return found
+
+    def lookup_state(self, tail: BlockId) -> list[int]:
+        """The slots of the state snapshot at the end of the prefix ending with ``tail``
+        (pinned, marked recently used; read them through ``arena``), or [] if none."""
+        key = state_key(tail)
+        e = self._checked(key, tail)
+        if e is None:
+            self.stats.state_misses += 1
+            return []
+        self.stats.state_hits += 1
+        e.pins += 1
+        self._entries.move_to_end(key)
+        return list(e.slots)
+
+    def _checked(self, key: BlockKey, block: BlockId) -> _Entry | None:
+        """The entry under ``key`` if it was made for ``block`` (same ids, extras, parent)."""
+        e = self._entries.get(key)
+        if e is not None and (e.block.ids, e.block.extra, e.block.parent) != (
+                block.ids, block.extra, block.parent):
+            self.stats.collisions += 1
+            return None
+        return e
+
+    @property
+    def arena(self) -> torch.Tensor:
+        """The pool's memory as bytes, ``[slots, slot_bytes]`` uint8 (state snapshots)."""
+        if self._arena is None:
+            raise RuntimeError("the prefix cache's pool is not allocated yet")
+        return self._arena
 
     @property
     def pool(self) -> torch.Tensor:
@@ -199,9 +245,10 @@ class PrefixCache:
                 or kv.shape[3] > self.block_size or kv.dtype != self._pool.dtype):
             raise ValueError(f"block KV {tuple(kv.shape)} {kv.dtype} does not fit the cache's "
                              f"slots {tuple(self._pool.shape[1:])} {self._pool.dtype}")
-        slot = self._free.pop() if self._free else self._evict()
-        if slot is None:
+        taken = self._take(1)
+        if taken is None:
             return False
+        slot = taken[0]
         try:
             self._pool[slot, :, :, :, : kv.shape[3]].copy_(kv)
             if kv.shape[3] < self.block_size:  # see ``pool``: no stale or uninitialised tail
@@ -209,8 +256,34 @@ class PrefixCache:
         except BaseException:
             self._free.append(slot)
             raise
-        self._entries[block.key] = _Entry(block, slot, int(pin))
+        self._entries[block.key] = _Entry(block, taken, int(pin))
         self.stats.inserts += 1
+        return True
+
+    def insert_state(self, tail: BlockId, data: torch.Tensor) -> bool:
+        """Copy a state snapshot (``data``: its bytes, ``[n]`` uint8 on the pool's device)
+        for the prefix ending with ``tail`` into ``state_slots(n)`` slots, evicting as
+        needed. Returns whether it is cached (False: the budget cannot hold it beside what
+        is pinned). Already cached: marked recently used."""
+        key = state_key(tail)
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return True
+        if self._arena is None:
+            raise RuntimeError("the prefix cache's pool is not allocated yet")
+        n = self.state_slots(len(data))
+        taken = self._take(n) if n else None
+        if taken is None:
+            return False
+        pages = torch.zeros(n * self.slot_bytes, dtype=torch.uint8, device=data.device)
+        pages[: len(data)] = data
+        try:
+            self._arena[torch.tensor(taken, device=self._arena.device)] = pages.view(n, -1)
+        except BaseException:
+            self._free.extend(taken)
+            raise
+        self._entries[key] = _Entry(tail, taken)
+        self.stats.state_inserts += 1
         return True
 
     def allocate(self, block_shape: tuple[int, ...], dtype: torch.dtype,
@@ -223,16 +296,25 @@ class PrefixCache:
         slot = layers * two * heads * self.block_size * dim * dtype.itemsize
         slots = self.budget_bytes // slot
         with torch.inference_mode(False):  # written under the engine's inference_mode later
-            self._pool = torch.empty((slots, layers, two, heads, self.block_size, dim),
-                                     dtype=dtype, device=device)
+            self._arena = torch.empty((slots, slot), dtype=torch.uint8, device=device)
+        self._pool = self._arena.view(dtype).view(slots, layers, two, heads, self.block_size,
+                                                  dim)
         self._free = list(range(slots - 1, -1, -1))  # popped from the end: slot 0 first
         self._entries.clear()
 
-    def _evict(self) -> int | None:
-        """Free the least recently used unpinned entry's slot; None if there is none."""
-        for key, e in self._entries.items():
+    def _take(self, n: int) -> list[int] | None:
+        """``n`` free slots, evicting least recently used unpinned entries for them; None
+        (and nothing evicted) if the unpinned entries cannot make up ``n``."""
+        victims, have = [], len(self._free)
+        for key, e in self._entries.items():  # oldest first; stops once there is room
+            if have >= n:
+                break
             if e.pins == 0:
-                del self._entries[key]
-                self.stats.evictions += 1
-                return e.slot
-        return None
+                victims.append(key)
+                have += len(e.slots)
+        if have < n:
+            return None
+        for key in victims:
+            self._free.extend(self._entries.pop(key).slots)
+            self.stats.evictions += 1
+        return [self._free.pop() for _ in range(n)]

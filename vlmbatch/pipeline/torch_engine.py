@@ -70,9 +70,11 @@ class TorchEngine(Engine):
         self.answers = AnswerTokens.from_words(model.tokenizer, cfg.yes_words, cfg.no_words)
         self.cache = PrefixCache(cfg.block_size, cfg.cache_bytes) if cfg.prefix_cache else None
         self.stats = EngineStats()
-        self.planner = Planner(self.cache, cfg.max_batch_tokens)
         self.runner = ModelRunner(model, self.vision, self.cache, self.answers, self.stats,
                                   cfg.max_batch_tiles, cfg.ignore_eos, cfg.compile_llm)
+        codec = self.runner.codec  # a hybrid decoder's state snapshots (None: none)
+        self.planner = Planner(self.cache, cfg.max_batch_tokens,
+                               0 if codec is None else codec.nbytes)
         self.device = self.runner.device
         self._heads: dict[EmbedConfig, EmbedHead] = {}
         self._choice_ids: dict[tuple[str, ...], ChoiceIds] = {}
@@ -85,8 +87,9 @@ class TorchEngine(Engine):
         with what to do, rather than in every batch."""
         assert self.cache is not None
         s = self.model.spec.text
+        layers = len(self.runner.full)  # a hybrid decoder's linear layers keep no K/V
         try:
-            self.cache.allocate((s.layers, 2, s.kv_heads, s.head_dim),
+            self.cache.allocate((layers, 2, s.kv_heads, s.head_dim),
                                 self.model.llm.embed_tokens.weight.dtype, self.device)
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
             why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -136,10 +139,31 @@ class TorchEngine(Engine):
                                        [choices[p.req] for p in batch], self._first_token)
 
         done: _Queued = []
+        if self.cache is not None and self.planner.state_bytes:
+            for heads, members in self.planner.prefix_phases(requests, prompts, shared):
+                self._prefix_phase(heads, prompts, image_of, images, embeds, prefixes)
+                done += self._phase(members, prompts, image_of, images, embeds, prefixes,
+                                    forward, shared=shared)
+            return self._read_back(done, len(requests), choices)
         for phase in self.planner.phases(requests, prompts, shared):
             done += self._phase(phase, prompts, image_of, images, embeds, prefixes, forward,
                                 shared=shared)
         return self._read_back(done, len(requests), choices)
+
+    def _prefix_phase(self, heads: list[int], prompts: list[Prompt], image_of: list[int | None],
+                      images: list[PreparedImage], embeds: dict[int, ImageEmbeds],
+                      prefixes: dict[str, list[BlockId]]) -> None:
+        """A hybrid decoder's (``docs/hybrid_cache.md``): prefill the first prompt of each
+        image through its shared prefix only, caching the prefix's blocks and the linear
+        layers' state snapshot at its end, from which every question about the image then
+        resumes. A prefix already cached needs no forward (``Planner.batches``)."""
+        cut_prompts = {i: cut(prompts[i], prompts[i].prefix_len) for i in heads}
+
+        def forward(batch: list[Plan], ims: list[ImageEmbeds | None]) -> None:
+            self.runner.prefill(batch, ims, [0] * len(batch))
+
+        self._phase(heads, [cut_prompts.get(i, p) for i, p in enumerate(prompts)], image_of,
+                    images, embeds, prefixes, forward)
 
     def embedding(self, cfg: EmbedConfig) -> Resolved:
         return self._head(cfg).resolved

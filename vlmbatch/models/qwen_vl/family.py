@@ -1,14 +1,17 @@
-"""The Qwen-VL family: HF-native Qwen2-VL, Qwen2.5-VL and Qwen3-VL (dense) checkpoints,
-registered as ``qwen2_vl``, ``qwen2_5_vl`` and ``qwen3_vl`` (``models/registry.py``);
-``qwen3_vl_moe`` is refused there with the reason (mixture-of-experts decoder layers are not
-implemented).
+"""The Qwen-VL family: HF-native Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 (dense)
+checkpoints, registered as ``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl`` and ``qwen3_5``
+(``models/registry.py``); ``qwen3_vl_moe`` and ``qwen3_5_moe`` are refused there with the
+reason (mixture-of-experts decoder layers are not implemented). Qwen3.5's decoder holds
+Gated DeltaNet layers (``models/linear_attention.py``); its prompts ask the chat template for
+no thinking (``enable_thinking=False``).
 
 A model directory holds ``config.json`` (flat hub layout or transformers 5's nested
 ``text_config``, ``spec.py``), ``model.safetensors`` or a sharded index, the tokenizer files
 (with ``<|vision_start|>``, ``<|image_pad|>``, ``<|vision_end|>``) and optionally
-``preprocessor_config.json`` (patch/merge sizes, min/max pixels, mean/std). transformers
-reads only the tokenizer; the weights go from safetensors into ``vision.VisionTower`` and
-``models.decoder.TextDecoder`` (M-RoPE spec).
+``preprocessor_config.json`` (patch/merge sizes, min/max pixels, mean/std). Qwen3.5's
+multi-token-prediction weights (``mtp.*``) are not read (transformers ignores them too).
+transformers reads only the tokenizer; the weights go from safetensors into
+``vision.VisionTower`` and ``models.decoder.TextDecoder`` (M-RoPE spec).
 
 Key layouts accepted, all normalised to ``visual.*``, ``language_model.*`` and
 ``lm_head.weight``: the hub's Qwen2/2.5-VL (``visual.*``, ``model.*``), transformers 5's
@@ -95,8 +98,9 @@ class QwenVL(ModelFamily):
             raise ModelError(f"{spec.path}: the tokenizer's {', '.join(IMAGE_TOKENS)} are ids "
                              f"{ids}, config.json says {want}; tokenizer and config must come "
                              "from the same checkpoint")
+        chat = {"enable_thinking": False} if spec.model_type == "qwen3_5" else None
         return QwenVLPrompts(tokenizer, spec.image_token_id, spec.vision_start_id,
-                             spec.vision_end_id, spec.vision.merge, self.embed_template)
+                             spec.vision_end_id, spec.vision.merge, self.embed_template, chat)
 
     def image_plan(self, spec: ModelSpec, options: ImageOptions) -> QwenVLPreprocess:
         """The checkpoint's smart resize, with ``--max-image-tokens`` lowering max_pixels.

@@ -8,6 +8,9 @@ on the image start, the grid and the prompt's length, so they are memoised on th
 Everything around the question is tokenized once (per system turn: a question's system turn
 comes before the image, in the shared prefix); per request only the question is. A label
 set's choices are tokenized as the assistant's answer would be (``models/chat.py``).
+``chat_kwargs`` go to the chat template: Qwen3.5's family passes ``enable_thinking=False``
+(the answer then starts right after the assistant turn's opening, with no reasoning first;
+a template that does not read it ignores it).
 
 Embedding inputs (``embed``) follow the embedding model's own layout, an ``EmbedTemplate``:
 jina-embeddings-v4's by default (an image: ``<|im_start|>user\n<|vision_start|>`` pads
@@ -53,14 +56,15 @@ COLQWEN2 = EmbedTemplate(image_tail="<|im_end|><|endoftext|>", query_before="Que
 
 class QwenVLPrompts:
     def __init__(self, tokenizer: Any, image_token_id: int, vision_start_id: int,
-                 vision_end_id: int, merge: int, embed_template: EmbedTemplate = JINA) -> None:
+                 vision_end_id: int, merge: int, embed_template: EmbedTemplate = JINA,
+                 chat_kwargs: dict[str, Any] | None = None) -> None:
         self.tok = tokenizer
         self.image_token_id = image_token_id
         self.merge = merge
         pad = tokenizer.convert_ids_to_tokens(image_token_id)
         end = tokenizer.convert_ids_to_tokens(vision_end_id)
         try:
-            self.layout = chat_layout(tokenizer, pad)
+            self.layout = chat_layout(tokenizer, pad, chat_kwargs)
         except ValueError as e:
             raise ModelError(str(e)) from None
         if not self.layout.between.startswith(end):

@@ -1,13 +1,17 @@
 """Random-weight Qwen-VL checkpoints (HF-native layout) for tests and benchmarks.
 
 ``save_random_qwen_vl`` writes what ``pipeline.loading.load_model`` and transformers'
-``Qwen2VL`` / ``Qwen2_5_VL`` / ``Qwen3VLForConditionalGeneration`` both read: config, seeded
-safetensors weights, our own byte-level BPE tokenizer with Qwen's special tokens and chat
-template (``tokenizer.py``) and a preprocessor config. Nothing is downloaded.
+``Qwen2VL`` / ``Qwen2_5_VL`` / ``Qwen3VL`` / ``Qwen3_5ForConditionalGeneration`` all read:
+config, seeded safetensors weights, our own byte-level BPE tokenizer with Qwen's special
+tokens and chat template (``tokenizer.py``) and a preprocessor config. Nothing is downloaded.
 
 Weights: transformers' initialisation with ``initializer_range`` as given (the tests use 0.1,
 so logits are O(1)), and every 1-D parameter (norm weights, biases) moved by 0.1 * N(0, 1),
-so that a wrong norm, bias or mask shows far above the tolerances.
+so that a wrong norm, bias or mask shows far above the tolerances. Qwen3.5's linear layers get
+slow decays (``A_log`` drawn so that ``A`` is in [0.005, 0.1]: a state keeps most of what it
+read tens of tokens back): transformers' ``A`` in [0.01, 16] forgets most heads' state within
+a token or two, so a bug in carrying a state across a cached prefix would barely move the
+answer.
 
 ``SHAPES`` are the sizes of two released checkpoints, for measuring speed at real size
 (``bench/qpm.py --random-shape``); their answers mean nothing, and the vocabulary is the
@@ -20,6 +24,7 @@ from a downloaded file** (no model hub is reachable here).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +38,8 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
+    Qwen3_5Config,
+    Qwen3_5ForConditionalGeneration,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
 )
@@ -44,6 +51,7 @@ CLASSES: dict[str, tuple[type, type]] = {
     "qwen2_vl": (Qwen2VLConfig, Qwen2VLForConditionalGeneration),
     "qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration),
     "qwen3_vl": (Qwen3VLConfig, Qwen3VLForConditionalGeneration),
+    "qwen3_5": (Qwen3_5Config, Qwen3_5ForConditionalGeneration),
 }
 CORPUS = ["is there a red shape?", "does the image contain a circle?", "yes", "no", "Yes", "No",
           "<|im_start|>user\n", "<|im_start|>assistant\n", "what color is the triangle?"] * 20
@@ -81,7 +89,9 @@ def random_model(config: PreTrainedConfig, seed: int = 0) -> PreTrainedModel:
     torch.manual_seed(seed)
     model = CLASSES[config.model_type][1](config).eval()
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
+            if name.endswith("linear_attn.A_log"):  # slow decays (module docstring)
+                p.uniform_(math.log(0.005), math.log(0.1))
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
     return model
@@ -90,7 +100,7 @@ def random_model(config: PreTrainedConfig, seed: int = 0) -> PreTrainedModel:
 def preprocessor_config(kind: str, patch: int, merge: int, pixels: tuple[int, int]) -> dict:
     """``preprocessor_config.json`` as the released checkpoints write it (both spellings of
     the pixel range: ``size`` and ``min_pixels``/``max_pixels``)."""
-    qwen3 = kind == "qwen3_vl"
+    qwen3 = kind in ("qwen3_vl", "qwen3_5")
     return {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": patch,
             "merge_size": merge, "temporal_patch_size": 2,
             "size": {"shortest_edge": pixels[0], "longest_edge": pixels[1]},
@@ -148,7 +158,7 @@ def _save(model: PreTrainedModel, tok: Any, path: Path, kind: str, vision: dict,
     path.mkdir(parents=True, exist_ok=True)
     model.to(dtype).save_pretrained(path)
     tok.save_pretrained(path)
-    patch = int(vision.get("patch_size", 16 if kind == "qwen3_vl" else 14))
+    patch = int(vision.get("patch_size", 16 if kind in ("qwen3_vl", "qwen3_5") else 14))
     merge = int(vision.get("spatial_merge_size", 2))
     (path / "preprocessor_config.json").write_text(
         json.dumps(preprocessor_config(kind, patch, merge, pixels), indent=2))

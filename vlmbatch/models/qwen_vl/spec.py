@@ -1,10 +1,19 @@
 """Qwen-VL checkpoint specs: ``config.json`` (+ ``preprocessor_config.json``) -> frozen records.
 
-Reads ``model_type`` ``qwen2_vl``, ``qwen2_5_vl`` and ``qwen3_vl`` in both layouts found in
-the wild: the hub's flat one (Qwen2/2.5-VL: text settings at the top level, ``rope_scaling``
-with ``"type": "mrope"``) and transformers 5's nested ``text_config`` with
-``rope_parameters``. The MoE variant (``qwen3_vl_moe``) is refused with a clear error. The
-decoder's spec is ``models.decoder.TextSpec`` (M-RoPE, sectioned or interleaved).
+Reads ``model_type`` ``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl`` and ``qwen3_5`` in both
+layouts found in the wild: the hub's flat one (Qwen2/2.5-VL: text settings at the top level,
+``rope_scaling`` with ``"type": "mrope"``) and transformers 5's nested ``text_config`` with
+``rope_parameters``. The MoE variants (``qwen3_vl_moe``, ``qwen3_5_moe``) are refused with a
+clear error. The decoder's spec is ``models.decoder.TextSpec`` (M-RoPE, sectioned or
+interleaved).
+
+Qwen3.5 (dense): the vision tower is Qwen3-VL's without DeepStack (its ``VisionSpec.kind`` is
+``qwen3_vl``, ``deepstack`` empty unless the config lists ``deepstack_visual_indexes``); the
+decoder interleaves Gated DeltaNet layers with gated full attention (``layer_types``, by
+default three ``linear_attention`` then one ``full_attention``), zero-centred RMSNorms,
+QK-norm, partial rotary (``partial_rotary_factor``, 0.25) with interleaved M-RoPE over the
+rotary pairs (``mrope_section`` default (11, 11, 10)), no q/k/v/o biases unless
+``attention_bias``. Fallbacks are transformers 5.24's ``Qwen3_5TextConfig`` defaults.
 """
 
 from __future__ import annotations
@@ -15,9 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from vlmbatch.models.decoder import TextSpec
+from vlmbatch.models.linear_attention import LinearSpec
 from vlmbatch.preprocessing.qwen_vl import QWEN2VL_PIXELS, QWEN3VL_PIXELS, QwenVLPreprocess
 
-KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+MOE = {"qwen3_vl_moe": "Qwen3-VL", "qwen3_5_moe": "Qwen3.5"}  # refused (module docstring)
+# Qwen3.5's layer_types -> TextSpec.layer_kinds
+_LAYER_KINDS = {"linear_attention": "linear", "full_attention": "full"}
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -31,7 +44,7 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True)
 class VisionSpec:
-    kind: str  # one of KINDS: picks norm, MLP, window attention, position embedding
+    kind: str  # one of KINDS but qwen3_5 (its tower is qwen3_vl's): norm, MLP, windows, ...
     depth: int
     hidden: int  # the tower's width (Qwen2-VL's embed_dim)
     heads: int
@@ -77,9 +90,9 @@ def read_spec(path: Path) -> QwenVLSpec:
 
 def spec_from_config(cfg: dict[str, Any], pre: dict[str, Any] | None = None) -> QwenVLSpec:
     kind = cfg.get("model_type")
-    if kind == "qwen3_vl_moe":
-        raise SpecError("model_type 'qwen3_vl_moe' (Qwen3-VL MoE) is not supported: only the "
-                        "dense Qwen3-VL models are implemented (mixture-of-experts decoder "
+    if kind in MOE:
+        raise SpecError(f"model_type {kind!r} ({MOE[kind]} MoE) is not supported: only the "
+                        f"dense {MOE[kind]} models are implemented (mixture-of-experts decoder "
                         "layers are not)")
     if kind not in KINDS:
         raise SpecError(f"model_type {kind!r} is not a Qwen-VL model; supported: {KINDS}")
@@ -93,8 +106,10 @@ def spec_from_config(cfg: dict[str, Any], pre: dict[str, Any] | None = None) -> 
                       int(cfg.get("vision_end_token_id", 151653)))
 
 
-def _vision_spec(kind: str, v: dict[str, Any], pre: dict[str, Any]) -> VisionSpec:
+def _vision_spec(model_type: str, v: dict[str, Any], pre: dict[str, Any]) -> VisionSpec:
+    kind = "qwen3_vl" if model_type == "qwen3_5" else model_type  # the tower's kind
     qwen2, qwen3 = kind == "qwen2_vl", kind == "qwen3_vl"
+    deepstack = (8, 16, 24) if model_type == "qwen3_vl" else ()
     # fallbacks are transformers' config defaults; released checkpoints set every one
     hidden = int(v.get("embed_dim" if qwen2 else "hidden_size", _WIDTH[kind]))
     mean = pre.get("image_mean", (0.5,) * 3 if qwen3 else CLIP_MEAN)
@@ -118,13 +133,13 @@ def _vision_spec(kind: str, v: dict[str, Any], pre: dict[str, Any]) -> VisionSpe
         full_attention_blocks=tuple(v.get("fullatt_block_indexes", (7, 15, 23, 31)))
         if kind == "qwen2_5_vl" else (),
         position_embeddings=int(v.get("num_position_embeddings", 2304)) if qwen3 else 0,
-        deepstack=tuple(v.get("deepstack_visual_indexes", (8, 16, 24))) if qwen3 else ())
+        deepstack=tuple(v.get("deepstack_visual_indexes", deepstack)) if qwen3 else ())
 
 
 def _text_spec(kind: str, cfg: dict[str, Any]) -> TextSpec:
     top = {k: x for k, x in cfg.items() if k not in ("text_config", "vision_config")}
     t = {**top, **(cfg.get("text_config") or {})}  # hub Qwen2/2.5-VL configs are flat
-    qwen3 = kind == "qwen3_vl"
+    qwen3 = kind in ("qwen3_vl", "qwen3_5")
     rope = dict(t.get("rope_parameters") or t.get("rope_scaling") or {})
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", "mrope"):
         raise SpecError(f"{kind}: rope type {rope.get('rope_type', rope.get('type'))!r} is not "
@@ -132,14 +147,17 @@ def _text_spec(kind: str, cfg: dict[str, Any]) -> TextSpec:
     if t.get("use_sliding_window"):
         raise SpecError(f"{kind}: sliding-window attention in the decoder is not supported")
     heads = int(t["num_attention_heads"])
-    head_dim = int(t.get("head_dim") or int(t["hidden_size"]) // heads)
-    section = tuple(int(s) for s in rope.get("mrope_section", (24, 20, 20) if qwen3
-                                             else (16, 24, 24)))
-    if len(section) != 3 or sum(section) != head_dim // 2:
+    head_dim = int(t.get("head_dim") or (256 if kind == "qwen3_5"
+                                         else int(t["hidden_size"]) // heads))
+    rotary = int(head_dim * float(rope.get("partial_rotary_factor", t.get(
+        "partial_rotary_factor", 0.25 if kind == "qwen3_5" else 1.0))))
+    section = tuple(int(s) for s in rope.get("mrope_section", _SECTIONS[kind]))
+    if len(section) != 3 or sum(section) != rotary // 2:
         raise SpecError(f"{kind}: mrope_section {section} must be 3 numbers summing to "
-                        f"head_dim / 2 = {head_dim // 2}")
+                        f"the rotary pairs, {rotary // 2}")
     tie = cfg.get("tie_word_embeddings") or (cfg.get("text_config") or {}).get(
         "tie_word_embeddings", False)
+    hybrid = _hybrid(t) if kind == "qwen3_5" else {}
     try:
         return TextSpec(
             vocab=int(t["vocab_size"]), hidden=int(t["hidden_size"]),
@@ -150,15 +168,42 @@ def _text_spec(kind: str, cfg: dict[str, Any]) -> TextSpec:
             rope_theta=float(rope.get("rope_theta", t.get("rope_theta",
                                                           5e5 if qwen3 else 1e6))),
             rope="mrope-interleaved" if qwen3 else "mrope-sectioned", mrope_section=section,
+            rotary_dim=None if rotary == head_dim else rotary,
             qk_norm=qwen3, qkv_bias=bool(t.get("attention_bias", False)) if qwen3 else True,
             o_bias=bool(t.get("attention_bias", False)) if qwen3 else False,
-            act=t.get("hidden_act", "silu"), tie_embeddings=bool(tie))
+            act=t.get("hidden_act", "silu"), tie_embeddings=bool(tie), **hybrid)
     except ValueError as e:  # a decoder TextSpec cannot build
         raise SpecError(f"{kind}: text config: {e}") from e
 
 
+_SECTIONS = {"qwen2_vl": (16, 24, 24), "qwen2_5_vl": (16, 24, 24), "qwen3_vl": (24, 20, 20),
+             "qwen3_5": (11, 11, 10)}  # transformers' mrope_section defaults
+
+
+def _hybrid(t: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5's TextSpec options: layer kinds, linear-attention sizes, gated attention and
+    zero-centred norms (module docstring)."""
+    n = int(t["num_hidden_layers"])
+    every = int(t.get("full_attention_interval", 4))
+    types = t.get("layer_types") or ["full_attention" if (i + 1) % every == 0
+                                     else "linear_attention" for i in range(n)]
+    if bad := sorted(set(types) - set(_LAYER_KINDS)):
+        raise SpecError(f"qwen3_5: layer_types {bad} are not supported (only "
+                        f"{sorted(_LAYER_KINDS)})")
+    try:
+        linear = LinearSpec(conv_kernel=int(t.get("linear_conv_kernel_dim", 4)),
+                            key_heads=int(t.get("linear_num_key_heads", 16)),
+                            value_heads=int(t.get("linear_num_value_heads", 32)),
+                            key_dim=int(t.get("linear_key_head_dim", 128)),
+                            value_dim=int(t.get("linear_value_head_dim", 128)))
+    except ValueError as e:
+        raise SpecError(f"qwen3_5: text config: {e}") from e
+    return dict(layer_kinds=tuple(_LAYER_KINDS[x] for x in types), linear=linear,
+                attn_gate=True, centered_norm=True)
+
+
 def _preprocess(kind: str, v: VisionSpec, pre: dict[str, Any]) -> QwenVLPreprocess:
-    lo, hi = QWEN3VL_PIXELS if kind == "qwen3_vl" else QWEN2VL_PIXELS
+    lo, hi = QWEN3VL_PIXELS if kind in ("qwen3_vl", "qwen3_5") else QWEN2VL_PIXELS
     size = pre.get("size") or {}
     cfg = QwenVLPreprocess(
         patch=int(pre.get("patch_size", v.patch)), merge=int(pre.get("merge_size", v.merge)),
