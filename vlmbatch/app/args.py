@@ -19,7 +19,7 @@ from pathlib import Path
 
 from vlmbatch.app.config import SPLITS
 from vlmbatch.app.embed_args import add_embed_parser, embed_option_args
-from vlmbatch.app.server.config import add_server_args
+from vlmbatch.app.server.config import add_executor_args, add_server_args
 from vlmbatch.jobs.config import EXECUTORS, TASKS, RayOptions, RunConfig
 from vlmbatch.pipeline.build import ENGINES
 from vlmbatch.pipeline.config import (
@@ -373,3 +373,4 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                        "job's group, the most an interactive request waits behind.")
     _model_args(s)
     add_server_args(s)
+    add_executor_args(s)

@@ -37,6 +37,8 @@ from vlmbatch.pipeline.scoring import AnswerTokens, yes_no
 from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.vit_trt import VitRunner
 
+Generated = tuple[str, int]  # a row's greedy text and its token count
+
 # a packed model's images go through the vision module in calls of at most
 # max_batch_tiles * PATCHES_PER_TILE rows: one 448 px InternVL tile is 32 x 32 patches of 14 px
 PATCHES_PER_TILE = 1024
@@ -129,8 +131,9 @@ class ModelRunner:
         return result
 
     def prefill(self, batch: list[Plan], images: list[ImageEmbeds | None], limits: list[int]
-                ) -> tuple[torch.Tensor, list[str | None]]:
-        """One forward over ``batch``: ([B, 2] (p_yes, margin) on the device, texts)."""
+                ) -> tuple[torch.Tensor, list[Generated | None]]:
+        """One forward over ``batch``: ([B, 2] (p_yes, margin) on the device, each row's
+        generated (text, tokens) or None)."""
         x, lengths, positions, deep = self._inputs(batch, images)
         past, past_lengths = self._gather_past(batch)
         logits, new_kv = self.prefill_fn(x, lengths, past, past_lengths,
@@ -207,9 +210,9 @@ class ModelRunner:
 
     def _texts(self, limits: list[int], logits: torch.Tensor, past: list[KV] | None,
                past_lengths: torch.Tensor | None, new_kv: list[KV], lengths: torch.Tensor,
-               deltas: list[int]) -> list[str | None]:
-        """Greedy text for the rows whose limit is > 0 (None for the others): ``_generate``
-        on those rows of the prefill's logits and KV only."""
+               deltas: list[int]) -> list[Generated | None]:
+        """Greedy (text, tokens) for the rows whose limit is > 0 (None for the others):
+        ``_generate`` on those rows of the prefill's logits and KV only."""
         rows = [j for j, n in enumerate(limits) if n > 0]
         if not rows:
             return [None] * len(limits)
@@ -221,7 +224,7 @@ class ModelRunner:
             new_kv = [(k[sel], v[sel]) for k, v in new_kv]
         generated = self._generate(logits, past, past_lengths, new_kv, lengths,
                                    [limits[j] for j in rows], [deltas[j] for j in rows])
-        texts: list[str | None] = [None] * len(limits)
+        texts: list[Generated | None] = [None] * len(limits)
         for j, text in zip(rows, generated):
             texts[j] = text
         return texts
@@ -229,9 +232,10 @@ class ModelRunner:
     def _generate(self, logits: torch.Tensor, past: list[KV] | None,
                   past_lengths: torch.Tensor | None, new_kv: list[KV],
                   lengths: torch.Tensor, limits: list[int],
-                  deltas: list[int]) -> list[str | None]:
+                  deltas: list[int]) -> list[Generated]:
         """Greedy decode after a prefill, batched; row j stops at an end token or after
-        ``limits[j]`` tokens (all >= 1).
+        ``limits[j]`` tokens (all >= 1): its text and how many tokens it generated (the end
+        token not counted).
 
         Keys are [past (padded to P) | new (padded to T) | generated]; ``valid`` masks the
         padding holes. Positions continue each row's own length, plus its prompt's rope
@@ -272,7 +276,7 @@ class ModelRunner:
             pos += 1
             tok = step_logits.argmax(-1)
         dec = self.model.tokenizer.decode
-        return [dec(ids, skip_special_tokens=True) for ids in out]
+        return [(dec(ids, skip_special_tokens=True), len(ids)) for ids in out]
 
     def _gather_past(self, batch: list[Plan]) -> tuple[list[KV] | None, torch.Tensor | None]:
         """Cached prefixes -> per layer (k, v) ``[B, K, P, d]``, P the longest prefix; one

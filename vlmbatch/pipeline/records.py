@@ -67,6 +67,7 @@ class Score:
     image_tokens: int
     text: str | None = None  # greedy answer text when max_new_tokens > 0
     prompt_tokens: int | None = None  # the prompt's tokens (image ones included); None: unknown
+    completion_tokens: int | None = None  # tokens of ``text`` generated; None: no text/unknown
 
 
 class ErrorKind(StrEnum):
@@ -104,6 +105,10 @@ class Answer:
     text: str | None = None  # greedy text, where the question (or run) asked for one
     error: str | None = None
     error_kind: ErrorKind | None = None
+    # what OpenAI's ``usage`` reports (not in ``line()``; kept by a job store): the prompt's
+    # tokens, image ones included, and the answer's (1 for a yes/no); None: unknown
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
 
     # the result line's fields, in order, with their types (CSV/Parquet columns); ``text``
     # appears in a JSONL line only when set
@@ -114,8 +119,10 @@ class Answer:
 
     @classmethod
     def scored(cls, image_id: str, q: Question, s: Score) -> Answer:
+        out = 1 if s.text is None else s.completion_tokens
         return cls(image_id, q.id, q.text, "yes" if s.p_yes >= q.threshold else "no",
-                   round(s.p_yes, 6), round(s.margin, 4), s.image_tokens, s.text)
+                   round(s.p_yes, 6), round(s.margin, 4), s.image_tokens, s.text,
+                   prompt_tokens=s.prompt_tokens, completion_tokens=out)
 
     @classmethod
     def failed(cls, image_id: str, q: Question, err: ItemError) -> Answer:
@@ -133,10 +140,14 @@ class Answer:
         return d
 
     def record(self) -> dict[str, Any]:
-        """``line()`` plus ``error_kind`` when failed: what a job store keeps."""
+        """``line()`` plus ``error_kind`` when failed and the token counts when known: what
+        a job store keeps."""
         d = self.line()
         if self.error_kind is not None:
             d["error_kind"] = self.error_kind.value
+        for name in ("prompt_tokens", "completion_tokens"):
+            if getattr(self, name) is not None:
+                d[name] = getattr(self, name)
         return d
 
     @classmethod
@@ -146,7 +157,8 @@ class Answer:
         kind = d.get("error_kind")
         error_kind = ErrorKind(kind) if kind else (ErrorKind.UNKNOWN if d.get("error") else None)
         return cls(d["id"], d["question_id"], d["question"], d["answer"], d["p_yes"],
-                   d["margin"], d["image_tokens"], d.get("text"), d.get("error"), error_kind)
+                   d["margin"], d["image_tokens"], d.get("text"), d.get("error"), error_kind,
+                   d.get("prompt_tokens"), d.get("completion_tokens"))
 
 
 @dataclass(frozen=True)

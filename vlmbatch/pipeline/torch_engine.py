@@ -37,7 +37,7 @@ from vlmbatch.pipeline.config import ConfigError, EmbedConfig, EngineConfig, Mod
 from vlmbatch.pipeline.embed import EmbedHead, Resolved, cut
 from vlmbatch.pipeline.engine import Engine, EngineStats, EngineSummary
 from vlmbatch.pipeline.loading import image_plan_for, load_model, torch_dtype, vision_model
-from vlmbatch.pipeline.model_runner import ImageEmbeds, ModelRunner
+from vlmbatch.pipeline.model_runner import Generated, ImageEmbeds, ModelRunner
 from vlmbatch.pipeline.planner import Plan, Planner
 from vlmbatch.pipeline.prefix_cache import BlockId, PrefixCache
 from vlmbatch.pipeline.records import EmbedRequest, Request, Score, Vector
@@ -50,7 +50,7 @@ Out = TypeVar("Out")
 # a batch's forward: (its plans, each row's image embeddings or None) -> what it gives
 Forward = Callable[[list[Plan], list[ImageEmbeds | None]], Out]
 # per queued batch: its plans, [B, 2] (p_yes, margin) on the device, its texts
-_Queued = list[tuple[list[Plan], tuple[torch.Tensor, list[str | None]]]]
+_Queued = list[tuple[list[Plan], tuple[torch.Tensor, list[Generated | None]]]]
 
 
 class TorchEngine(Engine):
@@ -191,8 +191,10 @@ class TorchEngine(Engine):
         for batch, (_, texts) in done:
             for j, p in enumerate(batch):
                 p_yes, margin = host[row]
-                results[p.req] = Score(p_yes, margin, p.prompt.image_len, texts[j],
-                                      len(p.prompt.ids))
+                text = texts[j]
+                results[p.req] = Score(p_yes, margin, p.prompt.image_len,
+                                       None if text is None else text[0], len(p.prompt.ids),
+                                       None if text is None else text[1])
                 row += 1
         return results  # type: ignore[return-value]
 

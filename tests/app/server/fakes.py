@@ -16,6 +16,7 @@ import xxhash
 from vlmbatch.app.server.app import create_app
 from vlmbatch.app.server.config import ServerConfig
 from vlmbatch.app.server.embeddings import Embeddings, EmbedInput, EmbedOptions, EmbedRefused
+from vlmbatch.app.server.engines import LocalEngines
 from vlmbatch.app.server.serve import ServerState
 from vlmbatch.pipeline.engine import Engine
 from vlmbatch.pipeline.records import Request, Score
@@ -78,7 +79,7 @@ def fake_server(cfg: ServerConfig, embedder: FakeEmbedder | None = None
                 ) -> Iterator[tuple[str, FakeEngine]]:
     """(base URL, engine) of a server on a FakeEngine, running until the block ends."""
     engine = FakeEngine()
-    app = create_app(ServerState.build(cfg, engine, embedder=embedder))
+    app = create_app(ServerState.build(cfg, LocalEngines(engine, cfg), embedder=embedder))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=cfg.port,
                                            log_level="warning"))
     t = threading.Thread(target=server.run, daemon=True)

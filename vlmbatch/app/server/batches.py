@@ -366,7 +366,7 @@ def batch_routes(state: ServerState) -> APIRouter:
             return r.at("cancelling")
 
         rec = book.update(batch_id, cancel)
-        if not state.scheduler.cancel_batch(batch_id) and rec.times.get("in_progress_at"):
+        if not state.cancel_batch(batch_id) and rec.times.get("in_progress_at"):
             state.worker.finalize(batch_id)  # a job the engine thread does not hold
         return shown(rec)
 
