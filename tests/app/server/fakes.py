@@ -18,23 +18,32 @@ from vlmbatch.app.server.config import ServerConfig
 from vlmbatch.app.server.embeddings import Embeddings, EmbedInput, EmbedOptions, EmbedRefused
 from vlmbatch.app.server.engines import LocalEngines
 from vlmbatch.app.server.serve import ServerState
-from vlmbatch.pipeline.engine import Engine
+from vlmbatch.pipeline.engine import Engine, EngineStats
 from vlmbatch.pipeline.records import Request, Score
 from vlmbatch.preprocessing.prepare import PreparedImage, TilingConfig
 
 
 class FakeEngine(Engine):
     """Scores p_yes = 0.25 for every request; records each call's (images, questions);
-    ``hold`` blocks the call whose questions include ``hold_on`` until it is set."""
+    ``hold`` blocks the call whose questions include ``hold_on`` until it is set. Counts
+    7 prompt tokens a request, 2 of them prefilled when its (image, question) was asked
+    before (a prefix cache's 5 cached tokens), else all 7."""
 
     def __init__(self) -> None:
         self.image_plan = TilingConfig(tile_size=16, max_tiles=1, use_thumbnail=False)
+        self.stats = EngineStats()
+        self.seen: set[tuple[str, str]] = set()
         self.calls: list[tuple[list[str], list[str]]] = []
         self.hold, self.hold_on, self.entered = threading.Event(), "", threading.Event()
 
     def score(self, images: list[PreparedImage], requests: list[Request]) -> list[Score]:
         qs = [r.question for r in requests]
         self.calls.append(([im.cache_key for im in images], qs))
+        for r in requests:
+            key = (images[r.image].cache_key, r.question)
+            self.stats.prompt_tokens += 7
+            self.stats.prefill_tokens += 2 if key in self.seen else 7
+            self.seen.add(key)
         if self.hold_on in qs:
             self.entered.set()
             self.hold.wait(10)
