@@ -31,10 +31,11 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vlmbatch.app.server import errors
-from vlmbatch.app.server.batches import batch_routes, file_routes
+from vlmbatch.app.server.batches import batch_routes
 from vlmbatch.app.server.chat import ChatEndpoint, require_model
 from vlmbatch.app.server.embeddings import embedding_routes
 from vlmbatch.app.server.errors import error_body
+from vlmbatch.app.server.files import file_routes
 from vlmbatch.app.server.metrics import RequestMetrics
 
 if TYPE_CHECKING:

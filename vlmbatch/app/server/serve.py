@@ -32,11 +32,12 @@ import uvicorn
 
 from vlmbatch.app.server.app import create_app
 from vlmbatch.app.server.batch_worker import BatchWorker
-from vlmbatch.app.server.batches import BatchBook, FileStore
+from vlmbatch.app.server.batches import ACTIVE, BatchBook
 from vlmbatch.app.server.config import ServerConfig
 from vlmbatch.app.server.embeddings import Embedder, EngineEmbedder
 from vlmbatch.app.server.engine_process import build_engines
 from vlmbatch.app.server.engines import BookEvents, EngineProcesses, Engines, LocalEngines
+from vlmbatch.app.server.files import FileStore
 from vlmbatch.app.server.media import ImageCache
 from vlmbatch.app.server.metrics import Metrics
 from vlmbatch.app.server.ray_batches import RayBatches
@@ -69,6 +70,8 @@ class ServerState:
               embedder: Embedder | None = None) -> ServerState:
         files = FileStore(cfg.files_dir)
         book = BatchBook(cfg.batches_dir)
+        files.in_use = lambda file_id: any(  # a batch in progress reads it: kept
+            r.input_file_id == file_id and r.status in ACTIVE for r in book.all())
         worker = BatchWorker(cfg, book, files)
         engines.bind(book, BookEvents(book, worker.finalize))
         decoders = preparer(engines.image_plan, cfg.prepare_options, hooks)
