@@ -229,8 +229,9 @@ class EngineProcess:
         self.link.send((self.cfg, self.hooks, self.index))
         self._t0 = t0
 
-    def wait_ready(self) -> dict:
-        """The engine's info once it has loaded its model; raises what its start raised."""
+    def wait_ready(self, reader: bool = True) -> dict:
+        """The engine's info once it has loaded its model; raises what its start raised.
+        ``reader``: start a thread reading its messages (else the caller runs ``read``)."""
         if not self.link.rd.poll(START_TIMEOUT_S):
             self.kill()
             raise RuntimeError(f"engine process {self.index} did not start in "
@@ -246,8 +247,9 @@ class EngineProcess:
         self.info = msg[1]
         self.started_s = time.monotonic() - self._t0
         self.up = True
-        threading.Thread(target=self._read, name=f"vlmbatch-engine-{self.index}-reader",
-                         daemon=True).start()
+        if reader:
+            threading.Thread(target=self.read, name=f"vlmbatch-engine-{self.index}-reader",
+                             daemon=True).start()
         return self.info
 
     def _exit_reason(self) -> str:
@@ -279,7 +281,8 @@ class EngineProcess:
                 self.arena.free(r)
             _settle(future, value if ok else None, None if ok else raise_wire(value))
 
-    def _read(self) -> None:
+    def read(self) -> None:
+        """Settle requests and pass batch events on until the process ends."""
         while True:
             try:
                 msg = self.link.recv()
@@ -484,12 +487,15 @@ class EngineProcesses(Engines):
             self.events.released(batch_id)  # finalized
 
     def _restart(self, index: int) -> None:
+        """Start engine ``index`` again (retrying, with backoff), then read its messages on
+        this same thread: its ``PR_SET_PDEATHSIG`` (set so that it dies with the server)
+        fires when the thread that started it ends, so that thread lives as long as it."""
         delay = 1.0
         while not self.stopping:
             p = EngineProcess(index, self.cfg, self.hooks, self.arriving_count, self)
             try:
                 p.launch()
-                p.wait_ready()
+                p.wait_ready(reader=False)
             except BaseException as e:  # noqa: BLE001  (try again, a little later each time)
                 log.error("engine process %d could not be started again: %s", index, e)
                 time.sleep(delay)
@@ -501,10 +507,11 @@ class EngineProcesses(Engines):
             if self.stopping:
                 p.stopping = True
                 p.link.send(("stop", 0.0))
-                return
-            log.info("engine process %d started again in %.1f s", index, p.started_s)
-            for b in waiting:
-                self.enqueue_batch(b)
+            else:
+                log.info("engine process %d started again in %.1f s", index, p.started_s)
+                for b in waiting:
+                    self.enqueue_batch(b)
+            p.read()  # here: the kernel kills a child when the thread that made it ends
             return
 
     def stop(self, timeout: float) -> None:
