@@ -107,7 +107,7 @@ class TorchEngine(Engine):
         prefixes: dict[str, list[BlockId]] = {}
 
         def forward(batch: list[Plan], ims: list[ImageEmbeds | None]
-                    ) -> tuple[torch.Tensor, list[str | None]]:
+                    ) -> tuple[torch.Tensor, list[Generated | None]]:
             return self.runner.prefill(batch, ims, [self._limit(requests[p.req]) for p in batch])
 
         done: _Queued = []

@@ -110,7 +110,8 @@ class Arena:
                 np.ascontiguousarray(a).reshape(-1).view(np.uint8)
             layout.append((name, off, a.shape, a.dtype.str))
             off += _aligned(a.nbytes)
-        meta = dataclasses.replace(image, **{n: np.empty(0, a.dtype) for n, a in arrays})
+        empty: dict[str, Any] = {n: np.empty(0, a.dtype) for n, a in arrays}
+        meta = dataclasses.replace(image, **empty)
         return ("arena", meta, layout, (base, need))
 
     def view(self, packed: Packed) -> PreparedImage:

@@ -26,6 +26,7 @@ Ctrl-C reaches the whole process group).
 
 from __future__ import annotations
 
+import functools
 import logging
 import pickle
 import signal
@@ -169,7 +170,7 @@ class EngineServer:
             except APIError as e:  # the queue is full, or the engine is stopping
                 self.link.send(("done", [(rid, False, failure(e))], self.stats()))
                 return
-            f.add_done_callback(lambda f, rid=rid: self.outbox.settled(rid, f))
+            f.add_done_callback(functools.partial(self.outbox.settled, rid))
         else:
             log.error("engine process: unknown message %r", kind)
 

@@ -198,7 +198,8 @@ class EngineProcess:
                  pool: EngineProcesses) -> None:
         self.index, self.cfg, self.hooks, self.arriving, self.pool = (
             index, cfg, hooks, arriving, pool)
-        self.outstanding: dict[int, tuple[Future, tuple[int, int] | None]] = {}
+        # request id -> its future and the arena regions of its images
+        self.outstanding: dict[int, tuple[Future, list[tuple[int, int] | None]]] = {}
         self.lock = threading.Lock()
         self.up = False
         self.stopping = False
@@ -264,7 +265,7 @@ class EngineProcess:
             if not self.up:
                 raise self.pool.unavailable()
             regions = [region(p) for p in packed]
-            self.outstanding[rid] = (future, regions)  # type: ignore[assignment]
+            self.outstanding[rid] = (future, regions)
         try:
             self.link.send(msg)
         except OSError:  # it died just now: the reader answers the future
@@ -277,7 +278,7 @@ class EngineProcess:
             if entry is None:
                 continue
             future, regions = entry
-            for r in regions:  # type: ignore[union-attr]
+            for r in regions:
                 self.arena.free(r)
             _settle(future, value if ok else None, None if ok else raise_wire(value))
 
