@@ -4,8 +4,8 @@ gives them, ``usage`` filled for chat responses and batch output lines; then bot
 processes SIGKILLed with requests in flight and a batch running: each request in flight
 is a 200 or a 503 with ``Retry-After``, new ones are answered once the engines are back
 (the client retries), the batch completes with every request answered exactly once, and
-``/metrics`` counts the restarts. Engine calls are slowed by 0.3 s so that requests are
-in flight when the engines are killed."""
+``/metrics`` counts the restarts. Between them, a trimmed soak. Engine calls are slowed by
+0.3 s so that requests are in flight when the engines are killed."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import vlmbatch
-from tests.app.server.serving import IMAGES, Server, batch_lines, chat_body, data_url
+from bench.soak import batch_once, run_soak, start_batch
+from tests.app.server.serving import IMAGES, KEY, Server, batch_lines, chat_body, data_url
 
 QS = ("Is there a red shape?", "Is there a circle?")
 
@@ -106,6 +107,17 @@ def test_two_engines_answer_as_vlm_with_usage(server: Server, client: openai.Ope
     usage = json.loads(line)["response"]["body"]["usage"]
     assert usage == {"prompt_tokens": got[1].usage.prompt_tokens, "completion_tokens": 1,
                      "total_tokens": got[1].usage.prompt_tokens + 1}
+
+
+def test_a_trimmed_soak_with_a_batch(server: Server) -> None:
+    """``bench/soak.py``'s checks on 300 requests from 16 clients while a batch runs (the
+    20,000-request soak: ``test_soak.py``, slow): no error but retried 429s, the batch
+    completed exactly once."""
+    with server.client() as c:
+        batch_id, ids = start_batch(c, 12)
+        s = run_soak(server, 300, 16, KEY)
+        assert s.errors == [] and len(s.latency) == 300
+        assert batch_once(c, batch_id, ids, 240) is None
 
 
 def test_engines_killed_requests_503_then_retried_batch_once(server: Server,
