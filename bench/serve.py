@@ -17,6 +17,10 @@ after its table when a row is not, naming it on stderr). Also CPU milliseconds p
 question: the server process's (all its threads) and the client loop's, against the offline
 run's; on a shared machine wall clock swings with other work, CPU time much less.
 
+Each served row runs once per ``--engines`` layout (default ``1 0``: one engine process,
+then the engine thread in the HTTP process, the layout before the split), named
+``N cl. eE``; the server's CPU then counts its engine processes too.
+
 ``--rounds N`` repeats the rows interleaved (offline, 1, 8, 32 clients, then again) and keeps
 each row's best. On one machine the clients share the CPU with the server: on our 2 cores
 this costs the server part of its throughput (the client loop's own CPU is reported).
@@ -63,6 +67,25 @@ def proc_cpu(pid: int) -> float:
     """CPU seconds (user + system, all threads) a process has used so far (Linux)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_cpu(pid: int) -> float:
+    """CPU seconds of the server: its process and its engine processes (children running
+    ``engine_process``, whichever thread started them); decoder processes are not counted,
+    as the offline row's are not."""
+    total = proc_cpu(pid)
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            children = (task / "children").read_text().split()
+        except FileNotFoundError:
+            continue
+        for c in children:
+            try:
+                if b"engine_process" in Path(f"/proc/{c}/cmdline").read_bytes():
+                    total += proc_cpu(int(c))
+            except FileNotFoundError:
+                continue
+    return total
 
 
 def offline(items: list, warm: list, threads: int) -> tuple:
@@ -118,16 +141,18 @@ async def _clients(port: int, requests: list[bytes], n: int) -> tuple[float, lis
     return time.perf_counter() - start, latency, answers
 
 
-def served(bodies: list[bytes], warm: list[bytes], n: int, threads: int) -> tuple:
-    """Seconds, latencies, P(yes), the server's CPU seconds and the client loop's, of one
-    served round."""
+def served(bodies: list[bytes], warm: list[bytes], n: int, threads: int,
+           engines: int) -> tuple:
+    """Seconds, latencies, P(yes), the server's CPU seconds (engine processes included)
+    and the client loop's, of one served round on ``--engines engines``."""
     with tempfile.TemporaryDirectory(prefix="vlmbatch-bench-serve-") as tmp:
-        s = Server(Path(tmp) / "data", "--threads", str(threads), key=None).wait_ready()
+        s = Server(Path(tmp) / "data", "--threads", str(threads), "--engines", str(engines),
+                   key=None).wait_ready(300)
         try:
             asyncio.run(_clients(s.port, warm, min(n, len(warm))))
-            cpu0, server0 = time.process_time(), proc_cpu(s.proc.pid)
+            cpu0, server0 = time.process_time(), server_cpu(s.proc.pid)
             secs, lat, p = asyncio.run(_clients(s.port, bodies, n))
-            return (secs, lat, p, proc_cpu(s.proc.pid) - server0,
+            return (secs, lat, p, server_cpu(s.proc.pid) - server0,
                     time.process_time() - cpu0)
         finally:
             s.stop()
@@ -142,6 +167,9 @@ def main() -> None:
     ap.add_argument("--server-threads", type=int, default=None,
                     help="the server's torch threads (default: --threads); its event loop "
                     "and request threads need CPU too")
+    ap.add_argument("--engines", type=int, nargs="+", default=[1, 0],
+                    help="the served layouts, side by side: engine processes (the server's "
+                    "--engines; 0: the engine thread in the HTTP process)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--check-tol", type=float, default=1e-6,
                     help="bound on |served - offline P(yes)| per question; exit 1 past it")
@@ -157,9 +185,11 @@ def main() -> None:
         if "offline" not in best or row[0] < best["offline"][0]:
             best["offline"] = row
         for c in args.clients:
-            row = served(bodies, warm, c, args.server_threads or args.threads)
-            if f"{c} clients" not in best or row[0] < best[f"{c} clients"][0]:
-                best[f"{c} clients"] = row
+            for e in args.engines:
+                row = served(bodies, warm, c, args.server_threads or args.threads, e)
+                name = f"{c} cl. e{e}"
+                if name not in best or row[0] < best[name][0]:
+                    best[name] = row
     report(best, n, len(items), args).exit()
 
 

@@ -83,3 +83,12 @@ def answers(path: Path) -> dict[tuple[str, str], tuple]:
         d = json.loads(line)
         out[d["id"], d["question"]] = (d["answer"], d["p_yes"], d["error"])
     return out
+
+
+def same(got: dict, want: dict) -> bool:
+    """The same answers and errors per (id, question), P(yes) within 5e-6: a run over a
+    subset batches its images differently, and a line's P(yes) is rounded to 6 decimals, so
+    a last-digit step is batching noise, not a different answer."""
+    return got.keys() == want.keys() and all(
+        g[0] == w[0] and g[2] == w[2] and (g[1] == w[1] or abs(g[1] - w[1]) <= 5e-6)
+        for g, w in ((got[k], want[k]) for k in want))

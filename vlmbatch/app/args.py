@@ -20,7 +20,7 @@ from pathlib import Path
 from vlmbatch.app.config import SPLITS
 from vlmbatch.app.embed_args import add_embed_parser, embed_option_args
 from vlmbatch.app.label_args import add_calibrate_parser, add_report_parser
-from vlmbatch.app.server.config import add_server_args
+from vlmbatch.app.server.config import add_executor_args, add_server_args
 from vlmbatch.jobs.config import EXECUTORS, TASKS, RayOptions, RunConfig
 from vlmbatch.jobs.export import PARQUET_ROWS_PER_FILE
 from vlmbatch.pipeline.build import ENGINES
@@ -446,3 +446,4 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                        "job's group, the most an interactive request waits behind.")
     _model_args(s)
     add_server_args(s)
+    add_executor_args(s)

@@ -102,7 +102,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 def _main(args: argparse.Namespace, hooks: FaultHooks) -> int:
     try:
-        if hasattr(args, "executor"):
+        if hasattr(args, "executor") and args.command != "serve":  # serve: server_config
             executor_config(args)  # Ray-only options without --executor ray are an error
         command = COMMANDS.get(args.command)  # imports its module (model_commands: torch)
         _quiet_opencv()

@@ -213,10 +213,10 @@ class JobRun:
         """Stop before the next group (as ``vlmbatch cancel`` does: the store's flag)."""
         self.store.set("cancel", "1")
 
-    def step(self) -> bool:
-        """Run and record the next group; False when none is left (or the job is
-        cancelled): the run has ended, and ``close`` only lets go."""
-        return next(self._steps, None) is not None
+    def step(self) -> Done | None:
+        """Run and record the next group: its items and results; None when none is left (or
+        the job is cancelled): the run has ended, and ``close`` only lets go."""
+        return next(self._steps, None)
 
     def close(self) -> None:
         """Let go of the job: a run still going ends ``interrupted`` (resumable)."""

@@ -110,6 +110,13 @@ def _answer_tokens(rec: dict, where: str) -> int | None:
     return n if n > 1 else None
 
 
+def usage(prompt: int | None, completion: int | None) -> dict:
+    """OpenAI's ``usage``; ``total_tokens`` only when both counts are known (answers
+    recorded by versions that kept no counts have none: null)."""
+    total = prompt + completion if prompt is not None and completion is not None else None
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": total}
+
+
 def to_output(a: Answer) -> dict:
     """One answer -> one OpenAI batch output line."""
     rid = f"vlmbatch-{a.image_id}"
@@ -121,7 +128,7 @@ def to_output(a: Answer) -> dict:
     body = {"id": rid, "object": "chat.completion", "model": "vlmbatch",
             "choices": [{"index": 0, "finish_reason": "stop",
                          "message": {"role": "assistant", "content": content}}],
-            "usage": {"prompt_tokens": None, "completion_tokens": None, "total_tokens": None},
+            "usage": usage(a.prompt_tokens, a.completion_tokens),
             "vlmbatch": vlmbatch_fields(a)}
     return {"id": rid, "custom_id": a.image_id,
             "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}

@@ -93,28 +93,35 @@ class ModelWorker:
 def ray_stages(cfg: RunConfig, task: Task, hooks: FaultHooks | None = None
                ) -> Iterator[RayStages]:
     """Ray started or joined (``cfg.executor.ray``), the model actors made; both undone on
-    exit (Ray shut down only if started here). Each model actor runs ``model_cpus`` torch
-    threads (what Ray reserves for it), whatever ``--threads`` the job was submitted with."""
+    exit (Ray shut down only if started here)."""
     ray = require_ray()
     hooks = hooks or FaultHooks()
-    opts = cfg.executor.ray
     read_spec(cfg.model.path)  # a bad model fails here, not in an actor
     started = not ray.is_initialized()
     if started:
-        init_ray(ray, opts)
+        init_ray(ray, cfg.executor.ray)
     try:
-        threads = max(1, int(opts.model_cpus))  # Ray's reservation, not the job's --threads
-        # one GPU per model actor when the model runs on CUDA (never run here: no GPU yet)
-        gpus = 1 if cfg.model.device.startswith("cuda") else 0
-        hooks.loading()
-        actor = ray.remote(num_cpus=opts.model_cpus, num_gpus=gpus, max_restarts=3,
-                           max_task_retries=3)(ModelWorker)
-        workers = [actor.remote(cfg, task, threads, hooks) for _ in range(opts.model_workers)]
-        plan = ray.get(workers[0].image_plan.remote())
+        workers, plan = model_workers(ray, cfg, task, hooks)
         yield RayStages(ray, cfg, task, workers, plan, hooks)
     finally:
         if started:
             ray.shutdown()
+
+
+def model_workers(ray: Any, cfg: RunConfig, task: Task, hooks: FaultHooks
+                  ) -> tuple[list, ImagePlan]:
+    """``model_workers`` model actors for ``task`` on Ray (already started), and the image
+    plan of their engine. Each runs ``model_cpus`` torch threads (what Ray reserves for
+    it), whatever ``--threads`` the job was submitted with."""
+    opts = cfg.executor.ray
+    threads = max(1, int(opts.model_cpus))  # Ray's reservation, not the job's --threads
+    # one GPU per model actor when the model runs on CUDA (never run here: no GPU yet)
+    gpus = 1 if cfg.model.device.startswith("cuda") else 0
+    hooks.loading()
+    actor = ray.remote(num_cpus=opts.model_cpus, num_gpus=gpus, max_restarts=3,
+                       max_task_retries=3)(ModelWorker)
+    workers = [actor.remote(cfg, task, threads, hooks) for _ in range(opts.model_workers)]
+    return workers, ray.get(workers[0].image_plan.remote())
 
 
 class RayStages:

@@ -8,7 +8,7 @@ builds it (``models/``), then the runtime conversions of ``quant/`` are applied 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -60,11 +60,19 @@ def check_label_sets(path: Path | None, cfg: EngineConfig,
                      label_sets: Iterable[tuple[str, ...]]) -> None:
     """Before any work: ConfigError (``ChoiceError``) for a label set the engine of ``cfg``
     would not score on this checkpoint (two choices it cannot tell apart under
-    ``cfg.choice_scoring``, or an engine without label sets). Reads the tokenizer, not the
-    weights, and only when there is a label set."""
+    ``cfg.choice_scoring``, a hybrid decoder, or an engine without label sets). Reads the
+    tokenizer, not the weights, and only when there is a label set."""
     sets = sorted(set(label_sets))
-    if not sets:
-        return
+    if sets:
+        check = label_set_checker(path, cfg)
+        for choices in sets:
+            check(choices)
+
+
+def label_set_checker(path: Path | None, cfg: EngineConfig
+                      ) -> Callable[[tuple[str, ...]], None]:
+    """``check_label_sets`` for one label set at a time, the tokenizer read once (a server's
+    HTTP process checks each request's choices with it, its engines elsewhere)."""
     if cfg.engine != "torch":
         raise ConfigError(f"label sets (choices) are scored by the torch engine (--engine "
                           f"torch), not {cfg.engine}")
@@ -74,10 +82,10 @@ def check_label_sets(path: Path | None, cfg: EngineConfig,
                           "linear-attention layers keep one state per row, which a label "
                           "set's choices side by side after one prompt cannot share; ask "
                           "yes/no questions of this model")
-    path = Path(path) if path is not None else DEFAULT_MODEL
-    prompts = family.prompt_builder(family.load_tokenizer(path), spec)
-    for choices in sets:
-        choice_ids(prompts.answer_ids, choices, cfg.choice_scoring == "first-token")
+    prompts = family.prompt_builder(
+        family.load_tokenizer(Path(path) if path is not None else DEFAULT_MODEL), spec)
+    first = cfg.choice_scoring == "first-token"
+    return lambda choices: choice_ids(prompts.answer_ids, choices, first) and None
 
 
 def load_model(path: Path | None = None, device: str = "cpu",

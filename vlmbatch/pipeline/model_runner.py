@@ -47,6 +47,8 @@ from vlmbatch.pipeline.state_snapshots import (
 from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.vit_trt import VitRunner
 
+Generated = tuple[str, int]  # a row's greedy text and its token count
+
 # a packed model's images go through the vision module in calls of at most
 # max_batch_tiles * PATCHES_PER_TILE rows: one 448 px InternVL tile is 32 x 32 patches of 14 px
 PATCHES_PER_TILE = 1024
@@ -146,11 +148,11 @@ class ModelRunner:
 
     def prefill(self, batch: list[Plan], images: list[ImageEmbeds | None], limits: list[int],
                 choices: list[ChoiceIds] | None = None, first_token: bool = False
-                ) -> tuple[torch.Tensor, list[str | None], torch.Tensor | None]:
-        """One forward over ``batch``: ([B, 2] (p_yes, margin) on the device, texts, the
-        choices' log-likelihoods ``[M]`` on the device (``choices``: each row's label set,
-        () for none; every choice of every row in order; None without any), only their first
-        tokens' with ``first_token``)."""
+                ) -> tuple[torch.Tensor, list[Generated | None], torch.Tensor | None]:
+        """One forward over ``batch``: ([B, 2] (p_yes, margin) on the device, each row's
+        generated (text, tokens) or None, the choices' log-likelihoods ``[M]`` on the device
+        (``choices``: each row's label set, () for none; every choice of every row in order;
+        None without any), only their first tokens' with ``first_token``)."""
         x, lengths, positions, deep = self._inputs(batch, images)
         past, past_lengths = self._gather_past(batch)
         logits, new_kv = self.prefill_fn(x, lengths, past, past_lengths,
@@ -230,24 +232,25 @@ class ModelRunner:
         return pos.to(self.device, non_blocking=True)
 
     def _texts(self, limits: list[int], logits: torch.Tensor, after: AfterPrefill
-               ) -> list[str | None]:
-        """Greedy text for the rows whose limit is > 0 (None for the others): ``_generate``
-        on those rows of the prefill's logits and KV only."""
+               ) -> list[Generated | None]:
+        """Greedy (text, tokens) for the rows whose limit is > 0 (None for the others):
+        ``_generate`` on those rows of the prefill's logits and KV only."""
         rows = [j for j, n in enumerate(limits) if n > 0]
         if not rows:
             return [None] * len(limits)
         if len(rows) < len(limits):  # a subset: its rows of everything (a copy)
             logits, after = logits[self.to_device(rows)], after.rows(self.to_device, rows)
         generated = self._generate(logits, after, [limits[j] for j in rows])
-        texts: list[str | None] = [None] * len(limits)
+        texts: list[Generated | None] = [None] * len(limits)
         for j, text in zip(rows, generated):
             texts[j] = text
         return texts
 
     def _generate(self, logits: torch.Tensor, after: AfterPrefill,
-                  limits: list[int]) -> list[str | None]:
+                  limits: list[int]) -> list[Generated]:
         """Greedy decode after a prefill, batched; row j stops at an end token or after
-        ``limits[j]`` tokens (all >= 1).
+        ``limits[j]`` tokens (all >= 1): its text and how many tokens it generated (the end
+        token not counted).
 
         Keys are [past (padded to P) | new (padded to T) | generated]; ``valid`` masks the
         padding holes. Positions continue each row's own length, plus its prompt's rope
@@ -276,7 +279,7 @@ class ModelRunner:
             pos += 1
             tok = step_logits.argmax(-1)
         dec = self.model.tokenizer.decode
-        return [dec(ids, skip_special_tokens=True) for ids in out]
+        return [(dec(ids, skip_special_tokens=True), len(ids)) for ids in out]
 
     def _gather_past(self, batch: list[Plan]) -> tuple[list[KV] | None, torch.Tensor | None]:
         """Cached prefixes -> per layer (k, v) ``[B, K, P, d]``, P the longest prefix; one

@@ -108,6 +108,7 @@ class Score:
     # log P(choice | prompt) summed over the choice's tokens, or its first token's alone
     # (--choice-scoring first-token)
     logprobs: tuple[float, ...] | None = None
+    completion_tokens: int | None = None  # tokens of ``text`` generated; None: no text/unknown
 
 
 class ErrorKind(StrEnum):
@@ -154,6 +155,10 @@ class Answer:
     label: str | None = None
     probs: dict[str, float] | None = None
     logprobs: dict[str, float] | None = None
+    # what OpenAI's ``usage`` reports (not in ``line()``; kept by a job store): the prompt's
+    # tokens, image ones included, and the answer's (1 for a yes/no); None: unknown
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
 
     # the result line's fields, in order, with their types (CSV/Parquet columns); ``label``,
     # ``probs`` and ``logprobs`` appear in a JSONL line only for a label-set question (a CSV
@@ -165,9 +170,11 @@ class Answer:
 
     @classmethod
     def scored(cls, image_id: str, q: Question, s: Score) -> Answer:
+        out = 1 if s.text is None else s.completion_tokens  # a yes/no or a label: one answer
         if not q.choices:
             return cls(image_id, q.id, q.text, "yes" if s.p_yes >= q.threshold else "no",
-                       round(s.p_yes, 6), round(s.margin, 4), s.image_tokens, s.text)
+                       round(s.p_yes, 6), round(s.margin, 4), s.image_tokens, s.text,
+                       prompt_tokens=s.prompt_tokens, completion_tokens=out)
         assert s.logprobs is not None and len(s.logprobs) == len(q.choices)
         lp = np.asarray(s.logprobs, dtype=np.float64)
         p = np.exp(lp - lp.max())
@@ -176,7 +183,8 @@ class Answer:
         return cls(image_id, q.id, q.text, label, None, None, s.image_tokens, s.text,
                    choices=q.choices, label=label,
                    probs={c: round(float(v), 6) for c, v in zip(q.choices, p)},
-                   logprobs={c: round(float(v), 6) for c, v in zip(q.choices, lp)})
+                   logprobs={c: round(float(v), 6) for c, v in zip(q.choices, lp)},
+                   prompt_tokens=s.prompt_tokens, completion_tokens=out)
 
     @classmethod
     def failed(cls, image_id: str, q: Question, err: ItemError) -> Answer:
@@ -211,10 +219,13 @@ class Answer:
 
     def record(self) -> dict[str, Any]:
         """What a job store keeps: ``line()``, plus the label set (a failed label-set
-        answer has no ``probs`` to read it from)."""
+        answer has no ``probs`` to read it from) and the token counts when known."""
         d = self.line()
         if self.choices:
             d["choices"] = list(self.choices)
+        for name in ("prompt_tokens", "completion_tokens"):
+            if getattr(self, name) is not None:
+                d[name] = getattr(self, name)
         return d
 
     @classmethod
@@ -226,7 +237,8 @@ class Answer:
         choices = tuple(d.get("choices") or d.get("probs") or ())
         return cls(d["id"], d["question_id"], d["question"], d["answer"], d["p_yes"],
                    d["margin"], d["image_tokens"], d.get("text"), d.get("error"), error_kind,
-                   choices, d.get("label"), d.get("probs"), d.get("logprobs"))
+                   choices, d.get("label"), d.get("probs"), d.get("logprobs"),
+                   d.get("prompt_tokens"), d.get("completion_tokens"))
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from vlmbatch.pipeline.config import ConfigError, EmbedConfig, EngineConfig, Mod
 from vlmbatch.pipeline.embed import EmbedHead, Resolved, cut
 from vlmbatch.pipeline.engine import Engine, EngineStats, EngineSummary
 from vlmbatch.pipeline.loading import image_plan_for, load_model, torch_dtype, vision_model
-from vlmbatch.pipeline.model_runner import ImageEmbeds, ModelRunner
+from vlmbatch.pipeline.model_runner import Generated, ImageEmbeds, ModelRunner
 from vlmbatch.pipeline.planner import Plan, Planner, Prefix
 from vlmbatch.pipeline.prefix_cache import BlockId, PrefixCache
 from vlmbatch.pipeline.records import EmbedRequest, Request, Score, Vector
@@ -54,9 +54,10 @@ from vlmbatch.vit_trt.torch_runner import TorchRunner
 Out = TypeVar("Out")
 # a batch's forward: (its plans, each row's image embeddings or None) -> what it gives
 Forward = Callable[[list[Plan], list[ImageEmbeds | None]], Out]
-# per queued batch: its plans, [B, 2] (p_yes, margin) on the device, its texts, its label
-# sets' log-likelihoods [M] on the device (None: no label set)
-_Queued = list[tuple[list[Plan], tuple[torch.Tensor, list[str | None], torch.Tensor | None]]]
+# per queued batch: its plans, [B, 2] (p_yes, margin) on the device, its generated (text,
+# tokens), its label sets' log-likelihoods [M] on the device (None: no label set)
+_Queued = list[tuple[list[Plan], tuple[torch.Tensor, list[Generated | None],
+                                       torch.Tensor | None]]]
 
 
 class TorchEngine(Engine):
@@ -134,7 +135,7 @@ class TorchEngine(Engine):
         shared = self.planner.shared_lengths(requests, prompts)
 
         def forward(batch: list[Plan], ims: list[ImageEmbeds | None]
-                    ) -> tuple[torch.Tensor, list[str | None], torch.Tensor | None]:
+                    ) -> tuple[torch.Tensor, list[Generated | None], torch.Tensor | None]:
             return self.runner.prefill(batch, ims, [self._limit(requests[p.req]) for p in batch],
                                        [choices[p.req] for p in batch], self._first_token)
 
@@ -245,8 +246,10 @@ class TorchEngine(Engine):
         for batch, (_, texts, lp) in done:
             pairs = [(next(host), next(host)) for _ in batch]
             for j, (p, (p_yes, margin)) in enumerate(zip(batch, pairs)):
-                results[p.req] = Score(p_yes, margin, p.prompt.image_len, texts[j],
-                                      len(p.prompt.ids))
+                text = texts[j]
+                results[p.req] = Score(p_yes, margin, p.prompt.image_len,
+                                       None if text is None else text[0], len(p.prompt.ids),
+                                       completion_tokens=None if text is None else text[1])
             if lp is not None:
                 for p in batch:
                     s = results[p.req]

@@ -94,7 +94,7 @@ def answer(source: str | bytes, base_dir: str, plan: ImagePlan, max_pixels: int,
         return ("raise", e)
 
 
-def _die_with_parent(parent: int) -> None:
+def die_with_parent(parent: int) -> None:
     """SIGKILL this process when the pool's process dies, kill -9 included (Linux)."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
@@ -105,7 +105,7 @@ def _die_with_parent(parent: int) -> None:
 
 def main(argv: list[str]) -> None:
     rfd, wfd, memfd, size, parent = (int(x) for x in argv)
-    _die_with_parent(parent)
+    die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     cv2.setNumThreads(1)  # one image at a time; the pool's workers are the parallelism

@@ -16,24 +16,34 @@ import xxhash
 from vlmbatch.app.server.app import create_app
 from vlmbatch.app.server.config import ServerConfig
 from vlmbatch.app.server.embeddings import Embeddings, EmbedInput, EmbedOptions, EmbedRefused
+from vlmbatch.app.server.engines import LocalEngines
 from vlmbatch.app.server.serve import ServerState
-from vlmbatch.pipeline.engine import Engine
+from vlmbatch.pipeline.engine import Engine, EngineStats
 from vlmbatch.pipeline.records import Request, Score
 from vlmbatch.preprocessing.prepare import PreparedImage, TilingConfig
 
 
 class FakeEngine(Engine):
     """Scores p_yes = 0.25 for every request; records each call's (images, questions);
-    ``hold`` blocks the call whose questions include ``hold_on`` until it is set."""
+    ``hold`` blocks the call whose questions include ``hold_on`` until it is set. Counts
+    7 prompt tokens a request, 2 of them prefilled when its (image, question) was asked
+    before (a prefix cache's 5 cached tokens), else all 7."""
 
     def __init__(self) -> None:
         self.image_plan = TilingConfig(tile_size=16, max_tiles=1, use_thumbnail=False)
+        self.stats = EngineStats()
+        self.seen: set[tuple[str, str]] = set()
         self.calls: list[tuple[list[str], list[str]]] = []
         self.hold, self.hold_on, self.entered = threading.Event(), "", threading.Event()
 
     def score(self, images: list[PreparedImage], requests: list[Request]) -> list[Score]:
         qs = [r.question for r in requests]
         self.calls.append(([im.cache_key for im in images], qs))
+        for r in requests:
+            key = (images[r.image].cache_key, r.question)
+            self.stats.prompt_tokens += 7
+            self.stats.prefill_tokens += 2 if key in self.seen else 7
+            self.seen.add(key)
         if self.hold_on in qs:
             self.entered.set()
             self.hold.wait(10)
@@ -78,7 +88,7 @@ def fake_server(cfg: ServerConfig, embedder: FakeEmbedder | None = None
                 ) -> Iterator[tuple[str, FakeEngine]]:
     """(base URL, engine) of a server on a FakeEngine, running until the block ends."""
     engine = FakeEngine()
-    app = create_app(ServerState.build(cfg, engine, embedder=embedder))
+    app = create_app(ServerState.build(cfg, LocalEngines(engine, cfg), embedder=embedder))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=cfg.port,
                                            log_level="warning"))
     t = threading.Thread(target=server.run, daemon=True)

@@ -17,6 +17,7 @@ from tests.app.server.fakes import FakeEngine, picture
 from vlmbatch.app.server.batch_worker import run_config
 from vlmbatch.app.server.batches import BatchBook
 from vlmbatch.app.server.config import ServerConfig
+from vlmbatch.app.server.engines import BookEvents
 from vlmbatch.app.server.errors import APIError
 from vlmbatch.app.server.scheduler import Scheduler
 from vlmbatch.jobs.job import status, submit
@@ -36,7 +37,7 @@ def started(tmp_path: Path):  # noqa: ANN201
     cfg = ServerConfig(data_dir=tmp_path, batch_wait_s=0.05, images_per_batch=1)
     book = BatchBook(cfg.batches_dir)
     drained: list[str] = []
-    s = Scheduler(engine, cfg, book, drained.append)
+    s = Scheduler(engine, cfg, BookEvents(book, drained.append))
     s.start()
     yield engine, s, book, cfg, drained
     engine.hold.set()
@@ -82,7 +83,7 @@ def test_a_batch_job_yields_to_interactive_requests(started, tmp_path: Path) -> 
     submit(run_config(tmp_path / "m.jsonl", cfg), book.job_of(rec.id))
     book.update(rec.id, lambda r: r.at("in_progress"))
     engine.hold_on = "group 1"
-    s.enqueue_batch(rec.id)
+    s.enqueue_batch(rec.id, book.job_of(rec.id))
     assert engine.entered.wait(10)  # the job's second group is in the engine
     chat = s.submit(*work(engine, 0, "interactive"))
     engine.hold.set()
@@ -107,7 +108,7 @@ def test_stopping_leaves_a_running_job_resumable(started, tmp_path: Path) -> Non
     submit(run_config(tmp_path / "m.jsonl", cfg), job)
     book.update(rec.id, lambda r: r.at("in_progress"))
     engine.hold_on = "g1"
-    s.enqueue_batch(rec.id)
+    s.enqueue_batch(rec.id, book.job_of(rec.id))
     assert engine.entered.wait(10)
     threading.Timer(0.2, engine.hold.set).start()
     s.stop(10)  # finishes the group in flight, then stops
@@ -124,7 +125,7 @@ def test_a_job_of_another_model_is_skipped_not_failed(started, tmp_path: Path) -
     other = dataclasses.replace(cfg, engine=EngineConfig(prefix_cache=False))
     submit(run_config(tmp_path / "m.jsonl", other), book.job_of(rec.id))
     book.update(rec.id, lambda r: r.at("in_progress"))
-    s.enqueue_batch(rec.id)
+    s.enqueue_batch(rec.id, book.job_of(rec.id))
     assert s.cancel_batch(rec.id) is True  # still queued: the engine thread will end it
     deadline = time.monotonic() + 5
     while not drained and time.monotonic() < deadline:
@@ -133,9 +134,9 @@ def test_a_job_of_another_model_is_skipped_not_failed(started, tmp_path: Path) -
     rec2 = book.create("/v1/chat/completions", "file-x", "24h", None)
     submit(run_config(tmp_path / "m.jsonl", other), book.job_of(rec2.id))
     book.update(rec2.id, lambda r: r.at("in_progress"))
-    s.enqueue_batch(rec2.id)
+    s.enqueue_batch(rec2.id, book.job_of(rec2.id))
     deadline = time.monotonic() + 5
-    while rec2.id in s._owned and time.monotonic() < deadline:  # until it is let go
+    while s.owns(rec2.id) and time.monotonic() < deadline:  # until it is let go
         time.sleep(0.02)
     assert drained == [rec.id] and book.get(rec2.id).status == "in_progress"  # not failed
     assert status(book.job_of(rec2.id)).pending == 1 and not engine.calls  # never run

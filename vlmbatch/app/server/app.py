@@ -1,8 +1,9 @@
-"""The FastAPI app of ``vlmbatch serve``: its routers, the two middlewares that run before
-any endpoint, error shapes, and ``/health`` and ``/v1/models``.
+"""The FastAPI app of ``vlmbatch serve``: its routers, the middlewares that run before any
+endpoint, error shapes, and ``/health``, ``/metrics`` and ``/v1/models``.
 
 ``create_app(state)`` is all a test or an embedding program needs (``serve.serve`` adds the
-engine, the data folder's lock and uvicorn). Middlewares, outermost first: the API key
+engines, the data folder's lock and uvicorn). Middlewares, outermost first: the request
+metrics (``metrics.RequestMetrics``: every answer counted, 401s included), the API key
 (nothing is read for a caller without it), the body limit, then the chat endpoint
 (``chat.ChatEndpoint``: POST /v1/chat/completions served in front of the router); the error
 handlers (``errors.install``) give every other error OpenAI's shape.
@@ -24,16 +25,18 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, FastAPI
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vlmbatch.app.server import errors
-from vlmbatch.app.server.batches import batch_routes, file_routes
+from vlmbatch.app.server.batches import batch_routes
 from vlmbatch.app.server.chat import ChatEndpoint, require_model
 from vlmbatch.app.server.embeddings import embedding_routes
 from vlmbatch.app.server.errors import error_body
+from vlmbatch.app.server.files import file_routes
+from vlmbatch.app.server.metrics import RequestMetrics
 
 if TYPE_CHECKING:
     from vlmbatch.app.server.serve import ServerState
@@ -56,12 +59,13 @@ def create_app(state: ServerState) -> FastAPI:
         app.include_router(router)
     app.add_middleware(ChatEndpoint, state=state)  # POST /v1/chat/completions, the hot path
     app.add_middleware(BodyLimit, limit=state.cfg.max_body_bytes)
-    app.add_middleware(ApiKey, key=state.cfg.api_key)  # added last: the outermost
+    app.add_middleware(ApiKey, key=state.cfg.api_key)
+    app.add_middleware(RequestMetrics, metrics=state.metrics)  # added last: the outermost
     return app
 
 
 def info_routes(state: ServerState) -> APIRouter:
-    """``/health`` (no key needed), ``/v1/models``, ``/v1/models/{id}``."""
+    """``/health`` (no key needed), ``/metrics``, ``/v1/models``, ``/v1/models/{id}``."""
     cfg = state.cfg
     router = APIRouter()
     started = int(time.time())
@@ -71,6 +75,11 @@ def info_routes(state: ServerState) -> APIRouter:
     @router.get("/health")
     async def health() -> JSONResponse:
         return JSONResponse({"status": "ok"})
+
+    @router.get("/metrics")
+    def metrics() -> Response:  # a worker thread: the batches' records are read from disk
+        data, kind = state.metrics.page()
+        return Response(data, media_type=kind)
 
     @router.get("/v1/models")
     async def models() -> JSONResponse:
@@ -82,9 +91,6 @@ def info_routes(state: ServerState) -> APIRouter:
         return JSONResponse(model_card)
 
     return router
-
-
-OPEN_PATHS = {"/health"}
 
 
 async def _send_error(send: Send, status: int, message: str, code: str,

@@ -32,11 +32,11 @@ from vlmbatch.app.server.batches import (
     EMBEDDINGS,
     BatchBook,
     BatchRecord,
-    FileStore,
     job_counts,
 )
 from vlmbatch.app.server.config import ServerConfig
 from vlmbatch.app.server.errors import APIError
+from vlmbatch.app.server.files import FileStore
 from vlmbatch.app.server.media import MediaRefused, check_image_url
 from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.errors import ManifestError

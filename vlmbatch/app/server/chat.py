@@ -86,6 +86,11 @@ class Message(BaseModel):
     name: str | None = None
 
 
+class StreamOptions(BaseModel):
+    model_config = STRICT
+    include_usage: bool | None = None
+
+
 class ChatRequest(BaseModel):
     """What is read; sampling options (temperature, top_p, seed...) are accepted and
     ignored: answers are greedy."""
@@ -97,6 +102,7 @@ class ChatRequest(BaseModel):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     stream: bool | None = None
+    stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)
@@ -109,10 +115,9 @@ class ChatRequest(BaseModel):
 
 def question_of(req: ChatRequest, max_prompt_chars: int, max_tokens: int) -> ImageItem:
     """The one (image URL, question) the request asks, as a batch line's item, or a 400."""
-    if req.stream:
-        raise bad_request("stream: true is not supported: answers are one token (or a short "
-                          "text) and come whole; leave stream unset", "stream",
-                          "unsupported_parameter")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed with stream: true",
+                          "stream_options", "invalid_value")
     if req.n not in (None, 1):
         raise bad_request("n must be 1: answers are greedy, so every choice would be the same",
                           "n", "unsupported_parameter")
@@ -182,7 +187,7 @@ def completion(req: ChatRequest, item: ImageItem, model: str, s: Score,
         lp = logprobs_of(s.margin, req.top_logprobs or 0, words,
                          a.answer == "yes")
     prompt = s.prompt_tokens or 0
-    out = 1 if a.text is None else None  # a text answer's token count is not reported
+    out = 1 if a.text is None else (s.completion_tokens or 0)  # yes/no: its one token
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
         "created": int(time.time()), "model": model, "system_fingerprint": None,
@@ -190,7 +195,7 @@ def completion(req: ChatRequest, item: ImageItem, model: str, s: Score,
                      "message": {"role": "assistant", "content": text, "refusal": None},
                      "logprobs": lp}],
         "usage": {"prompt_tokens": prompt, "completion_tokens": out,
-                  "total_tokens": prompt + (out or 0)},
+                  "total_tokens": prompt + out},
         "vlmbatch": vlmbatch_fields(a)}
 
 
@@ -200,24 +205,46 @@ def require_model(name: str, served: str, param: str = "model") -> None:
                        f"{served!r} (GET /v1/models)", param, "model_not_found")
 
 
-async def answer_chat(state: ServerState, body: bytes) -> dict:
-    """The ``chat.completion`` for a request body, or the ``APIError`` it is answered with."""
+def stream_events(req: ChatRequest, done: dict) -> bytes:
+    """A ``chat.completion`` as the server-sent events of ``stream: true``: the answer in
+    one ``chat.completion.chunk`` (role, content, logprobs and finish_reason: a yes/no is
+    one token, and a text answer comes whole from the engine), then with
+    ``stream_options.include_usage`` a chunk of ``usage`` and no choices, then ``[DONE]``."""
+    usage = bool(req.stream_options and req.stream_options.include_usage)
+    head = {k: done[k] for k in ("id", "created", "model", "system_fingerprint")}
+    head["object"] = "chat.completion.chunk"
+    c = done["choices"][0]
+    first = {**head, "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                         "content": c["message"]["content"]},
+                                  "logprobs": c["logprobs"],
+                                  "finish_reason": c["finish_reason"]}],
+             "vlmbatch": done["vlmbatch"]}
+    chunks = [first]
+    if usage:
+        first["usage"] = None
+        chunks.append({**head, "choices": [], "usage": done["usage"]})
+    return b"".join(b"data: " + json.dumps(x, ensure_ascii=False, allow_nan=False).encode()
+                    + b"\n\n" for x in chunks) + b"data: [DONE]\n\n"
+
+
+async def answer_chat(state: ServerState, body: bytes) -> tuple[ChatRequest, dict]:
+    """The request and its ``chat.completion``, or the ``APIError`` it is answered with."""
     cfg = state.cfg
-    with state.scheduler.arriving():
+    with state.engines.arriving():
         req = parsed(ChatRequest, body)
         require_model(req.model, cfg.served_model_name)
         item = question_of(req, cfg.max_prompt_chars, cfg.max_completion_tokens)
         if choices := item.questions[0].choices:
             try:
-                state.engine.check_choices(choices)
+                state.check_choices(choices)
             except ConfigError as e:
                 raise bad_request(str(e), "structured_outputs", "invalid_value") from None
         image = state.images.cached(item)
         if image is None:  # decode on a worker thread, not the event loop
             image = await run_in_threadpool(state.images.prepare, item)
-        future = state.scheduler.submit(item, image)
+        future = state.engines.submit(item, image)
     score = await asyncio.wrap_future(future)
-    return completion(req, item, cfg.served_model_name, score, state.answer_words)
+    return req, completion(req, item, cfg.served_model_name, score, state.answer_words)
 
 
 class ChatEndpoint:
@@ -235,13 +262,20 @@ class ChatEndpoint:
                 and scope["path"] == CHAT_PATH):
             await self.app(scope, receive, send)
             return
+        headers: list[tuple[bytes, bytes]] = []
         try:
             body = await _body(receive)
             if body is None:
                 return  # the client went away
-            status, payload = 200, await answer_chat(self.state, body)
+            req, payload = await answer_chat(self.state, body)
+            status = 200
+            if req.stream:
+                await _send(send, 200, stream_events(req, payload), b"text/event-stream",
+                            [(b"cache-control", b"no-cache")])
+                return
         except APIError as e:
             status, payload = e.status, error_body(e.status, e.message, e.param, e.code, e.type)
+            headers = [(k.lower().encode(), v.encode()) for k, v in e.headers().items()]
         except HTTPException as e:  # the body limit's 413
             status, payload = e.status_code, error_body(e.status_code, str(e.detail),
                                                         code="request_too_large")
@@ -251,10 +285,15 @@ class ChatEndpoint:
             payload = error_body(500, f"internal error: {type(e).__name__}",
                                  code="internal_error")
         data = json.dumps(payload, ensure_ascii=False, allow_nan=False).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(data)).encode())]})
-        await send({"type": "http.response.body", "body": data})
+        await _send(send, status, data, b"application/json", headers)
+
+
+async def _send(send: Send, status: int, data: bytes, kind: bytes,
+                headers: list[tuple[bytes, bytes]]) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", kind),
+                            (b"content-length", str(len(data)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": data})
 
 
 async def _body(receive: Receive) -> bytes | None:

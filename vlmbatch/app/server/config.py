@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vlmbatch.app.config import from_args
+from vlmbatch.jobs.config import EXECUTORS, ExecutorConfig, RayOptions
 from vlmbatch.pipeline.config import (
     DEFAULT_EMBED_MODEL,
     ConfigError,
@@ -62,6 +63,11 @@ class ServerConfig:
     # is the built-in one, else the chat model itself); embeddings False: answered 501
     embed_model: Path | None = None
     embeddings: bool = True
+    # engine processes (one per GPU on a multi-GPU host); 0: the engine thread in the HTTP
+    # process itself (no process boundary, no restart)
+    engines: int = 1
+    # where batches run: the engine processes (local), or each batch a job on Ray
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -77,6 +83,8 @@ class ServerConfig:
         if self.image_cache_bytes < 0 or not 0 <= self.batch_wait_s <= 1:
             raise ConfigError("image_cache_bytes must be >= 0 and batch_wait_s in [0, 1] seconds")
         check_threads(self.threads, None)
+        if not 0 <= self.engines <= 64:
+            raise ConfigError(f"--engines must be in 0..64, got {self.engines}")
         if self.allowed_local_media_path is not None \
                 and not Path(self.allowed_local_media_path).is_dir():
             raise ConfigError(f"--allowed-local-media-path {self.allowed_local_media_path} is "
@@ -173,7 +181,34 @@ def add_server_args(s: argparse.ArgumentParser) -> None:
                    f"with it (default {1000 * float(_d('batch_wait_s')):g})")  # type: ignore[arg-type]
 
 
+def add_executor_args(s: argparse.ArgumentParser) -> None:
+    """Where the engine runs and where batches run."""
+    g = s.add_argument_group("engines and batches")
+    g.add_argument("--engines", type=int, default=_d("engines"),
+                   help="engine processes, each with the model (one per GPU on a multi-GPU "
+                   "host); requests are spread over them and one that dies is restarted "
+                   "(default %(default)s; 0: the engine in the HTTP process)")
+    g.add_argument("--executor", default=EXECUTORS[0], choices=EXECUTORS,
+                   help="local: batches run on the engine processes between interactive "
+                   "requests (default); ray: each batch a job on Ray (prepare tasks, model "
+                   "actors), several at once, sharing the actors")
+    r = RayOptions()
+    g.add_argument("--address", default=None,
+                   help="ray: join this cluster (HOST:PORT, ray://HEAD:10001, auto; default "
+                   "$RAY_ADDRESS, else a new local instance)")
+    g.add_argument("--preprocess-workers", type=int, default=r.preprocess_workers,
+                   help="ray: concurrent decode/tile tasks per batch (default %(default)s)")
+    g.add_argument("--model-workers", type=int, default=r.model_workers,
+                   help="ray: model actors shared by the batches (default %(default)s)")
+    g.add_argument("--model-cpus", type=float, default=r.model_cpus,
+                   help="ray: CPUs per model actor (default %(default)s)")
+
+
 def server_config(a: argparse.Namespace) -> ServerConfig:
     """The server's config root from its command line (``--api-key``, else $VLMBATCH_API_KEY)."""
     key = a.api_key if a.api_key is not None else os.environ.get(API_KEY_ENV)
-    return from_args(ServerConfig, a, api_key=key)
+    ray = from_args(RayOptions, a)
+    if a.executor != "ray" and ray != RayOptions():
+        raise ConfigError("--address, --preprocess-workers, --model-workers and --model-cpus "
+                          "are Ray executor options; add --executor ray")
+    return from_args(ServerConfig, a, api_key=key, executor=ExecutorConfig(a.executor, ray))

@@ -24,6 +24,7 @@ Accepted (OpenAI's contract, plus the two image forms other servers take):
 from __future__ import annotations
 
 import base64
+import dataclasses
 from collections.abc import Sequence
 from contextlib import closing
 from dataclasses import dataclass
@@ -39,18 +40,17 @@ from starlette.concurrency import run_in_threadpool
 from vlmbatch.app.server.chat import STRICT, ImagePart, Message, TextPart, require_model
 from vlmbatch.app.server.errors import APIError, bad_request, parsed
 from vlmbatch.app.server.media import MediaRefused, check_image_url
-from vlmbatch.app.server.scheduler import Scheduler
 from vlmbatch.pipeline.config import ConfigError, EmbedConfig, PrepareOptions
 from vlmbatch.pipeline.drive import Preparer, prepared_groups, run_group
-from vlmbatch.pipeline.embed import Embedder as ModelEmbedder
-from vlmbatch.pipeline.embed import build_embedder
 from vlmbatch.pipeline.engine import Engine
 from vlmbatch.pipeline.records import Embedding, EmbedItem
-from vlmbatch.pipeline.task import EmbedTask
+from vlmbatch.pipeline.task import EmbedTask, Prepared
+from vlmbatch.preprocessing.prepare import ImagePlan
+from vlmbatch.preprocessing.sources import SourceError, read_bytes
 
 if TYPE_CHECKING:
+    from vlmbatch.app.server.engines import Engines
     from vlmbatch.app.server.serve import ServerState
-from vlmbatch.preprocessing.sources import SourceError, read_bytes
 
 MAX_INPUTS, MAX_INPUT_TOKENS, MAX_REQUEST_TOKENS = 2048, 8192, 300_000
 
@@ -215,34 +215,45 @@ def embed(embedder: Embedder | None, req: EmbeddingRequest, inputs: list[EmbedIn
             "usage": {"prompt_tokens": n, "total_tokens": n}}
 
 
-class EngineEmbedder:
-    def __init__(self, engine: Engine, scheduler: Scheduler, opts: PrepareOptions,
-                 workers: Preparer | None) -> None:
-        self.engine, self.scheduler, self.opts, self.workers = engine, scheduler, opts, workers
-        self._by_dims: dict[int | None, ModelEmbedder] = {}
-        # pooled vectors are the decoder's hidden size (a projection serves multi-vector only)
-        self.dimensions = self._embedder(None).resolved.hidden
+def embed_dims(engine: Engine) -> int:
+    """A pooled vector's full size on ``engine`` (the decoder's hidden size)."""
+    return engine.embedding(EmbedConfig(multi_vector=False)).hidden
 
-    def _embedder(self, dims: int | None) -> ModelEmbedder:
-        if dims not in self._by_dims:  # built once per size (a Matryoshka size is checked)
-            try:
-                self._by_dims[dims] = build_embedder(  # pooled, whatever the checkpoint's default
-                    self.engine, EmbedConfig(dimensions=dims, multi_vector=False))
-            except ConfigError as e:
-                raise EmbedRefused(str(e), None) from None
-        return self._by_dims[dims]
+
+def embed_prepared(engine: Engine, dims: int | None, p: Prepared[EmbedItem]
+                   ) -> list[list[Embedding]]:
+    """On the engine thread: a prepared group's pooled vectors (``dims``: a Matryoshka size
+    the checkpoint declares, else ``EmbedRefused``)."""
+    cfg = EmbedConfig(dimensions=dims, multi_vector=False)
+    try:
+        engine.embedding(cfg)  # checked (and its head built) once per size
+    except ConfigError as e:
+        raise EmbedRefused(str(e), None) from None
+    return run_group(EmbedTask(cfg), engine, p)
+
+
+class EngineEmbedder:
+    """The server's ``Embedder``: the inputs' images decoded on the request's thread (in the
+    server's decoder processes), the vectors computed on an engine thread
+    (``Engines.embed``: in an engine process, or this one)."""
+
+    def __init__(self, engines: Engines, plan: ImagePlan, opts: PrepareOptions,
+                 workers: Preparer | None) -> None:
+        self.engines, self.plan, self.opts, self.workers = engines, plan, opts, workers
+        assert engines.embed_dims is not None
+        self.dimensions = engines.embed_dims
 
     def __call__(self, inputs: Sequence[EmbedInput], options: EmbedOptions) -> Embeddings:
         items = [_item(i, x) for i, x in enumerate(inputs)]
-        task = EmbedTask(self._embedder(options.dimensions).cfg)
-        with closing(prepared_groups(task, [items], self.engine.image_plan, self.opts,
+        task = EmbedTask(EmbedConfig(dimensions=options.dimensions, multi_vector=False))
+        with closing(prepared_groups(task, [items], self.plan, self.opts,
                                      workers=self.workers)) as stage1:
             p = next(stage1)  # decoded here, on the request's thread
-
-        def work() -> list[list[Embedding]]:  # on the engine thread
-            return run_group(task, self.engine, p)
-
-        out = [e for per_item in self.scheduler.call(work).result() for e in per_item]
+        # the engine reads each item's image from p.images, not its encoded bytes
+        p.items = [dataclasses.replace(it, image=b"") if it.image is not None else it
+                   for it in p.items]
+        out = [e for per_item in self.engines.embed(options.dimensions, p).result()
+               for e in per_item]
         total = 0
         for e in out:
             if e.vector is None:

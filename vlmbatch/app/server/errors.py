@@ -35,10 +35,27 @@ class APIError(Exception):
     """An error answered as ``{"error": {...}}`` with ``status``."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, type_: str | None = None) -> None:
+                 code: str | None = None, type_: str | None = None,
+                 retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type_ or TYPES.get(status, INVALID if status < 500 else "server_error")
+        self.retry_after = retry_after  # seconds: a Retry-After header (503 while restarting)
+
+    def headers(self) -> dict[str, str]:
+        h = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        if self.retry_after is not None:
+            h["Retry-After"] = str(self.retry_after)
+        return h
+
+    def wire(self) -> tuple:
+        """As a tuple that crosses a process boundary (``from_wire``); an exception's own
+        pickle would call ``__init__`` with the message alone."""
+        return (self.status, self.message, self.param, self.code, self.type, self.retry_after)
+
+    @classmethod
+    def from_wire(cls, t: tuple) -> APIError:
+        return cls(*t)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -52,9 +69,8 @@ def error_body(status: int, message: str, param: str | None = None,
 
 
 def error_response(e: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
     return JSONResponse(error_body(e.status, e.message, e.param, e.code, e.type), e.status,
-                        headers=headers)
+                        headers=e.headers() or None)
 
 
 # labels pydantic puts in an error's location for the member of a union it tried

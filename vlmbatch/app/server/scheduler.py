@@ -1,17 +1,17 @@
-"""The engine thread: the one thread that calls the engine (which is not thread-safe).
+"""The engine thread: the one thread that calls the engine (which is not thread-safe), in the
+engine process (``engine_process.py``; in the HTTP process itself with ``--engines 0``).
 
-Interactive chat requests arrive prepared (decoded and tiled on the request's worker
-thread, so a bad image is that request's 400 before it is queued) in a bounded queue. The
-loop, each turn:
+Interactive chat requests arrive prepared (decoded and tiled by the HTTP process, so a bad
+image is that request's 400 before it is queued) in a bounded queue. The loop, each turn:
 
 0. **Calls first.** Other interactive work that needs the engine (an embeddings request)
    is queued as a call (``call``) and run before anything else.
 1. **Interactive first.** If a request is queued, take it and every other one queued,
    wait up to ``batch_wait_s`` for more while some are on their way (parsed, their image
-   being prepared: ``arriving``; a lone client waits for nothing), at most
-   ``max_batch_requests``, and answer them in one ``engine.score`` call; the images are
-   deduplicated by their cache key, so requests about the same image share its prefix
-   (one image-token prefill, the others reuse the cached blocks).
+   being prepared: ``arriving``, a count the HTTP process keeps; a lone client waits for
+   nothing), at most ``max_batch_requests``, and answer them in one ``engine.score`` call;
+   the images are deduplicated by their cache key, so requests about the same image share
+   its prefix (one image-token prefill, the others reuse the cached blocks).
 2. **Then batch jobs.** Only when no request is queued, one group (``images_per_batch``
    items) of the current batch's job is answered and recorded (``jobs.job``'s exactly-once
    transaction). An interactive request therefore waits at most for one group's engine
@@ -19,6 +19,11 @@ loop, each turn:
 
 An engine failure on a call of several requests retries each alone, so one request that
 breaks the engine fails alone (a 500 naming the engine error), never its neighbours.
+
+The thread never touches a batch's record (the HTTP process owns ``batches/``): it tells
+``BatchEvents`` when a batch's job is drained (or cancelled), failed, or let go unrun, and
+the HTTP side moves the record on. ``on_turn`` runs after each turn (the engine process
+sends the answers settled in it, in one message).
 """
 
 from __future__ import annotations
@@ -34,17 +39,14 @@ from concurrent.futures import Future, InvalidStateError
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
-from vlmbatch.app.server.batches import BatchBook
 from vlmbatch.app.server.config import ServerConfig
 from vlmbatch.app.server.errors import APIError
 from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.folder import load_config
 from vlmbatch.jobs.job import JobRun
-from vlmbatch.pipeline.config import (
-    ConfigError,
-    ModelConfig,
-)
+from vlmbatch.pipeline.config import ConfigError, ModelConfig
 from vlmbatch.pipeline.engine import Engine
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.pipeline.records import ImageItem, Request, Score
@@ -53,13 +55,27 @@ from vlmbatch.preprocessing.prepare import PreparedImage
 log = logging.getLogger("vlmbatch.app.server")
 
 
+class BatchEvents(Protocol):
+    """What the engine thread tells the owner of the batch records (``engines.BookEvents``
+    in the HTTP process; the channel in an engine process)."""
+
+    def drained(self, batch_id: str, cancelled: bool) -> None:
+        """The batch's job has nothing pending left, or was cancelled between groups."""
+
+    def failed(self, batch_id: str, message: str) -> None:
+        """The batch's job stopped on an error of its own (a full disk...)."""
+
+    def released(self, batch_id: str) -> None:
+        """The batch was let go unrun (another model's job, or busy): left as it is."""
+
+
 @dataclass
 class _Batch:
     batch_id: str
     run: JobRun  # its job, a group per step
 
 
-def _absolute(m: ModelConfig) -> ModelConfig:
+def absolute(m: ModelConfig) -> ModelConfig:
     return dataclasses.replace(m, path=Path(m.path).absolute() if m.path else None)
 
 
@@ -70,32 +86,43 @@ class ChatWork:
     future: Future[Score] = field(default_factory=Future)
 
 
+@dataclass
+class Counters:
+    """What the engine thread has done (cumulative; ``metrics.py`` exports them)."""
+    interactive: int = 0  # chat questions answered
+    batch: int = 0  # batch results recorded (questions; embedding inputs)
+    calls: int = 0  # chat engine calls made (FaultHooks.score sees the count)
+
+
 class Scheduler:
-    def __init__(self, engine: Engine, cfg: ServerConfig, book: BatchBook,
-                 drained: Callable[[str], None], hooks: FaultHooks = NO_HOOKS) -> None:
-        self.engine, self.cfg, self.book, self.drained, self.hooks = (
-            engine, cfg, book, drained, hooks)
+    def __init__(self, engine: Engine, cfg: ServerConfig, events: BatchEvents,
+                 hooks: FaultHooks = NO_HOOKS, arriving: Callable[[], int] | None = None,
+                 on_turn: Callable[[], None] | None = None) -> None:
+        self.engine, self.cfg, self.events, self.hooks = engine, cfg, events, hooks
         self.chat: queue.Queue[ChatWork] = queue.Queue(cfg.max_queue)
         # work other than chat that needs the engine thread (embeddings), with its result
         self.calls_q: queue.Queue[tuple[Callable[[], object], Future]] = queue.Queue(
             cfg.max_queue)
-        self.batches: collections.deque[str] = collections.deque()  # ids, in order
+        self.batches: collections.deque[tuple[str, Path]] = collections.deque()  # in order
         self._owned: set[str] = set()  # queued or running here: this thread will end them
         self._cancel: set[str] = set()
         self._arriving = 0  # requests between arrival and submit (``arriving``)
+        self._arriving_fn = arriving or (lambda: self._arriving)
+        self.on_turn = on_turn or (lambda: None)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self.calls = 0  # chat engine calls made (FaultHooks.score sees the count)
+        self.counters = Counters()
         # the engine of each job task: chat batches answer, embedding batches embed (added
-        # by ServerState.serve_embeddings; without it they are left for a server that can)
+        # by the server when it has an embedding model; without it they are left for a
+        # server that can)
         self.engines: dict[str, Engine] = {"answer": engine}
         self.thread = threading.Thread(target=self._run, name="vlmbatch-engine", daemon=True)
 
-    # --- called from request threads ---
+    # --- called from other threads ---
     @contextmanager
     def arriving(self) -> Iterator[None]:
-        """Around a request's parsing and image preparation: the engine thread waits for
-        more requests only while some are on their way."""
+        """Around a request's parsing and image preparation (in this process): the engine
+        thread waits for more requests only while some are on their way."""
         with self._lock:
             self._arriving += 1
         try:
@@ -103,6 +130,10 @@ class Scheduler:
         finally:
             with self._lock:
                 self._arriving -= 1
+
+    def depth(self) -> int:
+        """Requests and calls queued, not yet taken."""
+        return self.chat.qsize() + self.calls_q.qsize()
 
     def submit(self, item: ImageItem, image: PreparedImage) -> Future[Score]:
         if self._stop.is_set():
@@ -141,16 +172,21 @@ class Scheduler:
             except BaseException as e:  # noqa: BLE001  (handed to the request that asked)
                 f.set_exception(e)
 
-    def enqueue_batch(self, batch_id: str) -> None:
+    def enqueue_batch(self, batch_id: str, job: Path) -> None:
+        """Run the batch's job (``job``: its folder) after those queued before it."""
         with self._lock:
-            self.batches.append(batch_id)
+            self.batches.append((batch_id, job))
             self._owned.add(batch_id)
 
     def cancel_batch(self, batch_id: str) -> bool:
         """Stop the batch's job between groups; False if this thread does not hold it (it
-        was skipped, or never queued): then the caller finalizes it."""
+        was let go, or never queued): then the caller finalizes it."""
         with self._lock:
             self._cancel.add(batch_id)
+            return batch_id in self._owned
+
+    def owns(self, batch_id: str) -> bool:
+        with self._lock:
             return batch_id in self._owned
 
     def _release(self, batch_id: str) -> None:
@@ -179,12 +215,14 @@ class Scheduler:
                     self._guarded(works)
                 elif job is not None and not self._stop.is_set():
                     job = self._step(job)
+                self.on_turn()
         except BaseException:
             log.exception("the engine thread stopped")
             raise
         finally:
             if job is not None:
                 job.run.close()  # its run ends "interrupted": resumable
+            self.on_turn()
 
     def _take(self, block: bool) -> list[ChatWork]:
         """Up to ``max_batch_requests`` queued requests: the first (waiting up to 50 ms when
@@ -198,11 +236,12 @@ class Scheduler:
         deadline = time.monotonic() + self.cfg.batch_wait_s
         while len(works) < self.cfg.max_batch_requests:
             left = deadline - time.monotonic()
+            arriving = self._arriving_fn() > 0
             try:
                 works.append(self.chat.get(timeout=min(left, 0.001)) if left > 0
-                             and self._arriving else self.chat.get_nowait())
+                             and arriving else self.chat.get_nowait())
             except queue.Empty:
-                if left <= 0 or not self._arriving:
+                if left <= 0 or not arriving:
                     break
         return [w for w in works if not w.future.cancelled()]  # a client that went away
 
@@ -226,9 +265,9 @@ class Scheduler:
                 index[key] = len(images)
                 images.append(w.image)
             requests.append(Request.of(index[key], w.item.questions[0]))
-        self.calls += 1
+        self.counters.calls += 1
         try:
-            self.hooks.score(self.calls)
+            self.hooks.score(self.counters.calls)
             scores = self.engine.score(images, requests)
         except Exception as e:  # noqa: BLE001  (isolate the request that broke the engine)
             if len(works) > 1:
@@ -239,6 +278,7 @@ class Scheduler:
             _settle(works[0].future, error=APIError(
                 500, f"engine failed: {type(e).__name__}: {e}", code="engine_error"))
             return
+        self.counters.interactive += len(works)
         for w, s in zip(works, scores):
             _settle(w.future, s)
 
@@ -247,21 +287,18 @@ class Scheduler:
             with self._lock:
                 if not self.batches:
                     return None
-                batch_id = self.batches.popleft()
-            rec = self.book.get(batch_id)
-            if rec.status == "cancelling" or batch_id in self._cancel:
+                batch_id, job = self.batches.popleft()
+            if batch_id in self._cancel:
                 self._release(batch_id)
-                self.drained(batch_id)
-                continue
-            if rec.status != "in_progress":
-                self._release(batch_id)
+                self.events.drained(batch_id, True)
                 continue
             try:
-                return _Batch(batch_id, self._open(self.book.job_of(batch_id)))
+                return _Batch(batch_id, self._open(job))
             except (ManifestError, ConfigError) as e:  # JobBusy too: `vlmbatch run` has it
                 # left in progress: a server that can run it resumes it
                 log.warning("batch %s skipped: %s", batch_id, e)
                 self._release(batch_id)
+                self.events.released(batch_id)
 
     def _open(self, job: Path) -> JobRun:
         """The batch's job, run with this server's engine for its task (ConfigError: it was
@@ -276,7 +313,7 @@ class Scheduler:
                               "not run (started with --no-embeddings?); start it with "
                               "embeddings to finish the batch")
         want = self.cfg.embed_model_config if run.task == "embed" else self.cfg.model
-        if (_absolute(run.model), run.engine) != (_absolute(want), self.cfg.engine):
+        if (absolute(run.model), run.engine) != (absolute(want), self.cfg.engine):
             raise ConfigError("the batch was submitted to a server with another model or "
                               "engine settings; start the server with those to finish it")
         # the job's pixel limit and deadline, this server's decoder processes
@@ -291,27 +328,21 @@ class Scheduler:
         if cancelled:
             b.run.cancel()  # its run ends "cancelled" at this step, before any more work
         try:
-            more = b.run.step()
+            done = b.run.step()
         except Exception as e:  # noqa: BLE001  (e.g. a full disk: this batch fails, not all)
             log.exception("batch %s stopped", b.batch_id)
             b.run.close()
-            self._fail(b.batch_id, f"the job stopped: {type(e).__name__}: {e}")
+            self._release(b.batch_id)
+            self.events.failed(b.batch_id, f"the job stopped: {type(e).__name__}: {e}")
             return None
-        if more:
+        if done is not None:
+            self.counters.batch += sum(len(r) for r in done[1])
             self.hooks.group_done()
             return b
         b.run.close()
-        if not cancelled:
-            self.book.update(b.batch_id, lambda r: r.at("finalizing")
-                             if r.status == "in_progress" else r)
         self._release(b.batch_id)
-        self.drained(b.batch_id)
+        self.events.drained(b.batch_id, cancelled)
         return None
-
-    def _fail(self, batch_id: str, message: str) -> None:
-        self._release(batch_id)
-        err = {"code": "server_error", "message": message, "param": None, "line": None}
-        self.book.update(batch_id, lambda r: r.at("failed", errors=[err]))
 
 
 def _settle(f: Future, result: Score | None = None, error: BaseException | None = None) -> None:

@@ -1,14 +1,17 @@
 """``serve``: what one running server holds, and running it.
 
 ``ServerState``: made once at start and passed to the routes (no globals): the config, the
-engine thread, the image cache and the decoder processes of interactive requests, the files
-and batches on disk, the batch worker and the embedder (None with ``--no-embeddings``).
+engines (``engines.py``: engine processes, or the engine thread here with ``--engines 0``),
+the image cache and the decoder processes of interactive requests, the files and batches on
+disk, the batch worker, the metrics, the embedder (None with ``--no-embeddings``) and, with
+``--executor ray``, the Ray runner of batches (``ray_batches.py``).
 ``start`` also resumes what a previous server on the same data folder left unfinished
 (killed, or stopped with SIGTERM): batches still validating are validated again, those in
-progress go back to the engine thread's queue (their jobs continue with the items still
+progress go back to the engines' queue (or Ray's) (their jobs continue with the items still
 pending), and those finalizing or cancelling are finalized.
 
-``serve``: load the engine, take the data folder, run the app under uvicorn. One server per
+``serve``: take the data folder, start the engines (each loads the model), run the app under
+uvicorn. One server per
 data folder: ``DATA/server.lock`` is held (flock) while it runs, so a second server on the
 same batches is refused instead of running their jobs twice. SIGTERM and Ctrl-C are
 uvicorn's graceful shutdown: it stops accepting, waits up to ``shutdown_timeout_s`` for
@@ -22,6 +25,7 @@ import fcntl
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,16 +33,19 @@ import uvicorn
 
 from vlmbatch.app.server.app import create_app
 from vlmbatch.app.server.batch_worker import BatchWorker
-from vlmbatch.app.server.batches import BatchBook, FileStore
+from vlmbatch.app.server.batches import ACTIVE, BatchBook
 from vlmbatch.app.server.config import ServerConfig
 from vlmbatch.app.server.embeddings import Embedder, EngineEmbedder
+from vlmbatch.app.server.engine_process import build_engines
+from vlmbatch.app.server.engines import BookEvents, EngineProcesses, Engines, LocalEngines
+from vlmbatch.app.server.files import FileStore
 from vlmbatch.app.server.media import ImageCache
-from vlmbatch.app.server.scheduler import Scheduler
-from vlmbatch.pipeline.build import build_engine
+from vlmbatch.app.server.metrics import Metrics
+from vlmbatch.app.server.ray_batches import RayBatches
 from vlmbatch.pipeline.config import ConfigError
 from vlmbatch.pipeline.drive import Preparer, preparer
-from vlmbatch.pipeline.engine import Engine
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
+from vlmbatch.pipeline.loading import label_set_checker, read_spec
 
 log = logging.getLogger("vlmbatch.app.server")
 
@@ -46,63 +53,86 @@ log = logging.getLogger("vlmbatch.app.server")
 @dataclass
 class ServerState:
     cfg: ServerConfig
-    engine: Engine
-    scheduler: Scheduler
+    engines: Engines
     images: ImageCache
     files: FileStore
     book: BatchBook
     worker: BatchWorker
+    metrics: Metrics
     embedder: Embedder | None = None
     answer_words: tuple[str, str] = ("yes", "no")  # how logprobs name the two classes
     hooks: FaultHooks = NO_HOOKS
     # interactive requests' decoder processes (chat images; embedding inputs' images)
     decoders: list[Preparer] = field(default_factory=list)
+    ray_batches: RayBatches | None = None  # with --executor ray
+    _choices: Callable[[tuple[str, ...]], None] | None = None  # label_set_checker, once
 
     @classmethod
-    def build(cls, cfg: ServerConfig, engine: Engine, hooks: FaultHooks = NO_HOOKS,
+    def build(cls, cfg: ServerConfig, engines: Engines, hooks: FaultHooks = NO_HOOKS,
               embedder: Embedder | None = None) -> ServerState:
         files = FileStore(cfg.files_dir)
         book = BatchBook(cfg.batches_dir)
+        files.in_use = lambda file_id: any(  # a batch in progress reads it: kept
+            r.input_file_id == file_id and r.status in ACTIVE for r in book.all())
         worker = BatchWorker(cfg, book, files)
-        scheduler = Scheduler(engine, cfg, book, worker.finalize, hooks)
-        decoders = preparer(engine.image_plan, cfg.prepare_options, hooks)
-        images = ImageCache(engine.image_plan, cfg.prepare_options, cfg.allowed_local_media_path,
-                            cfg.image_cache_bytes, decoders)
+        engines.bind(book, BookEvents(book, worker.finalize))
+        decoders = preparer(engines.image_plan, cfg.prepare_options, hooks)
+        images = ImageCache(engines.image_plan, cfg.prepare_options,
+                            cfg.allowed_local_media_path, cfg.image_cache_bytes, decoders)
         words = (cfg.engine.yes_words[0], cfg.engine.no_words[0])
-        return cls(cfg, engine, scheduler, images, files, book, worker, embedder, words,
-                   hooks, [decoders] if decoders is not None else [])
+        return cls(cfg, engines, images, files, book, worker, Metrics(engines, book),
+                   embedder, words, hooks, [decoders] if decoders is not None else [])
 
-    def serve_embeddings(self, engine: Engine) -> None:
-        """Answer ``/v1/embeddings`` and run embedding batches on ``engine`` (the chat
-        engine itself when the checkpoint is the same), on the engine thread; its images
-        decoded by the chat images' decoder processes when the plan is the same."""
-        decoders = self.images.workers if engine.image_plan == self.engine.image_plan \
-            else preparer(engine.image_plan, self.cfg.prepare_options, self.hooks)
+    def check_choices(self, choices: tuple[str, ...]) -> None:
+        """ConfigError for a chat request's label set the engines would not score (checked
+        here, before its image is decoded: the engines may be other processes); the
+        tokenizer is read on the first label set."""
+        if self._choices is None:
+            self._choices = label_set_checker(self.cfg.model.path, self.cfg.engine)
+        self._choices(choices)
+
+    def serve_embeddings(self) -> None:
+        """Answer ``/v1/embeddings`` on the engines' embedding engine (the chat engine
+        itself when the checkpoint is the same), its images decoded by the chat images'
+        decoder processes when the plan is the same."""
+        plan = self.engines.embed_plan
+        assert plan is not None
+        decoders = self.images.workers if plan == self.engines.image_plan \
+            else preparer(plan, self.cfg.prepare_options, self.hooks)
         if decoders is not None and decoders is not self.images.workers:
             self.decoders.append(decoders)
-        self.embedder = EngineEmbedder(engine, self.scheduler, self.cfg.prepare_options,
-                                       decoders)
-        self.scheduler.engines["embed"] = engine
+        self.embedder = EngineEmbedder(self.engines, plan, self.cfg.prepare_options, decoders)
 
     def start(self) -> None:
-        """Resume unfinished batches (oldest first), then start both threads."""
+        """Resume unfinished batches (oldest first), then start the threads."""
+        enqueue = self.engines.enqueue_batch
+        if self.ray_batches is not None:
+            enqueue = self.ray_batches.enqueue_batch
         for rec in reversed(self.book.all()):
             if rec.status == "validating":
                 self.worker.validate(rec.id)
             elif rec.status == "in_progress":
-                self.scheduler.enqueue_batch(rec.id)
+                enqueue(rec.id)
             elif rec.status in ("finalizing", "cancelling"):
                 self.worker.finalize(rec.id)
             else:
                 continue
             log.info("batch %s: %s, resumed", rec.id, rec.status)
-        self.worker.start(self.scheduler.enqueue_batch)
-        self.scheduler.start()
+        self.worker.start(enqueue)
+        self.engines.start()
+
+    def cancel_batch(self, batch_id: str) -> bool:
+        """Stop a batch between groups; False when nothing holds it (then finalize it)."""
+        if self.ray_batches is not None:
+            return self.ray_batches.cancel_batch(batch_id)
+        return self.engines.cancel_batch(batch_id)
 
     def stop(self) -> None:
-        """After in-flight requests (uvicorn waits for them): the engine thread answers what
-        is queued and stops after its group; jobs are left resumable."""
-        self.scheduler.stop(self.cfg.shutdown_timeout_s)
+        """After in-flight requests (uvicorn waits for them): the engine threads answer what
+        is queued and stop after their group; jobs are left resumable."""
+        if self.ray_batches is not None:
+            self.ray_batches.stop(self.cfg.shutdown_timeout_s)
+        self.engines.stop(self.cfg.shutdown_timeout_s)
         self.worker.stop(self.cfg.shutdown_timeout_s)
         for d in self.decoders:
             d.stop()
@@ -127,31 +157,41 @@ def _take_data_dir(data_dir: Path) -> int:
     return fd
 
 
-def _embed_engine(cfg: ServerConfig, chat: Engine) -> Engine:
-    """The engine of ``/v1/embeddings``: the chat engine when the checkpoint is the same,
-    else one of its own (same device and engine options)."""
-    model = cfg.embed_model_dir
-    if cfg.model.path is not None and Path(cfg.model.path).resolve() == model.resolve():
-        return chat
-    return build_engine(cfg.embed_model_config, cfg.engine, cfg.threads)
+def start_engines(cfg: ServerConfig, hooks: FaultHooks = NO_HOOKS) -> Engines:
+    """The engines of ``cfg``: ``--engines N`` processes, started and loaded; 0: built here."""
+    read_spec(cfg.model.path)  # a bad model folder fails here, with its message
+    if cfg.engines == 0:
+        engine, embed_engine = build_engines(cfg)
+        return LocalEngines(engine, cfg, hooks, embed_engine)
+    engines = EngineProcesses(cfg, hooks)
+    engines.launch()
+    return engines
 
 
 def serve(cfg: ServerConfig, hooks: FaultHooks = NO_HOOKS) -> None:
     """Run the server until SIGTERM or Ctrl-C."""
     fd = _take_data_dir(Path(cfg.data_dir))
+    engines: Engines | None = None
     try:
-        engine = build_engine(cfg.model, cfg.engine, cfg.threads)
-        state = ServerState.build(cfg, engine, hooks)
-        if cfg.embeddings:
-            state.serve_embeddings(_embed_engine(cfg, engine))
+        engines = start_engines(cfg, hooks)
+        state = ServerState.build(cfg, engines, hooks)
+        if engines.embed_dims is not None:
+            state.serve_embeddings()
+        if cfg.executor.kind == "ray":
+            state.ray_batches = RayBatches(cfg, state.book, BookEvents(
+                state.book, state.worker.finalize), hooks)
         app = create_app(state)
         logging.basicConfig(level=logging.INFO, format="vlmbatch serve: %(message)s",
                             stream=sys.stderr)
         print(f"vlmbatch serve: model {cfg.served_model_name!r} on http://{cfg.host}:"
-              f"{cfg.port}/v1, data in {cfg.data_dir}"
+              f"{cfg.port}/v1, data in {cfg.data_dir}, "
+              + (f"{cfg.engines} engine process(es)" if cfg.engines else "engine in-process")
+              + (", batches on Ray" if cfg.executor.kind == "ray" else "")
               + (", API key required" if cfg.api_key else ""), file=sys.stderr, flush=True)
         uvicorn.Server(uvicorn.Config(
             app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
             timeout_graceful_shutdown=cfg.shutdown_timeout_s)).run()
     finally:
+        if isinstance(engines, EngineProcesses) and not engines.stopping:
+            engines.stop(0)  # the app never started (its lifespan stops them otherwise)
         os.close(fd)

@@ -1,0 +1,69 @@
+"""The engine channel's arena (``channel.Arena``): a prepared image put by one side reads
+back in place, equal to the original, on a second mapping of the same memfd (as the engine
+process maps it); freed regions merge, so the whole arena can be taken again; an image
+that does not fit travels whole (pickled) instead."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from tests.app.server.fakes import picture
+from vlmbatch.app.server.channel import Arena, region
+from vlmbatch.preprocessing.prepare import TilingConfig
+
+PLAN = TilingConfig(tile_size=16, max_tiles=4, use_thumbnail=True)
+
+
+def arrays(image: object) -> dict[str, np.ndarray]:
+    return {f.name: v for f in dataclasses.fields(image)  # type: ignore[arg-type]
+            if isinstance(v := getattr(image, f.name), np.ndarray)}
+
+
+@pytest.fixture
+def arena():  # noqa: ANN201
+    a = Arena(1 << 16)
+    yield a
+    a.close()
+
+
+def test_an_image_reads_back_equal_on_another_mapping(arena: Arena) -> None:
+    engine_side = Arena(arena.size, fd=arena.fd)  # the engine process's mapping
+    images = [PLAN.prepare(picture(seed)) for seed in range(3)]
+    packed = [arena.put(im) for im in images]
+    assert all(p[0] == "arena" for p in packed)
+    for im, p in zip(images, packed):
+        got = engine_side.view(p)
+        want = arrays(im)
+        assert want and arrays(got).keys() == want.keys()
+        for name, a in want.items():
+            b = arrays(got)[name]
+            assert b.dtype == a.dtype and b.shape == a.shape and np.array_equal(a, b)
+            assert b.ctypes.data % 64 == 0  # each array on a cache line
+        assert got.cache_key == im.cache_key
+    regions = sorted(region(p) for p in packed)  # type: ignore[type-var]
+    for (o1, n1), (o2, _) in zip(regions, regions[1:]):
+        assert o1 + n1 <= o2  # no two live regions overlap
+    for p in packed:
+        arena.free(region(p))
+    assert arena.used == 0 and arena._free == [(0, arena.size)]  # merged back into one
+
+
+def test_freed_in_any_order_the_whole_arena_is_free_again(arena: Arena) -> None:
+    rng = np.random.default_rng(0)
+    sizes = [int(n) * 64 for n in rng.integers(1, 64, 16)]
+    blocks = [(arena._alloc(n), n) for n in sizes]
+    assert all(off is not None for off, _ in blocks) and arena.used == sum(sizes)
+    for i in rng.permutation(len(blocks)):
+        arena.free(blocks[i])  # type: ignore[arg-type]
+    assert arena.used == 0 and arena._free == [(0, arena.size)]
+    assert arena._alloc(arena.size) == 0
+
+
+def test_an_image_over_the_free_space_travels_whole(arena: Arena) -> None:
+    big = TilingConfig(tile_size=448, max_tiles=1, use_thumbnail=False).prepare(picture(1))
+    assert sum(a.nbytes for a in arrays(big).values()) > arena.size
+    packed = arena.put(big)
+    assert packed[0] == "object" and region(packed) is None and arena.view(packed) is big
