@@ -18,6 +18,10 @@ The options:
   hidden / heads), GQA (``kv_heads`` < ``heads``: SDPA ``enable_gqa``, K/V never repeated);
 - DeepStack (Qwen3-VL): extra image features added at the image positions after each of the
   first ``len(features)`` layers, for any spec that is given them;
+- ``qkv_layout``: ``"separate"`` (``q_proj``, ``k_proj``, ``v_proj``) or ``"grouped"``
+  (InternLM2's one fused ``wqkv``: per key/value head its query heads, then its key, then
+  its value; ``GroupedQKVAttention``); ``Attention.qkv`` is the one method that builds
+  q, k, v;
 - ``layer_kinds``: the attention kind of each layer (only ``"full"`` today).
 
 Decided once (the two former decoders differed): ``past`` given without ``past_lengths``
@@ -28,17 +32,12 @@ buffer, which older transformers wrote and which is recomputed from ``rope_theta
 model's saved ``lm_head.weight`` is ignored, as transformers ignores it.
 
 Parameter names are transformers' without the family's prefix (``layers.0.self_attn.
-q_proj.weight``, ``layers.0.mlp.gate_proj.weight``), so ``ModelFamily.llm_param`` /
+q_proj.weight``, ``layers.0.mlp.gate_proj.weight``; the grouped layout's fused projection
+``layers.0.self_attn.wqkv.weight``), so ``ModelFamily.llm_param`` /
 ``llm_key`` map every family the same way (``base.weight_key``).
 
-Seams for what the next model family issue adds (not implemented here):
+Seams left for what a later model family adds (not implemented here):
 
-- Qwen3 text under InternVL: a spec with ``qk_norm=True`` and ``qkv_bias = o_bias =
-  attention_bias`` (the Qwen-VL reader already builds Qwen3-VL's that way).
-- InternLM2's fused grouped ``wqkv`` (per KV head: its q heads, then k, then v): a subclass
-  of ``Attention`` whose ``qkv`` splits one projection, the only method that builds q, k, v;
-  its weight names (``wqkv``, ``wo``, ``w1/w2/w3``) map in the family's ``normalise_key``.
-  Dynamic NTK rope scaling: ``TextDecoder.rotary`` is the one place the tables are made.
 - Qwen3.5's hybrid layers: ``layer_kinds`` names each layer's kind and ``LAYERS`` maps a
   kind to its module; a Gated DeltaNet layer takes its recurrent and conv state in the
   ``past`` slot and returns the new state where an attention layer returns its k, v. Gated
@@ -106,6 +105,7 @@ class TextSpec:
     o_bias: bool = False
     act: str = "silu"
     layer_kinds: tuple[str, ...] = ()  # per layer, one of LAYERS; (): every layer "full"
+    qkv_layout: str = "separate"  # one of QKV_LAYOUTS (module docstring)
 
     def __post_init__(self) -> None:
         if self.heads % self.kv_heads:
@@ -126,6 +126,8 @@ class TextSpec:
             raise ValueError(f"{len(self.layer_kinds)} layer kinds for {self.layers} layers")
         if bad := sorted(set(self.layer_kinds) - set(LAYERS)):
             raise ValueError(f"layer kinds {bad} are not implemented (only {sorted(LAYERS)})")
+        if self.qkv_layout not in QKV_LAYOUTS:
+            raise ValueError(f"qkv layout {self.qkv_layout!r} not one of {sorted(QKV_LAYOUTS)}")
         activation(self.act)  # ValueError naming the supported ones
 
     @property
@@ -161,13 +163,17 @@ class Attention(nn.Module):
     def __init__(self, s: TextSpec) -> None:
         super().__init__()
         self.s = s
-        self.q_proj = nn.Linear(s.hidden, s.heads * s.head_dim, bias=s.qkv_bias)
-        self.k_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.qkv_bias)
-        self.v_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.qkv_bias)
+        self.projections(s)
         self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=s.o_bias)
         if s.qk_norm:
             self.q_norm = FusedRMSNorm(s.head_dim, s.eps)
             self.k_norm = FusedRMSNorm(s.head_dim, s.eps)
+
+    def projections(self, s: TextSpec) -> None:
+        """The linears ``qkv`` reads: q_proj, k_proj, v_proj."""
+        self.q_proj = nn.Linear(s.hidden, s.heads * s.head_dim, bias=s.qkv_bias)
+        self.k_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.qkv_bias)
+        self.v_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.qkv_bias)
 
     def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h [B, T, D] -> q [B, T, H, d], k and v [B, T, K, d] (before norm and rotary)."""
@@ -200,6 +206,28 @@ class Attention(nn.Module):
         return self.o_proj(a.transpose(1, 2).reshape(b, t, -1)), (k, v)
 
 
+class GroupedQKVAttention(Attention):
+    """InternLM2's attention: one ``wqkv`` projection whose output rows, per key/value head
+    in order, are that head's g = H / K query heads, then its key, then its value (each d
+    rows): ``[K, g + 2, d]``. The split is the only difference (``qkv``)."""
+
+    def projections(self, s: TextSpec) -> None:
+        self.wqkv = nn.Linear(s.hidden, (s.heads + 2 * s.kv_heads) * s.head_dim,
+                              bias=s.qkv_bias)
+
+    def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, t, _ = h.shape
+        s = self.s
+        g = s.heads // s.kv_heads
+        x = self.wqkv(h).view(b, t, s.kv_heads, g + 2, s.head_dim)
+        return x[..., :g, :].reshape(b, t, s.heads, s.head_dim), x[..., g, :], x[..., g + 1, :]
+
+
+# a spec's qkv_layout -> its attention module
+QKV_LAYOUTS: dict[str, type[Attention]] = {"separate": Attention,
+                                           "grouped": GroupedQKVAttention}
+
+
 class MLP(nn.Module):
     def __init__(self, s: TextSpec) -> None:
         super().__init__()
@@ -217,7 +245,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, s: TextSpec) -> None:
         super().__init__()
-        self.self_attn = Attention(s)
+        self.self_attn = QKV_LAYOUTS[s.qkv_layout](s)
         self.mlp = MLP(s)
         self.input_layernorm = FusedRMSNorm(s.hidden, s.eps)
         self.post_attention_layernorm = FusedRMSNorm(s.hidden, s.eps)
