@@ -22,6 +22,16 @@ The options:
   (InternLM2's one fused ``wqkv``: per key/value head its query heads, then its key, then
   its value; ``GroupedQKVAttention``); ``Attention.qkv`` is the one method that builds
   q, k, v;
+- ``rope_scaling`` (1-D rotary): ``"linear"`` (positions / ``rope_factor``) or
+  ``"dynamic"`` NTK (InternLM2's and transformers' Llama ``dynamic``: a row longer than
+  ``max_positions`` gets a larger base). Which length: each row's own, after the tokens
+  of the call (prefill: cached + new; decode: position + 1). For one prompt prefilled
+  whole this is the published model's ``kv_seq_len``; the published module also keeps the
+  largest table it has built and reuses it for later, shorter prompts, a history we do not
+  copy (one answer per prompt, whatever ran before). Keys of a cached prefix keep the base
+  of the length they were computed at, as the published decode keeps its past keys; a
+  prompt within ``max_positions`` (32,768 for InternLM2-chat, 10x the longest image
+  prompt) is never scaled, so none of this moves its answer;
 - ``layer_kinds``: the attention kind of each layer (only ``"full"`` today).
 
 Decided once (the two former decoders differed): ``past`` given without ``past_lengths``
@@ -65,9 +75,11 @@ from vlmbatch.models.layers import (
     rope,
     rope_tables,
     rotary,
+    scaled_inverse_frequencies,
 )
 
 ROPE_KINDS = ("1d", "mrope-sectioned", "mrope-interleaved")
+ROPE_SCALINGS = ("none", "linear", "dynamic")  # 1-D rotary only (module docstring)
 HARMLESS = ("rotary_emb.inv_freq",)  # name endings of checkpoint weights that are dropped
 
 # Repeat K/V per query head instead of SDPA's ``enable_gqa``? No, on both devices, measured
@@ -106,6 +118,9 @@ class TextSpec:
     act: str = "silu"
     layer_kinds: tuple[str, ...] = ()  # per layer, one of LAYERS; (): every layer "full"
     qkv_layout: str = "separate"  # one of QKV_LAYOUTS (module docstring)
+    rope_scaling: str = "none"  # one of ROPE_SCALINGS
+    rope_factor: float = 1.0  # linear / dynamic scaling factor (>= 1)
+    max_positions: int = 0  # dynamic: the trained length past which the base grows
 
     def __post_init__(self) -> None:
         if self.heads % self.kv_heads:
@@ -126,6 +141,14 @@ class TextSpec:
             raise ValueError(f"{len(self.layer_kinds)} layer kinds for {self.layers} layers")
         if bad := sorted(set(self.layer_kinds) - set(LAYERS)):
             raise ValueError(f"layer kinds {bad} are not implemented (only {sorted(LAYERS)})")
+        if self.rope_scaling not in ROPE_SCALINGS or (self.rope_scaling != "none"
+                                                      and self.rope != "1d"):
+            raise ValueError(f"rope scaling {self.rope_scaling!r} must be one of "
+                             f"{ROPE_SCALINGS}, and scaled rotary is for 1-D rope only")
+        if self.rope_scaling != "none" and not self.rope_factor >= 1:
+            raise ValueError(f"rope scaling factor {self.rope_factor} must be >= 1")
+        if self.rope_scaling == "dynamic" and self.max_positions < 1:
+            raise ValueError("dynamic rope scaling needs max_positions (the trained length)")
         if self.qkv_layout not in QKV_LAYOUTS:
             raise ValueError(f"qkv layout {self.qkv_layout!r} not one of {sorted(QKV_LAYOUTS)}")
         activation(self.act)  # ValueError naming the supported ones
@@ -283,16 +306,31 @@ class TextDecoder(Decoder):
             self.axes: torch.Tensor
             self.register_buffer("axes", torch.tensor(mrope_axes(spec)), persistent=False)
 
-    def rotary(self, positions: torch.Tensor,
-               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype,
+               seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] (1-D) or [3, B, T] (M-RoPE) long -> (cos, sin) each
-        [B, 1, T, r] in ``dtype``, computed in float32."""
+        [B, 1, T, r] in ``dtype``, computed in float32. seq_lens [B]: each row's length
+        once these tokens are in (dynamic scaling reads it)."""
         s = self.spec
-        if s.rope == "1d":
+        if s.rope == "1d" and s.rope_scaling == "none":
             return rotary(positions, s.rope_dim, s.rope_theta, dtype)
+        if s.rope == "1d":
+            return self._scaled_rotary(positions, dtype, seq_lens)
         inv = inverse_frequencies(s.rope_dim, s.rope_theta, positions.device)
         per_pair = positions.index_select(0, self.axes).permute(1, 2, 0).float()  # [B, T, r/2]
         cos, sin = rope_tables(per_pair * inv, dtype)
+        return cos[:, None], sin[:, None]
+
+    def _scaled_rotary(self, positions: torch.Tensor, dtype: torch.dtype,
+                       seq_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """1-D rotary scaled as the spec says (``layers.scaled_inverse_frequencies``)."""
+        s = self.spec
+        if s.rope_scaling == "dynamic" and seq_lens is None:
+            raise ValueError("dynamic rope scaling needs each row's length")
+        inv, div = scaled_inverse_frequencies(s.rope_dim, s.rope_theta, s.rope_scaling,
+                                              s.rope_factor, s.max_positions, seq_lens,
+                                              positions.device)  # [B or 1, r/2]
+        cos, sin = rope_tables(positions.float()[..., None] / div * inv[:, None], dtype)
         return cos[:, None], sin[:, None]
 
     def prefill(self, embeds: torch.Tensor, lengths: torch.Tensor, past: list[KV] | None = None,
@@ -344,7 +382,7 @@ class TextDecoder(Decoder):
         if past is not None:
             seen = torch.arange(p, device=dev)[None, :] < offset[:, None]  # [B, P]
             mask = torch.cat([seen[:, None, :].expand(b, t, p), mask], dim=2)  # [B, T, P+T]
-        return self._layers(embeds, positions, mask, past, deepstack)
+        return self._layers(embeds, positions, mask, past, deepstack, offset + lengths)
 
     def _positions(self, positions: torch.Tensor | None, offset: torch.Tensor,
                    pos: torch.Tensor, b: int) -> torch.Tensor:
@@ -374,14 +412,16 @@ class TextDecoder(Decoder):
             pos = (positions.expand(3, b) if positions.dim() == 1 else positions)[:, :, None]
         ones = torch.ones((b, 1), dtype=torch.bool, device=embeds.device)
         mask = torch.cat([key_valid, ones], dim=1)[:, None, :]  # [B, 1, S+1]
-        x, new_kv = self._layers(embeds, pos, mask, kv)
+        seq_lens = positions + 1 if self.spec.rope == "1d" else None
+        x, new_kv = self._layers(embeds, pos, mask, kv, seq_lens=seq_lens)
         return self.lm_head(self.norm(x[:, 0])).float(), new_kv
 
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                past: list[KV] | None, deepstack: DeepStack | None = None
-                ) -> tuple[torch.Tensor, list[KV]]:
-        # x: [B, T, D]; positions: [B, T] or [3, B, T]; mask: [B, T, P+T] bool
-        cos, sin = self.rotary(positions, x.dtype)
+                past: list[KV] | None, deepstack: DeepStack | None = None,
+                seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, list[KV]]:
+        # x: [B, T, D]; positions: [B, T] or [3, B, T]; mask: [B, T, P+T] bool; seq_lens:
+        # [B] each row's length after these tokens (``rotary``)
+        cos, sin = self.rotary(positions, x.dtype, seq_lens)
         feats = deepstack.features if deepstack is not None else ()
         if len(feats) > len(self.layers):
             raise ValueError(f"{len(feats)} DeepStack features for {len(self.layers)} layers")
