@@ -83,12 +83,13 @@ def save_random_internvl(path: Path, *, vision: dict, text: dict, tile: int, pat
     cfg = InternVLConfig(
         vision_config=dict(image_size=tile, patch_size=patch,
                            initializer_range=initializer_range, **vision),
-        text_config=dict(model_type="qwen2", vocab_size=len(tok), tie_word_embeddings=True,
-                         pad_token_id=tok.pad_token_id, initializer_range=initializer_range,
-                         **text),
+        text_config={"model_type": "qwen2", "vocab_size": len(tok),
+                     "tie_word_embeddings": True, "pad_token_id": tok.pad_token_id,
+                     "initializer_range": initializer_range, **text},
         image_token_id=int(tok.convert_tokens_to_ids("<IMG_CONTEXT>")),  # type: ignore[arg-type]
         image_seq_length=(tile // patch) ** 2 // 4,
-        tie_word_embeddings=True, initializer_range=initializer_range,
+        tie_word_embeddings=text.get("tie_word_embeddings", True),
+        initializer_range=initializer_range,
     )
     torch.manual_seed(seed)
     model = InternVLForConditionalGeneration(cfg).eval()
