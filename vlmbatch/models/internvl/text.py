@@ -4,12 +4,14 @@ An HF-native checkpoint names its text model by ``text_config.model_type``; an o
 ``InternVLChatModel`` one by ``llm_config.architectures[0]`` (``ARCHITECTURES`` maps it to
 the same names). What each kind is in the one decoder:
 
-| kind | InternVL releases | spec |
-|---|---|---|
-| ``qwen2`` | InternVL2-1B, 2.5-1B/4B/38B/78B, 3-1B/2B/8B/14B/38B/78B | q/k/v biases, no o bias |
-| ``qwen3`` | InternVL3.5-1B/2B/4B/8B/14B/38B | QK-norm, ``head_dim`` explicit, q/k/v/o biases iff ``attention_bias`` (False in every release) |
-| ``llama`` | the ``-hf`` conversions of InternLM2 ones (2.5-2B/8B/26B ``-MPO-hf``), InternVL3-9B | biases iff ``attention_bias`` |
-| ``internlm2`` | InternVL2-2B/8B/26B/40B, 2.5-2B/8B/26B (original layout) | fused grouped ``wqkv`` (``qkv_layout="grouped"``), biases iff ``bias`` |
+- ``qwen2`` (InternVL2-1B, 2.5-1B/4B/38B/78B, 3-1B/2B/8B/14B/38B/78B): q/k/v biases, no o
+  bias;
+- ``qwen3`` (InternVL3.5-1B/2B/4B/8B/14B/38B): QK-norm, ``head_dim`` explicit, q/k/v/o
+  biases iff ``attention_bias`` (False in every release);
+- ``llama`` (the ``-hf`` conversions of InternLM2-based releases, 2.5-2B/8B/26B-MPO-hf, and
+  InternVL3-9B): biases iff ``attention_bias``;
+- ``internlm2`` (InternVL2-2B/8B/26B/40B, 2.5-2B/8B/26B in the original layout): fused
+  grouped ``wqkv`` (``qkv_layout="grouped"``), biases iff ``bias``.
 
 Rotary: the default, or (``llama``, ``internlm2``) ``linear`` / ``dynamic`` scaling, which
 InternLM2 chat models ask for (``rope_scaling: {type: dynamic, factor: 2.0}``). Refused with
