@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import InternVLConfig, InternVLForConditionalGeneration
+from transformers import InternVLConfig, InternVLForConditionalGeneration, PreTrainedTokenizerBase
 
 from vlmbatch.models.internvl.tokenizer import build_tokenizer
 
@@ -76,10 +76,12 @@ def perturb(model: nn.Module, spread: float) -> None:
 def save_random_internvl(path: Path, *, vision: dict, text: dict, tile: int, patch: int,
                          max_tiles: int, seed: int = 0, dtype: torch.dtype = torch.float32,
                          vocab_size: int = 300, initializer_range: float = 0.02,
-                         spread: float = 0.1) -> Path:
+                         spread: float = 0.1, tokenizer: PreTrainedTokenizerBase | None = None
+                         ) -> Path:
     """Save a seeded random InternVL with ``vision``/``text`` config keywords into ``path``
-    (weights: module docstring)."""
-    tok = build_tokenizer(CORPUS, vocab_size=vocab_size)
+    (weights: module docstring); ``tokenizer``: one with ``<IMG_CONTEXT>`` instead of ours
+    (``random_original.save_sentencepiece_tokenizer``'s)."""
+    tok = tokenizer or build_tokenizer(CORPUS, vocab_size=vocab_size)
     cfg = InternVLConfig(
         vision_config=dict(image_size=tile, patch_size=patch,
                            initializer_range=initializer_range, **vision),
