@@ -1,7 +1,7 @@
-"""The app layer: the command line (``cli.py`` errors and exit codes; ``commands.py`` the
-commands by name as ``"module:attr"`` and those that need no model, ``model_commands.py``
-those that load one; ``args.py`` and ``embed_args.py`` the parser, light: ``--help`` and
-``status`` import no torch; ``embed_cli.py`` the ``embed`` command), the
-Python API (``api.py``: ``VLM``) and the OpenAI-compatible server (``server/``): thin layers
-over ``vlmbatch.jobs`` and ``vlmbatch.pipeline`` so that all three behave alike. The package
-itself imports nothing."""
+"""The app layer: the command line (``cli.py`` errors and exit codes, ``args.py`` the
+parser, ``commands.py`` the command table and the commands that need no model,
+``model_commands.py`` those that load one, ``embed_args.py`` and ``embed_cli.py`` the
+``embed`` command), each command's config root (``config.py``), the Python API (``api.py``:
+``VLM``) and the OpenAI-compatible server (``server/``): thin layers over ``vlmbatch.jobs``
+and ``vlmbatch.pipeline`` so that all three behave alike. The package itself imports
+nothing."""

@@ -1,1 +1,16 @@
-"""Image preprocessing: decode, resize policy, tiling, content hash. Never touches models."""
+"""Image preprocessing: bytes to the uint8 rows a vision module takes. Never touches models.
+
+- ``sources.py``: an image's bytes from a path, ``file://`` or ``data:`` URL (``SourceError``);
+- ``decode.py``: bytes -> RGB pixels as Pillow's ``convert("RGB")`` gives them (EXIF, alpha,
+  gray, 16-bit, CMYK), large JPEGs decoded reduced in the DCT domain, the decompression-bomb
+  guard (``limits.py``: the default pixel limit, light);
+- ``resize.py``: the resize policy (INTER_AREA when shrinking, INTER_CUBIC when enlarging);
+- ``tiling.py``: InternVL's tile grids (the reference ``dynamic_preprocess`` and the reduced
+  one); ``prepare.py``: the ``PreparedImage`` record, image plans (``TilingConfig``) and the
+  content hash; ``qwen_vl.py``: Qwen-VL's smart resize and patch rows (``qwen2vl.py``: its
+  resize grid);
+- ``isolated.py`` and ``decoder_process.py``: decoder processes, each image under a
+  deadline, a crash that image's error;
+- ``reference.py``: the Pillow reference pipeline of InternVL's model card (benchmarks and
+  tests only).
+"""

@@ -16,7 +16,7 @@ import xxhash
 from vlmbatch.app.server.app import create_app
 from vlmbatch.app.server.config import ServerConfig
 from vlmbatch.app.server.embeddings import Embeddings, EmbedInput, EmbedOptions, EmbedRefused
-from vlmbatch.app.server.state import ServerState
+from vlmbatch.app.server.serve import ServerState
 from vlmbatch.pipeline.engine import Engine
 from vlmbatch.pipeline.records import Request, Score
 from vlmbatch.preprocessing.prepare import PreparedImage, TilingConfig

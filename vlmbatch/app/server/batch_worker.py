@@ -27,10 +27,16 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from vlmbatch.app.server.batches import BatchBook, BatchRecord, job_counts
+from vlmbatch.app.server.batches import (
+    CHAT,
+    EMBEDDINGS,
+    BatchBook,
+    BatchRecord,
+    FileStore,
+    job_counts,
+)
 from vlmbatch.app.server.config import ServerConfig
 from vlmbatch.app.server.errors import APIError
-from vlmbatch.app.server.files import FileStore
 from vlmbatch.app.server.media import MediaRefused, check_image_url
 from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.errors import ManifestError
@@ -46,7 +52,6 @@ from vlmbatch.pipeline.embed import check_embed_config
 
 log = logging.getLogger("vlmbatch.app.server")
 MAX_ERRORS = 100
-CHAT, EMBEDDINGS = "/v1/chat/completions", "/v1/embeddings"  # the endpoints batches run
 
 
 def line_error(message: str, line: int | None = None, code: str = "invalid_request") -> dict:

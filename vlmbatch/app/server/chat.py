@@ -1,5 +1,12 @@
-"""``POST /v1/chat/completions``: the request as FastAPI parses it, the question it asks,
-and the ``chat.completion`` it is answered with.
+"""``POST /v1/chat/completions``: the request as pydantic parses it, the question it asks,
+the ``chat.completion`` it is answered with, and the endpoint itself (``ChatEndpoint``: a
+plain ASGI app in front of FastAPI's router).
+
+A chat request is validated by pydantic straight from the body's bytes (``ChatRequest``),
+turned into its one question (``question_of``), its image taken from the cache or prepared
+on a worker thread (``media.ImageCache``: in a decoder process), queued for the engine thread
+(``scheduler.Scheduler.submit``) and answered when its engine call is done; the event loop
+never blocks on the model.
 
 A request is read exactly as a line of an OpenAI batch file is (``jobs.openai_batch``):
 one ``image_url`` part, its text parts joined as the question, ``max_completion_tokens``
@@ -15,18 +22,28 @@ standard client computes from ``top_logprobs``. They are not the full vocabulary
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
 import time
 import uuid
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from vlmbatch.app.server.errors import APIError, bad_request
+from vlmbatch.app.server.errors import APIError, bad_request, error_body, log, parsed
 from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.openai_batch import parse_request
 from vlmbatch.pipeline.records import Answer, ImageItem, Score
+
+if TYPE_CHECKING:
+    from vlmbatch.app.server.serve import ServerState
+
+CHAT_PATH = "/v1/chat/completions"
 
 STRICT = ConfigDict(strict=True, extra="ignore")
 
@@ -154,3 +171,65 @@ def require_model(name: str, served: str, param: str = "model") -> None:
         raise APIError(404, f"the model {name!r} does not exist: this server serves "
                        f"{served!r} (GET /v1/models)", param, "model_not_found")
 
+
+async def answer_chat(state: ServerState, body: bytes) -> dict:
+    """The ``chat.completion`` for a request body, or the ``APIError`` it is answered with."""
+    cfg = state.cfg
+    with state.scheduler.arriving():
+        req = parsed(ChatRequest, body)
+        require_model(req.model, cfg.served_model_name)
+        item = question_of(req, cfg.max_prompt_chars, cfg.max_completion_tokens)
+        image = state.images.cached(item)
+        if image is None:  # decode on a worker thread, not the event loop
+            image = await run_in_threadpool(state.images.prepare, item)
+        future = state.scheduler.submit(item, image)
+    score = await asyncio.wrap_future(future)
+    return completion(req, item, cfg.served_model_name, score, state.answer_words)
+
+
+class ChatEndpoint:
+    """``POST /v1/chat/completions`` as a plain ASGI app in front of FastAPI's router (inside
+    the API key and body limit middlewares): the hot path, one request per question, skips
+    the router's matching, dependency solving and exception layers, which took more of the
+    event loop's time than the endpoint itself in a profile of bench/serve.py. Other methods
+    on the path go on to FastAPI (a 404)."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not (scope["type"] == "http" and scope["method"] == "POST"
+                and scope["path"] == CHAT_PATH):
+            await self.app(scope, receive, send)
+            return
+        try:
+            body = await _body(receive)
+            if body is None:
+                return  # the client went away
+            status, payload = 200, await answer_chat(self.state, body)
+        except APIError as e:
+            status, payload = e.status, error_body(e.status, e.message, e.param, e.code, e.type)
+        except HTTPException as e:  # the body limit's 413
+            status, payload = e.status_code, error_body(e.status_code, str(e.detail),
+                                                        code="request_too_large")
+        except Exception as e:  # noqa: BLE001  (a 500 in the error shape, logged)
+            log.exception("unexpected error on POST %s", CHAT_PATH)
+            status = 500
+            payload = error_body(500, f"internal error: {type(e).__name__}",
+                                 code="internal_error")
+        data = json.dumps(payload, ensure_ascii=False, allow_nan=False).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data})
+
+
+async def _body(receive: Receive) -> bytes | None:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)

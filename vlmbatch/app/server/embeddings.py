@@ -1,10 +1,10 @@
 """``POST /v1/embeddings``: OpenAI's request, validated here, answered by an ``Embedder``.
 
-The server does not compute embeddings itself: it parses and checks the request, reads any
+The endpoint does not compute embeddings itself: it parses and checks the request, reads any
 images (under the same media policy as chat), and hands the inputs to an ``Embedder``, a
-callable that returns one vector and one token count per input (``vlmbatch/app/server/
-embedder.py``: our embedder on the engine thread). A server started with ``--no-embeddings``
-answers a valid request 501; an invalid one is a 400 either way.
+callable that returns one vector and one token count per input (``EngineEmbedder`` below:
+the drive loop's two stages, the model on the engine thread). A server started with
+``--no-embeddings`` answers a valid request 501; an invalid one is a 400 either way.
 
 Accepted (OpenAI's contract, plus the two image forms other servers take):
 
@@ -25,16 +25,31 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Sequence
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
 
-from vlmbatch.app.server.chat import STRICT, ImagePart, Message, TextPart
-from vlmbatch.app.server.errors import APIError, bad_request
+from vlmbatch.app.server.chat import STRICT, ImagePart, Message, TextPart, require_model
+from vlmbatch.app.server.errors import APIError, bad_request, parsed
 from vlmbatch.app.server.media import MediaRefused, check_image_url
+from vlmbatch.app.server.scheduler import Scheduler
+from vlmbatch.pipeline.config import ConfigError, EmbedConfig, PrepareOptions
+from vlmbatch.pipeline.drive import Preparer, prepared_groups, run_group
+from vlmbatch.pipeline.embed import Embedder as ModelEmbedder
+from vlmbatch.pipeline.embed import build_embedder
+from vlmbatch.pipeline.engine import Engine
+from vlmbatch.pipeline.records import Embedding, EmbedItem
+from vlmbatch.pipeline.task import EmbedTask
+
+if TYPE_CHECKING:
+    from vlmbatch.app.server.serve import ServerState
 from vlmbatch.preprocessing.sources import SourceError, read_bytes
 
 MAX_INPUTS, MAX_INPUT_TOKENS, MAX_REQUEST_TOKENS = 2048, 8192, 300_000
@@ -198,3 +213,73 @@ def embed(embedder: Embedder | None, req: EmbeddingRequest, inputs: list[EmbedIn
     n = int(sum(out.tokens))
     return {"object": "list", "data": data, "model": model,
             "usage": {"prompt_tokens": n, "total_tokens": n}}
+
+
+class EngineEmbedder:
+    def __init__(self, engine: Engine, scheduler: Scheduler, opts: PrepareOptions,
+                 workers: Preparer | None) -> None:
+        self.engine, self.scheduler, self.opts, self.workers = engine, scheduler, opts, workers
+        self._by_dims: dict[int | None, ModelEmbedder] = {}
+        # pooled vectors are the decoder's hidden size (a projection serves multi-vector only)
+        self.dimensions = self._embedder(None).resolved.hidden
+
+    def _embedder(self, dims: int | None) -> ModelEmbedder:
+        if dims not in self._by_dims:  # built once per size (a Matryoshka size is checked)
+            try:
+                self._by_dims[dims] = build_embedder(  # pooled, whatever the checkpoint's default
+                    self.engine, EmbedConfig(dimensions=dims, multi_vector=False))
+            except ConfigError as e:
+                raise EmbedRefused(str(e), None) from None
+        return self._by_dims[dims]
+
+    def __call__(self, inputs: Sequence[EmbedInput], options: EmbedOptions) -> Embeddings:
+        items = [_item(i, x) for i, x in enumerate(inputs)]
+        task = EmbedTask(self._embedder(options.dimensions).cfg)
+        with closing(prepared_groups(task, [items], self.engine.image_plan, self.opts,
+                                     workers=self.workers)) as stage1:
+            p = next(stage1)  # decoded here, on the request's thread
+
+        def work() -> list[list[Embedding]]:  # on the engine thread
+            return run_group(task, self.engine, p)
+
+        out = [e for per_item in self.scheduler.call(work).result() for e in per_item]
+        total = 0
+        for e in out:
+            if e.vector is None:
+                raise EmbedRefused(f"input {e.index} could not be embedded: {e.error}", e.index)
+            tokens = e.tokens or 0
+            if tokens > options.max_input_tokens:
+                raise EmbedRefused(f"input {e.index} has {tokens:,} tokens, over the limit of "
+                                   f"{options.max_input_tokens:,}", e.index,
+                                   "context_length_exceeded")
+            total += tokens
+        if total > options.max_request_tokens:
+            raise EmbedRefused(f"the request has {total:,} tokens, over the limit of "
+                               f"{options.max_request_tokens:,}", None, "context_length_exceeded")
+        vectors = np.stack([e.vector for e in out if e.vector is not None]).astype(np.float32)
+        return Embeddings(vectors, [e.tokens or 0 for e in out])
+
+
+def _item(i: int, x: EmbedInput) -> EmbedItem:
+    if x.token_ids is not None:
+        raise EmbedRefused("token-id inputs are not supported by this server: send the text",
+                           i, "invalid_value")
+    return EmbedItem(i, None, x.image, x.text, Path.cwd())
+
+
+def embedding_routes(state: ServerState) -> APIRouter:
+    """``POST /v1/embeddings`` (the inputs read and the images' bytes fetched on a worker
+    thread, the vectors from the state's ``Embedder``)."""
+    cfg = state.cfg
+    router = APIRouter()
+
+    @router.post("/v1/embeddings")
+    async def embeddings(request: Request) -> JSONResponse:
+        req = parsed(EmbeddingRequest, await request.body())
+        require_model(req.model, cfg.served_model_name)
+        inputs = await run_in_threadpool(parse_inputs, req, cfg.allowed_local_media_path)
+        body = await run_in_threadpool(embed, state.embedder, req, inputs,
+                                       cfg.served_model_name)
+        return JSONResponse(body)
+
+    return router

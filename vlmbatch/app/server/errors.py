@@ -3,7 +3,8 @@
     {"error": {"message": "...", "type": "invalid_request_error", "param": "messages",
                "code": "invalid_image"}}
 
-``APIError`` is what handlers raise; ``install`` turns it, FastAPI's validation errors,
+``APIError`` is what handlers raise (``parsed`` turns a body pydantic refuses into the
+400 naming its first problem); ``install`` turns it, FastAPI's validation errors,
 Starlette's 404/405/413 and anything unexpected (500, logged) into that body. A malformed
 request is a 400 (OpenAI's status for an invalid one), never FastAPI's 422.
 """
@@ -12,14 +13,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("vlmbatch.app.server")
+M = TypeVar("M", bound=BaseModel)
 
 INVALID = "invalid_request_error"
 # OpenAI's error types by status, for errors raised without one
@@ -93,6 +96,15 @@ def validation_error(errors: Sequence[Any]) -> APIError:
         return bad_request(f"missing required parameter '{param}'", param,
                            "missing_required_parameter")
     return bad_request(f"invalid value for '{param}': {msg}", param, "invalid_value")
+
+
+def parsed(model: type[M], body: bytes) -> M:
+    """``body`` parsed and validated as ``model`` (pydantic's JSON parser, in one pass), or
+    the 400 naming the first problem."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
 
 
 def install(app: FastAPI) -> None:
