@@ -59,13 +59,24 @@ def load_tokenizer(path: Path) -> Any:
             if not (path / "tokenizer.model").is_file():
                 raise ModelError(f"{path}: tokenizer_config.json names {cls}, whose "
                                  "vocabulary is tokenizer.model, and there is none")
-            return SentencePieceTokenizer.from_pretrained(str(path))
+            return SentencePieceTokenizer.from_pretrained(str(path), **_special_tokens(path))
         # never the checkpoint's code, and never a prompt asking whether to run it
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except ModelError:
         raise
     except Exception as e:  # noqa: BLE001  (transformers raises many kinds)
         raise ModelError(f"cannot load the tokenizer from {path}: {e}") from e
+
+
+def _special_tokens(path: Path) -> dict[str, list[str]]:
+    """``additional_special_tokens`` from special_tokens_map.json where tokenizer_config.json
+    has none (transformers 5 reads only the latter). They are what ``skip_special_tokens``
+    drops, as the published class's ``all_special_ids`` (transformers 4) did."""
+    if "additional_special_tokens" in read_json(path / "tokenizer_config.json"):
+        return {}
+    tokens = read_json(path / "special_tokens_map.json").get("additional_special_tokens", [])
+    return {"additional_special_tokens": [t if isinstance(t, str) else t["content"]
+                                          for t in tokens]} if tokens else {}
 
 
 class SentencePieceTokenizer(SentencePieceBackend):
