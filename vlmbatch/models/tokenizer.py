@@ -113,7 +113,8 @@ class SentencePieceTokenizer(SentencePieceBackend):
         return int(self.add_bos_token) + int(self.add_eos_token)
 
     def convert_tokens_to_string(self, tokens: list[str]) -> str:
-        out, run = [], []
+        out: list[str] = []
+        run: list[str] = []
         added = set(self.added_tokens_encoder) | set(self.all_special_tokens)
         for t in tokens:
             if t in added:

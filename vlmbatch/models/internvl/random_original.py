@@ -24,6 +24,7 @@ import json
 import shutil
 from pathlib import Path
 
+import sentencepiece as spm
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -99,9 +100,9 @@ def _text_weights(hf: dict[str, torch.Tensor], arch: str,
         if ".self_attn.k_proj." in key or ".self_attn.v_proj." in key:
             continue
         if ".self_attn.q_proj." in key:
-            qkv = [llm[key.replace("q_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
-            key, t = key.replace("self_attn.q_proj", "attention.wqkv"), fuse_grouped_qkv(
-                *qkv, kv_heads)
+            q, k, v = (llm[key.replace("q_proj", p)] for p in ("q_proj", "k_proj", "v_proj"))
+            key = key.replace("self_attn.q_proj", "attention.wqkv")
+            t = fuse_grouped_qkv(q, k, v, kv_heads)
         for ours, theirs in _INTERNLM2.items():
             key = key.replace(ours, theirs)
         out["language_model.model." + key] = t
@@ -166,8 +167,6 @@ def _added(content: str) -> dict:
 
 def save_sentencepiece_tokenizer(path: Path, vocab_size: int = 420) -> SentencePieceTokenizer:
     """An InternLM2-style tokenizer in ``path`` (module docstring), loaded back."""
-    import sentencepiece as spm  # the trainer; a dependency of vlmbatch (InternLM2 tokenizers)
-
     buf = io.BytesIO()
     system = ("你是由上海人工智能实验室联合商汤科技开发的书生多模态大模型，"
               "英文名叫InternVL, 是一个有用无害的人工智能助手。")
