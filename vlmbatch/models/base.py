@@ -54,6 +54,8 @@ class TextSizes(Protocol):
     def head_dim(self) -> int: ...
     @property
     def intermediate(self) -> int: ...
+    @property
+    def qkv_layout(self) -> str: ...  # "separate" | "grouped" (quant/'s layer groups)
 
 
 @dataclass(frozen=True)

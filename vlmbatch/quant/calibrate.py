@@ -51,11 +51,10 @@ def layer_groups(heads: int, kv_heads: int, qkv_layout: str = "separate") -> lis
     # o_proj reads attention output, linear in v_proj's rows only when every query head has
     # its own value head; with grouped-query attention no per-channel fold exists, nor with
     # the grouped layout (its value rows are interleaved with q and k in wqkv: not folded).
+    qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
+    o_producer = "rows:v_proj" if heads == kv_heads else None
     if qkv_layout == "grouped":
         qkv, o_producer = ("wqkv",), None
-    else:
-        qkv, o_producer = ("q_proj", "k_proj", "v_proj"), (
-            "rows:v_proj" if heads == kv_heads else None)
     return [Group(qkv, "norm:input_layernorm"), Group(("o_proj",), o_producer),
             Group(("gate_proj", "up_proj"), "norm:post_attention_layernorm"),
             Group(("down_proj",), "rows:up_proj")]
