@@ -8,9 +8,9 @@ the same names). What each kind is in the one decoder:
   bias;
 - ``qwen3`` (InternVL3.5-1B/2B/4B/8B/14B/38B): QK-norm, ``head_dim`` explicit, q/k/v/o
   biases iff ``attention_bias`` (False in every release);
-- ``llama`` (the ``-hf`` conversions of InternLM2-based releases, 2.5-2B/8B/26B-MPO-hf, and
-  InternVL3-9B): biases iff ``attention_bias``;
-- ``internlm2`` (InternVL2-2B/8B/26B/40B, 2.5-2B/8B/26B in the original layout): fused
+- ``llama`` (InternVL2-40B/76B in the original layout, and the ``-hf`` conversions of
+  InternLM2-based releases): biases iff ``attention_bias``;
+- ``internlm2`` (InternVL2-2B/8B/26B, 2.5-2B/8B/26B in the original layout): fused
   grouped ``wqkv`` (``qkv_layout="grouped"``), biases iff ``bias``.
 
 Rotary: the default, or (``llama``, ``internlm2``) ``linear`` / ``dynamic`` scaling, which
