@@ -169,11 +169,21 @@ def test_dynamic_rotary_is_exercised(models, full_row) -> None:  # noqa: ANN001
     assert (got - want).abs().max() > 100 * TOL
 
 
-def test_every_constant_initialised_decoder_parameter_matters(models, full_row) -> None:  # noqa: ANN001
+def slow_beside(request: pytest.FixtureRequest, ci: tuple[str, ...], reason: str) -> None:
+    """Skip this case without ``--run-slow`` unless its text model is one of ``ci``."""
+    if (request.node.callspec.params["models"] not in ci
+            and not request.config.getoption("--run-slow")):
+        pytest.skip(f"slow: run with --run-slow ({reason})")
+
+
+def test_every_constant_initialised_decoder_parameter_matters(  # noqa: ANN001
+        models, full_row, request: pytest.FixtureRequest) -> None:
     """Each decoder parameter that transformers initialises to a constant (biases, norm
     weights) is moved off it far enough that putting it back moves the logits by > 10x the
     tolerance (measured: 0.011 for the least, a k bias; the vision tower's parameters are
     checked on its own output, ``test_internvl_vision.py``)."""
+    slow_beside(request, ("qwen2", "qwen3", "qwen3_no_bias"),
+                "~10 s; Llama's parameters are Qwen's, and InternLM2's test_internlm2.py")
     ours, _ = models
     p, im, _ = full_row
     llm = copy.deepcopy(ours.llm)
@@ -195,16 +205,22 @@ def test_every_constant_initialised_decoder_parameter_matters(models, full_row) 
 @pytest.mark.parametrize("cache", [False, True])
 @pytest.mark.parametrize("per_question", [False, True])
 def test_greedy_text_matches_transformers_generate(models, cache: bool,  # noqa: ANN001
-                                                   per_question: bool) -> None:
+                                                   per_question: bool,
+                                                   request: pytest.FixtureRequest) -> None:
     """Batched greedy decode (over cached prefixes or not) = transformers generate, token for
     token, for prompts of different lengths in one batch. ``per_question``: only every other
     request asks for text (its own max_new_tokens), so decode runs on a subset of the
-    batch's rows; the others get none."""
+    batch's rows; the others get none. Without ``--run-slow`` one text model beside Qwen2
+    (InternVL3.5's, Qwen3 without biases) runs one case (cache on, every row decoding): the
+    others cost ~80 s of CI on 2 cores and share all their decode code with Qwen2's."""
     ours, ref = models
     if cache and dynamic(ours):
         pytest.skip("a cached prefix keeps the rotary base of the prompt that computed it "
                     "(models/decoder.py); past max_positions that differs from a fresh "
                     "prefill of the whole prompt")
+    if per_question or not cache:
+        slow_beside(request, ("qwen2",), "CI runs Qwen2's four cases and one of Qwen3's")
+    slow_beside(request, ("qwen2", "qwen3_no_bias"), "CI runs one Qwen3 case")
     rng = np.random.default_rng(2)
     images = [prepare(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), ours.spec.tiling)
               for w, h in [(56, 56), (200, 90)]]
