@@ -21,16 +21,32 @@ from vlmbatch.models.internvl.random import save_random_internvl
 def make_model_dir(path: Path, *, tile: int = 56, patch: int = 14, vision_layers: int = 2,
                    norm_type: str = "layer_norm", qk_norm: bool = False,
                    mean_pooling: bool = True, attention_bias: bool = True, max_tiles: int = 6,
-                   seed: int = 0) -> Path:
-    """Save a tiny random InternVL (HF-native) with our tokenizer into ``path``; returns it."""
+                   seed: int = 0, text: dict | None = None) -> Path:
+    """Save a tiny random InternVL (HF-native) with our tokenizer into ``path``; returns it.
+    ``text``: text-config keywords over the default Qwen2 ones (``TEXT_MODELS``)."""
     return save_random_internvl(
         path, tile=tile, patch=patch, max_tiles=max_tiles, seed=seed, initializer_range=0.1,
         vision=dict(hidden_size=32, num_hidden_layers=vision_layers, num_attention_heads=2,
                     intermediate_size=64, norm_type=norm_type, use_qk_norm=qk_norm,
                     use_mean_pooling=mean_pooling, attention_bias=attention_bias,
                     layer_scale_init_value=0.5),
-        text=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, intermediate_size=64, max_position_embeddings=2048))
+        text={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 64,
+              "max_position_embeddings": 2048, **(text or {})})
+
+
+# text models of the InternVL family beside the default Qwen2 (models/internvl/text.py), as
+# make_model_dir's ``text``: every bias the config allows present (random.perturb moves
+# them), so a dropped one shows. Llama's dynamic-NTK rotary past 32 positions: the
+# test prompts (~40-70 tokens) are scaled.
+TEXT_MODELS = {
+    "qwen3": {"model_type": "qwen3", "head_dim": 16, "attention_bias": True},
+    "qwen3_no_bias": {"model_type": "qwen3", "head_dim": 8},  # InternVL3.5's releases
+    "llama_dynamic": {"model_type": "llama", "attention_bias": True,
+                      "max_position_embeddings": 32, "tie_word_embeddings": False,
+                      "rope_parameters": {"rope_type": "dynamic", "factor": 2.0,
+                                          "rope_theta": 10000.0}},
+}
 
 
 @pytest.fixture(scope="session")

@@ -81,7 +81,8 @@ def test_an_unknown_name_lists_the_known_ones_without_importing_them(tmp_path: P
     engine, family = printed.splitlines()
     assert engine == "unknown engine 'nope'; one of: torch, lmdeploy"
     assert "model_type 'llava' is not supported" in family
-    assert "'internvl', 'qwen2_vl', 'qwen2_5_vl', 'qwen3_vl', 'qwen3_5', 'colqwen2'" in family
+    assert ("'internvl', 'internvl_chat', 'qwen2_vl', 'qwen2_5_vl', 'qwen3_vl', 'qwen3_5', "
+            "'colqwen2'" in family)
     assert [m for m in ["torch", *IMPLEMENTATIONS] if m in modules] == []
 
 

@@ -131,7 +131,8 @@ def test_options_and_model_types_that_do_not_apply(checkpoints: dict[str, Path],
     assert main(["run", str(m), "--model", str(model),
                  "--max-image-tokens", "1"]) == EXIT_BAD_INPUT
     assert "min_pixels" in capsys.readouterr().err
-    for model_type, says in (("llava", "'internvl', 'qwen2_vl', 'qwen2_5_vl', 'qwen3_vl'"),
+    known = "'internvl', 'internvl_chat', 'qwen2_vl', 'qwen2_5_vl', 'qwen3_vl'"
+    for model_type, says in (("llava", known),
                              ("qwen3_vl_moe", "mixture-of-experts")):
         other = tmp_path / model_type
         other.mkdir()

@@ -6,10 +6,11 @@ tolerance. Two kinds, both silent on weights that transformers initialises (zero
 that barely move the output:
 
 - ``drop_qkv_biases``: attention without its q/k/v biases (released Qwen2 decoders and
-  InternViT-300M have them, large);
+  InternViT-300M have them, large; InternLM2's fused ``wqkv`` too);
 - ``swap_query_heads``: the rows of query heads 0 and 1 exchanged in the q projection
-  (weights and bias), i.e. a head-order bug in a reshape; heads 0 and 1 share a key/value
-  head under GQA, the subtle case.
+  (weights and bias; in InternLM2's grouped ``wqkv``, its first two row blocks, kv head 0's
+  query heads), i.e. a head-order bug in a reshape; heads 0 and 1 share a key/value head
+  under GQA, the subtle case.
 
 ``constant_init_parameters`` lists the parameters transformers initialises to a constant
 (biases and norm shifts 0, norm weights 1 (Qwen3.5's zero-centred norms 0), layer scales,
@@ -46,7 +47,7 @@ def _linears(module: nn.Module, names: tuple[str, ...]) -> Iterator[tuple[str, n
 def drop_qkv_biases(module: nn.Module) -> None:
     """Zero every q/k/v projection's bias (decoder ``q_proj``/``k_proj``/``v_proj``,
     InternViT's the same, Qwen-VL towers' fused ``qkv``)."""
-    found = list(_linears(module, ("q_proj", "k_proj", "v_proj", "qkv")))
+    found = list(_linears(module, ("q_proj", "k_proj", "v_proj", "qkv", "wqkv")))
     assert found, "no q/k/v projection found"
     for path, lin in found:
         assert lin.bias is not None, f"{path} has no bias to drop"
@@ -58,9 +59,12 @@ def swap_query_heads(module: nn.Module) -> None:
     """Exchange query heads 0 and 1 in the first attention of ``module``: rows [0, d) and
     [d, 2d) of its q projection (the q part of a fused ``qkv``, which comes first), weight
     and bias. ``module.spec.heads``: its query heads."""
-    path, lin = next(_linears(module, ("q_proj", "qkv")))
-    q_rows = lin.out_features // 3 if path.endswith("qkv") else lin.out_features
-    d = q_rows // int(module.spec.heads)  # type: ignore[union-attr]
+    path, lin = next(_linears(module, ("q_proj", "qkv", "wqkv")))
+    heads = int(module.spec.heads)  # type: ignore[union-attr]
+    if path.endswith("wqkv"):  # InternLM2's grouped rows: kv head 0's query heads first
+        d = lin.out_features // (heads + 2 * int(module.spec.kv_heads))  # type: ignore[union-attr]
+    else:
+        d = (lin.out_features // 3 if path.endswith("qkv") else lin.out_features) // heads
     with torch.no_grad():
         for t in (lin.weight, lin.bias):
             if t is not None:

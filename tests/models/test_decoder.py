@@ -98,7 +98,11 @@ def test_partial_rotary_matches_the_published_formula() -> None:
     ({"rope": "mrope-sectioned", "mrope_section": (2, 3, 4)}, "summing to the rotary pairs"),
     ({"rotary_dim": 7}, "must be even"),
     ({"layer_kinds": ("full",)}, "1 layer kinds for 2 layers"),
-    ({"layer_kinds": ("full", "linear")}, r"\['linear'\] are not implemented"),
+    ({"layer_kinds": ("full", "moe")}, r"\['moe'\] are not implemented"),
+    ({"layer_kinds": ("full", "linear")}, r"need their sizes \(linear\)"),
+    ({"qkv_layout": "fused"}, "qkv layout 'fused' not one of"),
+    ({"qkv_layout": "grouped", "attn_gate": True}, "gated attention needs the separate"),
+    ({"rope_scaling": "dynamic", "rope_factor": 2.0}, "needs max_positions"),
 ])
 def test_spec_refuses_what_the_decoder_cannot_build(change: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

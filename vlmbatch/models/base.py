@@ -56,6 +56,8 @@ class TextSizes(Protocol):
     def intermediate(self) -> int: ...
     @property
     def kinds(self) -> tuple[str, ...]: ...  # per layer "full" or "linear" (Qwen3.5)
+    @property
+    def qkv_layout(self) -> str: ...  # "separate" | "grouped" (quant/'s layer groups)
 
 
 @dataclass(frozen=True)

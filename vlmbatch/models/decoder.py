@@ -29,7 +29,25 @@ The options:
   ``linear``): its entry of ``past`` / the returned list is its state ``(conv [B, C, K-1],
   recurrent [B, Hv, dk, dv])`` before / after the call instead of k, v, a missing past
   meaning zeros; ``join_cache`` joins a cache with a step's output per kind (K/V appended, a
-  state replaced). Positions and the attention mask concern the full layers only.
+  state replaced). Positions and the attention mask concern the full layers only; a linear
+  layer reads which new tokens are real (``valid``) instead;
+- ``qkv_layout``: ``"separate"`` (``q_proj``, ``k_proj``, ``v_proj``) or ``"grouped"``
+  (InternLM2's one fused ``wqkv``: per key/value head its query heads, then its key, then
+  its value; ``GroupedQKVAttention``); ``Attention.qkv`` is the one method that builds
+  q, k, v (``Attention.project`` adds the output gate, ``GatedAttention``'s own). A grouped
+  layout with ``attn_gate`` is refused: no checkpoint has one, and ``wqkv`` holds no gate;
+- ``rope_scaling`` (1-D rotary): ``"linear"`` (positions / ``rope_factor``) or
+  ``"dynamic"`` NTK (InternLM2's and transformers' Llama ``dynamic``: a row longer than
+  ``max_positions`` gets a larger base). Which length: each row's own, after the tokens
+  of the call (prefill: cached + new; decode: position + 1; ``extend``: its largest new
+  position + 1, so a label set's choices side by side all take the base of the row's
+  longest). For one prompt prefilled whole this is the published model's ``kv_seq_len``;
+  the published module also keeps the largest table it has built and reuses it for later,
+  shorter prompts, a history we do not copy (one answer per prompt, whatever ran before).
+  Keys of a cached prefix keep the base of the length they were computed at, as the
+  published decode keeps its past keys; a prompt within ``max_positions`` (32,768 for
+  InternLM2-chat, 10x the longest image prompt) is never scaled, so none of this moves its
+  answer.
 
 Decided once (the two former decoders differed): ``past`` given without ``past_lengths``
 means every cached position is real (and 1-D positions continue after them); checkpoint
@@ -39,21 +57,21 @@ buffer, which older transformers wrote and which is recomputed from ``rope_theta
 model's saved ``lm_head.weight`` is ignored, as transformers ignores it.
 
 Parameter names are transformers' without the family's prefix (``layers.0.self_attn.
-q_proj.weight``, ``layers.0.mlp.gate_proj.weight``), so ``ModelFamily.llm_param`` /
+q_proj.weight``, ``layers.0.mlp.gate_proj.weight``; the grouped layout's fused projection
+``layers.0.self_attn.wqkv.weight``), so ``ModelFamily.llm_param`` /
 ``llm_key`` map every family the same way (``base.weight_key``).
 
-Seams for what the next model family issue adds (not implemented here):
+Seams that later model families filled (each done now):
 
-- Qwen3 text under InternVL: a spec with ``qk_norm=True`` and ``qkv_bias = o_bias =
-  attention_bias`` (the Qwen-VL reader already builds Qwen3-VL's that way).
-- InternLM2's fused grouped ``wqkv`` (per KV head: its q heads, then k, then v): a subclass
-  of ``Attention`` whose ``qkv`` splits one projection, the only method that builds q, k, v;
-  its weight names (``wqkv``, ``wo``, ``w1/w2/w3``) map in the family's ``normalise_key``.
-  Dynamic NTK rope scaling: ``TextDecoder.rotary`` is the one place the tables are made.
-- Qwen3.5 (done): ``layer_kinds`` with ``"linear"`` layers (``LAYERS`` maps a kind to its
+- Qwen3 text under InternVL (InternVL3.5): a spec with ``qk_norm=True`` and ``qkv_bias =
+  o_bias = attention_bias``, as the Qwen-VL reader builds Qwen3-VL's.
+- Qwen3.5: ``layer_kinds`` with ``"linear"`` layers (``LAYERS`` maps a kind to its
   module), gated full attention (``GatedAttention``: its ``project`` is the one place q, k,
   v and the gate are made; ``Attention.project`` calls ``qkv``), partial rotary
   (``rotary_dim``), zero-centred norms.
+- InternLM2: the grouped ``wqkv`` (``qkv_layout``, ``QKV_LAYOUTS``; its weight names
+  ``wqkv``, ``wo``, ``w1/w2/w3`` map in the family's ``normalise_key``) and rope scaling
+  (``TextDecoder.rotary`` is the one place the tables are made).
 
 Shapes: B rows, T new tokens (right-padded), P cached tokens, D hidden, V vocabulary, H query
 heads, K key/value heads, d head dim, r rotary dim. K/V are returned with rotary applied, so
@@ -78,10 +96,12 @@ from vlmbatch.models.layers import (
     rope,
     rope_tables,
     rotary,
+    scaled_inverse_frequencies,
 )
 from vlmbatch.models.linear_attention import GatedDeltaNet, LinearSpec
 
 ROPE_KINDS = ("1d", "mrope-sectioned", "mrope-interleaved")
+ROPE_SCALINGS = ("none", "linear", "dynamic")  # 1-D rotary only (module docstring)
 HARMLESS = ("rotary_emb.inv_freq",)  # name endings of checkpoint weights that are dropped
 
 # Repeat K/V per query head instead of SDPA's ``enable_gqa``? No, on both devices, measured
@@ -122,6 +142,10 @@ class TextSpec:
     attn_gate: bool = False  # Qwen3.5: q_proj also gives a sigmoid output gate per head
     layer_kinds: tuple[str, ...] = ()  # per layer, one of LAYERS; (): every layer "full"
     linear: LinearSpec | None = None  # the "linear" layers' sizes
+    qkv_layout: str = "separate"  # one of QKV_LAYOUTS (module docstring)
+    rope_scaling: str = "none"  # one of ROPE_SCALINGS
+    rope_factor: float = 1.0  # linear / dynamic scaling factor (>= 1)
+    max_positions: int = 0  # dynamic: the trained length past which the base grows
 
     def __post_init__(self) -> None:
         if self.heads % self.kv_heads:
@@ -145,6 +169,19 @@ class TextSpec:
         if ("linear" in self.layer_kinds) != (self.linear is not None):
             raise ValueError("linear-attention layers need their sizes (linear), and only "
                              "they take them")
+        if self.rope_scaling not in ROPE_SCALINGS or (self.rope_scaling != "none"
+                                                      and self.rope != "1d"):
+            raise ValueError(f"rope scaling {self.rope_scaling!r} must be one of "
+                             f"{ROPE_SCALINGS}, and scaled rotary is for 1-D rope only")
+        if self.rope_scaling != "none" and not self.rope_factor >= 1:
+            raise ValueError(f"rope scaling factor {self.rope_factor} must be >= 1")
+        if self.rope_scaling == "dynamic" and self.max_positions < 1:
+            raise ValueError("dynamic rope scaling needs max_positions (the trained length)")
+        if self.qkv_layout not in QKV_LAYOUTS:
+            raise ValueError(f"qkv layout {self.qkv_layout!r} not one of {sorted(QKV_LAYOUTS)}")
+        if self.attn_gate and self.qkv_layout != "separate":
+            raise ValueError(f"gated attention needs the separate q/k/v layout (q_proj gives "
+                             f"the gate), not {self.qkv_layout!r}")
         activation(self.act)  # ValueError naming the supported ones
 
     @property
@@ -187,13 +224,18 @@ class Attention(nn.Module):
     def __init__(self, s: TextSpec) -> None:
         super().__init__()
         self.s = s
-        self.q_proj = nn.Linear(s.hidden, self.q_width * s.heads * s.head_dim, bias=s.qkv_bias)
-        self.k_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.qkv_bias)
-        self.v_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.qkv_bias)
+        self.projections(s)
         self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=s.o_bias)
         if s.qk_norm:
             self.q_norm = make_norm(s, s.head_dim)
             self.k_norm = make_norm(s, s.head_dim)
+
+    def projections(self, s: TextSpec) -> None:
+        """The linears ``project`` reads: q_proj (with the gate: ``q_width``), k_proj,
+        v_proj."""
+        self.q_proj = nn.Linear(s.hidden, self.q_width * s.heads * s.head_dim, bias=s.qkv_bias)
+        self.k_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.qkv_bias)
+        self.v_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.qkv_bias)
 
     def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h [B, T, D] -> q [B, T, H, d], k and v [B, T, K, d] (before norm and rotary)."""
@@ -246,6 +288,28 @@ class GatedAttention(Attention):
                 self.v_proj(h).view(b, t, s.kv_heads, s.head_dim), gate.reshape(b, t, -1))
 
 
+class GroupedQKVAttention(Attention):
+    """InternLM2's attention: one ``wqkv`` projection whose output rows, per key/value head
+    in order, are that head's g = H / K query heads, then its key, then its value (each d
+    rows): ``[K, g + 2, d]``. The split is the only difference (``qkv``)."""
+
+    def projections(self, s: TextSpec) -> None:
+        self.wqkv = nn.Linear(s.hidden, (s.heads + 2 * s.kv_heads) * s.head_dim,
+                              bias=s.qkv_bias)
+
+    def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, t, _ = h.shape
+        s = self.s
+        g = s.heads // s.kv_heads
+        x = self.wqkv(h).view(b, t, s.kv_heads, g + 2, s.head_dim)
+        return x[..., :g, :].reshape(b, t, s.heads, s.head_dim), x[..., g, :], x[..., g + 1, :]
+
+
+# a spec's qkv_layout -> its attention module
+QKV_LAYOUTS: dict[str, type[Attention]] = {"separate": Attention,
+                                           "grouped": GroupedQKVAttention}
+
+
 class MLP(nn.Module):
     def __init__(self, s: TextSpec) -> None:
         super().__init__()
@@ -263,7 +327,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, s: TextSpec) -> None:
         super().__init__()
-        self.self_attn = (GatedAttention if s.attn_gate else Attention)(s)
+        self.self_attn = (GatedAttention if s.attn_gate else QKV_LAYOUTS[s.qkv_layout])(s)
         self.mlp = MLP(s)
         self.input_layernorm = make_norm(s, s.hidden)
         self.post_attention_layernorm = make_norm(s, s.hidden)
@@ -327,16 +391,31 @@ class TextDecoder(Decoder):
             self.axes: torch.Tensor
             self.register_buffer("axes", torch.tensor(mrope_axes(spec)), persistent=False)
 
-    def rotary(self, positions: torch.Tensor,
-               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype,
+               seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] (1-D) or [3, B, T] (M-RoPE) long -> (cos, sin) each
-        [B, 1, T, r] in ``dtype``, computed in float32."""
+        [B, 1, T, r] in ``dtype``, computed in float32. seq_lens [B]: each row's length
+        once these tokens are in (dynamic scaling reads it)."""
         s = self.spec
-        if s.rope == "1d":
+        if s.rope == "1d" and s.rope_scaling == "none":
             return rotary(positions, s.rope_dim, s.rope_theta, dtype)
+        if s.rope == "1d":
+            return self._scaled_rotary(positions, dtype, seq_lens)
         inv = inverse_frequencies(s.rope_dim, s.rope_theta, positions.device)
         per_pair = positions.index_select(0, self.axes).permute(1, 2, 0).float()  # [B, T, r/2]
         cos, sin = rope_tables(per_pair * inv, dtype)
+        return cos[:, None], sin[:, None]
+
+    def _scaled_rotary(self, positions: torch.Tensor, dtype: torch.dtype,
+                       seq_lens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """1-D rotary scaled as the spec says (``layers.scaled_inverse_frequencies``)."""
+        s = self.spec
+        if s.rope_scaling == "dynamic" and seq_lens is None:
+            raise ValueError("dynamic rope scaling needs each row's length")
+        inv, div = scaled_inverse_frequencies(s.rope_dim, s.rope_theta, s.rope_scaling,
+                                              s.rope_factor, s.max_positions, seq_lens,
+                                              positions.device)  # [B or 1, r/2]
+        cos, sin = rope_tables(positions.float()[..., None] / div * inv[:, None], dtype)
         return cos[:, None], sin[:, None]
 
     def prefill(self, embeds: torch.Tensor, lengths: torch.Tensor, past: list[KV] | None = None,
@@ -388,7 +467,7 @@ class TextDecoder(Decoder):
         if past is not None:
             seen = torch.arange(p, device=dev)[None, :] < offset[:, None]  # [B, P]
             mask = torch.cat([seen[:, None, :].expand(b, t, p), mask], dim=2)  # [B, T, P+T]
-        return self._layers(embeds, positions, mask, past, deepstack, valid)
+        return self._layers(embeds, positions, mask, past, deepstack, valid, offset + lengths)
 
     def _positions(self, positions: torch.Tensor | None, offset: torch.Tensor,
                    pos: torch.Tensor, b: int) -> torch.Tensor:
@@ -419,7 +498,8 @@ class TextDecoder(Decoder):
             pos = (positions.expand(3, b) if positions.dim() == 1 else positions)[:, :, None]
         ones = torch.ones((b, 1), dtype=torch.bool, device=embeds.device)
         mask = torch.cat([key_valid, ones], dim=1)[:, None, :]  # [B, 1, S+1]
-        x, new_kv = self._layers(embeds, pos, mask, kv)
+        seq_lens = positions + 1 if self.spec.rope == "1d" else None
+        x, new_kv = self._layers(embeds, pos, mask, kv, seq_lens=seq_lens)
         return self.lm_head(self.norm(x[:, 0])).float(), new_kv
 
     def extend(self, embeds: torch.Tensor, positions: torch.Tensor, kv: list[KV],
@@ -429,15 +509,17 @@ class TextDecoder(Decoder):
         for a plain continuation; block-causal for a label set's choices side by side, each
         after the same prompt). Every row's valid cached keys are visible to all its new
         tokens, so a padding token (masked from the real ones) still attends to something.
-        positions: [B, N] (1-D) or [3, B, N] (M-RoPE). Returns (logits [B, N, V] float32,
-        per layer (k, v) [B, K, N, d])."""
+        positions: [B, N] (1-D) or [3, B, N] (M-RoPE); a dynamic rope scaling takes each
+        row's largest position + 1 as its length (module docstring). Returns (logits
+        [B, N, V] float32, per layer (k, v) [B, K, N, d])."""
         if "linear" in self.kinds:  # checked before any work: pipeline.loading
             raise NotImplementedError("a linear-attention layer cannot extend a prefix by "
                                       "several side-by-side continuations")
         b, n, _ = embeds.shape
         mask = torch.cat([key_valid[:, None, :].expand(b, n, key_valid.shape[1]), new_mask],
                          dim=2)  # [B, N, S + N]
-        x, new_kv = self._layers(embeds, positions, mask, kv)
+        seq_lens = positions.amax(-1) + 1 if self.spec.rope == "1d" else None  # [B]
+        x, new_kv = self._layers(embeds, positions, mask, kv, seq_lens=seq_lens)
         return self.lm_head(self.norm(x)).float(), new_kv
 
     @property
@@ -459,10 +541,12 @@ class TextDecoder(Decoder):
 
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                 past: list[KV] | None, deepstack: DeepStack | None = None,
-                valid: torch.Tensor | None = None) -> tuple[torch.Tensor, list[KV]]:
+                valid: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, list[KV]]:
         # x: [B, T, D]; positions: [B, T] or [3, B, T]; mask: [B, T, P+T] bool; valid:
-        # [B, T] bool real new tokens (None: all)
-        cos, sin = self.rotary(positions, x.dtype)
+        # [B, T] bool real new tokens (None: all); seq_lens: [B] each row's length after
+        # these tokens (``rotary``; dynamic scaling reads it)
+        cos, sin = self.rotary(positions, x.dtype, seq_lens)
         feats = deepstack.features if deepstack is not None else ()
         if len(feats) > len(self.layers):
             raise ValueError(f"{len(feats)} DeepStack features for {len(self.layers)} layers")

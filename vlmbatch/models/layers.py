@@ -77,6 +77,24 @@ def inverse_frequencies(dim: int, theta: float, device: torch.device | None = No
     return 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
 
 
+def scaled_inverse_frequencies(dim: int, theta: float, scaling: str, factor: float,
+                               max_positions: int, seq_lens: torch.Tensor | None,
+                               device: torch.device) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies ``[B or 1, dim/2]`` float32, what positions are divided by) of
+    InternLM2's and transformers' Llama rotary scalings: ``linear`` divides positions by
+    ``factor``; ``dynamic`` (NTK) gives a row of length L > max_positions the base ``theta *
+    (factor L / max_positions - (factor - 1)) ** (dim / (dim - 2))``, computed in float64
+    and rounded to float32 as the published Python float is; seq_lens [B]: each L."""
+    if scaling == "linear":
+        return inverse_frequencies(dim, theta, device)[None], factor
+    assert scaling == "dynamic" and seq_lens is not None
+    n = seq_lens.double()
+    grown = (factor * n / max_positions - (factor - 1)) ** (dim / (dim - 2))
+    base = torch.where(n > max_positions, theta * grown, torch.full_like(n, theta)).float()
+    exps = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
+    return 1.0 / base[:, None] ** exps, 1.0
+
+
 def rope_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Angles ``[..., d/2]`` (float32) -> ``(cos, sin)`` each ``[..., d]`` in ``dtype``, the sign
     of ``rotate_half`` folded into ``sin`` (module docstring)."""

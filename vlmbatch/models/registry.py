@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 _QWEN_VL = "vlmbatch.models.qwen_vl.family:QWEN_VL"  # one family object for the three kinds
 FAMILIES: Registry[ModelFamily] = Registry("model type", {
     "internvl": "vlmbatch.models.internvl.family:INTERNVL",
+    "internvl_chat": "vlmbatch.models.internvl.original:INTERNVL_CHAT",  # original layout
     "qwen2_vl": _QWEN_VL, "qwen2_5_vl": _QWEN_VL, "qwen3_vl": _QWEN_VL,  # qwen_vl.spec.KINDS
     "qwen3_5": _QWEN_VL,
     "colqwen2": "vlmbatch.models.qwen_vl.family:COLQWEN2_FAMILY",
@@ -43,7 +44,8 @@ def family_for(path: Path) -> tuple[ModelFamily, dict]:
                          f"{REFUSED[model_type]}")
     if not isinstance(model_type, str) or model_type not in FAMILIES:
         raise ModelError(f"{path / 'config.json'}: model_type {model_type!r} is not supported; "
-                         f"vlmbatch reads HF-native checkpoints of model_type "
-                         f"{', '.join(repr(n) for n in FAMILIES.names())} (e.g. the '-hf' "
-                         "InternVL2.5/3 releases, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5)")
+                         f"vlmbatch reads checkpoints of model_type "
+                         f"{', '.join(repr(n) for n in FAMILIES.names())} (e.g. InternVL2 to "
+                         "3.5 in their original or '-hf' layout, Qwen2-VL, Qwen2.5-VL, "
+                         "Qwen3-VL, Qwen3.5)")
     return FAMILIES.get(model_type), cfg

@@ -85,7 +85,10 @@ def label_set_checker(path: Path | None, cfg: EngineConfig
     prompts = family.prompt_builder(
         family.load_tokenizer(Path(path) if path is not None else DEFAULT_MODEL), spec)
     first = cfg.choice_scoring == "first-token"
-    return lambda choices: choice_ids(prompts.answer_ids, choices, first) and None
+
+    def check(choices: tuple[str, ...]) -> None:
+        choice_ids(prompts.answer_ids, choices, first)
+    return check
 
 
 def load_model(path: Path | None = None, device: str = "cpu",

@@ -153,7 +153,7 @@ class TorchEngine(Engine):
 
     def _prefix_phase(self, heads: list[int], prompts: list[Prompt], image_of: list[int | None],
                       images: list[PreparedImage], embeds: dict[int, ImageEmbeds],
-                      prefixes: dict[str, list[BlockId]]) -> None:
+                      prefixes: dict[Prefix, list[BlockId]]) -> None:
         """A hybrid decoder's (``docs/hybrid_cache.md``): prefill the first prompt of each
         image through its shared prefix only, caching the prefix's blocks and the linear
         layers' state snapshot at its end, from which every question about the image then

@@ -45,11 +45,17 @@ class Group:
     producer: str | None  # "norm:<attr>" | "rows:<linear>" | None (cannot fold)
 
 
-def layer_groups(heads: int, kv_heads: int) -> list[Group]:
+def layer_groups(heads: int, kv_heads: int, qkv_layout: str = "separate") -> list[Group]:
+    """A decoder layer's linears by the input they read (``qkv_layout``: the spec's; the
+    grouped one's q, k, v are the rows of one ``wqkv``)."""
     # o_proj reads attention output, linear in v_proj's rows only when every query head has
-    # its own value head; with grouped-query attention no per-channel fold exists.
-    return [Group(("q_proj", "k_proj", "v_proj"), "norm:input_layernorm"),
-            Group(("o_proj",), "rows:v_proj" if heads == kv_heads else None),
+    # its own value head; with grouped-query attention no per-channel fold exists, nor with
+    # the grouped layout (its value rows are interleaved with q and k in wqkv: not folded).
+    qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
+    o_producer = "rows:v_proj" if heads == kv_heads else None
+    if qkv_layout == "grouped":
+        qkv, o_producer = ("wqkv",), None
+    return [Group(qkv, "norm:input_layernorm"), Group(("o_proj",), o_producer),
             Group(("gate_proj", "up_proj"), "norm:post_attention_layernorm"),
             Group(("down_proj",), "rows:up_proj")]
 
@@ -104,7 +110,7 @@ def quantize_llm(llm: Decoder, run_calibration: Callable[[], None], method: str,
     qweights: QWeights = {}
     report: list[dict] = []
     for li, layer in enumerate(tqdm(llm.layers, desc=f"{method} layers", disable=not progress)):
-        groups = layer_groups(spec.heads, spec.kv_heads)
+        groups = layer_groups(spec.heads, spec.kv_heads, spec.qkv_layout)
         recs, handles = {}, []
         if method != "rtn":
             for g in groups:

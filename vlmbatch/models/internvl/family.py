@@ -1,6 +1,7 @@
-"""The InternVL family: HF-native ``InternVLForConditionalGeneration`` checkpoints with a Qwen2
-decoder (the ``-hf`` InternVL2.5/3 releases, and the built-in model): ``models.decoder`` with a
-1-D rotary spec and q/k/v biases.
+"""The InternVL family: HF-native ``InternVLForConditionalGeneration`` checkpoints with a Qwen2,
+Qwen3 or Llama text model (the ``-hf`` InternVL2.5/3/3.5 releases, and the built-in model):
+``models.decoder`` with the spec ``internvl/text.py`` reads (1-D rotary; Qwen2's q/k/v biases,
+Qwen3's QK-norm).
 
 A model directory holds ``config.json`` (``model_type: internvl``), ``model.safetensors`` or a
 sharded ``model.safetensors.index.json``, the tokenizer files and optionally
@@ -21,11 +22,13 @@ from typing import Any
 from vlmbatch.models.base import ImageOptions, ModelFamily, ModelSpec
 from vlmbatch.models.decoder import TextDecoder, TextSpec
 from vlmbatch.models.internvl.prompt import InternVLPrompts
+from vlmbatch.models.internvl.text import check_kind, text_spec
 from vlmbatch.models.internvl.vision import VisionEncoder, VisionSpec
 from vlmbatch.models.io import ModelError, load_weights, read_json
 from vlmbatch.models.tokenizer import check_tokenizer, load_tokenizer
 from vlmbatch.preprocessing.prepare import TilingConfig
 
+HF_TEXT_MODELS = ("qwen2", "qwen3", "llama")  # text_config.model_type (internvl/text.py)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -49,25 +52,10 @@ def _pair(v: int | list[int]) -> int:
 
 
 def _text_spec(cfg: dict, t: dict, cfg_file: Path) -> TextSpec:
-    if t.get("model_type", "qwen2") != "qwen2":
-        raise ModelError(f"{cfg_file}: text model {t.get('model_type')!r} is not supported yet "
-                         "(only qwen2)")
-    rope = t.get("rope_parameters") or {"rope_type": "default",
-                                        "rope_theta": t.get("rope_theta", 10000.0)}
-    if rope.get("rope_type", "default") != "default":
-        raise ModelError(f"{cfg_file}: rope_type {rope['rope_type']!r} is not supported yet")
-    heads = int(t["num_attention_heads"])
+    where = f"{cfg_file}: text_config"
+    kind = check_kind(t.get("model_type", "qwen2"), where, HF_TEXT_MODELS)
     tie = cfg.get("tie_word_embeddings", t.get("tie_word_embeddings", False))
-    try:
-        return TextSpec(
-            vocab=t["vocab_size"], hidden=int(t["hidden_size"]), layers=t["num_hidden_layers"],
-            heads=heads, kv_heads=t.get("num_key_value_heads") or heads,
-            head_dim=int(t.get("head_dim") or int(t["hidden_size"]) // heads),
-            intermediate=t["intermediate_size"], eps=float(t.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope["rope_theta"]), tie_embeddings=bool(tie),
-            rope="1d", qkv_bias=True, o_bias=False, act=t.get("hidden_act", "silu"))
-    except ValueError as e:  # a decoder TextSpec cannot build
-        raise ModelError(f"{cfg_file}: text_config: {e}") from e
+    return text_spec(kind, t, bool(tie), where)
 
 
 def _vision_spec(cfg: dict, v: dict, pre: dict, text_hidden: int) -> VisionSpec:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import InternVLConfig, InternVLForConditionalGeneration
+from transformers import InternVLConfig, InternVLForConditionalGeneration, PreTrainedTokenizerBase
 
 from vlmbatch.models.internvl.tokenizer import build_tokenizer
 
@@ -76,19 +76,22 @@ def perturb(model: nn.Module, spread: float) -> None:
 def save_random_internvl(path: Path, *, vision: dict, text: dict, tile: int, patch: int,
                          max_tiles: int, seed: int = 0, dtype: torch.dtype = torch.float32,
                          vocab_size: int = 300, initializer_range: float = 0.02,
-                         spread: float = 0.1) -> Path:
+                         spread: float = 0.1, tokenizer: PreTrainedTokenizerBase | None = None
+                         ) -> Path:
     """Save a seeded random InternVL with ``vision``/``text`` config keywords into ``path``
-    (weights: module docstring)."""
-    tok = build_tokenizer(CORPUS, vocab_size=vocab_size)
+    (weights: module docstring); ``tokenizer``: one with ``<IMG_CONTEXT>`` instead of ours
+    (``random_original.save_sentencepiece_tokenizer``'s)."""
+    tok = tokenizer or build_tokenizer(CORPUS, vocab_size=vocab_size)
     cfg = InternVLConfig(
         vision_config=dict(image_size=tile, patch_size=patch,
                            initializer_range=initializer_range, **vision),
-        text_config=dict(model_type="qwen2", vocab_size=len(tok), tie_word_embeddings=True,
-                         pad_token_id=tok.pad_token_id, initializer_range=initializer_range,
-                         **text),
+        text_config={"model_type": "qwen2", "vocab_size": len(tok),
+                     "tie_word_embeddings": True, "pad_token_id": tok.pad_token_id,
+                     "initializer_range": initializer_range, **text},
         image_token_id=int(tok.convert_tokens_to_ids("<IMG_CONTEXT>")),  # type: ignore[arg-type]
         image_seq_length=(tile // patch) ** 2 // 4,
-        tie_word_embeddings=True, initializer_range=initializer_range,
+        tie_word_embeddings=text.get("tie_word_embeddings", True),
+        initializer_range=initializer_range,
     )
     torch.manual_seed(seed)
     model = InternVLForConditionalGeneration(cfg).eval()

@@ -42,6 +42,14 @@ class VisionSpec:
     text_hidden: int
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
+    # pixel shuffle: "v2" (HF-native, every InternVL2+ release) or the original layout's
+    # "v1", which leaves the shuffled grid transposed (``pixel_shuffle``)
+    ps_version: str = "v2"
+    qk_norm_eps: float = 1e-6  # transformers' fixed value; the original reads layer_norm_eps
+
+    def __post_init__(self) -> None:
+        if self.ps_version not in ("v1", "v2"):
+            raise ValueError(f"ps_version {self.ps_version!r} not one of 'v1', 'v2'")
 
     def tokens_per_tile(self, tile: int) -> int:
         return int((tile // self.patch) ** 2 * self.downsample**2)
@@ -59,8 +67,8 @@ class VisionLayer(nn.Module):
         self.k_proj = nn.Linear(s.hidden, s.hidden)
         self.v_proj = nn.Linear(s.hidden, s.hidden)
         self.o_proj = nn.Linear(s.hidden, s.hidden)
-        self.q_norm = RMSNorm(s.hidden, 1e-6) if s.qk_norm else nn.Identity()
-        self.k_norm = RMSNorm(s.hidden, 1e-6) if s.qk_norm else nn.Identity()
+        self.q_norm = RMSNorm(s.hidden, s.qk_norm_eps) if s.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(s.hidden, s.qk_norm_eps) if s.qk_norm else nn.Identity()
         self.norm1 = _norm(s, s.hidden)
         self.norm2 = _norm(s, s.hidden)
         self.fc1 = nn.Linear(s.hidden, s.intermediate)
@@ -131,12 +139,13 @@ class VisionEncoder(nn.Module):
         return torch.cat([cls, patch.permute(0, 2, 3, 1).reshape(1, grid_h * grid_w, -1)], 1)
 
     def pixel_shuffle(self, x: torch.Tensor) -> torch.Tensor:
-        """``[N, g, g, C]`` -> ``[N, g*r, g*r, C/r^2]`` (r = downsample), InternVL's order."""
+        """``[N, g, g, C]`` -> ``[N, g*r, g*r, C/r^2]`` (r = downsample), InternVL's order;
+        ``ps_version`` v1 skips the last transpose back."""
         n, w, h, c = x.shape
         r = self.spec.downsample
         x = x.reshape(n, w, int(h * r), int(c / r)).permute(0, 2, 1, 3)
-        x = x.reshape(n, int(h * r), int(w * r), int(c / (r * r))).permute(0, 2, 1, 3)
-        return x
+        x = x.reshape(n, int(h * r), int(w * r), int(c / (r * r)))
+        return x if self.spec.ps_version == "v1" else x.permute(0, 2, 1, 3)
 
     def forward(self, tiles: torch.Tensor) -> torch.Tensor:
         # tiles: [N, S, S, 3] uint8 -> x: [N, 3, S, S] in the weights' dtype
@@ -189,6 +198,7 @@ class VisionEncoder(nn.Module):
             for ours, theirs in names.items():
                 for p in ("weight", "bias"):
                     m[f"layers.{i}.{ours}.{p}"] = pre + f"{theirs}.{p}"
+        sd = split_fused_qkv(sd, self.spec.layers)
         own = self.state_dict()
         missing = []
         with torch.no_grad():
@@ -204,3 +214,20 @@ class VisionEncoder(nn.Module):
         if missing:
             raise KeyError(f"checkpoint lacks vision weights: {missing[:5]} "
                            f"({len(missing)} missing)")
+
+
+def split_fused_qkv(sd: dict[str, torch.Tensor], layers: int) -> dict[str, torch.Tensor]:
+    """``sd`` with each layer's fused ``attention.qkv`` (the original layout's ``attn.qkv``,
+    rows q, then k, then v, each C) as ``q_proj``, ``k_proj``, ``v_proj``, the way
+    transformers' conversion script splits it; ``sd`` itself if there is none."""
+    pre = "vision_tower.encoder.layer.{}.attention."
+    if pre.format(0) + "qkv.weight" not in sd:
+        return sd
+    out = dict(sd)
+    for i in range(layers):
+        for p in ("weight", "bias"):
+            fused = out.pop(pre.format(i) + f"qkv.{p}", None)
+            if fused is not None:
+                for name, part in zip(("q_proj", "k_proj", "v_proj"), fused.chunk(3, 0)):
+                    out[pre.format(i) + f"{name}.{p}"] = part
+    return out
