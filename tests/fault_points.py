@@ -52,7 +52,14 @@ def pause(marker: str) -> None:
 
 def note_node(folder: str, seconds: float, source: str) -> None:
     """Leave a file naming the node this runs on (``VLMBATCH_TEST_NODE`` of its raylet's
-    environment, else "head") and the item, then take ``seconds``: a slow prepare task."""
+    environment, else "head") and the item, holding its network namespace (``net:[N]``),
+    then take ``seconds``: a slow prepare task."""
     node = os.environ.get("VLMBATCH_TEST_NODE", "head")
-    Path(folder, f"{node}-{os.getpid()}-{Path(source).name}").touch()
+    Path(folder, f"{node}-{os.getpid()}-{Path(source).name}").write_text(
+        os.readlink("/proc/self/ns/net"))
     time.sleep(seconds)
+
+
+def note_model(folder: str, seconds: float, call: int) -> None:
+    """``note_node`` for a model actor's ``call``-th group: ``NODE-model-PID-CALL``."""
+    note_node(folder, seconds, f"model-{call}")

@@ -18,8 +18,9 @@ from vlmbatch.pipeline.hooks import FaultHooks
 
 def hooks_from(spec: dict) -> FaultHooks:
     """``{"group_delay": s, "hang_on": text, "crash_on": text, "segfault_on": text,
-    "note_node": [folder, s], "kill_model_at": [n, marker], "slow_score": s,
-    "pause_at": {WHERE: [n, marker]}}`` (any subset; one decoder fault) as hooks.
+    "note_node": [folder, s], "note_model": [folder, s], "kill_model_at": [n, marker],
+    "slow_score": s, "pause_at": {WHERE: [n, marker]}}`` (any subset; one decoder fault, one
+    model fault) as hooks.
     ``pause_at`` writes ``marker`` and waits at the n-th call of each named window:
     ``after_submit_line``, ``before_load`` (n unused), ``after_export_line``."""
     before_prepare = before_score = after_group = None
@@ -35,6 +36,9 @@ def hooks_from(spec: dict) -> FaultHooks:
     if "kill_model_at" in spec:
         n, marker = spec["kill_model_at"]
         before_score = functools.partial(fp.kill_model_at, int(n), str(marker))
+    if "note_model" in spec:
+        folder, seconds = spec["note_model"]
+        before_score = functools.partial(fp.note_model, str(folder), float(seconds))
     if "slow_score" in spec:
         before_score = functools.partial(fp.sleep, float(spec["slow_score"]))
     windows = {}
