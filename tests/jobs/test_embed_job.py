@@ -128,7 +128,10 @@ def test_job_files_of_earlier_versions_load(tmp_path: Path, random_model_dir: Pa
     assert d["version"] == RunConfig.VERSION == 6 and d["config"]["task"] == "answer"
     assert d["config"]["engine"]["choice_scoring"] == "exact"
     assert d["config"]["prepare"] == {"max_pixels": 12345, "preprocess_threads": 1,
-                                      "decode_timeout": 7}
+                                      "decode_timeout": 7, "fetch_concurrency": 32,
+                                      "fetch_timeout": 30.0, "fetch_retries": 3,
+                                      "max_image_bytes": 64 << 20, "media_guard": False,
+                                      "allowed_media_domains": []}
     current = load_config(tmp_path / "j")
     five = json.loads(json.dumps(d["config"]))
     del five["engine"]["choice_scoring"]
