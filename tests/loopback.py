@@ -7,6 +7,7 @@ misbehave on purpose. Nothing leaves the loopback interface.
     /fail/N/NAME                 503 for the first N requests of this path, then the file
     /retry-after/S/NAME          429 with ``Retry-After: S`` for the first request, then the file
     /redirect/K/NAME             K redirects (302), then the file
+    /location/QUOTED             a 302 to the URL QUOTED percent-decodes to (any host)
     /status/CODE/NAME            always CODE
     /big                         claims 1 GiB (Content-Length) and trickles it out
     /chunked/MIB                 MIB MiB, chunked (no Content-Length)
@@ -25,6 +26,7 @@ import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import unquote
 
 CHUNK = 64 << 10
 
@@ -102,6 +104,8 @@ class _Handler(BaseHTTPRequestHandler):
             k, name = int(rest[0]), "/".join(rest[1:])
             target = f"/redirect/{k - 1}/{name}" if k > 1 else f"/img/{name}"
             return self._status(302, {"Location": target})
+        if kind == "location":
+            return self._status(302, {"Location": unquote("/".join(rest))})
         if kind == "status":
             return self._status(int(rest[0]))
         if kind == "flaky":

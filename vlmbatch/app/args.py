@@ -446,4 +446,5 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                        "job's group, the most an interactive request waits behind.")
     _model_args(s)
     add_server_args(s)
+    fetch_args(s.add_argument_group("fetching http(s) images (--allow-remote-media)"))
     add_executor_args(s)

@@ -26,7 +26,12 @@ from vlmbatch.models.embedding import POOLINGS
 from vlmbatch.pipeline.paths import DEFAULT_EMBED_MODEL as DEFAULT_EMBED_MODEL
 from vlmbatch.pipeline.paths import DEFAULT_MODEL as DEFAULT_MODEL
 from vlmbatch.pipeline.paths import DEFAULT_QWEN_MODEL as DEFAULT_QWEN_MODEL
-from vlmbatch.preprocessing.limits import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_PIXELS, FetchOptions
+from vlmbatch.preprocessing.limits import (
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_PIXELS,
+    FetchOptions,
+    MediaGuard,
+)
 from vlmbatch.preprocessing.tiling import TILING_MODES
 from vlmbatch.vit_trt import RUNNERS
 
@@ -230,6 +235,10 @@ class PrepareConfig:
     fetch_timeout: float = 30.0
     fetch_retries: int = 3
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # a larger encoded image: refused unread
+    # the SSRF guard on http(s) fetches (a server's jobs: preprocessing/guard.py), and the
+    # hosts it lets through (exact names; ".b.org" for b.org's subdomains)
+    media_guard: bool = False
+    allowed_media_domains: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_pixels < 1:
@@ -246,8 +255,9 @@ class PrepareConfig:
 
     @property
     def fetch(self) -> FetchOptions:
+        guard = MediaGuard(self.allowed_media_domains) if self.media_guard else None
         return FetchOptions(self.fetch_concurrency, self.fetch_timeout, self.fetch_retries,
-                            self.max_image_bytes)
+                            self.max_image_bytes, guard=guard)
 
     def options(self, device: str) -> PrepareOptions:
         """Resolved for a model on ``device``."""

@@ -97,7 +97,8 @@ def prepare_now(ref: ImageRef, plan: ImagePlan, opts: PrepareOptions,
     this thread; raises ``SourceError``/``ImageError`` (``DecodeTimeout``,
     ``DecoderCrashed`` included) with the reason."""
     if workers is None:
-        return prepare_item(ref, plan, opts.max_pixels)
+        with Fetcher(opts.fetch) as fetcher:  # its threads and client start only if used
+            return prepare_item(ref, plan, opts.max_pixels, fetcher)
     return workers.submit(ref).result()
 
 

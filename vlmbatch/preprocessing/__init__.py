@@ -3,7 +3,8 @@
 - ``sources.py``: an image's bytes from a path, ``file://`` or ``data:`` URL (``SourceError``),
   and which sources the fetch stage reads; ``fetch.py``: the fetch stage (http(s) through one
   pooled httpx client, s3/gs/az through fsspec, table rows (``table_rows.py``: a Parquet/Arrow
-  cell by row) and tar shard members by byte range), many at once;
+  cell by row) and tar shard members by byte range), many at once; ``guard.py``: its SSRF
+  guard (a server's remote media: every connection's addresses checked, then pinned);
 - ``decode.py``: bytes -> RGB pixels as Pillow's ``convert("RGB")`` gives them (EXIF, alpha,
   gray, 16-bit, CMYK), large JPEGs decoded reduced in the DCT domain, the decompression-bomb
   guard (``limits.py``: the default pixel limit, light);

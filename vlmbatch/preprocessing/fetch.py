@@ -14,6 +14,10 @@ many at once, ahead of the decoders (``sources.py`` says which sources those are
         MemberRef       a byte range of a tar shard: a local read, an HTTP ``Range`` request,
                         or an fsspec range read
 
+With ``opts.guard`` (a server's remote media), every http(s) connection, the first and each
+redirect's, goes through the SSRF guard (``guard.py``: resolved, every address checked,
+connected to the checked address), and object-store URLs are refused.
+
 Every failure is a ``SourceError`` with its ``reason`` (``sources.py``): that item's error,
 never the caller's. Fetching has its own deadline (``timeout_s`` per attempt), apart from the
 decoders' ``--decode-timeout``, which then measures decoding alone. Threads, not asyncio:
@@ -34,8 +38,16 @@ from pathlib import Path
 from queue import SimpleQueue
 from typing import Any
 
+import httpcore
 import httpx
 
+from vlmbatch.preprocessing.guard import (
+    GuardedBackend,
+    MediaBlocked,
+    PinnedTransport,
+    Resolve,
+    system_resolve,
+)
 from vlmbatch.preprocessing.limits import MAX_REDIRECTS, MAX_RETRY_AFTER_S, FetchOptions
 from vlmbatch.preprocessing.sources import (
     HTTP,
@@ -88,8 +100,11 @@ class Fetcher:
     """The fetch stage (module docstring). Its threads and HTTP client start with the first
     remote image, so a run over local files pays for none; ``stop`` ends them."""
 
-    def __init__(self, opts: FetchOptions = FetchOptions()) -> None:
-        self.opts = opts
+    def __init__(self, opts: FetchOptions = FetchOptions(), resolve: Resolve = system_resolve,
+                 network: httpcore.NetworkBackend | None = None) -> None:
+        """``resolve`` and ``network``: the guard's DNS lookup and socket maker (tests stub
+        them; used only with ``opts.guard``)."""
+        self.opts, self.resolve, self.network = opts, resolve, network
         self.lock = threading.Lock()
         self.pool: DaemonPool | None = None
         self.client: httpx.Client | None = None
@@ -133,6 +148,9 @@ class Fetcher:
             return read_bytes(source, base_dir)
         if scheme(source) in HTTP:
             return self.http_get(source)
+        if self.opts.guard is not None:
+            raise MediaBlocked(f"refused by the SSRF guard: {scheme(source)}:// URLs are not "
+                               "fetched (http(s) only)")
         return self._object(source)
 
     # --- tables and shards -----------------------------------------------------------------
@@ -182,10 +200,13 @@ class Fetcher:
         with self.lock:
             if self.client is None:
                 n = self.opts.concurrency
+                limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+                guard = self.opts.guard
+                transport = None if guard is None else PinnedTransport(
+                    GuardedBackend(guard, self.resolve, self.network), limits)
                 self.client = httpx.Client(
                     timeout=httpx.Timeout(self.opts.timeout_s), follow_redirects=True,
-                    max_redirects=MAX_REDIRECTS,
-                    limits=httpx.Limits(max_connections=n, max_keepalive_connections=n))
+                    max_redirects=MAX_REDIRECTS, limits=limits, transport=transport)
             return self.client
 
     def http_get(self, url: str, span: tuple[int, int] | None = None) -> bytes:
@@ -212,6 +233,8 @@ class Fetcher:
                 wait = self._backoff(attempt)
             except httpx.InvalidURL as e:
                 raise SourceError(f"bad URL: {e}") from None
+            except httpx.HTTPError as e:  # e.g. a redirect to a scheme httpx does not fetch
+                raise SourceError(f"{type(e).__name__}: {e}") from None
             time.sleep(wait)
         raise AssertionError("unreachable: the last attempt returns or raises")
 

@@ -4,7 +4,9 @@ runs the jobs' groups, ``scheduler.py``).
 
 Validation reads the input file line by line (bounded memory) as ``vlmbatch submit`` would
 (chat: ``jobs.manifest.iter_manifest``, OpenAI batch lines only, every image URL checked
-against the server's media policy, ``media.py``; embeddings: ``jobs.openai_embeddings``, every
+against the server's media policy, ``media.py``: an http(s) URL under
+``--allow-remote-media`` passes, its host checked by the SSRF guard when the job fetches it,
+a refusal that line's ``source`` error; embeddings: ``jobs.openai_embeddings``, every
 line checked and each ``dimensions`` against the embedding model), and then submits the
 file as a job (an embeddings batch: task ``embed`` on the embedding model, one item per
 request). Any problem fails the batch, its ``errors`` naming the lines (at most
@@ -68,7 +70,9 @@ def input_errors(path: Path, cfg: ServerConfig) -> list[dict]:
     try:
         for lineno, item in iter_manifest(path):
             try:
-                check_image_url(str(item.image), cfg.allowed_local_media_path)
+                # an http(s) host is checked when the line is fetched: that line's error
+                check_image_url(str(item.image), cfg.allowed_local_media_path,
+                                cfg.remote_media, hosts=False)
             except MediaRefused as e:
                 errors.append(line_error(str(e), lineno, "invalid_image_url"))
                 if len(errors) >= MAX_ERRORS:

@@ -28,6 +28,7 @@ from vlmbatch.pipeline.config import (
     check_threads,
     default_of,
 )
+from vlmbatch.preprocessing.limits import MediaGuard
 
 API_KEY_ENV = "VLMBATCH_API_KEY"
 
@@ -41,6 +42,10 @@ class ServerConfig:
     served_model_name: str = "vlmbatch"  # the one id /v1/models lists and requests must name
     # file:// image URLs are read only from under this folder; None: file:// is refused
     allowed_local_media_path: Path | None = None
+    # http(s) image URLs in chat requests and batch lines, fetched under the SSRF guard
+    # (prepare.media_guard, always on in the server; prepare.allowed_media_domains let
+    # through); False: refused with a 400 (data: and file:// only)
+    allow_remote_media: bool = False
     max_body_bytes: int = 64 << 20  # any request body (413 beyond): images, uploads
     max_prompt_chars: int = 16_384  # a chat request's question text (400 beyond)
     max_completion_tokens: int = 512  # largest max_tokens a request may ask for (400 beyond)
@@ -85,10 +90,18 @@ class ServerConfig:
         check_threads(self.threads, None)
         if not 0 <= self.engines <= 64:
             raise ConfigError(f"--engines must be in 0..64, got {self.engines}")
+        if self.prepare.allowed_media_domains and not self.allow_remote_media:
+            raise ConfigError("--allowed-media-domains needs --allow-remote-media")
         if self.allowed_local_media_path is not None \
                 and not Path(self.allowed_local_media_path).is_dir():
             raise ConfigError(f"--allowed-local-media-path {self.allowed_local_media_path} is "
                               "not a folder")
+
+    @property
+    def remote_media(self) -> MediaGuard | None:
+        """The guard chat and batch image URLs are checked with; None: http(s) refused."""
+        return MediaGuard(self.prepare.allowed_media_domains) if self.allow_remote_media \
+            else None
 
     @property
     def embed_model_dir(self) -> Path:
@@ -158,6 +171,15 @@ def add_server_args(s: argparse.ArgumentParser) -> None:
     g.add_argument("--allowed-local-media-path", type=Path, default=None,
                    help="let image URLs be file:// paths inside this folder (default: only "
                    "data: URLs)")
+    g.add_argument("--allow-remote-media", action="store_true",
+                   help="let image URLs be http(s):// (chat requests and batch lines), fetched "
+                   "under the SSRF guard: loopback, private, link-local and metadata "
+                   "addresses refused, redirects and DNS answers included (docs/server.md); "
+                   "the fetch options below (--fetch-timeout, --max-image-mib) apply")
+    g.add_argument("--allowed-media-domains", type=domain_list, default=(),
+                   metavar="HOST,HOST",
+                   help="hosts the SSRF guard lets through whatever they resolve to (exact "
+                   "names or addresses; .b.org for b.org's subdomains)")
     for flag, name, text in LIMITS:
         default = default_of(PrepareConfig, name) if name == "max_pixels" else _d(name)
         g.add_argument(flag, type=int, default=default, help=f"{text} (default {default})")
@@ -204,6 +226,17 @@ def add_executor_args(s: argparse.ArgumentParser) -> None:
                    help="ray: CPUs per model actor (default %(default)s)")
 
 
+def domain_list(text: str) -> tuple[str, ...]:
+    """argparse type: ``a.com,.b.org,127.0.0.1`` -> its entries, lower case, checked."""
+    out = []
+    for entry in (e.strip().lower() for e in text.split(",")):
+        host = entry.removeprefix(".")
+        if not host or any(c in host for c in "/@?#\\ ") or "://" in entry:
+            raise argparse.ArgumentTypeError(f"{entry!r} is not a host name (a.com, .b.org)")
+        out.append(entry)
+    return tuple(out)
+
+
 def server_config(a: argparse.Namespace) -> ServerConfig:
     """The server's config root from its command line (``--api-key``, else $VLMBATCH_API_KEY)."""
     key = a.api_key if a.api_key is not None else os.environ.get(API_KEY_ENV)
@@ -211,4 +244,7 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
     if a.executor != "ray" and ray != RayOptions():
         raise ConfigError("--address, --preprocess-workers, --model-workers and --model-cpus "
                           "are Ray executor options; add --executor ray")
-    return from_args(ServerConfig, a, api_key=key, executor=ExecutorConfig(a.executor, ray))
+    # the guard is on for every fetch the server makes, its batches' jobs included
+    prepare = dataclasses.replace(from_args(PrepareConfig, a), media_guard=True)
+    return from_args(ServerConfig, a, api_key=key, executor=ExecutorConfig(a.executor, ray),
+                     prepare=prepare)

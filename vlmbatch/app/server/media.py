@@ -6,8 +6,13 @@ The policy (``check_image_url``), checked before anything is read:
 - ``file://`` URLs: only with ``--allowed-local-media-path DIR``, and only for a file whose
   real path (``..`` and symlinks resolved) is inside DIR; a host other than ``localhost``
   is refused, as is anything that is not a regular file.
-- ``http(s)://`` and every other scheme, and bare paths: refused (no network is assumed;
-  a bare path would be read relative to the server's folder).
+- ``http(s)://``: only with ``--allow-remote-media``, and then fetched by the fetch stage
+  under the SSRF guard (``preprocessing/guard.py``: every connection's host resolved and
+  checked, redirects included, connected to the checked address). A chat request's host is
+  also checked by its spelling here, before anything is queued (an internal IP literal, a
+  numeric spelling); a batch line's is checked when it is fetched (that line's error).
+- every other scheme, and bare paths: refused (a bare path would be read relative to the
+  server's folder).
 
 The check parses a URL exactly as ``preprocessing.sources.read_bytes`` will read it
 (``unquote(urlparse(url).path)``), so what is checked is what is read. A ``MediaRefused``
@@ -40,7 +45,9 @@ from vlmbatch.pipeline.drive import Preparer, prepare_now
 from vlmbatch.pipeline.records import ImageItem
 from vlmbatch.pipeline.task import ImageRef
 from vlmbatch.preprocessing.decode import ImageError, ImageTooLarge
+from vlmbatch.preprocessing.guard import check_url_host
 from vlmbatch.preprocessing.isolated import DecoderCrashed, DecodeTimeout
+from vlmbatch.preprocessing.limits import MediaGuard
 from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
 from vlmbatch.preprocessing.sources import SourceError
 
@@ -49,15 +56,25 @@ class MediaRefused(ValueError):
     """The URL may not be read by this server; the message says why and what to do."""
 
 
-def check_image_url(url: str, allowed: Path | None) -> str:
+def check_image_url(url: str, allowed: Path | None, remote: MediaGuard | None = None,
+                    hosts: bool = True) -> str:
     """``url`` if the server may read it, else ``MediaRefused``. A ``file://`` URL comes back
-    as the ``file://`` URL of its resolved path (what was checked is what is read)."""
+    as the ``file://`` URL of its resolved path (what was checked is what is read). An
+    http(s) URL passes only with ``remote`` (``--allow-remote-media``), its host's spelling
+    checked by the guard when ``hosts``."""
     if url.startswith("data:"):
         return url
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme in ("http", "https") and remote is not None:
+        if hosts:
+            try:
+                check_url_host(url, remote)
+            except SourceError as e:
+                raise MediaRefused(str(e)) from None
+        return url
     if scheme in ("http", "https"):
-        raise MediaRefused("http(s) image URLs are not fetched by this server (it assumes no "
-                           "network); send the image inline as a data: URL "
+        raise MediaRefused("http(s) image URLs are not fetched by this server (started "
+                           "without --allow-remote-media); send the image inline as a data: URL "
                            "(data:image/png;base64,...)")
     if scheme != "file":
         raise MediaRefused("image_url.url must be a data: URL (or a file:// URL under the "
@@ -103,10 +120,13 @@ PARAM = "messages"
 
 class ImageCache:
     def __init__(self, plan: ImagePlan, opts: PrepareOptions, allowed: Path | None,
-                 budget: int, workers: Preparer | None) -> None:
+                 budget: int, workers: Preparer | None, remote: MediaGuard | None = None
+                 ) -> None:
         """``workers``: the server's decoder processes for ``plan`` (None: decode on the
-        request's thread, ``--decode-timeout 0``)."""
+        request's thread, ``--decode-timeout 0``); ``remote``: http(s) URLs allowed, under
+        this guard (``opts.fetch.guard`` checks their connections)."""
         self.plan, self.opts, self.allowed, self.budget = plan, opts, allowed, budget
+        self.remote = remote
         self.workers = workers
         self._lru: OrderedDict[bytes, PreparedImage] = OrderedDict()
         self._bytes = 0
@@ -130,7 +150,7 @@ class ImageCache:
         """``item``'s image prepared for the engine, or a 400 saying what is wrong with it."""
         assert isinstance(item.image, str)
         try:
-            url = check_image_url(item.image, self.allowed)
+            url = check_image_url(item.image, self.allowed, self.remote)
         except MediaRefused as e:
             raise bad_request(str(e), PARAM, "invalid_image_url") from None
         key = _key(url)

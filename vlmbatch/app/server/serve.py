@@ -78,7 +78,8 @@ class ServerState:
         engines.bind(book, BookEvents(book, worker.finalize))
         decoders = preparer(engines.image_plan, cfg.prepare_options, hooks)
         images = ImageCache(engines.image_plan, cfg.prepare_options,
-                            cfg.allowed_local_media_path, cfg.image_cache_bytes, decoders)
+                            cfg.allowed_local_media_path, cfg.image_cache_bytes, decoders,
+                            cfg.remote_media)
         words = (cfg.engine.yes_words[0], cfg.engine.no_words[0])
         return cls(cfg, engines, images, files, book, worker, Metrics(engines, book),
                    embedder, words, hooks, [decoders] if decoders is not None else [])
