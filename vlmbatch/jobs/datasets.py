@@ -134,7 +134,7 @@ def iter_table(text: str, image_column: str, id_column: str | None,
                                                        questions_column)):
             where = f"{file}:row {row}"
             item_id = check_id(ident, where, "id") if id_column else f"{name}:{row}"
-            qs = _with_policy(_own_questions(own, where), policy, where, "--questions-column")
+            qs = with_policy(own_questions(own, where), policy, where, "--questions-column")
             image = RowRef(str(file), row, image_column) if cell is None else cell
             if isinstance(image, str) and not image:
                 raise ManifestError(f"{where}: empty {image_column!r}")
@@ -207,7 +207,7 @@ def _check_columns(file: Path, schema: Any, image: str, id_column: str | None,
                         "{bytes, path} structs (HF datasets' Image) or paths/URLs")
 
 
-def _own_questions(raw: object, where: str) -> tuple[Question, ...]:
+def own_questions(raw: object, where: str) -> tuple[Question, ...]:
     """A row's questions: a string, a list of strings/question objects, or a JSON text of
     either; None for none."""
     if raw is None:
@@ -226,7 +226,7 @@ def _own_questions(raw: object, where: str) -> tuple[Question, ...]:
     return qs
 
 
-def _with_policy(own: tuple[Question, ...], policy: tuple[Question, ...], where: str,
+def with_policy(own: tuple[Question, ...], policy: tuple[Question, ...], where: str,
                  how: str) -> tuple[Question, ...]:
     """An item's own questions, then the policy's (ids must not clash; some must exist)."""
     clash = {q.id for q in own} & {q.id for q in policy}
@@ -360,7 +360,7 @@ def _sample_item(shard: str, name: str, key: str, members: dict[str, Any],
     if not isinstance(meta, dict):
         raise ManifestError(f"{where}.json: must be an object with 'id' and/or 'questions'")
     item_id = check_id(meta["id"], where, "id") if "id" in meta else f"{name}:{key}"
-    qs = _with_policy(_own_questions(meta.get("questions"), where), policy, where,
+    qs = with_policy(own_questions(meta.get("questions"), where), policy, where,
                       f"'questions' in {key}.json")
     m = members[ext]
     check_unicode([item_id, *(s for q in qs for s in (q.id, q.text))], where)

@@ -144,16 +144,22 @@ def read_policy(path: Path) -> tuple[Question, ...]:
         data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
     except (yaml.YAMLError, ValueError, RecursionError) as e:  # TOMLDecodeError: a ValueError
         raise ManifestError(f"{path}: cannot parse policy: {_reason(e)}") from None
+    return policy_questions(data, str(path))
+
+
+def policy_questions(data: object, where: str) -> tuple[Question, ...]:
+    """Questions of a policy already parsed (``{"questions": [...], "system": ...}``, as a
+    policy file holds it); ``where`` names it in errors."""
     if not isinstance(data, dict) or "questions" not in data:
-        raise ManifestError(f"{path}: a policy needs a top-level 'questions' list")
+        raise ManifestError(f"{where}: a policy needs a top-level 'questions' list")
     system = data.get("system")
     if system is not None and (not isinstance(system, str) or not system.strip()):
-        raise ManifestError(f"{path}: system must be a non-empty string, got {brief(system)}")
+        raise ManifestError(f"{where}: system must be a non-empty string, got {brief(system)}")
     qs = tuple(q if q.system is not None else dataclasses.replace(q, system=system)
-               for q in _questions(data["questions"], str(path), prefix="p"))
-    check_unicode((s for q in qs for s in _texts(q)), str(path))
+               for q in _questions(data["questions"], where, prefix="p"))
+    check_unicode((s for q in qs for s in _texts(q)), where)
     if not qs:
-        raise ManifestError(f"{path}: the policy has no questions")
+        raise ManifestError(f"{where}: the policy has no questions")
     return qs
 
 
