@@ -47,9 +47,9 @@ from typing import Any
 import numpy as np
 
 from vlmbatch.app.api import VLM, QuestionLike, image_source, questions_of
-from vlmbatch.jobs.datasets import own_questions, with_policy
+from vlmbatch.jobs.datasets import own_questions
 from vlmbatch.jobs.errors import check_id
-from vlmbatch.jobs.manifest import policy_questions, read_policy
+from vlmbatch.jobs.manifest import policy_questions, read_policy, with_policy
 from vlmbatch.pipeline.config import EmbedConfig, ModelConfig, PrepareConfig
 from vlmbatch.pipeline.drive import prepared_groups, preparer, run_group
 from vlmbatch.pipeline.loading import image_plan_for, read_spec
@@ -157,7 +157,7 @@ class Answerer:
         keys = unique_keys(ids)
         own = cols.get(self.questions_column, [None] * n) if self.questions_column else [None] * n
         qs = [with_policy(own_questions(q, f"row {ids[i]}"), self.policy, f"row {ids[i]}",
-                          "questions_column=") for i, q in enumerate(own)]
+                          "give --policy or questions_column=") for i, q in enumerate(own)]
         self._check({q for row in qs for q in row})
         per_row = self._answers(cols, keys, qs) if not self.prepared \
             else self._answers_prepared(cols, keys, qs)

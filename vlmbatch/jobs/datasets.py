@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from vlmbatch.jobs.errors import ManifestError, brief, check_id, check_unicode
-from vlmbatch.jobs.manifest import parse_question
+from vlmbatch.jobs.manifest import parse_question, with_policy
 from vlmbatch.pipeline.records import ImageItem, Question
 from vlmbatch.preprocessing.fetch import Fetcher
 from vlmbatch.preprocessing.limits import FetchOptions
@@ -134,7 +134,8 @@ def iter_table(text: str, image_column: str, id_column: str | None,
                                                        questions_column)):
             where = f"{file}:row {row}"
             item_id = check_id(ident, where, "id") if id_column else f"{name}:{row}"
-            qs = with_policy(own_questions(own, where), policy, where, "--questions-column")
+            qs = with_policy(own_questions(own, where), policy, where,
+                             "give --policy or --questions-column")
             image = RowRef(str(file), row, image_column) if cell is None else cell
             if isinstance(image, str) and not image:
                 raise ManifestError(f"{where}: empty {image_column!r}")
@@ -224,18 +225,6 @@ def own_questions(raw: object, where: str) -> tuple[Question, ...]:
     if len({q.id for q in qs}) != len(qs):
         raise ManifestError(f"{where}: question ids repeat: {brief([q.id for q in qs])}")
     return qs
-
-
-def with_policy(own: tuple[Question, ...], policy: tuple[Question, ...], where: str,
-                 how: str) -> tuple[Question, ...]:
-    """An item's own questions, then the policy's (ids must not clash; some must exist)."""
-    clash = {q.id for q in own} & {q.id for q in policy}
-    if clash:
-        raise ManifestError(f"{where}: question id(s) {brief(sorted(clash))} are used by both "
-                            "this item and the policy; rename one")
-    if not own + policy:
-        raise ManifestError(f"{where}: no questions (give --policy or {how})")
-    return own + policy
 
 
 # --- WebDataset shards ----------------------------------------------------------------------
@@ -361,7 +350,7 @@ def _sample_item(shard: str, name: str, key: str, members: dict[str, Any],
         raise ManifestError(f"{where}.json: must be an object with 'id' and/or 'questions'")
     item_id = check_id(meta["id"], where, "id") if "id" in meta else f"{name}:{key}"
     qs = with_policy(own_questions(meta.get("questions"), where), policy, where,
-                      f"'questions' in {key}.json")
+                     f"give --policy or 'questions' in {key}.json")
     m = members[ext]
     check_unicode([item_id, *(s for q in qs for s in (q.id, q.text))], where)
     return ImageItem(item_id, MemberRef(shard, m.name, m.offset_data, m.size), qs,

@@ -41,7 +41,7 @@ from vlmbatch.pipeline.records import ImageItem, Question
 
 __all__ = ["ImageItem", "ManifestError", "Question", "check_expected", "first_line",
            "items_from_folder", "iter_manifest", "manifest_format", "parse_choices",
-           "parse_question", "read_manifest", "read_policy"]
+           "parse_question", "read_manifest", "read_policy", "with_policy"]
 
 QUESTION_KEYS = {"id", "text", "threshold", "max_new_tokens", "choices", "prompt", "system",
                  "expected"}
@@ -233,14 +233,22 @@ def _item(rec: dict, where: str, lineno: int, base_dir: Path,
     if not isinstance(rec.get("image"), str) or not rec["image"]:
         raise ManifestError(f"{where}: missing 'image' (a path, file:// or data: URL)")
     own = _questions(rec.get("questions", []), where)
-    clash = {o.id for o in own} & {q.id for q in policy}
+    qs = with_policy(own, policy, where, "give 'questions' or --policy", "this line")
+    return ImageItem(check_id(rec.get("id", lineno), where, "id"), rec["image"], qs, base_dir)
+
+
+def with_policy(own: tuple[Question, ...], policy: tuple[Question, ...], where: str,
+                hint: str, holder: str = "this item") -> tuple[Question, ...]:
+    """An item's own questions, then the policy's: ManifestError naming ``where`` when an id
+    is in both (``holder``: what holds the own ones) or there is none (``hint``: how to give
+    some). One check for manifest lines, table rows, shard members and Ray Data rows."""
+    clash = {q.id for q in own} & {q.id for q in policy}
     if clash:
         raise ManifestError(f"{where}: question id(s) {brief(sorted(clash))} are used by both "
-                            "this line and the policy; rename one")
+                            f"{holder} and the policy; rename one")
     if not own + policy:
-        raise ManifestError(f"{where}: no questions (give 'questions' or --policy)")
-    return ImageItem(check_id(rec.get("id", lineno), where, "id"), rec["image"], own + policy,
-                     base_dir)
+        raise ManifestError(f"{where}: no questions ({hint})")
+    return own + policy
 
 
 def first_line(path: Path, item_id: str, policy: tuple[Question, ...] = ()) -> int:
