@@ -3,7 +3,7 @@ transformers peer, side by side in one process, on InternVL (the built-in model 
 
 - vlmbatch: ``TorchEngine.score`` with one label-set question per image; the prompt and its
   image are prefilled once, every choice is a continuation after the prompt's KV
-  (``pipeline/choices.py``). A fresh engine (empty prefix cache) each round.
+  (``engine/choices.py``). A fresh engine (empty prefix cache) each round.
 - transformers (what a competent user writes, SDPA): every prompt + choice as one full
   sequence, ``--batch`` sequences per forward, left-padded with positions from the mask, the
   image's features computed once per image and reused for all its choices
@@ -35,12 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.checks import Checks  # noqa: E402
 from bench.hf_baseline import can_pass_features, load_reference  # noqa: E402
-from vlmbatch.pipeline.config import DEFAULT_MODEL, DTYPES, EngineConfig, ModelConfig  # noqa: E402
-from vlmbatch.pipeline.embed_eval import COLOURS  # noqa: E402
-from vlmbatch.pipeline.evaluate import easy_vqa_items  # noqa: E402
-from vlmbatch.pipeline.loading import image_plan_for, load_model, torch_dtype  # noqa: E402
-from vlmbatch.pipeline.records import Request  # noqa: E402
-from vlmbatch.pipeline.torch_engine import TorchEngine  # noqa: E402
+from vlmbatch.app.embed_eval import COLOURS  # noqa: E402
+from vlmbatch.app.evaluate import easy_vqa_items  # noqa: E402
+from vlmbatch.engine.config import DEFAULT_MODEL, DTYPES, EngineConfig, ModelConfig  # noqa: E402
+from vlmbatch.engine.loading import image_plan_for, load_model, torch_dtype  # noqa: E402
+from vlmbatch.engine.records import Request  # noqa: E402
+from vlmbatch.engine.torch_engine import TorchEngine  # noqa: E402
 from vlmbatch.preprocessing.decode import decode  # noqa: E402
 from vlmbatch.preprocessing.prepare import PreparedImage  # noqa: E402
 from vlmbatch.preprocessing.reference import pixel_values  # noqa: E402

@@ -20,7 +20,7 @@ Rows, each timed over ``--rounds`` interleaved rounds, best kept:
 - transformers: ``InternVLForConditionalGeneration`` on SDPA, ``--batch`` inputs per forward:
   Pillow tiles (the model card's path), the whole prompt right-padded with an attention mask,
   ``output_hidden_states=True``, the last hidden states averaged over each row's
-  ``<img>``..``</img>`` span (a text: its tokens), L2 (``pipeline/pooling.py``'s rule).
+  ``<img>``..``</img>`` span (a text: its tokens), L2 (``engine/pooling.py``'s rule).
 
 Printed: embeddings/s per row and set, each row's ratio to transformers, the agreement, and
 the process's peak RSS after each row's set-up. The agreement is checked: a minimum cosine
@@ -51,9 +51,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.checks import Checks  # noqa: E402
 from scripts.shapes import make_scene  # noqa: E402
 from vlmbatch import VLM  # noqa: E402
-from vlmbatch.pipeline.config import DEFAULT_EMBED_MODEL  # noqa: E402
-from vlmbatch.pipeline.embed_eval import COLOURS, SHAPES, caption  # noqa: E402
-from vlmbatch.pipeline.pooling import pool_range  # noqa: E402
+from vlmbatch.app.embed_eval import COLOURS, SHAPES, caption  # noqa: E402
+from vlmbatch.engine.config import DEFAULT_EMBED_MODEL  # noqa: E402
+from vlmbatch.engine.pooling import pool_range  # noqa: E402
 from vlmbatch.preprocessing.reference import pillow_tiles, pixel_values  # noqa: E402
 
 

@@ -30,9 +30,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cache_memory import image  # noqa: E402
-from vlmbatch.pipeline.build import build_engine  # noqa: E402
-from vlmbatch.pipeline.config import EngineConfig, ModelConfig  # noqa: E402
-from vlmbatch.pipeline.records import Request  # noqa: E402
+from vlmbatch.engine.build import build_engine  # noqa: E402
+from vlmbatch.engine.config import EngineConfig, ModelConfig  # noqa: E402
+from vlmbatch.engine.records import Request  # noqa: E402
 from vlmbatch.preprocessing.prepare import prepare  # noqa: E402
 
 QUESTIONS = ["Is there a red shape?", "Is there a circle?", "Is there a blue shape?",

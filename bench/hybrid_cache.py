@@ -34,12 +34,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from vlmbatch.engine.config import EngineConfig  # noqa: E402
+from vlmbatch.engine.loading import load_model  # noqa: E402
+from vlmbatch.engine.records import Request  # noqa: E402
+from vlmbatch.engine.torch_engine import TorchEngine  # noqa: E402
 from vlmbatch.models.base import ImageOptions, LoadedModel  # noqa: E402
 from vlmbatch.models.qwen_vl.random import save_random_qwen_vl  # noqa: E402
-from vlmbatch.pipeline.config import EngineConfig  # noqa: E402
-from vlmbatch.pipeline.loading import load_model  # noqa: E402
-from vlmbatch.pipeline.records import Request  # noqa: E402
-from vlmbatch.pipeline.torch_engine import TorchEngine  # noqa: E402
 from vlmbatch.preprocessing.prepare import PreparedImage  # noqa: E402
 
 KS = (1, 4, 16)

@@ -34,8 +34,8 @@ from tests.models.test_internlm2 import (  # noqa: E402
     fresh_published,
 )
 from tests.models.test_internvl_reference import fresh, logits_row  # noqa: E402
+from vlmbatch.engine.loading import load_model  # noqa: E402
 from vlmbatch.models.io import raw_state_dict  # noqa: E402
-from vlmbatch.pipeline.loading import load_model  # noqa: E402
 from vlmbatch.preprocessing.prepare import prepare  # noqa: E402
 
 SIZES = [(56, 56), (200, 90), (30, 170)]  # (w, h): one tile, wide, tall

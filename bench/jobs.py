@@ -127,9 +127,9 @@ def one_row(args: argparse.Namespace, manifest: Path, key: str,
     """(wall, job QPM, peak tree RSS) of a fresh job over ``manifest`` run with ``extra``."""
     import shutil
 
+    from vlmbatch.engine.config import EngineConfig, ModelConfig
     from vlmbatch.jobs.config import RunConfig
     from vlmbatch.jobs.job import status, submit
-    from vlmbatch.pipeline.config import EngineConfig, ModelConfig
 
     job = args.work / f"job{args.items}_{key}"
     if job.exists():

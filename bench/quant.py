@@ -38,11 +38,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vlmbatch.pipeline.build import build_engine  # noqa: E402
-from vlmbatch.pipeline.config import DEFAULT_MODEL, EngineConfig, ModelConfig  # noqa: E402
+from vlmbatch.app.evaluate import easy_vqa_set  # noqa: E402
+from vlmbatch.app.quantize import quantize_model  # noqa: E402
+from vlmbatch.engine.build import build_engine  # noqa: E402
+from vlmbatch.engine.config import DEFAULT_MODEL, EngineConfig, ModelConfig  # noqa: E402
 from vlmbatch.pipeline.drive import answer_group  # noqa: E402
-from vlmbatch.pipeline.evaluate import easy_vqa_set  # noqa: E402
-from vlmbatch.pipeline.quantize import quantize_model  # noqa: E402
 from vlmbatch.quant.int4 import Int4Linear  # noqa: E402
 
 

@@ -12,7 +12,7 @@ import cv2
 import numpy as np
 
 from scripts.shapes import make_questions, make_scene
-from vlmbatch.pipeline.evaluate import EvalSet
+from vlmbatch.app.evaluate import EvalSet
 from vlmbatch.pipeline.records import ImageItem, Question
 
 

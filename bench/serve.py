@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vlmbatch  # noqa: E402
 from bench.checks import Checks  # noqa: E402
 from tests.app.server.serving import Server, chat_body  # noqa: E402
-from vlmbatch.pipeline.evaluate import easy_vqa_set  # noqa: E402
+from vlmbatch.app.evaluate import easy_vqa_set  # noqa: E402
 
 
 def requests_of(items: list) -> tuple[list[dict], list[tuple[str, str]]]:

@@ -27,9 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from vlmbatch.engine.config import DEFAULT_MODEL  # noqa: E402
+from vlmbatch.engine.loading import load_model, vision_model  # noqa: E402
 from vlmbatch.models.internvl.vision import VisionEncoder, VisionSpec  # noqa: E402
-from vlmbatch.pipeline.config import DEFAULT_MODEL  # noqa: E402
-from vlmbatch.pipeline.loading import load_model, vision_model  # noqa: E402
 from vlmbatch.vit_trt import VisionModel  # noqa: E402
 from vlmbatch.vit_trt.compile_runner import CompiledRunner  # noqa: E402
 from vlmbatch.vit_trt.export import export_onnx  # noqa: E402

@@ -29,7 +29,7 @@ at its end (by wall clock, so a slow machine gets the same schedule in fewer ste
 saved folder is the built-in model's checkpoint with the trained weights and jina's
 declarations in config.json (``single_vector_pool_strategy: "mean"``, ``matryoshka_dims``),
 so ``vlmbatch embed`` knows it is an embedding model; its log holds the command, the losses
-and the retrieval figures before and after (``pipeline/embed_eval.py``). README "Embeddings".
+and the retrieval figures before and after (``app/embed_eval.py``). README "Embeddings".
 """
 
 from __future__ import annotations
@@ -49,14 +49,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.shapes import make_scene  # noqa: E402
 from scripts.train_default_model import seeded  # noqa: E402
+from vlmbatch.app.embed_eval import caption, evaluate_retrieval, labels  # noqa: E402
+from vlmbatch.engine.build import build_engine  # noqa: E402
+from vlmbatch.engine.config import DEFAULT_MODEL, EmbedConfig, EngineConfig, ModelConfig  # noqa: E402
+from vlmbatch.engine.embed import EmbedHandle  # noqa: E402
+from vlmbatch.engine.loading import image_plan_for, load_model  # noqa: E402
+from vlmbatch.engine.pooling import pool_range  # noqa: E402
 from vlmbatch.models.base import weight_key  # noqa: E402
 from vlmbatch.models.decoder import TextDecoder  # noqa: E402
-from vlmbatch.pipeline.build import build_engine  # noqa: E402
-from vlmbatch.pipeline.config import DEFAULT_MODEL, EmbedConfig, EngineConfig, ModelConfig  # noqa: E402
-from vlmbatch.pipeline.embed import Embedder  # noqa: E402
-from vlmbatch.pipeline.embed_eval import caption, evaluate_retrieval, labels  # noqa: E402
-from vlmbatch.pipeline.loading import image_plan_for, load_model  # noqa: E402
-from vlmbatch.pipeline.pooling import pool_range  # noqa: E402
 from vlmbatch.preprocessing.decode import decode  # noqa: E402
 
 Example = tuple[torch.Tensor, tuple[int, int], str]  # (hidden [T, D] below the trained
@@ -247,7 +247,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def evaluate(path: Path, log: list[str], name: str) -> None:
-    r = evaluate_retrieval(Embedder(build_engine(ModelConfig(path), EngineConfig()),
+    r = evaluate_retrieval(EmbedHandle(build_engine(ModelConfig(path), EngineConfig()),
                                     EmbedConfig(pooling="image-mean")))
     p = r.precision_at_10
     lines = [f"{name}: text->image precision@10 min {min(p.values()):.3f} mean "

@@ -21,7 +21,7 @@ layout (``save_pretrained``), so the result is an ordinary HF checkpoint. Each s
 its images once and writes the features into every question about them; positions are the
 prompt builder's M-RoPE positions, continued by the rope delta over the answer.
 
-    python scripts/train_qwen_model.py --out vlmbatch/pipeline/default_qwen_model --minutes 60 ...
+    python scripts/train_qwen_model.py --out vlmbatch/models/default_qwen_model --minutes 60 ...
 
 (the command the README gives). The stage loop is ``train_default_model.train_lm``.
 """

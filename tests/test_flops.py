@@ -15,9 +15,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.flops import attended_keys, prefill_flops, vision_tile_flops, workload_flops
+from vlmbatch.engine.loading import load_model
 from vlmbatch.models.decoder import TextSpec
 from vlmbatch.models.internvl.vision import VisionSpec
-from vlmbatch.pipeline.loading import load_model
 
 TINY_VISION = VisionSpec(
     hidden=8, layers=2, heads=2, intermediate=16, patch=2, image_size=4,

@@ -16,22 +16,23 @@ from pathlib import Path
 import pytest
 
 from vlmbatch.common.registry import Registry
+from vlmbatch.engine.build import ENGINES
 from vlmbatch.models import FAMILIES
-from vlmbatch.pipeline.build import ENGINES
 from vlmbatch.vit_trt import RUNNERS
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "fastapi", "cv2")
-LIGHT = ["vlmbatch.common.registry", "vlmbatch.pipeline.config", "vlmbatch.pipeline.build",
+LIGHT = ["vlmbatch.common.registry", "vlmbatch.pipeline.config", "vlmbatch.engine.config",
+         "vlmbatch.engine.build",
          "vlmbatch.models", "vlmbatch.vit_trt", "vlmbatch.jobs.config", "vlmbatch.jobs.folder",
          "vlmbatch.jobs.store", "vlmbatch.jobs.lock", "vlmbatch.jobs.export",
          "vlmbatch.jobs.sinks", "vlmbatch.jobs.manifest", "vlmbatch.jobs.errors",
          "vlmbatch.jobs.openai_embeddings", "vlmbatch.jobs.embed_sinks"]
 # each registry and the package its entries must come from
-REGISTRIES: list[tuple[Registry, str]] = [(ENGINES, "vlmbatch.pipeline"),
+REGISTRIES: list[tuple[Registry, str]] = [(ENGINES, "vlmbatch.engine"),
                                           (RUNNERS, "vlmbatch.vit_trt"),
                                           (FAMILIES, "vlmbatch.models")]
-IMPLEMENTATIONS = ["vlmbatch.pipeline.torch_engine", "vlmbatch.pipeline.lmdeploy_engine",
+IMPLEMENTATIONS = ["vlmbatch.engine.torch_engine", "vlmbatch.engine.lmdeploy_engine",
                    "vlmbatch.vit_trt.base", "vlmbatch.vit_trt.torch_runner",
                    "vlmbatch.vit_trt.onnx_runner", "vlmbatch.vit_trt.tensorrt_runner",
                    "vlmbatch.vit_trt.compile_runner", "vlmbatch.models.base",
@@ -57,9 +58,9 @@ def test_a_light_module_imports_nothing_heavy(module: str) -> None:
 
 
 def test_listing_the_registries_imports_no_implementation() -> None:
-    code = ("from vlmbatch.pipeline.build import ENGINES\nfrom vlmbatch.vit_trt import RUNNERS\n"
+    code = ("from vlmbatch.engine.build import ENGINES\nfrom vlmbatch.vit_trt import RUNNERS\n"
             "from vlmbatch.models.registry import FAMILIES, REFUSED\n"
-            "from vlmbatch.pipeline.config import vit_backends\n"
+            "from vlmbatch.engine.config import vit_backends\n"
             "print(ENGINES.names(), RUNNERS.names(), FAMILIES.names(), sorted(REFUSED), "
             "vit_backends(), 'torch' in ENGINES, 'nope' in RUNNERS)")
     modules, printed = loaded_after(code)
@@ -69,8 +70,8 @@ def test_listing_the_registries_imports_no_implementation() -> None:
 
 def test_an_unknown_name_lists_the_known_ones_without_importing_them(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"model_type": "llava"}')
-    code = ("from pathlib import Path\nfrom vlmbatch.pipeline.build import build_engine\n"
-            "from vlmbatch.pipeline.config import ConfigError, EngineConfig, ModelConfig\n"
+    code = ("from pathlib import Path\nfrom vlmbatch.engine.build import build_engine\n"
+            "from vlmbatch.engine.config import ConfigError, EngineConfig, ModelConfig\n"
             "from vlmbatch.models import family_for\n"
             "from vlmbatch.models.config_io import ModelError\n"
             "try:\n    build_engine(ModelConfig(), EngineConfig(engine='nope'))\n"
@@ -95,10 +96,10 @@ def test_every_entry_comes_from_its_registrys_package(registry: Registry, packag
 
 
 def test_the_entries_are_the_implementations_they_name() -> None:
+    from vlmbatch.engine import lmdeploy_engine, torch_engine
     from vlmbatch.models.internvl.family import INTERNVL, InternVL
     from vlmbatch.models.qwen_vl.family import ColQwen2, QwenVL
     from vlmbatch.models.qwen_vl.spec import KINDS
-    from vlmbatch.pipeline import lmdeploy_engine, torch_engine
     from vlmbatch.vit_trt import compile_runner, onnx_runner, tensorrt_runner, torch_runner
 
     assert ENGINES.get("torch") is torch_engine.build_torch

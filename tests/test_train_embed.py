@@ -9,11 +9,11 @@ import torch.nn.functional as F
 
 from scripts.shapes import make_scene
 from scripts.train_embed_model import frozen_states, losses, pooled, scene_caption
-from vlmbatch.pipeline.config import DEFAULT_MODEL, EmbedConfig, EngineConfig, ModelConfig
-from vlmbatch.pipeline.embed import Embedder
-from vlmbatch.pipeline.loading import image_plan_for, load_model
-from vlmbatch.pipeline.records import EmbedRequest
-from vlmbatch.pipeline.torch_engine import TorchEngine
+from vlmbatch.engine.config import DEFAULT_MODEL, EmbedConfig, EngineConfig, ModelConfig
+from vlmbatch.engine.embed import EmbedHandle
+from vlmbatch.engine.loading import image_plan_for, load_model
+from vlmbatch.engine.records import EmbedRequest
+from vlmbatch.engine.torch_engine import TorchEngine
 
 
 def test_training_vectors_are_the_served_vectors() -> None:
@@ -30,7 +30,7 @@ def test_training_vectors_are_the_served_vectors() -> None:
     with torch.no_grad():
         img = F.normalize(pooled(loaded.llm, data, 2), dim=-1).numpy()
         txt = F.normalize(pooled(loaded.llm, list(captions.values()), 2), dim=-1).numpy()
-    emb = Embedder(TorchEngine(loaded, EngineConfig(prefix_cache=False)),
+    emb = EmbedHandle(TorchEngine(loaded, EngineConfig(prefix_cache=False)),
                    EmbedConfig(pooling="image-mean"))
     served = emb.embed(prepared, [EmbedRequest(i, None) for i in range(3)]
                        + [EmbedRequest(None, c) for c in captions])

@@ -22,10 +22,10 @@ from scripts.train_qwen_model import (
     save,
     train_step,
 )
-from vlmbatch.pipeline.config import EngineConfig
-from vlmbatch.pipeline.loading import load_model
-from vlmbatch.pipeline.records import Request
-from vlmbatch.pipeline.torch_engine import TorchEngine
+from vlmbatch.engine.config import EngineConfig
+from vlmbatch.engine.loading import load_model
+from vlmbatch.engine.records import Request
+from vlmbatch.engine.torch_engine import TorchEngine
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,10 @@
 images and texts into embeddings.
 
 One import root: every package lives under ``vlmbatch/`` (the layers of docs/structure.md,
-top to bottom: ``app`` (the CLI, the Python API, the server), ``jobs``, ``pipeline``,
-``vit_trt`` and ``quant``, ``models``, ``preprocessing``/``cudagraph_pool``/``common``).
+top to bottom: ``app`` (the CLI, the Python API, the server), ``labels`` (labelled
+evaluation, calibration, the report), ``jobs``, ``pipeline`` (the drive loop), ``engine``
+(the model behind one interface), ``vit_trt`` and ``quant``, ``models``,
+``preprocessing``/``cudagraph_pool``/``common``).
 
 ``import vlmbatch`` imports nothing heavy: the public names below resolve to their modules
 on first use (module ``__getattr__``), so a process that only prepares images, or the CLI's
@@ -18,16 +20,16 @@ from typing import TYPE_CHECKING, Any
 # public name -> "module:attribute", imported on first use
 _LAZY = {
     "VLM": "vlmbatch.app.api:VLM",
-    "maxsim": "vlmbatch.pipeline.pooling:maxsim",
+    "maxsim": "vlmbatch.engine.pooling:maxsim",
     "Answer": "vlmbatch.pipeline.records:Answer",
     "Embedding": "vlmbatch.pipeline.records:Embedding",
     "EmbedItem": "vlmbatch.pipeline.records:EmbedItem",
     "ErrorKind": "vlmbatch.pipeline.records:ErrorKind",
     "ImageItem": "vlmbatch.pipeline.records:ImageItem",
     "Question": "vlmbatch.pipeline.records:Question",
-    "MODEL": "vlmbatch.pipeline.paths:DEFAULT_MODEL",
-    "EMBED_MODEL": "vlmbatch.pipeline.paths:DEFAULT_EMBED_MODEL",
-    "QWEN_MODEL": "vlmbatch.pipeline.paths:DEFAULT_QWEN_MODEL",
+    "MODEL": "vlmbatch.models.paths:DEFAULT_MODEL",
+    "EMBED_MODEL": "vlmbatch.models.paths:DEFAULT_EMBED_MODEL",
+    "QWEN_MODEL": "vlmbatch.models.paths:DEFAULT_QWEN_MODEL",
 }
 
 __all__ = ["EMBED_MODEL", "MODEL", "QWEN_MODEL", "VLM", "Answer", "EmbedItem", "Embedding",
@@ -35,10 +37,10 @@ __all__ = ["EMBED_MODEL", "MODEL", "QWEN_MODEL", "VLM", "Answer", "EmbedItem", "
 
 if TYPE_CHECKING:
     from vlmbatch.app.api import VLM
-    from vlmbatch.pipeline.paths import DEFAULT_EMBED_MODEL as EMBED_MODEL
-    from vlmbatch.pipeline.paths import DEFAULT_MODEL as MODEL
-    from vlmbatch.pipeline.paths import DEFAULT_QWEN_MODEL as QWEN_MODEL
-    from vlmbatch.pipeline.pooling import maxsim
+    from vlmbatch.engine.pooling import maxsim
+    from vlmbatch.models.paths import DEFAULT_EMBED_MODEL as EMBED_MODEL
+    from vlmbatch.models.paths import DEFAULT_MODEL as MODEL
+    from vlmbatch.models.paths import DEFAULT_QWEN_MODEL as QWEN_MODEL
     from vlmbatch.pipeline.records import (
         Answer,
         Embedding,

@@ -14,9 +14,9 @@ from PIL import Image
 
 import vlmbatch
 from vlmbatch.app.cli import EXIT_OK, main
+from vlmbatch.engine.config import ChoiceError
 from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.manifest import read_manifest, read_policy
-from vlmbatch.pipeline.config import ChoiceError
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFEST, POLICY = ROOT / "examples" / "manifest.jsonl", ROOT / "examples" / "policy.yaml"

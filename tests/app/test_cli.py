@@ -175,8 +175,8 @@ def test_bad_option_is_bad_input(job: Path, random_model_dir: Path, capsys) -> N
 
 
 def test_summary_reports_graph_memory_only_when_graphs_ran() -> None:
+    from vlmbatch.engine.base import EngineSummary
     from vlmbatch.jobs.runner import RunSummary
-    from vlmbatch.pipeline.engine import EngineSummary
 
     base = dict(images=2, questions=4, failed_images=0, failed_questions=0, seconds=1.0)
     assert "CUDA graphs" not in RunSummary(**base, engine=EngineSummary(40, 80, 0.5)).text()

@@ -16,9 +16,9 @@ import vlmbatch
 from tests.jobs.test_job import make_manifest
 from tests.models.qwen_vl_helpers import KINDS, reference_pixels, save_engine_checkpoint
 from vlmbatch.app.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from vlmbatch.engine.build import build_engine
+from vlmbatch.engine.config import EngineConfig, ModelConfig
 from vlmbatch.jobs.job import status
-from vlmbatch.pipeline.build import build_engine
-from vlmbatch.pipeline.config import EngineConfig, ModelConfig
 from vlmbatch.preprocessing.decode import decode
 
 

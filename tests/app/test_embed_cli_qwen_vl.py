@@ -1,7 +1,7 @@
 """Qwen-VL and ColQwen2 checkpoints through every way into embeddings: ``vlmbatch embed``, the
 Python API, ``submit --task embed``; ColQwen2's multi-vector default, ``--maxsim`` and the
 refusal of ``run``. The vectors themselves are checked against transformers in
-``tests/pipeline/test_embed_reference_qwen.py`` and ``test_colqwen2.py``; here every way in
+``tests/engine/test_embed_reference_qwen.py`` and ``test_colqwen2.py``; here every way in
 gives the same ones. Tiny random checkpoints (``tests/models/qwen_vl_helpers.py``)."""
 
 from __future__ import annotations

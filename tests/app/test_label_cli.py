@@ -14,9 +14,9 @@ import pytest
 from PIL import Image
 
 from vlmbatch.app.cli import EXIT_BAD_INPUT, EXIT_OK, main
-from vlmbatch.jobs.evaluation import evaluate, join
-from vlmbatch.jobs.labels import read_labels, read_results
 from vlmbatch.jobs.manifest import read_policy
+from vlmbatch.labels.evaluation import evaluate, join
+from vlmbatch.labels.read import read_labels, read_results
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "labelled"

@@ -10,8 +10,8 @@ import torch
 
 from tests.conftest import make_model_dir
 from vlmbatch.cudagraph_pool import capture_hazards
+from vlmbatch.engine.loading import load_model
 from vlmbatch.models.internvl.vision import VisionEncoder
-from vlmbatch.pipeline.loading import load_model
 
 HAZARDS = {
     "torch.tensor": (lambda t: t * torch.tensor([2.0]), "host data"),

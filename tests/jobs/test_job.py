@@ -509,8 +509,8 @@ def test_an_interrupted_export_leaves_out_as_it_was(tmp_path: Path, random_model
 def test_thread_counts_are_refused_on_ray(tmp_path: Path, random_model_dir: Path) -> None:
     """On Ray each model actor runs --model-cpus threads (Ray's reservation): a run's
     --threads would be ignored or oversubscribe, so it is refused (no Ray needed to check)."""
+    from vlmbatch.engine.config import ConfigError
     from vlmbatch.jobs.job import run_job
-    from vlmbatch.pipeline.config import ConfigError
 
     _, job = submit_job(tmp_path, random_model_dir, 1)
     with pytest.raises(ConfigError, match="apply to in-process runs"):

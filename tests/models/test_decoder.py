@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from vlmbatch.engine.loading import load_model, read_spec
 from vlmbatch.models.base import weight_key
 from vlmbatch.models.decoder import TextDecoder, TextSpec
 from vlmbatch.models.io import ModelError, raw_state_dict
+from vlmbatch.models.paths import DEFAULT_MODEL, DEFAULT_QWEN_MODEL
 from vlmbatch.models.registry import family_for
-from vlmbatch.pipeline.loading import load_model, read_spec
-from vlmbatch.pipeline.paths import DEFAULT_MODEL, DEFAULT_QWEN_MODEL
 
 BASE = TextSpec(vocab=50, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=16,
                 intermediate=48, eps=1e-6, rope_theta=1e4, tie_embeddings=False)

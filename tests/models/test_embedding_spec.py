@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from vlmbatch.engine.config import DEFAULT_EMBED_MODEL, DEFAULT_MODEL, EmbedConfig, EngineConfig
+from vlmbatch.engine.embed import EmbedHandle, embedding_checkpoint
+from vlmbatch.engine.loading import load_model
+from vlmbatch.engine.records import EmbedRequest
+from vlmbatch.engine.torch_engine import TorchEngine
 from vlmbatch.models.embedding import read_embedding_spec
 from vlmbatch.models.io import ModelError
-from vlmbatch.pipeline.config import DEFAULT_EMBED_MODEL, DEFAULT_MODEL, EmbedConfig, EngineConfig
-from vlmbatch.pipeline.embed import Embedder, embedding_checkpoint
-from vlmbatch.pipeline.loading import load_model
-from vlmbatch.pipeline.records import EmbedRequest
-from vlmbatch.pipeline.torch_engine import TorchEngine
 
 
 def test_declarations(tmp_path: Path) -> None:
@@ -62,9 +62,9 @@ def test_projection_layer_is_applied(random_model_dir: Path, tmp_path: Path) -> 
     save_file({"multi_vector_projector.weight": w, "multi_vector_projector.bias": b},
               str(path / "projector.safetensors"))
     model = load_model(path)
-    emb = Embedder(TorchEngine(model, EngineConfig()), EmbedConfig(multi_vector=True))
+    emb = EmbedHandle(TorchEngine(model, EngineConfig()), EmbedConfig(multi_vector=True))
     assert emb.resolved.spec.projection == "multi_vector_projector" and emb.resolved.spec.declared
-    plain = Embedder(TorchEngine(model, EngineConfig()), EmbedConfig(pooling="mean"))
+    plain = EmbedHandle(TorchEngine(model, EngineConfig()), EmbedConfig(pooling="mean"))
     r = EmbedRequest(None, "a red circle")
     got = emb.embed([], [r])[0].values
     p = plain.prompt(r, [])

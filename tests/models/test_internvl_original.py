@@ -22,13 +22,13 @@ from transformers import InternVLForConditionalGeneration
 
 from tests.conftest import reference_pixels
 from tests.models.internvl_original_helpers import KINDS, make_pair, modules
+from vlmbatch.engine.config import EngineConfig
+from vlmbatch.engine.loading import load_model, read_spec
+from vlmbatch.engine.records import Request
+from vlmbatch.engine.torch_engine import TorchEngine
 from vlmbatch.models.internvl.prompt import InternVLPrompts, template_format
 from vlmbatch.models.internvl.templates import TEMPLATES
 from vlmbatch.models.io import ModelError
-from vlmbatch.pipeline.config import EngineConfig
-from vlmbatch.pipeline.loading import load_model, read_spec
-from vlmbatch.pipeline.records import Request
-from vlmbatch.pipeline.torch_engine import TorchEngine
 from vlmbatch.preprocessing.prepare import prepare
 
 TOL = 1e-6  # original vs HF-native, ours both

@@ -27,11 +27,11 @@ from transformers import InternVLForConditionalGeneration
 
 from tests.conftest import TEXT_MODELS, make_model_dir, reference_pixels
 from tests.models.fault_injection import FAULTS, constant_init_parameters, with_fault
+from vlmbatch.engine.config import EngineConfig
+from vlmbatch.engine.loading import load_model
+from vlmbatch.engine.records import Request
+from vlmbatch.engine.torch_engine import TorchEngine
 from vlmbatch.models.base import LoadedModel, Prompt
-from vlmbatch.pipeline.config import EngineConfig
-from vlmbatch.pipeline.loading import load_model
-from vlmbatch.pipeline.records import Request
-from vlmbatch.pipeline.torch_engine import TorchEngine
 from vlmbatch.preprocessing.prepare import PreparedImage, prepare
 
 SIZES = [(56, 56), (112, 56), (200, 90), (30, 170), (300, 200)]  # (width, height)

@@ -12,7 +12,7 @@ from transformers import InternVLForConditionalGeneration
 
 from tests.conftest import make_model_dir, reference_pixels
 from tests.models.fault_injection import FAULTS, constant_init_parameters, with_fault
-from vlmbatch.pipeline.loading import load_model
+from vlmbatch.engine.loading import load_model
 
 TOL = 1e-5  # relative: max |ours - reference| / max |reference|
 
@@ -152,7 +152,7 @@ def read_spec_from_config(cfg: dict):  # noqa: ANN201
     import json
     import tempfile
 
-    from vlmbatch.pipeline.loading import read_spec
+    from vlmbatch.engine.loading import read_spec
 
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(cfg))

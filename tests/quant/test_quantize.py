@@ -10,13 +10,13 @@ import torch
 from safetensors.torch import load_file
 
 from vlmbatch.app.cli import main
+from vlmbatch.app.quantize import quantize_model
+from vlmbatch.engine.build import build_engine
+from vlmbatch.engine.config import EngineConfig, ModelConfig
+from vlmbatch.engine.loading import load_model
 from vlmbatch.jobs.manifest import read_manifest, read_policy
 from vlmbatch.models.decoder import DecoderLayer, TextSpec
-from vlmbatch.pipeline.build import build_engine
-from vlmbatch.pipeline.config import EngineConfig, ModelConfig
 from vlmbatch.pipeline.drive import answer_group
-from vlmbatch.pipeline.loading import load_model
-from vlmbatch.pipeline.quantize import quantize_model
 from vlmbatch.quant.calibrate import apply_scale, layer_groups, layer_linear
 from vlmbatch.quant.int4 import Int4Linear
 
@@ -121,7 +121,7 @@ def test_an_interrupted_quantize_leaves_no_checkpoint(random_model_dir: Path, tm
     """Killed while saving (here: after the weights, before config.json gets its
     quantization_config), --out must not hold a checkpoint that looks whole: it is written
     beside, then renamed; a second try into the same --out works."""
-    import vlmbatch.pipeline.quantize as qmod
+    import vlmbatch.app.quantize as qmod
 
     real = qmod.save_quantized
 
@@ -155,7 +155,7 @@ def test_int8_dynamic_refuses_a_half_precision_model(capsys) -> None:  # noqa: A
 
 def test_int8_vit_runner_close_to_torch() -> None:
     pytest.importorskip("onnxruntime")
-    from vlmbatch.pipeline.loading import vision_model
+    from vlmbatch.engine.loading import vision_model
     from vlmbatch.vit_trt import RunnerOptions, make_runner
 
     model = load_model()

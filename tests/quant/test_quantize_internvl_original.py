@@ -17,10 +17,10 @@ from safetensors.torch import load_file
 
 from tests.models.internvl_original_helpers import make_pair
 from tests.quant.test_quantize_qwen_vl import EXAMPLES, agreement, answers
+from vlmbatch.app.quantize import quantize_model
+from vlmbatch.engine.loading import load_model
 from vlmbatch.models.decoder import DecoderLayer, TextSpec
 from vlmbatch.models.layers import rotary
-from vlmbatch.pipeline.loading import load_model
-from vlmbatch.pipeline.quantize import quantize_model
 from vlmbatch.quant.calibrate import apply_scale, layer_groups, layer_linear
 from vlmbatch.quant.int4 import Int4Linear
 

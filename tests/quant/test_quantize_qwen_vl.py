@@ -17,12 +17,12 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.models.qwen_vl_helpers import save_engine_checkpoint
+from vlmbatch.app.quantize import quantize_model
+from vlmbatch.engine.build import build_engine
+from vlmbatch.engine.config import EngineConfig, ModelConfig
+from vlmbatch.engine.loading import load_model
 from vlmbatch.jobs.manifest import read_manifest, read_policy
-from vlmbatch.pipeline.build import build_engine
-from vlmbatch.pipeline.config import EngineConfig, ModelConfig
 from vlmbatch.pipeline.drive import answer_group
-from vlmbatch.pipeline.loading import load_model
-from vlmbatch.pipeline.quantize import quantize_model
 from vlmbatch.quant.int4 import Int4Linear
 
 ROOT = Path(__file__).resolve().parents[2]

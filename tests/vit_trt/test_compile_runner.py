@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from vlmbatch.pipeline.loading import load_model, vision_model
+from vlmbatch.engine.loading import load_model, vision_model
 from vlmbatch.vit_trt import RUNNERS, RunnerOptions, make_runner
 from vlmbatch.vit_trt.compile_runner import CompiledRunner
 

@@ -12,10 +12,10 @@ import torch
 
 from vlmbatch.app.cli import EXIT_OK, main
 from vlmbatch.common.registry import UnknownName
-from vlmbatch.pipeline.config import EngineConfig
-from vlmbatch.pipeline.loading import load_model, vision_model
-from vlmbatch.pipeline.records import Request
-from vlmbatch.pipeline.torch_engine import TorchEngine
+from vlmbatch.engine.config import EngineConfig
+from vlmbatch.engine.loading import load_model, vision_model
+from vlmbatch.engine.records import Request
+from vlmbatch.engine.torch_engine import TorchEngine
 from vlmbatch.preprocessing.prepare import prepare
 from vlmbatch.vit_trt import RunnerOptions, make_runner
 from vlmbatch.vit_trt.export import export_onnx

@@ -50,19 +50,13 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps
 
+from vlmbatch.engine.build import build_engine
+from vlmbatch.engine.config import EMBED_GROUP, EmbedConfig, EngineConfig, ModelConfig, default_of
+from vlmbatch.engine.embed import EmbedHandle, build_embedder
 from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.manifest import parse_question
-from vlmbatch.pipeline.build import build_engine
-from vlmbatch.pipeline.config import (
-    EMBED_GROUP,
-    EmbedConfig,
-    EngineConfig,
-    ModelConfig,
-    PrepareConfig,
-    default_of,
-)
+from vlmbatch.pipeline.config import PrepareConfig
 from vlmbatch.pipeline.drive import Preparer, drive, groups_of, preparer
-from vlmbatch.pipeline.embed import Embedder, build_embedder
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.pipeline.records import Answer, Embedding, EmbedItem, ImageItem, Question
 from vlmbatch.pipeline.task import AnswerTask, EmbedTask, Task
@@ -105,7 +99,7 @@ class VLM:
             p.decode_timeout if decode_timeout is None else decode_timeout).options(device)
         self.hooks = hooks
         self.engine = build_engine(self.model_config, self.engine_config, threads)
-        self._embedders: dict[EmbedConfig, Embedder] = {}
+        self._embedders: dict[EmbedConfig, EmbedHandle] = {}
         self._workers: Preparer | None = None
         self._finalizer: weakref.finalize | None = None
 
@@ -175,7 +169,7 @@ class VLM:
         groups = groups_of((_embed_item(i, x) for i, x in enumerate(inputs)), self.embed_batch)
         yield from self._results(EmbedTask(cfg), groups)
 
-    def embedder(self, cfg: EmbedConfig) -> Embedder:
+    def embedder(self, cfg: EmbedConfig) -> EmbedHandle:
         """The embedder for ``cfg`` on this VLM's engine (built once per config)."""
         if cfg not in self._embedders:
             self._embedders[cfg] = build_embedder(self.engine, cfg)

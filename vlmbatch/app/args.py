@@ -21,20 +21,20 @@ from vlmbatch.app.config import SPLITS
 from vlmbatch.app.embed_args import add_embed_parser, embed_option_args
 from vlmbatch.app.label_args import add_calibrate_parser, add_report_parser
 from vlmbatch.app.server.config import add_executor_args, add_server_args
-from vlmbatch.jobs.config import EXECUTORS, TASKS, RayOptions, RunConfig
-from vlmbatch.jobs.export import PARQUET_ROWS_PER_FILE
-from vlmbatch.pipeline.build import ENGINES
-from vlmbatch.pipeline.config import (
+from vlmbatch.engine.build import ENGINES
+from vlmbatch.engine.config import (
     CHOICE_SCORING,
     DTYPES,
     LLM_QUANT,
     QUANT,
     EngineConfig,
     ModelConfig,
-    PrepareConfig,
     default_of,
     vit_backends,
 )
+from vlmbatch.jobs.config import EXECUTORS, TASKS, RayOptions, RunConfig
+from vlmbatch.jobs.export import PARQUET_ROWS_PER_FILE
+from vlmbatch.pipeline.config import PrepareConfig
 from vlmbatch.preprocessing.tiling import TILING_MODES
 from vlmbatch.quant import GROUP_SIZE, METHODS, SAMPLES
 from vlmbatch.vit_trt import OPSET

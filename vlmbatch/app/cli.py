@@ -35,10 +35,10 @@ from vlmbatch.app.commands import (
     executor_config,
     is_job_arg,
 )
+from vlmbatch.engine.config import AnswerWordsError, ConfigError
 from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.folder import is_job
 from vlmbatch.models.config_io import ModelError
-from vlmbatch.pipeline.config import AnswerWordsError, ConfigError
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_CRASH", "EXIT_INTERRUPTED", "EXIT_ITEM_ERRORS", "EXIT_OK",

@@ -19,6 +19,7 @@ from pathlib import Path
 from vlmbatch.app.config import from_args
 from vlmbatch.common.atomic import replaced_on_success
 from vlmbatch.common.registry import Registry
+from vlmbatch.engine.config import ConfigError
 from vlmbatch.jobs.config import ExecutorConfig, RayOptions
 from vlmbatch.jobs.embed_sinks import JsonlSink, NpySink, ParquetSink, embed_format_of
 from vlmbatch.jobs.export import (
@@ -31,7 +32,6 @@ from vlmbatch.jobs.export import (
 )
 from vlmbatch.jobs.folder import cancel, is_job, job_format, job_task, status
 from vlmbatch.jobs.sinks import check_writable, format_of, naming, open_text
-from vlmbatch.pipeline.config import ConfigError
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 
 EXIT_OK, EXIT_CRASH, EXIT_BAD_INPUT, EXIT_ITEM_ERRORS = 0, 1, 2, 3

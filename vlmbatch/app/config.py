@@ -32,15 +32,8 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from vlmbatch.pipeline.config import (
-    EMBED_GROUP,
-    ConfigError,
-    EmbedConfig,
-    EngineConfig,
-    ModelConfig,
-    PrepareConfig,
-    check_threads,
-)
+from vlmbatch.engine.config import EMBED_GROUP, ConfigError, EmbedConfig, EngineConfig, ModelConfig
+from vlmbatch.pipeline.config import PrepareConfig, check_threads
 from vlmbatch.quant import GROUP_SIZE, METHODS, SAMPLES
 from vlmbatch.vit_trt import OPSET
 
@@ -211,7 +204,7 @@ class CalibrateConfig:
 
     @property
     def target(self) -> tuple[str, float | None]:
-        """(kind, value) of the one target given: ``jobs/calibration.py``'s ``Target``."""
+        """(kind, value) of the one target given: ``labels/calibration.py``'s ``Target``."""
         for kind in ("precision", "recall", "max_fpr"):
             if (v := getattr(self, kind)) is not None:
                 return kind, v

@@ -10,8 +10,8 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
+from vlmbatch.engine.config import EMBED_GROUP, EmbedConfig
 from vlmbatch.models.embedding import POOLINGS
-from vlmbatch.pipeline.config import EMBED_GROUP, EmbedConfig
 from vlmbatch.preprocessing.limits import DEFAULT_MAX_PIXELS
 
 E = EmbedConfig()  # the defaults

@@ -27,7 +27,12 @@ from pathlib import Path
 import numpy as np
 
 from vlmbatch.app.config import EmbedCommandConfig
+from vlmbatch.app.embed_eval import evaluate_retrieval
 from vlmbatch.common.atomic import replaced_on_success
+from vlmbatch.engine.build import build_engine
+from vlmbatch.engine.config import ConfigError
+from vlmbatch.engine.embed import EmbedHandle, build_embedder
+from vlmbatch.engine.pooling import maxsim
 from vlmbatch.jobs.embed_input import (
     folder_items,
     image_items,
@@ -41,16 +46,9 @@ from vlmbatch.jobs.embed_sinks import (
     ParquetSink,
     embed_format_of,
 )
-from vlmbatch.pipeline.build import build_engine
-from vlmbatch.pipeline.config import (
-    ConfigError,
-    PrepareOptions,
-)
+from vlmbatch.pipeline.config import PrepareOptions
 from vlmbatch.pipeline.drive import drive, groups_of
-from vlmbatch.pipeline.embed import Embedder, build_embedder
-from vlmbatch.pipeline.embed_eval import evaluate_retrieval
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
-from vlmbatch.pipeline.pooling import maxsim
 from vlmbatch.pipeline.records import Embedding, EmbedItem
 from vlmbatch.pipeline.task import EmbedTask
 
@@ -67,7 +65,7 @@ def inputs_of(cfg: EmbedCommandConfig) -> list[EmbedItem]:
                                           if line.strip()])
 
 
-def embed_items(embedder: Embedder, items: list[EmbedItem], images_per_batch: int,
+def embed_items(embedder: EmbedHandle, items: list[EmbedItem], images_per_batch: int,
                 opts: PrepareOptions, hooks: FaultHooks = NO_HOOKS) -> Iterator[list[Embedding]]:
     """The items' embeddings, a group at a time, in order (the drive loop)."""
     for _, results in drive(EmbedTask(embedder.cfg), embedder.engine,
@@ -144,7 +142,7 @@ def _side(p: Path) -> list[EmbedItem]:
     return text_items([t for t in p.read_text(encoding="utf-8").splitlines() if t.strip()])
 
 
-def _vectors(embedder: Embedder, items: list[EmbedItem], cfg: EmbedCommandConfig,
+def _vectors(embedder: EmbedHandle, items: list[EmbedItem], cfg: EmbedCommandConfig,
              opts: PrepareOptions) -> list[np.ndarray]:
     out = [e for g in embed_items(embedder, items, cfg.images_per_batch, opts) for e in g]
     for e in out:
@@ -153,10 +151,10 @@ def _vectors(embedder: Embedder, items: list[EmbedItem], cfg: EmbedCommandConfig
     return [e.vector for e in out if e.vector is not None]
 
 
-def _print_maxsim(embedder: Embedder, sides: tuple[list[EmbedItem], list[EmbedItem]],
+def _print_maxsim(embedder: EmbedHandle, sides: tuple[list[EmbedItem], list[EmbedItem]],
                   cfg: EmbedCommandConfig, opts: PrepareOptions) -> int:
     """QUERIES x DOCS MaxSim scores, 4 decimals; DOCS' texts take the document prefix."""
-    docs = Embedder(embedder.engine, dataclasses.replace(
+    docs = EmbedHandle(embedder.engine, dataclasses.replace(
         embedder.cfg, query_prefix=embedder.cfg.document_prefix))
     scores = maxsim(_vectors(embedder, sides[0], cfg, opts),
                     _vectors(docs, sides[1], cfg, opts))

@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 
 from vlmbatch.app.config import ReportConfig
-from vlmbatch.pipeline.config import default_of
+from vlmbatch.engine.config import default_of
 
 LABELS_HELP = ('labels: a JSONL file, one line per (image id, question id): {"id": "a1", '
                '"question_id": "red", "expected": "yes"} (other keys ignored); or the '

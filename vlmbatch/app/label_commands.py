@@ -1,6 +1,6 @@
 """The commands over labels and recorded results, which load no model: ``calibrate`` and
-``report`` (argparse namespace -> the config root -> ``jobs/calibration.py``, ``jobs/plots.py``
-or ``jobs/report.py``, and the exit code). Imported only when one of them runs
+``report`` (argparse namespace -> the config root -> ``labels/calibration.py``, ``labels/plots.py``
+or ``labels/report.py``, and the exit code). Imported only when one of them runs
 (``commands.COMMANDS``); ``report`` imports Pillow, ``calibrate --plots`` matplotlib.
 """
 
@@ -12,11 +12,11 @@ import sys
 
 from vlmbatch.app.commands import EXIT_OK
 from vlmbatch.app.config import CalibrateConfig, ReportConfig, from_args
-from vlmbatch.jobs.calibration import Target, calibrate, table, write_policy
-from vlmbatch.jobs.evaluation import join
-from vlmbatch.jobs.labels import read_labels, read_results
-from vlmbatch.jobs.plots import curve_plots
-from vlmbatch.jobs.report import write_report
+from vlmbatch.labels.calibration import Target, calibrate, table, write_policy
+from vlmbatch.labels.evaluation import join
+from vlmbatch.labels.plots import curve_plots
+from vlmbatch.labels.read import read_labels, read_results
+from vlmbatch.labels.report import write_report
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 
 

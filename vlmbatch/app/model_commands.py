@@ -31,21 +31,21 @@ from vlmbatch.app.config import (
     from_args,
 )
 from vlmbatch.app.embed_cli import run_embed
+from vlmbatch.app.evaluate import evaluate, evaluate_labelled
+from vlmbatch.app.quantize import quantize_model
 from vlmbatch.app.server.config import server_config
 from vlmbatch.app.server.serve import serve
+from vlmbatch.engine.config import DEFAULT_EMBED_MODEL, EMBED_GROUP, ConfigError, ModelConfig
+from vlmbatch.engine.embed import embedding_checkpoint
+from vlmbatch.engine.loading import load_model, vision_model
 from vlmbatch.jobs.config import RUN_FETCH, RunConfig
 from vlmbatch.jobs.datasets import input_kind
-from vlmbatch.jobs.evaluation import report_text
 from vlmbatch.jobs.job import run_job, submit
 from vlmbatch.jobs.manifest import read_manifest, read_policy
-from vlmbatch.jobs.runner import evaluate_labelled, run
+from vlmbatch.jobs.runner import run
 from vlmbatch.jobs.sinks import check_writable, format_of
-from vlmbatch.pipeline.config import DEFAULT_EMBED_MODEL, EMBED_GROUP, ConfigError, ModelConfig
-from vlmbatch.pipeline.embed import embedding_checkpoint
-from vlmbatch.pipeline.evaluate import evaluate
+from vlmbatch.labels.evaluation import report_text
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
-from vlmbatch.pipeline.loading import load_model, vision_model
-from vlmbatch.pipeline.quantize import quantize_model
 from vlmbatch.vit_trt.export import export_onnx
 
 # `run JOB`: options that may change between runs of a job; the rest were fixed at submit

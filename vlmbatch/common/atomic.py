@@ -3,7 +3,7 @@ beside its destination and renamed onto it only when complete, so an interrupted
 (Ctrl-C, SIGTERM, a full disk, an error) leaves the destination as it was.
 
 Used by what can simply be run again: ``vlmbatch results -o`` (``jobs/export.py``),
-``quantize`` (``pipeline/quantize.py``) and ``export-vit`` (``vit_trt/export.py``). Not by
+``quantize`` (``app/quantize.py``) and ``export-vit`` (``vit_trt/export.py``). Not by
 ``run``'s streamed output, whose lines written so far are the point of streaming.
 """
 

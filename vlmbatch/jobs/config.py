@@ -17,15 +17,8 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from vlmbatch.pipeline.config import (
-    ConfigError,
-    EmbedConfig,
-    EngineConfig,
-    ModelConfig,
-    PrepareConfig,
-    PrepareOptions,
-    check_threads,
-)
+from vlmbatch.engine.config import ConfigError, EmbedConfig, EngineConfig, ModelConfig
+from vlmbatch.pipeline.config import PrepareConfig, PrepareOptions, check_threads
 
 EXECUTORS = ("local", "ray")
 # the fetch stage's settings a run of a job may change (PrepareConfig fields; the size cap is

@@ -14,7 +14,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from vlmbatch.pipeline.config import ConfigError
+from vlmbatch.engine.config import ConfigError
 from vlmbatch.pipeline.records import Embedding
 
 EMBED_FORMATS = ("jsonl", "parquet", "npy")

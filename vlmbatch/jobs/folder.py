@@ -20,11 +20,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from vlmbatch.engine.config import ConfigError
 from vlmbatch.jobs.config import RunConfig, from_json, to_json
 from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.lock import recorded_runner, run_alive, runner_of, who
 from vlmbatch.jobs.store import JobStore
-from vlmbatch.pipeline.config import ConfigError
 
 JOB_FILE, STORE_FILE = "job.json", "store.sqlite"
 

@@ -27,6 +27,10 @@ from typing import Any
 from tqdm import tqdm
 
 from vlmbatch.common.atomic import replaced_on_success
+from vlmbatch.engine.base import Engine
+from vlmbatch.engine.build import build_engine
+from vlmbatch.engine.config import ConfigError
+from vlmbatch.engine.loading import check_label_sets, read_spec
 from vlmbatch.jobs.config import ExecutorConfig, RunConfig
 from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.folder import (  # cancel, status: re-exported
@@ -46,12 +50,8 @@ from vlmbatch.jobs.ray_executor import ray_stages
 from vlmbatch.jobs.runner import label_sets
 from vlmbatch.jobs.store import JobStore
 from vlmbatch.jobs.tasks import JobTask, job_task
-from vlmbatch.pipeline.build import build_engine
-from vlmbatch.pipeline.config import ConfigError
 from vlmbatch.pipeline.drive import Done, Drive, LocalStages, PrepareOptions, Stages
-from vlmbatch.pipeline.engine import Engine
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
-from vlmbatch.pipeline.loading import check_label_sets, read_spec
 from vlmbatch.pipeline.task import Task
 from vlmbatch.preprocessing.sources import is_remote
 

@@ -42,13 +42,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from vlmbatch.engine.records import EmbedRequest
 from vlmbatch.jobs.errors import ManifestError, brief, check_id, check_unicode
-from vlmbatch.pipeline.records import Embedding, EmbedItem, EmbedRequest, ErrorKind, ItemError
+from vlmbatch.pipeline.records import Embedding, EmbedItem, ErrorKind, ItemError
 from vlmbatch.pipeline.task import Prepared, Task
 
 if TYPE_CHECKING:
-    from vlmbatch.pipeline.config import EmbedConfig
-    from vlmbatch.pipeline.engine import Engine
+    from vlmbatch.engine.base import Engine
+    from vlmbatch.engine.config import EmbedConfig
 
 URL = "/v1/embeddings"
 BODY_KEYS = {"model", "input", "encoding_format", "dimensions", "user"}

@@ -17,8 +17,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from vlmbatch.engine.config import ConfigError
 from vlmbatch.jobs.config import RayOptions
-from vlmbatch.pipeline.config import ConfigError
 
 
 def init_ray(ray: Any, opts: RayOptions) -> None:

@@ -49,12 +49,12 @@ from collections import deque
 from collections.abc import Generator, Iterable, Iterator
 from typing import Any
 
+from vlmbatch.engine.build import build_engine
+from vlmbatch.engine.loading import read_spec
 from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.ray_cluster import init_ray
-from vlmbatch.pipeline.build import build_engine
 from vlmbatch.pipeline.drive import Done, prepare_task, run_group
 from vlmbatch.pipeline.hooks import FaultHooks, Named
-from vlmbatch.pipeline.loading import read_spec
 from vlmbatch.pipeline.records import ErrorKind, ItemError
 from vlmbatch.pipeline.task import Prepared, Task
 from vlmbatch.preprocessing.limits import MAX_RETRY_AFTER_S

@@ -5,14 +5,11 @@ CSV) results, with progress.
 ``images_per_batch`` through the drive loop (``pipeline/drive.py``: preprocessing threads
 prepare the next groups while the model answers this one); each group's answers are
 written and flushed before the next group's are, so an interrupted run keeps whole lines.
-Jobs (``jobs/job.py``) run the same loop over a job store. ``evaluate_labelled`` (``vlmbatch
-eval MANIFEST``) runs a labelled manifest's questions the same way and scores the lines.
+Jobs (``jobs/job.py``) run the same loop over a job store.
 """
 
 from __future__ import annotations
 
-import io
-import json
 import sys
 import time
 from collections.abc import Iterable
@@ -21,18 +18,16 @@ from typing import IO
 
 from tqdm import tqdm
 
+from vlmbatch.engine.base import EngineSummary
+from vlmbatch.engine.build import build_engine
+from vlmbatch.engine.loading import check_label_sets
 from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.datasets import iter_dataset
 from vlmbatch.jobs.errors import ManifestError
-from vlmbatch.jobs.evaluation import EvalReport, evaluate, join
-from vlmbatch.jobs.labels import labelled_manifest, scored
 from vlmbatch.jobs.manifest import items_from_folder, manifest_format, read_manifest, read_policy
 from vlmbatch.jobs.sinks import GroupWriter, format_of
-from vlmbatch.pipeline.build import build_engine
 from vlmbatch.pipeline.drive import drive, groups_of
-from vlmbatch.pipeline.engine import EngineSummary
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
-from vlmbatch.pipeline.loading import check_label_sets
 from vlmbatch.pipeline.records import ImageItem
 from vlmbatch.pipeline.task import AnswerTask
 
@@ -122,16 +117,3 @@ def run(cfg: RunConfig, out: IO[str] | None = None, hooks: FaultHooks = NO_HOOKS
     return RunSummary(len(items), n_q, failed_images, failed_q, time.perf_counter() - start,
                       engine.summary())
 
-
-def evaluate_labelled(cfg: RunConfig, hooks: FaultHooks = NO_HOOKS
-                      ) -> tuple[RunSummary, EvalReport]:
-    """``vlmbatch eval MANIFEST``: the manifest's labelled questions (``expected``; the
-    others are not asked) answered as ``run`` answers them, their result lines scored
-    against the labels (``jobs/evaluation.py``)."""
-    assert cfg.manifest is not None
-    items, labels = labelled_manifest(cfg.manifest, cfg.policy)
-    buf = io.StringIO()
-    summary = run(cfg, buf, hooks, items)
-    lines = (scored(json.loads(text), f"result line {n}")
-             for n, text in enumerate(buf.getvalue().splitlines(), 1))
-    return summary, evaluate(join(lines, labels))

@@ -21,6 +21,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
+from vlmbatch.engine.config import ConfigError
+from vlmbatch.engine.embed import check_embed_config
 from vlmbatch.jobs import embed_input
 from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.datasets import iter_dataset
@@ -28,8 +30,6 @@ from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.manifest import first_line, items_from_folder, iter_manifest, read_policy
 from vlmbatch.jobs.openai_embeddings import EmbedRequestItem, RequestTask, iter_embed_requests
 from vlmbatch.jobs.store import item_from_json, item_to_json
-from vlmbatch.pipeline.config import ConfigError
-from vlmbatch.pipeline.embed import check_embed_config
 from vlmbatch.pipeline.hooks import Named
 from vlmbatch.pipeline.records import Answer, Embedding, EmbedItem, ImageItem
 from vlmbatch.pipeline.task import AnswerTask, EmbedTask, Task

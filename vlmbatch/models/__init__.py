@@ -7,7 +7,9 @@ linear-attention layers in ``linear_attention.py``), checkpoint reading
 into the pieces a prompt builder tokenizes (``chat.py``: system turn, image, question, the
 assistant answer's lead), our BPE tokenizers
 (``tokenizer.py``) and embedding declarations (``embedding.py``) live here once; each family
-is a folder (``internvl/``, ``qwen_vl/``)."""
+is a folder (``internvl/``, ``qwen_vl/``). The built-in checkpoints are folders here too
+(``default_model/``, ``default_qwen_model/``, ``default_embed_model/``: weights trained by
+``scripts/``), named in ``paths.py``."""
 
 from vlmbatch.models.registry import FAMILIES, family_for
 

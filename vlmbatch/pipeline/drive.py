@@ -59,7 +59,7 @@ from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
 from vlmbatch.preprocessing.sources import SourceError, is_remote
 
 if TYPE_CHECKING:
-    from vlmbatch.pipeline.engine import Engine
+    from vlmbatch.engine.base import Engine
 
 I = TypeVar("I", bound=Named)  # noqa: E741  (an item)
 R = TypeVar("R")  # a result

@@ -14,10 +14,10 @@ over the choices and each choice's ``logprobs``, the log-likelihood of its whole
 sequence after the prompt). A question may carry a system turn and an instruction placed
 before its text (``system``, ``prompt``): the family's chat template renders them.
 
-Embeddings (``pipeline/embed.py``)::
+Embeddings (``engine/embed.py``)::
 
     EmbedItem (image, text or both) --prepare--> PreparedImage (if any)
-        --EmbedRequest--> Embedder --Vector--> Embedding (one per item)
+        --EmbedRequest--> EmbedHandle --Vector--> Embedding (one per item)
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from vlmbatch.engine.records import Request, Score, Vector
 from vlmbatch.preprocessing.sources import MemberRef, RowRef
 
 # an image as an item may hold it: a path (relative to ``base_dir``), a file://, data:,
@@ -83,32 +84,10 @@ class ImageItem:
         return self.image if isinstance(self.image, str) else f"image {self.id}"
 
 
-@dataclass(frozen=True)
-class Request:
-    image: int  # index into the images passed to ``Engine.score``
-    question: str  # the user turn's text (``Question.user_text``)
-    max_new_tokens: int | None = None  # answer tokens to generate; None: the engine's
-    choices: tuple[str, ...] = ()  # a label set to score (``Score.logprobs``)
-    system: str | None = None  # the system turn, if any
-
-    @classmethod
-    def of(cls, image: int, q: Question) -> Request:
-        """The request asking ``q`` about image ``image``."""
-        return cls(image, q.user_text, q.max_new_tokens, q.choices, q.system)
-
-
-@dataclass(frozen=True)
-class Score:
-    p_yes: float
-    margin: float  # logsumexp(yes logits) - logsumexp(no logits)
-    image_tokens: int
-    text: str | None = None  # greedy answer text when max_new_tokens > 0
-    prompt_tokens: int | None = None  # the prompt's tokens (image ones included); None: unknown
-    # a label set's log-likelihoods, in the request's choice order (None: a yes/no request):
-    # log P(choice | prompt) summed over the choice's tokens, or its first token's alone
-    # (--choice-scoring first-token)
-    logprobs: tuple[float, ...] | None = None
-    completion_tokens: int | None = None  # tokens of ``text`` generated; None: no text/unknown
+def request_of(image: int, q: Question) -> Request:
+    """The engine's request asking ``q`` about image ``image`` (an index into the images
+    passed to ``Engine.score``)."""
+    return Request(image, q.user_text, q.max_new_tokens, q.choices, q.system)
 
 
 class ErrorKind(StrEnum):
@@ -264,21 +243,6 @@ class EmbedItem:
     def key(self) -> str:
         """Its id, else its index: unique within a run (what a job store keys it by)."""
         return self.id if self.id is not None else str(self.index)
-
-
-@dataclass(frozen=True)
-class EmbedRequest:
-    image: int | None  # index into the images passed to ``Embedder.embed``; None: text only
-    text: str | None  # None: the image alone (the family's image prompt follows it)
-
-
-@dataclass(frozen=True, eq=False)
-class Vector:
-    """What the embedder returns per request: unit float32 ``values`` ``[D]`` (pooled) or
-    ``[T, D]`` (multi-vector, one unit row per token), and the prompt's token count (special
-    tokens included: what an OpenAI ``usage`` counts)."""
-    values: np.ndarray
-    tokens: int
 
 
 @dataclass(frozen=True, eq=False)

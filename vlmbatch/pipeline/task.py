@@ -28,21 +28,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Generic, TypeVar
 
+from vlmbatch.engine.records import EmbedRequest
 from vlmbatch.pipeline.hooks import Named
 from vlmbatch.pipeline.records import (
     Answer,
     Embedding,
     EmbedItem,
-    EmbedRequest,
     ImageItem,
     ImageSource,
     ItemError,
-    Request,
+    request_of,
 )
 
 if TYPE_CHECKING:
-    from vlmbatch.pipeline.config import EmbedConfig
-    from vlmbatch.pipeline.engine import Engine
+    from vlmbatch.engine.base import Engine
+    from vlmbatch.engine.config import EmbedConfig
     from vlmbatch.preprocessing.prepare import PreparedImage
 
 I = TypeVar("I", bound=Named)  # noqa: E741  (an item)
@@ -116,7 +116,7 @@ class AnswerTask(Task[ImageItem, Answer]):
 
     def run(self, engine: Engine, p: Prepared[ImageItem]) -> list[list[Answer]]:
         images, index = with_images(self, p)
-        requests = [Request.of(index[it.id], q) for it in p.items if it.id in index
+        requests = [request_of(index[it.id], q) for it in p.items if it.id in index
                     for q in it.questions]
         scores = iter(engine.score(images, requests))
         return [[Answer.scored(it.id, q, next(scores)) for q in it.questions]

@@ -13,22 +13,16 @@ public names resolve to ``base.py`` on first use (module ``__getattr__``), so im
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from vlmbatch.common.registry import Registry
 
-if TYPE_CHECKING:
-    from vlmbatch.vit_trt.base import (
-        RunnerFactory,
-        RunnerOptions,
-        VisionModel,
-        VitRunner,
-        make_runner,
-    )
-
 __all__ = ["RUNNERS", "RunnerOptions", "VisionModel", "VitRunner", "make_runner"]
 
-RUNNERS: Registry[RunnerFactory] = Registry("vision backend", {
+# each a ``base.RunnerFactory`` (typed there: this module imports nothing of base.py, so that
+# base.py may import RUNNERS without a cycle; code inside vlmbatch imports from base.py)
+RUNNERS: Registry[Callable[..., Any]] = Registry("vision backend", {
     "compile": "vlmbatch.vit_trt.compile_runner:build_compiled",
     "onnxruntime": "vlmbatch.vit_trt.onnx_runner:build_ort",
     "onnxruntime-int8": "vlmbatch.vit_trt.onnx_runner:build_ort_int8",

@@ -18,8 +18,8 @@ from vlmbatch.app.server.config import ServerConfig
 from vlmbatch.app.server.embeddings import Embeddings, EmbedInput, EmbedOptions, EmbedRefused
 from vlmbatch.app.server.engines import LocalEngines
 from vlmbatch.app.server.serve import ServerState
-from vlmbatch.pipeline.engine import Engine, EngineStats
-from vlmbatch.pipeline.records import Request, Score
+from vlmbatch.engine.base import Engine, EngineStats
+from vlmbatch.engine.records import Request, Score
 from vlmbatch.preprocessing.prepare import PreparedImage, TilingConfig
 
 

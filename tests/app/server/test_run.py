@@ -10,7 +10,7 @@ import pytest
 from vlmbatch.app.args import build_parser
 from vlmbatch.app.server.config import API_KEY_ENV, ServerConfig, server_config
 from vlmbatch.app.server.serve import _take_data_dir
-from vlmbatch.pipeline.config import ConfigError
+from vlmbatch.engine.config import ConfigError
 
 
 def config(*argv: str) -> ServerConfig:

@@ -20,8 +20,8 @@ from vlmbatch.app.server.config import ServerConfig
 from vlmbatch.app.server.engines import BookEvents
 from vlmbatch.app.server.errors import APIError
 from vlmbatch.app.server.scheduler import Scheduler
+from vlmbatch.engine.config import EngineConfig
 from vlmbatch.jobs.job import status, submit
-from vlmbatch.pipeline.config import EngineConfig
 from vlmbatch.pipeline.records import ImageItem, Question
 from vlmbatch.preprocessing.prepare import PreparedImage
 

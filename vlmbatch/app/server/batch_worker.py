@@ -40,6 +40,8 @@ from vlmbatch.app.server.config import ServerConfig
 from vlmbatch.app.server.errors import APIError
 from vlmbatch.app.server.files import FileStore
 from vlmbatch.app.server.media import MediaRefused, check_image_url
+from vlmbatch.engine.config import ConfigError, EmbedConfig
+from vlmbatch.engine.embed import check_embed_config
 from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.export import embed_request_lines
@@ -49,8 +51,6 @@ from vlmbatch.jobs.manifest import iter_manifest, manifest_format
 from vlmbatch.jobs.openai_batch import to_output
 from vlmbatch.jobs.openai_embeddings import iter_embed_requests
 from vlmbatch.jobs.store import JobStore
-from vlmbatch.pipeline.config import ConfigError, EmbedConfig
-from vlmbatch.pipeline.embed import check_embed_config
 
 log = logging.getLogger("vlmbatch.app.server")
 MAX_ERRORS = 100

@@ -45,10 +45,11 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vlmbatch.app.server.errors import APIError, bad_request, error_body, log, parsed
+from vlmbatch.engine.config import ConfigError
+from vlmbatch.engine.records import Score
 from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.openai_batch import parse_request, vlmbatch_fields
-from vlmbatch.pipeline.config import ConfigError
-from vlmbatch.pipeline.records import Answer, ImageItem, Score
+from vlmbatch.pipeline.records import Answer, ImageItem
 
 if TYPE_CHECKING:
     from vlmbatch.app.server.serve import ServerState

@@ -17,17 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vlmbatch.app.config import from_args
-from vlmbatch.jobs.config import EXECUTORS, ExecutorConfig, RayOptions
-from vlmbatch.pipeline.config import (
+from vlmbatch.engine.config import (
     DEFAULT_EMBED_MODEL,
     ConfigError,
     EngineConfig,
     ModelConfig,
-    PrepareConfig,
-    PrepareOptions,
-    check_threads,
     default_of,
 )
+from vlmbatch.jobs.config import EXECUTORS, ExecutorConfig, RayOptions
+from vlmbatch.pipeline.config import PrepareConfig, PrepareOptions, check_threads
 from vlmbatch.preprocessing.limits import MediaGuard
 
 API_KEY_ENV = "VLMBATCH_API_KEY"

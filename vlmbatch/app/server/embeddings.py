@@ -40,9 +40,10 @@ from starlette.concurrency import run_in_threadpool
 from vlmbatch.app.server.chat import STRICT, ImagePart, Message, TextPart, require_model
 from vlmbatch.app.server.errors import APIError, bad_request, parsed
 from vlmbatch.app.server.media import MediaRefused, check_image_url
-from vlmbatch.pipeline.config import ConfigError, EmbedConfig, PrepareOptions
+from vlmbatch.engine.base import Engine
+from vlmbatch.engine.config import ConfigError, EmbedConfig
+from vlmbatch.pipeline.config import PrepareOptions
 from vlmbatch.pipeline.drive import Preparer, prepared_groups, run_group
-from vlmbatch.pipeline.engine import Engine
 from vlmbatch.pipeline.records import Embedding, EmbedItem
 from vlmbatch.pipeline.task import EmbedTask, Prepared
 from vlmbatch.preprocessing.prepare import ImagePlan

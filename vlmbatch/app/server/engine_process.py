@@ -41,9 +41,9 @@ from vlmbatch.app.server.config import ServerConfig
 from vlmbatch.app.server.embeddings import EmbedRefused, embed_dims, embed_prepared
 from vlmbatch.app.server.errors import APIError
 from vlmbatch.app.server.scheduler import Scheduler
-from vlmbatch.pipeline.build import build_engine
-from vlmbatch.pipeline.config import ConfigError
-from vlmbatch.pipeline.engine import Engine
+from vlmbatch.engine.base import Engine
+from vlmbatch.engine.build import build_engine
+from vlmbatch.engine.config import ConfigError
 from vlmbatch.pipeline.hooks import FaultHooks
 from vlmbatch.pipeline.records import ImageItem, Question
 from vlmbatch.preprocessing.decoder_process import die_with_parent

@@ -46,9 +46,10 @@ from vlmbatch.app.server.config import ServerConfig
 from vlmbatch.app.server.embeddings import EmbedRefused, embed_dims, embed_prepared
 from vlmbatch.app.server.errors import APIError
 from vlmbatch.app.server.scheduler import BatchEvents, Scheduler
-from vlmbatch.pipeline.engine import Engine
+from vlmbatch.engine.base import Engine
+from vlmbatch.engine.records import Score
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
-from vlmbatch.pipeline.records import Embedding, ImageItem, Score
+from vlmbatch.pipeline.records import Embedding, ImageItem
 from vlmbatch.pipeline.task import Prepared
 from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
 

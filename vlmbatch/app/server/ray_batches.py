@@ -31,6 +31,7 @@ from typing import Any
 from vlmbatch.app.server.batches import BatchBook
 from vlmbatch.app.server.config import ServerConfig
 from vlmbatch.app.server.scheduler import BatchEvents, absolute
+from vlmbatch.engine.config import ConfigError
 from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.folder import STORE_FILE, job_format, load_config
@@ -40,7 +41,6 @@ from vlmbatch.jobs.ray_cluster import init_ray
 from vlmbatch.jobs.ray_executor import RayStages, model_workers, require_ray
 from vlmbatch.jobs.store import JobStore
 from vlmbatch.jobs.tasks import job_task
-from vlmbatch.pipeline.config import ConfigError
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.pipeline.task import Task
 from vlmbatch.preprocessing.prepare import ImagePlan

@@ -43,13 +43,14 @@ from typing import Protocol
 
 from vlmbatch.app.server.config import ServerConfig
 from vlmbatch.app.server.errors import APIError
+from vlmbatch.engine.base import Engine
+from vlmbatch.engine.config import ConfigError, ModelConfig
+from vlmbatch.engine.records import Score
 from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.folder import load_config
 from vlmbatch.jobs.job import JobRun
-from vlmbatch.pipeline.config import ConfigError, ModelConfig
-from vlmbatch.pipeline.engine import Engine
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
-from vlmbatch.pipeline.records import ImageItem, Request, Score
+from vlmbatch.pipeline.records import ImageItem, request_of
 from vlmbatch.preprocessing.prepare import PreparedImage
 
 log = logging.getLogger("vlmbatch.app.server")
@@ -264,7 +265,7 @@ class Scheduler:
             if key not in index:
                 index[key] = len(images)
                 images.append(w.image)
-            requests.append(Request.of(index[key], w.item.questions[0]))
+            requests.append(request_of(index[key], w.item.questions[0]))
         self.counters.calls += 1
         try:
             self.hooks.score(self.counters.calls)

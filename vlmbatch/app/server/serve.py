@@ -42,10 +42,10 @@ from vlmbatch.app.server.files import FileStore
 from vlmbatch.app.server.media import ImageCache
 from vlmbatch.app.server.metrics import Metrics
 from vlmbatch.app.server.ray_batches import RayBatches
-from vlmbatch.pipeline.config import ConfigError
+from vlmbatch.engine.config import ConfigError
+from vlmbatch.engine.loading import label_set_checker, read_spec
 from vlmbatch.pipeline.drive import Preparer, preparer
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
-from vlmbatch.pipeline.loading import label_set_checker, read_spec
 
 log = logging.getLogger("vlmbatch.app.server")
 

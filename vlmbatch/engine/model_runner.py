@@ -1,0 +1,343 @@
+"""The torch engine's tensor half (nano-vllm's ``ModelRunner``): the vision encoder over
+the images a phase needs, one prefill forward per batch (text embeddings with image
+embeddings written into the uncached part of each image span, the cached prefixes gathered
+from the KV pool in one gather, new prefix blocks copied in), P(yes) and margin from the
+first generated position, a label set's log-likelihoods for the rows that have one (the
+first token's from the prefill; the others from one continuation forward of every choice
+side by side after the prompt's KV: ``engine/choices.py``), and greedy decoding for the
+rows that want text. What to run and in which batches is the planner's (``engine/planner.py``).
+
+What differs between families reaches the runner only through ``models.base``'s records:
+the prompt's M-RoPE ``positions`` (a row after a cached prefix of k tokens takes
+``positions[:, k:]``) and ``rope_delta`` (decode positions), the vision module's kind (tiles
+cut anywhere, or packed images cut between images, ``VitRunner.packed``) and its DeepStack
+features, which are sliced exactly like the embeddings.
+
+On CUDA the host must not wait for the GPU between batches, or the two take turns instead of
+overlapping: host-to-device copies are non-blocking (``to_device``), answer token indices
+live on the device (``scoring``), and results stay on the device until the engine reads a
+call's back once. What still waits: each decode step of a text answer (it needs the chosen
+token), and the graph pool's guard after each vision call unless the runner is
+stream-ordered (``engine/torch_engine.py`` builds it so).
+
+Shapes: B rows, T new tokens (padded), P cached prefix (padded), L layers, K kv heads, d
+head dim, D hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vlmbatch.engine.base import EngineStats
+from vlmbatch.engine.choices import AfterPrefill, choice_logprobs
+from vlmbatch.engine.planner import Plan
+from vlmbatch.engine.prefix_cache import BlockKey, PrefixCache
+from vlmbatch.engine.scoring import AnswerTokens, ChoiceIds, yes_no
+from vlmbatch.engine.state_snapshots import StateCodec, join_layers, restore, snapshot, split_layers
+from vlmbatch.models.base import KV, DeepStack, LoadedModel
+from vlmbatch.preprocessing.prepare import PreparedImage
+from vlmbatch.vit_trt.base import VitRunner
+
+Generated = tuple[str, int]  # a row's greedy text and its token count
+
+# a packed model's images go through the vision module in calls of at most
+# max_batch_tiles * PATCHES_PER_TILE rows: one 448 px InternVL tile is 32 x 32 patches of 14 px
+PATCHES_PER_TILE = 1024
+
+
+@dataclass(frozen=True)
+class ImageEmbeds:
+    cache_key: str
+    embeds: torch.Tensor  # [image tokens, D_text] (InternVL: num_tiles * tokens_per_tile)
+    deepstack: tuple[torch.Tensor, ...] = ()  # Qwen3-VL: one [image tokens, D_text] per layer
+
+
+class ModelRunner:
+    def __init__(self, model: LoadedModel, vision: VitRunner, cache: PrefixCache | None,
+                 answers: AnswerTokens, stats: EngineStats, max_batch_tiles: int,
+                 ignore_eos: bool = False, compile_llm: bool = False) -> None:
+        self.model = model
+        # the decoder's prefill through torch.compile (inductor, dynamic shapes: one graph for
+        # every batch, prompt and cached length; fewer, fused kernels where the host launches
+        # ~30,000 per round at InternVL3-1B's shape): --compile-llm, equal to eager
+        self.prefill_fn = (torch.compile(model.llm.prefill, dynamic=True) if compile_llm
+                           else model.llm.prefill)
+        self.vision = vision
+        self.cache = cache
+        self.answers = answers
+        self.stats = stats
+        self.max_batch_tiles = max_batch_tiles
+        self.ignore_eos = ignore_eos
+        self.device = next(model.llm.parameters()).device
+        # a hybrid decoder (Qwen3.5): the pool holds the full layers' K/V only, the linear
+        # layers' states go through snapshots (``state_snapshots.py``)
+        self.kinds = model.llm.kinds
+        self.full = [i for i, kind in enumerate(self.kinds) if kind == "full"]
+        self.codec = (StateCodec(model.llm.state_shapes()) if len(self.full) < len(self.kinds)
+                      else None)
+        tok = model.tokenizer
+        self.stop_ids = {i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"),
+                                     tok.convert_tokens_to_ids("<|endoftext|>"))
+                         if i is not None and i != tok.unk_token_id}
+
+    def to_device(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        """A host list as a tensor on the engine's device, without waiting for the GPU:
+        ``torch.tensor(..., device=cuda)`` copies synchronously, and a non-blocking copy from
+        pageable memory may still wait when the driver stages a large one. So on CUDA the
+        values go through pinned memory (torch's host allocator keeps the block until the
+        copy is done)."""
+        t = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def encode(self, images: list[PreparedImage]) -> list[ImageEmbeds]:
+        """Run the vision encoder over all images' rows; one ``ImageEmbeds`` per image, its
+        tokens in order. Tiles go at most ``max_batch_tiles`` per forward, cut anywhere;
+        packed images about ``max_batch_tiles * PATCHES_PER_TILE`` rows, cut between
+        images."""
+        if not images:
+            return []
+        if self.vision.packed:
+            return self._encode_packed(images)
+        tiles = np.concatenate([im.rows for im in images])  # [N, S, S, 3]
+        outs = []
+        for start in range(0, len(tiles), self.max_batch_tiles):
+            chunk = torch.from_numpy(tiles[start: start + self.max_batch_tiles])
+            outs.append(self.vision.encode(chunk).to(self.device))  # [n, T, D]
+        self.stats.vision_tiles += len(tiles)
+        feats = torch.cat(outs)
+        result, first = [], 0
+        for im in images:
+            n = len(im.rows)
+            result.append(ImageEmbeds(im.cache_key, feats[first: first + n].flatten(0, 1)))
+            first += n
+        return result
+
+    def _encode_packed(self, images: list[PreparedImage]) -> list[ImageEmbeds]:
+        """Packed images in calls of whole images; each image's share of the call's tokens
+        is its share of the rows (the module merges a fixed number of rows per token)."""
+        budget = self.max_batch_tiles * PATCHES_PER_TILE
+        result: list[ImageEmbeds] = []
+        for chunk in _chunks([len(im.rows) for im in images], budget):
+            ims = [images[i] for i in chunk]
+            rows = torch.from_numpy(np.concatenate([im.rows for im in ims]))  # [N, row]
+            out = self.vision.encode_packed(rows, [im.grid.dims for im in ims])
+            n, m = len(rows), out.embeds.shape[0]
+            if n % m:
+                raise ValueError(f"the vision module gave {m} tokens for {n} rows")
+            first = 0
+            for im in ims:
+                k = len(im.rows) // (n // m)
+                cut = slice(first, first + k)
+                result.append(ImageEmbeds(im.cache_key, out.embeds[cut].to(self.device),
+                                          tuple(f[cut].to(self.device) for f in out.deepstack)))
+                first += k
+            self.stats.vision_tiles += n
+        return result
+
+    def prefill(self, batch: list[Plan], images: list[ImageEmbeds | None], limits: list[int],
+                choices: list[ChoiceIds] | None = None, first_token: bool = False
+                ) -> tuple[torch.Tensor, list[Generated | None], torch.Tensor | None]:
+        """One forward over ``batch``: ([B, 2] (p_yes, margin) on the device, each row's
+        generated (text, tokens) or None, the choices' log-likelihoods ``[M]`` on the device
+        (``choices``: each row's label set, () for none; every choice of every row in order;
+        None without any), only their first tokens' with ``first_token``)."""
+        x, lengths, positions, deep = self._inputs(batch, images)
+        past, past_lengths = self._gather_past(batch)
+        logits, new_kv = self.prefill_fn(x, lengths, past, past_lengths,
+                                                positions=positions, deepstack=deep)  # [B, V]
+        if self.cache is not None:
+            self._insert(batch, new_kv)
+        p_yes, margin = yes_no(logits, self.answers)
+        after = AfterPrefill(past, past_lengths, new_kv, lengths,
+                             [p.prompt.rope_delta for p in batch],
+                             batch[0].prompt.positions is not None)
+        lp = choice_logprobs(self.model.llm, self.to_device, choices or [()] * len(batch),
+                             logits, after, first_token)
+        texts = self._texts(limits, logits, after)
+        return torch.stack([p_yes, margin], 1), texts, lp
+
+    def hidden(self, batch: list[Plan], images: list[ImageEmbeds | None]) -> torch.Tensor:
+        """One forward over ``batch`` for embeddings: the last hidden states ``[B, T, D]`` of
+        the new tokens (row j's first ``new_len`` real; new position t is prompt position
+        ``past_len + t``), the new prefix blocks cached as ``prefill`` caches them."""
+        x, lengths, positions, deep = self._inputs(batch, images)
+        past, past_lengths = self._gather_past(batch)
+        hidden, new_kv = self.model.llm.prefill_hidden(x, lengths, past, past_lengths,
+                                                       positions=positions, deepstack=deep)
+        if self.cache is not None:
+            self._insert(batch, new_kv)
+        return hidden
+
+    def _inputs(self, batch: list[Plan], images: list[ImageEmbeds | None]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, DeepStack | None]:
+        """The new tokens' input embeddings ``[B, T, D]`` (right-padded; image embeddings in
+        the uncached part of each image span), their lengths ``[B]``, their M-RoPE positions
+        (or None) and DeepStack features (or None); counted in stats."""
+        t = max(p.new_len for p in batch)
+        ids = self.to_device([list(p.prompt.ids[p.past_len:]) + [0] * (t - p.new_len)
+                               for p in batch])  # [B, T], right-padded
+        lengths = self.to_device([p.new_len for p in batch])
+        x = self.model.llm.embed_tokens(ids)  # [B, T, D]
+        deep = self._image_spans(batch, images, x)
+        self.stats.prefill_tokens += sum(p.new_len for p in batch)
+        return x, lengths, self._positions(batch, t), deep
+
+    def _image_spans(self, batch: list[Plan], images: list[ImageEmbeds | None],
+                     x: torch.Tensor) -> DeepStack | None:
+        """Write each row's uncached image tokens into ``x [B, T, D]`` (in place); their
+        DeepStack features, sliced the same way, in row order (None without any)."""
+        mask = None
+        feats: list[list[torch.Tensor]] = []
+        for j, (p, im) in enumerate(zip(batch, images)):
+            lo = max(p.span.start, p.past_len)
+            hi = p.span.start + p.span.length
+            if hi > lo:
+                assert im is not None
+                x[j, lo - p.past_len: hi - p.past_len] = im.embeds[lo - p.span.start:].to(x.dtype)
+                self.stats.image_tokens_prefilled += hi - lo
+                if im.deepstack:
+                    if mask is None:
+                        mask = torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device)
+                        feats = [[] for _ in im.deepstack]
+                    mask[j, lo - p.past_len: hi - p.past_len] = True
+                    for f, layer in zip(im.deepstack, feats):
+                        layer.append(f[lo - p.span.start:])
+        if mask is None:
+            return None
+        return DeepStack(mask, tuple(torch.cat(f).to(x.dtype) for f in feats))
+
+    def _positions(self, batch: list[Plan], t: int) -> torch.Tensor | None:
+        """M-RoPE positions ``[3, B, T]`` of the batch's new tokens (each row's after its
+        cached prefix; padding 0), or None for a family whose positions are the index."""
+        if batch[0].prompt.positions is None:
+            return None
+        pos = torch.zeros((3, len(batch), t), dtype=torch.long)
+        for j, p in enumerate(batch):
+            assert p.prompt.positions is not None
+            pos[:, j, : p.new_len] = p.prompt.positions[:, p.past_len:]
+        if self.device.type == "cuda":
+            pos = pos.pin_memory()
+        return pos.to(self.device, non_blocking=True)
+
+    def _texts(self, limits: list[int], logits: torch.Tensor, after: AfterPrefill
+               ) -> list[Generated | None]:
+        """Greedy (text, tokens) for the rows whose limit is > 0 (None for the others):
+        ``_generate`` on those rows of the prefill's logits and KV only."""
+        rows = [j for j, n in enumerate(limits) if n > 0]
+        if not rows:
+            return [None] * len(limits)
+        if len(rows) < len(limits):  # a subset: its rows of everything (a copy)
+            logits, after = logits[self.to_device(rows)], after.rows(self.to_device, rows)
+        generated = self._generate(logits, after, [limits[j] for j in rows])
+        texts: list[Generated | None] = [None] * len(limits)
+        for j, text in zip(rows, generated):
+            texts[j] = text
+        return texts
+
+    def _generate(self, logits: torch.Tensor, after: AfterPrefill,
+                  limits: list[int]) -> list[Generated]:
+        """Greedy decode after a prefill, batched; row j stops at an end token or after
+        ``limits[j]`` tokens (all >= 1): its text and how many tokens it generated (the end
+        token not counted).
+
+        Keys are [past (padded to P) | new (padded to T) | generated]; ``valid`` masks the
+        padding holes. Positions continue each row's own length, plus its prompt's rope
+        delta (M-RoPE; 0 otherwise).
+        """
+        b = logits.shape[0]
+        llm = self.model.llm
+        kv, valid, pos = after.keys(self.to_device, llm)
+        out: list[list[int]] = [[] for _ in range(b)]
+        done = [False] * b
+        tok = logits.argmax(-1)
+        for _ in range(max(limits)):
+            for j, t in enumerate(tok.tolist()):  # one device-to-host copy per step
+                if not done[j]:
+                    done[j] = t in self.stop_ids and not self.ignore_eos
+                    if not done[j]:
+                        out[j].append(t)
+                        done[j] = len(out[j]) >= limits[j]
+            if all(done):
+                break
+            x = self.model.llm.embed_tokens(tok)[:, None]  # [B, 1, D]
+            step_logits, step_kv = llm.decode_step(x, pos, kv, valid)
+            kv = llm.join_cache(kv, step_kv)
+            valid = torch.cat([valid, torch.ones((b, 1), dtype=torch.bool,
+                                                 device=self.device)], 1)
+            pos += 1
+            tok = step_logits.argmax(-1)
+        dec = self.model.tokenizer.decode
+        return [(dec(ids, skip_special_tokens=True), len(ids)) for ids in out]
+
+    def _gather_past(self, batch: list[Plan]) -> tuple[list[KV] | None, torch.Tensor | None]:
+        """Cached prefixes -> per layer (k, v) ``[B, K, P, d]``, P the longest prefix; one
+        gather from the pool for the whole batch. Row j's keys past its own ``past_len``
+        (another slot's or a padding slot's, all finite) are masked by ``past_lengths``.
+        A hybrid decoder's linear layers get each row's state snapshot instead (zeros for a
+        row without one, which then has no cached prefix either: ``planner._plan_state``)."""
+        longest = max(p.past_len for p in batch)
+        if longest == 0:
+            return None, None
+        assert self.cache is not None
+        past = self._gather_kv(batch, longest)
+        if self.codec is not None:
+            states = restore(self.cache, self.codec, batch, self.device)
+            past = join_layers(self.kinds, past, states)
+        return past, self.to_device([p.past_len for p in batch])
+
+    def _gather_kv(self, batch: list[Plan], longest: int) -> list[KV]:
+        """The pool's layers' (the full layers') cached K/V, ``[B, K, longest, d]`` each."""
+        assert self.cache is not None
+        nb = max(len(p.slots) for p in batch)
+        fill = next(p.slots[0] for p in batch if p.slots)  # a slot in use: finite
+        idx = self.to_device([p.slots + [fill] * (nb - len(p.slots)) for p in batch])
+        pool = self.cache.pool  # [S, L, 2, K, bs, d]
+        _, layers, _, kv_heads, bs, d = pool.shape
+        g = pool[idx]  # [B, nb, L, 2, K, bs, d]
+        g = g.permute(2, 3, 0, 4, 1, 5, 6).reshape(layers, 2, len(batch), kv_heads, nb * bs, d)
+        g = g[..., :longest, :]
+        return [(g[i, 0], g[i, 1]) for i in range(layers)]
+
+    def _insert(self, batch: list[Plan], new_kv: list[KV]) -> None:
+        """New prefix blocks of the full layers' K/V into the pool; a hybrid decoder's
+        snapshots of the rows that end at their shared prefix (``Plan.snapshot``) after."""
+        assert self.cache is not None
+        states: list[torch.Tensor] = []
+        if self.codec is not None:
+            new_kv, states = split_layers(self.kinds, new_kv)
+        k_all = torch.stack([k for k, _ in new_kv], 1)  # [B, L, K, T, d]
+        v_all = torch.stack([v for _, v in new_kv], 1)
+        for j, p in enumerate(batch):
+            pinned: list[BlockKey] = []
+            try:  # pinned while the chain goes in: a pool too small for it keeps its head
+                for start, blk in p.blocks:
+                    lo = start - p.past_len
+                    hi = lo + len(blk.ids)
+                    kv = torch.stack([k_all[j, :, :, lo:hi], v_all[j, :, :, lo:hi]], 1)
+                    if self.cache.insert(blk, kv, pin=True):  # [L, 2, K, n, d], copied
+                        pinned.append(blk.key)
+            finally:  # also after an error (e.g. out of memory): the runner goes on
+                self.cache.unpin(pinned)
+            self.cache.touch(p.chain)
+        if self.codec is not None:
+            snapshot(self.cache, self.codec, batch, states)
+
+
+def _chunks(sizes: list[int], budget: int) -> list[list[int]]:
+    """Consecutive indices of ``sizes`` in groups of total <= ``budget`` (one item over it
+    forms its own group)."""
+    groups: list[list[int]] = [[]]
+    total = 0
+    for i, n in enumerate(sizes):
+        if groups[-1] and total + n > budget:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += n
+    return groups

@@ -1,0 +1,49 @@
+"""What crosses the engine's interface (``engine/base.py``): a ``Request`` (one question
+about one prepared image) in, a ``Score`` out; an ``EmbedRequest`` in, a ``Vector`` out.
+The drive's records (``ImageItem``, ``Answer``, ...) are in ``pipeline/records.py`` and are
+built from these; the engine never sees them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Request:
+    image: int  # index into the images passed to ``Engine.score``
+    question: str  # the user turn's text (``Question.user_text``)
+    max_new_tokens: int | None = None  # answer tokens to generate; None: the engine's
+    choices: tuple[str, ...] = ()  # a label set to score (``Score.logprobs``)
+    system: str | None = None  # the system turn, if any
+
+
+@dataclass(frozen=True)
+class Score:
+    p_yes: float
+    margin: float  # logsumexp(yes logits) - logsumexp(no logits)
+    image_tokens: int
+    text: str | None = None  # greedy answer text when max_new_tokens > 0
+    prompt_tokens: int | None = None  # the prompt's tokens (image ones included); None: unknown
+    # a label set's log-likelihoods, in the request's choice order (None: a yes/no request):
+    # log P(choice | prompt) summed over the choice's tokens, or its first token's alone
+    # (--choice-scoring first-token)
+    logprobs: tuple[float, ...] | None = None
+    completion_tokens: int | None = None  # tokens of ``text`` generated; None: no text/unknown
+
+
+@dataclass(frozen=True)
+class EmbedRequest:
+    image: int | None  # index into the images passed to ``EmbedHandle.embed``; None: text only
+    text: str | None  # None: the image alone (the family's image prompt follows it)
+
+
+@dataclass(frozen=True, eq=False)
+class Vector:
+    """What the embedder returns per request: unit float32 ``values`` ``[D]`` (pooled) or
+    ``[T, D]`` (multi-vector, one unit row per token), and the prompt's token count (special
+    tokens included: what an OpenAI ``usage`` counts)."""
+    values: np.ndarray
+    tokens: int

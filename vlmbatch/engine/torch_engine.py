@@ -1,0 +1,276 @@
+"""Our torch engine: encode each image once, prefill many prompts in batches over an
+image-aware prefix KV cache, and read what the call asks for: P(yes) at the first generated
+position (``score``) or pooled hidden states (``embed``).
+
+Flow of one ``score`` call::
+
+    Request[] --prompts--> Prompt[]     the family's chat template (a system turn, when
+                                        given, before the image), image span expanded
+    planner.shared_lengths              each prompt's shared prefix (through the image, and
+                                        what the image's other prompts also start with)
+    planner.phases                      leaders (first question per prefix), then followers
+    per phase (``_phase``, shared with ``embed``):
+      planner.plan      longest cached prefix per prompt -> pinned slots + past_len
+      runner.encode     images whose tokens are not all cached -> ImageEmbeds, once per
+                        image per call
+      planner.batches   sorted by new length, B * (P_max + T_max) <= max_batch_tokens
+      forward           one per batch: runner.prefill -> [B, 2] (p_yes, margin) on the
+                        device, label sets' log-likelihoods (``engine/choices.py``), new
+                        prefix blocks cached, greedy text for rows that want it
+                        (``embed``: runner.hidden -> the embedding head's vectors)
+      planner.release   once the batch has gathered its cached KV
+    read back           one device-to-host copy per call -> Score[]
+
+``embed`` runs one phase whose plans reuse cached KV only before each prompt's first pooled
+position (``engine/embed.py``). The planner (``planner.py``) is pure Python; the runner
+(``model_runner.py``) holds every tensor; nothing outside this class reaches either.
+Counters (``EngineStats``) make the savings visible and testable: tiles encoded, tokens
+prefilled, image tokens prefilled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import numpy as np
+import torch
+
+from vlmbatch.engine.base import Engine, EngineStats, EngineSummary
+from vlmbatch.engine.config import ConfigError, EmbedConfig, EngineConfig, ModelConfig, Resolved
+from vlmbatch.engine.embed import EmbedHead, cut
+from vlmbatch.engine.loading import image_plan_for, load_model, torch_dtype, vision_model
+from vlmbatch.engine.model_runner import Generated, ImageEmbeds, ModelRunner
+from vlmbatch.engine.planner import Plan, Planner, Prefix
+from vlmbatch.engine.prefix_cache import BlockId, PrefixCache
+from vlmbatch.engine.records import EmbedRequest, Request, Score, Vector
+from vlmbatch.engine.scoring import AnswerTokens, ChoiceIds, choice_ids
+from vlmbatch.models.base import LoadedModel, Prompt
+from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
+from vlmbatch.vit_trt.base import RunnerOptions, VitRunner, make_runner
+from vlmbatch.vit_trt.torch_runner import TorchRunner
+
+Out = TypeVar("Out")
+# a batch's forward: (its plans, each row's image embeddings or None) -> what it gives
+Forward = Callable[[list[Plan], list[ImageEmbeds | None]], Out]
+# per queued batch: its plans, [B, 2] (p_yes, margin) on the device, its generated (text,
+# tokens), its label sets' log-likelihoods [M] on the device (None: no label set)
+_Queued = list[tuple[list[Plan], tuple[torch.Tensor, list[Generated | None],
+                                       torch.Tensor | None]]]
+
+
+class TorchEngine(Engine):
+    def __init__(self, model: LoadedModel, cfg: EngineConfig, vision: VitRunner | None = None,
+                 image_plan: ImagePlan | None = None) -> None:
+        self.model = model
+        self.cfg = cfg
+        # the run's plan; by default the checkpoint's under a default ModelConfig
+        self.image_plan = image_plan or image_plan_for(model.family, model.spec, ModelConfig())
+        self.vision = vision or TorchRunner(vision_model(model))
+        self.answers = AnswerTokens.from_words(model.tokenizer, cfg.yes_words, cfg.no_words)
+        self.cache = PrefixCache(cfg.block_size, cfg.cache_bytes) if cfg.prefix_cache else None
+        self.stats = EngineStats()
+        self.runner = ModelRunner(model, self.vision, self.cache, self.answers, self.stats,
+                                  cfg.max_batch_tiles, cfg.ignore_eos, cfg.compile_llm)
+        codec = self.runner.codec  # a hybrid decoder's state snapshots (None: none)
+        self.planner = Planner(self.cache, cfg.max_batch_tokens,
+                               0 if codec is None else codec.nbytes)
+        self.device = self.runner.device
+        self._heads: dict[EmbedConfig, EmbedHead] = {}
+        self._choice_ids: dict[tuple[str, ...], ChoiceIds] = {}
+        self._first_token = cfg.choice_scoring == "first-token"
+        if self.cache is not None:
+            self._allocate_cache()
+
+    def _allocate_cache(self) -> None:
+        """The prefix cache's KV pool, now: a --cache-mib that cannot be had fails here,
+        with what to do, rather than in every batch."""
+        assert self.cache is not None
+        s = self.model.spec.text
+        layers = len(self.runner.full)  # a hybrid decoder's linear layers keep no K/V
+        try:
+            self.cache.allocate((layers, 2, s.kv_heads, s.head_dim),
+                                self.model.llm.embed_tokens.weight.dtype, self.device)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"--cache-mib {self.cfg.cache_bytes >> 20}: the prefix cache's "
+                              f"KV pool does not fit on {self.device} ({why}); give a smaller "
+                              "--cache-mib, or --no-prefix-cache") from None
+
+    def summary(self) -> EngineSummary:
+        pool = self.vision.pool
+        return EngineSummary(
+            self.stats.prefill_tokens, self.stats.prompt_tokens,
+            self.cache.stats.hit_rate() if self.cache is not None else None,
+            len(pool.graphs) if pool is not None else 0,
+            pool.graph_bytes if pool is not None else 0)
+
+    @torch.inference_mode()
+    def encode(self, images: list[PreparedImage]) -> list[ImageEmbeds]:
+        return self.runner.encode(images)
+
+    def check_choices(self, choices: tuple[str, ...]) -> None:
+        self.choice_ids(choices)
+
+    def choice_ids(self, choices: tuple[str, ...]) -> ChoiceIds:
+        """The label set's token ids (as the assistant's answer), checked for this engine's
+        scoring (``scoring.choice_ids``: ChoiceError naming two choices it cannot tell
+        apart); made once per label set."""
+        ids = self._choice_ids.get(choices)
+        if ids is None:
+            ids = choice_ids(self.model.prompts.answer_ids, choices, self._first_token)
+            self._choice_ids[choices] = ids
+        return ids
+
+    @torch.inference_mode()
+    def score(self, images: list[PreparedImage], requests: list[Request]) -> list[Score]:
+        choices = [self.choice_ids(r.choices) if r.choices else () for r in requests]
+        prompts = [self.model.prompts.build(r.question, images[r.image], r.system)
+                   for r in requests]
+        self.stats.prompt_tokens += sum(len(p.ids) for p in prompts)  # what was asked
+        image_of: list[int | None] = [r.image for r in requests]
+        embeds: dict[int, ImageEmbeds] = {}
+        prefixes: dict[Prefix, list[BlockId]] = {}
+        shared = self.planner.shared_lengths(requests, prompts)
+
+        def forward(batch: list[Plan], ims: list[ImageEmbeds | None]
+                    ) -> tuple[torch.Tensor, list[Generated | None], torch.Tensor | None]:
+            return self.runner.prefill(batch, ims, [self._limit(requests[p.req]) for p in batch],
+                                       [choices[p.req] for p in batch], self._first_token)
+
+        done: _Queued = []
+        if self.cache is not None and self.planner.state_bytes:
+            for heads, members in self.planner.prefix_phases(requests, prompts, shared):
+                self._prefix_phase(heads, prompts, image_of, images, embeds, prefixes)
+                done += self._phase(members, prompts, image_of, images, embeds, prefixes,
+                                    forward, shared=shared)
+            return self._read_back(done, len(requests), choices)
+        for phase in self.planner.phases(requests, prompts, shared):
+            done += self._phase(phase, prompts, image_of, images, embeds, prefixes, forward,
+                                shared=shared)
+        return self._read_back(done, len(requests), choices)
+
+    def _prefix_phase(self, heads: list[int], prompts: list[Prompt], image_of: list[int | None],
+                      images: list[PreparedImage], embeds: dict[int, ImageEmbeds],
+                      prefixes: dict[Prefix, list[BlockId]]) -> None:
+        """A hybrid decoder's (``docs/hybrid_cache.md``): prefill the first prompt of each
+        image through its shared prefix only, caching the prefix's blocks and the linear
+        layers' state snapshot at its end, from which every question about the image then
+        resumes. A prefix already cached needs no forward (``Planner.batches``)."""
+        cut_prompts = {i: cut(prompts[i], prompts[i].prefix_len) for i in heads}
+
+        def forward(batch: list[Plan], ims: list[ImageEmbeds | None]) -> None:
+            self.runner.prefill(batch, ims, [0] * len(batch))
+
+        self._phase(heads, [cut_prompts.get(i, p) for i, p in enumerate(prompts)], image_of,
+                    images, embeds, prefixes, forward)
+
+    def embedding(self, cfg: EmbedConfig) -> Resolved:
+        return self._head(cfg).resolved
+
+    @torch.inference_mode()
+    def embed(self, images: list[PreparedImage], requests: list[EmbedRequest],
+              cfg: EmbedConfig) -> list[Vector]:
+        head = self._head(cfg)
+        prompts = [head.prompt(r, images) for r in requests]
+        ranges = [head.range(p) for p in prompts]
+        self.stats.prompt_tokens += sum(g.end for g in ranges)
+
+        def forward(batch: list[Plan], ims: list[ImageEmbeds | None]) -> list[np.ndarray]:
+            return head.vectors(self.runner.hidden(batch, ims), batch, ranges,
+                                self.runner.to_device)
+
+        values: list[np.ndarray | None] = [None] * len(requests)
+        for batch, vecs in self._phase(range(len(requests)),
+                                       [cut(p, g.end) for p, g in zip(prompts, ranges)],
+                                       [r.image for r in requests], images, {}, {}, forward,
+                                       reuse=[g.start for g in ranges]):
+            for p, v in zip(batch, vecs):
+                values[p.req] = v
+        return [Vector(v, len(p.ids)) for v, p in zip(values, prompts)]  # type: ignore[arg-type]
+
+    def embed_prompt(self, request: EmbedRequest, images: list[PreparedImage],
+                     cfg: EmbedConfig) -> Prompt:
+        return self._head(cfg).prompt(request, images)
+
+    def _head(self, cfg: EmbedConfig) -> EmbedHead:
+        if cfg not in self._heads:  # resolved (and its projection loaded) once per config
+            self._heads[cfg] = EmbedHead(self.model, cfg, self.device)
+        return self._heads[cfg]
+
+    def _phase(self, phase: Sequence[int], prompts: list[Prompt], image_of: list[int | None],
+               images: list[PreparedImage], embeds: dict[int, ImageEmbeds],
+               prefixes: dict[Prefix, list[BlockId]], forward: Forward[Out],
+               reuse: list[int] | None = None, shared: list[int] | None = None
+               ) -> list[tuple[list[Plan], Out]]:
+        """Plan the prompts ``phase`` indexes (each lookup pins cache slots; ``reuse``: the
+        position before which each may reuse cached KV; ``shared``: each one's shared prefix
+        length, by default through its image), encode the images they need (once per call:
+        ``embeds``), run ``forward`` on each batch and unpin its slots once it has gathered
+        them; what an exception left pinned is released too."""
+        plans: list[Plan] = []
+        try:
+            for i in phase:
+                k = image_of[i]
+                plans.append(self.planner.plan(i, prompts[i], None if k is None else images[k],
+                                               prefixes, None if reuse is None else reuse[i],
+                                               None if shared is None else shared[i]))
+            need = sorted({k for p in plans if p.needs_image and (k := image_of[p.req])
+                           is not None} - embeds.keys())
+            embeds.update(zip(need, self.runner.encode([images[k] for k in need])))
+            out = []
+            for batch in self.planner.batches(plans):
+                ims = [None if (k := image_of[p.req]) is None else embeds.get(k) for p in batch]
+                out.append((batch, forward(batch, ims)))
+                # its cached KV was gathered into the batch's past: a later insert into the
+                # same slots is queued after that gather on the same stream
+                self.planner.release(batch)
+            return out
+        finally:
+            self.planner.release(plans)
+
+    def _limit(self, r: Request) -> int:
+        """Answer tokens to generate for ``r``: its own limit, else the engine's."""
+        return self.cfg.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens
+
+    def _read_back(self, done: _Queued, n: int, choices: list[ChoiceIds]) -> list[Score]:
+        """The queued batches' (p_yes, margin) and label sets' log-likelihoods in one
+        device-to-host copy, as Scores in request order."""
+        results: list[Score | None] = [None] * n
+        if not done:
+            return results  # type: ignore[return-value]
+        # per batch its [B, 2] flattened, then its [M]: the call's one wait
+        host = iter(torch.cat([t for _, (s, _, lp) in done for t in (s.flatten(), lp)
+                               if t is not None]).tolist())
+        for batch, (_, texts, lp) in done:
+            pairs = [(next(host), next(host)) for _ in batch]
+            for j, (p, (p_yes, margin)) in enumerate(zip(batch, pairs)):
+                text = texts[j]
+                results[p.req] = Score(p_yes, margin, p.prompt.image_len,
+                                       None if text is None else text[0], len(p.prompt.ids),
+                                       completion_tokens=None if text is None else text[1])
+            if lp is not None:
+                for p in batch:
+                    s = results[p.req]
+                    if choices[p.req] and s is not None:
+                        lps = tuple(next(host) for _ in choices[p.req])
+                        results[p.req] = dataclasses.replace(s, logprobs=lps)
+        return results  # type: ignore[return-value]
+
+
+def build_torch(model_cfg: ModelConfig, engine_cfg: EngineConfig,
+                threads: int | None = None) -> TorchEngine:
+    """Our engine on ``model_cfg``'s checkpoint and device, on ``threads`` torch threads."""
+    if threads:
+        torch.set_num_threads(threads)
+    model = load_model(model_cfg.path, model_cfg.device, torch_dtype(model_cfg.dtype),
+                       model_cfg.llm_quant, model_cfg.quant)
+    plan = image_plan_for(model.family, model.spec, model_cfg)
+    # stream-ordered: the engine reads the embeddings on the stream that made them, so the graph
+    # pool's host wait per call would only stall the host (16% of a profiled round at
+    # InternVL3-1B's shape on an H200, docs/gpu.md)
+    vision = make_runner(engine_cfg.vit_backend, vision_model(model), RunnerOptions(
+        model_cfg.device, engine_cfg.cuda_graphs, engine_cfg.vit_max_batch,
+        stream_ordered=True))
+    return TorchEngine(model, engine_cfg, vision, plan)
