@@ -135,20 +135,18 @@ def test_results_jsonl_and_csv_import_nothing_heavy(jobs: tuple[Path, Path],
 
 
 def test_opencv_stays_silent_about_a_broken_image(tmp_path: Path) -> None:
-    """A truncated PNG makes OpenCV log a warning of its own (shown first); decoded in this
-    process (``--decode-timeout 0``), the run shows only the item's error line:
-    ``cli._quiet_opencv`` silences OpenCV once the command's module (``model_commands``, which
-    every image-decoding command lives in) has loaded it."""
+    """OpenCV logs lines of its own about a broken image (4.x: a ``[ WARN`` line for a PNG
+    cut after its header; 5.x logs nothing for that one); decoded in this process
+    (``--decode-timeout 0``), the run shows only the item's error line:
+    ``cli._quiet_opencv`` sets OpenCV's log level to silent once the command's module
+    (``model_commands``, which every image-decoding command lives in) has loaded it. The log
+    level is checked directly, so the test holds whatever a given OpenCV release logs."""
     import cv2
     import numpy as np
 
     ok, png = cv2.imencode(".png", np.full((32, 32, 3), 200, np.uint8))
     broken = tmp_path / "broken.png"
     broken.write_bytes(png.tobytes()[:60])
-    loud = subprocess.run([sys.executable, "-c", "import cv2, numpy as np, sys\n"
-                           f"cv2.imdecode(np.fromfile({str(broken)!r}, np.uint8), 1)"],
-                          capture_output=True, text=True, timeout=60)
-    assert "WARN" in loud.stderr or "ERROR" in loud.stderr
     manifest = tmp_path / "m.jsonl"
     manifest.write_text(json.dumps({"id": "b", "image": str(broken), "questions": [
         {"id": "q", "text": "Is there a circle?"}]}) + "\n")
@@ -156,3 +154,12 @@ def test_opencv_stays_silent_about_a_broken_image(tmp_path: Path) -> None:
     line = json.loads(r.out)
     assert r.rc == 3 and "not a decodable image" in line["error"]
     assert "WARN" not in r.err and "grfmt" not in r.err, r.err
+    # the level the CLI leaves OpenCV at, in a fresh interpreter (as each command runs)
+    probe = ("import cv2, sys\nfrom vlmbatch.app import cli\nbefore = "
+             "cv2.utils.logging.getLogLevel()\ncli._quiet_opencv()\n"
+             "print(before, cv2.utils.logging.getLogLevel())")
+    env = {k: v for k, v in os.environ.items() if k != "OPENCV_LOG_LEVEL"}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=60, env=env).stdout.split()
+    silent = cv2.utils.logging.LOG_LEVEL_SILENT
+    assert int(out[0]) > silent and int(out[1]) == silent, out  # loud before, silent after
