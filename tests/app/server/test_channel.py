@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from tests.app.server.fakes import picture
-from vlmbatch.app.server.channel import Arena, region
 from vlmbatch.preprocessing.prepare import TilingConfig
+from vlmbatch.serving.channel import Arena
 
 PLAN = TilingConfig(tile_size=16, max_tiles=4, use_thumbnail=True)
 
@@ -33,7 +33,7 @@ def test_an_image_reads_back_equal_on_another_mapping(arena: Arena) -> None:
     engine_side = Arena(arena.size, fd=arena.fd)  # the engine process's mapping
     images = [PLAN.prepare(picture(seed)) for seed in range(3)]
     packed = [arena.put(im) for im in images]
-    assert all(p[0] == "arena" for p in packed)
+    assert all(p.layout is not None for p in packed)
     for im, p in zip(images, packed):
         got = engine_side.view(p)
         want = arrays(im)
@@ -43,11 +43,11 @@ def test_an_image_reads_back_equal_on_another_mapping(arena: Arena) -> None:
             assert b.dtype == a.dtype and b.shape == a.shape and np.array_equal(a, b)
             assert b.ctypes.data % 64 == 0  # each array on a cache line
         assert got.cache_key == im.cache_key
-    regions = sorted(region(p) for p in packed)  # type: ignore[type-var]
+    regions = sorted(p.region for p in packed)  # type: ignore[type-var]
     for (o1, n1), (o2, _) in zip(regions, regions[1:]):
         assert o1 + n1 <= o2  # no two live regions overlap
     for p in packed:
-        arena.free(region(p))
+        arena.free(p.region)
     assert arena.used == 0 and arena._free == [(0, arena.size)]  # merged back into one
 
 
@@ -66,4 +66,4 @@ def test_an_image_over_the_free_space_travels_whole(arena: Arena) -> None:
     big = TilingConfig(tile_size=448, max_tiles=1, use_thumbnail=False).prepare(picture(1))
     assert sum(a.nbytes for a in arrays(big).values()) > arena.size
     packed = arena.put(big)
-    assert packed[0] == "object" and region(packed) is None and arena.view(packed) is big
+    assert packed.layout is None and packed.region is None and arena.view(packed) is big

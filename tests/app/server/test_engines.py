@@ -51,7 +51,7 @@ def engine_pids(server: Server) -> list[int]:
         except FileNotFoundError:  # the thread ended meanwhile
             continue
     return [int(c) for c in children
-            if b"vlmbatch.app.server.engine_process" in Path(f"/proc/{c}/cmdline").read_bytes()]
+            if b"vlmbatch.serving.engine_process" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
 def metric(server: Server, name: str, **labels: str) -> float:

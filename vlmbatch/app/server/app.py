@@ -22,7 +22,6 @@ import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -36,10 +35,8 @@ from vlmbatch.app.server.chat import ChatEndpoint, require_model
 from vlmbatch.app.server.embeddings import embedding_routes
 from vlmbatch.app.server.errors import error_body
 from vlmbatch.app.server.files import file_routes
-from vlmbatch.app.server.metrics import RequestMetrics
-
-if TYPE_CHECKING:
-    from vlmbatch.app.server.serve import ServerState
+from vlmbatch.app.server.metrics import Metrics, RequestMetrics
+from vlmbatch.app.server.state import ServerState
 
 OPEN_PATHS = {"/health"}
 
@@ -54,22 +51,23 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="vlmbatch", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     errors.install(app)
-    for router in (info_routes(state), embedding_routes(state), file_routes(state),
-                   batch_routes(state)):
+    for router in (info_routes(state.cfg.served_model_name, state.metrics),
+                   embedding_routes(state.embeddings, state.cfg), file_routes(state.files),
+                   batch_routes(state.book, state.files, state.worker, state.cancel_batch,
+                                state.embeddings is not None)):
         app.include_router(router)
-    app.add_middleware(ChatEndpoint, state=state)  # POST /v1/chat/completions, the hot path
+    app.add_middleware(ChatEndpoint, chat=state.chat)  # POST /v1/chat/completions: hot path
     app.add_middleware(BodyLimit, limit=state.cfg.max_body_bytes)
     app.add_middleware(ApiKey, key=state.cfg.api_key)
     app.add_middleware(RequestMetrics, metrics=state.metrics)  # added last: the outermost
     return app
 
 
-def info_routes(state: ServerState) -> APIRouter:
+def info_routes(served_model_name: str, metrics_page: Metrics) -> APIRouter:
     """``/health`` (no key needed), ``/metrics``, ``/v1/models``, ``/v1/models/{id}``."""
-    cfg = state.cfg
     router = APIRouter()
     started = int(time.time())
-    model_card = {"id": cfg.served_model_name, "object": "model", "created": started,
+    model_card = {"id": served_model_name, "object": "model", "created": started,
                   "owned_by": "vlmbatch"}
 
     @router.get("/health")
@@ -78,7 +76,7 @@ def info_routes(state: ServerState) -> APIRouter:
 
     @router.get("/metrics")
     def metrics() -> Response:  # a worker thread: the batches' records are read from disk
-        data, kind = state.metrics.page()
+        data, kind = metrics_page.page()
         return Response(data, media_type=kind)
 
     @router.get("/v1/models")
@@ -87,7 +85,7 @@ def info_routes(state: ServerState) -> APIRouter:
 
     @router.get("/v1/models/{model:path}")
     async def model(model: str) -> JSONResponse:
-        require_model(model, cfg.served_model_name)
+        require_model(model, served_model_name)
         return JSONResponse(model_card)
 
     return router

@@ -4,9 +4,9 @@ plain ASGI app in front of FastAPI's router).
 
 A chat request is validated by pydantic straight from the body's bytes (``ChatRequest``),
 turned into its one question (``question_of``), its image taken from the cache or prepared
-on a worker thread (``media.ImageCache``: in a decoder process), queued for the engine thread
-(``scheduler.Scheduler.submit``) and answered when its engine call is done; the event loop
-never blocks on the model.
+on a worker thread (``media.ImageCache``: in a decoder process), and the ``Question`` handed
+to the engines (``serving.engines.Engines.submit``) and answered when its engine call is
+done (``Chat``); the event loop never blocks on the model.
 
 A request is read exactly as a line of an OpenAI batch file is (``jobs.openai_batch``):
 one ``image_url`` part, its text parts joined as the question, ``max_completion_tokens``
@@ -36,27 +36,27 @@ import json
 import math
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from vlmbatch.app.server.errors import APIError, bad_request, error_body, log, parsed
+from vlmbatch.app.server.config import ServerConfig
+from vlmbatch.app.server.errors import STRICT, APIError, bad_request, error_body, log, parsed
+from vlmbatch.app.server.media import ImageCache
 from vlmbatch.engine.config import ConfigError
+from vlmbatch.engine.loading import label_set_checker
 from vlmbatch.engine.records import Score
 from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.openai_batch import parse_request, vlmbatch_fields
 from vlmbatch.pipeline.records import Answer, ImageItem
-
-if TYPE_CHECKING:
-    from vlmbatch.app.server.serve import ServerState
+from vlmbatch.serving.engines import Engines
 
 CHAT_PATH = "/v1/chat/completions"
-
-STRICT = ConfigDict(strict=True, extra="ignore")
 
 
 class ImageURL(BaseModel):
@@ -228,24 +228,43 @@ def stream_events(req: ChatRequest, done: dict) -> bytes:
                     + b"\n\n" for x in chunks) + b"data: [DONE]\n\n"
 
 
-async def answer_chat(state: ServerState, body: bytes) -> tuple[ChatRequest, dict]:
-    """The request and its ``chat.completion``, or the ``APIError`` it is answered with."""
-    cfg = state.cfg
-    with state.engines.arriving():
-        req = parsed(ChatRequest, body)
-        require_model(req.model, cfg.served_model_name)
-        item = question_of(req, cfg.max_prompt_chars, cfg.max_completion_tokens)
-        if choices := item.questions[0].choices:
-            try:
-                state.check_choices(choices)
-            except ConfigError as e:
-                raise bad_request(str(e), "structured_outputs", "invalid_value") from None
-        image = state.images.cached(item)
-        if image is None:  # decode on a worker thread, not the event loop
-            image = await run_in_threadpool(state.images.prepare, item)
-        future = state.engines.submit(item, image)
-    score = await asyncio.wrap_future(future)
-    return req, completion(req, item, cfg.served_model_name, score, state.answer_words)
+class Chat:
+    """What ``/v1/chat/completions`` answers with: the server's limits and model name, the
+    chat images (``media.ImageCache``) and the engines (``serving.engines.Engines``)."""
+
+    def __init__(self, cfg: ServerConfig, engines: Engines, images: ImageCache) -> None:
+        self.cfg, self.engines, self.images = cfg, engines, images
+        # how logprobs name the two classes
+        self.words = (cfg.engine.yes_words[0], cfg.engine.no_words[0])
+        self._choices: Callable[[tuple[str, ...]], None] | None = None
+
+    def check_choices(self, choices: tuple[str, ...]) -> None:
+        """A 400 for a label set the engines would not score (checked here, before its
+        image is decoded: the engines may be other processes); the tokenizer is read on the
+        first label set."""
+        if self._choices is None:
+            self._choices = label_set_checker(self.cfg.model.path, self.cfg.engine)
+        try:
+            self._choices(choices)
+        except ConfigError as e:
+            raise bad_request(str(e), "structured_outputs", "invalid_value") from None
+
+    async def answer(self, body: bytes) -> tuple[ChatRequest, dict]:
+        """The request and its ``chat.completion``, or the ``APIError`` it is answered
+        with."""
+        cfg = self.cfg
+        with self.engines.arriving():
+            req = parsed(ChatRequest, body)
+            require_model(req.model, cfg.served_model_name)
+            item = question_of(req, cfg.max_prompt_chars, cfg.max_completion_tokens)
+            if choices := item.questions[0].choices:
+                self.check_choices(choices)
+            image = self.images.cached(item)
+            if image is None:  # decode on a worker thread, not the event loop
+                image = await run_in_threadpool(self.images.prepare, item)
+            future = self.engines.submit(item.questions[0], image)
+        score = await asyncio.wrap_future(future)
+        return req, completion(req, item, cfg.served_model_name, score, self.words)
 
 
 class ChatEndpoint:
@@ -255,8 +274,8 @@ class ChatEndpoint:
     event loop's time than the endpoint itself in a profile of bench/serve.py. Other methods
     on the path go on to FastAPI (a 404)."""
 
-    def __init__(self, app: ASGIApp, state: ServerState) -> None:
-        self.app, self.state = app, state
+    def __init__(self, app: ASGIApp, chat: Chat) -> None:
+        self.app, self.chat = app, chat
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not (scope["type"] == "http" and scope["method"] == "POST"
@@ -268,7 +287,7 @@ class ChatEndpoint:
             body = await _body(receive)
             if body is None:
                 return  # the client went away
-            req, payload = await answer_chat(self.state, body)
+            req, payload = await self.chat.answer(body)
             status = 200
             if req.stream:
                 await _send(send, 200, stream_events(req, payload), b"text/event-stream",

@@ -27,6 +27,7 @@ from vlmbatch.engine.config import (
 from vlmbatch.jobs.config import EXECUTORS, ExecutorConfig, RayOptions
 from vlmbatch.pipeline.config import PrepareConfig, PrepareOptions, check_threads
 from vlmbatch.preprocessing.limits import MediaGuard
+from vlmbatch.serving.config import ServingConfig
 
 API_KEY_ENV = "VLMBATCH_API_KEY"
 
@@ -112,6 +113,14 @@ class ServerConfig:
         """The embedding model: ``embed_model_dir`` on the chat model's device and dtype
         (what ``/v1/embeddings`` and embedding batches run on)."""
         return dataclasses.replace(self.model, path=self.embed_model_dir)
+
+    @property
+    def serving(self) -> ServingConfig:
+        """What the engine side is started with (``serving/config.py``)."""
+        return ServingConfig(
+            self.model, self.engine, self.embed_model_config if self.embeddings else None,
+            self.threads, self.batch_wait_s, self.max_batch_requests, self.max_queue,
+            self.prepare.preprocess_threads, self.shutdown_timeout_s, self.engines)
 
     @property
     def prepare_options(self) -> PrepareOptions:

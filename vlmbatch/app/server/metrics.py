@@ -24,9 +24,11 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vlmbatch.app.server.batches import BatchBook
+from vlmbatch.serving.engines import Engines
+from vlmbatch.serving.messages import Counters
+from vlmbatch.serving.processes import add
 
 if TYPE_CHECKING:
-    from vlmbatch.app.server.engines import Engines
     from vlmbatch.app.server.ray_batches import RayBatches
 
 STATES = ("validating", "in_progress", "finalizing", "completed", "failed", "cancelling",
@@ -63,11 +65,9 @@ class EngineCollector:
 
     def collect(self) -> Iterator[Metric]:
         views = self.engines.views()
-        total = dict(self.engines.base)
+        total = self.engines.base
         for v in views:
-            for k, n in v.stats.items():
-                if k != "depth":
-                    total[k] = total.get(k, 0) + n
+            total = add(total, v.stats)
         up = GaugeMetricFamily("vlmbatch_engine_up", "1 while the engine answers", labels=[
             "engine"])
         depth = GaugeMetricFamily("vlmbatch_queue_depth", "requests sent to an engine and not "
@@ -82,19 +82,19 @@ class EngineCollector:
         answered = CounterMetricFamily("vlmbatch_questions_answered", "questions answered "
                                        "(batch: results recorded, embedding inputs included)",
                                        labels=["source"])
-        answered.add_metric(["interactive"], total.get("interactive", 0))
+        answered.add_metric(["interactive"], total.interactive)
         ray = self.ray.answered if self.ray is not None else 0
-        answered.add_metric(["batch"], total.get("batch", 0) + ray)
+        answered.add_metric(["batch"], total.batch + ray)
         yield answered
         yield from self._tokens(total)
         yield CounterMetricFamily("vlmbatch_engine_calls", "engine calls of interactive "
-                                  "requests", value=total.get("calls", 0))
+                                  "requests", value=total.calls)
         yield CounterMetricFamily("vlmbatch_engine_restarts", "engine processes started again "
                                   "after one died", value=self.engines.restarts)
         yield self._batches()
 
-    def _tokens(self, total: dict[str, int]) -> Iterator[Metric]:
-        prompt, prefilled = total.get("prompt_tokens", 0), total.get("prefill_tokens", 0)
+    def _tokens(self, total: Counters) -> Iterator[Metric]:
+        prompt, prefilled = total.prompt_tokens, total.prefill_tokens
         tokens = CounterMetricFamily("vlmbatch_prompt_tokens", "prompt tokens: computed "
                                      "(prefilled) or read from the prefix cache (cached)",
                                      labels=["kind"])

@@ -1,29 +1,34 @@
 """The engine thread: the one thread that calls the engine (which is not thread-safe), in the
 engine process (``engine_process.py``; in the HTTP process itself with ``--engines 0``).
 
-Interactive chat requests arrive prepared (decoded and tiled by the HTTP process, so a bad
+Interactive chat questions arrive prepared (decoded and tiled by the HTTP process, so a bad
 image is that request's 400 before it is queued) in a bounded queue. The loop, each turn:
 
 0. **Calls first.** Other interactive work that needs the engine (an embeddings request)
    is queued as a call (``call``) and run before anything else.
-1. **Interactive first.** If a request is queued, take it and every other one queued,
+1. **Interactive next.** If a question is queued, take it and every other one queued,
    wait up to ``batch_wait_s`` for more while some are on their way (parsed, their image
    being prepared: ``arriving``, a count the HTTP process keeps; a lone client waits for
-   nothing), at most ``max_batch_requests``, and answer them in one ``engine.score`` call;
-   the images are deduplicated by their cache key, so requests about the same image share
-   its prefix (one image-token prefill, the others reuse the cached blocks).
-2. **Then batch jobs.** Only when no request is queued, one group (``images_per_batch``
+   nothing), at most ``max_batch_requests``, and answer them in one ``engine.score`` call,
+   which cuts them into forwards under the engine's token budget
+   (``EngineConfig.max_batch_tokens``) as it does offline; the images are deduplicated by
+   their cache key, so questions about the same image share its prefix (one image-token
+   prefill, the others reuse the cached blocks).
+2. **Then batch jobs.** Only when no question is queued, one group (``images_per_batch``
    items) of the current batch's job is answered and recorded (``jobs.job``'s exactly-once
    transaction). An interactive request therefore waits at most for one group's engine
    call, never for a whole batch.
 
-An engine failure on a call of several requests retries each alone, so one request that
+An engine failure on a call of several questions retries each alone, so one question that
 breaks the engine fails alone (a 500 naming the engine error), never its neighbours.
 
 The thread never touches a batch's record (the HTTP process owns ``batches/``): it tells
-``BatchEvents`` when a batch's job is drained (or cancelled), failed, or let go unrun, and
-the HTTP side moves the record on. ``on_turn`` runs after each turn (the engine process
-sends the answers settled in it, in one message).
+``BatchEvents`` when a batch's job is drained (or cancelled), failed (it cannot run here:
+another model or engine settings, a task this server has no engine for, a damaged or busy
+job folder; or it stopped on an error of its own), or let go unrun (the server stopped
+first), and the HTTP side moves the record on: a batch never waits for a server that
+might run it. ``on_turn`` runs after each turn (the engine process sends the answers
+settled in it, in one message).
 """
 
 from __future__ import annotations
@@ -41,33 +46,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from vlmbatch.app.server.config import ServerConfig
-from vlmbatch.app.server.errors import APIError
 from vlmbatch.engine.base import Engine
-from vlmbatch.engine.config import ConfigError, ModelConfig
+from vlmbatch.engine.config import ConfigError
 from vlmbatch.engine.records import Score
+from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.folder import load_config
 from vlmbatch.jobs.job import JobRun
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
-from vlmbatch.pipeline.records import ImageItem, request_of
+from vlmbatch.pipeline.records import Question, request_of
 from vlmbatch.preprocessing.prepare import PreparedImage
+from vlmbatch.serving.config import ServingConfig, absolute
+from vlmbatch.serving.errors import APIError, queue_full, shutting_down
+from vlmbatch.serving.messages import Counters
 
 log = logging.getLogger("vlmbatch.app.server")
 
 
 class BatchEvents(Protocol):
-    """What the engine thread tells the owner of the batch records (``engines.BookEvents``
-    in the HTTP process; the channel in an engine process)."""
+    """What the engine thread tells the owner of the batch records (``BookEvents`` in the
+    HTTP process; the channel in an engine process)."""
 
     def drained(self, batch_id: str, cancelled: bool) -> None:
         """The batch's job has nothing pending left, or was cancelled between groups."""
 
     def failed(self, batch_id: str, message: str) -> None:
-        """The batch's job stopped on an error of its own (a full disk...)."""
+        """The batch cannot run here, or its job stopped on an error of its own."""
 
     def released(self, batch_id: str) -> None:
-        """The batch was let go unrun (another model's job, or busy): left as it is."""
+        """The batch was let go unrun (the server is stopping): left as it is."""
 
 
 @dataclass
@@ -76,29 +83,49 @@ class _Batch:
     run: JobRun  # its job, a group per step
 
 
-def absolute(m: ModelConfig) -> ModelConfig:
-    return dataclasses.replace(m, path=Path(m.path).absolute() if m.path else None)
-
-
 @dataclass
 class ChatWork:
-    item: ImageItem  # one question (item.questions[0]) about its image
+    question: Question
     image: PreparedImage
     future: Future[Score] = field(default_factory=Future)
 
 
-@dataclass
-class Counters:
-    """What the engine thread has done (cumulative; ``metrics.py`` exports them)."""
-    interactive: int = 0  # chat questions answered
-    batch: int = 0  # batch results recorded (questions; embedding inputs)
-    calls: int = 0  # chat engine calls made (FaultHooks.score sees the count)
+def settle(f: Future, result: object = None, error: BaseException | None = None) -> None:
+    """Hand a result (or an error) to a request's future; one whose client went away
+    (cancelled meanwhile) is skipped."""
+    try:
+        if error is not None:
+            f.set_exception(error)
+        else:
+            f.set_result(result)
+    except InvalidStateError:
+        pass
+
+
+def mismatch(run: RunConfig, cfg: ServingConfig) -> str | None:
+    """Why a batch's job cannot run on this server's engines (None: it can)."""
+    want = cfg.model_of(run.task)
+    if want is None:
+        return (f"its job has task {run.task!r}, which this server does not run (started "
+                "with --no-embeddings?); start it with embeddings to finish the batch")
+    got, have = absolute(run.model), absolute(want)
+    diff = [f"model.{f.name} {getattr(got, f.name)!r} (this server: "
+            f"{getattr(have, f.name)!r})" for f in dataclasses.fields(got)
+            if getattr(got, f.name) != getattr(have, f.name)]
+    diff += [f"engine.{f.name} {getattr(run.engine, f.name)!r} (this server: "
+             f"{getattr(cfg.engine, f.name)!r})" for f in dataclasses.fields(run.engine)
+             if getattr(run.engine, f.name) != getattr(cfg.engine, f.name)]
+    if not diff:
+        return None
+    return ("it was submitted with other model or engine settings than this server runs: "
+            + "; ".join(diff) + "; submit it again, or start a server with its settings")
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, cfg: ServerConfig, events: BatchEvents,
+    def __init__(self, engine: Engine, cfg: ServingConfig, events: BatchEvents,
                  hooks: FaultHooks = NO_HOOKS, arriving: Callable[[], int] | None = None,
-                 on_turn: Callable[[], None] | None = None) -> None:
+                 on_turn: Callable[[], None] | None = None,
+                 embed_engine: Engine | None = None) -> None:
         self.engine, self.cfg, self.events, self.hooks = engine, cfg, events, hooks
         self.chat: queue.Queue[ChatWork] = queue.Queue(cfg.max_queue)
         # work other than chat that needs the engine thread (embeddings), with its result
@@ -112,11 +139,12 @@ class Scheduler:
         self.on_turn = on_turn or (lambda: None)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self.counters = Counters()
-        # the engine of each job task: chat batches answer, embedding batches embed (added
-        # by the server when it has an embedding model; without it they are left for a
-        # server that can)
+        self.interactive = self.batch_results = self.calls = 0
+        # the engine of each job task: chat batches answer, embedding batches embed (none
+        # without an embedding model: such a batch fails here)
         self.engines: dict[str, Engine] = {"answer": engine}
+        if embed_engine is not None:
+            self.engines["embed"] = embed_engine
         self.thread = threading.Thread(target=self._run, name="vlmbatch-engine", daemon=True)
 
     # --- called from other threads ---
@@ -136,42 +164,33 @@ class Scheduler:
         """Requests and calls queued, not yet taken."""
         return self.chat.qsize() + self.calls_q.qsize()
 
-    def submit(self, item: ImageItem, image: PreparedImage) -> Future[Score]:
+    def counters(self) -> Counters:
+        engines = {id(e): e for e in self.engines.values()}.values()
+        return Counters(self.interactive, self.batch_results, self.calls,
+                        sum(e.stats.prompt_tokens for e in engines),
+                        sum(e.stats.prefill_tokens for e in engines), self.depth())
+
+    def submit(self, question: Question, image: PreparedImage) -> Future[Score]:
         if self._stop.is_set():
-            raise APIError(503, "the server is shutting down", code="shutting_down")
-        work = ChatWork(item, image)
+            raise shutting_down()
+        work = ChatWork(question, image)
         try:
             self.chat.put_nowait(work)
         except queue.Full:
-            raise APIError(429, f"the server has {self.cfg.max_queue} requests queued; retry "
-                           "shortly", code="queue_full") from None
+            raise queue_full(self.cfg.max_queue) from None
         return work.future
 
     def call(self, fn: Callable[[], object]) -> Future:
         """Run ``fn`` on the engine thread, before the next chat batch; its result (or its
         exception) in the future."""
         if self._stop.is_set():
-            raise APIError(503, "the server is shutting down", code="shutting_down")
+            raise shutting_down()
         f: Future = Future()
         try:
             self.calls_q.put_nowait((fn, f))
         except queue.Full:
-            raise APIError(429, f"the server has {self.cfg.max_queue} requests queued; retry "
-                           "shortly", code="queue_full") from None
+            raise queue_full(self.cfg.max_queue) from None
         return f
-
-    def _run_calls(self) -> None:
-        while True:
-            try:
-                fn, f = self.calls_q.get_nowait()
-            except queue.Empty:
-                return
-            if not f.set_running_or_notify_cancel():
-                continue
-            try:
-                f.set_result(fn())
-            except BaseException as e:  # noqa: BLE001  (handed to the request that asked)
-                f.set_exception(e)
 
     def enqueue_batch(self, batch_id: str, job: Path) -> None:
         """Run the batch's job (``job``: its folder) after those queued before it."""
@@ -190,10 +209,6 @@ class Scheduler:
         with self._lock:
             return batch_id in self._owned
 
-    def _release(self, batch_id: str) -> None:
-        with self._lock:
-            self._owned.discard(batch_id)
-
     def start(self) -> None:
         self.thread.start()
 
@@ -204,6 +219,10 @@ class Scheduler:
         self.thread.join(timeout)
 
     # --- the engine thread ---
+    def _release(self, batch_id: str) -> None:
+        with self._lock:
+            self._owned.discard(batch_id)
+
     def _run(self) -> None:
         job: _Batch | None = None
         try:
@@ -225,9 +244,22 @@ class Scheduler:
                 job.run.close()  # its run ends "interrupted": resumable
             self.on_turn()
 
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, f = self.calls_q.get_nowait()
+            except queue.Empty:
+                return
+            if not f.set_running_or_notify_cancel():
+                continue
+            try:
+                f.set_result(fn())
+            except BaseException as e:  # noqa: BLE001  (handed to the request that asked)
+                f.set_exception(e)
+
     def _take(self, block: bool) -> list[ChatWork]:
-        """Up to ``max_batch_requests`` queued requests: the first (waiting up to 50 ms when
-        there is nothing else to do), then those queued meanwhile and, while others are
+        """Up to ``max_batch_requests`` queued questions: the first (waiting up to 50 ms
+        when there is nothing else to do), then those queued meanwhile and, while others are
         arriving, those that come within ``batch_wait_s``."""
         try:
             first = self.chat.get(timeout=0.05) if block else self.chat.get_nowait()
@@ -253,8 +285,8 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001  (the thread must go on serving)
             log.exception("answering %d requests failed", len(works))
             for w in works:
-                _settle(w.future, error=APIError(500, f"internal error: {type(e).__name__}",
-                                                 code="internal_error"))
+                settle(w.future, error=APIError(500, f"internal error: {type(e).__name__}",
+                                                code="internal_error"))
 
     def _answer(self, works: list[ChatWork]) -> None:
         images: list[PreparedImage] = []
@@ -265,23 +297,23 @@ class Scheduler:
             if key not in index:
                 index[key] = len(images)
                 images.append(w.image)
-            requests.append(request_of(index[key], w.item.questions[0]))
-        self.counters.calls += 1
+            requests.append(request_of(index[key], w.question))
+        self.calls += 1
         try:
-            self.hooks.score(self.counters.calls)
+            self.hooks.score(self.calls)
             scores = self.engine.score(images, requests)
-        except Exception as e:  # noqa: BLE001  (isolate the request that broke the engine)
+        except Exception as e:  # noqa: BLE001  (isolate the question that broke the engine)
             if len(works) > 1:
                 for w in works:
                     self._answer([w])
                 return
             log.exception("engine failed on a chat request")
-            _settle(works[0].future, error=APIError(
+            settle(works[0].future, error=APIError(
                 500, f"engine failed: {type(e).__name__}: {e}", code="engine_error"))
             return
-        self.counters.interactive += len(works)
+        self.interactive += len(works)
         for w, s in zip(works, scores):
-            _settle(w.future, s)
+            settle(w.future, s)
 
     def _next_job(self) -> _Batch | None:
         while True:
@@ -295,32 +327,25 @@ class Scheduler:
                 continue
             try:
                 return _Batch(batch_id, self._open(job))
-            except (ManifestError, ConfigError) as e:  # JobBusy too: `vlmbatch run` has it
-                # left in progress: a server that can run it resumes it
-                log.warning("batch %s skipped: %s", batch_id, e)
+            except (ManifestError, ConfigError) as e:  # JobBusy too
+                log.warning("batch %s cannot run: %s", batch_id, e)
                 self._release(batch_id)
-                self.events.released(batch_id)
+                self.events.failed(batch_id, f"the batch cannot run on this server: {e}")
 
     def _open(self, job: Path) -> JobRun:
         """The batch's job, run with this server's engine for its task (ConfigError: it was
-        submitted with another model or engine settings, or embeds and this server has no
-        embedding model: the batch is left as it is). Pending items are prepared ahead in
-        decoder processes under the job's --decode-timeout, as `vlmbatch run JOB`: a hung or
-        crashing image fails that item, never the engine thread (or the server)."""
+        submitted with other model or engine settings, or embeds and this server has no
+        embedding model). Pending items are prepared ahead in decoder processes under the
+        job's --decode-timeout, as `vlmbatch run JOB`: a hung or crashing image fails that
+        item, never the engine thread (or the server)."""
         run = load_config(job)
-        engine = self.engines.get(run.task)
-        if engine is None:
-            raise ConfigError(f"the batch's job has task {run.task!r}, which this server does "
-                              "not run (started with --no-embeddings?); start it with "
-                              "embeddings to finish the batch")
-        want = self.cfg.embed_model_config if run.task == "embed" else self.cfg.model
-        if (absolute(run.model), run.engine) != (absolute(want), self.cfg.engine):
-            raise ConfigError("the batch was submitted to a server with another model or "
-                              "engine settings; start the server with those to finish it")
+        why = mismatch(run, self.cfg)
+        if why is not None:
+            raise ConfigError(why)
         # the job's pixel limit and deadline, this server's decoder processes
         opts = dataclasses.replace(run.prepare, preprocess_threads=(
-            self.cfg.prepare.preprocess_threads)).options(self.cfg.model.device)
-        return JobRun(job, run, engine, opts, self.hooks)
+            self.cfg.preprocess_threads)).options(self.cfg.model.device)
+        return JobRun(job, run, self.engines[run.task], opts, self.hooks)
 
     def _step(self, b: _Batch) -> _Batch | None:
         """One group of the batch's job; None once the job is drained, cancelled or
@@ -337,21 +362,10 @@ class Scheduler:
             self.events.failed(b.batch_id, f"the job stopped: {type(e).__name__}: {e}")
             return None
         if done is not None:
-            self.counters.batch += sum(len(r) for r in done[1])
+            self.batch_results += sum(len(r) for r in done[1])
             self.hooks.group_done()
             return b
         b.run.close()
         self._release(b.batch_id)
         self.events.drained(b.batch_id, cancelled)
         return None
-
-
-def _settle(f: Future, result: Score | None = None, error: BaseException | None = None) -> None:
-    """Hand a result to a request's future (one whose client went away is skipped)."""
-    try:
-        if error is not None:
-            f.set_exception(error)
-        else:
-            f.set_result(result)
-    except InvalidStateError:  # cancelled meanwhile
-        pass

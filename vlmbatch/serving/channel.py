@@ -1,14 +1,14 @@
 """The local channel between the HTTP process and one engine process (``engines.py`` the
-HTTP side, ``engine_process.py`` the other).
+HTTP side, ``engine_process.py`` the other), carrying ``messages.py``'s records.
 
     HTTP process                                         engine process
     Arena.put(image) -> pixels into a memfd region ──┐
-    Link.send(("chat", rid, question, ..., packed)) ─┴─> reader thread: Arena.view (no copy)
+    Link.send(Ask(rid, question, packed)) ───────────┴─> reader thread: Arena.view (no copy)
                                                          -> the engine thread's queue
-    reader thread: futures settled, regions freed  <──── one message per engine call:
-                                                         ("scores", [(rid, Score)], stats)
+    reader thread: futures settled, regions freed  <──── one message per engine-thread turn:
+                                                         Settled([Answer(rid, Score)], stats)
 
-Two pipes carry small pickled tuples (``Link``: ``multiprocessing.connection`` framing, the
+Two pipes carry small pickled records (``Link``: ``multiprocessing.connection`` framing, the
 write side locked, both pipes enlarged to 1 MiB so a burst of requests never blocks the
 event loop on a busy engine). Pixels never go through a pipe: the HTTP process copies an
 image's uint8 rows (and any other array of its ``PreparedImage``) into a region of the
@@ -38,15 +38,12 @@ from typing import Any
 import numpy as np
 
 from vlmbatch.preprocessing.prepare import PreparedImage
+from vlmbatch.serving.messages import Packed
 
 ALIGN = 64  # bytes: each array starts on a cache line
 ARENA_BYTES = 1 << 30  # per engine process, sparse: pages are allocated as first written
 PIPE_BYTES = 1 << 20  # F_SETPIPE_SZ: Linux's default limit for an unprivileged process
 F_SETPIPE_SZ = 1031
-
-Packed = tuple  # ("arena", meta image, [(field, offset, shape, dtype)], (offset, size))
-#                 | ("object", image)
-
 
 def _arrays(image: PreparedImage) -> list[tuple[str, np.ndarray]]:
     return [(f.name, v) for f in dataclasses.fields(image)
@@ -98,32 +95,30 @@ class Arena:
 
     def put(self, image: PreparedImage) -> Packed:
         """``image`` as the engine will read it: its arrays copied into a new region (freed
-        by ``free(packed_region(...))``), or the whole image pickled when none is free."""
+        by ``free(packed.region)``), or the whole image pickled when none is free."""
         arrays = _arrays(image)
         need = sum(_aligned(a.nbytes) for _, a in arrays)
         base = self._alloc(need) if need else None
         if base is None:
-            return ("object", image)
+            return Packed(image)
         layout, off = [], base
         for name, a in arrays:
             np.frombuffer(self.map, np.uint8, a.nbytes, off)[...] = \
                 np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-            layout.append((name, off, a.shape, a.dtype.str))
+            layout.append((name, off, tuple(a.shape), a.dtype.str))
             off += _aligned(a.nbytes)
         empty: dict[str, Any] = {n: np.empty(0, a.dtype) for n, a in arrays}
-        meta = dataclasses.replace(image, **empty)
-        return ("arena", meta, layout, (base, need))
+        return Packed(dataclasses.replace(image, **empty), tuple(layout), (base, need))
 
     def view(self, packed: Packed) -> PreparedImage:
         """The engine side: the image with its arrays as views of the region (read-only use;
         valid until the HTTP process frees the region, after this request is answered)."""
-        if packed[0] == "object":
-            return packed[1]
-        _, meta, layout, _ = packed
+        if packed.layout is None:
+            return packed.meta
         arrays: dict[str, Any] = {
             name: np.frombuffer(self.map, np.dtype(dtype), int(np.prod(shape)), off)
-            .reshape(shape) for name, off, shape, dtype in layout}
-        return dataclasses.replace(meta, **arrays)
+            .reshape(shape) for name, off, shape, dtype in packed.layout}
+        return dataclasses.replace(packed.meta, **arrays)
 
     def close(self) -> None:
         try:
@@ -131,10 +126,6 @@ class Arena:
         except BufferError:  # a view still held (the engine side at exit): the OS unmaps it
             pass
         os.close(self.fd)
-
-
-def region(packed: Packed | None) -> tuple[int, int] | None:
-    return packed[3] if packed is not None and packed[0] == "arena" else None
 
 
 class Arriving:
@@ -159,7 +150,7 @@ class Arriving:
 
 class Link:
     """One direction of pipe each way: ``send`` (thread-safe) and ``recv`` of pickled
-    tuples."""
+    records (``messages.py``)."""
 
     def __init__(self, read_fd: int, write_fd: int) -> None:
         for fd in (read_fd, write_fd):
@@ -171,7 +162,7 @@ class Link:
         self.wr = Connection(write_fd, readable=False)
         self._lock = threading.Lock()
 
-    def send(self, msg: tuple) -> None:
+    def send(self, msg: object) -> None:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         with self._lock:
             self.wr.send_bytes(data)
