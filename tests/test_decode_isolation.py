@@ -17,7 +17,7 @@ import easy_vqa
 import numpy as np
 import pytest
 
-from tests.app.server.serving import Server, batch_lines, chat_body, data_url
+from tests.app.server.serving import Server, batch_lines, chat_body, data_url, wait_batch
 from tests.faults import hooks_from
 from vlmbatch.app.cli import EXIT_ITEM_ERRORS, EXIT_OK, main
 from vlmbatch.pipeline.records import ErrorKind
@@ -110,12 +110,9 @@ def test_the_server_answers_around_a_hung_decoder(tmp_path: Path,
         client = srv.openai()
         f = client.files.create(file=("in.jsonl", batch_lines(
             [("ok", data_url(a), "Red?"), ("bad", hung, "Red?")]).encode()), purpose="batch")
-        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                                      completion_window="24h")
-        deadline = time.monotonic() + 120
-        while batch.status not in ("completed", "failed") and time.monotonic() < deadline:
-            time.sleep(0.3)
-            batch = client.batches.retrieve(batch.id)
+        batch = wait_batch(client, client.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id,
+        timeout=120)
         assert batch.status == "completed", batch
         assert (batch.request_counts.completed, batch.request_counts.failed) == (1, 1)
         err = client.files.content(batch.error_file_id).text

@@ -1,11 +1,10 @@
 """Stand-ins for the server's unit tests: an engine that answers without a model, an
-embedding backend that returns known vectors, and a server on them in this process (uvicorn in a
-thread on a free port of 127.0.0.1)."""
+embedding backend that returns known vectors, and a server on them in this process (uvicorn
+in a thread on a free port of 127.0.0.1)."""
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -13,6 +12,7 @@ import numpy as np
 import uvicorn
 import xxhash
 
+from tests.waiting import wait_until
 from vlmbatch.app.server.app import create_app
 from vlmbatch.app.server.config import ServerConfig
 from vlmbatch.app.server.state import ServerState
@@ -95,9 +95,7 @@ def fake_server(cfg: ServerConfig, embedder: FakeEmbedBackend | None = None
                                            log_level="warning"))
     t = threading.Thread(target=server.run, daemon=True)
     t.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: server.started, 20, "the in-process server started", interval=0.02)
     try:
         yield f"http://127.0.0.1:{cfg.port}", engine
     finally:

@@ -1,8 +1,9 @@
 """``vlmbatch serve`` on the built-in model, through the official ``openai`` client: chat
 completions with logprobs, concurrency and per-request errors, the media policy and the
 limits, and the Batch API (files, batches to ``completed`` equal to ``vlmbatch run``,
-cancel, list). One server for the module; its batch groups are slowed (0.2 s each) so that
-a batch is still running when a test cancels it or talks to the server meanwhile."""
+cancel, list); its engine process loads no web stack. On the session's shared server
+(``conftest.py``: its batch groups slowed, 0.2 s each, so that a batch is still running
+when a test cancels it or talks to the server meanwhile)."""
 
 from __future__ import annotations
 
@@ -21,25 +22,22 @@ import pytest
 from PIL import Image
 
 import vlmbatch
-from tests.app.server.serving import IMAGES, KEY, Server, batch_lines, chat_body, data_url
+from tests.app.server.serving import (
+    IMAGES,
+    KEY,
+    Server,
+    batch_lines,
+    chat_body,
+    data_url,
+    engine_pids,
+    upload,
+    wait_batch,
+)
+from tests.waiting import wait_until
 from vlmbatch.app.cli import EXIT_ITEM_ERRORS, main
 
 RED = "Is there a red shape?"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    tmp = tmp_path_factory.mktemp("serve")
-    s = Server(tmp / "data", "--allowed-local-media-path", str(IMAGES), "--max-body-mib", "2",
-               "--max-pixels", "1000000", "--images-per-batch", "4",
-               faults={"group_delay": 0.2}).wait_ready()
-    yield s
-    assert s.stop() in (0, 143), s.output()
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return server.openai()
+WEB = (b"pydantic_core", b"httptools", b"uvloop")  # shared objects of the web stack
 
 
 @pytest.fixture(scope="module")
@@ -140,12 +138,14 @@ def test_concurrent_requests_and_a_bad_image_is_its_own_400(server: Server,
                      (400, "invalid_image_url")]
 
 
-def test_file_urls_only_inside_the_allowed_folder(server: Server, tmp_path: Path) -> None:
+def test_file_urls_only_inside_the_allowed_folder(server: Server, media: Path,
+                                                  tmp_path: Path) -> None:
     with server.client() as c:
         r = c.post("/v1/chat/completions",
-                   json=chat_body((IMAGES / "scene_03.png").as_uri(), RED))
+                   json=chat_body((media / "scene_03.png").as_uri(), RED))
         assert r.status_code == 200, r.text
-        for url in [f"file://{IMAGES}/../../pyproject.toml", f"file://{IMAGES}/%2e%2e/README.md",
+        for url in [f"file://{media}/../../pyproject.toml", f"file://{media}/%2e%2e/secret.png",
+                    f"file://{media}/link.png", f"file://{IMAGES}/scene_03.png",
                     "file:///etc/passwd", f"file://{tmp_path}/x.png"]:
             r = c.post("/v1/chat/completions", json=chat_body(url, RED))
             assert r.status_code == 400 and "outside" in error_of(r)["message"], url
@@ -164,7 +164,7 @@ def test_limits(server: Server) -> None:
             (chat_body(small, RED, max_tokens=100_000), 400, "invalid_value"),
             (chat_body(small, RED, n=2), 400, "unsupported_parameter"),
             ({**chat_body(small, RED), "model": "gpt-4o"}, 404, "model_not_found"),
-            (chat_body(small, "y" * (3 << 20)), 413, "request_too_large"),  # over 2 MiB
+            (chat_body(small, "y" * (3 << 20)), 413, "request_too_large"),  # over 1 MiB
         ]
         for body, status, code in cases:
             r = c.post("/v1/chat/completions", json=body)
@@ -219,19 +219,6 @@ def test_embeddings_equal_vlm_embed(client: openai.OpenAI, server: Server,
         assert r.status_code == 400 and error_of(r)["param"] == "input"
 
 
-def wait_batch(client: openai.OpenAI, batch_id: str, timeout: float = 60):  # noqa: ANN201
-    deadline = time.monotonic() + timeout
-    while True:
-        b = client.batches.retrieve(batch_id)
-        if b.status in ("completed", "failed", "cancelled") or time.monotonic() > deadline:
-            return b
-        time.sleep(0.1)
-
-
-def upload(client: openai.OpenAI, text: str):  # noqa: ANN201
-    return client.files.create(file=("in.jsonl", text.encode()), purpose="batch")
-
-
 def test_batch_lifecycle_output_equals_vlmbatch_run(client: openai.OpenAI,
                                                     tmp_path: Path) -> None:
     reqs = [(f"r{i}", data_url(IMAGES / f"scene_{i % 12:02d}.png"), q)
@@ -244,7 +231,7 @@ def test_batch_lifecycle_output_equals_vlmbatch_run(client: openai.OpenAI,
     b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                               completion_window="24h", metadata={"who": "test"})
     assert b.status == "validating" and b.metadata == {"who": "test"}
-    b = wait_batch(client, b.id)
+    b = wait_batch(client, b.id, timeout=60)
     assert b.status == "completed", b
     counts = b.request_counts
     assert (counts.total, counts.completed, counts.failed) == (15, 14, 1)
@@ -268,15 +255,14 @@ def test_cancel_keeps_the_answers_so_far(client: openai.OpenAI, server: Server) 
     reqs = [(f"c{i}", data_url(IMAGES / f"scene_{i % 12:02d}.png"), RED) for i in range(60)]
     b = client.batches.create(input_file_id=upload(client, batch_lines(reqs)).id,
                               endpoint="/v1/chat/completions", completion_window="24h")
-    while client.batches.retrieve(b.id).request_counts.completed < 4:
-        time.sleep(0.05)
+    wait_batch(client, b.id, done=4, timeout=60)
     started = time.monotonic()
     with server.client() as c:  # answered while the batch runs, not after it
         r = c.post("/v1/chat/completions", json=chat_body(data_url(IMAGES / "scene_05.png"), RED))
     assert r.status_code == 200 and time.monotonic() - started < 3
     assert client.batches.retrieve(b.id).status == "in_progress"
     assert client.batches.cancel(b.id).status == "cancelling"
-    b = wait_batch(client, b.id)
+    b = wait_batch(client, b.id, timeout=60)
     assert b.status == "cancelled" and b.cancelled_at
     done = b.request_counts.completed
     assert 4 <= done < 60 and b.request_counts.total == 60
@@ -296,20 +282,22 @@ def test_list_is_newest_first_and_paginated(client: openai.OpenAI) -> None:
     everything = [b.id for b in client.batches.list(limit=2)]  # the client follows `after`
     assert everything[:3] == made[::-1] and len(everything) == len(set(everything)) >= 5
     for batch_id in made:
-        assert wait_batch(client, batch_id).status == "completed"
+        assert wait_batch(client, batch_id, timeout=60).status == "completed"
 
 
 def test_invalid_batches(client: openai.OpenAI, server: Server) -> None:
     bad = upload(client, 'not json\n')
     b = wait_batch(client, client.batches.create(
-        input_file_id=bad.id, endpoint="/v1/chat/completions", completion_window="24h").id)
+        input_file_id=bad.id, endpoint="/v1/chat/completions", completion_window="24h").id,
+        timeout=60)
     assert b.status == "failed" and b.errors.data[0].line == 1
     assert "not an OpenAI batch file" in b.errors.data[0].message
     lines = batch_lines([("a", data_url(IMAGES / "scene_00.png"), RED),
                          ("b", "file:///etc/passwd", RED), ("a", "data:,x", RED)])
     b = wait_batch(client, client.batches.create(
         input_file_id=upload(client, lines).id, endpoint="/v1/chat/completions",
-        completion_window="24h").id)
+        completion_window="24h").id,
+        timeout=60)
     assert b.status == "failed" and [e.line for e in b.errors.data] == [2]
     ok = upload(client, batch_lines([("x", data_url(IMAGES / "scene_00.png"), RED)])).id
     with server.client() as c:
@@ -334,6 +322,20 @@ def test_duplicate_custom_ids_fail_the_batch(client: openai.OpenAI) -> None:
     url = data_url(IMAGES / "scene_00.png")
     f = upload(client, batch_lines([("same", url, RED), ("same", url, RED)]))
     b = wait_batch(client, client.batches.create(
-        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id)
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id,
+        timeout=60)
     assert b.status == "failed" and "appears twice" in b.errors.data[0].message
     assert str(os.sep + "files" + os.sep) not in b.errors.data[0].message  # no server paths
+
+
+def test_the_engine_process_loads_no_web_stack(server: Server) -> None:
+    """The engine process (``vlmbatch.serving.engine_process``) has none of the web stack's
+    shared objects mapped (FastAPI and Starlette cannot be imported without pydantic's
+    core); the HTTP process, on the same check, has them."""
+    def mapped(pid: int) -> set[bytes]:
+        maps = Path(f"/proc/{pid}/maps").read_bytes()
+        return {name for name in WEB if name in maps}
+
+    (pid,) = wait_until(lambda: engine_pids(server), 30, "the engine process listed")
+    assert b"pydantic_core" in mapped(server.proc.pid)  # the check sees what is there
+    assert mapped(pid) == set(), f"engine process {pid} maps {mapped(pid)}"
