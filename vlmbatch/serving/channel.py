@@ -26,6 +26,7 @@ wait for more before an engine call.
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import fcntl
 import mmap
@@ -45,9 +46,15 @@ ARENA_BYTES = 1 << 30  # per engine process, sparse: pages are allocated as firs
 PIPE_BYTES = 1 << 20  # F_SETPIPE_SZ: Linux's default limit for an unprivileged process
 F_SETPIPE_SZ = 1031
 
+RESIDENT_BYTES = 256 << 20  # unused images an arena keeps, most recently used first
+_FIELDS: dict[type, tuple[str, ...]] = {}  # a record type's field names, read once
+
+
 def _arrays(image: PreparedImage) -> list[tuple[str, np.ndarray]]:
-    return [(f.name, v) for f in dataclasses.fields(image)
-            if isinstance(v := getattr(image, f.name), np.ndarray)]
+    names = _FIELDS.get(type(image))
+    if names is None:
+        names = _FIELDS[type(image)] = tuple(f.name for f in dataclasses.fields(image))
+    return [(n, v) for n in names if isinstance(v := getattr(image, n), np.ndarray)]
 
 
 def _aligned(n: int) -> int:
@@ -107,8 +114,9 @@ class Arena:
                 np.ascontiguousarray(a).reshape(-1).view(np.uint8)
             layout.append((name, off, tuple(a.shape), a.dtype.str))
             off += _aligned(a.nbytes)
-        empty: dict[str, Any] = {n: np.empty(0, a.dtype) for n, a in arrays}
-        return Packed(dataclasses.replace(image, **empty), tuple(layout), (base, need))
+        empty: dict[str, Any] = dict.fromkeys(name for name, _ in arrays)  # None: in the arena
+        return Packed(dataclasses.replace(image, **empty), tuple(layout), (base, need),
+                      image.cache_key)
 
     def view(self, packed: Packed) -> PreparedImage:
         """The engine side: the image with its arrays as views of the region (read-only use;
@@ -126,6 +134,67 @@ class Arena:
         except BufferError:  # a view still held (the engine side at exit): the OS unmaps it
             pass
         os.close(self.fd)
+
+
+class Residents:
+    """Prepared images kept in an ``Arena`` by cache key (the HTTP process's side): a
+    request ``hold``s its image (copied in only if not there already) and ``release``s it
+    when answered; an image no request holds stays, most recently used last, until the
+    unused ones pass ``budget`` bytes or the arena needs their room. So an image asked about
+    again is not copied again, and a region is freed only once nothing may read it."""
+
+    def __init__(self, arena: Arena, budget: int = RESIDENT_BYTES) -> None:
+        self.arena, self.budget = arena, budget
+        self._held: collections.OrderedDict[str, list] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.bytes = 0  # of the images kept
+
+    def hold(self, image: PreparedImage) -> Packed:
+        key = image.cache_key
+        with self._lock:
+            entry = self._held.get(key)
+            if entry is not None:
+                entry[1] += 1
+                self._held.move_to_end(key)
+                return entry[0]
+        packed = self.arena.put(image)
+        if packed.region is None:  # no room: the unused go, then once more
+            with self._lock:
+                self._evict(0)
+            packed = self.arena.put(image)
+            if packed.region is None:
+                return packed  # pickled whole: nothing to hold
+        with self._lock:
+            entry = self._held.get(key)
+            if entry is not None:  # another request put it meanwhile: theirs is kept
+                self.arena.free(packed.region)
+                entry[1] += 1
+                return entry[0]
+            self._held[key] = [packed, 1]
+            self.bytes += packed.region[1]
+            self._evict(self.budget)
+        return packed
+
+    def release(self, packed: Packed | None) -> None:
+        if packed is None or packed.region is None:
+            return
+        with self._lock:
+            entry = self._held.get(packed.key)
+            if entry is not None and entry[0] is packed:
+                entry[1] -= 1
+            self._evict(self.budget)
+
+    def _evict(self, budget: int) -> None:
+        """Free unused images, least recently used first, until ``bytes <= budget`` (under
+        the lock)."""
+        if self.bytes <= budget:
+            return
+        for key in [k for k, e in self._held.items() if e[1] == 0]:
+            if self.bytes <= budget:
+                return
+            packed, _ = self._held.pop(key)
+            self.bytes -= packed.region[1]
+            self.arena.free(packed.region)
 
 
 class Arriving:

@@ -22,7 +22,7 @@ class ServingConfig:
     # interactive scheduling: the engine thread waits up to batch_wait_s after the first
     # queued request for more while others are arriving, then answers up to
     # max_batch_requests in one engine call
-    batch_wait_s: float = 0.005
+    batch_wait_s: float = 0.02
     max_batch_requests: int = 64
     max_queue: int = 1024  # queued requests per engine; 429 beyond
     preprocess_threads: int | None = None  # a batch job's decoder processes

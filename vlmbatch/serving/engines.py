@@ -13,6 +13,7 @@ Either tells ``BatchEvents`` (``bind``) what becomes of each batch it was given.
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
@@ -60,6 +61,11 @@ class Engines(ABC):
     def submit(self, question: Question, image: PreparedImage) -> Future[Score]:
         """``question`` about ``image``, answered in the future (an ``APIError`` there or
         here: 429 queue full, 503 no engine up)."""
+
+    def ask(self, question: Question, image: PreparedImage) -> asyncio.Future[Score]:
+        """``submit`` from the event loop (called on its thread): the answer as the loop's
+        own future."""
+        return asyncio.wrap_future(self.submit(question, image))
 
     @abstractmethod
     def embed(self, dims: int | None, p: Prepared[EmbedItem]

@@ -35,9 +35,10 @@ class Packed:
     """A prepared image as the engine process reads it: its arrays' layout in the arena
     (``(field, offset, shape, dtype)`` each) and the image without them (``meta``), or the
     whole image pickled (``layout`` None: it did not fit the arena's free space)."""
-    meta: Any  # PreparedImage (its arrays emptied when in the arena)
+    meta: Any  # PreparedImage (its arrays None when in the arena)
     layout: tuple[tuple[str, int, tuple[int, ...], str], ...] | None = None
-    region: tuple[int, int] | None = None  # (offset, bytes) in the arena; freed when answered
+    region: tuple[int, int] | None = None  # (offset, bytes) in the arena
+    key: str = ""  # the image's cache key (``channel.Residents`` keeps regions by it)
 
 
 # --- to the engine process ---

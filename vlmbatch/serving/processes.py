@@ -23,6 +23,7 @@ directory.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import math
@@ -41,7 +42,7 @@ from vlmbatch.pipeline.records import Embedding, EmbedItem, Question
 from vlmbatch.pipeline.task import Prepared
 from vlmbatch.preprocessing.children import child_env, python_module
 from vlmbatch.preprocessing.prepare import PreparedImage
-from vlmbatch.serving.channel import Arena, Arriving, Link
+from vlmbatch.serving.channel import Arena, Arriving, Link, Residents
 from vlmbatch.serving.config import ServingConfig
 from vlmbatch.serving.engines import Engines, EngineView
 from vlmbatch.serving.errors import APIError, queue_full, shutting_down
@@ -71,6 +72,30 @@ SPREAD = 8  # outstanding requests an engine may have over the least loaded one
 START_TIMEOUT_S = 600.0  # an engine process's start: an interpreter, imports, the model
 
 
+def resolve_on_loops(done: list[tuple[asyncio.Future, object, BaseException | None]]
+                     ) -> None:
+    """Settle event-loop futures from this (another) thread: one call on each loop for all
+    of its futures (a future cancelled meanwhile, its client gone, is skipped)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for item in done:
+        by_loop.setdefault(item[0].get_loop(), []).append(item)
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_resolve, items)
+        except RuntimeError:  # the loop has closed: nobody waits
+            pass
+
+
+def _resolve(items: list[tuple[asyncio.Future, object, BaseException | None]]) -> None:
+    for f, result, error in items:
+        if f.done():
+            continue
+        if error is not None:
+            f.set_exception(error)
+        else:
+            f.set_result(result)
+
+
 def add(a: Counters, b: Counters) -> Counters:
     """Counters summed (the depth gauge left out)."""
     return Counters(*(getattr(a, f.name) + getattr(b, f.name)
@@ -85,7 +110,8 @@ class EngineProcess:
                  pool: EngineProcesses) -> None:
         self.index, self.cfg, self.hooks, self.arriving, self.pool = (
             index, cfg, hooks, arriving, pool)
-        self.outstanding: dict[int, tuple[Future, list[tuple[int, int] | None]]] = {}
+        # request id -> its future and the images it holds in the arena
+        self.outstanding: dict[int, tuple[Future | asyncio.Future, list[Packed | None]]] = {}
         self.lock = threading.Lock()
         self.up = False
         self.stopping = False
@@ -98,6 +124,7 @@ class EngineProcess:
         """Start the process (it loads the model meanwhile); ``wait_ready`` then."""
         self._t0 = time.monotonic()
         self.arena = Arena()
+        self.residents = Residents(self.arena)
         down_r, down_w = os.pipe()
         up_r, up_w = os.pipe()
         try:
@@ -145,26 +172,33 @@ class EngineProcess:
             return "still running"
         return f"exit code {rc}" if rc >= 0 else f"killed by signal {-rc}"
 
-    def send(self, msg: Ask | Embed, future: Future, packed: list[Packed | None]) -> None:
+    def send(self, msg: Ask | Embed, future: Future | asyncio.Future,
+             packed: list[Packed | None]) -> None:
         with self.lock:
             if not self.up:
                 raise self.pool.unavailable()
-            self.outstanding[msg.rid] = (future, [p.region if p else None for p in packed])
+            self.outstanding[msg.rid] = (future, packed)
         try:
             self.link.send(msg)
         except OSError:  # it died just now: the reader answers the future
             pass
 
     def _settle(self, answers: tuple[Answer, ...]) -> None:
+        on_loop: list[tuple[asyncio.Future, object, BaseException | None]] = []
         for a in answers:
             with self.lock:
                 entry = self.outstanding.pop(a.rid, None)
             if entry is None:
                 continue
-            future, regions = entry
-            for r in regions:
-                self.arena.free(r)
-            settle(future, a.result, None if a.failure is None else a.failure.exception())
+            future, held = entry
+            for p in held:
+                self.residents.release(p)
+            error = None if a.failure is None else a.failure.exception()
+            if isinstance(future, asyncio.Future):
+                on_loop.append((future, a.result, error))
+            else:
+                settle(future, a.result, error)
+        resolve_on_loops(on_loop)
 
     def read(self) -> None:
         """Settle requests and pass batch events on until the process ends."""
@@ -189,8 +223,13 @@ class EngineProcess:
         with self.lock:
             self.up = False
             held, self.outstanding = self.outstanding, {}
+        on_loop: list[tuple[asyncio.Future, object, BaseException | None]] = []
         for future, _ in held.values():
-            settle(future, error=self.pool.unavailable(died=True))
+            if isinstance(future, asyncio.Future):
+                on_loop.append((future, None, self.pool.unavailable(died=True)))
+            else:
+                settle(future, error=self.pool.unavailable(died=True))
+        resolve_on_loops(on_loop)
         self.link.close()
         self.proc.wait()
         self.arena.close()
@@ -284,28 +323,39 @@ class EngineProcesses(Engines):
             return self.rid
 
     def submit(self, question: Question, image: PreparedImage) -> Future[Score]:
-        p = self._pick(image.cache_key)
-        packed = p.arena.put(image)
         f: Future[Score] = Future()
+        self._ask(question, image, f)
+        return f
+
+    def ask(self, question: Question, image: PreparedImage) -> asyncio.Future[Score]:
+        """The loop's own future, settled with the others of the same engine turn in one
+        call on the loop (``resolve_on_loops``), not one wake-up per request."""
+        f: asyncio.Future[Score] = asyncio.get_running_loop().create_future()
+        self._ask(question, image, f)
+        return f
+
+    def _ask(self, question: Question, image: PreparedImage,
+             f: Future | asyncio.Future) -> None:
+        p = self._pick(image.cache_key)
+        packed = p.residents.hold(image)
         try:
             p.send(Ask(self._next_rid(), question, packed), f, [packed])
         except APIError:
-            p.arena.free(packed.region)
+            p.residents.release(packed)
             raise
-        return f
 
     def embed(self, dims: int | None, prepared: Prepared[EmbedItem]
               ) -> Future[list[list[Embedding]]]:
         key = next((im.cache_key for im in prepared.images if im is not None), "0")
         p = self._pick(key)
-        packed = [None if im is None else p.arena.put(im) for im in prepared.images]
+        packed = [None if im is None else p.residents.hold(im) for im in prepared.images]
         bare = Prepared(prepared.items, [None] * len(prepared.items), prepared.errors)
         f: Future = Future()
         try:
             p.send(Embed(self._next_rid(), dims, bare, tuple(packed)), f, packed)
         except APIError:
             for x in packed:
-                p.arena.free(x.region if x else None)
+                p.residents.release(x)
             raise
         return f
 

@@ -61,6 +61,8 @@ from vlmbatch.serving.errors import APIError, queue_full, shutting_down
 from vlmbatch.serving.messages import Counters
 
 log = logging.getLogger("vlmbatch.app.server")
+# waiting for the clients the last call answered stops after this long with none arriving
+QUIET_S = 0.002
 
 
 class BatchEvents(Protocol):
@@ -136,6 +138,10 @@ class Scheduler:
         self._cancel: set[str] = set()
         self._arriving = 0  # requests between arrival and submit (``arriving``)
         self._arriving_fn = arriving or (lambda: self._arriving)
+        self._submitted = 0  # questions queued so far
+        # the last call's questions, and how many had been queued when it was answered: the
+        # clients it answered may come back with the next (closed-loop clients)
+        self._answered: tuple[int, int] = (0, 0)
         self.on_turn = on_turn or (lambda: None)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -178,6 +184,8 @@ class Scheduler:
             self.chat.put_nowait(work)
         except queue.Full:
             raise queue_full(self.cfg.max_queue) from None
+        with self._lock:
+            self._submitted += 1
         return work.future
 
     def call(self, fn: Callable[[], object]) -> Future:
@@ -257,24 +265,37 @@ class Scheduler:
             except BaseException as e:  # noqa: BLE001  (handed to the request that asked)
                 f.set_exception(e)
 
+    def _expected(self) -> int:
+        """Questions likely to come soon: the last call's, less those queued since it was
+        answered (its clients asking their next question; a lone client's comes back at
+        once, so it waits for nobody)."""
+        size, seen = self._answered
+        with self._lock:
+            return size - (self._submitted - seen)
+
     def _take(self, block: bool) -> list[ChatWork]:
         """Up to ``max_batch_requests`` queued questions: the first (waiting up to 50 ms
         when there is nothing else to do), then those queued meanwhile and, while others are
-        arriving, those that come within ``batch_wait_s``."""
+        on their way (being parsed in the HTTP process, or expected from the clients the
+        last call answered), those that come within ``batch_wait_s``: one engine call of
+        many questions costs much less per question than several small ones."""
         try:
             first = self.chat.get(timeout=0.05) if block else self.chat.get_nowait()
         except queue.Empty:
             return []
         works = [first]
-        deadline = time.monotonic() + self.cfg.batch_wait_s
+        last = time.monotonic()
+        deadline = last + self.cfg.batch_wait_s
         while len(works) < self.cfg.max_batch_requests:
-            left = deadline - time.monotonic()
-            arriving = self._arriving_fn() > 0
+            now = time.monotonic()
+            coming = now < deadline and (self._arriving_fn() > 0 or (
+                self._expected() > 0 and now - last < QUIET_S))
             try:
-                works.append(self.chat.get(timeout=min(left, 0.001)) if left > 0
-                             and arriving else self.chat.get_nowait())
+                works.append(self.chat.get(timeout=min(deadline - now, 0.001)) if coming
+                             else self.chat.get_nowait())
+                last = time.monotonic()
             except queue.Empty:
-                if left <= 0 or not arriving:
+                if not coming:
                     break
         return [w for w in works if not w.future.cancelled()]  # a client that went away
 
@@ -312,6 +333,8 @@ class Scheduler:
                 500, f"engine failed: {type(e).__name__}: {e}", code="engine_error"))
             return
         self.interactive += len(works)
+        with self._lock:
+            self._answered = (len(works), self._submitted)
         for w, s in zip(works, scores):
             settle(w.future, s)
 

@@ -12,7 +12,7 @@ import pytest
 
 from tests.app.server.fakes import picture
 from vlmbatch.preprocessing.prepare import TilingConfig
-from vlmbatch.serving.channel import Arena
+from vlmbatch.serving.channel import Arena, Residents
 
 PLAN = TilingConfig(tile_size=16, max_tiles=4, use_thumbnail=True)
 
@@ -67,3 +67,35 @@ def test_an_image_over_the_free_space_travels_whole(arena: Arena) -> None:
     assert sum(a.nbytes for a in arrays(big).values()) > arena.size
     packed = arena.put(big)
     assert packed.layout is None and packed.region is None and arena.view(packed) is big
+
+
+def test_a_held_image_is_copied_once_and_freed_only_unused(arena: Arena) -> None:
+    """``Residents``: a second request about an image reads the same region (no copy); an
+    unused image stays until the budget or the arena needs its room; one still held by a
+    request is never freed, however full the arena."""
+    images = [PLAN.prepare(picture(seed)) for seed in range(4)]
+    size = arena.put(images[0]).region[1]  # type: ignore[index]
+    arena.free((0, size))
+    r = Residents(arena, budget=2 * size)
+    a1, a2 = r.hold(images[0]), r.hold(images[0])
+    assert a1 is a2 and arena.used == size  # one copy for both requests
+    others = [r.hold(im) for im in images[1:]]
+    assert arena.used == 4 * size and r.bytes == 4 * size  # all held: none freed
+    r.release(a1)
+    for p in others:
+        r.release(p)
+    assert arena.used == 4 * size - 2 * size  # unused over the budget: the oldest went
+    assert r.hold(images[0]) is a1  # still held by a2's request: kept, not copied again
+    r.release(a1)
+    r.release(a2)
+    full = Residents(arena, budget=arena.size)  # no budget: only the arena's room evicts
+    big = [full.hold(PLAN.prepare(picture(10 + i))) for i in range(arena.size // size)]
+    assert all(p.region is not None for p in big[:2]) and full.bytes <= arena.size
+
+
+def test_an_image_released_and_evicted_leaves_the_arena_whole(arena: Arena) -> None:
+    r = Residents(arena, budget=0)
+    packed = [r.hold(PLAN.prepare(picture(seed))) for seed in range(5)]
+    for p in packed:
+        r.release(p)
+    assert arena.used == 0 and arena._free == [(0, arena.size)] and r.bytes == 0

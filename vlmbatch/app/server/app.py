@@ -2,11 +2,12 @@
 endpoint, error shapes, and ``/health``, ``/metrics`` and ``/v1/models``.
 
 ``create_app(state)`` is all a test or an embedding program needs (``serve.serve`` adds the
-engines, the data folder's lock and uvicorn). Middlewares, outermost first: the request
-metrics (``metrics.RequestMetrics``: every answer counted, 401s included), the API key
-(nothing is read for a caller without it), the body limit, then the chat endpoint
-(``chat.ChatEndpoint``: POST /v1/chat/completions served in front of the router); the error
-handlers (``errors.install``) give every other error OpenAI's shape.
+engines, the data folder's lock and uvicorn). Plain ASGI layers, outermost first: the
+request metrics (``metrics.RequestMetrics``: every answer counted, 401s included), the API
+key (nothing is read for a caller without it), the body limit, then the chat endpoint
+(``chat.ChatEndpoint``: POST /v1/chat/completions served there, the hot path), and behind
+them the FastAPI app of the other routes, whose error handlers (``errors.install``) give
+every other error OpenAI's shape.
 
 ``ApiKey``: with a key set, every path but ``/health`` needs ``Authorization: Bearer KEY``;
 the comparison is ``hmac.compare_digest`` on bytes (constant time whatever the guess).
@@ -41,7 +42,18 @@ from vlmbatch.app.server.state import ServerState
 OPEN_PATHS = {"/health"}
 
 
-def create_app(state: ServerState) -> FastAPI:
+def create_app(state: ServerState) -> ASGIApp:
+    """The server's ASGI app: the request metrics, the API key, the body limit and the chat
+    endpoint, in that order, in front of the FastAPI app of every other route (so a chat
+    request, the hot path, never enters FastAPI's own layers)."""
+    app = fastapi_app(state)
+    chat = ChatEndpoint(app, state.chat)  # POST /v1/chat/completions
+    limited = BodyLimit(chat, state.cfg.max_body_bytes)
+    return RequestMetrics(ApiKey(limited, state.cfg.api_key), state.metrics)  # outermost
+
+
+def fastapi_app(state: ServerState) -> FastAPI:
+    """Every route but chat completions, with the error handlers and the lifespan."""
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.start()
@@ -56,10 +68,6 @@ def create_app(state: ServerState) -> FastAPI:
                    batch_routes(state.book, state.files, state.worker, state.cancel_batch,
                                 state.embeddings is not None)):
         app.include_router(router)
-    app.add_middleware(ChatEndpoint, chat=state.chat)  # POST /v1/chat/completions: hot path
-    app.add_middleware(BodyLimit, limit=state.cfg.max_body_bytes)
-    app.add_middleware(ApiKey, key=state.cfg.api_key)
-    app.add_middleware(RequestMetrics, metrics=state.metrics)  # added last: the outermost
     return app
 
 

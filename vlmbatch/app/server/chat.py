@@ -3,8 +3,9 @@ the ``chat.completion`` it is answered with, and the endpoint itself (``ChatEndp
 plain ASGI app in front of FastAPI's router).
 
 A chat request is validated by pydantic straight from the body's bytes (``ChatRequest``),
-turned into its one question (``question_of``), its image taken from the cache or prepared
-on a worker thread (``media.ImageCache``: in a decoder process), and the ``Question`` handed
+turned into its one question (``question_of``), its image taken from the media cache or
+prepared on a worker thread (``media_cache.MediaCache``: in a decoder process), and the
+``Question`` handed
 to the engines (``serving.engines.Engines.submit``) and answered when its engine call is
 done (``Chat``); the event loop never blocks on the model.
 
@@ -47,13 +48,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vlmbatch.app.server.config import ServerConfig
 from vlmbatch.app.server.errors import STRICT, APIError, bad_request, error_body, log, parsed
-from vlmbatch.app.server.media import ImageCache
+from vlmbatch.app.server.media_cache import MediaCache
 from vlmbatch.engine.config import ConfigError
 from vlmbatch.engine.loading import label_set_checker
 from vlmbatch.engine.records import Score
 from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.openai_batch import parse_request, vlmbatch_fields
 from vlmbatch.pipeline.records import Answer, ImageItem
+from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.serving.engines import Engines
 
 CHAT_PATH = "/v1/chat/completions"
@@ -230,13 +232,16 @@ def stream_events(req: ChatRequest, done: dict) -> bytes:
 
 class Chat:
     """What ``/v1/chat/completions`` answers with: the server's limits and model name, the
-    chat images (``media.ImageCache``) and the engines (``serving.engines.Engines``)."""
+    chat images (``media_cache.MediaCache``) and the engines (``serving.engines.Engines``)."""
 
-    def __init__(self, cfg: ServerConfig, engines: Engines, images: ImageCache) -> None:
+    def __init__(self, cfg: ServerConfig, engines: Engines, images: MediaCache) -> None:
         self.cfg, self.engines, self.images = cfg, engines, images
         # how logprobs name the two classes
         self.words = (cfg.engine.yes_words[0], cfg.engine.no_words[0])
         self._choices: Callable[[tuple[str, ...]], None] | None = None
+        # data: images being decoded, by content hash (their bytes, the decode): the event
+        # loop's own, so requests that wait for one hop to no thread
+        self._decoding: dict[bytes, tuple[bytes, asyncio.Future[PreparedImage]]] = {}
 
     def check_choices(self, choices: tuple[str, ...]) -> None:
         """A 400 for a label set the engines would not score (checked here, before its
@@ -259,20 +264,42 @@ class Chat:
             item = question_of(req, cfg.max_prompt_chars, cfg.max_completion_tokens)
             if choices := item.questions[0].choices:
                 self.check_choices(choices)
-            image = self.images.cached(item)
-            if image is None:  # decode on a worker thread, not the event loop
-                image = await run_in_threadpool(self.images.prepare, item)
-            future = self.engines.submit(item.questions[0], image)
-        score = await asyncio.wrap_future(future)
+            image = await self.image(item.source)
+            future = self.engines.ask(item.questions[0], image)
+        score = await future
         return req, completion(req, item, cfg.served_model_name, score, self.words)
 
 
+    async def image(self, url: str) -> PreparedImage:
+        """The request's image, prepared: a ``data:`` URL read and looked up here, a hit
+        answered at once, a miss decoded on a worker thread (not the event loop), once for
+        every request that asks meanwhile (they wait for it here, on the loop); a file or an
+        http(s) image read on a worker thread too."""
+        images = self.images
+        if not images.reads_inline(url):
+            return await run_in_threadpool(lambda: images.prepare(images.read(url), url[:80]))
+        data = images.read(url)
+        hit = images.get(data)
+        if hit is not None:
+            return hit
+        key = images.hash(data)
+        flight = self._decoding.get(key)
+        if flight is not None and flight[0] == data:
+            images.joined()
+            return await asyncio.shield(flight[1])
+        task = asyncio.ensure_future(run_in_threadpool(images.prepare, data, "the data: URL"))
+        if flight is None:  # a different image with the same hash decodes alone
+            self._decoding[key] = (data, task)
+            task.add_done_callback(lambda _: self._decoding.pop(key, None))
+        return await asyncio.shield(task)
+
+
 class ChatEndpoint:
-    """``POST /v1/chat/completions`` as a plain ASGI app in front of FastAPI's router (inside
-    the API key and body limit middlewares): the hot path, one request per question, skips
-    the router's matching, dependency solving and exception layers, which took more of the
-    event loop's time than the endpoint itself in a profile of bench/serve.py. Other methods
-    on the path go on to FastAPI (a 404)."""
+    """``POST /v1/chat/completions`` as a plain ASGI app in front of the FastAPI app (inside
+    the API key and body limit layers): the hot path, one request per question, skips
+    FastAPI's middleware stack, router, dependency solving and exception layers, which took
+    more of the event loop's time than the endpoint itself in a profile of bench/serve.py.
+    Other methods on the path go on to FastAPI (a 404)."""
 
     def __init__(self, app: ASGIApp, chat: Chat) -> None:
         self.app, self.chat = app, chat

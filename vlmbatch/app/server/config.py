@@ -49,11 +49,14 @@ class ServerConfig:
     max_prompt_chars: int = 16_384  # a chat request's question text (400 beyond)
     max_completion_tokens: int = 512  # largest max_tokens a request may ask for (400 beyond)
     # interactive scheduling: the engine thread waits up to batch_wait_s after the first
-    # queued request for more, then answers up to max_batch_requests in one engine call
-    batch_wait_s: float = 0.005
+    # queued request for more on their way (serving/scheduler.py), then answers up to
+    # max_batch_requests in one engine call
+    batch_wait_s: float = 0.02
     max_batch_requests: int = 64
     max_queue: int = 1024  # queued chat requests; beyond that 429 (clients retry)
-    image_cache_bytes: int = 64 << 20  # prepared data: images kept by URL hash (no re-decode)
+    # chat images kept prepared by the content hash of their bytes (media_cache.py): a
+    # second request about an image decodes nothing
+    media_cache_bytes: int = 256 << 20
     images_per_batch: int = 16  # a batch job's group: the most an interactive request waits
     threads: int | None = None  # torch threads (None: torch's default)
     shutdown_timeout_s: int = 30  # SIGTERM: how long in-flight requests may take
@@ -84,8 +87,8 @@ class ServerConfig:
                      "max_batch_requests", "max_queue", "images_per_batch"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.image_cache_bytes < 0 or not 0 <= self.batch_wait_s <= 1:
-            raise ConfigError("image_cache_bytes must be >= 0 and batch_wait_s in [0, 1] seconds")
+        if self.media_cache_bytes < 0 or not 0 <= self.batch_wait_s <= 1:
+            raise ConfigError("--media-cache-mib must be >= 0 and --batch-wait-ms in [0, 1000]")
         check_threads(self.threads, None)
         if not 0 <= self.engines <= 64:
             raise ConfigError(f"--engines must be in 0..64, got {self.engines}")
@@ -194,6 +197,11 @@ def add_server_args(s: argparse.ArgumentParser) -> None:
                    default=_d("max_body_bytes"),
                    help="largest request body, uploads included; 413 beyond (default "
                    f"{int(_d('max_body_bytes')) >> 20})")  # type: ignore[call-overload]
+    g.add_argument("--media-cache-mib", dest="media_cache_bytes", type=_mib,
+                   default=_d("media_cache_bytes"), metavar="MIB",
+                   help="chat images kept decoded and tiled, by the content hash of their "
+                   "bytes, so later requests about an image decode nothing (default "
+                   f"{int(_d('media_cache_bytes')) >> 20}; 0: none)")  # type: ignore[call-overload]
     g.add_argument("--embed-model", type=Path, default=None,
                    help="checkpoint for /v1/embeddings (default: the built-in embedding model "
                    "with the built-in chat model, else --model)")

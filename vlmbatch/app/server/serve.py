@@ -76,9 +76,9 @@ def serve(cfg: ServerConfig, hooks: FaultHooks = NO_HOOKS) -> None:
               + (f"{cfg.engines} engine process(es)" if cfg.engines else "engine in-process")
               + (", batches on Ray" if cfg.executor.kind == "ray" else "")
               + (", API key required" if cfg.api_key else ""), file=sys.stderr, flush=True)
-        uvicorn.Server(uvicorn.Config(
+        uvicorn.Server(uvicorn.Config(  # no proxy headers: the client's address is unused
             app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
-            timeout_graceful_shutdown=cfg.shutdown_timeout_s)).run()
+            proxy_headers=False, timeout_graceful_shutdown=cfg.shutdown_timeout_s)).run()
     finally:
         if isinstance(engines, EngineProcesses) and not engines.stopping:
             engines.stop(0)  # the app never started (its lifespan stops them otherwise)

@@ -1,7 +1,7 @@
 """``ServerState``: what one running server holds, made once at start and handed, piece by
 piece, to the routes (no globals): the config, the engines (``serving/engines.py``:
 engine processes, or the engine thread here with ``--engines 0``), the chat endpoint's
-service (``chat.Chat``: the image cache, the label-set check), the decoder processes of
+service (``chat.Chat``: the media cache, the label-set check), the decoder processes of
 interactive requests, the files and batches on disk, the batch worker, the metrics, the
 embedding backend (None with ``--no-embeddings``) and, with ``--executor ray``, the Ray
 runner of batches (``ray_batches.py``).
@@ -23,7 +23,7 @@ from vlmbatch.app.server.batches import ACTIVE, BatchBook
 from vlmbatch.app.server.chat import Chat
 from vlmbatch.app.server.config import ServerConfig
 from vlmbatch.app.server.files import FileStore
-from vlmbatch.app.server.media import ImageCache
+from vlmbatch.app.server.media_cache import MediaCache
 from vlmbatch.app.server.metrics import Metrics
 from vlmbatch.app.server.ray_batches import RayBatches
 from vlmbatch.pipeline.drive import Preparer, preparer
@@ -59,15 +59,15 @@ class ServerState:
         worker = BatchWorker(cfg, book, files)
         engines.bind(BookEvents(book, worker.finalize))
         decoders = preparer(engines.image_plan, cfg.prepare_options, hooks)
-        images = ImageCache(engines.image_plan, cfg.prepare_options,
-                            cfg.allowed_local_media_path, cfg.image_cache_bytes, decoders,
+        images = MediaCache(engines.image_plan, cfg.prepare_options,
+                            cfg.allowed_local_media_path, cfg.media_cache_bytes, decoders,
                             cfg.remote_media)
         return cls(cfg, engines, Chat(cfg, engines, images), files, book, worker,
-                   Metrics(engines, book), embeddings, hooks,
+                   Metrics(engines, book, images.stats), embeddings, hooks,
                    [decoders] if decoders is not None else [])
 
     @property
-    def images(self) -> ImageCache:
+    def images(self) -> MediaCache:
         return self.chat.images
 
     def serve_embeddings(self) -> None:
@@ -123,3 +123,4 @@ class ServerState:
         self.worker.stop(self.cfg.shutdown_timeout_s)
         for d in self.decoders:
             d.stop()
+        self.images.stop()
