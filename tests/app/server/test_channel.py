@@ -99,3 +99,47 @@ def test_an_image_released_and_evicted_leaves_the_arena_whole(arena: Arena) -> N
     for p in packed:
         r.release(p)
     assert arena.used == 0 and arena._free == [(0, arena.size)] and r.bytes == 0
+
+
+def test_every_message_kind_crosses_a_link_as_itself() -> None:
+    """The channel's records (``messages.py``), one frozen dataclass per kind, each sent
+    over a real ``Link`` (two pipes) and read back equal, of its own type; nothing else is
+    a message."""
+    import os
+    from pathlib import Path
+
+    from vlmbatch.app.server.config import ServerConfig
+    from vlmbatch.pipeline.hooks import NO_HOOKS
+    from vlmbatch.pipeline.records import Question
+    from vlmbatch.serving import messages as m
+    from vlmbatch.serving.channel import Link
+
+    image = PLAN.prepare(picture(0))
+    kinds = [m.Start(ServerConfig().serving, NO_HOOKS, 1),
+             m.Ask(7, Question("q", "Is it red?", choices=("a", "b")), m.Packed(image)),
+             m.RunBatch("batch_x", Path("/tmp/job")), m.CancelBatch("batch_x"), m.Stop(2.0),
+             m.Ready(m.EngineInfo(PLAN, None, None)),
+             m.Settled((m.Answer(7, failure=m.Failure(429, "full", code="queue_full")),),
+                       m.Counters(1, 2, 3, 4, 5, 6)),
+             m.BatchDrained("batch_x", True), m.BatchFailed("batch_x", "why"),
+             m.BatchReleased("batch_x")]
+    assert all(dataclasses.is_dataclass(k) and type(k).__dataclass_params__.frozen  # type: ignore[attr-defined]
+               for k in kinds)
+    a_r, b_w = os.pipe()
+    b_r, a_w = os.pipe()
+    a, b = Link(a_r, a_w), Link(b_r, b_w)
+    try:
+        for k in kinds:
+            a.send(k)
+            got = b.recv()
+            assert type(got) is type(k)
+            if isinstance(k, m.Ask):
+                assert (got.rid, got.question) == (k.rid, k.question)
+                assert got.image.meta.cache_key == image.cache_key
+            elif not isinstance(k, m.Start):
+                assert got == k
+    finally:
+        a.close()
+        b.close()
+    err = m.Settled((m.Answer(1, failure=m.failure_of(ValueError("x"))),)).answers[0].failure
+    assert err is not None and err.status == 500 and isinstance(err.exception(), Exception)

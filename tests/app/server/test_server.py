@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 import vlmbatch
 from tests.app.server.serving import (
@@ -339,3 +340,31 @@ def test_the_engine_process_loads_no_web_stack(server: Server) -> None:
     (pid,) = wait_until(lambda: engine_pids(server), 30, "the engine process listed")
     assert b"pydantic_core" in mapped(server.proc.pid)  # the check sees what is there
     assert mapped(pid) == set(), f"engine process {pid} maps {mapped(pid)}"
+
+
+def test_concurrent_requests_share_engine_calls_and_answer_as_vlm(
+        server: Server, vlm: vlmbatch.VLM) -> None:
+    """24 requests at once (4 images, 6 questions each): the answers ``VLM.ask`` gives (to
+    1e-6), in fewer engine calls than requests (the engine thread batches them into its
+    calls, which cut them into forwards under the offline token budget)."""
+    questions = [RED, "Is there a circle?", "Is there a blue shape?", "Is there a triangle?",
+                 "Is there more than one shape?", "Is the shape in the left half?"]
+    asked = [(IMAGES / f"scene_{8 + i:02d}.png", q) for i in range(4) for q in questions]
+    want = {(str(p), q): a.p_yes for p in {p for p, _ in asked}
+            for q, a in zip(questions, vlm.ask([p], questions))}
+    calls = metric(server, "vlmbatch_engine_calls_total")
+    bodies = [chat_body(data_url(p), q, max_tokens=1) for p, q in asked]
+    with server.client() as c, ThreadPoolExecutor(len(bodies)) as pool:
+        rs = list(pool.map(lambda b: c.post("/v1/chat/completions", json=b), bodies))
+    made = metric(server, "vlmbatch_engine_calls_total") - calls
+    for (p, q), r in zip(asked, rs):
+        assert r.status_code == 200, r.text
+        # both 6-decimal values: within one step of the rounding (1e-6), float noise off
+        assert round(abs(r.json()["vlmbatch"]["p_yes"] - want[(str(p), q)]), 9) <= 1e-6
+    assert 1 <= made < len(bodies), made
+
+
+def metric(server: Server, name: str) -> float:
+    page = httpx.get(server.url + "/metrics", headers=server.headers, timeout=30).text
+    return next(s.value for fam in text_string_to_metric_families(page) for s in fam.samples
+                if s.name == name)
