@@ -29,7 +29,8 @@ at its end (by wall clock, so a slow machine gets the same schedule in fewer ste
 saved folder is the built-in model's checkpoint with the trained weights and jina's
 declarations in config.json (``single_vector_pool_strategy: "mean"``, ``matryoshka_dims``),
 so ``vlmbatch embed`` knows it is an embedding model; its log holds the command, the losses
-and the retrieval figures before and after (``app/embed_eval.py``). README "Embeddings".
+and the retrieval figures before and after (``app/embed_eval.py``). ``docs/models.md``, "The
+built-in embedding model".
 """
 
 from __future__ import annotations
