@@ -200,6 +200,7 @@ def named_paths(text: str) -> set[str]:
     """Paths of the tree the text names: ``vlmbatch/...``, ``docs/...``, ... anywhere, and a
     package's ``engine/torch_engine.py`` (a path under ``vlmbatch/``)."""
     tops = "|".join(re.escape(d) for d in TOP_DIRS + PACKAGES)
+    text = re.sub(r"/\n\s+(?=\w)", "/", text)  # a path broken across lines after a slash
     found = re.findall(rf"(?<![\w/.-])((?:{tops})/[\w./*{{}},-]*[\w/*}}])", text)
     return {p for p in found if not re.search(r"[{}*,]|\.\.", p)}  # not a glob or pattern
 
@@ -294,8 +295,10 @@ def test_the_link_check_catches_a_missing_file_and_anchor(tmp_path: Path) -> Non
 def test_the_path_check_catches_a_moved_module() -> None:
     assert path_problems("`vlmbatch/engine/base.py`, engine/build.py, docs/run.md, "
                          "jobs/folder.load_config, bench/*.py") == []
-    assert path_problems("`vlmbatch/pipeline/torch_engine.py` and jobs/calibration.py") == [
+    assert path_problems("`vlmbatch/pipeline/torch_engine.py` and jobs/calibration.py, `tests/\n"
+                         "  pipeline/test_fp8_model.py`") == [
         "jobs/calibration.py: not in the tree",
+        "tests/pipeline/test_fp8_model.py: not in the tree",
         "vlmbatch/pipeline/torch_engine.py: not in the tree"]
 
 
