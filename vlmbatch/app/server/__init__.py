@@ -12,7 +12,9 @@ of them, is ``vlmbatch/serving/`` (engine processes, the engine thread, the chan
     chat.py            /v1/chat/completions: a request -> its one question -> the engines
                        -> chat.completion (or its ``stream: true`` events)
     embeddings.py      /v1/embeddings: requests validated, handed to the embedding backend
-    media.py           which image URLs may be read; a chat image prepared, a small LRU
+    media.py           which image URLs may be read (the media policy)
+    media_cache.py     a chat image paid for once: kept prepared by the content hash of
+                       its bytes, decoded once however many ask at once
     metrics.py         GET /metrics (prometheus_client): requests, queues, tokens, batches
     files.py           /v1/files: files on disk (list, expiry, delete), routes
     batches.py         /v1/batches: batch records on disk, routes
