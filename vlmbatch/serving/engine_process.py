@@ -87,7 +87,10 @@ class Outbox:
 
     def settled(self, rid: int, f: Future) -> None:
         e = f.exception()
-        a = Answer(rid, f.result()) if e is None else Answer(rid, failure=failure_of(e))
+        self.answered(rid, None if e is not None else f.result(), e)
+
+    def answered(self, rid: int, result: object, error: BaseException | None) -> None:
+        a = Answer(rid, result) if error is None else Answer(rid, failure=failure_of(error))
         with self.lock:
             self.answers.append(a)
 
@@ -152,17 +155,17 @@ class EngineServer:
             self.scheduler.cancel_batch(msg.batch_id)
         elif isinstance(msg, (Ask, Embed)):
             try:
-                f = self._ask(msg) if isinstance(msg, Ask) else self._embed(msg)
+                if isinstance(msg, Ask):
+                    self.scheduler.ask(msg.question, self.arena.view(msg.image),
+                                       functools.partial(self.outbox.answered, msg.rid))
+                else:
+                    self._embed(msg).add_done_callback(
+                        functools.partial(self.outbox.settled, msg.rid))
             except APIError as e:  # the queue is full, or the engine is stopping
                 self.link.send(Settled((Answer(msg.rid, failure=failure_of(e)),),
                                        self.scheduler.counters()))
-                return
-            f.add_done_callback(functools.partial(self.outbox.settled, msg.rid))
         else:
             log.error("engine process: unknown message %s", type(msg).__name__)
-
-    def _ask(self, msg: Ask) -> Future:
-        return self.scheduler.submit(msg.question, self.arena.view(msg.image))
 
     def _embed(self, msg: Embed) -> Future:
         p = msg.prepared

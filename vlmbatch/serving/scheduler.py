@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, InvalidStateError
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -85,11 +85,19 @@ class _Batch:
     run: JobRun  # its job, a group per step
 
 
+# how a question's answer is handed back: (score, None) or (None, the error)
+Done = Callable[[Score | None, BaseException | None], None]
+
+
 @dataclass
 class ChatWork:
     question: Question
     image: PreparedImage
-    future: Future[Score] = field(default_factory=Future)
+    done: Done  # called once, on the engine thread
+    future: Future[Score] | None = None  # ``submit``'s (a client gone: cancelled)
+
+    def cancelled(self) -> bool:
+        return self.future is not None and self.future.cancelled()
 
 
 def settle(f: Future, result: object = None, error: BaseException | None = None) -> None:
@@ -177,16 +185,24 @@ class Scheduler:
                         sum(e.stats.prefill_tokens for e in engines), self.depth())
 
     def submit(self, question: Question, image: PreparedImage) -> Future[Score]:
+        """``question`` about ``image``, answered in the future."""
+        f: Future[Score] = Future()
+        self.ask(question, image, lambda s, e: settle(f, s, e), f)
+        return f
+
+    def ask(self, question: Question, image: PreparedImage, done: Done,
+            future: Future[Score] | None = None) -> None:
+        """``question`` about ``image``, answered by calling ``done`` on the engine thread
+        (the engine process hands answers on so, with no future per question)."""
         if self._stop.is_set():
             raise shutting_down()
-        work = ChatWork(question, image)
+        work = ChatWork(question, image, done, future)
         try:
             self.chat.put_nowait(work)
         except queue.Full:
             raise queue_full(self.cfg.max_queue) from None
         with self._lock:
             self._submitted += 1
-        return work.future
 
     def call(self, fn: Callable[[], object]) -> Future:
         """Run ``fn`` on the engine thread, before the next chat batch; its result (or its
@@ -291,13 +307,13 @@ class Scheduler:
             coming = now < deadline and (self._arriving_fn() > 0 or (
                 self._expected() > 0 and now - last < QUIET_S))
             try:
-                works.append(self.chat.get(timeout=min(deadline - now, 0.001)) if coming
+                works.append(self.chat.get(timeout=min(deadline - now, QUIET_S)) if coming
                              else self.chat.get_nowait())
                 last = time.monotonic()
             except queue.Empty:
                 if not coming:
                     break
-        return [w for w in works if not w.future.cancelled()]  # a client that went away
+        return [w for w in works if not w.cancelled()]  # a client that went away
 
     def _guarded(self, works: list[ChatWork]) -> None:
         """``_answer``, and whatever goes wrong is these requests' 500, never a hang."""
@@ -306,8 +322,8 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001  (the thread must go on serving)
             log.exception("answering %d requests failed", len(works))
             for w in works:
-                settle(w.future, error=APIError(500, f"internal error: {type(e).__name__}",
-                                                code="internal_error"))
+                w.done(None, APIError(500, f"internal error: {type(e).__name__}",
+                                      code="internal_error"))
 
     def _answer(self, works: list[ChatWork]) -> None:
         images: list[PreparedImage] = []
@@ -329,14 +345,14 @@ class Scheduler:
                     self._answer([w])
                 return
             log.exception("engine failed on a chat request")
-            settle(works[0].future, error=APIError(
-                500, f"engine failed: {type(e).__name__}: {e}", code="engine_error"))
+            works[0].done(None, APIError(500, f"engine failed: {type(e).__name__}: {e}",
+                                         code="engine_error"))
             return
         self.interactive += len(works)
         with self._lock:
             self._answered = (len(works), self._submitted)
         for w, s in zip(works, scores):
-            settle(w.future, s)
+            w.done(s, None)
 
     def _next_job(self) -> _Batch | None:
         while True:

@@ -59,6 +59,7 @@ from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.serving.engines import Engines
 
 CHAT_PATH = "/v1/chat/completions"
+ROOT_DIR = Path("/")  # base folder of a request's image: unused (bare paths are refused)
 
 
 class ImageURL(BaseModel):
@@ -133,7 +134,7 @@ def question_of(req: ChatRequest, max_prompt_chars: int, max_tokens: int) -> Ima
     body = req.model_dump(exclude_none=True)
     try:
         # base folder unused: bare paths are refused (media.check_image_url) before reading
-        item = parse_request({"custom_id": "request", "body": body}, "request", Path("/"))
+        item = parse_request({"custom_id": "request", "body": body}, "request", ROOT_DIR)
     except ManifestError as e:
         raise bad_request(str(e).removeprefix("request: ").replace("body.", ""),
                           "messages", "invalid_value") from None

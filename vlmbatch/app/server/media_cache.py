@@ -44,6 +44,7 @@ from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
 from vlmbatch.preprocessing.sources import SourceError, read_bytes
 
 PARAM = "messages"
+ROOT_DIR = Path("/")  # base folder of a request's image: unused (bare paths are refused)
 Hash = Callable[[bytes], bytes]
 
 
@@ -92,8 +93,8 @@ class MediaCache:
         except MediaRefused as e:
             raise bad_request(str(e), PARAM, "invalid_image_url") from None
         try:
-            data = read_bytes(checked, Path("/")) if not self.fetcher.needs(checked) \
-                else self.fetcher.fetch(checked, Path("/"))
+            data = read_bytes(checked, ROOT_DIR) if not self.fetcher.needs(checked) \
+                else self.fetcher.fetch(checked, ROOT_DIR)
         except SourceError as e:
             raise bad_request(f"the image could not be read: {e}", PARAM,
                               "invalid_image_url") from None
@@ -180,7 +181,7 @@ class MediaCache:
 
     def _decode(self, data: bytes, source: str) -> PreparedImage:
         try:
-            return prepare_now(ImageRef(data, Path("/"), source), self.plan, self.opts,
+            return prepare_now(ImageRef(data, ROOT_DIR, source), self.plan, self.opts,
                                self.workers)
         except SourceError as e:
             raise bad_request(f"the image could not be read: {e}", PARAM,
