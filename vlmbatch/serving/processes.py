@@ -183,7 +183,7 @@ class EngineProcess:
         except OSError:  # it died just now: the reader answers the future
             pass
 
-    def _settle(self, answers: tuple[Answer, ...]) -> None:
+    def _answered(self, answers: tuple[Answer, ...]) -> None:
         on_loop: list[tuple[asyncio.Future, object, BaseException | None]] = []
         for a in answers:
             with self.lock:
@@ -209,7 +209,7 @@ class EngineProcess:
                 break
             try:
                 if isinstance(msg, Settled):
-                    self._settle(msg.answers)
+                    self._answered(msg.answers)
                     self.stats = msg.stats
                 else:
                     self.pool.batch_event(self, msg)
