@@ -71,9 +71,9 @@ def cache(budget: int = 1 << 20, **kw: object) -> tuple[MediaCache, CountingDeco
 def test_a_second_request_decodes_nothing() -> None:
     c, decoder = cache()
     a = png(0)
-    first = c.prepare(a, "a")
+    first = c.prepare(a)
     assert decoder.decoded == [a]
-    assert c.get(a) is first and c.prepare(a, "a") is first  # the same prepared image
+    assert c.get(a) is first and c.prepare(a) is first  # the same prepared image
     assert decoder.decoded == [a]  # decoded once
     assert (c.stats().hits, c.stats().misses) == (2, 1)
 
@@ -83,7 +83,7 @@ def test_concurrent_requests_for_a_new_image_decode_it_once() -> None:
     decoder.gate.clear()
     a = png(1)
     with ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(c.prepare, a, "a") for _ in range(8)]
+        futures = [pool.submit(c.prepare, a) for _ in range(8)]
         threading.Timer(0.3, decoder.gate.set).start()
         images = [f.result(10) for f in futures]
     assert decoder.decoded == [a] and all(im is images[0] for im in images)
@@ -94,7 +94,7 @@ def test_a_different_image_of_the_same_size_never_hits() -> None:
     c, decoder = cache()
     a, b = png(2), png(3)
     assert Image.open(io.BytesIO(a)).size == Image.open(io.BytesIO(b)).size == (20, 20)
-    ia, ib = c.prepare(a, "a"), c.prepare(b, "b")
+    ia, ib = c.prepare(a), c.prepare(b)
     assert c.get(b) is ib and ia.cache_key != ib.cache_key
     assert decoder.decoded == [a, b] and c.stats().misses == 2
 
@@ -103,9 +103,9 @@ def test_a_colliding_hash_never_hits() -> None:
     """Every image hashes the same: the bytes, compared, keep them apart."""
     c, decoder = cache(hash_fn=lambda data: b"same")
     a, b = png(4), png(5)
-    ia = c.prepare(a, "a")
+    ia = c.prepare(a)
     assert c.get(b) is None  # same hash, other bytes
-    ib = c.prepare(b, "b")
+    ib = c.prepare(b)
     assert decoder.decoded == [a, b] and ia.cache_key != ib.cache_key
     assert np.array_equal(ib.rows, prepare_now(ImageRef(b, Path("/"), "b"), PLAN, OPTS,
                                                None).rows)
@@ -113,7 +113,7 @@ def test_a_colliding_hash_never_hits() -> None:
     decoder.gate.clear()
     d, e = png(6), png(7)
     with ThreadPoolExecutor(2) as pool:
-        fd, fe = pool.submit(c.prepare, d, "d"), pool.submit(c.prepare, e, "e")
+        fd, fe = pool.submit(c.prepare, d), pool.submit(c.prepare, e)
         threading.Timer(0.3, decoder.gate.set).start()
         assert fd.result(10).cache_key != fe.result(10).cache_key
     assert decoder.decoded[-2:] in ([d, e], [e, d])
@@ -121,33 +121,33 @@ def test_a_colliding_hash_never_hits() -> None:
 
 def test_the_budget_holds_and_evictions_are_counted() -> None:
     one = cache()[0]
-    size = len(png(10)) + one.prepare(png(10), "x").rows.nbytes
+    size = len(png(10)) + one.prepare(png(10)).rows.nbytes
     c, decoder = cache(budget=2 * size + 10)
     for seed in (10, 11, 12):
-        c.prepare(png(seed), "x")
+        c.prepare(png(seed))
     s = c.stats()
     assert (s.entries, s.evictions) == (2, 1) and s.bytes <= 2 * size + 10
-    c.prepare(png(10), "x")  # the oldest was evicted: decoded again
+    c.prepare(png(10))  # the oldest was evicted: decoded again
     assert len(decoder.decoded) == 4
     big, _ = cache(budget=10)
-    big.prepare(png(13), "x")
+    big.prepare(png(13))
     assert big.stats().entries == 0  # over the budget: not kept
 
 
 def test_a_bad_image_is_a_400_and_not_kept() -> None:
     c, decoder = cache()
     with pytest.raises(APIError) as e:
-        c.prepare(b"not an image", "x")
+        c.prepare(b"not an image")
     assert e.value.status == 400 and e.value.code == "invalid_image"
     with pytest.raises(APIError):
-        c.prepare(b"not an image", "x")
+        c.prepare(b"not an image")
     assert len(decoder.decoded) == 2 and c.stats().entries == 0
 
 
 def test_reading_data_urls_and_refusals() -> None:
     c, _ = cache()
     path = IMAGES / "scene_00.png"
-    assert c.read(data_url(path)) == path.read_bytes()
+    assert c.read(data_url(path)) == (data_url(path), path.read_bytes())
     for url, code in [("data:image/png;base64,%%%", "invalid_image_url"),
                       ("file:///etc/passwd", "invalid_image_url"),
                       ("https://example.com/a.png", "invalid_image_url")]:

@@ -278,8 +278,12 @@ class Chat:
         http(s) image read on a worker thread too."""
         images = self.images
         if not images.reads_inline(url):
-            return await run_in_threadpool(lambda: images.prepare(images.read(url), url[:80]))
-        data = images.read(url)
+            def read_and_prepare() -> PreparedImage:
+                source, data = images.read(url)
+                return images.prepare(data, source)
+
+            return await run_in_threadpool(read_and_prepare)
+        source, data = images.read(url)
         hit = images.get(data)
         if hit is not None:
             return hit
@@ -288,7 +292,7 @@ class Chat:
         if flight is not None and flight[0] == data:
             images.joined()
             return await asyncio.shield(flight[1])
-        task = asyncio.ensure_future(run_in_threadpool(images.prepare, data, "the data: URL"))
+        task = asyncio.ensure_future(run_in_threadpool(images.prepare, data, source))
         if flight is None:  # a different image with the same hash decodes alone
             self._decoding[key] = (data, task)
             task.add_done_callback(lambda _: self._decoding.pop(key, None))

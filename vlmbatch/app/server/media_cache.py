@@ -6,7 +6,9 @@ decoding and tiling; and since they hand the engines the same prepared image (th
 cache key), the engine's prefix cache spares them its vision encoder and image prefill.
 
 - ``read(url)``: the image's bytes, the URL checked first (``media.check_image_url``): a
-  ``data:`` URL's payload, a file's bytes, or an http(s) image fetched under the SSRF guard.
+  ``data:`` URL's payload, a file's bytes, or an http(s) image fetched under the SSRF guard
+  (and what a decoder process is to read on a miss: the URL itself, or those fetched
+  bytes).
 - ``get(data)``: the prepared image of these bytes if cached (a hit), else None.
 - ``prepare(data, source)``: the prepared image, decoded in one of the server's decoder
   processes on a miss (under ``--decode-timeout``: an image that hangs or crashes its
@@ -86,21 +88,26 @@ class MediaCache:
         self._bytes = self.hits = self.misses = self.evictions = 0
 
     # --- reading ---
-    def read(self, url: str) -> bytes:
-        """The image's bytes (a 400 if the URL may not be read, or cannot be)."""
+    def read(self, url: str) -> tuple[str | bytes, bytes]:
+        """What a decoder process reads for the image (its checked ``data:`` or ``file://``
+        URL, or an http(s) image's fetched bytes) and the image's bytes (a 400 if the URL
+        may not be read, or cannot be)."""
         try:
             checked = check_image_url(url, self.allowed, self.remote)
         except MediaRefused as e:
             raise bad_request(str(e), PARAM, "invalid_image_url") from None
         try:
-            data = read_bytes(checked, ROOT_DIR) if not self.fetcher.needs(checked) \
-                else self.fetcher.fetch(checked, ROOT_DIR)
+            if not self.fetcher.needs(checked):
+                data = read_bytes(checked, ROOT_DIR)
+                source: str | bytes = checked
+            else:
+                data = source = self.fetcher.fetch(checked, ROOT_DIR)
         except SourceError as e:
             raise bad_request(f"the image could not be read: {e}", PARAM,
                               "invalid_image_url") from None
         if not data:
             raise bad_request("the image is empty", PARAM, "invalid_image")
-        return data
+        return source, data
 
     def reads_inline(self, url: str) -> bool:
         """Whether ``read(url)`` is cheap enough for the event loop (a ``data:`` URL)."""
@@ -118,9 +125,10 @@ class MediaCache:
             self.hits += 1
             return e.image
 
-    def prepare(self, data: bytes, source: str) -> PreparedImage:
+    def prepare(self, data: bytes, source: str | bytes | None = None) -> PreparedImage:
         """The prepared image of ``data``: from the cache, from a decode of the same bytes
-        in flight, or decoded here (``source``: how errors name it)."""
+        in flight, or decoded (``source``: what the decoder reads, ``read``'s first value;
+        None: ``data`` itself)."""
         key = self.hash(data)
         with self._lock:
             e = self._entries.get(key)
@@ -141,7 +149,7 @@ class MediaCache:
         if waiting is not None:
             return waiting.result()
         try:
-            image = self._decode(data, source)
+            image = self._decode(data if source is None else source)
         except BaseException as e:
             mine.set_exception(e)
             raise
@@ -179,9 +187,10 @@ class MediaCache:
             return CacheStats(self.hits, self.misses, self.evictions, self._bytes,
                               len(self._entries))
 
-    def _decode(self, data: bytes, source: str) -> PreparedImage:
+    def _decode(self, source: str | bytes) -> PreparedImage:
+        name = source[:80] if isinstance(source, str) else "the image"
         try:
-            return prepare_now(ImageRef(data, ROOT_DIR, source), self.plan, self.opts,
+            return prepare_now(ImageRef(source, ROOT_DIR, name), self.plan, self.opts,
                                self.workers)
         except SourceError as e:
             raise bad_request(f"the image could not be read: {e}", PARAM,
