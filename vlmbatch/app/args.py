@@ -40,6 +40,7 @@ from vlmbatch.common.options import Declared, Option, declared
 from vlmbatch.engine.config import EngineConfig
 from vlmbatch.jobs.config import RunConfig
 
+SHORT_USAGE = 16  # a command with more options gets a short usage line (``_usage``)
 SERVE_ONLY = ("prepare.allowed_media_domains",)  # the server's SSRF guard
 ANSWER_ONLY = tuple(f"engine.{n}" for n in EngineConfig.ANSWER_ONLY)  # not embed's
 
@@ -229,12 +230,31 @@ def _add(container: Any, d: Declared) -> None:
     container.add_argument(*o.flags, dest=o.key, **kw)
 
 
+def _usage(options: list[Declared]) -> str | None:
+    """A short usage line for a command of many options (its error messages then fit on a
+    screen; ``--help`` lists them all): its required options and positional arguments;
+    None: argparse's own, every option listed."""
+    if len(options) <= SHORT_USAGE:
+        return None
+    parts = ["%(prog)s [options]"]
+    for o in (d.option for d in options if d.option.required and not d.option.positional):
+        choices = "{" + ",".join(map(str, o.choices or ())) + "}"
+        parts.append(f"{o.name} {o.metavar or choices}")
+    for o in (d.option for d in options if d.option.positional):
+        name = o.metavar or o.name
+        parts.append({"?": f"[{name}]", "*": f"[{name} ...]",
+                      "+": f"{name} [{name} ...]"}.get(str(o.nargs), str(name)))
+    return " ".join(parts)
+
+
 def add_command(sub: argparse._SubParsersAction, cmd: Command) -> argparse.ArgumentParser:
     """``cmd``'s parser: its options in the help sections their declarations name."""
-    p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.description)
+    options = cmd.options()
+    p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.description,
+                       usage=_usage(options))
     sections: dict[str | None, Any] = {None: p}
     exclusive: dict[str, Any] = {}
-    for d in cmd.options():
+    for d in options:
         if d.group not in sections:
             sections[d.group] = p.add_argument_group(d.group)
         where = sections[d.group]
