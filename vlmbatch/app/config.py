@@ -35,7 +35,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vlmbatch.common.options import N0, N, Unit, opt, probability, reuse
+from vlmbatch.common.options import COUNT, N, Unit, opt, probability, reuse
 from vlmbatch.engine.config import (
     DEFAULT_EMBED_MODEL,
     EMBED_GROUP,
@@ -215,7 +215,7 @@ class EmbedCommandConfig:
         "--eval", action="true", help="text->image precision@10 and image->image top-1 on "
         "easy-vqa's test images"))
     limit: int | None = field(default=None, metadata=opt(  # --eval: the first N images
-        "--limit", unit=N, help="--eval: first N labelled images"))
+        "--limit", unit=COUNT, help="--eval: first N labelled images"))
     images_per_batch: int = reuse(RunConfig, "images_per_batch", EMBED_GROUP)
     threads: int | None = reuse(RunConfig, "threads", None)
     # the built-in embedding model unless --model says otherwise
@@ -260,9 +260,9 @@ class QuantizeConfig:
     model: Path | None = reuse(ModelConfig, "path", None)  # None: the built-in model
     policy: Path | None = reuse(RunConfig, "policy", None)
     samples: int = field(default=SAMPLES, metadata=opt(
-        "--samples", unit=N, help="calibration (image, question) pairs (default %(default)s)"))
+        "--samples", unit=COUNT, help="calibration (image, question) pairs (default %(default)s)"))
     group_size: int = field(default=GROUP_SIZE, metadata=opt(
-        "--group-size", unit=N, help="input columns per scale (default %(default)s)"))
+        "--group-size", unit=COUNT, help="input columns per scale (default %(default)s)"))
     # where calibration runs (the model is float32)
     device: str = reuse(ModelConfig, "device", "cpu")
     threads: int | None = reuse(RunConfig, "threads", None)
@@ -350,7 +350,7 @@ class ReportConfig:
         "--out", "-o", parse=Path, required=True, metavar="FILE", help="the .html file to "
         "write"))
     borderline: int = field(default=8, metadata=opt(  # thumbnails per question
-        "--borderline", unit=N0, help="images per question's contact sheet (default "
+        "--borderline", unit=COUNT, help="images per question's contact sheet (default "
         "%(default)s)"))
     thumb_size: int = field(default=128, metadata=opt(  # pixels, the longer side
         "--thumb-size", parse=int, metavar="PIXELS", help="thumbnail size in pixels, the longer "

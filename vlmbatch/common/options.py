@@ -88,6 +88,7 @@ SECONDS = Unit(float, str, "SECONDS")
 WORDS = Unit(words, _show_words, "WORD,WORD")
 N = Unit(positive_int, str, "N")  # a count >= 1
 N0 = Unit(non_negative_int, str, "N")  # a count >= 0
+COUNT = Unit(int, str, "N")  # an integer whose range the config checks (naming the option)
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: compared and hashed by identity

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
-from vlmbatch.common.options import MIB, WORDS, N, opt
+from vlmbatch.common.options import COUNT, MIB, WORDS, N, opt
 from vlmbatch.common.registry import Registry
 from vlmbatch.models.embedding import POOLINGS, EmbeddingSpec
 
@@ -111,7 +111,7 @@ class ModelConfig:
         "--dtype", choices=DTYPES, help="weights and activations (default %(default)s; "
         "bfloat16 on GPUs)"))
     max_tiles: int | None = field(default=None, metadata=opt(  # the checkpoint's cap, overridden
-        "--max-tiles", unit=N, help="cap tiles per image (default: the checkpoint's "
+        "--max-tiles", unit=COUNT, help="cap tiles per image (default: the checkpoint's "
         "max_patches)"))
     # "reduced" (fewest tiles that keep the image's resolution, letterboxed; the default since
     # the built-in model trains on it too) | "reference" (InternVL's dynamic_preprocess)
@@ -123,7 +123,7 @@ class ModelConfig:
         "--upscale-limit", parse=float, metavar="FACTOR", help="reduced tiling: most a tile "
         "count may enlarge an image (default %(default)s)"))
     max_image_tokens: int | None = field(default=None, metadata=opt(  # thumbnail included
-        "--max-image-tokens", unit=N, metavar="TOKENS", help="per-image token budget the "
+        "--max-image-tokens", unit=COUNT, metavar="TOKENS", help="per-image token budget the "
         "tiling must fit (thumbnail included)"))
     llm_quant: str = field(default="none", metadata=opt(  # W4A16 comes from the checkpoint
         "--llm-quant", choices=LLM_QUANT, help="int8-dynamic: torch dynamic int8 linears for "
@@ -180,7 +180,7 @@ class EngineConfig:
         "--no-cuda-graphs", action="false", help="torch/tensorrt vision backends on CUDA: run "
         "without the CUDA graph pool"))
     max_batch_tokens: int = field(default=8192, metadata=opt(  # padded prompt tokens per forward
-        "--max-batch-tokens", unit=N, metavar="TOKENS", help="padded prompt tokens per LLM "
+        "--max-batch-tokens", unit=COUNT, metavar="TOKENS", help="padded prompt tokens per LLM "
         "forward (default %(default)s)"))
     max_batch_tiles: int = field(default=64, metadata=opt(  # tiles per vision-encoder forward
         "--max-batch-tiles", unit=N, help="tiles per vision-encoder forward (default "
@@ -200,7 +200,7 @@ class EngineConfig:
         "--no-prefix-cache", action="false", group="prefix cache",
         help="recompute every prompt's image tokens (for comparison)"))
     block_size: int = field(default=16, metadata=opt(  # tokens per cache block
-        "--block-size", unit=N, metavar="TOKENS", group="prefix cache",
+        "--block-size", unit=COUNT, metavar="TOKENS", group="prefix cache",
         help="tokens per cache block (default %(default)s)"))
     cache_bytes: int = field(default=1 << 30, metadata=opt(  # LRU budget for cached KV
         "--cache-mib", unit=MIB, group="prefix cache", help="KV cache budget in MiB: one pool "
@@ -263,7 +263,7 @@ class EmbedConfig:
         "<img>..</img>, a text's over its tokens (jina-embeddings-v4); mean: every token; "
         "last: the last token (GME/VLM2Vec). Default: the checkpoint's, else its family's"))
     dimensions: int | None = field(default=None, metadata=opt(  # Matryoshka: the first N
-        "--dimensions", unit=N, help="Matryoshka: keep the first N components, re-normalised "
+        "--dimensions", unit=COUNT, help="Matryoshka: keep the first N components, re-normalised "
         "(N must be one of the checkpoint's matryoshka_dims)"))
     force_dimensions: bool = field(default=False, metadata=opt(  # where none is declared
         "--force-dimensions", action="true", help="--dimensions even where the checkpoint "

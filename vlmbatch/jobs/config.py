@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from vlmbatch.common.options import N, non_default, opt
+from vlmbatch.common.options import COUNT, N, non_default, opt
 from vlmbatch.engine.config import ConfigError, EmbedConfig, EngineConfig, ModelConfig
 from vlmbatch.pipeline.config import PrepareConfig, PrepareOptions, check_threads
 
@@ -40,10 +40,10 @@ class RayOptions:
         "ray://HEAD:10001 (Ray Client) or auto (default: $RAY_ADDRESS, else a new local "
         "instance for the run)"))
     preprocess_workers: int = field(default=1, metadata=opt(  # concurrent CPU prepare tasks
-        "--preprocess-workers", unit=N, help="ray: concurrent decode/tile tasks (serve: per "
+        "--preprocess-workers", unit=COUNT, help="ray: concurrent decode/tile tasks (serve: per "
         "batch) (default %(default)s)"))
     model_workers: int = field(default=1, metadata=opt(  # model actors (one per GPU)
-        "--model-workers", unit=N, help="ray: model actors, one per GPU on a GPU cluster "
+        "--model-workers", unit=COUNT, help="ray: model actors, one per GPU on a GPU cluster "
         "(serve: shared by the batches) (default %(default)s)"))
     # CPUs reserved per model actor (its torch threads, on CPU)
     model_cpus: float = field(default=1.0, metadata=opt(
@@ -126,7 +126,7 @@ class RunConfig:
         "--out", "-o", parse=Path, metavar="FILE", help="results file: JSONL, or CSV when it "
         "ends in .csv (default: JSONL on standard output)"))
     images_per_batch: int = field(default=16, metadata=opt(  # preprocessed, scored together
-        "--images-per-batch", unit=N, help="images preprocessed and scored together "
+        "--images-per-batch", unit=COUNT, help="images preprocessed and scored together "
         "(embed: inputs per call) (default %(default)s)"))
     threads: int | None = field(default=None, metadata=opt(  # None: torch's default
         "--threads", unit=N, show=lambda v: "torch's, one per core" if v is None else str(v),

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from vlmbatch.common.options import MIB, N0, SECONDS, BadValue, N, opt
+from vlmbatch.common.options import COUNT, MIB, N0, SECONDS, BadValue, N, opt
 from vlmbatch.engine.config import ConfigError
 from vlmbatch.preprocessing.limits import (
     DEFAULT_MAX_IMAGE_BYTES,
@@ -54,7 +54,7 @@ class PrepareConfig:
     OPTION_GROUP: ClassVar[str] = "images"
     # larger images are that item's error (bomb guard)
     max_pixels: int = field(default=DEFAULT_MAX_PIXELS, metadata=opt(
-        "--max-pixels", unit=N, metavar="PIXELS", help="images with more pixels (read from "
+        "--max-pixels", unit=COUNT, metavar="PIXELS", help="images with more pixels (read from "
         "the header) are that item's error; serve: a 400 (default %(default)s)"))
     # decoder processes (threads with decode_timeout 0) decoding and tiling the next groups
     # while the model answers the current one; 0: none ahead; None: by device

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from vlmbatch.common.options import MIB, MS, N0, N, build, opt, reuse
+from vlmbatch.common.options import COUNT, MIB, MS, build, opt, reuse
 from vlmbatch.engine.config import DEFAULT_EMBED_MODEL, ConfigError, EngineConfig, ModelConfig
 from vlmbatch.jobs.config import ExecutorConfig, RunConfig
 from vlmbatch.pipeline.config import PrepareConfig, PrepareOptions, check_threads
@@ -63,11 +63,11 @@ class ServerConfig:
         "--max-body-mib", unit=MIB, help="largest request body, uploads included; 413 beyond "
         "(default %(default)s)"))
     max_prompt_chars: int = field(default=16_384, metadata=opt(  # 400 beyond
-        "--max-prompt-chars", unit=N, metavar="CHARS", help="longest question text; 400 "
+        "--max-prompt-chars", unit=COUNT, metavar="CHARS", help="longest question text; 400 "
         "beyond (default %(default)s)"))
     # largest max_tokens a request may ask for (400 beyond)
     max_completion_tokens: int = field(default=512, metadata=opt(
-        "--max-completion-tokens", unit=N, metavar="TOKENS", help="largest max_tokens a "
+        "--max-completion-tokens", unit=COUNT, metavar="TOKENS", help="largest max_tokens a "
         "request may ask; 400 beyond (default %(default)s)"))
     # interactive scheduling: the engine thread waits up to batch_wait_s after the first
     # queued request for more, then answers up to max_batch_requests in one engine call
@@ -75,10 +75,10 @@ class ServerConfig:
         "--batch-wait-ms", unit=MS, help="how long the engine waits after a request for "
         "others to batch with it (default %(default)s)"))
     max_batch_requests: int = field(default=64, metadata=opt(
-        "--max-batch-requests", unit=N, help="chat requests per engine call (default "
+        "--max-batch-requests", unit=COUNT, help="chat requests per engine call (default "
         "%(default)s)"))
     max_queue: int = field(default=1024, metadata=opt(  # queued chat requests; 429 beyond
-        "--max-queue", unit=N, help="queued chat requests; 429 beyond (default %(default)s)"))
+        "--max-queue", unit=COUNT, help="queued chat requests; 429 beyond (default %(default)s)"))
     image_cache_bytes: int = 64 << 20  # prepared data: images kept by URL hash (no re-decode)
     # a batch job's group: the most an interactive request waits
     images_per_batch: int = reuse(RunConfig, "images_per_batch", 16)
@@ -101,7 +101,7 @@ class ServerConfig:
     # engine processes (one per GPU on a multi-GPU host); 0: the engine thread in the HTTP
     # process itself (no process boundary, no restart)
     engines: int = field(default=1, metadata=opt(
-        "--engines", unit=N0, help="engine processes, each with the model (one per GPU on a "
+        "--engines", unit=COUNT, help="engine processes, each with the model (one per GPU on a "
         "multi-GPU host); requests are spread over them and one that dies is restarted "
         "(default %(default)s; 0: the engine in the HTTP process)"))
     # where batches run: the engine processes (local), or each batch a job on Ray
