@@ -60,11 +60,13 @@ class Command:
         root taking the same option as an earlier one adds nothing). ValueError if two
         declarations share a flag: one flag, one declaration."""
         out: list[Declared] = []
+        seen: set[int] = set()  # the declarations taken (by identity)
         by_flag: dict[str, Option] = {}
         for root in self.roots:
             for d in declared(root):
-                if self.omits(d.path) or any(x.option is d.option for x in out):
+                if self.omits(d.path) or id(d.option) in seen:
                     continue
+                seen.add(id(d.option))
                 for flag in d.option.flags:
                     if by_flag.setdefault(flag, d.option) is not d.option:
                         raise ValueError(f"`{self.name}`: {flag} is declared twice "
@@ -247,8 +249,12 @@ def _usage(options: list[Declared]) -> str | None:
     return " ".join(parts)
 
 
-def add_command(sub: argparse._SubParsersAction, cmd: Command) -> argparse.ArgumentParser:
-    """``cmd``'s parser: its options in the help sections their declarations name."""
+def add_command(sub: argparse._SubParsersAction, cmd: Command, whole: bool = True
+                ) -> argparse.ArgumentParser:
+    """``cmd``'s parser: its options in the help sections their declarations name (not
+    ``whole``: its name and help only, for the list of commands)."""
+    if not whole:
+        return sub.add_parser(cmd.name, help=cmd.help)
     options = cmd.options()
     p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.description,
                        usage=_usage(options))
@@ -267,19 +273,22 @@ def add_command(sub: argparse._SubParsersAction, cmd: Command) -> argparse.Argum
     return p
 
 
-def build_parser() -> Parser:
+def build_parser(only: str | None = None) -> Parser:
+    """The parser of every command (``only``: of that one, the others listed by name; what a
+    command line needs, since only its command's options can follow)."""
     p = Parser(prog="vlmbatch", description="Ask a vision-language model yes/no questions "
                "about many images, fast.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
                            parser_class=Parser)
     for cmd in COMMANDS:
-        add_command(sub, cmd)
+        add_command(sub, cmd, only is None or cmd.name == only)
     return p
 
 
 def parse(argv: list[str]) -> CommandLine:
-    """``argv`` parsed (SystemExit 2 with a usage message for a bad command line)."""
-    parser = build_parser()
+    """``argv`` parsed (SystemExit 2 with a usage message for a bad command line). Only the
+    parser of the command named is built (the first argument that is not an option)."""
+    parser = build_parser(next((a for a in argv if not a.startswith("-")), ""))
     ns, extras = parser.parse_known_args(argv)
     typed = vars(ns)
     command = typed.pop("command")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import types
 import typing
 from collections.abc import Callable, Iterator, Mapping
@@ -170,7 +171,7 @@ def declared(cls: type, base: Any = None, prefix: str = "") -> Iterator[Declared
     """Every declared field of config dataclass ``cls`` and of its sub-configs, in field
     order (a sub-config's where the field holding it is); ``base``: the instance defaults
     are read from (a root's sub-config field may default to a particular one)."""
-    hints = typing.get_type_hints(cls)
+    subs = sub_configs(cls)
     for f in fields(cls):  # type: ignore[arg-type]
         default = _default(f, base)
         o = f.metadata.get(OPTION)
@@ -180,7 +181,7 @@ def declared(cls: type, base: Any = None, prefix: str = "") -> Iterator[Declared
                 "" if default is MISSING else o.show(default))
             yield Declared(prefix + f.name, o, text, bool(f.metadata.get(HIDDEN)),
                            o.group or getattr(cls, "OPTION_GROUP", None))
-        elif (sub := config_type(hints[f.name])) is not None:
+        elif (sub := subs.get(f.name)) is not None:
             yield from declared(sub, None if default is MISSING else default,
                                 f"{prefix}{f.name}.")
 
@@ -190,7 +191,7 @@ def build(cls: type[C], typed: Mapping[str, Any], base: Any = None, **given: Any
     from the value typed for its option, a sub-config built the same way, every other field
     from ``base`` (an instance of ``cls``) or its default; ``given`` (field name -> value)
     overrides at the top level. Lists become tuples (the configs' sequences)."""
-    hints = typing.get_type_hints(cls)
+    subs = sub_configs(cls)
     kwargs: dict[str, Any] = {}
     for f in fields(cls):  # type: ignore[arg-type]
         o = f.metadata.get(OPTION)
@@ -199,7 +200,7 @@ def build(cls: type[C], typed: Mapping[str, Any], base: Any = None, **given: Any
         elif o is not None and o.key in typed:
             v = typed[o.key]
             kwargs[f.name] = tuple(v) if isinstance(v, list) else v
-        elif o is None and (sub := config_type(hints[f.name])) is not None:
+        elif o is None and (sub := subs.get(f.name)) is not None:
             sub_base = _default(f, base)
             kwargs[f.name] = build(sub, typed, None if sub_base is MISSING else sub_base)
         elif base is not None:
@@ -215,6 +216,15 @@ def _default(f: dataclasses.Field, base: Any) -> Any:
     if f.default_factory is not MISSING:
         return f.default_factory()
     return MISSING
+
+
+@functools.cache
+def sub_configs(cls: type) -> dict[str, type]:
+    """Field name -> the config dataclass it holds, for each field of ``cls`` that holds one
+    (its annotations resolved once per class)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: sub for f in fields(cls)  # type: ignore[arg-type]
+            if (sub := config_type(hints[f.name])) is not None}
 
 
 def config_type(tp: Any) -> type | None:
