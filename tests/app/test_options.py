@@ -201,6 +201,39 @@ def test_ray_options_need_the_ray_executor_everywhere(capsys: pytest.CaptureFixt
     assert says in capsys.readouterr().err
 
 
+def test_a_run_builds_its_config_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One ``run`` command line: each config of its tree built from what was typed once
+    (the CLI used to build the executor's three times, throwing one away), and handed to
+    the runner as built."""
+    import vlmbatch.app.model_commands as commands
+    import vlmbatch.common.options as options
+    from vlmbatch.engine.base import EngineSummary
+    from vlmbatch.jobs.runner import RunSummary
+
+    built: list[str] = []
+    original = options.build
+
+    def counted(cls: type, *args: Any, **kw: Any) -> Any:
+        built.append(cls.__name__)
+        return original(cls, *args, **kw)
+
+    monkeypatch.setattr(options, "build", counted)  # its own recursion into sub-configs too
+    monkeypatch.setattr(commands, "build", counted)
+    ran: list[RunConfig] = []
+
+    def run(cfg: RunConfig, hooks: object) -> RunSummary:
+        ran.append(cfg)
+        return RunSummary(0, 0, 0, 0, 1.0, EngineSummary(0, 0, 0.0))
+
+    monkeypatch.setattr(commands, "run", run)
+    assert main(["run", str(ROOT / "examples/manifest.jsonl"), "--cache-mib", "5",
+                 "--no-progress"]) == 0
+    assert sorted(built) == ["EmbedConfig", "EngineConfig", "ExecutorConfig", "ModelConfig",
+                             "PrepareConfig", "RayOptions", "RunConfig"]
+    (cfg,) = ran
+    assert cfg.engine.cache_bytes == 5 << 20 and not cfg.progress
+
+
 # issue 38, item 6: help and messages
 
 def test_metavars_name_the_units_typed(capsys: pytest.CaptureFixture) -> None:
