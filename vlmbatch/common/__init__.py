@@ -3,7 +3,8 @@ writes (``atomic``), name -> implementation registries (``registry``) and the de
 command-line options on config fields (``options``: the configs of engine/, pipeline/, jobs/
 and app/ declare theirs; app/ derives the parsers).
 
-A package of its own because jobs/ (results), pipeline/ (quantize) and vit_trt/ (ONNX
-export) all write outputs atomically, and pipeline/, vit_trt/ and models/ all keep
-registries; a leaf is the one place each of them may import from.
+A package of its own because app/ (exports, quantize), jobs/, labels/ (policies, plots,
+reports) and vit_trt/ (ONNX export) all write outputs atomically, and app/ (the command
+table), engine/, vit_trt/ and models/ keep registries; a leaf is the one place each of them
+may import from.
 """
