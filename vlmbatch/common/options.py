@@ -191,7 +191,7 @@ def build(cls: type[C], typed: Mapping[str, Any], base: Any = None, **given: Any
     from the value typed for its option, a sub-config built the same way, every other field
     from ``base`` (an instance of ``cls``) or its default; ``given`` (field name -> value)
     overrides at the top level. Lists become tuples (the configs' sequences)."""
-    subs = sub_configs(cls)
+    subs = sub_configs(typing.cast(type, cls))
     kwargs: dict[str, Any] = {}
     for f in fields(cls):  # type: ignore[arg-type]
         o = f.metadata.get(OPTION)
