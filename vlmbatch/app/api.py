@@ -54,10 +54,10 @@ from vlmbatch.engine.build import build_engine
 from vlmbatch.engine.config import EMBED_GROUP, EmbedConfig, EngineConfig, ModelConfig, default_of
 from vlmbatch.engine.embed import EmbedHandle, build_embedder
 from vlmbatch.jobs.config import RunConfig
-from vlmbatch.jobs.manifest import parse_question
 from vlmbatch.pipeline.config import PrepareConfig
 from vlmbatch.pipeline.drive import Preparer, drive, groups_of, preparer
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
+from vlmbatch.pipeline.questions import questions_of
 from vlmbatch.pipeline.records import Answer, Embedding, EmbedItem, ImageItem, Question
 from vlmbatch.pipeline.task import AnswerTask, EmbedTask, Task
 
@@ -201,17 +201,6 @@ class VLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def questions_of(questions: Sequence[QuestionLike]) -> tuple[Question, ...]:
-    """Questions as a manifest line would give them (ids q0, q1, ... unless set)."""
-    if isinstance(questions, (str, dict, Question)):
-        questions = [questions]
-    out = tuple(q if isinstance(q, Question) else parse_question(q, "questions", i)
-                for i, q in enumerate(questions))
-    if not out:
-        raise ValueError("no questions to ask")
-    return out
 
 
 def image_source(image: ImageLike) -> str | bytes | np.ndarray:

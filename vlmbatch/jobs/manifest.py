@@ -37,81 +37,14 @@ import yaml
 
 from vlmbatch.jobs.errors import ManifestError, brief, check_id, check_unicode, parse_choices
 from vlmbatch.jobs.openai_batch import is_openai_request, parse_request
+from vlmbatch.pipeline.questions import QUESTION_KEYS, YES_NO, check_expected, parse_question
 from vlmbatch.pipeline.records import ImageItem, Question
 
-__all__ = ["ImageItem", "ManifestError", "Question", "check_expected", "first_line",
-           "items_from_folder", "iter_manifest", "manifest_format", "parse_choices",
-           "parse_question", "read_manifest", "read_policy", "with_policy"]
+__all__ = ["QUESTION_KEYS", "YES_NO", "ImageItem", "ManifestError", "Question", "check_expected",
+           "first_line", "items_from_folder", "iter_manifest", "manifest_format",
+           "parse_choices", "parse_question", "read_manifest", "read_policy", "with_policy"]
 
-QUESTION_KEYS = {"id", "text", "threshold", "max_new_tokens", "choices", "prompt", "system",
-                 "expected"}
-YES_NO = ("yes", "no")
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
-
-
-def parse_question(raw: object, where: str, index: int, prefix: str = "q") -> Question:
-    """A question given as a string or ``{"id", "text", "threshold"?, "max_new_tokens"?,
-    "choices"?, "prompt"?, "system"?, "expected"?}``; ManifestError naming ``where`` and
-    ``index`` otherwise. Without an id it is ``{prefix}{index}``."""
-    if isinstance(raw, str):
-        if not raw.strip():
-            raise ManifestError(f"{where}: question {index} is empty")
-        return Question(id=f"{prefix}{index}", text=raw)
-    if not isinstance(raw, dict) or not isinstance(raw.get("text"), str) \
-            or not raw["text"].strip():
-        raise ManifestError(f"{where}: question {index} must be a string or an object with a "
-                            f"non-empty 'text', got {brief(raw)}")
-    unknown = sorted(set(raw) - QUESTION_KEYS, key=str)  # YAML keys may be 1, null...
-    if unknown:  # a misspelt "threshold" would silently fall back to 0.5
-        raise ManifestError(f"{where}: question {index} has unknown key(s) {brief(unknown)}; a "
-                            f"question object has {sorted(QUESTION_KEYS)}")
-    thr = raw.get("threshold", 0.5)
-    if isinstance(thr, bool) or not isinstance(thr, (int, float)) or not 0.0 <= thr <= 1.0:
-        raise ManifestError(f"{where}: question {index} threshold must be a number in [0, 1], "
-                            f"got {brief(thr)}")
-    gen = raw.get("max_new_tokens")
-    if gen is not None and (not isinstance(gen, int) or isinstance(gen, bool) or gen < 0):
-        raise ManifestError(f"{where}: question {index} max_new_tokens must be a whole number "
-                            f">= 0, got {brief(gen)}")
-    choices = parse_choices(raw["choices"], f"{where}: question {index}") \
-        if "choices" in raw else ()
-    if choices and "threshold" in raw:
-        raise ManifestError(f"{where}: question {index} has choices and a threshold: a label "
-                            "set's answer is its most probable choice, a threshold applies to "
-                            "yes/no questions")
-    qid = check_id(raw.get("id", f"{prefix}{index}"), where, f"question {index} id")
-    expected = check_expected(raw.get("expected"), choices or None, where, f"question {index}")
-    return Question(id=qid, text=raw["text"], threshold=float(thr), max_new_tokens=gen,
-                    choices=choices, system=_text(raw, "system", where, index),
-                    prompt=_text(raw, "prompt", where, index), expected=expected)
-
-
-def _text(raw: dict, key: str, where: str, index: int) -> str | None:
-    """A question's optional non-blank text field (``system``, ``prompt``)."""
-    v = raw.get(key)
-    if v is not None and (not isinstance(v, str) or not v.strip()):
-        raise ManifestError(f"{where}: question {index} {key} must be a non-empty string, got "
-                            f"{brief(v)}")
-    return v
-
-
-def check_expected(raw: object, choices: tuple[str, ...] | None, where: str,
-                   what: str) -> str | None:
-    """A label as given (``expected`` of a question or a labels line): None when absent,
-    else ``"yes"``/``"no"`` for a yes/no question (``choices`` None) or one of ``choices``;
-    ManifestError naming ``where`` and ``what`` otherwise. Exact: ``"Yes"`` is refused, not
-    read as yes, as a label-set's choices are matched exactly; but true/false are yes/no
-    (YAML 1.1 reads a policy's bare ``expected: yes`` as true)."""
-    if raw is None:
-        return None
-    if isinstance(raw, bool):
-        raw = "yes" if raw else "no"
-    allowed = YES_NO if choices is None else choices
-    if not isinstance(raw, str) or raw not in allowed:
-        kind = "a yes/no question's" if choices is None else "its"
-        raise ManifestError(f"{where}: {what} expected must be one of {kind} answers "
-                            f"{list(allowed)}, got {brief(raw)}")
-    return raw
 
 
 def _questions(raw: object, where: str, prefix: str = "q") -> tuple[Question, ...]:

@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from vlmbatch.engine.records import Request, Score, Vector
+from vlmbatch.pipeline.questions import Question
 from vlmbatch.preprocessing.sources import MemberRef, RowRef
 
 # an image as an item may hold it: a path (relative to ``base_dir``), a file://, data:,
@@ -39,33 +40,6 @@ from vlmbatch.preprocessing.sources import MemberRef, RowRef
 # a shard's member (``preprocessing/sources.py``: what a job over a Parquet file or WebDataset
 # shards stores), encoded bytes, or decoded uint8 RGB pixels [H, W, 3] (the Python API)
 ImageSource = str | bytes | np.ndarray | RowRef | MemberRef
-
-
-# most choices a label-set question may have (each is a row of the engine's continuation)
-MAX_CHOICES = 64
-
-
-@dataclass(frozen=True)
-class Question:
-    id: str
-    text: str
-    threshold: float = 0.5
-    # greedy answer tokens to generate for this question (an explanation after the yes/no);
-    # None: the run's --max-new-tokens (0 by default: P(yes) only)
-    max_new_tokens: int | None = None
-    # a label set: 2..MAX_CHOICES distinct non-empty strings, scored as the assistant's whole
-    # answer; () for a yes/no question
-    choices: tuple[str, ...] = ()
-    system: str | None = None  # a system turn before the user's (a policy's ``system:``)
-    prompt: str | None = None  # an instruction before the question, in the same user turn
-    # the user's label for this question ("yes"/"no", or one of its choices): read by
-    # `vlmbatch eval MANIFEST` only; a run or a job ignores it (a job's store does not keep it)
-    expected: str | None = None
-
-    @property
-    def user_text(self) -> str:
-        """The user turn's text: the instruction, a newline, then the question."""
-        return self.text if self.prompt is None else f"{self.prompt}\n{self.text}"
 
 
 @dataclass(frozen=True)
