@@ -20,9 +20,13 @@ system turn (a question's own ``system`` wins):
       - {id: category, text: "Which category fits the image best?",
          choices: [safe, sexual, violence, hate]}
 
-Validation is complete before any work starts: a malformed line raises ``ManifestError``
-naming the file and line number. Reading image bytes happens later, per item, so a missing
-image is that item's error, not the job's.
+A line has no other keys, a policy no other top-level keys than ``questions`` and
+``system``, a question object no other keys than those above: an unknown key at any level is
+refused (``pipeline/questions.py`` ``check_keys``: the key, the keys allowed there, a close
+match), never ignored with what it held (a misspelt ``questions`` would otherwise leave the
+line only the policy's questions). Validation is complete before any work starts: a
+malformed line raises ``ManifestError`` naming the file and line number. Reading image bytes
+happens later, per item, so a missing image is that item's error, not the job's.
 """
 
 from __future__ import annotations
@@ -37,13 +41,21 @@ import yaml
 
 from vlmbatch.jobs.errors import ManifestError, brief, check_id, check_unicode, parse_choices
 from vlmbatch.jobs.openai_batch import is_openai_request, parse_request
-from vlmbatch.pipeline.questions import QUESTION_KEYS, YES_NO, check_expected, parse_question
+from vlmbatch.pipeline.questions import (
+    QUESTION_KEYS,
+    YES_NO,
+    check_expected,
+    check_keys,
+    parse_question,
+)
 from vlmbatch.pipeline.records import ImageItem, Question
 
 __all__ = ["QUESTION_KEYS", "YES_NO", "ImageItem", "ManifestError", "Question", "check_expected",
            "first_line", "items_from_folder", "iter_manifest", "manifest_format",
            "parse_choices", "parse_question", "read_manifest", "read_policy", "with_policy"]
 
+LINE_KEYS = frozenset({"id", "image", "questions"})
+POLICY_KEYS = frozenset({"questions", "system"})
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 
 
@@ -85,6 +97,8 @@ def policy_questions(data: object, where: str) -> tuple[Question, ...]:
     policy file holds it); ``where`` names it in errors."""
     if not isinstance(data, dict) or "questions" not in data:
         raise ManifestError(f"{where}: a policy needs a top-level 'questions' list")
+    check_keys(data, POLICY_KEYS, where, "a policy", inner=("a question object",
+                                                             QUESTION_KEYS))
     system = data.get("system")
     if system is not None and (not isinstance(system, str) or not system.strip()):
         raise ManifestError(f"{where}: system must be a non-empty string, got {brief(system)}")
@@ -163,6 +177,8 @@ def _item(rec: dict, where: str, lineno: int, base_dir: Path,
             raise ManifestError(f"{where}: a policy does not apply to OpenAI batch requests "
                                 "(each request carries its own question)")
         return parse_request(rec, where, base_dir)
+    check_keys(rec, LINE_KEYS, where, "a manifest line", inner=("a question object",
+                                                                 QUESTION_KEYS))
     if not isinstance(rec.get("image"), str) or not rec["image"]:
         raise ManifestError(f"{where}: missing 'image' (a path, file:// or data: URL)")
     own = _questions(rec.get("questions", []), where)

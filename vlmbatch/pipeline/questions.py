@@ -4,7 +4,9 @@ rows, the Python API), with the small checks of input readers and the error they
 
 A question is a string or ``{"id", "text", "threshold"?, "max_new_tokens"?, "choices"?,
 "prompt"?, "system"?, "expected"?}`` (``jobs/manifest.py`` documents each field); any other
-key is refused, naming it, so a misspelt ``threshold`` cannot silently fall back to 0.5.
+key is refused (``check_keys``: the key, the keys allowed, a close match suggested), so a
+misspelt ``threshold`` cannot silently fall back to 0.5; the readers refuse unknown keys at
+every other level of what they read the same way.
 
 Light: no torch, no image decoder (``status`` and ``--help`` import it through the job
 layer).
@@ -12,8 +14,9 @@ layer).
 
 from __future__ import annotations
 
+import difflib
 import reprlib
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 _BRIEF = reprlib.Repr()
@@ -62,6 +65,30 @@ def brief(value: object) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
+def check_keys(rec: Mapping, allowed: Collection[str], where: str, what: str,
+               subject: str = "", inner: tuple[str, Collection[str]] | None = None) -> None:
+    """ManifestError naming ``where``, the keys of ``rec`` not in ``allowed`` (a close match
+    of the first misspelt one suggested) and the keys ``what`` has; ``subject`` (e.g.
+    "question 0 ") says whose keys they are. ``inner``: (what, keys) of the objects ``rec``
+    holds (a line's question objects): one of their keys found here is said to go there. A
+    reader calls it at every level of what it reads, so a misspelt key is never silently
+    ignored with what it held."""
+    unknown = sorted((k for k in rec if k not in allowed), key=str)  # YAML keys: 1, null...
+    if not unknown:
+        return
+    names = sorted(allowed)
+    words = [k for k in unknown if isinstance(k, str) and len(k) <= 64]
+    close = next((m for k in words for m in difflib.get_close_matches(k, names, 1, 0.75)),
+                 None)
+    hint = f" (did you mean {close!r}?)" if close is not None else ""
+    if inner is not None and not hint:
+        there = next((m for k in words for m in difflib.get_close_matches(
+            k, sorted(inner[1]), 1, 0.75)), None)
+        hint = f" ({there!r} is a key of {inner[0]}: it goes inside each)" if there else ""
+    raise ManifestError(f"{where}: {subject}{'has ' if subject else ''}unknown key(s) "
+                        f"{brief(unknown)}{hint}; {what} has {names}")
+
+
 def check_id(raw: object, where: str, what: str) -> str:
     """An id as written: a non-blank string or a whole number, kept as text (so 7 and "7"
     are the same id). null, true, 1.5 or a list are refused, not turned into "None" etc."""
@@ -100,10 +127,7 @@ def parse_question(raw: object, where: str, index: int, prefix: str = "q") -> Qu
             or not raw["text"].strip():
         raise ManifestError(f"{where}: question {index} must be a string or an object with a "
                             f"non-empty 'text', got {brief(raw)}")
-    unknown = sorted(set(raw) - QUESTION_KEYS, key=str)  # YAML keys may be 1, null...
-    if unknown:  # a misspelt "threshold" would silently fall back to 0.5
-        raise ManifestError(f"{where}: question {index} has unknown key(s) {brief(unknown)}; a "
-                            f"question object has {sorted(QUESTION_KEYS)}")
+    check_keys(raw, QUESTION_KEYS, where, "a question object", f"question {index} ")
     thr = raw.get("threshold", 0.5)
     if isinstance(thr, bool) or not isinstance(thr, (int, float)) or not 0.0 <= thr <= 1.0:
         raise ManifestError(f"{where}: question {index} threshold must be a number in [0, 1], "
