@@ -88,6 +88,27 @@ def test_every_kind_of_image_gets_the_same_answer(vlm: vlmbatch.VLM) -> None:
     assert first[1].answer == ("yes" if first[1].p_yes >= 0.7 else "no")  # its threshold
 
 
+def test_ask_many_keeps_your_ids(vlm: vlmbatch.VLM) -> None:
+    """Issue 38: ``ImageItem(image=..., questions=[...], id="s2")`` needed a base_dir and the
+    internal Question records. Now an item is built from what a user has (a path, bytes, a
+    PIL image; question strings and objects), or given as (id, image, questions); answers
+    carry the ids, and two items of one id in one group each get their own image's."""
+    paths = [ROOT / "examples" / "images" / f"scene_{k:02d}.png" for k in range(4)]
+    ref = list(vlm.ask(paths, QUESTIONS))  # ids "0".."3"
+    items = [vlmbatch.ImageItem(image=str(paths[0]), questions=QUESTIONS, id="s2"),
+             ("dup", paths[1], QUESTIONS),
+             ("dup", Image.open(paths[2]), QUESTIONS),
+             vlmbatch.ImageItem(7, paths[3].read_bytes(), QUESTIONS)]
+    got = list(vlm.ask_many(items))
+    assert [a.image_id for a in got] == ["s2", "s2", "dup", "dup", "dup", "dup", "7", "7"]
+    assert [(a.question_id, a.p_yes, a.answer) for a in got] == \
+        [(a.question_id, a.p_yes, a.answer) for a in ref]
+    assert ref[2].p_yes != ref[4].p_yes  # the two "dup" images answer differently
+    mixed = list(vlm.ask_many([(paths[1], ["Is there a red shape?"]),
+                               ("s9", str(paths[1]), "Is there a red shape?")]))
+    assert [(a.image_id, a.p_yes) for a in mixed] == [("0", ref[2].p_yes), ("s9", ref[2].p_yes)]
+
+
 def test_a_bad_image_is_its_answers_error(vlm: vlmbatch.VLM, tmp_path: Path) -> None:
     good = ROOT / "examples" / "images" / "scene_00.png"
     images = [good, b"not an image", tmp_path / "missing.png",

@@ -177,13 +177,20 @@ def check_expected(raw: object, choices: tuple[str, ...] | None, where: str,
     return raw
 
 
-def questions_of(questions: Sequence[str | dict | Question] | str | dict | Question
-                 ) -> tuple[Question, ...]:
-    """Questions as a manifest line would give them (ids q0, q1, ... unless set)."""
+def questions_of(questions: object, where: str = "questions") -> tuple[Question, ...]:
+    """Questions as a manifest line would give them (ids q0, q1, ... unless set): one or a
+    sequence of strings, question objects (dicts) or ``Question``s, their ids distinct.
+    ManifestError naming ``where`` for a malformed one, ValueError for none."""
     if isinstance(questions, (str, dict, Question)):
         questions = [questions]
-    out = tuple(q if isinstance(q, Question) else parse_question(q, "questions", i)
+    if not isinstance(questions, Sequence):
+        raise ManifestError(f"{where}: questions are a string, a question object or a list of "
+                            f"them, got {brief(questions)}")
+    out = tuple(q if isinstance(q, Question) else parse_question(q, where, i)
                 for i, q in enumerate(questions))
     if not out:
         raise ValueError("no questions to ask")
+    ids = [q.id for q in out]
+    if len(set(ids)) != len(ids):
+        raise ManifestError(f"{where}: question ids repeat: {brief(ids)}")
     return out

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import base64
 import json
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, ClassVar
@@ -32,7 +33,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from vlmbatch.engine.records import Request, Score, Vector
-from vlmbatch.pipeline.questions import Question
+from vlmbatch.pipeline.questions import Question, check_id, questions_of
 from vlmbatch.preprocessing.sources import MemberRef, RowRef
 
 # an image as an item may hold it: a path (relative to ``base_dir``), a file://, data:,
@@ -40,14 +41,41 @@ from vlmbatch.preprocessing.sources import MemberRef, RowRef
 # a shard's member (``preprocessing/sources.py``: what a job over a Parquet file or WebDataset
 # shards stores), encoded bytes, or decoded uint8 RGB pixels [H, W, 3] (the Python API)
 ImageSource = str | bytes | np.ndarray | RowRef | MemberRef
+# PIL's Transpose values (an IntEnum) for each EXIF orientation that is not upright
+_UPRIGHT = {2: 0, 3: 3, 4: 1, 5: 5, 6: 4, 7: 6, 8: 2}
 
 
 @dataclass(frozen=True)
 class ImageItem:
+    """An image and the questions asked about it, built from what a user has::
+
+        ImageItem("s2", "photos/a.jpg", ["Is there a red shape?",
+                                         {"id": "c", "text": "A circle?", "threshold": 0.7}])
+
+    ``image``: a path (a str or a ``Path``, relative to ``base_dir``), a URL, encoded bytes,
+    a PIL image (EXIF orientation applied, converted to RGB) or a uint8 array ``[H, W, 3]``
+    (gray ``[H, W]`` and RGBA ``[H, W, 4]`` converted as Pillow's ``convert("RGB")``
+    would), kept as ``image_source`` says; readers pass a table's ``RowRef`` or a shard's
+    ``MemberRef``. ``questions``: one or a sequence of strings, question objects (dicts, as
+    in a manifest: ``pipeline/questions.py``) or ``Question``s, kept as a tuple of
+    ``Question``s (a malformed one: ``ManifestError`` naming the item). ``id``: a string or
+    a whole number (kept as text). ``base_dir``: the current folder when not given."""
     id: str
     image: ImageSource
     questions: tuple[Question, ...]
-    base_dir: Path  # relative paths resolve against this
+    base_dir: Path = field(default_factory=Path.cwd)  # relative paths resolve against this
+
+    def __post_init__(self) -> None:
+        # readers and job stores pass the normalised forms: these checks cost them nothing
+        if type(self.id) is not str:
+            object.__setattr__(self, "id", check_id(self.id, "item", "id"))
+        if type(self.image) is not str:
+            object.__setattr__(self, "image", image_source(self.image))
+        qs = self.questions
+        if type(qs) is not tuple or not all(type(q) is Question for q in qs):
+            object.__setattr__(self, "questions", questions_of(qs, f"item {self.id!r}"))
+        if not isinstance(self.base_dir, Path):
+            object.__setattr__(self, "base_dir", Path(self.base_dir))
 
     @property
     def source(self) -> str:
@@ -56,6 +84,30 @@ class ImageItem:
         if isinstance(self.image, (RowRef, MemberRef)):
             return self.image.source
         return self.image if isinstance(self.image, str) else f"image {self.id}"
+
+
+def image_source(image: object) -> ImageSource:
+    """What an item holds for each kind of image a user may give: a ``Path`` as its text, a
+    PIL image as its upright RGB pixels (uint8 ``[H, W, 3]``), a gray ``[H, W]`` or RGBA
+    ``[H, W, 4]`` uint8 array as RGB; the other sources as they are. TypeError for anything
+    else."""
+    if isinstance(image, (str, bytes, RowRef, MemberRef)):
+        return image
+    if isinstance(image, Path):
+        return str(image)
+    if isinstance(image, np.ndarray):
+        if image.ndim == 2:
+            return np.repeat(image[:, :, None], 3, axis=2)
+        if image.ndim == 3 and image.shape[2] == 4:
+            return np.ascontiguousarray(image[:, :, :3])
+        return image
+    pil = sys.modules.get("PIL.Image")  # a PIL image exists only once its caller imported PIL
+    if pil is not None and isinstance(image, pil.Image):
+        turn = _UPRIGHT.get(image.getexif().get(0x0112, 1))  # EXIF orientation, as
+        upright = image if turn is None else image.transpose(turn)  # ImageOps.exif_transpose
+        return np.asarray(upright.convert("RGB"))
+    raise TypeError(f"an image is a path, a URL, bytes, a PIL image or a uint8 array, not "
+                    f"{type(image).__name__}")
 
 
 def request_of(image: int, q: Question) -> Request:
