@@ -371,12 +371,18 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                        "questions. With MANIFEST (questions carrying \"expected\"): ask its "
                        "labelled questions and print accuracy and, per question, precision, "
                        "recall, F1, AUROC and expected calibration error (10 bins), with a "
-                       "confusion matrix for label-set questions; --json for scripts.")
+                       "confusion matrix for label-set questions; --json for scripts. With "
+                       "--policy, at the policy's thresholds: calibrate on one labelled set, "
+                       "check the written policy on another.")
     e.add_argument("manifest", type=Path, nargs="?",
                    help='a labelled manifest: questions {"id", "text", "expected": "yes"|"no"|'
                    "a choice}; only questions with expected are asked")
-    e.add_argument("--policy", type=Path, help="with MANIFEST: questions asked of every image "
-                   "(their expected holds for every image)")
+    e.add_argument("--policy", type=Path, help="with MANIFEST: a policy (e.g. `calibrate "
+                   "--write-policy`'s). A policy question with the id of a line's question is "
+                   "that question, evaluated at the policy's threshold (its text and label set "
+                   "must match the line's; system, prompt, expected: the line's where it sets "
+                   "them, else the policy's; a conflict is refused); the policy's other "
+                   "questions are asked of every image (their expected holds for every image)")
     e.add_argument("--json", action="store_true", help="with MANIFEST: one JSON object")
     e.add_argument("--split", default="test", choices=SPLITS)
     e.add_argument("--limit", type=positive_int, default=None, help="first N questions only")

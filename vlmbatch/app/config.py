@@ -79,7 +79,9 @@ class EvalConfig:
     threads: int | None = None  # torch threads (None: torch's default)
     progress: bool = True
     manifest: Path | None = None  # a labelled manifest instead of easy-vqa
-    policy: Path | None = None  # with a manifest: questions asked of every image
+    # with a manifest: its questions of a line's ids at its thresholds, the others asked of
+    # every image (labels/read.py labelled_manifest)
+    policy: Path | None = None
     json: bool = False  # with a manifest: the metrics as one JSON object
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)

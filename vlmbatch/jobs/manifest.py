@@ -36,6 +36,7 @@ import json
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -52,7 +53,8 @@ from vlmbatch.pipeline.records import ImageItem, Question
 
 __all__ = ["QUESTION_KEYS", "YES_NO", "ImageItem", "ManifestError", "Question", "check_expected",
            "first_line", "items_from_folder", "iter_manifest", "manifest_format",
-           "parse_choices", "parse_question", "read_manifest", "read_policy", "with_policy"]
+           "merged", "parse_choices", "parse_question", "read_manifest", "read_policy",
+           "with_policy"]
 
 LINE_KEYS = frozenset({"id", "image", "questions"})
 POLICY_KEYS = frozenset({"questions", "system"})
@@ -127,10 +129,12 @@ def read_manifest(path: Path, policy: tuple[Question, ...] = ()) -> list[ImageIt
     return items
 
 
-def iter_manifest(path: Path, policy: tuple[Question, ...] = ()
+def iter_manifest(path: Path, policy: tuple[Question, ...] = (), merge: bool = False
                   ) -> Iterator[tuple[int, ImageItem]]:
     """(line number, item) for each line, validated as read, in bounded memory. Duplicate
-    ids are the caller's check (``read_manifest`` keeps a set; the job store a UNIQUE key)."""
+    ids are the caller's check (``read_manifest`` keeps a set; the job store a UNIQUE key).
+    ``merge``: a policy question with the id of a line's is that question (``with_policy``),
+    as ``vlmbatch eval`` reads it."""
     path = Path(path)
     if path.is_dir():
         raise ManifestError(f"{path} is a folder, not a manifest (nor a job folder): for a "
@@ -158,7 +162,7 @@ def iter_manifest(path: Path, policy: tuple[Question, ...] = ()
                 raise ManifestError(f"{where}: not valid JSON ({_reason(e)})") from None
             if not isinstance(rec, dict):
                 raise ManifestError(f"{where}: each line must be a JSON object")
-            item = _item(rec, where, lineno, base_dir, policy)
+            item = _item(rec, where, lineno, base_dir, policy, merge)
             asked = [t for q in item.questions for t in _texts(q)]
             check_unicode([item.id, item.source, *asked], where)  # item.image: a string here
             if (kind := "openai" if is_openai_request(rec) else "vlmbatch") != fmt.setdefault(
@@ -171,7 +175,7 @@ def iter_manifest(path: Path, policy: tuple[Question, ...] = ()
 
 
 def _item(rec: dict, where: str, lineno: int, base_dir: Path,
-          policy: tuple[Question, ...]) -> ImageItem:
+          policy: tuple[Question, ...], merge: bool = False) -> ImageItem:
     if is_openai_request(rec):
         if policy:
             raise ManifestError(f"{where}: a policy does not apply to OpenAI batch requests "
@@ -182,15 +186,22 @@ def _item(rec: dict, where: str, lineno: int, base_dir: Path,
     if not isinstance(rec.get("image"), str) or not rec["image"]:
         raise ManifestError(f"{where}: missing 'image' (a path, file:// or data: URL)")
     own = _questions(rec.get("questions", []), where)
-    qs = with_policy(own, policy, where, "give 'questions' or --policy", "this line")
+    qs = with_policy(own, policy, where, "give 'questions' or --policy", "this line", merge)
     return ImageItem(check_id(rec.get("id", lineno), where, "id"), rec["image"], qs, base_dir)
 
 
 def with_policy(own: tuple[Question, ...], policy: tuple[Question, ...], where: str,
-                hint: str, holder: str = "this item") -> tuple[Question, ...]:
+                hint: str, holder: str = "this item", merge: bool = False
+                ) -> tuple[Question, ...]:
     """An item's own questions, then the policy's: ManifestError naming ``where`` when an id
     is in both (``holder``: what holds the own ones) or there is none (``hint``: how to give
-    some). One check for manifest lines, table rows, shard members and Ray Data rows."""
+    some). One check for manifest lines, table rows, shard members and Ray Data rows.
+    ``merge`` (``vlmbatch eval MANIFEST --policy``): an id in both is one question instead,
+    asked as ``merged`` says."""
+    if merge:
+        by_id = {q.id: q for q in policy}
+        own = tuple(merged(q, by_id[q.id], where) if q.id in by_id else q for q in own)
+        policy = tuple(q for q in policy if q.id not in {q.id for q in own})
     clash = {q.id for q in own} & {q.id for q in policy}
     if clash:
         raise ManifestError(f"{where}: question id(s) {brief(sorted(clash))} are used by both "
@@ -198,6 +209,31 @@ def with_policy(own: tuple[Question, ...], policy: tuple[Question, ...], where: 
     if not own + policy:
         raise ManifestError(f"{where}: no questions ({hint})")
     return own + policy
+
+
+def merged(own: Question, policy: Question, where: str) -> Question:
+    """A question a line and the policy both give (one id): the policy's threshold (what a
+    policy written by ``calibrate`` is for), every other field the line's where it sets it,
+    else the policy's. A text or label set that differs, or another field both set
+    differently, is a contradiction: ManifestError naming ``where``, the id and the field."""
+    def kind(q: Question) -> str:
+        return f"a label set {brief(list(q.choices))}" if q.choices else "a yes/no question"
+
+    for same, mine, theirs in ((own.text == policy.text, brief(own.text), brief(policy.text)),
+                               (own.choices == policy.choices, kind(own), kind(policy))):
+        if not same:
+            raise ManifestError(f"{where}: question {own.id!r} is {mine} on this line but "
+                                f"{theirs} in the policy; a policy's threshold holds for its "
+                                "own question: give both the same, or another id")
+    def one(name: str) -> Any:
+        mine, theirs = getattr(own, name), getattr(policy, name)
+        if mine is not None and theirs is not None and mine != theirs:
+            raise ManifestError(f"{where}: question {own.id!r} has {name} {brief(mine)} on this "
+                                f"line and {brief(theirs)} in the policy; give one")
+        return mine if mine is not None else theirs
+
+    return dataclasses.replace(own, threshold=policy.threshold, max_new_tokens=one(
+        "max_new_tokens"), system=one("system"), prompt=one("prompt"), expected=one("expected"))
 
 
 def first_line(path: Path, item_id: str, policy: tuple[Question, ...] = ()) -> int:
