@@ -155,7 +155,7 @@ def test_calibrate_on_one_half_check_on_the_other(tmp_path: Path,
         == EXIT_OK, capsys.readouterr().err
     out = capsys.readouterr()
     got = json.loads(out.out)
-    assert f"at the thresholds of {policy}: red {thresholds['red']:g}, circle" in out.err
+    assert f"at the thresholds of {policy}: red {thresholds['red']}, circle" in out.err
     rows = [json.loads(x) for x in check_r.read_text().splitlines()]
     labels = {(d["id"], q["id"]): q["expected"] for d in map(json.loads, lines[24:])
               for q in d["questions"]}
@@ -187,7 +187,7 @@ def test_eval_with_a_policy_through_the_api_and_its_refusals(
     red = next(q for q in report.questions if q.question_id == "red")
     assert (red.answered, red.precision, red.recall) == (4, None, 0.0)  # nothing >= 1.0
     assert [q.question_id for q in report.questions] == ["red", "circle", "triangle", "three"]
-    assert policy_note(policy, report) == (f"at the thresholds of {policy}: red 1; not "
+    assert policy_note(policy, report) == (f"at the thresholds of {policy}: red 1.0; not "
                                            "evaluated (no label in this manifest): blue")
     for text, says in [
             ('{id: red, text: "Is it red?"}', "question 'red' is 'Is there a red shape?' on "

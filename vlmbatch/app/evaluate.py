@@ -138,7 +138,7 @@ def policy_note(policy: Path, report: EvalReport) -> str:
     were evaluated at, and its questions that had no label here (not evaluated)."""
     qs = read_policy(policy)
     scored_ids = {q.question_id for q in report.questions}
-    at = [f"{q.id} {q.threshold:g}" for q in qs if q.id in scored_ids and not q.choices]
+    at = [f"{q.id} {q.threshold}" for q in qs if q.id in scored_ids and not q.choices]
     out = f"at the thresholds of {policy}: {', '.join(at) or 'none (label sets only)'}"
     if missing := [q.id for q in qs if q.id not in scored_ids]:
         out += f"; not evaluated (no label in this manifest): {', '.join(missing)}"

@@ -48,8 +48,9 @@ class Question:
     choices: tuple[str, ...] = ()
     system: str | None = None  # a system turn before the user's (a policy's ``system:``)
     prompt: str | None = None  # an instruction before the question, in the same user turn
-    # the user's label for this question ("yes"/"no", or one of its choices): read by
-    # `vlmbatch eval MANIFEST` only; a run or a job ignores it (a job's store does not keep it)
+    # the user's label for this question ("yes"/"no", or one of its choices): scored by
+    # `vlmbatch eval MANIFEST`, kept by a job's store for `vlmbatch report` (right/wrong
+    # marks); answering ignores it
     expected: str | None = None
 
     @property
