@@ -114,13 +114,33 @@ def test_calibrate_on_results_and_on_a_job(labelled: tuple[Path, Path, Path], tm
 
 def test_report_command(labelled: tuple[Path, Path, Path], tmp_path: Path,
                         capsys: pytest.CaptureFixture) -> None:
-    _, _, job = labelled
+    """The job of a labelled manifest: its store keeps the labels (before, it dropped them),
+    so the page marks each answer shown right or wrong and counts them per question, the
+    counts `eval` gets from the same labels; a question none of whose answers is near its
+    threshold says so instead of showing a "borderline" sheet."""
+    manifest, results, job = labelled
     out = tmp_path / "r.html"
     capsys.readouterr()
     assert main(["report", str(job), "-o", str(out), "--borderline", "3"]) == EXIT_OK
     assert capsys.readouterr().err == f"vlmbatch: wrote {out} (4 questions, 0 failed images)\n"
     page = out.read_text()
-    assert page.count("<img ") == 4 * 3 and page.count("<svg ") == 4
+    got = evaluate(join(read_results(results), read_labels(manifest))).as_json()["questions"]
+    rows = [json.loads(x) for x in results.read_text().splitlines()]
+    shown = 0
+    for qid, m in got.items():
+        section = page[page.index(f"<h2>{qid}: "):]
+        section = section[:section.index("<h2>", 4)] if "<h2>" in section[4:] else section
+        wrong = m["answered"] - round(m["accuracy"] * m["answered"])
+        assert f"12 labelled: {12 - wrong} right, {wrong} wrong" in section, section[:400]
+        near = sum(abs(np.log(max(r["p_yes"], 1e-6) / max(1 - r["p_yes"], 1e-6))) <= 1
+                   for r in rows if r["question_id"] == qid)  # threshold 0.5: log-odds 0
+        assert ("Nothing is near the threshold" in section) == (near == 0)
+        assert ("Borderline:" in section) == (near > 0)
+        marks = section.count("<b>right</b>") + section.count("<b>wrong</b>")
+        assert marks == section.count("<img ") == min(near, 3) + min(wrong, 3)
+        shown += marks
+    assert shown == page.count("<img ") and shown > 0
+    assert "Nothing is near the threshold" in page  # the built-in model is sure of most
     assert main(["report", str(job), "-o", str(tmp_path / "r.txt")]) == EXIT_BAD_INPUT
     assert "give an .html file" in capsys.readouterr().err
 
