@@ -49,8 +49,9 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--recall", type=probability, help="target: recall >= R")
     t.add_argument("--max-fpr", type=probability, help="target: false-positive rate <= F")
     t.add_argument("--f1", action="store_true", help="target: the best F1")
-    c.add_argument("--plots", type=Path, help="folder for pr.png and roc.png (matplotlib: "
-                   "pip install 'vlmbatch[plots]')")
+    c.add_argument("--plots", type=Path, help="folder for pr.png and roc.png, each question "
+                   "in its own colour, line style and marker, its AUROC in the legend, the "
+                   "target as a line (matplotlib: pip install 'vlmbatch[plots]')")
     c.add_argument("--write-policy", type=Path, metavar="P.yaml",
                    help="write a policy asking each calibrated question with its threshold")
     c.add_argument("--json", action="store_true", help="the table as one JSON object")
@@ -59,11 +60,14 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
 def add_report_parser(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser(
         "report", help="one self-contained HTML page about a job: counts, errors, P(yes) "
-        "histograms, the most borderline images",
+        "histograms, borderline images, right and wrong answers",
         description="Write one HTML file (no outside resources: thumbnails embedded) with the "
         "job's counts, QPM and failed images by error kind; per question its yes-rate and "
-        "P(yes) histogram (a label-set question: its label distribution) and a contact sheet "
-        "of its most borderline images (P(yes) closest to the threshold).")
+        "P(yes) histogram on a log-odds axis (a label-set question: its label distribution), "
+        "a contact sheet of its borderline images (log-odds within 1 of the threshold's; "
+        "a label set: its top two choices within a factor e), or a line saying none is near; "
+        "when the manifest's questions carried \"expected\", each answer shown marked right "
+        "or wrong, the counts of each and a sheet of the most confident wrong answers.")
     r.add_argument("job", type=Path, help="a job folder (`vlmbatch submit`)")
     r.add_argument("--out", "-o", type=Path, required=True, help="the .html file to write")
     r.add_argument("--borderline", type=int, default=default_of(ReportConfig, "borderline"),
