@@ -51,15 +51,26 @@ def test_label_sets_and_instructions_equal_the_run_lines(vlm: vlmbatch.VLM,
         assert same_line(a.line(), line), (a.line(), line)
     labelled = [a for a in got if a.choices]
     assert len(labelled) == 9 and all(a.p_yes is None and a.label == a.answer for a in labelled)
+    # the README's showcase: the single-shape scenes answered right, each winner's logprob
+    # near 0; the counting label set, phrasings the model never learnt, flagged by logprobs
+    # far below (its answer, "one shape" for two triangles, is wrong at probability 0.99)
+    truth = {"scene_04": ("green", "circle"), "scene_07": ("yellow", "rectangle"),
+             "l30": ("red", "triangle")}
+    for line in want:
+        if line["id"] in truth and line["question_id"] in ("colour", "shape"):
+            assert line["label"] == truth[line["id"]][line["question_id"] == "shape"], line
+            assert max(line["logprobs"].values()) > -1, line
+    (size,) = [line for line in want if line["question_id"] == "size"]
+    assert max(size["logprobs"].values()) < -20 and size["label"] == "one shape"
     for a in labelled:
         assert a.probs is not None and a.logprobs is not None
         assert list(a.probs) == list(a.choices) and abs(sum(a.probs.values()) - 1) < 1e-5
         assert a.label == max(a.logprobs, key=a.logprobs.__getitem__)
-    (one,) = vlm.ask([ROOT / "examples" / "images" / "scene_01.png"], [
+    (one,) = vlm.ask([ROOT / "examples" / "images" / "scene_07.png"], [
         {"id": "colour", "text": "What color is the shape?", "system":
          "You are a careful image annotator.",
          "choices": ["red", "green", "blue", "black", "gray", "teal", "yellow", "brown"]}])
-    assert one.image_id == "0" and same_line({**one.line(), "id": "scene_01"}, want[4])
+    assert one.image_id == "0" and same_line({**one.line(), "id": "scene_07"}, want[3])
 
 
 def same_line(a: dict, b: dict) -> bool:
