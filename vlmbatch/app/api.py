@@ -231,7 +231,8 @@ def _item(i: int, x: ItemLike) -> ImageItem:
     if not isinstance(x, tuple) or len(x) not in (2, 3):
         raise TypeError(f"item {i}: an ImageItem, (id, image, questions) or (image, "
                         f"questions), not {type(x).__name__}")
-    return ImageItem(*x) if len(x) == 3 else ImageItem(str(i), *x)
+    item_id, image, questions = x if len(x) == 3 else (str(i), *x)
+    return ImageItem(item_id, image, questions)
 
 
 def _distinct(group: list[ImageItem], renamed: dict[str, str]) -> list[ImageItem]:

@@ -78,7 +78,8 @@ def parse_request(rec: dict, where: str, base_dir: Path) -> ImageItem:
         raise ManifestError(f"{where}: body.messages must be a non-empty list")
     check_keys(body, BODY_KEYS, where, "a chat completion body (OpenAI's parameters; those "
                "that sample are ignored: answers are greedy)", "body ")
-    texts, images = [], []
+    texts: list[str] = []
+    images: list[str] = []
     for i, msg in enumerate(messages):
         for kind, value in _user_parts(msg, f"body.messages[{i}]", where):
             (texts if kind == "text" else images).append(value)

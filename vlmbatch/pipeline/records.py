@@ -25,10 +25,11 @@ from __future__ import annotations
 import base64
 import json
 import sys
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Union
 
 import numpy as np
 
@@ -36,16 +37,22 @@ from vlmbatch.engine.records import Request, Score, Vector
 from vlmbatch.pipeline.questions import Question, check_id, questions_of
 from vlmbatch.preprocessing.sources import MemberRef, RowRef
 
+if TYPE_CHECKING:
+    import PIL.Image
+
 # an image as an item may hold it: a path (relative to ``base_dir``), a file://, data:,
 # http(s):// or s3/gs/az URL (strings: what a manifest or a job store holds), a table's row or
 # a shard's member (``preprocessing/sources.py``: what a job over a Parquet file or WebDataset
 # shards stores), encoded bytes, or decoded uint8 RGB pixels [H, W, 3] (the Python API)
 ImageSource = str | bytes | np.ndarray | RowRef | MemberRef
+# what ImageItem takes: those, a Path, or a PIL image (converted: image_source)
+ImageLike = Union[ImageSource, Path, "PIL.Image.Image"]
+QuestionsLike = Sequence[str | dict | Question] | str | dict | Question
 # PIL's Transpose values (an IntEnum) for each EXIF orientation that is not upright
 _UPRIGHT = {2: 0, 3: 3, 4: 1, 5: 5, 6: 4, 7: 6, 8: 2}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class ImageItem:
     """An image and the questions asked about it, built from what a user has::
 
@@ -59,23 +66,23 @@ class ImageItem:
     ``MemberRef``. ``questions``: one or a sequence of strings, question objects (dicts, as
     in a manifest: ``pipeline/questions.py``) or ``Question``s, kept as a tuple of
     ``Question``s (a malformed one: ``ManifestError`` naming the item). ``id``: a string or
-    a whole number (kept as text). ``base_dir``: the current folder when not given."""
+    a whole number (kept as text). ``base_dir``: the current folder when not given. The
+    fields hold the kept forms; readers and job stores pass them, at no cost."""
     id: str
     image: ImageSource
     questions: tuple[Question, ...]
-    base_dir: Path = field(default_factory=Path.cwd)  # relative paths resolve against this
+    base_dir: Path  # relative paths resolve against this
 
-    def __post_init__(self) -> None:
-        # readers and job stores pass the normalised forms: these checks cost them nothing
-        if type(self.id) is not str:
-            object.__setattr__(self, "id", check_id(self.id, "item", "id"))
-        if type(self.image) is not str:
-            object.__setattr__(self, "image", image_source(self.image))
-        qs = self.questions
+    def __init__(self, id: str | int, image: ImageLike, questions: QuestionsLike,  # noqa: A002
+                 base_dir: str | Path | None = None) -> None:
+        qs = questions
         if type(qs) is not tuple or not all(type(q) is Question for q in qs):
-            object.__setattr__(self, "questions", questions_of(qs, f"item {self.id!r}"))
-        if not isinstance(self.base_dir, Path):
-            object.__setattr__(self, "base_dir", Path(self.base_dir))
+            qs = questions_of(qs, f"item {id!r}")
+        put = object.__setattr__  # frozen
+        put(self, "id", id if type(id) is str else check_id(id, "item", "id"))
+        put(self, "image", image if type(image) is str else image_source(image))
+        put(self, "questions", qs)
+        put(self, "base_dir", Path.cwd() if base_dir is None else Path(base_dir))
 
     @property
     def source(self) -> str:
@@ -86,7 +93,7 @@ class ImageItem:
         return self.image if isinstance(self.image, str) else f"image {self.id}"
 
 
-def image_source(image: object) -> ImageSource:
+def image_source(image: ImageLike) -> ImageSource:
     """What an item holds for each kind of image a user may give: a ``Path`` as its text, a
     PIL image as its upright RGB pixels (uint8 ``[H, W, 3]``), a gray ``[H, W]`` or RGBA
     ``[H, W, 4]`` uint8 array as RGB; the other sources as they are. TypeError for anything
