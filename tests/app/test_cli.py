@@ -102,6 +102,31 @@ def test_malformed_manifest_fails_before_work(job: Path, random_model_dir: Path,
     assert not out.exists()
 
 
+@pytest.mark.parametrize("extra,says", [
+    ({"question": ["Is it red?"]}, "unknown key(s) ['question'] (did you mean 'questions'?)"),
+    ({"qestions": ["Is it red?"]}, "unknown key(s) ['qestions'] (did you mean 'questions'?)"),
+    ({"questions": ["Is it red?"], "treshold": 0.3},
+     "unknown key(s) ['treshold'] ('threshold' is a key of a question object"),
+])
+def test_a_misspelt_key_fails_the_run_with_a_policy(job: Path, random_model_dir: Path,
+                                                    extra: dict, says: str,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    """With --policy, a line whose questions sit under a misspelt key still has questions
+    (the policy's): it ran, exit 0, its own questions silently dropped. Now exit 2 before any
+    work, naming the line, the key and the keys a line has."""
+    bad = job / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "g", "image": "good.png", "questions": ["q"]}) + "\n"
+                   + json.dumps({"id": "ok", "image": "good.png", **extra}) + "\n")
+    out = job / "never.jsonl"
+    rc = main(["run", str(bad), "--policy", str(job / "p.yaml"), "--model",
+               str(random_model_dir), "-o", str(out), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == EXIT_BAD_INPUT, err
+    assert f"bad.jsonl:2: {says}" in err and "a manifest line has ['id', 'image', " \
+        "'questions']" in err
+    assert not out.exists()
+
+
 def test_label_sets_first_token_clash_fails_before_work(job: Path, random_model_dir: Path,
                                                          capsys) -> None:  # noqa: ANN001
     """``--choice-scoring first-token`` with two choices that start with the same token is

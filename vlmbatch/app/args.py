@@ -105,7 +105,8 @@ COMMANDS: tuple[Command, ...] = (
             "MANIFEST (questions carrying \"expected\"): ask its labelled questions and print "
             "accuracy and, per question, precision, recall, F1, AUROC and expected calibration "
             "error (10 bins), with a confusion matrix for label-set questions; --json for "
-            "scripts.", (EvalConfig,), SERVE_ONLY),
+            "scripts. With --policy, at the policy's thresholds: calibrate on one labelled "
+            "set, check the written policy on another.", (EvalConfig,), SERVE_ONLY),
     Command("calibrate", "thresholds from your labels: per yes/no question, the P(yes) "
             "threshold meeting a precision, recall or false-positive target",
             "Join result lines with your labels and choose, per yes/no question, the "
@@ -117,11 +118,15 @@ COMMANDS: tuple[Command, ...] = (
             "point); --plots DIR writes PR and ROC curves, --write-policy a policy with the "
             "thresholds.", (CalibrateConfig,)),
     Command("report", "one self-contained HTML page about a job: counts, errors, P(yes) "
-            "histograms, the most borderline images",
+            "histograms, borderline images, right and wrong answers",
             "Write one HTML file (no outside resources: thumbnails embedded) with the job's "
             "counts, QPM and failed images by error kind; per question its yes-rate and "
-            "P(yes) histogram (a label-set question: its label distribution) and a contact "
-            "sheet of its most borderline images (P(yes) closest to the threshold).",
+            "P(yes) histogram on a log-odds axis (a label-set question: its label "
+            "distribution), a contact sheet of its borderline images (log-odds within 1 of the "
+            "threshold's; a label set: its top two choices within a factor e), or a line "
+            "saying none is near; when the manifest's questions carried \"expected\", each "
+            "answer shown marked right or wrong, the counts of each and a sheet of the most "
+            "confident wrong answers.",
             (ReportConfig,)),
     Command("quantize", "write a W4A16 (AWQ/GPTQ) copy of a model, calibrated on your images",
             "Quantise the language model's decoder linears to 4-bit weights (symmetric, per "

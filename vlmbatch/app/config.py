@@ -153,9 +153,15 @@ class EvalConfig:
     manifest: Path | None = field(default=None, metadata=opt(  # a labelled manifest
         "manifest", parse=Path, nargs="?", help='a labelled manifest: questions {"id", '
         '"text", "expected": "yes"|"no"|a choice}; only questions with expected are asked'))
-    policy: Path | None = field(default=None, metadata=opt(  # with a manifest
-        "--policy", parse=Path, metavar="FILE", help="with MANIFEST: questions asked of every "
-        "image (their expected holds for every image)"))
+    # with a manifest: its questions of a line's ids at its thresholds, the others asked of
+    # every image (labels/read.py labelled_manifest)
+    policy: Path | None = field(default=None, metadata=opt(
+        "--policy", parse=Path, metavar="FILE", help="with MANIFEST: a policy (e.g. `calibrate "
+        "--write-policy`'s). A policy question with the id of a line's question is that "
+        "question, evaluated at the policy's threshold (its text and label set must match the "
+        "line's; system, prompt, expected: the line's where it sets them, else the policy's; a "
+        "conflict is refused); the policy's other questions are asked of every image (their "
+        "expected holds for every image)"))
     json: bool = field(default=False, metadata=opt(  # with a manifest: one JSON object
         "--json", action="true", help="with MANIFEST: one JSON object"))
     split: str = field(default="test", metadata=opt(  # one of SPLITS
@@ -312,8 +318,9 @@ class CalibrateConfig:
     f1: bool = field(default=False, metadata=opt(
         "--f1", action="true", exclusive="target", required=True, help="target: the best F1"))
     plots: Path | None = field(default=None, metadata=opt(  # a folder for pr.png and roc.png
-        "--plots", parse=Path, metavar="DIR", help="folder for pr.png and roc.png (matplotlib: "
-        "pip install 'vlmbatch[plots]')"))
+        "--plots", parse=Path, metavar="DIR", help="folder for pr.png and roc.png, each "
+        "question in its own colour, line style and marker, its AUROC in the legend, the "
+        "target as a line (matplotlib: pip install 'vlmbatch[plots]')"))
     write_policy: Path | None = field(default=None, metadata=opt(
         "--write-policy", parse=Path, metavar="P.yaml", help="write a policy asking each "
         "calibrated question with its threshold"))

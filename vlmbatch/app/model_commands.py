@@ -30,7 +30,7 @@ from vlmbatch.app.config import (
     SubmitConfig,
 )
 from vlmbatch.app.embed_cli import run_embed
-from vlmbatch.app.evaluate import evaluate, evaluate_labelled
+from vlmbatch.app.evaluate import evaluate, evaluate_labelled, policy_note
 from vlmbatch.app.quantize import quantize_model
 from vlmbatch.app.server.config import server_config
 from vlmbatch.app.server.serve import serve
@@ -191,6 +191,8 @@ def _eval_labelled(cfg: EvalConfig, hooks: FaultHooks) -> int:
                         prepare=cfg.prepare)
     summary, report = evaluate_labelled(run_cfg, hooks)
     print(f"vlmbatch: {summary.text()}", file=sys.stderr)
+    if cfg.policy is not None:
+        print(f"vlmbatch: {policy_note(cfg.policy, report)}", file=sys.stderr)
     print(json.dumps(report.as_json()) if cfg.json else report_text(report))
     return EXIT_ITEM_ERRORS if summary.failed_images else EXIT_OK
 
