@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
+from tests.jobs.interrupting import resume, stop, wait_recorded
 from tests.jobs.test_job import cli, make_manifest, submit_job
+from tests.waiting import wait_until
 from vlmbatch.app.cli import EXIT_ITEM_ERRORS, EXIT_OK, main
 from vlmbatch.jobs.folder import STORE_FILE
 from vlmbatch.jobs.job import status
@@ -94,15 +95,10 @@ def test_kill_minus_9_leaves_no_decoder_process_behind(tmp_path: Path,
     _, job = submit_job(tmp_path, random_model_dir, 20, "--images-per-batch", "1",
                         "--no-progress")
     p = cli("run", str(job), "--no-progress", faults={"group_delay": 0.3})
-    deadline = time.time() + 120
-    while not (status(job).done and decoders_of(p.pid)) and time.time() < deadline:
-        time.sleep(0.1)
+    wait_recorded(p, job, 1, when=lambda: decoders_of(p.pid), timeout=120)
     assert decoders_of(p.pid), "the run decodes in decoder processes"
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    deadline = time.time() + 10
-    while decoders_of(p.pid) and time.time() < deadline:
-        time.sleep(0.1)
-    assert not decoders_of(p.pid)  # PR_SET_PDEATHSIG: they died with it
-    assert main(["resume", str(job), "--no-progress"]) == EXIT_OK
+    stop(p, signal.SIGKILL)
+    wait_until(lambda: not decoders_of(p.pid), 10,  # PR_SET_PDEATHSIG: they died with it
+               f"the decoder processes of the killed pid {p.pid} gone")
+    resume(job)
     assert status(job).done == 20
