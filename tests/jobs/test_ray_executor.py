@@ -177,6 +177,11 @@ def test_sigterm_on_ray_ends_the_run_as_ctrl_c_does(tmp_path: Path, random_model
     assert status(job).done == 12
 
 
+# slow: CI checks the same path (`run MANIFEST --executor ray`: a temporary job on Ray, its
+# lines on --out equal the in-process run's) in tests/jobs/test_ray_tasks.py::
+# test_qwen_vl_on_ray_gives_the_run_lines (a Qwen-VL checkpoint), and InternVL's lines on Ray
+# in test_ray_matches_in_process_and_exports_parquet above: ~10 s of CI for one more driver
+@pytest.mark.slow
 def test_run_manifest_on_ray_writes_the_same_lines(tmp_path: Path, random_model_dir: Path,
                                                     ray_head: RayHead) -> None:
     m = make_manifest(tmp_path, 3)
