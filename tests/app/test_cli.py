@@ -13,6 +13,7 @@ import cv2
 import numpy as np
 import pytest
 
+from tests.waiting import wait_until
 from vlmbatch.app.cli import EXIT_BAD_INPUT, EXIT_ITEM_ERRORS, EXIT_OK, main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -293,7 +294,6 @@ def test_ctrl_c_keeps_lines_and_says_how_to_resume(tmp_path: Path, sig: str, rc:
     going when the signal comes (200 groups)."""
     import os
     import signal
-    import time
 
     lines = []
     for i in range(200):
@@ -306,9 +306,7 @@ def test_ctrl_c_keeps_lines_and_says_how_to_resume(tmp_path: Path, sig: str, rc:
                           "--images-per-batch", "1", "--no-progress"], cwd=ROOT,
                          stderr=subprocess.PIPE, text=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.time() + 60
-    while (not out.exists() or out.stat().st_size == 0) and time.time() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: out.exists() and out.stat().st_size > 0, 60, f"a line in {out}")
     p.send_signal(getattr(signal, sig))
     _, err = p.communicate(timeout=60)
     assert p.returncode == rc and f"vlmbatch: {says}" in err and "vlmbatch submit" in err

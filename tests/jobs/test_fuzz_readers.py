@@ -23,6 +23,7 @@ import json
 import math
 import re
 import signal
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -54,16 +55,26 @@ def fuzz(n: int) -> settings:
 
 @contextmanager
 def time_limit(seconds: float = 10.0) -> Iterator[None]:
-    """A hang fails the case (TimeoutError, not caught below) instead of stalling CI."""
+    """A hang fails the case (TimeoutError, not caught below) instead of stalling CI. The
+    test's own deadline (pytest-timeout's timer) is kept: when it comes first it is left to
+    fire; otherwise it is put back after, less the time spent here."""
+    outer = signal.getitimer(signal.ITIMER_REAL)[0]
+    if outer and outer <= seconds:
+        yield
+        return
+
     def alarm(signum: int, frame: object) -> None:
         raise TimeoutError(f"reader still running after {seconds}s")
     old = signal.signal(signal.SIGALRM, alarm)
     signal.setitimer(signal.ITIMER_REAL, seconds)
+    start = time.monotonic()
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+        if outer:  # > seconds, and this block took at most that
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - start), 1e-3))
 
 
 # ---- the property -------------------------------------------------------------------------
