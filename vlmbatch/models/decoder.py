@@ -512,7 +512,7 @@ class TextDecoder(Decoder):
         positions: [B, N] (1-D) or [3, B, N] (M-RoPE); a dynamic rope scaling takes each
         row's largest position + 1 as its length (module docstring). Returns (logits
         [B, N, V] float32, per layer (k, v) [B, K, N, d])."""
-        if "linear" in self.kinds:  # checked before any work: pipeline.loading
+        if "linear" in self.kinds:  # checked before any work: engine.loading
             raise NotImplementedError("a linear-attention layer cannot extend a prefix by "
                                       "several side-by-side continuations")
         b, n, _ = embeds.shape
