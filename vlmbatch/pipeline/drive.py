@@ -134,7 +134,7 @@ def prepared_groups(task: Task[I, R], groups: Iterable[list[I]], plan: ImagePlan
     window = Lookahead(task, pool, opts)
     source = iter(groups)
     try:
-        while (head := window.next(source)) is not None:
+        while (head := window.head(source)) is not None:
             done = [None if f is None else outcome(r, f)  # type: ignore[arg-type]
                     for r, f in zip(head.refs, head.prepared or (), strict=True)]
             window.queue.popleft()
@@ -164,8 +164,9 @@ class Lookahead(Generic[I]):
     images are fetched (bytes only) so that that many reads stay in flight, their decoding
     left until they reach the window. Bounded: prepared images of ``ahead + 2`` groups
     alive at once (as for local files: the caller's previous one until it lets go), fetched
-    bytes of at most ``ahead + 1`` groups and ``fetch.concurrency`` items more (each image at
-    most ``fetch.max_bytes``: a larger one is refused unread)."""
+    bytes of at most ``ahead + 1`` groups and, behind them, fewer than ``fetch.concurrency``
+    items and one group more (each image at most ``fetch.max_bytes``: a larger one is
+    refused unread)."""
 
     def __init__(self, task: Task[I, R], pool: Preparer, opts: PrepareOptions) -> None:
         self.task, self.pool = task, pool
@@ -174,7 +175,7 @@ class Lookahead(Generic[I]):
         self.queue: deque[Taken[I]] = deque()
         self.remote = False  # the last group taken had a remote image: fetch further ahead
 
-    def next(self, source: Iterator[list[I]]) -> Taken[I] | None:
+    def head(self, source: Iterator[list[I]]) -> Taken[I] | None:
         """The first group (``queue[0]``, its images submitted to the workers), after
         taking more from ``source`` as far as the windows allow; None when all are done."""
         while self._wants_more() and (items := next(source, None)) is not None:
