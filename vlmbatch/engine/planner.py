@@ -18,9 +18,12 @@ has gathered the slots' KV, or in a ``finally`` on error), so a later insert can
 
 A decoder with linear-attention layers (Qwen3.5; ``state_bytes`` > 0: the bytes of one row's
 states, ``docs/hybrid_cache.md``) can resume only where a state snapshot was taken: at the end
-of a shared prefix. Its plans reuse the whole prefix (every block and the snapshot) or nothing;
-only a plan whose prompt ends at the prefix (``prefix_phases``' first phase of each chunk)
-caches blocks and a snapshot, so its followers, and its own full prompt, resume there.
+of an image's prefix (through its end marker). Its plans reuse the whole prefix (every block
+and the snapshot) or nothing; a plan that finds nothing prefills its whole prompt and takes
+the snapshot inside that forward (``Plan.snapshot``: the runner asks the decoder for the
+linear layers' state at the prefix's end too) and caches the prefix's blocks, so the
+followers of its phase, and later calls, resume there. The phases are the same as without
+linear layers: leaders, then followers.
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ class Plan:
     blocks: list[tuple[int, BlockId]] = field(default_factory=list)  # (start, block) to cache
     chain: list[BlockKey] = field(default_factory=list)  # keys of the whole shared prefix
     # linear-attention state (module docstring): the prefix's last block (its snapshot's
-    # key), the snapshot's pinned slots if one is reused, whether to take one
+    # key), the snapshot's pinned slots if one is reused, whether to take one (at
+    # ``prompt.prefix_len``, in this plan's own forward)
     state_tail: BlockId | None = None
     state_slots: list[int] = field(default_factory=list)
     snapshot: bool = False
@@ -109,15 +113,6 @@ class Planner:
             phases.append([reqs[0] for reqs in chunk])
             phases.append([i for reqs in chunk for i in reqs[1:]])
         return [p for p in phases if p]
-
-    def prefix_phases(self, requests: list[Request], prompts: list[Prompt],
-                      shared: list[int]) -> list[tuple[list[int], list[int]]]:
-        """With linear-attention layers (module docstring): per chunk of groups, (the first
-        request of each group, to prefill through its shared prefix only and snapshot it;
-        every request of the chunk, which then resume after that prefix)."""
-        assert self.cache is not None
-        return [([reqs[0] for reqs in chunk], [i for reqs in chunk for i in reqs])
-                for chunk in self._chunks(requests, prompts, shared)]
 
     def _chunks(self, requests: list[Request], prompts: list[Prompt],
                 shared: list[int]) -> list[list[list[int]]]:
@@ -193,8 +188,9 @@ class Planner:
 
     def _plan_state(self, plan: Plan, blocks: list[BlockId]) -> Plan:
         """``plan`` for a decoder with linear layers: the whole prefix from the cache (every
-        block found and usable, and the snapshot at its end) or none of it; blocks and a
-        snapshot cached only by a prompt that ends at its prefix (module docstring)."""
+        block found and usable, and the snapshot at its end) or none of it; a plan that
+        finds none prefills from the start, caching the prefix's blocks and the snapshot
+        its forward takes (module docstring)."""
         assert self.cache is not None
         plan.state_tail = blocks[-1]
         if len(plan.slots) == len(blocks):
@@ -202,17 +198,16 @@ class Planner:
         if not plan.state_slots:  # K/V without the state where they end is of no use
             self.cache.unpin(plan.chain[: len(plan.slots)])
             plan.slots = []
-            plan.snapshot = len(plan.prompt.ids) == plan.prompt.prefix_len
-            if plan.snapshot:
-                plan.blocks = [(k * self.cache.block_size, b) for k, b in enumerate(blocks)]
+            plan.snapshot = True
+            plan.blocks = [(k * self.cache.block_size, b) for k, b in enumerate(blocks)]
             return plan
         plan.past_len = plan.prompt.prefix_len
         return plan
 
     def batches(self, plans: list[Plan]) -> list[list[Plan]]:
         """Plans sorted by new length (longest first), cut so B * (P + T) <=
-        max_batch_tokens. A plan with no new token (a prefix-only prompt whose prefix is
-        cached, ``prefix_phases``) needs no forward and is left out."""
+        max_batch_tokens. A plan with no new token (an embedding prompt whose every token
+        is cached) needs no forward and is left out."""
         plans = sorted((p for p in plans if p.new_len), key=lambda p: p.new_len, reverse=True)
         batches: list[list[Plan]] = []
         cur: list[Plan] = []

@@ -5,7 +5,10 @@ A hybrid decoder (Qwen3.5) has, per linear layer and row, a conv state and a rec
 (``Decoder.state_shapes``: shapes and dtypes, the recurrent state float32). A snapshot is all
 of them for one row, each tensor's bytes one after the other in layer order (``StateCodec``),
 stored in the cache's byte arena under the key of the prefix's last block
-(``PrefixCache.insert_state``). Restoring copies the snapshot's slots out of the arena in one
+(``PrefixCache.insert_state``). It is taken inside the forward that prefills the prompt: the
+runner asks the decoder for the linear layers' state after each snapshot row's prefix too
+(``snapshot_at``, the decoder's ``state_at``) and splits it from the states at the rows' ends
+(``take_snapshots``). Restoring copies the snapshot's slots out of the arena in one
 gather for the batch and views the bytes back as the tensors; rows without a snapshot get
 zero states, which a linear layer reads as "no history".
 """
@@ -70,8 +73,8 @@ def restore(cache: PrefixCache, codec: StateCodec, batch: list[Plan],
 
 def snapshot(cache: PrefixCache, codec: StateCodec, batch: list[Plan],
              states: list[torch.Tensor]) -> None:
-    """Cache the states of the rows whose plan ends at its shared prefix and asks for a
-    snapshot (``Plan.snapshot``); ``states`` as ``restore`` returns them."""
+    """Cache the states at the prefix's end of the rows whose plan asks for a snapshot
+    (``Plan.snapshot``); ``states`` (``take_snapshots``) as ``restore`` returns them."""
     rows = [j for j, p in enumerate(batch) if p.snapshot]
     if not rows:
         return
@@ -80,6 +83,31 @@ def snapshot(cache: PrefixCache, codec: StateCodec, batch: list[Plan],
         tail = batch[j].state_tail
         assert tail is not None  # the planner sets it with snapshot
         cache.insert_state(tail, row)
+
+
+def snapshot_at(batch: list[Plan]) -> list[int] | None:
+    """Per row, the new tokens after which the decoder also returns the linear layers'
+    state: a snapshot row's prefix (it prefills from position 0), any other row's length
+    (unused); None when no row takes a snapshot (``Plan.snapshot``)."""
+    if not any(p.snapshot for p in batch):
+        return None
+    return [p.prompt.prefix_len - p.past_len if p.snapshot else p.new_len for p in batch]
+
+
+def take_snapshots(kinds: tuple[str, ...], new_kv: list[KV], b: int
+                   ) -> tuple[list[KV], list[torch.Tensor]]:
+    """A prefill's per-layer output with ``state_at`` (a linear layer's entries ``[2B, ...]``:
+    its state at each row's end, then at ``state_at``) -> (the same with each row's end
+    state only; the states at ``state_at``, flattened as ``split_layers`` gives them)."""
+    out: list[KV] = []
+    snaps: list[torch.Tensor] = []
+    for kind, (x, y) in zip(kinds, new_kv):
+        if kind == "linear":
+            out.append((x[:b], y[:b]))
+            snaps += [x[b:], y[b:]]
+        else:
+            out.append((x, y))
+    return out, snaps
 
 
 def split_layers(kinds: tuple[str, ...], per_layer: list[KV]
