@@ -154,3 +154,28 @@ def test_a_small_cache_mib_bounds_snapshots_and_blocks(
     assert (margins(tight, ims) - truth).abs().max() <= 1e-5
     assert tight.cache is not None and tight.cache.stats.evictions > 0
     assert tight.cache.stats.state_hits > 0 and tight.cache.bytes <= budget
+
+
+def test_an_embedded_image_answers_from_its_snapshot(
+        qwen3_5: LoadedModel, case: tuple[list[PreparedImage], torch.Tensor]) -> None:
+    """An image embedded first (``image-mean``: its prompt ends at the image's end marker,
+    the snapshot is taken in that forward) then asked its questions: every question
+    resumes from the snapshot (no prefix prefilled again), the margins as without the
+    cache; the vectors as without the cache."""
+    from vlmbatch.engine.config import EmbedConfig
+    from vlmbatch.engine.records import EmbedRequest
+
+    ims, truth = case
+    reqs = [EmbedRequest(i, None) for i in range(len(ims))]
+    cfg = EmbedConfig(pooling="image-mean")
+    on = TorchEngine(qwen3_5, EngineConfig(block_size=16))
+    off = TorchEngine(qwen3_5, EngineConfig(prefix_cache=False))
+    vectors = on.embed(ims, reqs, cfg)
+    for a, b in zip(vectors, off.embed(ims, reqs, cfg)):
+        assert float(np.abs(a.values - b.values).max()) <= 1e-5
+    assert on.cache is not None and on.cache.stats.state_inserts == len(ims)
+    before = on.stats.prefill_tokens
+    assert (margins(on, ims) - truth).abs().max() <= 1e-5
+    prompts = [qwen3_5.prompts.build(r.question, ims[r.image]) for r in requests(len(ims))]
+    assert on.cache.stats.state_hits == len(prompts)
+    assert on.stats.prefill_tokens - before == sum(len(p.ids) - p.prefix_len for p in prompts)
