@@ -20,7 +20,7 @@ import vlmbatch
 from tests.app.server.serving import IMAGES, Server, chat_body, data_url
 from tests.app.test_api import same_line
 from tests.models.qwen_vl_helpers import save_engine_checkpoint
-from vlmbatch.app.cli import EXIT_OK, main
+from vlmbatch.app.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from vlmbatch.jobs.manifest import read_manifest, read_policy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,3 +122,15 @@ def test_server_label_sets_and_embeddings(model_dir: Path, vlm: vlmbatch.VLM,
         assert np.abs(np.array(got, np.float32) - vectors).max() <= 1e-5
     finally:
         assert server.stop() in (0, 143), server.output()
+
+
+def test_quantize_is_refused_with_why(model_dir: Path, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture) -> None:
+    """W4A16 calibration groups attention and MLP linears; a Gated DeltaNet layer has
+    neither, so ``vlmbatch quantize`` refuses the model before any work, saying so."""
+    assert main(["quantize", "--model", str(model_dir), "--method", "awq", "--calib",
+                 str(ROOT / "examples" / "manifest.jsonl"), "--policy",
+                 str(ROOT / "examples" / "policy.yaml"), "--out", str(tmp_path / "q"),
+                 "--no-progress"]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "qwen3_5" in err and "linear-attention" in err and not (tmp_path / "q").exists()
