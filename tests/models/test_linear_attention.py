@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,25 +32,25 @@ TOL = 1e-5
 
 @pytest.mark.parametrize("t,chunk", [(2, 16), (15, 16), (16, 16), (50, 16), (130, 64)])
 def test_state_at_equals_the_rule_cut_there(t: int, chunk: int) -> None:
-    """chunk_rule and recurrent_rule with ``at``: the extra rows = the recurrent rule run on
-    the first at[b] tokens only (at = 1, a chunk's last token, one past it, inside, the end,
-    0: the initial state); outputs and end states as without ``at``."""
+    """chunk_rule and recurrent_rule with ``at`` (two columns): the extra rows = the
+    recurrent rule run on the first at[b, p] tokens only (at = 1, a chunk's last token, one
+    past it, inside, the end, 0: the initial state); outputs and end states as without."""
     b = 6
     args = rule_inputs(b, 3, t, 8, 12, seed=t)
-    at = torch.tensor([1, min(chunk, t), min(chunk + 1, t), max(1, t // 2 + 3) if t > 3 else 1,
-                       t, 0]).clamp(max=t)
+    first = [1, min(chunk, t), min(chunk + 1, t), max(1, t // 2 + 3) if t > 3 else 1, t, 0]
+    at = torch.tensor([first, first[::-1]]).T.clamp(max=t)  # [B, 2]
     for rule, kw in ((chunk_rule, {"chunk": chunk}), (recurrent_rule, {})):
         o, states = rule(*args, at=at, **kw)
         o0, end = rule(*args, **kw)
-        assert torch.equal(o, o0) and torch.equal(states[:b], end)
-        for j in range(b):
+        assert states.shape[0] == 3 * b and torch.equal(o, o0) and torch.equal(states[:b], end)
+        for (p, j), n in np.ndenumerate(at.T.numpy()):
             want = args[5][j]  # at 0: the initial state
-            if at[j]:
-                cut = [x[j:j + 1, :, : at[j]] for x in args[:5]]
+            if n:
+                cut = [x[j:j + 1, :, :n] for x in args[:5]]
                 want = recurrent_rule(*cut, args[5][j:j + 1])[1][0]
-            assert (states[b + j] - want).abs().max() <= TOL, (rule.__name__, j)
+            assert (states[(1 + p) * b + j] - want).abs().max() <= TOL, (rule.__name__, p, j)
     # a control: the state one token later differs
-    cut = [x[:1, :, : int(at[0]) + 1] for x in args[:5]]
+    cut = [x[:1, :, : int(at[0, 0]) + 1] for x in args[:5]]
     _, later = recurrent_rule(*cut, args[5][:1])
     _, states = chunk_rule(*args, at=at, chunk=chunk)
     assert (states[b] - later[0]).abs().max() > 1e-3
@@ -83,11 +84,11 @@ def test_layer_state_at_equals_the_layer_on_the_prefix() -> None:
     recurrent states' extra rows = the layer run on each row's first at[b] tokens alone
     (chunked: 70 and 90 tokens); the outputs and end states as without ``at``."""
     m = layer()
-    lengths, at = [90, 70, 5], [64, 1, 5]
+    lengths, at = [90, 70, 5], [64, 1, 5]  # one column
     h = torch.randn(3, 90, 32)
     valid = torch.arange(90)[None] < torch.tensor(lengths)[:, None]
     past = random_state(m, 3, seed=1)
-    out, (conv, rec) = m(h, past, Layout(valid, torch.tensor(at)))
+    out, (conv, rec) = m(h, past, Layout(valid, torch.tensor(at)[:, None]))
     plain, (conv0, rec0) = m(h, past, Layout(valid))
     assert torch.equal(out, plain) and torch.equal(conv[:3], conv0)
     assert (rec[:3] - rec0).abs().max() <= TOL
@@ -152,8 +153,21 @@ def test_delta_rule_returns_the_state_at_too() -> None:
     q, k = (torch.randn(2, 40, 2, 8, generator=g) for _ in range(2))
     v = torch.randn(2, 40, 4, 12, generator=g)
     decay, beta = -0.2 * torch.rand(2, 40, 4, generator=g), torch.rand(2, 40, 4, generator=g)
-    o, states = delta_rule(q, k, v, decay, beta, None, torch.tensor([7, 40]))
+    o, states = delta_rule(q, k, v, decay, beta, None, torch.tensor([[7], [40]]))
     for j, a in enumerate((7, 40)):
         _, want = delta_rule(q[j:j + 1, :a], k[j:j + 1, :a], v[j:j + 1, :a], decay[j:j + 1, :a],
                              beta[j:j + 1, :a], None)
         assert (states[2 + j] - want[0]).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("t", [3, 16, 17, 29, 32])
+def test_a_short_sequence_takes_a_smaller_chunk(t: int) -> None:
+    """Shorter than ``CHUNK``, the chunked form runs one chunk of the next power of two
+    (``chunk_size``), not 64: its outputs and state still = the recurrent form's."""
+    from vlmbatch.models.linear_attention import CHUNK, chunk_size
+
+    assert chunk_size(t) < CHUNK and chunk_size(t) >= t
+    args = rule_inputs(2, 3, t, 8, 12, seed=t)
+    o1, s1 = recurrent_rule(*args)
+    o2, s2 = chunk_rule(*args, chunk=chunk_size(t))
+    assert (o1 - o2).abs().max() <= TOL and (s1 - s2).abs().max() <= TOL

@@ -147,8 +147,8 @@ class Decoder(nn.Module, ABC):
         past_lengths[b] real); lengths [B] real new tokens; positions of the new tokens
         (``[3, B, T]`` M-RoPE; None: past_lengths[b] + t). Returns (logits of each row's
         last real token [B, V] float32, per layer (k, v) [B, K, T, d] of the new tokens).
-        ``state_at`` [B]: a linear layer's state also after that many new tokens (its
-        entry then has 2B rows, ``models/decoder.py``)."""
+        ``state_at`` [B, P]: a linear layer's state also after that many new tokens (its
+        entry then has (1 + P) B rows, ``models/decoder.py``)."""
 
     def prefill_hidden(self, embeds: torch.Tensor, lengths: torch.Tensor,
                        past: list[KV] | None = None, past_lengths: torch.Tensor | None = None,

@@ -31,9 +31,10 @@ The options:
   meaning zeros; ``join_cache`` joins a cache with a step's output per kind (K/V appended, a
   state replaced). Positions and the attention mask concern the full layers only; a linear
   layer reads how the new tokens sit in their rows instead (``linear_attention.Layout``:
-  which are real; ``prefill``'s ``state_at``, a state snapshot inside the forward, which
-  doubles the rows of its returned state; ``extend``'s ``branches``, continuations side by
-  side, each from its row's state, whose returned state has a row per branch);
+  which are real; ``prefill``'s ``state_at``, state snapshots inside the forward, which
+  add B rows per snapshot column to its returned state; ``extend``'s ``branches``,
+  continuations side by side, each from its row's state, whose returned state has a row
+  per branch);
 - ``qkv_layout``: ``"separate"`` (``q_proj``, ``k_proj``, ``v_proj``) or ``"grouped"``
   (InternLM2's one fused ``wqkv``: per key/value head its query heads, then its key, then
   its value; ``GroupedQKVAttention``); ``Attention.qkv`` is the one method that builds
@@ -433,10 +434,11 @@ class TextDecoder(Decoder):
         + t) or M-RoPE [3, B, T] (required; ``qwen_vl/positions.py``; padding slots: any
         value). Keys: the real past, then the new tokens causally; padding queries attend to
         real tokens only, so no attention row is fully masked. deepstack: features added
-        after the leading layers (module docstring). state_at [B] (1..lengths[b]): a
-        linear layer's returned state has 2B rows, each row's after its last real token,
-        then each row's after its first state_at[b] new tokens (a snapshot at the end of
-        its image's prefix, taken in this forward: ``linear_attention``).
+        after the leading layers (module docstring). state_at [B, P] (0..lengths[b]): a
+        linear layer's returned state has (1 + P) B rows, each row's after its last real
+        token, then, column by column, each row's after its first state_at[b, p] new
+        tokens (snapshots at the end of its image's prefix and of what its group shares,
+        taken in this forward: ``linear_attention``).
         Returns (logits [B, V] float32, per layer (k, v) [B, K, T, d] of the new tokens).
         """
         x, new_kv = self._prefill_states(embeds, lengths, past, past_lengths, positions,

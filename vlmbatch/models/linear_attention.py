@@ -19,19 +19,24 @@ A layer's state is ``(conv, recurrent)``: the last K - 1 conv inputs ``[B, C, K 
 dtype) and ``S`` ``[B, Hv, dk, dv]`` (float32); zeros equal no history. Prefill runs the
 rule in chunked form (``chunk_rule``: within a chunk a triangular solve, across chunks one
 state update), decoding in recurrent form (``recurrent_rule``); both compute in float32.
+The form is exact for any chunk size: a sequence shorter than ``CHUNK`` (a question after a
+cached prefix, a label set's choice) takes one chunk of the next power of two >=
+``MIN_CHUNK`` instead of being padded to ``CHUNK`` (``chunk_size``), which halves the
+rule's work for a 29-token question.
 Right padding: positions past a row's length get ``beta = 0`` and ``g = 0`` (the state passes
 through them unchanged) and the conv state is read at the row's length, so the returned
 state is each row's at its last real token, the same as without padding.
 
 Two ways a call's tokens may sit (``Layout``), besides one sequence per row:
 
-- ``at`` [B] (a prefill that snapshots the state at the end of an image's prefix, inside the
-  same forward, ``docs/hybrid_cache.md``): the layer also returns each row's state after its
-  first ``at[b]`` new tokens (1 <= at[b] <= its length). The chunked form reads it inside the
-  chunk that holds position ``at[b] - 1`` (``_state_inside``: the chunk's starting state
-  decayed to there, plus that chunk's writes up to there), so no chunk is added; the
-  recurrent form keeps it as it passes. The returned state tensors then hold 2B rows: each
-  row's state at its end, then each row's state at ``at``.
+- ``at`` [B, P] (a prefill that snapshots the state at the end of an image's prefix, and of
+  what its questions share after it, inside the same forward, ``docs/hybrid_cache.md``): the
+  layer also returns each row's state after its first ``at[b, p]`` new tokens (0 <= at[b, p]
+  <= its length). The chunked form reads it inside the chunk that holds position
+  ``at[b, p] - 1`` (``_state_inside``: the chunk's starting state decayed to there, plus
+  that chunk's writes up to there), so no chunk is added; the recurrent form keeps it as it
+  passes. The returned state tensors then hold (1 + P) B rows: each row's state at its end,
+  then each row's at ``at[:, 0]``, then at ``at[:, 1]``, ...
 - ``Branches`` (a label set's choices side by side after one prompt, ``extend``): M branches,
   each a run of a row's new tokens that continues *that row's* state, not the tokens before
   it in the row. Each branch's tokens are gathered into a row of their own, the row's state
@@ -42,8 +47,8 @@ Two ways a call's tokens may sit (``Layout``), besides one sequence per row:
 On CUDA in bf16/fp16 with flash-linear-attention (``fla``) installed, its
 ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` kernels run the rule; the
 torch forms otherwise (``KERNELS`` forces one for a test). fla gives no state inside a
-sequence, so with ``at`` it runs once more over the tokens before ``at`` (``beta = g = 0``
-after them) for that state: a second pass of the rule, not of the layer.
+sequence, so with ``at`` it runs once more per column over the tokens before ``at`` (``beta
+= g = 0`` after them) for that state: another pass of the rule, not of the layer.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from vlmbatch.models.layers import RMSNorm, activation
 
 State = tuple[torch.Tensor, torch.Tensor]  # (conv [B, C, K-1], recurrent [B, Hv, dk, dv])
 CHUNK = 64  # positions per chunk of the chunked form (fla's and transformers' size)
+MIN_CHUNK = 16  # a shorter sequence takes one chunk of the next power of two from here
 KERNELS = "auto"  # "auto": fla where it can run; "torch": always the torch forms
 
 
@@ -75,7 +81,7 @@ class Branches:
 @dataclass(frozen=True)
 class Layout:
     """How a call's new tokens sit in its rows (module docstring): ``valid`` [B, T] the real
-    ones, right-padded (None: all); ``at`` [B] also return the state after that many;
+    ones, right-padded (None: all); ``at`` [B, P] also return the states after that many;
     ``branches`` continuations side by side (then ``valid`` and ``at`` are not read)."""
     valid: torch.Tensor | None = None
     at: torch.Tensor | None = None
@@ -161,7 +167,7 @@ class GatedDeltaNet(nn.Module):
               ) -> tuple[torch.Tensor, State]:
         """The conv and the delta rule over rows: x [B, T, C] (projected), g and beta
         [B, T, Hv] -> (o [B, T, Hv, dv] float32, the state after each row's real tokens,
-        then with ``at`` after its first at[b]: 2B rows)."""
+        then with ``at`` [B, P] after its first at[b, p]: (1 + P) B rows)."""
         b, t, _ = x.shape
         s = self.ls
         x, conv = self._conv(x.transpose(1, 2), state, valid, at)  # [B, T, C]
@@ -194,7 +200,8 @@ class GatedDeltaNet(nn.Module):
     def _conv(self, x: torch.Tensor, state: State | None, valid: torch.Tensor | None,
               at: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, C, T] -> (causal conv + activation [B, T, C], conv state [B, C, K-1] at each
-        row's last real token; with ``at``, then [B, C, K-1] after its first at[b] tokens)."""
+        row's last real token; with ``at`` [B, P], then per column [B, C, K-1] after its
+        first at[b, p] tokens)."""
         b, c, t = x.shape
         keep = self.ls.conv_kernel - 1
         before = x.new_zeros(b, c, keep) if state is None else state[0].to(x.dtype)
@@ -204,7 +211,7 @@ class GatedDeltaNet(nn.Module):
             return out, xs[:, :, t:].contiguous()
         ends = [torch.full((b,), t, device=x.device) if valid is None else valid.sum(1)]
         if at is not None:
-            ends.append(at)
+            ends += at.unbind(1)
         return out, torch.cat([_window(xs, e, keep) for e in ends])
 
 
@@ -226,8 +233,9 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule on raw q, k [B, T, Hk, dk], v [B, T, Hv, dv], g and beta
     [B, T, Hv] (float32), from ``state`` [B, Hv, dk, dv] (None: zeros): (o [B, T, Hv, dv]
-    float32, final state [B, Hv, dk, dv] float32; with ``at`` [B], then each row's state
-    after its first at[b] tokens: [2B, Hv, dk, dv]). q/k are L2-normalised here, q scaled."""
+    float32, final state [B, Hv, dk, dv] float32; with ``at`` [B, P], then each row's state
+    after its first at[b, p] tokens, column by column: [(1 + P) B, Hv, dk, dv]). q/k are
+    L2-normalised here, q scaled."""
     rep = v.shape[2] // k.shape[2]
     if rep > 1:  # query/key head j // rep serves value head j
         q, k = q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2)
@@ -236,36 +244,46 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         o, final = _fla(kernel, q, k, v, g, beta, state)
         if at is None:
             return o, final
-        before = (torch.arange(q.shape[1], device=q.device)[None] < at[:, None])[..., None]
-        _, snap = _fla(kernel, q, k, v, g * before, beta * before, state)  # module docstring
-        return o, torch.cat([final, snap])
+        pos = torch.arange(q.shape[1], device=q.device)[None]
+        snaps = []
+        for col in at.unbind(1):  # module docstring: a pass of the rule per column
+            before = (pos < col[:, None])[..., None]
+            snaps.append(_fla(kernel, q, k, v, g * before, beta * before, state)[1])
+        return o, torch.cat([final, *snaps])
     q, k = l2norm(q.float()), l2norm(k.float())
     q = q * q.shape[-1] ** -0.5
     if state is None:
         state = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3], dtype=torch.float32)
     rule = recurrent_rule if q.shape[1] <= 2 else chunk_rule  # decoding: token by token
     qh, kh, vh, gh, bh = (x.transpose(1, 2).float() for x in (q, k, v, g, beta))  # heads first
-    o, final = rule(qh, kh, vh, gh, bh, state.float(), at=at)
+    size = {} if rule is recurrent_rule else {"chunk": chunk_size(q.shape[1])}
+    o, final = rule(qh, kh, vh, gh, bh, state.float(), at=at, **size)
     return o.transpose(1, 2), final
+
+
+def chunk_size(t: int) -> int:
+    """The chunked form's chunk for T positions (module docstring): ``CHUNK``, or for a
+    shorter sequence the next power of two from ``MIN_CHUNK``."""
+    return CHUNK if t >= CHUNK else max(MIN_CHUNK, 1 << (t - 1).bit_length())
 
 
 def recurrent_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                    beta: torch.Tensor, state: torch.Tensor, at: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token by token: q, k [B, H, T, dk] (normalised, q scaled), v [B, H, T, dv], g, beta
-    [B, H, T], state [B, H, dk, dv] -> (o [B, H, T, dv], final state; with ``at`` [B], then
-    the state after at[b] tokens: 2B rows)."""
+    [B, H, T], state [B, H, dk, dv] -> (o [B, H, T, dv], final state; with ``at`` [B, P],
+    then the states after at[b, p] tokens: (1 + P) B rows)."""
     out = []
-    snap = state
+    snaps = [] if at is None else [state] * at.shape[1]
     for i in range(q.shape[2]):
         state = state * g[:, :, i, None, None].exp()
         k_i = k[:, :, i]  # [B, H, dk]
         delta = (v[:, :, i] - torch.einsum("bhkv,bhk->bhv", state, k_i)) * beta[:, :, i, None]
         state = state + k_i[..., None] * delta[:, :, None, :]
         out.append(torch.einsum("bhkv,bhk->bhv", state, q[:, :, i]))
-        if at is not None:
-            snap = torch.where((at == i + 1)[:, None, None, None], state, snap)
-    return torch.stack(out, 2), state if at is None else torch.cat([state, snap])
+        for p in range(len(snaps)):
+            snaps[p] = torch.where((at[:, p] == i + 1)[:, None, None, None], state, snaps[p])
+    return torch.stack(out, 2), torch.cat([state, *snaps]) if snaps else state
 
 
 def chunk_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -275,8 +293,9 @@ def chunk_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     inside a chunk, with cumulative log decay G and decays ``D[i, j] = exp(G_i - G_j)``
     (j <= i), the chunk's state reads and writes are one triangular solve of ``I +
     strict_lower(beta K K^T * D)``; across chunks one update of the state. Shapes as
-    ``recurrent_rule``; T is padded to a multiple of ``chunk`` with beta = g = 0. ``at``:
-    the state after at[b] tokens too, read inside its chunk (``_state_inside``)."""
+    ``recurrent_rule``; T is padded to a multiple of ``chunk`` with beta = g = 0. ``at``
+    [B, P]: the states after at[b, p] tokens too, each read inside its chunk
+    (``_state_inside``)."""
     b, h, t, dk = k.shape
     pad = -t % chunk
     if pad:
@@ -297,20 +316,20 @@ def chunk_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     q_in = q * cum[..., None].exp()  # reads of the state at the chunk's start
     last = cum[..., -1:]  # [B, H, n, 1]
     k_out = k * (last - cum)[..., None].exp()  # writes, decayed to the chunk's end
-    first = state
-    which = None if at is None else (at - 1).clamp(min=0) // chunk  # [B]: at's chunk
+    which = None if at is None else (at - 1).clamp(min=0) // chunk  # [B, P]: at's chunks
+    firsts = [] if which is None else [state] * which.shape[1]  # each at's chunk's start
     out = []
     for i in range(n):
-        if which is not None and i:
-            first = torch.where((which == i)[:, None, None, None], state, first)
+        for p in range(len(firsts) if i else 0):
+            firsts[p] = torch.where((which[:, p] == i)[:, None, None, None], state, firsts[p])
         v_new = u[:, :, i] - w[:, :, i] @ state  # [B, H, c, dv]
         out.append(q_in[:, :, i] @ state + attn[:, :, i] @ v_new)
         state = state * last[:, :, i, :, None].exp() + k_out[:, :, i].transpose(-1, -2) @ v_new
     o = torch.cat(out, 2)[:, :, :t]
-    if at is None:
+    if at is None or which is None:
         return o, state
-    assert which is not None
-    return o, torch.cat([state, _state_inside(first, which, at, u, w, k, cum)])
+    return o, torch.cat([state, *(_state_inside(f, which[:, p], at[:, p], u, w, k, cum)
+                                  for p, f in enumerate(firsts))])
 
 
 def _state_inside(first: torch.Tensor, which: torch.Tensor, at: torch.Tensor, u: torch.Tensor,
