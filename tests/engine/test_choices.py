@@ -270,8 +270,8 @@ def test_a_shared_instruction_is_prefilled_once(models: Models) -> None:
     """Two questions about one image behind the same system turn and instruction: the second
     prefills only from the first token where the prompts differ (the instruction after the
     image comes from the cache), and both answer as without a cache. A hybrid decoder
-    (Qwen3.5) resumes only at its state snapshot, at the image's end marker: the system
-    turn comes from the cache, the instruction after the image is prefilled again."""
+    (Qwen3.5) too: the first question's forward takes a state snapshot where the two
+    prompts start to differ (``docs/hybrid_cache.md``)."""
     (im,) = images(models, [(200, 90)])
     qs = [Question(k, t, prompt="Look at the whole image, then answer yes or no.",
                    system="You label images.") for k, t in (("a", "Is it red?"),
@@ -282,8 +282,6 @@ def test_a_shared_instruction_is_prefilled_once(models: Models) -> None:
     assert common > p1.prefix_len + 8  # the instruction's tokens are after the image
     on = TorchEngine(models.ours, EngineConfig(block_size=4))
     got = on.score([im], reqs)
-    if "linear" in models.ours.llm.kinds:
-        common = p1.prefix_len  # docs/hybrid_cache.md
     assert on.stats.prefill_tokens == len(p1.ids) + len(p2.ids) - common
     off = TorchEngine(models.ours, EngineConfig(prefix_cache=False)).score([im], reqs)
     assert max(abs(a.margin - b.margin) for a, b in zip(got, off)) <= 1e-5

@@ -179,3 +179,32 @@ def test_an_embedded_image_answers_from_its_snapshot(
     prompts = [qwen3_5.prompts.build(r.question, ims[r.image]) for r in requests(len(ims))]
     assert on.cache.stats.state_hits == len(prompts)
     assert on.stats.prefill_tokens - before == sum(len(p.ids) - p.prefix_len for p in prompts)
+
+
+def test_a_shared_instruction_takes_two_snapshots(
+        qwen3_5: LoadedModel, case: tuple[list[PreparedImage], torch.Tensor]) -> None:
+    """Questions that share their first words after the image: the first question's
+    forward takes two snapshots, at the image's end and where the prompts start to differ;
+    the others resume from the second (prefilling only what differs); a later call asking
+    one question alone resumes from the first. Margins as without the cache."""
+    ims, _ = case
+    shared = ["Look closely. Is there a red shape?", "Look closely. Is it round?"]
+    reqs = [Request(i, q) for i in range(len(ims)) for q in shared]
+    alone = [Request(i, "Is it blue?") for i in range(len(ims))]
+    off = TorchEngine(qwen3_5, EngineConfig(prefix_cache=False))
+    want = [s.margin for s in off.score(ims, reqs) + off.score(ims, alone)]
+    on = TorchEngine(qwen3_5, EngineConfig(block_size=16))
+    got = [s.margin for s in on.score(ims, reqs)]
+    assert on.cache is not None and on.cache.stats.state_inserts == 2 * len(ims)
+    prompts = [qwen3_5.prompts.build(r.question, ims[r.image]) for r in reqs]
+    common = [next(k for k, (x, y) in enumerate(zip(a.ids, b.ids)) if x != y)
+              for a, b in zip(prompts[::2], prompts[1::2])]
+    assert all(c > p.prefix_len + 3 for c, p in zip(common, prompts[::2]))
+    assert on.stats.prefill_tokens == sum(len(a.ids) + len(b.ids) - c for a, b, c in
+                                          zip(prompts[::2], prompts[1::2], common))
+    before, hits = on.stats.prefill_tokens, on.cache.stats.state_hits
+    got += [s.margin for s in on.score(ims, alone)]
+    assert on.cache.stats.state_hits == hits + len(ims)
+    singles = [qwen3_5.prompts.build(r.question, ims[r.image]) for r in alone]
+    assert on.stats.prefill_tokens - before == sum(len(p.ids) - p.prefix_len for p in singles)
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5

@@ -191,7 +191,7 @@ class ModelRunner:
         """Cache a forward's new prefix blocks and state snapshots (``_insert``); its
         per-layer output without the snapshot rows (``take_snapshots``)."""
         snaps = None
-        if self.codec is not None and any(p.snapshot for p in batch):
+        if self.codec is not None and any(p.snapshots for p in batch):
             new_kv, snaps = take_snapshots(self.kinds, new_kv, len(batch))
         if self.cache is not None:
             self._insert(batch, new_kv, snaps)
@@ -328,10 +328,10 @@ class ModelRunner:
         return [(g[i, 0], g[i, 1]) for i in range(layers)]
 
     def _insert(self, batch: list[Plan], new_kv: list[KV],
-                snaps: list[torch.Tensor] | None) -> None:
+                snaps: list[list[torch.Tensor]] | None) -> None:
         """New prefix blocks of the full layers' K/V into the pool; a hybrid decoder's
-        snapshots (``snaps``: the states at the prefix's end, ``take_snapshots``) of the
-        rows that take one (``Plan.snapshot``) after."""
+        snapshots (``snaps``: per column, the states ``take_snapshots`` split off) of the
+        rows that take them (``Plan.snapshots``) after."""
         assert self.cache is not None
         if self.codec is not None:
             new_kv, _ = split_layers(self.kinds, new_kv)
