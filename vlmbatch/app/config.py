@@ -1,12 +1,12 @@
 """The config roots of the commands, and how each is built from the command line.
 
-One frozen record per command, the shared sub-configs once each (``pipeline/config.py``:
-``ModelConfig``, ``EngineConfig``, ``PrepareConfig``, ``EmbedConfig``; ``jobs/config.py``:
-``ExecutorConfig``)::
+One frozen record per command, the shared sub-configs once each (``engine/config.py``:
+``ModelConfig``, ``EngineConfig``, ``EmbedConfig``; ``pipeline/config.py``: ``PrepareConfig``;
+``jobs/config.py``: ``ExecutorConfig``)::
 
     run / submit   jobs.config.RunConfig      input, output, task; model, engine, prepare,
                                               executor, embed  (a job stores it: job.json)
-    serve          server.config.ServeConfig  listen, limits, batches; model, engine, prepare
+    serve          server.config.ServerConfig listen, limits, batches; model, engine, prepare
     embed          EmbedCommandConfig         inputs, outputs; model, engine, prepare, embed
     eval           EvalConfig                 split, limit (or a labelled manifest); model,
                                               engine, prepare

@@ -5,7 +5,7 @@
 Loads the model into the torch engine (float32 by default, prefix cache off), takes the first
 ``samples`` questions of the calibration items, runs ``quant.calibrate.quantize_llm`` and
 writes the checkpoint with ``quant.checkpoint.save_quantized``. Offline only: serving loads
-the result (``pipeline.loading.load_model``) and never quantises. Here rather than in
+the result (``engine.loading.load_model``) and never quantises. Here rather than in
 ``quant/`` because calibration runs the serving engine, which sits above it.
 """
 

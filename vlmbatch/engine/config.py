@@ -121,7 +121,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    # one of pipeline.build.ENGINES (checked when built): torch (ours, CPU/CUDA), lmdeploy
+    # one of engine.build.ENGINES (checked when built): torch (ours, CPU/CUDA), lmdeploy
     engine: str = "torch"
     vit_backend: str = "auto"  # one of vit_backends()
     cuda_graphs: bool = True  # torch/tensorrt vision backends on CUDA: batch-bucketed graph pool

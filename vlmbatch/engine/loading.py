@@ -24,7 +24,7 @@ from vlmbatch.quant.fp8 import Fp8Unavailable, convert_linears_fp8, require_fp8
 from vlmbatch.quant.runtime import QuantError, convert_for_runtime, int8_dynamic
 from vlmbatch.vit_trt.base import VisionModel
 
-# ModelConfig.dtype's names (the keys are pipeline.config.DTYPES: tested) -> torch dtypes
+# ModelConfig.dtype's names (the keys are engine.config.DTYPES: tested) -> torch dtypes
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -8,11 +8,13 @@ Input line (one chat completion request)::
          {"type": "text", "text": "Is there a red shape?"}]}]}}
 
 Each request becomes one item with one question (its text parts joined) about its one image
-(the only ``image_url`` part). ``file://`` and ``data:`` URLs and local paths work; http(s)
-URLs are refused when the file is read, since no network is assumed. Requests for the same
-image share its prefix cache entry, keyed by pixel content. A body with vLLM's
-``structured_outputs: {"choice": [...]}`` (or ``guided_choice: [...]``, its older name) asks
-a label-set question: the answer is the most probable choice (``Question.choices``).
+(the only ``image_url`` part). ``file://`` and ``data:`` URLs and local paths are read;
+http(s) (and s3/gs/az) URLs are fetched by the fetch stage, a failure that item's ``source``
+error (``docs/data_sources.md``; the server refuses them unless ``--allow-remote-media``).
+Requests for the same image share its prefix cache entry, keyed by pixel content. A body
+with vLLM's ``structured_outputs: {"choice": [...]}`` (or ``guided_choice: [...]``, its older
+name) asks a label-set question: the answer is the most probable choice
+(``Question.choices``).
 
 Output line: ``{"id", "custom_id", "response": {"status_code": 200, "request_id", "body":
 <chat.completion>}, "error": null}``; a failed item gets ``"response": null`` and
