@@ -303,7 +303,7 @@ class ModelRunner:
         gather from the pool for the whole batch. Row j's keys past its own ``past_len``
         (another slot's or a padding slot's, all finite) are masked by ``past_lengths``.
         A hybrid decoder's linear layers get each row's state snapshot instead (zeros for a
-        row without one, which then has no cached prefix either: ``planner._plan_state``)."""
+        row without one, which then has no cached prefix either: ``Planner._resume``)."""
         longest = max(p.past_len for p in batch)
         if longest == 0:
             return None, None
