@@ -274,15 +274,16 @@ def recurrent_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     [B, H, T], state [B, H, dk, dv] -> (o [B, H, T, dv], final state; with ``at`` [B, P],
     then the states after at[b, p] tokens: (1 + P) B rows)."""
     out = []
-    snaps = [] if at is None else [state] * at.shape[1]
+    cols = [] if at is None else list(at.unbind(1))  # each [B]
+    snaps = [state] * len(cols)
     for i in range(q.shape[2]):
         state = state * g[:, :, i, None, None].exp()
         k_i = k[:, :, i]  # [B, H, dk]
         delta = (v[:, :, i] - torch.einsum("bhkv,bhk->bhv", state, k_i)) * beta[:, :, i, None]
         state = state + k_i[..., None] * delta[:, :, None, :]
         out.append(torch.einsum("bhkv,bhk->bhv", state, q[:, :, i]))
-        for p in range(len(snaps)):
-            snaps[p] = torch.where((at[:, p] == i + 1)[:, None, None, None], state, snaps[p])
+        for p, col in enumerate(cols):
+            snaps[p] = torch.where((col == i + 1)[:, None, None, None], state, snaps[p])
     return torch.stack(out, 2), torch.cat([state, *snaps]) if snaps else state
 
 
@@ -316,20 +317,21 @@ def chunk_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     q_in = q * cum[..., None].exp()  # reads of the state at the chunk's start
     last = cum[..., -1:]  # [B, H, n, 1]
     k_out = k * (last - cum)[..., None].exp()  # writes, decayed to the chunk's end
-    which = None if at is None else (at - 1).clamp(min=0) // chunk  # [B, P]: at's chunks
-    firsts = [] if which is None else [state] * which.shape[1]  # each at's chunk's start
+    cols = [] if at is None else list(at.unbind(1))  # each [B]
+    which = [(col - 1).clamp(min=0) // chunk for col in cols]  # each at's chunk
+    firsts = [state] * len(cols)  # the state at the start of each at's chunk
     out = []
     for i in range(n):
-        for p in range(len(firsts) if i else 0):
-            firsts[p] = torch.where((which[:, p] == i)[:, None, None, None], state, firsts[p])
+        for p, ch in enumerate(which if i else []):
+            firsts[p] = torch.where((ch == i)[:, None, None, None], state, firsts[p])
         v_new = u[:, :, i] - w[:, :, i] @ state  # [B, H, c, dv]
         out.append(q_in[:, :, i] @ state + attn[:, :, i] @ v_new)
         state = state * last[:, :, i, :, None].exp() + k_out[:, :, i].transpose(-1, -2) @ v_new
     o = torch.cat(out, 2)[:, :, :t]
-    if at is None or which is None:
+    if not cols:
         return o, state
-    return o, torch.cat([state, *(_state_inside(f, which[:, p], at[:, p], u, w, k, cum)
-                                  for p, f in enumerate(firsts))])
+    return o, torch.cat([state, *(_state_inside(f, ch, col, u, w, k, cum)
+                                  for f, ch, col in zip(firsts, which, cols))])
 
 
 def _state_inside(first: torch.Tensor, which: torch.Tensor, at: torch.Tensor, u: torch.Tensor,
