@@ -140,31 +140,10 @@ class TorchEngine(Engine):
                                        [choices[p.req] for p in batch], self._first_token)
 
         done: _Queued = []
-        if self.cache is not None and self.planner.state_bytes:
-            for heads, members in self.planner.prefix_phases(requests, prompts, shared):
-                self._prefix_phase(heads, prompts, image_of, images, embeds, prefixes)
-                done += self._phase(members, prompts, image_of, images, embeds, prefixes,
-                                    forward, shared=shared)
-            return self._read_back(done, len(requests), choices)
         for phase in self.planner.phases(requests, prompts, shared):
             done += self._phase(phase, prompts, image_of, images, embeds, prefixes, forward,
                                 shared=shared)
         return self._read_back(done, len(requests), choices)
-
-    def _prefix_phase(self, heads: list[int], prompts: list[Prompt], image_of: list[int | None],
-                      images: list[PreparedImage], embeds: dict[int, ImageEmbeds],
-                      prefixes: dict[Prefix, list[BlockId]]) -> None:
-        """A hybrid decoder's (``docs/hybrid_cache.md``): prefill the first prompt of each
-        image through its shared prefix only, caching the prefix's blocks and the linear
-        layers' state snapshot at its end, from which every question about the image then
-        resumes. A prefix already cached needs no forward (``Planner.batches``)."""
-        cut_prompts = {i: cut(prompts[i], prompts[i].prefix_len) for i in heads}
-
-        def forward(batch: list[Plan], ims: list[ImageEmbeds | None]) -> None:
-            self.runner.prefill(batch, ims, [0] * len(batch))
-
-        self._phase(heads, [cut_prompts.get(i, p) for i, p in enumerate(prompts)], image_of,
-                    images, embeds, prefixes, forward)
 
     def embedding(self, cfg: EmbedConfig) -> Resolved:
         return self._head(cfg).resolved
