@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.checks import Checks  # noqa: E402
 from tests.app.server.serving import IMAGES, Server, batch_lines, chat_body  # noqa: E402
+from tests.waiting import NeverHappened, wait_until  # noqa: E402
 
 QS = ("Is there a red shape?", "Is there a circle?")
 
@@ -145,12 +146,14 @@ def start_batch(c: httpx.Client, n: int) -> tuple[str, list[str]]:
 
 def batch_once(c: httpx.Client, batch_id: str, ids: list[str], timeout: float) -> str | None:
     """None when the batch completed with each of ``ids`` answered once, else why not."""
-    deadline = time.monotonic() + timeout
-    while (b := c.get(f"/v1/batches/{batch_id}").json())["status"] not in (
-            "completed", "failed", "cancelled"):
-        if time.monotonic() > deadline:
-            return f"batch still {b['status']} after {timeout:g} s"
-        time.sleep(0.2)
+    def finished() -> dict | None:
+        b = c.get(f"/v1/batches/{batch_id}").json()
+        return b if b["status"] in ("completed", "failed", "cancelled") else None
+
+    try:
+        b = wait_until(finished, timeout, f"batch {batch_id} finished", interval=0.2)
+    except NeverHappened as e:
+        return str(e)
     if b["status"] != "completed":
         return f"batch {b['status']}"
     lines = c.get(f"/v1/files/{b['output_file_id']}/content").text.splitlines()

@@ -1,10 +1,13 @@
 """The layers of ``docs/structure.md``: a package imports only from the rows below its own,
-no two modules import each other (directly or round a cycle), and an import inside a
-function is only ever of an optional dependency, with a comment saying so.
+no two modules import each other (directly or round a cycle), an import inside a function
+is only ever of an optional dependency, with a comment saying so, and the server's engine
+side (``vlmbatch.serving``) imports nothing of the web stack.
 
 Every module of the packages is parsed with ``ast`` (nothing imported), function-level
-imports included, ``if TYPE_CHECKING:`` blocks excepted. The checker runs on the real tree
-and on copies with one bad import injected, so each rule is shown to fail when broken.
+imports included, and ``if TYPE_CHECKING:`` imports too: they never run, but a type named
+from a module above, or round a cycle, ties the modules together all the same (they are
+module-level imports, so they need no ``optional`` comment). The checker runs on the real
+tree and on copies with one bad import injected, so each rule is shown to fail when broken.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS: list[tuple[str, ...]] = [
     ("vlmbatch",),
     ("vlmbatch.app",),
-    ("vlmbatch.labels",),
+    ("vlmbatch.labels", "vlmbatch.serving"),
     ("vlmbatch.jobs",),
     ("vlmbatch.pipeline",),
     ("vlmbatch.engine",),
@@ -33,6 +36,10 @@ ROW = {pkg: i for i, row in enumerate(LAYERS) for pkg in row}
 # the only modules a function may import (extras or a separate env), each with a comment
 OPTIONAL = {"onnxruntime", "onnx", "ray", "tensorrt", "lmdeploy", "pyarrow", "fsspec",
             "fla"}  # fla: flash-linear-attention, Qwen3.5's kernels on CUDA
+# what the server's engine side (an engine process) must never load: the HTTP stack
+WEB = {"fastapi", "starlette", "pydantic", "pydantic_core", "uvicorn", "multipart",
+       "python_multipart"}
+ENGINE_SIDE = "vlmbatch.serving"
 
 
 def modules(root: Path) -> dict[str, Path]:
@@ -55,20 +62,13 @@ def package(module: str) -> str:
     return ".".join(parts[:2]) if len(parts) > 1 and ".".join(parts[:2]) in ROW else "vlmbatch"
 
 
-def _type_checking(node: ast.If) -> bool:
-    t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
-
-
 def imports(tree: ast.Module) -> list[tuple[ast.stmt, bool]]:
-    """(import statement, at module level?) outside ``if TYPE_CHECKING:`` blocks."""
+    """(import statement, at module level?), ``if TYPE_CHECKING:`` blocks included (at
+    module level)."""
     found: list[tuple[ast.stmt, bool]] = []
 
     def visit(node: ast.AST, top: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _type_checking(child):
-                continue
             if isinstance(child, (ast.Import, ast.ImportFrom)):
                 found.append((child, top))
             inner = top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef,
@@ -117,6 +117,9 @@ def violations(root: Path) -> list[str]:
                                f"(row {ROW[pkg] + 1}): not below it")
                 if target in known:
                     graph[mod].add(target)
+                if own == ENGINE_SIDE and target.split(".")[0] in WEB:
+                    bad.append(f"{where}: the engine side ({own}) imports {target}: an "
+                               "engine process must not load the web stack")
                 if not top and (pkg not in OPTIONAL or not _commented(lines, stmt.lineno)):
                     bad.append(f"{where}: function-level import of {target} (only optional "
                                f"dependencies {sorted(OPTIONAL)}, with a comment)")
@@ -197,6 +200,31 @@ def test_a_cycle_fails(tree: Path) -> None:
     _append(engine / "planner.py", "\nimport vlmbatch.engine.scoring  # noqa\n")
     assert violations(tree) == [
         "import cycle: vlmbatch.engine.planner -> vlmbatch.engine.scoring"]
+
+
+def test_a_type_only_cycle_fails(tree: Path) -> None:
+    """A type named under ``if TYPE_CHECKING:`` closes a cycle as a real import does."""
+    _append(tree / "vlmbatch" / "engine" / "prefix_cache.py",
+            "\nfrom typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+            "    from vlmbatch.engine.planner import Plan  # noqa\n")
+    (cycle,) = violations(tree)
+    assert cycle.startswith("import cycle: ") and "vlmbatch.engine.planner" in cycle \
+        and "vlmbatch.engine.prefix_cache" in cycle
+
+
+def test_a_type_only_upward_import_fails(tree: Path) -> None:
+    _append(tree / "vlmbatch" / "jobs" / "sinks.py",
+            "\nfrom typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+            "    from vlmbatch.labels.read import Scored  # noqa\n")
+    assert any("vlmbatch.jobs (row 4) imports vlmbatch.labels.read (row 3)" in b
+               for b in violations(tree))
+
+
+@pytest.mark.parametrize("web", ["fastapi", "starlette.types", "pydantic", "uvicorn"])
+def test_the_engine_side_importing_the_web_stack_fails(tree: Path, web: str) -> None:
+    _append(tree / "vlmbatch" / "serving" / "scheduler.py", f"\nimport {web}  # noqa\n")
+    (bad,) = violations(tree)
+    assert bad.startswith("vlmbatch/serving/scheduler.py:") and f"imports {web}" in bad
 
 
 def test_a_hidden_function_level_import_fails(tree: Path) -> None:

@@ -2,8 +2,9 @@
 images and texts into embeddings.
 
 One import root: every package lives under ``vlmbatch/`` (the layers of docs/structure.md,
-top to bottom: ``app`` (the CLI, the Python API, the server), ``labels`` (labelled
-evaluation, calibration, the report), ``jobs``, ``pipeline`` (the drive loop), ``engine``
+top to bottom: ``app`` (the CLI, the Python API, the server's HTTP side), ``labels``
+(labelled evaluation, calibration, the report) and ``serving`` (the server's engine side),
+``jobs``, ``pipeline`` (the drive loop), ``engine``
 (the model behind one interface), ``vit_trt`` and ``quant``, ``models``,
 ``preprocessing``/``cudagraph_pool``/``common``).
 

@@ -14,11 +14,11 @@ import os
 import signal
 import socket
 import threading
-from pathlib import Path
 from typing import Any
 
 from vlmbatch.engine.config import ConfigError
 from vlmbatch.jobs.config import RayOptions
+from vlmbatch.preprocessing.children import RAY_SETUP_HOOK, search_path
 
 
 def init_ray(ray: Any, opts: RayOptions) -> None:
@@ -27,8 +27,10 @@ def init_ray(ray: Any, opts: RayOptions) -> None:
     last one ``ray start`` made on this machine). A cluster that cannot be reached or joined
     is a ``ConfigError`` naming the address, not a traceback."""
     cpus = opts.preprocess_workers + opts.model_workers * opts.model_cpus
-    root = str(Path(__file__).resolve().parents[2])  # holds vlmbatch/: the workers' imports
-    env = {"PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    # the workers import this vlmbatch, not one in the driver's working directory (which Ray
+    # puts first on their sys.path): preprocessing/children.py
+    runtime_env = {"env_vars": {"PYTHONPATH": search_path()},
+                   "worker_process_setup_hook": RAY_SETUP_HOOK}
     address = opts.address or os.environ.get("RAY_ADDRESS") or None
     named = f"--address {opts.address}" if opts.address else f"RAY_ADDRESS={address}"
     if address:
@@ -36,7 +38,7 @@ def init_ray(ray: Any, opts: RayOptions) -> None:
     ours = signal.getsignal(signal.SIGTERM)
     try:
         ray.init(address=address or "local", num_cpus=None if address else math.ceil(cpus),
-                 include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+                 include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
     except (ConnectionError, RuntimeError, ValueError, ray.exceptions.RayError) as e:
         if not address:
             raise

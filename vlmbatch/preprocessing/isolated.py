@@ -12,7 +12,8 @@ rest of the ``PreparedImage`` pickled.
 Workers are started by exec, not fork: the parent holds torch's and OpenCV's thread pools,
 our own threads and perhaps a CUDA context, none of which a forked child may safely touch,
 and a fresh interpreter that imports only ``preprocessing`` costs ~0.25 s and ~50 MB once
-per worker (``bench/isolation.py`` compares fork and forkserver).
+per worker (``bench/isolation.py`` compares fork and forkserver). They import this process's
+``vlmbatch`` whatever the working directory (``preprocessing/children.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import mmap
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
@@ -32,6 +32,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from queue import Empty, SimpleQueue
 
+from vlmbatch.preprocessing.children import child_env, python_module
 from vlmbatch.preprocessing.decode import ImageError
 from vlmbatch.preprocessing.decoder_process import unpack
 from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
@@ -79,12 +80,12 @@ class _Worker:
         os.ftruncate(memfd, 2 * slot_bytes)
         down_r, down_w = os.pipe()  # to the worker
         up_r, up_w = os.pipe()  # from it
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "vlmbatch.preprocessing.decoder_process", str(down_r),
-                 str(up_w), str(memfd), str(slot_bytes), str(os.getpid())],
-                pass_fds=(down_r, up_w, memfd), stdin=subprocess.DEVNULL, stdout=2, env=env)
+                python_module("vlmbatch.preprocessing.decoder_process", str(down_r),
+                              str(up_w), str(memfd), str(slot_bytes), str(os.getpid())),
+                pass_fds=(down_r, up_w, memfd), stdin=subprocess.DEVNULL, stdout=2,
+                env=child_env())
             self.slots = mmap.mmap(memfd, 2 * slot_bytes)
         finally:
             for fd in (down_r, up_w, memfd):

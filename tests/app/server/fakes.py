@@ -1,11 +1,10 @@
 """Stand-ins for the server's unit tests: an engine that answers without a model, an
-embedder that returns known vectors, and a server on them in this process (uvicorn in a
-thread on a free port of 127.0.0.1)."""
+embedding backend that returns known vectors, and a server on them in this process (uvicorn
+in a thread on a free port of 127.0.0.1)."""
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -13,14 +12,16 @@ import numpy as np
 import uvicorn
 import xxhash
 
+from tests.waiting import wait_until
 from vlmbatch.app.server.app import create_app
 from vlmbatch.app.server.config import ServerConfig
-from vlmbatch.app.server.embeddings import Embeddings, EmbedInput, EmbedOptions, EmbedRefused
-from vlmbatch.app.server.engines import LocalEngines
-from vlmbatch.app.server.serve import ServerState
+from vlmbatch.app.server.state import ServerState
 from vlmbatch.engine.base import Engine, EngineStats
 from vlmbatch.engine.records import Request, Score
 from vlmbatch.preprocessing.prepare import PreparedImage, TilingConfig
+from vlmbatch.serving.embed import Embeddings, EmbedInput, EmbedOptions
+from vlmbatch.serving.engines import LocalEngines
+from vlmbatch.serving.errors import EmbedRefused
 
 
 class FakeEngine(Engine):
@@ -56,7 +57,7 @@ def picture(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (20, 20, 3), dtype=np.uint8)
 
 
-class FakeEmbedder:
+class FakeEmbedBackend:
     """Vector i of a call: a fixed random unit vector per input, truncated to ``dimensions``
     and re-normalised; a text's tokens are its length + 2, an image's 16. Records calls.
     Refuses a text containing "REFUSE" (as a real one refuses one over the token limit)."""
@@ -84,18 +85,17 @@ class FakeEmbedder:
 
 
 @contextmanager
-def fake_server(cfg: ServerConfig, embedder: FakeEmbedder | None = None
+def fake_server(cfg: ServerConfig, embedder: FakeEmbedBackend | None = None
                 ) -> Iterator[tuple[str, FakeEngine]]:
     """(base URL, engine) of a server on a FakeEngine, running until the block ends."""
     engine = FakeEngine()
-    app = create_app(ServerState.build(cfg, LocalEngines(engine, cfg), embedder=embedder))
+    app = create_app(ServerState.build(cfg, LocalEngines(engine, cfg.serving),
+                                       embeddings=embedder))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=cfg.port,
                                            log_level="warning"))
     t = threading.Thread(target=server.run, daemon=True)
     t.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: server.started, 20, "the in-process server started", interval=0.02)
     try:
         yield f"http://127.0.0.1:{cfg.port}", engine
     finally:

@@ -2,14 +2,14 @@
 lines equal ``VLM.embed`` on the built-in embedding model and the interactive endpoint
 (float, base64, ``dimensions``), in input order, a request with a list input one request;
 bad lines named at validation; a request over the token limit in the error file; cancel
-keeps whole requests; ``--no-embeddings`` refuses them; a server killed with SIGKILL
-mid-batch and started again embeds every request exactly once."""
+keeps whole requests (on the session's shared server, ``conftest.py``); ``--no-embeddings``
+refuses them; a server killed with SIGKILL mid-batch and started again embeds every request
+exactly once."""
 
 from __future__ import annotations
 
 import base64
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -17,26 +17,20 @@ import openai
 import pytest
 
 import vlmbatch
-from tests.app.server.serving import IMAGES, Server, batch_lines, data_url
-from tests.app.server.test_resume import pending, wait_for
-from tests.app.server.test_server import upload, wait_batch
-from vlmbatch.jobs.folder import STORE_FILE
-from vlmbatch.jobs.store import JobStore
+from tests.app.server.serving import (
+    IMAGES,
+    Server,
+    batch_lines,
+    create_batch,
+    data_url,
+    kill_mid_batch,
+    pending,
+    recorded,
+    resume,
+    wait_batch,
+)
 
 URL = "/v1/embeddings"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    s = Server(tmp_path_factory.mktemp("serve") / "data", "--images-per-batch", "2",
-               faults={"group_delay": 0.2}).wait_ready()  # a batch runs long enough to cancel
-    yield s
-    assert s.stop() in (0, 143), s.output()
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return server.openai()
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +53,7 @@ def vectors(data: list[dict], fmt: str) -> np.ndarray:
 
 
 def create(client: openai.OpenAI, text: str, endpoint: str = URL):  # noqa: ANN201
-    return client.batches.create(input_file_id=upload(client, text).id, endpoint=endpoint,
-                                 completion_window="24h")
+    return create_batch(client, text, endpoint)
 
 
 REQS: list[tuple[str, str | list[str], dict]] = [
@@ -74,7 +67,7 @@ REQS: list[tuple[str, str | list[str], dict]] = [
 
 def test_output_equals_vlm_embed_and_the_interactive_endpoint(
         client: openai.OpenAI, embed_vlm: vlmbatch.VLM) -> None:
-    b = wait_batch(client, create(client, embed_lines(REQS)).id)
+    b = wait_batch(client, create(client, embed_lines(REQS)).id, timeout=60)
     assert b.status == "completed", b
     assert b.endpoint == URL and b.error_file_id is None
     c = b.request_counts
@@ -112,7 +105,7 @@ def test_bad_lines_are_named_and_fail_the_batch(client: openai.OpenAI) -> None:
                        ("dims", "a circle", {"dimensions": 63})]) \
         + json.dumps({"method": "POST", "url": URL, "body": {"model": "m", "input": "x"}}) \
         + "\n"
-    b = wait_batch(client, create(client, text).id)
+    b = wait_batch(client, create(client, text).id, timeout=60)
     assert b.status == "failed" and b.output_file_id is None
     errors = [(e.line, e.message) for e in b.errors.data]
     assert [n for n, _ in errors] == [2, 3, 4, 5, 6]
@@ -122,13 +115,13 @@ def test_bad_lines_are_named_and_fail_the_batch(client: openai.OpenAI) -> None:
                                        "missing 'custom_id'"]):
         assert want in msg, (want, msg)
     b = wait_batch(client, create(client, embed_lines(
-        [("same", "x", {}), ("other", "y", {}), ("same", "z", {})])).id)
+        [("same", "x", {}), ("other", "y", {}), ("same", "z", {})])).id, timeout=60)
     assert b.status == "failed"
     assert "'same' appears twice (first on line 1)" in b.errors.data[0].message
     # and an embeddings line in a chat batch
     chat = batch_lines([("c", data_url(IMAGES / "scene_00.png"), "Is it red?")]) \
         + embed_lines([("e", "a red circle", {})])
-    b = wait_batch(client, create(client, chat, "/v1/chat/completions").id)
+    b = wait_batch(client, create(client, chat, "/v1/chat/completions").id, timeout=60)
     assert b.status == "failed" and [e.line for e in b.errors.data] == [2]
     assert "embedding requests go in a file of their own" in b.errors.data[0].message
 
@@ -137,10 +130,9 @@ def test_cancel_keeps_whole_requests(client: openai.OpenAI) -> None:
     reqs: list[tuple[str, str | list[str], dict]] = [
         (f"c{i}", [f"shape {i}", f"circle {i}", f"square {i}"], {}) for i in range(40)]
     b = create(client, embed_lines(reqs))
-    while client.batches.retrieve(b.id).request_counts.completed < 4:
-        time.sleep(0.05)
+    wait_batch(client, b.id, done=4, timeout=60)
     assert client.batches.cancel(b.id).status == "cancelling"
-    b = wait_batch(client, b.id)
+    b = wait_batch(client, b.id, timeout=60)
     assert b.status == "cancelled"
     done = b.request_counts.completed
     assert 4 <= done < 40 and b.request_counts.total == 40
@@ -168,33 +160,19 @@ def test_sigkill_mid_batch_then_each_request_embedded_once(tmp_path: Path,
     reqs = [(f"k{i}", [f"shape {i}", f"a red shape {i}"] if i % 3 == 0 else f"circle {i}", {})
             for i in range(12)]
     data = tmp_path / "data"
-    k = Server(data, "--images-per-batch", "2", faults={"group_delay": 0.3}).wait_ready()
-    with k.client() as c:
-        f = c.post("/v1/files", files={"file": ("in.jsonl", embed_lines(reqs).encode())},
-                   data={"purpose": "batch"}).json()
-        batch_id = c.post("/v1/batches", json={"input_file_id": f["id"], "endpoint": URL,
-                                               "completion_window": "24h"}).json()["id"]
-        wait_for(c, batch_id, done=4)
-    k.kill()  # SIGKILL mid-batch: no chance to mark anything
-    job = data / "batches" / batch_id / "job"
-    assert 0 < pending(job) < len(reqs)
-    r = Server(data, "--images-per-batch", "2").wait_ready()  # resumes it
-    try:
-        with r.client() as c:
-            assert wait_for(c, batch_id) == ("completed", len(reqs))
-            out = c.get(f"/v1/batches/{batch_id}").json()
-            text = c.get(f"/v1/files/{out['output_file_id']}/content").text
-    finally:
-        assert r.stop() == 143
-    assert out["request_counts"] == {"total": 12, "completed": 12, "failed": 0}
-    lines = [json.loads(x) for x in text.splitlines()]
+    batch_id = kill_mid_batch(data, "--images-per-batch", "2", text=embed_lines(reqs),
+                              faults={"group_delay": 0.3}, endpoint=URL)
+    assert pending(data / "batches" / batch_id / "job") < len(reqs)
+    out, text = resume(data, batch_id, "--images-per-batch", "2")
+    assert out.status == "completed", out
+    c = out.request_counts
+    assert (c.total, c.completed, c.failed) == (12, 12, 0)
+    lines = [json.loads(x) for x in text]
     assert [x["custom_id"] for x in lines] == [cid for cid, _, _ in reqs]
-    store = JobStore(job / STORE_FILE)
-    recorded = [(spec, res) for spec, res in store.recorded_items()]
-    store.close()
-    assert sorted(json.loads(s)["custom_id"] for s, _ in recorded) == sorted(
+    got = recorded(data / "batches" / batch_id / "job")
+    assert sorted(json.loads(s)["custom_id"] for s, _ in got) == sorted(
         cid for cid, _, _ in reqs)  # each request recorded once, with one result per string
-    assert [len(res) for _, res in recorded] == [2 if i % 3 == 0 else 1 for i in range(12)]
+    assert [len(res) for _, res in got] == [2 if i % 3 == 0 else 1 for i in range(12)]
     for (_, inp, _), x in zip(reqs, lines):
         texts = [inp] if isinstance(inp, str) else inp
         got = vectors(x["response"]["body"]["data"], "float")

@@ -13,14 +13,14 @@ import numpy as np
 import openai
 import pytest
 
-from tests.app.server.fakes import FakeEmbedder, fake_server
+from tests.app.server.fakes import FakeEmbedBackend, fake_server
 from tests.app.server.serving import IMAGES, data_url, free_port
 from vlmbatch.app.server.config import ServerConfig
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    embedder = FakeEmbedder()
+    embedder = FakeEmbedBackend()
     cfg = ServerConfig(data_dir=tmp_path_factory.mktemp("emb"), port=free_port(),
                        allowed_local_media_path=IMAGES)
     with fake_server(cfg, embedder) as (url, _):

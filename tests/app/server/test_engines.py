@@ -14,7 +14,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -23,35 +22,22 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import vlmbatch
 from bench.soak import batch_once, run_soak, start_batch
-from tests.app.server.serving import IMAGES, KEY, Server, batch_lines, chat_body, data_url
+from tests.app.server.serving import (
+    IMAGES,
+    KEY,
+    Server,
+    batch_lines,
+    chat_body,
+    create_batch,
+    data_url,
+    engine_pids,
+    server_fixture,
+    wait_batch,
+)
 
 QS = ("Is there a red shape?", "Is there a circle?")
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    s = Server(tmp_path_factory.mktemp("engines") / "data", "--engines", "2",
-               "--images-per-batch", "2", faults={"slow_score": 0.3}).wait_ready(240)
-    yield s
-    assert s.stop() in (0, 143), s.output()
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return server.openai()
-
-
-def engine_pids(server: Server) -> list[int]:
-    """The server's engine processes (its children running ``engine_process``, started by
-    any of its threads: each thread's children are listed under that thread)."""
-    children = []
-    for task in Path(f"/proc/{server.proc.pid}/task").iterdir():
-        try:
-            children += (task / "children").read_text().split()
-        except FileNotFoundError:  # the thread ended meanwhile
-            continue
-    return [int(c) for c in children
-            if b"vlmbatch.app.server.engine_process" in Path(f"/proc/{c}/cmdline").read_bytes()]
+server = server_fixture("--engines", "2", "--images-per-batch", "2",
+                        faults={"slow_score": 0.3}, ready_s=240)
 
 
 def metric(server: Server, name: str, **labels: str) -> float:
@@ -64,15 +50,6 @@ def ask(client: openai.OpenAI, image: str, q: str, **extra: object):  # noqa: AN
     return client.chat.completions.create(
         model="vlmbatch", **extra,  # type: ignore[call-overload]
         messages=chat_body(data_url(IMAGES / image), q)["messages"])
-
-
-def wait_batch(client: openai.OpenAI, batch_id: str, timeout: float = 120):  # noqa: ANN201
-    deadline = time.monotonic() + timeout
-    while True:
-        b = client.batches.retrieve(batch_id)
-        if b.status in ("completed", "failed", "cancelled") or time.monotonic() > deadline:
-            return b
-        time.sleep(0.1)
 
 
 def test_two_engines_answer_as_vlm_with_usage(server: Server, client: openai.OpenAI) -> None:
@@ -99,10 +76,8 @@ def test_two_engines_answer_as_vlm_with_usage(server: Server, client: openai.Ope
     assert text.choices[0].message.content and 1 <= text.usage.completion_tokens <= 4
     assert text.usage.total_tokens == text.usage.prompt_tokens + text.usage.completion_tokens
     # a batch line's usage is the interactive request's
-    f = client.files.create(file=("in.jsonl", batch_lines(
-        [("u0", data_url(IMAGES / images[1]), QS[0])]).encode()), purpose="batch")
-    b = wait_batch(client, client.batches.create(
-        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id)
+    b = wait_batch(client, create_batch(client, batch_lines(
+        [("u0", data_url(IMAGES / images[1]), QS[0])])).id, timeout=120)
     (line,) = client.files.content(b.output_file_id).text.splitlines()
     usage = json.loads(line)["response"]["body"]["usage"]
     assert usage == {"prompt_tokens": got[1].usage.prompt_tokens, "completion_tokens": 1,
@@ -125,11 +100,8 @@ def test_engines_killed_requests_503_then_retried_batch_once(server: Server,
     n = 12
     reqs = [(f"k{i}", data_url(IMAGES / f"scene_{i % 6:02d}.png"), QS[i % 2])
             for i in range(n)]
-    f = client.files.create(file=("in.jsonl", batch_lines(reqs).encode()), purpose="batch")
-    b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                              completion_window="24h")
-    while client.batches.retrieve(b.id).request_counts.completed < 2:
-        time.sleep(0.05)
+    b = create_batch(client, batch_lines(reqs))
+    wait_batch(client, b.id, done=2, timeout=120)
     answers: list[httpx.Response] = []
     with server.client() as c:
         def send(i: int) -> None:

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tests.app.server.fakes import fake_server
-from tests.app.server.serving import IMAGES, batch_lines, data_url, free_port
+from tests.app.server.serving import IMAGES, batch_lines, data_url, free_port, wait_batch
 from vlmbatch.app.server.config import ServerConfig
 
 HELD = "Is the batch held?"
@@ -93,10 +93,7 @@ def test_a_file_a_running_batch_reads_cannot_be_deleted(client: openai.OpenAI,
         client.files.delete(f.id)
     assert client.files.retrieve(f.id).id == f.id
     engine.hold.set()
-    deadline = time.monotonic() + 30
-    while client.batches.retrieve(b.id).status != "completed":
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    assert wait_batch(client, b.id, timeout=30).status == "completed"
     assert client.files.delete(f.id).deleted
     with pytest.raises(openai.NotFoundError):
         client.files.delete(f.id)

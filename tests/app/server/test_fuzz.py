@@ -1,7 +1,8 @@
 """Fuzzing the server: hundreds of malformed requests (bad JSON, wrong types, missing
 fields, huge or empty inputs, unknown models, bad base64, path traversal in file://, wrong
-auth, garbage ids and multipart) against one running server. Not one may get a 5xx, every
-4xx must be OpenAI's error shape, and the server must still answer afterwards.
+auth, garbage ids and multipart) against one running server (the session's shared one,
+``conftest.py``). Not one may get a 5xx, every 4xx must be OpenAI's error shape, and the
+server must still answer afterwards.
 
 Derandomized (the cases are the same on every run); ``SEEN`` counts the requests sent and
 the last test checks it is at least ``MIN_CASES``.
@@ -12,7 +13,6 @@ from __future__ import annotations
 import base64
 import copy
 import json
-import os
 from pathlib import Path
 from urllib.parse import quote, unquote, urlparse
 
@@ -35,23 +35,6 @@ json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
     max_leaves=8)
-
-
-@pytest.fixture(scope="module")
-def media(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("media")
-    (root / "ok.png").write_bytes((IMAGES / "scene_00.png").read_bytes())
-    (root.parent / "secret.png").write_bytes((IMAGES / "scene_01.png").read_bytes())
-    os.symlink(root.parent / "secret.png", root / "link.png")
-    return root
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, media: Path):  # noqa: ANN201
-    s = Server(tmp_path_factory.mktemp("fuzz") / "data", "--max-body-mib", "1",
-               "--allowed-local-media-path", str(media)).wait_ready()
-    yield s
-    assert s.stop() in (0, 143), s.output()
 
 
 @pytest.fixture(scope="module")

@@ -7,27 +7,16 @@ equal to the in-process server's answers (``vlmbatch run``'s lines)."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
-import openai
 import pytest
 
-from tests.app.server.serving import IMAGES, Server, batch_lines
+from tests.app.server.serving import IMAGES, Server, batch_lines, wait_batch
 from vlmbatch.app.cli import EXIT_ITEM_ERRORS, main
 
 pytest.importorskip("ray")
 
 QS = ("Is there a red shape?", "Is there a circle?")
-
-
-def wait_batch(client: openai.OpenAI, batch_id: str, timeout: float = 300):  # noqa: ANN201
-    deadline = time.monotonic() + timeout
-    while True:
-        b = client.batches.retrieve(batch_id)
-        if b.status in ("completed", "failed", "cancelled") or time.monotonic() > deadline:
-            return b
-        time.sleep(0.2)
 
 
 @pytest.mark.slow  # a server, its engine process and a local Ray instance: ~2 min on 2 cores

@@ -21,7 +21,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.app.server.serving import IMAGES, Server, batch_lines, chat_body, data_url
+from tests.app.server.serving import (
+    IMAGES,
+    Server,
+    batch_lines,
+    chat_body,
+    create_batch,
+    data_url,
+    server_fixture,
+    wait_batch,
+)
 from tests.loopback import LoopbackServer
 from vlmbatch.preprocessing.fetch import Fetcher
 from vlmbatch.preprocessing.guard import GuardedBackend, MediaBlocked, check_url_host, host_refusal
@@ -201,12 +210,8 @@ def remote(png: bytes) -> Iterator[LoopbackServer]:
         yield s
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = Server(tmp_path_factory.mktemp("remote") / "data", "--allow-remote-media",
-               "--allowed-media-domains", "127.0.0.1", "--fetch-retries", "0").wait_ready()
-    yield s
-    assert s.stop() in (0, 143), s.output()
+server = server_fixture("--allow-remote-media", "--allowed-media-domains", "127.0.0.1",
+                        "--fetch-retries", "0")
 
 
 def p_yes(client: openai.OpenAI, url: str) -> float:
@@ -244,13 +249,7 @@ def test_batch_line_refused_alone(server: Server, remote: LoopbackServer) -> Non
     text = batch_lines([("ok", remote.url("/img/a.png"), RED),
                         ("internal", f"http://localhost:{port}/img/b.png", RED),
                         ("inline", data_url(IMAGES / "scene_01.png"), RED)])
-    f = client.files.create(file=("in.jsonl", text.encode()), purpose="batch")
-    b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                              completion_window="24h")
-    deadline = time.monotonic() + 60
-    while (b := client.batches.retrieve(b.id)).status not in ("completed", "failed"):
-        assert time.monotonic() < deadline, b
-        time.sleep(0.1)
+    b = wait_batch(client, create_batch(client, text).id, timeout=60)
     assert b.status == "completed" and b.request_counts.failed == 1, b
     lines = client.files.content(b.output_file_id).text.splitlines()
     out = {x["custom_id"]: x for x in map(json.loads, lines)}

@@ -1,8 +1,8 @@
-"""How ``--engines N`` spreads requests (``engines.EngineProcesses._pick``), on engine
-process objects that are never started: one image's requests go to one engine (its prefix
-cache), different images over all of them, an engine ``SPREAD`` requests busier than the
-least loaded one gives its request away, a full queue is a 429 and no engine up a 503 with
-``Retry-After``."""
+"""How ``--engines N`` spreads requests (``serving/processes.py``
+``EngineProcesses._pick``), on engine process objects that are never started: one image's
+requests go to one engine (its prefix cache), different images over all of them, an engine
+``SPREAD`` requests busier than the least loaded one gives its request away, a full queue
+is a 429 and no engine up a 503 with ``Retry-After``."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import pytest
 
 from tests.app.server.fakes import FakeEngine, picture
 from vlmbatch.app.server.config import ServerConfig
-from vlmbatch.app.server.engines import SPREAD, EngineProcesses
-from vlmbatch.app.server.errors import APIError
+from vlmbatch.serving.errors import APIError
+from vlmbatch.serving.processes import SPREAD, EngineProcesses
 
 
 @pytest.fixture
 def pool(tmp_path):  # noqa: ANN001, ANN201
-    p = EngineProcesses(ServerConfig(data_dir=tmp_path, engines=3, max_queue=50))
+    p = EngineProcesses(ServerConfig(data_dir=tmp_path, engines=3, max_queue=50).serving)
     for e in p.procs:
         e.up = True
     return p

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -14,21 +13,20 @@ import cv2
 import pytest
 
 from tests.app.server.fakes import FakeEngine, picture
-from vlmbatch.app.server.batch_worker import run_config
+from tests.waiting import wait_until
+from vlmbatch.app.server.batch_worker import BookEvents, run_config
 from vlmbatch.app.server.batches import BatchBook
 from vlmbatch.app.server.config import ServerConfig
-from vlmbatch.app.server.engines import BookEvents
-from vlmbatch.app.server.errors import APIError
-from vlmbatch.app.server.scheduler import Scheduler
 from vlmbatch.engine.config import EngineConfig
 from vlmbatch.jobs.job import status, submit
-from vlmbatch.pipeline.records import ImageItem, Question
+from vlmbatch.pipeline.records import Question
 from vlmbatch.preprocessing.prepare import PreparedImage
+from vlmbatch.serving.errors import APIError
+from vlmbatch.serving.scheduler import Scheduler
 
 
-def work(engine: FakeEngine, seed: int, question: str) -> tuple[ImageItem, PreparedImage]:
-    item = ImageItem("r", "data:", (Question("q0", question),), Path("/"))
-    return item, engine.image_plan.prepare(picture(seed))
+def work(engine: FakeEngine, seed: int, question: str) -> tuple[Question, PreparedImage]:
+    return Question("q0", question), engine.image_plan.prepare(picture(seed))
 
 
 @pytest.fixture
@@ -37,7 +35,7 @@ def started(tmp_path: Path):  # noqa: ANN201
     cfg = ServerConfig(data_dir=tmp_path, batch_wait_s=0.05, images_per_batch=1)
     book = BatchBook(cfg.batches_dir)
     drained: list[str] = []
-    s = Scheduler(engine, cfg, BookEvents(book, drained.append))
+    s = Scheduler(engine, cfg.serving, BookEvents(book, drained.append))
     s.start()
     yield engine, s, book, cfg, drained
     engine.hold.set()
@@ -88,9 +86,7 @@ def test_a_batch_job_yields_to_interactive_requests(started, tmp_path: Path) -> 
     chat = s.submit(*work(engine, 0, "interactive"))
     engine.hold.set()
     assert chat.result(10).p_yes == 0.25
-    deadline = time.monotonic() + 10
-    while not drained and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: drained, 10, "the batch drained")
     order = [qs[0] for _, qs in engine.calls]
     assert order.index("interactive") == order.index("group 1") + 1  # next, not after all
     assert drained == [rec.id] and order[-1] == "group 5"
@@ -117,7 +113,10 @@ def test_stopping_leaves_a_running_job_resumable(started, tmp_path: Path) -> Non
     assert book.get(rec.id).status == "in_progress"  # the next start resumes it
 
 
-def test_a_job_of_another_model_is_skipped_not_failed(started, tmp_path: Path) -> None:  # noqa: ANN001
+def test_a_job_of_other_settings_fails_naming_them(started, tmp_path: Path) -> None:  # noqa: ANN001
+    """A batch whose job this server cannot run (submitted with other engine settings) is
+    failed, its errors naming the settings, never left in progress for a server that may
+    never come (issue 38): a cancelled one is drained before it is tried."""
     engine, s, book, cfg, drained = started
     cv2.imwrite(str(tmp_path / "0.png"), picture(30))
     (tmp_path / "m.jsonl").write_text('{"id": "i0", "image": "0.png", "questions": ["q"]}\n')
@@ -127,17 +126,17 @@ def test_a_job_of_another_model_is_skipped_not_failed(started, tmp_path: Path) -
     book.update(rec.id, lambda r: r.at("in_progress"))
     s.enqueue_batch(rec.id, book.job_of(rec.id))
     assert s.cancel_batch(rec.id) is True  # still queued: the engine thread will end it
-    deadline = time.monotonic() + 5
-    while not drained and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: drained, 5, "the cancelled batch drained")
     assert drained == [rec.id]  # cancelled before it was tried
     rec2 = book.create("/v1/chat/completions", "file-x", "24h", None)
     submit(run_config(tmp_path / "m.jsonl", other), book.job_of(rec2.id))
     book.update(rec2.id, lambda r: r.at("in_progress"))
     s.enqueue_batch(rec2.id, book.job_of(rec2.id))
-    deadline = time.monotonic() + 5
-    while s.owns(rec2.id) and time.monotonic() < deadline:  # until it is let go
-        time.sleep(0.02)
-    assert drained == [rec.id] and book.get(rec2.id).status == "in_progress"  # not failed
+    wait_until(lambda: not s.owns(rec2.id), 5, "the batch let go")
+    failed = book.get(rec2.id)
+    assert drained == [rec.id] and failed.status == "failed" and failed.times["failed_at"]
+    (err,) = failed.errors
+    assert err["code"] == "server_error" and "cannot run on this server" in err["message"]
+    assert "engine.prefix_cache False (this server: True)" in err["message"]
     assert status(book.job_of(rec2.id)).pending == 1 and not engine.calls  # never run
     assert s.cancel_batch(rec2.id) is False  # so the caller finalizes a cancel itself

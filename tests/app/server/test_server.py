@@ -1,8 +1,9 @@
 """``vlmbatch serve`` on the built-in model, through the official ``openai`` client: chat
 completions with logprobs, concurrency and per-request errors, the media policy and the
 limits, and the Batch API (files, batches to ``completed`` equal to ``vlmbatch run``,
-cancel, list). One server for the module; its batch groups are slowed (0.2 s each) so that
-a batch is still running when a test cancels it or talks to the server meanwhile."""
+cancel, list); its engine process loads no web stack. On the session's shared server
+(``conftest.py``: its batch groups slowed, 0.2 s each, so that a batch is still running
+when a test cancels it or talks to the server meanwhile)."""
 
 from __future__ import annotations
 
@@ -19,27 +20,25 @@ import httpx
 import openai
 import pytest
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 import vlmbatch
-from tests.app.server.serving import IMAGES, KEY, Server, batch_lines, chat_body, data_url
+from tests.app.server.serving import (
+    IMAGES,
+    KEY,
+    Server,
+    batch_lines,
+    chat_body,
+    data_url,
+    engine_pids,
+    upload,
+    wait_batch,
+)
+from tests.waiting import wait_until
 from vlmbatch.app.cli import EXIT_ITEM_ERRORS, main
 
 RED = "Is there a red shape?"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    tmp = tmp_path_factory.mktemp("serve")
-    s = Server(tmp / "data", "--allowed-local-media-path", str(IMAGES), "--max-body-mib", "2",
-               "--max-pixels", "1000000", "--images-per-batch", "4",
-               faults={"group_delay": 0.2}).wait_ready()
-    yield s
-    assert s.stop() in (0, 143), s.output()
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return server.openai()
+WEB = (b"pydantic_core", b"httptools", b"uvloop")  # shared objects of the web stack
 
 
 @pytest.fixture(scope="module")
@@ -140,12 +139,14 @@ def test_concurrent_requests_and_a_bad_image_is_its_own_400(server: Server,
                      (400, "invalid_image_url")]
 
 
-def test_file_urls_only_inside_the_allowed_folder(server: Server, tmp_path: Path) -> None:
+def test_file_urls_only_inside_the_allowed_folder(server: Server, media: Path,
+                                                  tmp_path: Path) -> None:
     with server.client() as c:
         r = c.post("/v1/chat/completions",
-                   json=chat_body((IMAGES / "scene_03.png").as_uri(), RED))
+                   json=chat_body((media / "scene_03.png").as_uri(), RED))
         assert r.status_code == 200, r.text
-        for url in [f"file://{IMAGES}/../../pyproject.toml", f"file://{IMAGES}/%2e%2e/README.md",
+        for url in [f"file://{media}/../../pyproject.toml", f"file://{media}/%2e%2e/secret.png",
+                    f"file://{media}/link.png", f"file://{IMAGES}/scene_03.png",
                     "file:///etc/passwd", f"file://{tmp_path}/x.png"]:
             r = c.post("/v1/chat/completions", json=chat_body(url, RED))
             assert r.status_code == 400 and "outside" in error_of(r)["message"], url
@@ -164,7 +165,7 @@ def test_limits(server: Server) -> None:
             (chat_body(small, RED, max_tokens=100_000), 400, "invalid_value"),
             (chat_body(small, RED, n=2), 400, "unsupported_parameter"),
             ({**chat_body(small, RED), "model": "gpt-4o"}, 404, "model_not_found"),
-            (chat_body(small, "y" * (3 << 20)), 413, "request_too_large"),  # over 2 MiB
+            (chat_body(small, "y" * (3 << 20)), 413, "request_too_large"),  # over 1 MiB
         ]
         for body, status, code in cases:
             r = c.post("/v1/chat/completions", json=body)
@@ -219,19 +220,6 @@ def test_embeddings_equal_vlm_embed(client: openai.OpenAI, server: Server,
         assert r.status_code == 400 and error_of(r)["param"] == "input"
 
 
-def wait_batch(client: openai.OpenAI, batch_id: str, timeout: float = 60):  # noqa: ANN201
-    deadline = time.monotonic() + timeout
-    while True:
-        b = client.batches.retrieve(batch_id)
-        if b.status in ("completed", "failed", "cancelled") or time.monotonic() > deadline:
-            return b
-        time.sleep(0.1)
-
-
-def upload(client: openai.OpenAI, text: str):  # noqa: ANN201
-    return client.files.create(file=("in.jsonl", text.encode()), purpose="batch")
-
-
 def test_batch_lifecycle_output_equals_vlmbatch_run(client: openai.OpenAI,
                                                     tmp_path: Path) -> None:
     reqs = [(f"r{i}", data_url(IMAGES / f"scene_{i % 12:02d}.png"), q)
@@ -244,7 +232,7 @@ def test_batch_lifecycle_output_equals_vlmbatch_run(client: openai.OpenAI,
     b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                               completion_window="24h", metadata={"who": "test"})
     assert b.status == "validating" and b.metadata == {"who": "test"}
-    b = wait_batch(client, b.id)
+    b = wait_batch(client, b.id, timeout=60)
     assert b.status == "completed", b
     counts = b.request_counts
     assert (counts.total, counts.completed, counts.failed) == (15, 14, 1)
@@ -268,15 +256,14 @@ def test_cancel_keeps_the_answers_so_far(client: openai.OpenAI, server: Server) 
     reqs = [(f"c{i}", data_url(IMAGES / f"scene_{i % 12:02d}.png"), RED) for i in range(60)]
     b = client.batches.create(input_file_id=upload(client, batch_lines(reqs)).id,
                               endpoint="/v1/chat/completions", completion_window="24h")
-    while client.batches.retrieve(b.id).request_counts.completed < 4:
-        time.sleep(0.05)
+    wait_batch(client, b.id, done=4, timeout=60)
     started = time.monotonic()
     with server.client() as c:  # answered while the batch runs, not after it
         r = c.post("/v1/chat/completions", json=chat_body(data_url(IMAGES / "scene_05.png"), RED))
     assert r.status_code == 200 and time.monotonic() - started < 3
     assert client.batches.retrieve(b.id).status == "in_progress"
     assert client.batches.cancel(b.id).status == "cancelling"
-    b = wait_batch(client, b.id)
+    b = wait_batch(client, b.id, timeout=60)
     assert b.status == "cancelled" and b.cancelled_at
     done = b.request_counts.completed
     assert 4 <= done < 60 and b.request_counts.total == 60
@@ -296,20 +283,22 @@ def test_list_is_newest_first_and_paginated(client: openai.OpenAI) -> None:
     everything = [b.id for b in client.batches.list(limit=2)]  # the client follows `after`
     assert everything[:3] == made[::-1] and len(everything) == len(set(everything)) >= 5
     for batch_id in made:
-        assert wait_batch(client, batch_id).status == "completed"
+        assert wait_batch(client, batch_id, timeout=60).status == "completed"
 
 
 def test_invalid_batches(client: openai.OpenAI, server: Server) -> None:
     bad = upload(client, 'not json\n')
     b = wait_batch(client, client.batches.create(
-        input_file_id=bad.id, endpoint="/v1/chat/completions", completion_window="24h").id)
+        input_file_id=bad.id, endpoint="/v1/chat/completions", completion_window="24h").id,
+        timeout=60)
     assert b.status == "failed" and b.errors.data[0].line == 1
     assert "not an OpenAI batch file" in b.errors.data[0].message
     lines = batch_lines([("a", data_url(IMAGES / "scene_00.png"), RED),
                          ("b", "file:///etc/passwd", RED), ("a", "data:,x", RED)])
     b = wait_batch(client, client.batches.create(
         input_file_id=upload(client, lines).id, endpoint="/v1/chat/completions",
-        completion_window="24h").id)
+        completion_window="24h").id,
+        timeout=60)
     assert b.status == "failed" and [e.line for e in b.errors.data] == [2]
     ok = upload(client, batch_lines([("x", data_url(IMAGES / "scene_00.png"), RED)])).id
     with server.client() as c:
@@ -334,6 +323,48 @@ def test_duplicate_custom_ids_fail_the_batch(client: openai.OpenAI) -> None:
     url = data_url(IMAGES / "scene_00.png")
     f = upload(client, batch_lines([("same", url, RED), ("same", url, RED)]))
     b = wait_batch(client, client.batches.create(
-        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id)
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id,
+        timeout=60)
     assert b.status == "failed" and "appears twice" in b.errors.data[0].message
     assert str(os.sep + "files" + os.sep) not in b.errors.data[0].message  # no server paths
+
+
+def test_the_engine_process_loads_no_web_stack(server: Server) -> None:
+    """The engine process (``vlmbatch.serving.engine_process``) has none of the web stack's
+    shared objects mapped (FastAPI and Starlette cannot be imported without pydantic's
+    core); the HTTP process, on the same check, has them."""
+    def mapped(pid: int) -> set[bytes]:
+        maps = Path(f"/proc/{pid}/maps").read_bytes()
+        return {name for name in WEB if name in maps}
+
+    (pid,) = wait_until(lambda: engine_pids(server), 30, "the engine process listed")
+    assert b"pydantic_core" in mapped(server.proc.pid)  # the check sees what is there
+    assert mapped(pid) == set(), f"engine process {pid} maps {mapped(pid)}"
+
+
+def test_concurrent_requests_share_engine_calls_and_answer_as_vlm(
+        server: Server, vlm: vlmbatch.VLM) -> None:
+    """24 requests at once (4 images, 6 questions each): the answers ``VLM.ask`` gives (to
+    1e-6), in fewer engine calls than requests (the engine thread batches them into its
+    calls, which cut them into forwards under the offline token budget)."""
+    questions = [RED, "Is there a circle?", "Is there a blue shape?", "Is there a triangle?",
+                 "Is there more than one shape?", "Is the shape in the left half?"]
+    asked = [(IMAGES / f"scene_{8 + i:02d}.png", q) for i in range(4) for q in questions]
+    want = {(str(p), q): a.p_yes for p in {p for p, _ in asked}
+            for q, a in zip(questions, vlm.ask([p], questions))}
+    calls = metric(server, "vlmbatch_engine_calls_total")
+    bodies = [chat_body(data_url(p), q, max_tokens=1) for p, q in asked]
+    with server.client() as c, ThreadPoolExecutor(len(bodies)) as pool:
+        rs = list(pool.map(lambda b: c.post("/v1/chat/completions", json=b), bodies))
+    made = metric(server, "vlmbatch_engine_calls_total") - calls
+    for (p, q), r in zip(asked, rs):
+        assert r.status_code == 200, r.text
+        # both 6-decimal values: within one step of the rounding (1e-6), float noise off
+        assert round(abs(r.json()["vlmbatch"]["p_yes"] - want[(str(p), q)]), 9) <= 1e-6
+    assert 1 <= made < len(bodies), made
+
+
+def metric(server: Server, name: str) -> float:
+    page = httpx.get(server.url + "/metrics", headers=server.headers, timeout=30).text
+    return next(s.value for fam in text_string_to_metric_families(page) for s in fam.samples
+                if s.name == name)

@@ -2,11 +2,12 @@
 endpoint, error shapes, and ``/health``, ``/metrics`` and ``/v1/models``.
 
 ``create_app(state)`` is all a test or an embedding program needs (``serve.serve`` adds the
-engines, the data folder's lock and uvicorn). Middlewares, outermost first: the request
-metrics (``metrics.RequestMetrics``: every answer counted, 401s included), the API key
-(nothing is read for a caller without it), the body limit, then the chat endpoint
-(``chat.ChatEndpoint``: POST /v1/chat/completions served in front of the router); the error
-handlers (``errors.install``) give every other error OpenAI's shape.
+engines, the data folder's lock and uvicorn). Plain ASGI layers, outermost first: the
+request metrics (``metrics.RequestMetrics``: every answer counted, 401s included), the API
+key (nothing is read for a caller without it), the body limit, then the chat endpoint
+(``chat.ChatEndpoint``: POST /v1/chat/completions served there, the hot path), and behind
+them the FastAPI app of the other routes, whose error handlers (``errors.install``) give
+every other error OpenAI's shape.
 
 ``ApiKey``: with a key set, every path but ``/health`` needs ``Authorization: Bearer KEY``;
 the comparison is ``hmac.compare_digest`` on bytes (constant time whatever the guess).
@@ -22,7 +23,6 @@ import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -36,15 +36,24 @@ from vlmbatch.app.server.chat import ChatEndpoint, require_model
 from vlmbatch.app.server.embeddings import embedding_routes
 from vlmbatch.app.server.errors import error_body
 from vlmbatch.app.server.files import file_routes
-from vlmbatch.app.server.metrics import RequestMetrics
-
-if TYPE_CHECKING:
-    from vlmbatch.app.server.serve import ServerState
+from vlmbatch.app.server.metrics import Metrics, RequestMetrics
+from vlmbatch.app.server.state import ServerState
 
 OPEN_PATHS = {"/health"}
 
 
-def create_app(state: ServerState) -> FastAPI:
+def create_app(state: ServerState) -> ASGIApp:
+    """The server's ASGI app: the request metrics, the API key, the body limit and the chat
+    endpoint, in that order, in front of the FastAPI app of every other route (so a chat
+    request, the hot path, never enters FastAPI's own layers)."""
+    app = fastapi_app(state)
+    chat = ChatEndpoint(app, state.chat)  # POST /v1/chat/completions
+    limited = BodyLimit(chat, state.cfg.max_body_bytes)
+    return RequestMetrics(ApiKey(limited, state.cfg.api_key), state.metrics)  # outermost
+
+
+def fastapi_app(state: ServerState) -> FastAPI:
+    """Every route but chat completions, with the error handlers and the lifespan."""
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.start()
@@ -54,22 +63,19 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="vlmbatch", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     errors.install(app)
-    for router in (info_routes(state), embedding_routes(state), file_routes(state),
-                   batch_routes(state)):
+    for router in (info_routes(state.cfg.served_model_name, state.metrics),
+                   embedding_routes(state.embeddings, state.cfg), file_routes(state.files),
+                   batch_routes(state.book, state.files, state.worker, state.cancel_batch,
+                                state.embeddings is not None)):
         app.include_router(router)
-    app.add_middleware(ChatEndpoint, state=state)  # POST /v1/chat/completions, the hot path
-    app.add_middleware(BodyLimit, limit=state.cfg.max_body_bytes)
-    app.add_middleware(ApiKey, key=state.cfg.api_key)
-    app.add_middleware(RequestMetrics, metrics=state.metrics)  # added last: the outermost
     return app
 
 
-def info_routes(state: ServerState) -> APIRouter:
+def info_routes(served_model_name: str, metrics_page: Metrics) -> APIRouter:
     """``/health`` (no key needed), ``/metrics``, ``/v1/models``, ``/v1/models/{id}``."""
-    cfg = state.cfg
     router = APIRouter()
     started = int(time.time())
-    model_card = {"id": cfg.served_model_name, "object": "model", "created": started,
+    model_card = {"id": served_model_name, "object": "model", "created": started,
                   "owned_by": "vlmbatch"}
 
     @router.get("/health")
@@ -78,7 +84,7 @@ def info_routes(state: ServerState) -> APIRouter:
 
     @router.get("/metrics")
     def metrics() -> Response:  # a worker thread: the batches' records are read from disk
-        data, kind = state.metrics.page()
+        data, kind = metrics_page.page()
         return Response(data, media_type=kind)
 
     @router.get("/v1/models")
@@ -87,7 +93,7 @@ def info_routes(state: ServerState) -> APIRouter:
 
     @router.get("/v1/models/{model:path}")
     async def model(model: str) -> JSONResponse:
-        require_model(model, cfg.served_model_name)
+        require_model(model, served_model_name)
         return JSONResponse(model_card)
 
     return router

@@ -1,6 +1,7 @@
 """The batch worker: one thread that validates new batches into jobs and writes finished
 batches' output files, so neither holds up the engine thread (which answers requests and
-runs the jobs' groups, ``scheduler.py``).
+runs the jobs' groups, ``serving/scheduler.py``); ``BookEvents`` moves a batch's record on
+when its job is drained, has failed or was let go.
 
 Validation reads the input file line by line (bounded memory) as ``vlmbatch submit`` would
 (chat: ``jobs.manifest.iter_manifest``, OpenAI batch lines only, every image URL checked
@@ -230,6 +231,30 @@ class BatchWorker:
             return r.at(final, output_file_id=out, error_file_id=err, counts=counts)
 
         self.book.update(batch_id, done)
+
+
+class BookEvents:
+    """``serving.scheduler.BatchEvents`` on the batch records (the HTTP process alone writes
+    ``batches/``): drained -> ``finalizing`` and the output files written (``finalize``);
+    failed -> ``failed``, ``errors`` saying why; let go -> as it is, unless it was cancelled
+    meanwhile (then finalized)."""
+
+    def __init__(self, book: BatchBook, finalize: Callable[[str], None]) -> None:
+        self.book, self.finalize = book, finalize
+
+    def drained(self, batch_id: str, cancelled: bool) -> None:
+        if not cancelled:
+            self.book.update(batch_id, lambda r: r.at("finalizing")
+                             if r.status == "in_progress" else r)
+        self.finalize(batch_id)
+
+    def failed(self, batch_id: str, message: str) -> None:
+        err = line_error(message, None, "server_error")
+        self.book.update(batch_id, lambda r: r.at("failed", errors=[err]))
+
+    def released(self, batch_id: str) -> None:
+        if self.book.get(batch_id).status == "cancelling":
+            self.finalize(batch_id)
 
 
 def _zero() -> dict[str, int]:

@@ -33,19 +33,16 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from vlmbatch.app.server.chat import STRICT
-from vlmbatch.app.server.errors import APIError, bad_request
+from vlmbatch.app.server.errors import STRICT, APIError, bad_request
+from vlmbatch.app.server.files import FileStore
 from vlmbatch.jobs.folder import STORE_FILE, is_job
 from vlmbatch.jobs.store import JobStore
-
-if TYPE_CHECKING:
-    from vlmbatch.app.server.serve import ServerState
 
 CHAT, EMBEDDINGS = "/v1/chat/completions", "/v1/embeddings"  # the endpoints batches run
 
@@ -182,12 +179,20 @@ class BatchRequest(BaseModel):
     metadata: dict[str, str] | None = Field(None, max_length=16)
 
 
-def _check(req: BatchRequest, state: ServerState) -> None:
+class Worker(Protocol):
+    """What the routes hand batches to (``batch_worker.BatchWorker``)."""
+
+    def validate(self, batch_id: str) -> None: ...
+
+    def finalize(self, batch_id: str) -> None: ...
+
+
+def _check(req: BatchRequest, files: FileStore, embeddings: bool) -> None:
     """A 400 (or 404 for an unknown input file) for a batch this server cannot run."""
     if req.endpoint not in ENDPOINTS:
         raise bad_request(f"endpoint: {req.endpoint[:60]!r} is not supported; batches run "
                           f"{' or '.join(ENDPOINTS)}", "endpoint", "invalid_value")
-    if req.endpoint == EMBEDDINGS and state.embedder is None:
+    if req.endpoint == EMBEDDINGS and not embeddings:
         raise bad_request("endpoint: embedding batches are not available on this server: it "
                           "was started with --no-embeddings", "endpoint",
                           "embeddings_unavailable")
@@ -198,23 +203,26 @@ def _check(req: BatchRequest, state: ServerState) -> None:
         if len(k) > 64 or len(v) > 512:
             raise bad_request("metadata keys are at most 64 characters, values 512",
                               "metadata", "invalid_value")
-    if state.files.get(req.input_file_id).purpose != "batch":
+    if files.get(req.input_file_id).purpose != "batch":
         raise bad_request(f"file {req.input_file_id} is not a batch input file (purpose "
                           "'batch')", "input_file_id", "invalid_value")
 
 
-def batch_routes(state: ServerState) -> APIRouter:
+def batch_routes(book: BatchBook, files: FileStore, worker: Worker,
+                 cancel: Callable[[str], bool], embeddings: bool) -> APIRouter:
+    """``/v1/batches``: records in ``book``, input files from ``files``, new and finished
+    batches handed to ``worker``; ``cancel``: stop a batch where it runs (False: nothing
+    holds it); ``embeddings``: embedding batches accepted."""
     router = APIRouter()
-    book = state.book
 
     def shown(rec: BatchRecord) -> JSONResponse:
         return JSONResponse(rec.openai(book.counts(rec)))
 
     @router.post("/v1/batches")
     def create_batch(req: BatchRequest) -> JSONResponse:
-        _check(req, state)
+        _check(req, files, embeddings)
         rec = book.create(req.endpoint, req.input_file_id, req.completion_window, req.metadata)
-        state.worker.validate(rec.id)
+        worker.validate(rec.id)
         return shown(rec)
 
     @router.get("/v1/batches/{batch_id}")
@@ -240,16 +248,16 @@ def batch_routes(state: ServerState) -> APIRouter:
 
     @router.post("/v1/batches/{batch_id}/cancel")
     def cancel_batch(batch_id: str) -> JSONResponse:
-        def cancel(r: BatchRecord) -> BatchRecord:
+        def cancelling(r: BatchRecord) -> BatchRecord:
             if r.status not in ("validating", "in_progress"):
                 raise APIError(409, f"batch {r.id} is {r.status}: only a validating or "
                                "in-progress batch can be cancelled", "batch_id",
                                "batch_not_cancellable")
             return r.at("cancelling")
 
-        rec = book.update(batch_id, cancel)
-        if not state.cancel_batch(batch_id) and rec.times.get("in_progress_at"):
-            state.worker.finalize(batch_id)  # a job the engine thread does not hold
+        rec = book.update(batch_id, cancelling)
+        if not cancel(batch_id) and rec.times.get("in_progress_at"):
+            worker.finalize(batch_id)  # a job the engine thread does not hold
         return shown(rec)
 
     return router

@@ -3,10 +3,11 @@ the ``chat.completion`` it is answered with, and the endpoint itself (``ChatEndp
 plain ASGI app in front of FastAPI's router).
 
 A chat request is validated by pydantic straight from the body's bytes (``ChatRequest``),
-turned into its one question (``question_of``), its image taken from the cache or prepared
-on a worker thread (``media.ImageCache``: in a decoder process), queued for the engine thread
-(``scheduler.Scheduler.submit``) and answered when its engine call is done; the event loop
-never blocks on the model.
+turned into its one question (``question_of``), its image taken from the media cache or
+prepared on a worker thread (``media_cache.MediaCache``: in a decoder process), and the
+``Question`` handed
+to the engines (``serving.engines.Engines.submit``) and answered when its engine call is
+done (``Chat``); the event loop never blocks on the model.
 
 A request is read exactly as a line of an OpenAI batch file is (``jobs.openai_batch``):
 one ``image_url`` part, its text parts joined as the question, ``max_completion_tokens``
@@ -36,27 +37,29 @@ import json
 import math
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from vlmbatch.app.server.errors import APIError, bad_request, error_body, log, parsed
+from vlmbatch.app.server.config import ServerConfig
+from vlmbatch.app.server.errors import STRICT, APIError, bad_request, error_body, log, parsed
+from vlmbatch.app.server.media_cache import MediaCache
 from vlmbatch.engine.config import ConfigError
+from vlmbatch.engine.loading import label_set_checker
 from vlmbatch.engine.records import Score
 from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.openai_batch import parse_request, vlmbatch_fields
 from vlmbatch.pipeline.records import Answer, ImageItem
-
-if TYPE_CHECKING:
-    from vlmbatch.app.server.serve import ServerState
+from vlmbatch.preprocessing.prepare import PreparedImage
+from vlmbatch.serving.engines import Engines
 
 CHAT_PATH = "/v1/chat/completions"
-
-STRICT = ConfigDict(strict=True, extra="ignore")
+ROOT_DIR = Path("/")  # base folder of a request's image: unused (bare paths are refused)
 
 
 class ImageURL(BaseModel):
@@ -131,7 +134,7 @@ def question_of(req: ChatRequest, max_prompt_chars: int, max_tokens: int) -> Ima
     body = req.model_dump(exclude_none=True)
     try:
         # base folder unused: bare paths are refused (media.check_image_url) before reading
-        item = parse_request({"custom_id": "request", "body": body}, "request", Path("/"))
+        item = parse_request({"custom_id": "request", "body": body}, "request", ROOT_DIR)
     except ManifestError as e:
         raise bad_request(str(e).removeprefix("request: ").replace("body.", ""),
                           "messages", "invalid_value") from None
@@ -228,35 +231,83 @@ def stream_events(req: ChatRequest, done: dict) -> bytes:
                     + b"\n\n" for x in chunks) + b"data: [DONE]\n\n"
 
 
-async def answer_chat(state: ServerState, body: bytes) -> tuple[ChatRequest, dict]:
-    """The request and its ``chat.completion``, or the ``APIError`` it is answered with."""
-    cfg = state.cfg
-    with state.engines.arriving():
-        req = parsed(ChatRequest, body)
-        require_model(req.model, cfg.served_model_name)
-        item = question_of(req, cfg.max_prompt_chars, cfg.max_completion_tokens)
-        if choices := item.questions[0].choices:
-            try:
-                state.check_choices(choices)
-            except ConfigError as e:
-                raise bad_request(str(e), "structured_outputs", "invalid_value") from None
-        image = state.images.cached(item)
-        if image is None:  # decode on a worker thread, not the event loop
-            image = await run_in_threadpool(state.images.prepare, item)
-        future = state.engines.submit(item, image)
-    score = await asyncio.wrap_future(future)
-    return req, completion(req, item, cfg.served_model_name, score, state.answer_words)
+class Chat:
+    """What ``/v1/chat/completions`` answers with: the server's limits and model name, the
+    chat images (``media_cache.MediaCache``) and the engines (``serving.engines.Engines``)."""
+
+    def __init__(self, cfg: ServerConfig, engines: Engines, images: MediaCache) -> None:
+        self.cfg, self.engines, self.images = cfg, engines, images
+        # how logprobs name the two classes
+        self.words = (cfg.engine.yes_words[0], cfg.engine.no_words[0])
+        self._choices: Callable[[tuple[str, ...]], None] | None = None
+        # data: images being decoded, by content hash (their bytes, the decode): the event
+        # loop's own, so requests that wait for one hop to no thread
+        self._decoding: dict[bytes, tuple[bytes, asyncio.Future[PreparedImage]]] = {}
+
+    def check_choices(self, choices: tuple[str, ...]) -> None:
+        """A 400 for a label set the engines would not score (checked here, before its
+        image is decoded: the engines may be other processes); the tokenizer is read on the
+        first label set."""
+        if self._choices is None:
+            self._choices = label_set_checker(self.cfg.model.path, self.cfg.engine)
+        try:
+            self._choices(choices)
+        except ConfigError as e:
+            raise bad_request(str(e), "structured_outputs", "invalid_value") from None
+
+    async def answer(self, body: bytes) -> tuple[ChatRequest, dict]:
+        """The request and its ``chat.completion``, or the ``APIError`` it is answered
+        with."""
+        cfg = self.cfg
+        with self.engines.arriving():
+            req = parsed(ChatRequest, body)
+            require_model(req.model, cfg.served_model_name)
+            item = question_of(req, cfg.max_prompt_chars, cfg.max_completion_tokens)
+            if choices := item.questions[0].choices:
+                self.check_choices(choices)
+            image = await self.image(item.source)
+            future = self.engines.ask(item.questions[0], image)
+        score = await future
+        return req, completion(req, item, cfg.served_model_name, score, self.words)
+
+
+    async def image(self, url: str) -> PreparedImage:
+        """The request's image, prepared: a ``data:`` URL read and looked up here, a hit
+        answered at once, a miss decoded on a worker thread (not the event loop), once for
+        every request that asks meanwhile (they wait for it here, on the loop); a file or an
+        http(s) image read on a worker thread too."""
+        images = self.images
+        if not images.reads_inline(url):
+            def read_and_prepare() -> PreparedImage:
+                source, data = images.read(url)
+                return images.prepare(data, source)
+
+            return await run_in_threadpool(read_and_prepare)
+        source, data = images.read(url)
+        hit = images.get(data)
+        if hit is not None:
+            return hit
+        key = images.hash(data)
+        flight = self._decoding.get(key)
+        if flight is not None and flight[0] == data:
+            images.joined()
+            return await asyncio.shield(flight[1])
+        task = asyncio.ensure_future(run_in_threadpool(images.prepare, data, source))
+        if flight is None:  # a different image with the same hash decodes alone
+            self._decoding[key] = (data, task)
+            task.add_done_callback(lambda _: self._decoding.pop(key, None))
+        return await asyncio.shield(task)
 
 
 class ChatEndpoint:
-    """``POST /v1/chat/completions`` as a plain ASGI app in front of FastAPI's router (inside
-    the API key and body limit middlewares): the hot path, one request per question, skips
-    the router's matching, dependency solving and exception layers, which took more of the
-    event loop's time than the endpoint itself in a profile of bench/serve.py. Other methods
-    on the path go on to FastAPI (a 404)."""
+    """``POST /v1/chat/completions`` as a plain ASGI app in front of the FastAPI app (inside
+    the API key and body limit layers): the hot path, one request per question, skips
+    FastAPI's middleware stack, router, dependency solving and exception layers, which took
+    more of the event loop's time than the endpoint itself in a profile of bench/serve.py.
+    Other methods on the path go on to FastAPI (a 404)."""
 
-    def __init__(self, app: ASGIApp, state: ServerState) -> None:
-        self.app, self.state = app, state
+    def __init__(self, app: ASGIApp, chat: Chat) -> None:
+        self.app, self.chat = app, chat
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not (scope["type"] == "http" and scope["method"] == "POST"
@@ -268,7 +319,7 @@ class ChatEndpoint:
             body = await _body(receive)
             if body is None:
                 return  # the client went away
-            req, payload = await answer_chat(self.state, body)
+            req, payload = await self.chat.answer(body)
             status = 200
             if req.stream:
                 await _send(send, 200, stream_events(req, payload), b"text/event-stream",

@@ -22,6 +22,7 @@ from vlmbatch.engine.config import DEFAULT_EMBED_MODEL, ConfigError, EngineConfi
 from vlmbatch.jobs.config import ExecutorConfig, RunConfig
 from vlmbatch.pipeline.config import PrepareConfig, PrepareOptions, check_threads
 from vlmbatch.preprocessing.limits import MediaGuard
+from vlmbatch.serving.config import ServingConfig
 
 API_KEY_ENV = "VLMBATCH_API_KEY"
 
@@ -70,8 +71,9 @@ class ServerConfig:
         "--max-completion-tokens", unit=COUNT, metavar="TOKENS", help="largest max_tokens a "
         "request may ask; 400 beyond (default %(default)s)"))
     # interactive scheduling: the engine thread waits up to batch_wait_s after the first
-    # queued request for more, then answers up to max_batch_requests in one engine call
-    batch_wait_s: float = field(default=0.005, metadata=opt(
+    # queued request for more on their way (serving/scheduler.py), then answers up to
+    # max_batch_requests in one engine call
+    batch_wait_s: float = field(default=0.02, metadata=opt(
         "--batch-wait-ms", unit=MS, help="how long the engine waits after a request for "
         "others to batch with it (default %(default)s)"))
     max_batch_requests: int = field(default=64, metadata=opt(
@@ -79,7 +81,12 @@ class ServerConfig:
         "%(default)s)"))
     max_queue: int = field(default=1024, metadata=opt(  # queued chat requests; 429 beyond
         "--max-queue", unit=COUNT, help="queued chat requests; 429 beyond (default %(default)s)"))
-    image_cache_bytes: int = 64 << 20  # prepared data: images kept by URL hash (no re-decode)
+    # chat images kept prepared by the content hash of their bytes (media_cache.py): a
+    # second request about an image decodes nothing
+    media_cache_bytes: int = field(default=256 << 20, metadata=opt(
+        "--media-cache-mib", unit=MIB, help="chat images kept decoded and tiled, by the "
+        "content hash of their bytes, so later requests about an image decode nothing "
+        "(default %(default)s; 0: none)"))
     # a batch job's group: the most an interactive request waits
     images_per_batch: int = reuse(RunConfig, "images_per_batch", 16)
     threads: int | None = reuse(RunConfig, "threads", None)  # None: torch's default
@@ -118,8 +125,8 @@ class ServerConfig:
                      "max_batch_requests", "max_queue", "images_per_batch"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.image_cache_bytes < 0 or not 0 <= self.batch_wait_s <= 1:
-            raise ConfigError("image_cache_bytes must be >= 0 and batch_wait_s in [0, 1] seconds")
+        if self.media_cache_bytes < 0 or not 0 <= self.batch_wait_s <= 1:
+            raise ConfigError("--media-cache-mib must be >= 0 and --batch-wait-ms in [0, 1000]")
         check_threads(self.threads, None)
         if not 0 <= self.engines <= 64:
             raise ConfigError(f"--engines must be in 0..64, got {self.engines}")
@@ -147,6 +154,14 @@ class ServerConfig:
         """The embedding model: ``embed_model_dir`` on the chat model's device and dtype
         (what ``/v1/embeddings`` and embedding batches run on)."""
         return dataclasses.replace(self.model, path=self.embed_model_dir)
+
+    @property
+    def serving(self) -> ServingConfig:
+        """What the engine side is started with (``serving/config.py``)."""
+        return ServingConfig(
+            self.model, self.engine, self.embed_model_config if self.embeddings else None,
+            self.threads, self.batch_wait_s, self.max_batch_requests, self.max_queue,
+            self.prepare.preprocess_threads, self.shutdown_timeout_s, self.engines)
 
     @property
     def prepare_options(self) -> PrepareOptions:

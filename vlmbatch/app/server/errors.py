@@ -3,7 +3,8 @@
     {"error": {"message": "...", "type": "invalid_request_error", "param": "messages",
                "code": "invalid_image"}}
 
-``APIError`` is what handlers raise (``parsed`` turns a body pydantic refuses into the
+``APIError`` (``serving/errors.py``: plain, the engine side raises it too) is what handlers
+raise (``parsed`` turns a body pydantic refuses into the
 400 naming its first problem); ``install`` turns it, FastAPI's validation errors,
 Starlette's 404/405/413 and anything unexpected (500, logged) into that body. A malformed
 request is a 400 (OpenAI's status for an invalid one), never FastAPI's 422.
@@ -18,44 +19,18 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from vlmbatch.serving.errors import APIError, error_type
 
 log = logging.getLogger("vlmbatch.app.server")
 M = TypeVar("M", bound=BaseModel)
+__all__ = ["APIError", "STRICT", "bad_request", "error_body", "install", "parsed"]
 
-INVALID = "invalid_request_error"
-# OpenAI's error types by status, for errors raised without one
-TYPES = {400: INVALID, 401: "authentication_error", 403: "permission_error",
-         404: INVALID, 405: INVALID, 409: INVALID, 413: INVALID, 429: "rate_limit_error",
-         500: "server_error", 501: "not_implemented", 503: "server_error"}
-
-
-class APIError(Exception):
-    """An error answered as ``{"error": {...}}`` with ``status``."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, type_: str | None = None,
-                 retry_after: int | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type_ or TYPES.get(status, INVALID if status < 500 else "server_error")
-        self.retry_after = retry_after  # seconds: a Retry-After header (503 while restarting)
-
-    def headers(self) -> dict[str, str]:
-        h = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
-        if self.retry_after is not None:
-            h["Retry-After"] = str(self.retry_after)
-        return h
-
-    def wire(self) -> tuple:
-        """As a tuple that crosses a process boundary (``from_wire``); an exception's own
-        pickle would call ``__init__`` with the message alone."""
-        return (self.status, self.message, self.param, self.code, self.type, self.retry_after)
-
-    @classmethod
-    def from_wire(cls, t: tuple) -> APIError:
-        return cls(*t)
+# request bodies: types as declared (no coercion), unknown fields ignored (OpenAI's clients
+# send fields of newer API versions)
+STRICT = ConfigDict(strict=True, extra="ignore")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -64,7 +39,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def error_body(status: int, message: str, param: str | None = None,
                code: str | None = None, type_: str | None = None) -> dict[str, Any]:
-    t = type_ or TYPES.get(status, INVALID if status < 500 else "server_error")
+    t = type_ or error_type(status)
     return {"error": {"message": message, "type": t, "param": param, "code": code}}
 
 

@@ -27,15 +27,12 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO
 
 from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.responses import FileResponse, JSONResponse
 
 from vlmbatch.app.server.errors import APIError, bad_request
-
-if TYPE_CHECKING:
-    from vlmbatch.app.server.serve import ServerState
 
 FILE_ID = re.compile(r"^file-[0-9a-f]{32}(-output|-errors)?$")
 PURPOSES = ("batch", "batch_output")
@@ -178,9 +175,8 @@ def page_of(recs: list[FileRecord], after: str | None, limit: int) -> dict:
             "last_id": page[-1].id if page else None, "has_more": len(recs) > limit}
 
 
-def file_routes(state: ServerState) -> APIRouter:
+def file_routes(files: FileStore) -> APIRouter:
     router = APIRouter()
-    files = state.files
 
     @router.post("/v1/files")
     def create_file(file: UploadFile = File(), purpose: str = Form(),

@@ -8,15 +8,16 @@ labels whatever the paths asked for) and status, with their latency from the fir
 received to the last sent (a stream's whole life). Everything else is read when scraped
 (``EngineCollector``): each engine's queue and the counters its engine thread sends with
 every answer (summed over the engine processes, those that died included), the batches by
-state (their records on disk), and the engine restarts. The table is in ``docs/server.md``.
+state (their records on disk), the engine restarts, and the media cache's hits, misses,
+evictions and bytes held. The table is in ``docs/server.md``.
 """
 
 from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -24,9 +25,12 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vlmbatch.app.server.batches import BatchBook
+from vlmbatch.app.server.media_cache import CacheStats
+from vlmbatch.serving.engines import Engines
+from vlmbatch.serving.messages import Counters
+from vlmbatch.serving.processes import add
 
 if TYPE_CHECKING:
-    from vlmbatch.app.server.engines import Engines
     from vlmbatch.app.server.ray_batches import RayBatches
 
 STATES = ("validating", "in_progress", "finalizing", "completed", "failed", "cancelling",
@@ -55,19 +59,19 @@ def endpoint_of(path: str) -> str:
 
 
 class EngineCollector:
-    """What the engines, the batch records and the Ray runner say at scrape time."""
+    """What the engines, the batch records, the media cache and the Ray runner say at
+    scrape time."""
 
-    def __init__(self, engines: Engines, book: BatchBook) -> None:
-        self.engines, self.book = engines, book
+    def __init__(self, engines: Engines, book: BatchBook,
+                 media: Callable[[], CacheStats] | None = None) -> None:
+        self.engines, self.book, self.media = engines, book, media
         self.ray: RayBatches | None = None
 
     def collect(self) -> Iterator[Metric]:
         views = self.engines.views()
-        total = dict(self.engines.base)
+        total = self.engines.base
         for v in views:
-            for k, n in v.stats.items():
-                if k != "depth":
-                    total[k] = total.get(k, 0) + n
+            total = add(total, v.stats)
         up = GaugeMetricFamily("vlmbatch_engine_up", "1 while the engine answers", labels=[
             "engine"])
         depth = GaugeMetricFamily("vlmbatch_queue_depth", "requests sent to an engine and not "
@@ -82,19 +86,34 @@ class EngineCollector:
         answered = CounterMetricFamily("vlmbatch_questions_answered", "questions answered "
                                        "(batch: results recorded, embedding inputs included)",
                                        labels=["source"])
-        answered.add_metric(["interactive"], total.get("interactive", 0))
+        answered.add_metric(["interactive"], total.interactive)
         ray = self.ray.answered if self.ray is not None else 0
-        answered.add_metric(["batch"], total.get("batch", 0) + ray)
+        answered.add_metric(["batch"], total.batch + ray)
         yield answered
         yield from self._tokens(total)
         yield CounterMetricFamily("vlmbatch_engine_calls", "engine calls of interactive "
-                                  "requests", value=total.get("calls", 0))
+                                  "requests", value=total.calls)
         yield CounterMetricFamily("vlmbatch_engine_restarts", "engine processes started again "
                                   "after one died", value=self.engines.restarts)
+        if self.media is not None:
+            yield from self._media(self.media())
         yield self._batches()
 
-    def _tokens(self, total: dict[str, int]) -> Iterator[Metric]:
-        prompt, prefilled = total.get("prompt_tokens", 0), total.get("prefill_tokens", 0)
+    def _media(self, m: CacheStats) -> Iterator[Metric]:
+        name = "vlmbatch_media_cache"
+        yield CounterMetricFamily(f"{name}_hits", "chat requests whose image was served "
+                                  "without decoding (cached, or decoded once for them all)",
+                                  value=m.hits)
+        yield CounterMetricFamily(f"{name}_misses", "chat requests that decoded their image",
+                                  value=m.misses)
+        yield CounterMetricFamily(f"{name}_evictions", "images dropped to stay within "
+                                  "--media-cache-mib", value=m.evictions)
+        yield GaugeMetricFamily(f"{name}_bytes", "bytes held: encoded images and their "
+                                "prepared arrays", value=m.bytes)
+        yield GaugeMetricFamily(f"{name}_images", "images held", value=m.entries)
+
+    def _tokens(self, total: Counters) -> Iterator[Metric]:
+        prompt, prefilled = total.prompt_tokens, total.prefill_tokens
         tokens = CounterMetricFamily("vlmbatch_prompt_tokens", "prompt tokens: computed "
                                      "(prefilled) or read from the prefix cache (cached)",
                                      labels=["kind"])
@@ -118,23 +137,32 @@ class EngineCollector:
 class Metrics:
     """One server's registry: the request counters and the collector."""
 
-    def __init__(self, engines: Engines, book: BatchBook) -> None:
+    def __init__(self, engines: Engines, book: BatchBook,
+                 media: Callable[[], CacheStats] | None = None) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("vlmbatch_requests", "HTTP requests answered, by endpoint and "
                                 "status", ["endpoint", "status"], registry=self.registry)
         self.latency = Histogram("vlmbatch_request_duration_seconds", "HTTP request latency, "
                                  "first byte in to last byte out", ["endpoint"],
                                  buckets=BUCKETS, registry=self.registry)
-        self.collector = EngineCollector(engines, book)
+        self.collector = EngineCollector(engines, book, media)
+        self._children: dict[tuple[str, int], tuple[Any, Any]] = {}
         self.registry.register(self.collector)  # type: ignore[arg-type]
 
     def page(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
     def observe(self, path: str, status: int, seconds: float) -> None:
-        endpoint = endpoint_of(path)
-        self.requests.labels(endpoint, str(status)).inc()
-        self.latency.labels(endpoint).observe(seconds)
+        key = (path, status)
+        children = self._children.get(key)
+        if children is None:  # the labelled series, looked up once per (path, status)
+            endpoint = endpoint_of(path)
+            children = (self.requests.labels(endpoint, str(status)),
+                        self.latency.labels(endpoint))
+            if len(self._children) < 4096:  # paths of unknown routes: bounded
+                self._children[key] = children
+        children[0].inc()
+        children[1].observe(seconds)
 
 
 class RequestMetrics:

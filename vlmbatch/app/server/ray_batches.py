@@ -30,7 +30,6 @@ from typing import Any
 
 from vlmbatch.app.server.batches import BatchBook
 from vlmbatch.app.server.config import ServerConfig
-from vlmbatch.app.server.scheduler import BatchEvents, absolute
 from vlmbatch.engine.config import ConfigError
 from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.errors import ManifestError
@@ -44,6 +43,7 @@ from vlmbatch.jobs.tasks import job_task
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.pipeline.task import Task
 from vlmbatch.preprocessing.prepare import ImagePlan
+from vlmbatch.serving.scheduler import BatchEvents, mismatch
 
 log = logging.getLogger("vlmbatch.app.server")
 
@@ -99,12 +99,12 @@ class RayBatches:
             return self.pools[task]
 
     def _config(self, job: Path) -> RunConfig:
-        """The job's config on this server's Ray options (ConfigError: another model)."""
+        """The job's config on this server's Ray options (ConfigError: it cannot run here,
+        ``serving.scheduler.mismatch``)."""
         run = load_config(job)
-        want = self.cfg.embed_model_config if run.task == "embed" else self.cfg.model
-        if (absolute(run.model), run.engine) != (absolute(want), self.cfg.engine):
-            raise ConfigError("the batch was submitted to a server with another model or "
-                              "engine settings; start the server with those to finish it")
+        why = mismatch(run, self.cfg.serving)
+        if why is not None:
+            raise ConfigError(why)
         return run.for_run(executor=self.cfg.executor)
 
     def _drive(self, batch_id: str) -> None:
@@ -112,9 +112,10 @@ class RayBatches:
         try:
             with run_lock(job):
                 cancelled = self._run(job)
-        except (ManifestError, ConfigError) as e:  # JobBusy too: left as it is
-            log.warning("batch %s skipped: %s", batch_id, e)
-            self._done(batch_id, lambda: self.events.released(batch_id))
+        except (ManifestError, ConfigError) as e:  # JobBusy too: it cannot run here
+            log.warning("batch %s cannot run: %s", batch_id, e)
+            message = f"the batch cannot run on this server: {e}"
+            self._done(batch_id, lambda: self.events.failed(batch_id, message))
         except Exception as e:  # noqa: BLE001  (this batch fails, not the server)
             log.exception("batch %s stopped", batch_id)
             message = f"the job stopped: {type(e).__name__}: {e}"

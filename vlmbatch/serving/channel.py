@@ -1,14 +1,14 @@
 """The local channel between the HTTP process and one engine process (``engines.py`` the
-HTTP side, ``engine_process.py`` the other).
+HTTP side, ``engine_process.py`` the other), carrying ``messages.py``'s records.
 
     HTTP process                                         engine process
     Arena.put(image) -> pixels into a memfd region ──┐
-    Link.send(("chat", rid, question, ..., packed)) ─┴─> reader thread: Arena.view (no copy)
+    Link.send(Ask(rid, question, packed)) ───────────┴─> reader thread: Arena.view (no copy)
                                                          -> the engine thread's queue
-    reader thread: futures settled, regions freed  <──── one message per engine call:
-                                                         ("scores", [(rid, Score)], stats)
+    reader thread: futures settled, regions freed  <──── one message per engine-thread turn:
+                                                         Settled([Answer(rid, Score)], stats)
 
-Two pipes carry small pickled tuples (``Link``: ``multiprocessing.connection`` framing, the
+Two pipes carry small pickled records (``Link``: ``multiprocessing.connection`` framing, the
 write side locked, both pipes enlarged to 1 MiB so a burst of requests never blocks the
 event loop on a busy engine). Pixels never go through a pipe: the HTTP process copies an
 image's uint8 rows (and any other array of its ``PreparedImage``) into a region of the
@@ -26,6 +26,7 @@ wait for more before an engine call.
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import fcntl
 import mmap
@@ -38,19 +39,22 @@ from typing import Any
 import numpy as np
 
 from vlmbatch.preprocessing.prepare import PreparedImage
+from vlmbatch.serving.messages import Packed
 
 ALIGN = 64  # bytes: each array starts on a cache line
 ARENA_BYTES = 1 << 30  # per engine process, sparse: pages are allocated as first written
 PIPE_BYTES = 1 << 20  # F_SETPIPE_SZ: Linux's default limit for an unprivileged process
 F_SETPIPE_SZ = 1031
 
-Packed = tuple  # ("arena", meta image, [(field, offset, shape, dtype)], (offset, size))
-#                 | ("object", image)
+RESIDENT_BYTES = 256 << 20  # unused images an arena keeps, most recently used first
+_FIELDS: dict[type, tuple[str, ...]] = {}  # a record type's field names, read once
 
 
 def _arrays(image: PreparedImage) -> list[tuple[str, np.ndarray]]:
-    return [(f.name, v) for f in dataclasses.fields(image)
-            if isinstance(v := getattr(image, f.name), np.ndarray)]
+    names = _FIELDS.get(type(image))
+    if names is None:
+        names = _FIELDS[type(image)] = tuple(f.name for f in dataclasses.fields(image))
+    return [(n, v) for n in names if isinstance(v := getattr(image, n), np.ndarray)]
 
 
 def _aligned(n: int) -> int:
@@ -98,32 +102,31 @@ class Arena:
 
     def put(self, image: PreparedImage) -> Packed:
         """``image`` as the engine will read it: its arrays copied into a new region (freed
-        by ``free(packed_region(...))``), or the whole image pickled when none is free."""
+        by ``free(packed.region)``), or the whole image pickled when none is free."""
         arrays = _arrays(image)
         need = sum(_aligned(a.nbytes) for _, a in arrays)
         base = self._alloc(need) if need else None
         if base is None:
-            return ("object", image)
+            return Packed(image)
         layout, off = [], base
         for name, a in arrays:
             np.frombuffer(self.map, np.uint8, a.nbytes, off)[...] = \
                 np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-            layout.append((name, off, a.shape, a.dtype.str))
+            layout.append((name, off, tuple(a.shape), a.dtype.str))
             off += _aligned(a.nbytes)
-        empty: dict[str, Any] = {n: np.empty(0, a.dtype) for n, a in arrays}
-        meta = dataclasses.replace(image, **empty)
-        return ("arena", meta, layout, (base, need))
+        empty: dict[str, Any] = dict.fromkeys(name for name, _ in arrays)  # None: in the arena
+        return Packed(dataclasses.replace(image, **empty), tuple(layout), (base, need),
+                      image.cache_key)
 
     def view(self, packed: Packed) -> PreparedImage:
         """The engine side: the image with its arrays as views of the region (read-only use;
         valid until the HTTP process frees the region, after this request is answered)."""
-        if packed[0] == "object":
-            return packed[1]
-        _, meta, layout, _ = packed
+        if packed.layout is None:
+            return packed.meta
         arrays: dict[str, Any] = {
             name: np.frombuffer(self.map, np.dtype(dtype), int(np.prod(shape)), off)
-            .reshape(shape) for name, off, shape, dtype in layout}
-        return dataclasses.replace(meta, **arrays)
+            .reshape(shape) for name, off, shape, dtype in packed.layout}
+        return dataclasses.replace(packed.meta, **arrays)
 
     def close(self) -> None:
         try:
@@ -133,8 +136,65 @@ class Arena:
         os.close(self.fd)
 
 
-def region(packed: Packed | None) -> tuple[int, int] | None:
-    return packed[3] if packed is not None and packed[0] == "arena" else None
+class Residents:
+    """Prepared images kept in an ``Arena`` by cache key (the HTTP process's side): a
+    request ``hold``s its image (copied in only if not there already) and ``release``s it
+    when answered; an image no request holds stays, most recently used last, until the
+    unused ones pass ``budget`` bytes or the arena needs their room. So an image asked about
+    again is not copied again, and a region is freed only once nothing may read it."""
+
+    def __init__(self, arena: Arena, budget: int = RESIDENT_BYTES) -> None:
+        self.arena, self.budget = arena, budget
+        self._held: collections.OrderedDict[str, list] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.bytes = 0  # of the images kept
+
+    def hold(self, image: PreparedImage) -> Packed:
+        key = image.cache_key
+        with self._lock:
+            entry = self._held.get(key)
+            if entry is not None:
+                entry[1] += 1
+                self._held.move_to_end(key)
+                return entry[0]
+        packed = self.arena.put(image)
+        if packed.region is None:  # no room: the unused go, then once more
+            with self._lock:
+                self._evict(0)
+            packed = self.arena.put(image)
+            if packed.region is None:
+                return packed  # pickled whole: nothing to hold
+        with self._lock:
+            entry = self._held.get(key)
+            if entry is not None:  # another request put it meanwhile: theirs is kept
+                self.arena.free(packed.region)
+                entry[1] += 1
+                return entry[0]
+            self._held[key] = [packed, 1]
+            self.bytes += packed.region[1]
+            self._evict(self.budget)
+        return packed
+
+    def release(self, packed: Packed | None) -> None:
+        if packed is None or packed.region is None:
+            return
+        with self._lock:
+            entry = self._held.get(packed.key)
+            if entry is not None and entry[0] is packed:
+                entry[1] -= 1
+            self._evict(self.budget)
+
+    def _evict(self, budget: int) -> None:
+        """Free unused images, least recently used first, until ``bytes <= budget`` (under
+        the lock)."""
+        if self.bytes <= budget:
+            return
+        for key in [k for k, e in self._held.items() if e[1] == 0]:
+            if self.bytes <= budget:
+                return
+            packed, _ = self._held.pop(key)
+            self.bytes -= packed.region[1]
+            self.arena.free(packed.region)
 
 
 class Arriving:
@@ -159,7 +219,7 @@ class Arriving:
 
 class Link:
     """One direction of pipe each way: ``send`` (thread-safe) and ``recv`` of pickled
-    tuples."""
+    records (``messages.py``)."""
 
     def __init__(self, read_fd: int, write_fd: int) -> None:
         for fd in (read_fd, write_fd):
@@ -171,7 +231,7 @@ class Link:
         self.wr = Connection(write_fd, readable=False)
         self._lock = threading.Lock()
 
-    def send(self, msg: tuple) -> None:
+    def send(self, msg: object) -> None:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         with self._lock:
             self.wr.send_bytes(data)
