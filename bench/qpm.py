@@ -117,7 +117,7 @@ class VlmbatchPath:
                  dtype: torch.dtype = torch.float32, graphs: bool = True,
                  engine_kw: dict | None = None, quant: str = "none") -> None:
         self.name, self.items, self.images_per_batch = name, items, images_per_batch
-        self.model = load_model(model_dir, device, dtype, quant=quant)
+        self.model = load_model(model_dir, device, dtype, quant=quant, fuse=True)  # as `run`
         self.runner = make_runner(vit, vision_model(self.model), RunnerOptions(
             device, graphs, stream_ordered=True))  # as `run`
         self.cfg = EngineConfig(prefix_cache=cache, cuda_graphs=graphs, **(engine_kw or {}))

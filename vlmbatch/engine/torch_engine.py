@@ -30,6 +30,7 @@ prefilled, image tokens prefilled.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -47,6 +48,7 @@ from vlmbatch.engine.prefix_cache import BlockId, PrefixCache
 from vlmbatch.engine.records import EmbedRequest, Request, Score, Vector
 from vlmbatch.engine.scoring import AnswerTokens, ChoiceIds, choice_ids
 from vlmbatch.models.base import LoadedModel, Prompt
+from vlmbatch.models.layers import fuse_projections
 from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
 from vlmbatch.vit_trt.base import RunnerOptions, VitRunner, make_runner
 from vlmbatch.vit_trt.torch_runner import TorchRunner
@@ -62,8 +64,8 @@ _Queued = list[tuple[list[Plan], tuple[torch.Tensor, list[Generated | None],
 
 class TorchEngine(Engine):
     def __init__(self, model: LoadedModel, cfg: EngineConfig, vision: VitRunner | None = None,
-                 image_plan: ImagePlan | None = None) -> None:
-        self.model = model
+                 image_plan: ImagePlan | None = None, fuse: bool = True) -> None:
+        self.model = fused(model, vision is None) if fuse else model
         self.cfg = cfg
         # the run's plan; by default the checkpoint's under a default ModelConfig
         self.image_plan = image_plan or image_plan_for(model.family, model.spec, ModelConfig())
@@ -259,13 +261,33 @@ class TorchEngine(Engine):
         return results  # type: ignore[return-value]
 
 
+def fused(model: LoadedModel, vision_too: bool = True) -> LoadedModel:
+    """``model`` with its projections fused (``models.layers.fuse_projections``); a model
+    loaded so (``build_torch``) as it is, one loaded unfused (tests, benchmarks) as a fused
+    copy: the caller's modules are never changed, whoever else reads them by name. The
+    vision module only with ``vision_too`` (the engine then runs it itself)."""
+    def done(m: torch.nn.Module, wanted: bool) -> torch.nn.Module:
+        if not wanted or not fuse_projections(m, apply=False):
+            return m
+        m = copy.deepcopy(m)
+        fuse_projections(m)
+        return m
+
+    llm, vision = done(model.llm, True), done(model.vision, vision_too)
+    if llm is model.llm and vision is model.vision:
+        return model
+    return dataclasses.replace(model, llm=llm, vision=vision)
+
+
 def build_torch(model_cfg: ModelConfig, engine_cfg: EngineConfig,
-                threads: int | None = None) -> TorchEngine:
-    """Our engine on ``model_cfg``'s checkpoint and device, on ``threads`` torch threads."""
+                threads: int | None = None, fuse: bool = True) -> TorchEngine:
+    """Our engine on ``model_cfg``'s checkpoint and device, on ``threads`` torch threads;
+    its projections fused at load (``load_model``'s ``fuse``; off for calibration, which
+    reads the linears by name)."""
     if threads:
         torch.set_num_threads(threads)
     model = load_model(model_cfg.path, model_cfg.device, torch_dtype(model_cfg.dtype),
-                       model_cfg.llm_quant, model_cfg.quant)
+                       model_cfg.llm_quant, model_cfg.quant, fuse)
     plan = image_plan_for(model.family, model.spec, model_cfg)
     # stream-ordered: the engine reads the embeddings on the stream that made them, so the graph
     # pool's host wait per call would only stall the host (16% of a profiled round at
@@ -273,4 +295,4 @@ def build_torch(model_cfg: ModelConfig, engine_cfg: EngineConfig,
     vision = make_runner(engine_cfg.vit_backend, vision_model(model), RunnerOptions(
         model_cfg.device, engine_cfg.cuda_graphs, engine_cfg.vit_max_batch,
         stream_ordered=True))
-    return TorchEngine(model, engine_cfg, vision, plan)
+    return TorchEngine(model, engine_cfg, vision, plan, fuse)

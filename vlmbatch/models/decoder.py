@@ -92,6 +92,7 @@ from vlmbatch.models.layers import (
     FusedRMSNorm,
     RMSNorm,
     activation,
+    fuse_into,
     inverse_frequencies,
     rope,
     rope_tables,
@@ -220,6 +221,7 @@ def make_norm(s: TextSpec, dim: int) -> RMSNorm:
 
 class Attention(nn.Module):
     q_width = 1  # q_proj's output per query head channel (GatedAttention: query and gate)
+    fused = False  # q_proj, k_proj, v_proj as one ``qkv_proj`` (``fuse_projections``)
 
     def __init__(self, s: TextSpec) -> None:
         super().__init__()
@@ -229,6 +231,10 @@ class Attention(nn.Module):
         if s.qk_norm:
             self.q_norm = make_norm(s, s.head_dim)
             self.k_norm = make_norm(s, s.head_dim)
+        # q and k turned by one rotary call (``rotated``): the plain fused layout only
+        self.joint = not s.qk_norm and self.q_width == 1 and s.qkv_layout == "separate"
+        self.widths = [self.q_width * s.heads * s.head_dim, s.kv_heads * s.head_dim,
+                       s.kv_heads * s.head_dim]
 
     def projections(self, s: TextSpec) -> None:
         """The linears ``project`` reads: q_proj (with the gate: ``q_width``), k_proj,
@@ -237,31 +243,61 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.qkv_bias)
         self.v_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.qkv_bias)
 
+    def fuse_projections(self, apply: bool = True) -> bool:
+        """q_proj, k_proj, v_proj as one linear ``qkv_proj`` (``layers.fuse_into``): one
+        GEMM where there were three, the same numbers in the same order."""
+        return fuse_into(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"), apply)
+
+    def linear_parts(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h [B, T, D] -> q_proj's, k_proj's and v_proj's outputs (views of one when
+        fused)."""
+        if self.fused:
+            q, k, v = self.qkv_proj(h).split(self.widths, -1)
+            return q, k, v
+        return self.q_proj(h), self.k_proj(h), self.v_proj(h)
+
     def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h [B, T, D] -> q [B, T, H, d], k and v [B, T, K, d] (before norm and rotary)."""
         b, t, _ = h.shape
         s = self.s
-        return (self.q_proj(h).view(b, t, s.heads, s.head_dim),
-                self.k_proj(h).view(b, t, s.kv_heads, s.head_dim),
-                self.v_proj(h).view(b, t, s.kv_heads, s.head_dim))
+        q, k, v = self.linear_parts(h)
+        return (q.view(b, t, s.heads, s.head_dim), k.view(b, t, s.kv_heads, s.head_dim),
+                v.view(b, t, s.kv_heads, s.head_dim))
 
     def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                  torch.Tensor | None]:
         """h [B, T, D] -> q, k, v as ``qkv`` and the output gate [B, T, H * d] (None: none)."""
         return (*self.qkv(h), None)
 
+    def rotated(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused plain layout (``joint``): h [B, T, D] -> q [B, H, T, d] and k [B, K, T,
+        d] with rotary (one call for both heads' kinds: it acts on each head alone), v
+        [B, K, T, d]. The same numbers as ``project`` then rotary on each."""
+        b, t, _ = h.shape
+        s = self.s
+        qkv = self.qkv_proj(h).view(b, t, s.heads + 2 * s.kv_heads, s.head_dim).transpose(1, 2)
+        qk, v = qkv.split([s.heads + s.kv_heads, s.kv_heads], 1)
+        q, k = apply_rotary(qk, cos, sin).split([s.heads, s.kv_heads], 1)
+        return q, k, v
+
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 past: KV | None) -> tuple[torch.Tensor, KV]:
         # h: [B, T, D]; cos/sin: [B, 1, T, r]; mask: [B, 1, T, P + T] bool, True = may attend;
         # past: k, v [B, K, P, d] (rotary applied). Returns the output and the new k, v.
         b, t, _ = h.shape
-        q, k, v, gate = self.project(h)
-        if self.s.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        # (one pass over torch.cat([q, k], 1) measured 7x slower on the CPU: a strided cat)
-        q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, d]
-        k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, K, T, d]
-        v = v.transpose(1, 2)
+        gate = None
+        if self.fused and self.joint:
+            q, k, v = self.rotated(h, cos, sin)
+        else:
+            q, k, v, gate = self.project(h)
+            if self.s.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            # (one pass over torch.cat([q, k], 1) measured 7x slower on the CPU: a strided
+            # cat; ``rotated`` turns a view of one tensor instead)
+            q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, d]
+            k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, K, T, d]
+            v = v.transpose(1, 2)
         k_all, v_all = (k, v) if past is None else (torch.cat([past[0], k], 2),
                                                     torch.cat([past[1], v], 2))
         heads = self.s.heads
@@ -283,9 +319,10 @@ class GatedAttention(Attention):
                                                  torch.Tensor | None]:
         b, t, _ = h.shape
         s = self.s
-        q, gate = self.q_proj(h).view(b, t, s.heads, 2 * s.head_dim).chunk(2, dim=-1)
-        return (q, self.k_proj(h).view(b, t, s.kv_heads, s.head_dim),
-                self.v_proj(h).view(b, t, s.kv_heads, s.head_dim), gate.reshape(b, t, -1))
+        qg, k, v = self.linear_parts(h)
+        q, gate = qg.view(b, t, s.heads, 2 * s.head_dim).chunk(2, dim=-1)
+        return (q, k.view(b, t, s.kv_heads, s.head_dim), v.view(b, t, s.kv_heads, s.head_dim),
+                gate.reshape(b, t, -1))
 
 
 class GroupedQKVAttention(Attention):
@@ -296,6 +333,9 @@ class GroupedQKVAttention(Attention):
     def projections(self, s: TextSpec) -> None:
         self.wqkv = nn.Linear(s.hidden, (s.heads + 2 * s.kv_heads) * s.head_dim,
                               bias=s.qkv_bias)
+
+    def fuse_projections(self, apply: bool = True) -> bool:
+        return False  # one projection already
 
     def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, t, _ = h.shape
@@ -311,6 +351,8 @@ QKV_LAYOUTS: dict[str, type[Attention]] = {"separate": Attention,
 
 
 class MLP(nn.Module):
+    fused = False  # gate_proj and up_proj as one ``gate_up_proj`` (``fuse_projections``)
+
     def __init__(self, s: TextSpec) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(s.hidden, s.intermediate, bias=False)
@@ -318,7 +360,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(s.intermediate, s.hidden, bias=False)
         self.act = activation(s.act)
 
+    def fuse_projections(self, apply: bool = True) -> bool:
+        """gate_proj and up_proj as one linear ``gate_up_proj`` (``layers.fuse_into``)."""
+        return fuse_into(self, "gate_up_proj", ("gate_proj", "up_proj"), apply)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            gate, up = self.gate_up_proj(x).chunk(2, -1)
+            return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -551,9 +600,9 @@ class TextDecoder(Decoder):
         if len(feats) > len(self.layers):
             raise ValueError(f"{len(feats)} DeepStack features for {len(self.layers)} layers")
         new_kv = []
+        mask = mask[:, None]  # [B, 1, T, P+T]: heads broadcast
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, cos, sin, mask[:, None], None if past is None else past[i],
-                          valid)
+            x, kv = layer(x, cos, sin, mask, None if past is None else past[i], valid)
             new_kv.append(kv)
             if i < len(feats):
                 assert deepstack is not None
