@@ -11,6 +11,10 @@ Models (``--shapes``):
   per tile, 24 Qwen2 decoder layers with grouped KV heads; hidden sizes 64, so the arithmetic
   is small and what is left is the host's cost per op and per call.
 
+The engine runs the path a GPU runs (``question_rows="on"``: an image's prefix and its
+questions in one row; on a CPU ``auto`` keeps the phases, which compute less:
+``--question-rows auto`` counts those), where the tree has that choice.
+
 Each tree runs in its own subprocess (``PYTHONPATH`` = the tree; the worker is this file, so
 both trees are measured by the same code). A worker builds a ``VLM`` (1 torch thread by
 default, images decoded in decoder processes as ``run`` does), answers one untimed group of
@@ -142,7 +146,13 @@ def worker(args: argparse.Namespace) -> None:
     from vlmbatch.app.evaluate import easy_vqa_set
 
     torch.set_num_threads(args.threads)
-    vlm = VLM(args.model, threads=args.threads)
+    import dataclasses
+
+    from vlmbatch.engine.config import EngineConfig
+    options = {}  # the path a GPU runs (``question_rows``), where the tree has the choice
+    if "question_rows" in {f.name for f in dataclasses.fields(EngineConfig)}:
+        options["question_rows"] = args.question_rows
+    vlm = VLM(args.model, threads=args.threads, **options)
     engine = vlm.engine
     items = easy_vqa_set("test").items[: args.images]
     warm = easy_vqa_set("train").items[: args.warm]
@@ -178,7 +188,8 @@ def worker(args: argparse.Namespace) -> None:
 def run_tree(tree: Path, model: Path | None, args: argparse.Namespace) -> dict:
     """One worker on ``tree``'s code; its JSON line."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--images",
-           str(args.images), "--threads", str(args.threads), "--warm", str(args.warm)]
+           str(args.images), "--threads", str(args.threads), "--warm", str(args.warm),
+           "--question-rows", args.question_rows]
     if model is not None:
         cmd += ["--model", str(model)]
     env = {**os.environ, "PYTHONPATH": str(tree)}
@@ -228,6 +239,10 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=32, help="first N easy-vqa test images")
     ap.add_argument("--warm", type=int, default=16, help="train images answered first")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--question-rows", choices=["on", "auto", "off"], default="on",
+                    help="EngineConfig.question_rows of the tree that has it (default on: "
+                    "the path CUDA runs, whose ops are the launches counted; auto: this "
+                    "device's default, the phases on a CPU)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

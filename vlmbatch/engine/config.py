@@ -48,6 +48,7 @@ LLM_QUANT = ("none", "int8-dynamic")
 # how a label set's choices are scored: each choice's whole token sequence after the prompt
 # (exact), or its first token only (cheaper; choices must then start with different tokens)
 CHOICE_SCORING = ("exact", "first-token")
+QUESTION_ROWS = ("auto", "on", "off")  # EngineConfig.question_rows
 QUANT = ("none", "fp8")  # W8A8 of the decoder's and the vision encoder's linears
 # dtype names; engine/loading.py maps each to its torch dtype where the model is loaded
 DTYPES = ("float32", "bfloat16", "float16")
@@ -143,8 +144,15 @@ class EngineConfig:
     yes_words: tuple[str, ...] = ("yes", "Yes", "YES", "是")
     no_words: tuple[str, ...] = ("no", "No", "NO", "否")
     choice_scoring: str = "exact"  # one of CHOICE_SCORING
+    # an image's prefix and its yes/no questions in one row, one forward (engine/packing.py):
+    # "auto" where the host is the bottleneck (CUDA), else the leaders/followers phases,
+    # which compute less (the CPU is bound by arithmetic: docs/engine.md, "Host cost")
+    question_rows: str = "auto"  # one of QUESTION_ROWS
 
     def __post_init__(self) -> None:
+        if self.question_rows not in QUESTION_ROWS:
+            raise ConfigError(f"question_rows {self.question_rows!r} not one of "
+                              f"{QUESTION_ROWS}")
         if min(self.max_batch_tokens, self.max_batch_tiles, self.block_size,
                self.vit_max_batch) < 1:
             raise ConfigError("max_batch_tokens, max_batch_tiles, vit_max_batch and block_size "

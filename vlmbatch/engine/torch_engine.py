@@ -30,7 +30,6 @@ prefilled, image tokens prefilled.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -38,6 +37,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from vlmbatch.engine import packing
 from vlmbatch.engine.base import Engine, EngineStats, EngineSummary
 from vlmbatch.engine.config import ConfigError, EmbedConfig, EngineConfig, ModelConfig, Resolved
 from vlmbatch.engine.embed import EmbedHead, cut
@@ -48,7 +48,6 @@ from vlmbatch.engine.prefix_cache import BlockId, PrefixCache
 from vlmbatch.engine.records import EmbedRequest, Request, Score, Vector
 from vlmbatch.engine.scoring import AnswerTokens, ChoiceIds, choice_ids
 from vlmbatch.models.base import LoadedModel, Prompt
-from vlmbatch.models.layers import fuse_projections
 from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
 from vlmbatch.vit_trt.base import RunnerOptions, VitRunner, make_runner
 from vlmbatch.vit_trt.torch_runner import TorchRunner
@@ -60,12 +59,14 @@ Forward = Callable[[list[Plan], list[ImageEmbeds | None]], Out]
 # tokens), its label sets' log-likelihoods [M] on the device (None: no label set)
 _Queued = list[tuple[list[Plan], tuple[torch.Tensor, list[Generated | None],
                                        torch.Tensor | None]]]
+# per step of rows (``engine/packing.py``): its requests, [Q, 2] (p_yes, margin) on the device
+_Rows = list[tuple[list[int], torch.Tensor]]
 
 
 class TorchEngine(Engine):
     def __init__(self, model: LoadedModel, cfg: EngineConfig, vision: VitRunner | None = None,
-                 image_plan: ImagePlan | None = None, fuse: bool = True) -> None:
-        self.model = fused(model, vision is None) if fuse else model
+                 image_plan: ImagePlan | None = None) -> None:
+        self.model = model  # as loaded: fused by ``build_torch`` (``load_model(fuse=True)``)
         self.cfg = cfg
         # the run's plan; by default the checkpoint's under a default ModelConfig
         self.image_plan = image_plan or image_plan_for(model.family, model.spec, ModelConfig())
@@ -82,6 +83,9 @@ class TorchEngine(Engine):
         self._heads: dict[EmbedConfig, EmbedHead] = {}
         self._choice_ids: dict[tuple[str, ...], ChoiceIds] = {}
         self._first_token = cfg.choice_scoring == "first-token"
+        self._dynamic = getattr(model.spec.text, "rope_scaling", "none") == "dynamic"
+        rows = cfg.question_rows
+        self._question_rows = rows == "on" or (rows == "auto" and self.device.type == "cuda")
         if self.cache is not None:
             self._allocate_cache()
 
@@ -130,7 +134,7 @@ class TorchEngine(Engine):
         choices = [self.choice_ids(r.choices) if r.choices else () for r in requests]
         prompts = [self.model.prompts.build(r.question, images[r.image], r.system)
                    for r in requests]
-        self.stats.prompt_tokens += sum(len(p.ids) for p in prompts)  # what was asked
+        self.stats.prompt_tokens += sum([len(p.ids) for p in prompts])  # what was asked
         image_of: list[int | None] = [r.image for r in requests]
         embeds: dict[int, ImageEmbeds] = {}
         prefixes: dict[Prefix, list[BlockId]] = {}
@@ -147,11 +151,55 @@ class TorchEngine(Engine):
                 self._prefix_phase(heads, prompts, image_of, images, embeds, prefixes)
                 done += self._phase(members, prompts, image_of, images, embeds, prefixes,
                                     forward, shared=shared)
-            return self._read_back(done, len(requests), choices)
-        for phase in self.planner.phases(requests, prompts, shared):
+            return self._read_back([], done, len(requests), choices, prompts)
+        rows: _Rows = []
+        phases = self.planner.phases(requests, prompts, shared)
+        if self.cache is not None and self._question_rows:  # yes/no questions in rows; the
+            # rest after them, in phases
+            rows, rest = self._rows(images, requests, prompts, shared, embeds, prefixes)
+            keep = set(rest)
+            phases = [kept for ph in phases if (kept := [i for i in ph if i in keep])]
+        for phase in phases:
             done += self._phase(phase, prompts, image_of, images, embeds, prefixes, forward,
                                 shared=shared)
-        return self._read_back(done, len(requests), choices)
+        return self._read_back(rows, done, len(requests), choices, prompts)
+
+    def _rows(self, images: list[PreparedImage], requests: list[Request],
+              prompts: list[Prompt], shared: list[int], embeds: dict[int, ImageEmbeds],
+              prefixes: dict[Prefix, list[BlockId]]) -> tuple[_Rows, list[int]]:
+        """The questions that want only P(yes) in rows (``engine/packing.py``: an image's
+        prefix and its questions in one row, a step of rows per token budget): each step's
+        requests and ``[Q, 2]`` (p_yes, margin) on the device; and the requests left for
+        the phases (label sets, text, what a row cannot hold)."""
+        text = self.cfg.max_new_tokens  # the engine's limit, where a request sets none
+        packable = [not r.choices and not (text if r.max_new_tokens is None
+                                           else r.max_new_tokens) for r in requests]
+        if self._dynamic:
+            packable = [ok and self._rope_fits(p) for ok, p in zip(packable, prompts)]
+        rows, rest = packing.make_rows(self.planner, requests, prompts, images, shared,
+                                       prefixes, packable)
+        out: _Rows = []
+        try:
+            need = sorted({k for r in rows if r.plan.needs_image
+                           and (k := requests[r.plan.req].image) not in embeds})
+            embeds.update(zip(need, self.runner.encode([images[k] for k in need])))
+            steps = packing.steps(rows, self.cfg.max_batch_tokens)
+            for step in steps:
+                ims = [embeds.get(requests[r.plan.req].image) for r in step]
+                inputs = self.runner.step_inputs(step, prompts)
+                out.append(([i for r in step for i in r.members],
+                            self.runner.prefill_rows(step, ims, inputs)))
+                self.planner.release([r.plan for r in step])  # gathered: see ``_phase``
+        finally:
+            self.planner.release([r.plan for r in rows])
+        return out, rest
+
+    def _rope_fits(self, p: Prompt) -> bool:
+        """Whether ``p`` may share a row: not past a dynamic rotary's trained length
+        (``packing`` module docstring)."""
+        s = self.model.spec.text
+        return (getattr(s, "rope_scaling", "none") != "dynamic"
+                or len(p.ids) <= getattr(s, "max_positions", 0))
 
     def _prefix_phase(self, heads: list[int], prompts: list[Prompt], image_of: list[int | None],
                       images: list[PreparedImage], embeds: dict[int, ImageEmbeds],
@@ -236,15 +284,22 @@ class TorchEngine(Engine):
         """Answer tokens to generate for ``r``: its own limit, else the engine's."""
         return self.cfg.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens
 
-    def _read_back(self, done: _Queued, n: int, choices: list[ChoiceIds]) -> list[Score]:
-        """The queued batches' (p_yes, margin) and label sets' log-likelihoods in one
-        device-to-host copy, as Scores in request order."""
+    def _read_back(self, rows: _Rows, done: _Queued, n: int, choices: list[ChoiceIds],
+                   prompts: list[Prompt]) -> list[Score]:
+        """The rows' and the queued batches' (p_yes, margin) and label sets'
+        log-likelihoods in one device-to-host copy, as Scores in request order."""
         results: list[Score | None] = [None] * n
-        if not done:
+        if not done and not rows:
             return results  # type: ignore[return-value]
-        # per batch its [B, 2] flattened, then its [M]: the call's one wait
-        host = iter(torch.cat([t for _, (s, _, lp) in done for t in (s.flatten(), lp)
-                               if t is not None]).tolist())
+        # each step's [Q, 2], then per batch its [B, 2] flattened and its [M]: the one wait
+        host = iter(torch.cat([s.flatten() for _, s in rows]
+                              + [t for _, (s, _, lp) in done for t in (s.flatten(), lp)
+                                 if t is not None]).tolist())
+        for members, _ in rows:
+            for i in members:
+                prompt = prompts[i]
+                results[i] = Score(next(host), next(host), prompt.image_len, None,
+                                   len(prompt.ids))
         for batch, (_, texts, lp) in done:
             pairs = [(next(host), next(host)) for _ in batch]
             for j, (p, (p_yes, margin)) in enumerate(zip(batch, pairs)):
@@ -259,24 +314,6 @@ class TorchEngine(Engine):
                         lps = tuple(next(host) for _ in choices[p.req])
                         results[p.req] = dataclasses.replace(s, logprobs=lps)
         return results  # type: ignore[return-value]
-
-
-def fused(model: LoadedModel, vision_too: bool = True) -> LoadedModel:
-    """``model`` with its projections fused (``models.layers.fuse_projections``); a model
-    loaded so (``build_torch``) as it is, one loaded unfused (tests, benchmarks) as a fused
-    copy: the caller's modules are never changed, whoever else reads them by name. The
-    vision module only with ``vision_too`` (the engine then runs it itself)."""
-    def done(m: torch.nn.Module, wanted: bool) -> torch.nn.Module:
-        if not wanted or not fuse_projections(m, apply=False):
-            return m
-        m = copy.deepcopy(m)
-        fuse_projections(m)
-        return m
-
-    llm, vision = done(model.llm, True), done(model.vision, vision_too)
-    if llm is model.llm and vision is model.vision:
-        return model
-    return dataclasses.replace(model, llm=llm, vision=vision)
 
 
 def build_torch(model_cfg: ModelConfig, engine_cfg: EngineConfig,
@@ -295,4 +332,4 @@ def build_torch(model_cfg: ModelConfig, engine_cfg: EngineConfig,
     vision = make_runner(engine_cfg.vit_backend, vision_model(model), RunnerOptions(
         model_cfg.device, engine_cfg.cuda_graphs, engine_cfg.vit_max_batch,
         stream_ordered=True))
-    return TorchEngine(model, engine_cfg, vision, plan, fuse)
+    return TorchEngine(model, engine_cfg, vision, plan)

@@ -222,6 +222,7 @@ def make_norm(s: TextSpec, dim: int) -> RMSNorm:
 class Attention(nn.Module):
     q_width = 1  # q_proj's output per query head channel (GatedAttention: query and gate)
     fused = False  # q_proj, k_proj, v_proj as one ``qkv_proj`` (``fuse_projections``)
+    qkv_proj: nn.Module  # once fused
 
     def __init__(self, s: TextSpec) -> None:
         super().__init__()
@@ -352,6 +353,7 @@ QKV_LAYOUTS: dict[str, type[Attention]] = {"separate": Attention,
 
 class MLP(nn.Module):
     fused = False  # gate_proj and up_proj as one ``gate_up_proj`` (``fuse_projections``)
+    gate_up_proj: nn.Module  # once fused
 
     def __init__(self, s: TextSpec) -> None:
         super().__init__()
@@ -550,6 +552,40 @@ class TextDecoder(Decoder):
         seq_lens = positions + 1 if self.spec.rope == "1d" else None
         x, new_kv = self._layers(embeds, pos, mask, kv, seq_lens=seq_lens)
         return self.lm_head(self.norm(x[:, 0])).float(), new_kv
+
+    def prefill_segments(self, embeds: torch.Tensor, positions: torch.Tensor,
+                         segments: torch.Tensor, at: torch.Tensor,
+                         past: list[KV] | None = None, past_lengths: torch.Tensor | None = None,
+                         *, deepstack: DeepStack | None = None,
+                         seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, list[KV]]:
+        """Several prompts sharing a prefix, one row each group (``engine/packing.py``):
+        the shared tokens not cached, then each prompt's own tokens.
+
+        embeds: [B, T, D]; positions: each token's in its own prompt, [B, T] (1-D) or
+        [3, B, T] (M-RoPE); segments: [B, T] long, 0 for a shared token, k >= 1 for the
+        row's k-th prompt's own tokens (after every shared one), -1 for padding; past: per
+        layer (k, v) [B, K, P, d], row b's first past_lengths[b] real. A token attends to
+        the row's real past, to the shared tokens and its own segment's tokens up to itself
+        (block-causal); a padding token to the shared ones (and the past), so no row of the
+        mask is empty. seq_lens [B]: each row's longest prompt (dynamic rotary scaling).
+        Returns (logits [Q, V] float32 at the flat positions ``at [Q]`` = row * T + t, per
+        layer (k, v) [B, K, T, d] of the new tokens). Full-attention layers only: a linear
+        layer's one state per row cannot follow several prompts."""
+        if "linear" in self.kinds:
+            raise NotImplementedError("a linear-attention layer keeps one state per row: "
+                                      "its prompts cannot share a row")
+        b, t, _ = embeds.shape
+        idx = torch.arange(t, device=embeds.device)
+        key = segments[:, None, :]  # [B, 1, T]; -1 (padding) equals no query's segment
+        query = segments.clamp(min=0)[:, :, None]  # [B, T, 1]; padding as a shared token
+        mask = (idx[None, :] <= idx[:, None]) & ((key == 0) | (key == query))  # [B, T, T]
+        if past is not None:
+            p = past[0][0].shape[2]
+            seen = torch.arange(p, device=embeds.device)[None, :] < past_lengths[:, None]  # type: ignore[index]
+            mask = torch.cat([seen[:, None, :].expand(b, t, p), mask], dim=2)  # [B, T, P+T]
+        x, new_kv = self._layers(embeds, positions, mask, past, deepstack, seq_lens=seq_lens)
+        logits = self.lm_head(self.norm(x.flatten(0, 1).index_select(0, at)))  # [Q, V]
+        return logits if logits.dtype == torch.float32 else logits.float(), new_kv
 
     def extend(self, embeds: torch.Tensor, positions: torch.Tensor, kv: list[KV],
                key_valid: torch.Tensor, new_mask: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:

@@ -11,7 +11,9 @@ concatenation were two.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -84,14 +86,15 @@ def cat_linears(parts: Sequence[nn.Module]) -> nn.Module | None:
         return None
     kind = type(parts[0])
     if kind is nn.Linear:
-        bias = [p.bias for p in parts]
-        w = parts[0].weight
-        out = nn.Linear(w.shape[1], sum(p.weight.shape[0] for p in parts),
-                        bias=bias[0] is not None, device="meta")
+        linears = [cast(nn.Linear, p) for p in parts]
+        w = linears[0].weight
+        out = nn.Linear(w.shape[1], sum([p.out_features for p in linears]),
+                        bias=linears[0].bias is not None, device="meta")
         with torch.no_grad():
-            out.weight = nn.Parameter(torch.cat([p.weight for p in parts]), w.requires_grad)
-            if bias[0] is not None:
-                out.bias = nn.Parameter(torch.cat(bias), w.requires_grad)  # type: ignore[arg-type]
+            out.weight = nn.Parameter(torch.cat([p.weight for p in linears]), w.requires_grad)
+            if linears[0].bias is not None:
+                out.bias = nn.Parameter(torch.cat([cast(torch.Tensor, p.bias) for p in linears]),
+                                        w.requires_grad)
         return out
     cat = getattr(kind, "cat", None)
     return cat(parts) if cat is not None else None
@@ -125,9 +128,10 @@ def fuse_into(module: nn.Module, name: str, parts: tuple[str, ...], apply: bool 
     for p in parts:
         delattr(module, p)
     setattr(module, name, joined)
-    module.fused = True
-    module.fusions = {**getattr(module, "fusions", {}),
-                      name: tuple((p, lin.out_features) for p, lin in zip(parts, linears))}
+    setattr(module, "fused", True)  # noqa: B010  (a plain attribute of any module)
+    setattr(module, "fusions", {**getattr(module, "fusions", {}),  # noqa: B010
+                                name: tuple((p, lin.out_features)
+                                            for p, lin in zip(parts, linears))})
     return True
 
 
@@ -135,7 +139,8 @@ def unfuse(module: nn.Module, name: str) -> None:
     """``fuse_into``'s inverse for a plain fused ``nn.Linear``: the parts back, each its rows
     of the fused weight and bias (a copy)."""
     joined = getattr(module, name)
-    parts = module.fusions.pop(name)
+    fusions: dict[str, tuple[tuple[str, int], ...]] = getattr(module, "fusions")  # noqa: B009
+    parts = fusions.pop(name)
     at = 0
     for part, rows in parts:
         lin = nn.Linear(joined.in_features, rows, bias=joined.bias is not None, device="meta")
@@ -146,7 +151,7 @@ def unfuse(module: nn.Module, name: str) -> None:
         setattr(module, part, lin)
         at += rows
     delattr(module, name)
-    module.fused = bool(module.fusions)
+    setattr(module, "fused", bool(fusions))  # noqa: B010
 
 
 def fuse_projections(root: nn.Module, apply: bool = True) -> int:
@@ -157,14 +162,28 @@ def fuse_projections(root: nn.Module, apply: bool = True) -> int:
     ``gate_up_proj``), which is why it runs after loading and quantising a checkpoint's
     linears by name and never before calibration. ``apply`` False: how many would fuse,
     nothing changed."""
-    return sum(bool(m.fuse_projections(apply)) for m in list(root.modules())
-               if callable(getattr(m, "fuse_projections", None)))
+    fusers = [f for m in list(root.modules())
+              if callable(f := getattr(m, "fuse_projections", None))]
+    return sum([bool(f(apply)) for f in fusers])
 
 
 def inverse_frequencies(dim: int, theta: float, device: torch.device | None = None
                         ) -> torch.Tensor:
-    """``1 / theta^(2i / dim)`` for i < dim/2, float32 ``[dim/2]``."""
-    return 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+    """``1 / theta^(2i / dim)`` for i < dim/2, float32 ``[dim/2]``: made once per device
+    (``_frequencies``) and shared, so never change it in place."""
+    return _frequencies(dim, theta, device if device is not None else _CPU)
+
+
+_CPU = torch.device("cpu")
+
+
+@functools.lru_cache(maxsize=64)
+def _frequencies(dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """The table, computed on ``device`` (the same numbers as computing it there per call;
+    four ops fewer per forward); a normal tensor, usable outside inference mode."""
+    with torch.inference_mode(False):
+        return 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device)
+                               / dim)
 
 
 def scaled_inverse_frequencies(dim: int, theta: float, scaling: str, factor: float,
@@ -189,7 +208,8 @@ def rope_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
     """Angles ``[..., d/2]`` (float32) -> ``(cos, sin)`` each ``[..., d]`` in ``dtype``, the sign
     of ``rotate_half`` folded into ``sin`` (module docstring)."""
     cos, sin = freqs.cos(), freqs.sin()
-    return torch.cat([cos, cos], -1).to(dtype), torch.cat([-sin, sin], -1).to(dtype)
+    cos, sin = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+    return (cos, sin) if dtype == torch.float32 else (cos.to(dtype), sin.to(dtype))
 
 
 def rotary(positions: torch.Tensor, head_dim: int, theta: float,

@@ -44,7 +44,8 @@ def convert_for_runtime(llm: nn.Module, int4: dict[str, tuple[torch.Tensor, torc
         setattr(parent, name, Int4Linear(q, scale, old.bias, group_size, device, dtype))
     for (path, joined), got in fused.items():
         parent = llm.get_submodule(path)
-        parts = [p for p, _ in parent.fusions[joined]]
+        fusions: dict[str, tuple[tuple[str, int], ...]] = getattr(parent, "fusions")  # noqa: B009
+        parts = [p for p, _ in fusions[joined]]
         if set(got) != set(parts):  # a partly quantised group: its parts apart again
             unfuse(parent, joined)
             for name, (q, scale) in got.items():

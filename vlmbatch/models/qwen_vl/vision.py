@@ -71,7 +71,8 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """fc1 -> act -> fc2 (Qwen2-VL, Qwen3-VL), or gated SwiGLU with biases (Qwen2.5-VL)."""
-    fused = False
+    fused = False  # the gated form's gate_proj and up_proj as one ``gate_up_proj``
+    gate_up_proj: nn.Module  # once fused
 
     def __init__(self, s: VisionSpec) -> None:
         super().__init__()
