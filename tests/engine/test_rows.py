@@ -12,6 +12,7 @@ to be (``NO_ROWS``)."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -172,3 +173,21 @@ def test_a_row_after_a_prefix_cached_inside_the_image(family: tuple[str, LoadedM
     assert (got - off).abs().max() <= TOL
     assert any(s < past < s + n for s, past, n in starts), starts
 
+
+def test_the_next_step_prepared_on_a_thread_changes_nothing(
+        checkpoints: dict[str, Path]) -> None:
+    """``prepare_ahead``: step k + 1's host inputs made on a thread during step k (several
+    steps: a budget of about a row each)."""
+    model = load_model(checkpoints["qwen3_vl"], fuse=True)  # M-RoPE positions made there too
+    ims, reqs = images(model), requests()
+    width = max(len(model.prompts.build(q, im).ids) for q in QUESTIONS for im in ims)
+    cfg = EngineConfig(max_batch_tokens=2 * width, question_rows="on")
+    plain = TorchEngine(model, cfg)
+    ahead = TorchEngine(model, cfg)
+    ahead.prepare_ahead = True
+    made: list[str] = []
+    real = ahead.runner.step_inputs
+    ahead.runner.step_inputs = lambda *a: made.append(  # type: ignore[method-assign]
+        threading.current_thread().name) or real(*a)
+    assert torch.equal(margins(ahead, ims, reqs), margins(plain, ims, reqs))
+    assert len(made) > 2 and all(n.startswith("vlmbatch-step") for n in made)

@@ -31,7 +31,8 @@ prefilled, image tokens prefilled.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import numpy as np
@@ -42,7 +43,8 @@ from vlmbatch.engine.base import Engine, EngineStats, EngineSummary
 from vlmbatch.engine.config import ConfigError, EmbedConfig, EngineConfig, ModelConfig, Resolved
 from vlmbatch.engine.embed import EmbedHead, cut
 from vlmbatch.engine.loading import image_plan_for, load_model, torch_dtype, vision_model
-from vlmbatch.engine.model_runner import Generated, ImageEmbeds, ModelRunner
+from vlmbatch.engine.model_runner import Generated, ImageEmbeds, ModelRunner, StepInputs
+from vlmbatch.engine.packing import Row
 from vlmbatch.engine.planner import Plan, Planner, Prefix
 from vlmbatch.engine.prefix_cache import BlockId, PrefixCache
 from vlmbatch.engine.records import EmbedRequest, Request, Score, Vector
@@ -86,6 +88,10 @@ class TorchEngine(Engine):
         self._dynamic = getattr(model.spec.text, "rope_scaling", "none") == "dynamic"
         rows = cfg.question_rows
         self._question_rows = rows == "on" or (rows == "auto" and self.device.type == "cuda")
+        # step k + 1's host inputs made on a thread during step k (``_prepare``): off, it
+        # does not pay (docs/engine.md, "Host cost": 0.3-0.8 ms of host work per step)
+        self.prepare_ahead = False
+        self._ahead: ThreadPoolExecutor | None = None
         if self.cache is not None:
             self._allocate_cache()
 
@@ -184,15 +190,35 @@ class TorchEngine(Engine):
                            and (k := requests[r.plan.req].image) not in embeds})
             embeds.update(zip(need, self.runner.encode([images[k] for k in need])))
             steps = packing.steps(rows, self.cfg.max_batch_tokens)
+            ahead = self._prepare(steps, prompts)  # step k + 1's host work during step k
             for step in steps:
                 ims = [embeds.get(requests[r.plan.req].image) for r in step]
-                inputs = self.runner.step_inputs(step, prompts)
                 out.append(([i for r in step for i in r.members],
-                            self.runner.prefill_rows(step, ims, inputs)))
+                            self.runner.prefill_rows(step, ims, next(ahead))))
                 self.planner.release([r.plan for r in step])  # gathered: see ``_phase``
         finally:
             self.planner.release([r.plan for r in rows])
         return out, rest
+
+    def _prepare(self, steps: list[list[Row]], prompts: list[Prompt]
+                 ) -> Iterator[StepInputs]:
+        """Each step's host inputs (``ModelRunner.step_inputs``), in order; with
+        ``prepare_ahead`` the next step's are made on a thread while the caller runs this
+        one (torch releases the GIL inside its ops), else each when asked."""
+        if not self.prepare_ahead or len(steps) < 2:
+            return (self.runner.step_inputs(s, prompts) for s in steps)
+        if self._ahead is None:
+            self._ahead = ThreadPoolExecutor(1, thread_name_prefix="vlmbatch-step")
+        pool = self._ahead
+
+        def chain() -> Iterator[StepInputs]:
+            nxt = pool.submit(self.runner.step_inputs, steps[0], prompts)
+            for k in range(len(steps)):
+                cur = nxt.result()
+                if k + 1 < len(steps):
+                    nxt = pool.submit(self.runner.step_inputs, steps[k + 1], prompts)
+                yield cur
+        return chain()
 
     def _rope_fits(self, p: Prompt) -> bool:
         """Whether ``p`` may share a row: not past a dynamic rotary's trained length
