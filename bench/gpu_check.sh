@@ -12,7 +12,7 @@
 #      with FLOPs per question and the fraction of 790 TFLOP/s;
 #   4. bench/quant.py --linears-only on CUDA: fp32 vs bf16 vs W4A16 (tinygemm) linears;
 #   5. bench/attention.py on CUDA: SDPA enable_gqa vs K/V expanded per head (enable_gqa won on
-#      the H200, so models/qwen2.py never expands);
+#      the H200, so models/decoder.py never expands);
 #   6. vlmbatch eval on CUDA, bf16: the built-in model's easy-vqa accuracy (CPU fp32: 0.9985);
 #   7. bench/prefetch.py on CUDA: `run` with 0, 2, 8 and 16 preprocessing threads preparing
 #      the next groups while the GPU answers;

@@ -6,16 +6,22 @@ without DeepStack; sizes ours, not a released checkpoint's) answers K = 1, 4, 16
 about each of ``--images`` random 448 x 448 images through ``TorchEngine.score``:
 
 - "off": ``--no-prefix-cache``: every question prefills its whole prompt (image included);
-- "on": the default cache: each image's prefix is prefilled once, its full layers' K/V
-  cached as blocks and its linear layers' conv and recurrent states as one snapshot, and
-  every question resumes from there (``docs/hybrid_cache.md``).
+- "on": the default cache: each image's first question prefills its whole prompt, caching
+  the prefix's full-layer K/V as blocks and the linear layers' conv and recurrent states at
+  the prefix's end as one snapshot, taken inside that same forward; every other question
+  resumes from there (``docs/hybrid_cache.md``).
 
 Both encode each image once per call (the vision tower is not what differs). Images are
 prepared before timing (preprocessing excluded from both). One untimed warm-up call per
 cache setting (one image, two questions), then ``--rounds`` timed rounds with a fresh
-engine (empty cache) each, interleaved; the best is kept. The figure of merit is
-QPM(on) / QPM(off) at K = 16 (issue 29's target: >= 4). Not a test: timings on a shared
-machine are noisy; compare rows of one run.
+engine (empty cache) each, interleaved; the best is kept. The figures of merit are
+QPM(on) / QPM(off) per K (issue 36's targets: K = 1 >= 1.0, K = 4 >= 2.5, K = 16 >= 5) and
+the answers' agreement (max |margin on - off|, 1e-5). Not a test: timings on a shared
+machine are noisy; compare rows of one run. What does not depend on the load is printed
+too, per question: decoder forwards (``prefill`` calls), tokens prefilled, and the linear
+layers' chunk passes (rows x chunks of the chunked delta rule, per linear layer) and the
+positions those chunks hold (rows x chunks x chunk size: the rule's work, padding
+included), counted by wrapping the decoder's ``prefill`` and ``linear_attention.chunk_rule``.
 
     python bench/hybrid_cache.py --images 8 --rounds 2
     python bench/hybrid_cache.py --images 64 --device cuda --dtype bfloat16 --rounds 3
@@ -24,6 +30,8 @@ machine are noisy; compare rows of one run.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 import tempfile
 import time
@@ -38,6 +46,7 @@ from vlmbatch.engine.config import EngineConfig  # noqa: E402
 from vlmbatch.engine.loading import load_model  # noqa: E402
 from vlmbatch.engine.records import Request  # noqa: E402
 from vlmbatch.engine.torch_engine import TorchEngine  # noqa: E402
+from vlmbatch.models import linear_attention  # noqa: E402
 from vlmbatch.models.base import ImageOptions, LoadedModel  # noqa: E402
 from vlmbatch.models.qwen_vl.random import save_random_qwen_vl  # noqa: E402
 from vlmbatch.preprocessing.prepare import PreparedImage  # noqa: E402
@@ -73,18 +82,45 @@ def images(model: LoadedModel, n: int, seed: int) -> list[PreparedImage]:
             for _ in range(n)]
 
 
+class Counts:
+    """Decoder forwards and chunk passes, counted by wrapping (module docstring)."""
+
+    def __init__(self, model: LoadedModel) -> None:
+        self.forwards = self.chunks = self.positions = 0
+        prefill, rule = model.llm.prefill, linear_attention.chunk_rule
+
+        def counted_prefill(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+            self.forwards += 1
+            return prefill(*args, **kw)
+
+        def counted_rule(q: torch.Tensor, *args, **kw):  # noqa: ANN002, ANN003, ANN202
+            size = kw.get("chunk", linear_attention.CHUNK)
+            self.chunks += q.shape[0] * math.ceil(q.shape[2] / size)
+            self.positions += q.shape[0] * math.ceil(q.shape[2] / size) * size
+            return rule(q, *args, **kw)
+
+        model.llm.prefill = counted_prefill  # type: ignore[method-assign]
+        linear_attention.chunk_rule = counted_rule  # type: ignore[assignment]
+        self.linear = model.llm.kinds.count("linear")
+
+
 def timed(model: LoadedModel, cache: bool, ims: list[PreparedImage], k: int,
-          batch_tokens: int) -> tuple[float, TorchEngine]:
-    """Seconds of one ``score`` call on a fresh engine, and the engine."""
+          batch_tokens: int, counts: Counts) -> tuple[float, TorchEngine, list[float], tuple]:
+    """Seconds of one ``score`` call on a fresh engine, the engine, the margins, and the
+    call's (forwards, chunk passes and rule positions per linear layer)."""
     engine = TorchEngine(model, EngineConfig(prefix_cache=cache, max_new_tokens=0,
                                              max_batch_tokens=batch_tokens))
     reqs = [Request(i, q) for i in range(len(ims)) for q in questions(k)]
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     sync()
+    f0, c0, p0 = counts.forwards, counts.chunks, counts.positions
     t0 = time.perf_counter()
-    engine.score(ims, reqs)
+    scores = engine.score(ims, reqs)
     sync()
-    return time.perf_counter() - t0, engine
+    secs = time.perf_counter() - t0
+    n = max(counts.linear, 1)
+    used = (counts.forwards - f0, (counts.chunks - c0) / n, (counts.positions - p0) / n)
+    return secs, engine, [s.margin for s in scores], used
 
 
 def main() -> None:
@@ -107,27 +143,36 @@ def main() -> None:
     prompt = model.prompts.build(questions(1)[0], ims[0])
     print(f"Qwen3.5 small random, {args.device} {args.dtype}, {args.images} images, prompt "
           f"{len(prompt.ids)} tokens (shared prefix {prompt.prefix_len}), "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f} "
+          "at the start")
+    counts = Counts(model)
     best: dict[tuple[int, bool], float] = {}
-    stats: dict[tuple[int, bool], TorchEngine] = {}
+    stats: dict[tuple[int, bool], tuple] = {}
     for cache in (False, True):  # allocator and kernel choice; not the timed shapes' cost
-        timed(model, cache, warm, 2, args.max_batch_tokens)
+        timed(model, cache, warm, 2, args.max_batch_tokens, counts)
     for r in range(args.rounds):
         rows = [(k, c) for k in KS for c in (False, True)]
         for k, cache in rows[r % len(rows):] + rows[: r % len(rows)]:
-            secs, engine = timed(model, cache, ims, k, args.max_batch_tokens)
+            secs, engine, margins, used = timed(model, cache, ims, k, args.max_batch_tokens,
+                                                counts)
             if secs < best.get((k, cache), float("inf")):
-                best[k, cache], stats[k, cache] = secs, engine
-    print(f"{'K':>3} {'cache':>5} {'QPM':>10} {'tokens/q':>9} {'snapshots':>9} {'x off':>6}")
+                best[k, cache], stats[k, cache] = secs, (engine, margins, used)
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
+    print(f"{'K':>3} {'cache':>5} {'QPM':>10} {'x off':>6} {'forwards/q':>10} "
+          f"{'tokens/q':>9} {'chunks/q':>9} {'rule pos/q':>10} {'snap in/hit':>11} "
+          f"{'|dmargin|':>9}")
     for k in KS:
         for cache in (False, True):
             n = args.images * k
             qpm = 60 * n / best[k, cache]
-            e = stats[k, cache]
-            snaps = e.cache.stats.state_hits if e.cache is not None else 0
+            e, margins, (forwards, chunks, positions) = stats[k, cache]
+            c = e.cache.stats if e.cache is not None else None
+            snaps = "-" if c is None else f"{c.state_inserts}/{c.state_hits}"
             ratio = best[k, False] / best[k, cache]
-            print(f"{k:>3} {'on' if cache else 'off':>5} {qpm:>10.1f} "
-                  f"{e.stats.prefill_tokens / n:>9.1f} {snaps:>9} {ratio:>6.2f}")
+            diff = max(abs(a - b) for a, b in zip(margins, stats[k, False][1]))
+            print(f"{k:>3} {'on' if cache else 'off':>5} {qpm:>10.1f} {ratio:>6.2f} "
+                  f"{forwards / n:>10.3f} {e.stats.prefill_tokens / n:>9.1f} "
+                  f"{chunks / n:>9.2f} {positions / n:>10.1f} {snaps:>11} {diff:>9.1e}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ the CUDA graph pool (bf16; as used, with its host wait per call, and without it)
 (fp16, with and without graphs, when ``tensorrt`` imports), batch 1..32, InternViT-300M shape;
 ratios against eager bf16 (the pool's own dtype). The paths are interleaved per batch size
 after a one-second warm-up, best of ``--rounds``, so none gains from the order it runs in.
-The README states where each row has actually run.
+``docs/status.md`` states where each row has actually run.
 
     python bench/vit.py                       # CPU
     python bench/vit.py --device cuda --encoders 300m

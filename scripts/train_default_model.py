@@ -21,7 +21,7 @@ a plain InternVL):
   colour binding only partly in 60 minutes (0.71 on colour questions whose answer depends on
   a match). With it, a 14-minute one-thread run on easy-vqa alone reached 0.99 on them.
 
-See README "The built-in model" for the committed command.
+See ``docs/models.md``, "The built-in model", for the committed command.
 """
 
 from __future__ import annotations

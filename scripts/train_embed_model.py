@@ -6,7 +6,7 @@ Data: easy-vqa's *train* images whose questions settle their colour and shape (3
 scenes (``scripts/shapes.py``: 1-3 shapes, many sizes and aspect ratios, 1-7 tiles),
 captioned from theirs ("a blue triangle and a red circle"). Images are tiled by the serving
 plan (reduced tiling), prompts built and pooled by the serving code
-(``InternVLPrompts.embed``, ``pipeline.pooling.pool_range``) and run through the serving
+(``InternVLPrompts.embed``, ``engine.pooling.pool_range``) and run through the serving
 modules (our ``VisionEncoder`` and ``TextDecoder``), so training computes exactly the vectors
 ``vlmbatch embed`` serves: an image's is the mean of the last hidden states over
 ``<img>``..``</img>``, a caption's over its tokens, then L2.
@@ -29,7 +29,8 @@ at its end (by wall clock, so a slow machine gets the same schedule in fewer ste
 saved folder is the built-in model's checkpoint with the trained weights and jina's
 declarations in config.json (``single_vector_pool_strategy: "mean"``, ``matryoshka_dims``),
 so ``vlmbatch embed`` knows it is an embedding model; its log holds the command, the losses
-and the retrieval figures before and after (``app/embed_eval.py``). README "Embeddings".
+and the retrieval figures before and after (``app/embed_eval.py``). ``docs/models.md``, "The
+built-in embedding model".
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Train vlmbatch's second built-in model, a small Qwen2.5-VL, on CPU (fixed seed).
 
 The same recipe, data and options as the InternVL one (``scripts/train_default_model.py``,
-README "The built-in model": stage 1 the vision tower alone on shape/colour presence, stage
+``docs/models.md``: stage 1 the vision tower alone on shape/colour presence, stage
 2a open questions, stage 2b everything, with the match loss; easy-vqa's *train* split and our
 scenes), on the real Qwen2.5-VL architecture (transformers' ``Qwen2_5_VLForConditionalGeneration``:
 window attention with full-attention blocks, RMSNorm, SwiGLU, 2x2 patch merger, M-RoPE
@@ -23,7 +23,7 @@ prompt builder's M-RoPE positions, continued by the rope delta over the answer.
 
     python scripts/train_qwen_model.py --out vlmbatch/models/default_qwen_model --minutes 60 ...
 
-(the command the README gives). The stage loop is ``train_default_model.train_lm``.
+(the command ``docs/models.md`` gives). The stage loop is ``train_default_model.train_lm``.
 """
 
 from __future__ import annotations

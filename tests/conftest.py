@@ -10,11 +10,13 @@ dropped bias or a wrong head order (``tests/models/test_internvl_reference.py``)
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.jobs.ray_head import RayHead
 from vlmbatch.models.internvl.random import save_random_internvl
 
 
@@ -52,6 +54,24 @@ TEXT_MODELS = {
 @pytest.fixture(scope="session")
 def random_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model_dir(tmp_path_factory.mktemp("internvl_random"))
+
+
+@pytest.fixture(scope="session")
+def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayHead]:
+    """One Ray head for the whole session (``tests/jobs/ray_head.py``; started by the first
+    test that asks for it, stopped at the end). A test runs its job on it as a driver of its
+    own, in a subprocess given ``ray_head.env`` (the head's token) and ``--address
+    ray_head.address``: a driver's actors and tasks die with it, so tests do not share state
+    through it, and none pays for a Ray start-up of its own (10-30 s each on 2 loaded cores).
+    4 CPUs: a run takes at most 3 (2 prepare tasks, 1 model actor), and the actor of a
+    driver just killed may hold one while Ray frees it. Tests that kill a node, or check that
+    a run without an address starts its own instance, start their own."""
+    pytest.importorskip("ray")
+    head = RayHead(tmp_path_factory.mktemp("ray_head"), cpus=4)
+    try:
+        yield head
+    finally:
+        head.stop()
 
 
 def reference_pixels(tiles: torch.Tensor, mean=(0.485, 0.456, 0.406),  # noqa: ANN001

@@ -12,14 +12,22 @@ misbehave on purpose. Nothing leaves the loopback interface.
     /big                         claims 1 GiB (Content-Length) and trickles it out
     /chunked/MIB                 MIB MiB, chunked (no Content-Length)
     /flaky/NAME                  503 while ``server.failing`` holds NAME, else the file
+    /hold/NAME                   the file once ``server.gate`` is set (at most HOLD_S later)
+    /stats                       JSON: ``requests`` so far, and ``max_in_flight`` since the
+                                 last /stats (these not counted)
 
-``requests[path]`` counts requests per path, ``sent[path]`` the body bytes written, and
-``max_in_flight`` the most requests being answered at once. ``python -m tests.loopback DIR``
-serves a folder from a process of its own (``serve``).
+``requests[path]`` counts requests per path, ``sent[path]`` the body bytes written,
+``in_flight`` the requests being answered and ``max_in_flight`` the most at once. Like any
+server worth measuring against, it sends a response without waiting for the client's ACK
+(``TCP_NODELAY``: else the body, written after its headers, waits ~40 ms on the client's
+delayed ACK) and keeps a deep accept queue (http.server's 5 drops the SYNs of a burst of
+connections: 1 s until they are sent again). ``python -m tests.loopback DIR`` serves a folder
+from a process of its own (``serve``).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -29,6 +37,7 @@ from pathlib import Path
 from urllib.parse import unquote
 
 CHUNK = 64 << 10
+HOLD_S = 30.0  # the longest a /hold/ request waits for the gate
 
 
 class LoopbackServer:
@@ -39,10 +48,11 @@ class LoopbackServer:
         self.requests: Counter[str] = Counter()
         self.sent: Counter[str] = Counter()
         self.failing: set[str] = set()
+        self.gate = threading.Event()
         self.lock = threading.Lock()
         self.in_flight = self.max_in_flight = 0
         handler = type("Handler", (_Handler,), {"owner": self})
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.httpd = _Server(("127.0.0.1", 0), handler)
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
@@ -65,8 +75,22 @@ class LoopbackServer:
         self.stop()
 
 
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 1024  # http.server's 5 drops the SYNs of a burst of connections
+
+
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 1024  # the accept queue (module docstring)
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):  # else: a client hung up
+            super().handle_error(request, client_address)
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive
+    disable_nagle_algorithm = True  # TCP_NODELAY (module docstring)
+    disable_nagle_algorithm = True  # else a body written after its headers waits ~40 ms
     owner: LoopbackServer
 
     def log_message(self, *args: object) -> None:  # quiet
@@ -74,6 +98,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802  (http.server's name)
         o = self.owner
+        if self.path == "/stats":
+            return self._stats()
         with o.lock:
             o.requests[self.path] += 1
             n = o.requests[self.path]
@@ -108,6 +134,9 @@ class _Handler(BaseHTTPRequestHandler):
             return self._status(302, {"Location": unquote("/".join(rest))})
         if kind == "status":
             return self._status(int(rest[0]))
+        if kind == "hold":
+            self.owner.gate.wait(HOLD_S)
+            return self._file("/".join(rest))
         if kind == "flaky":
             name = "/".join(rest)
             return self._status(503) if name in self.owner.failing else self._file(name)
@@ -116,6 +145,17 @@ class _Handler(BaseHTTPRequestHandler):
         if kind == "chunked":
             return self._chunked(int(rest[0]) << 20)
         return self._status(404)
+
+    def _stats(self) -> None:
+        o = self.owner
+        with o.lock:
+            stats = {"requests": sum(o.requests.values()), "max_in_flight": o.max_in_flight}
+            o.max_in_flight = o.in_flight
+        body = json.dumps(stats).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
     def _status(self, code: int, headers: dict[str, str] | None = None) -> None:
         body = f"{code}\n".encode()

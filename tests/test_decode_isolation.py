@@ -19,6 +19,7 @@ import pytest
 
 from tests.app.server.serving import Server, batch_lines, chat_body, data_url
 from tests.faults import hooks_from
+from tests.waiting import wait_until
 from vlmbatch.app.cli import EXIT_ITEM_ERRORS, EXIT_OK, main
 from vlmbatch.pipeline.records import ErrorKind
 
@@ -112,10 +113,11 @@ def test_the_server_answers_around_a_hung_decoder(tmp_path: Path,
             [("ok", data_url(a), "Red?"), ("bad", hung, "Red?")]).encode()), purpose="batch")
         batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                       completion_window="24h")
-        deadline = time.monotonic() + 120
-        while batch.status not in ("completed", "failed") and time.monotonic() < deadline:
-            time.sleep(0.3)
-            batch = client.batches.retrieve(batch.id)
+        def ended() -> object:
+            b = client.batches.retrieve(batch.id)
+            return b if b.status in ("completed", "failed") else None
+
+        batch = wait_until(ended, 120, f"batch {batch.id} ended", interval=0.3)
         assert batch.status == "completed", batch
         assert (batch.request_counts.completed, batch.request_counts.failed) == (1, 1)
         err = client.files.content(batch.error_file_id).text

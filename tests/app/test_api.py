@@ -51,15 +51,26 @@ def test_label_sets_and_instructions_equal_the_run_lines(vlm: vlmbatch.VLM,
         assert same_line(a.line(), line), (a.line(), line)
     labelled = [a for a in got if a.choices]
     assert len(labelled) == 9 and all(a.p_yes is None and a.label == a.answer for a in labelled)
+    # the README's showcase: the single-shape scenes answered right, each winner's logprob
+    # near 0; the counting label set, phrasings the model never learnt, flagged by logprobs
+    # far below (its answer, "one shape" for two triangles, is wrong at probability 0.99)
+    truth = {"scene_04": ("green", "circle"), "scene_07": ("yellow", "rectangle"),
+             "l30": ("red", "triangle")}
+    for line in want:
+        if line["id"] in truth and line["question_id"] in ("colour", "shape"):
+            assert line["label"] == truth[line["id"]][line["question_id"] == "shape"], line
+            assert max(line["logprobs"].values()) > -1, line
+    (size,) = [line for line in want if line["question_id"] == "size"]
+    assert max(size["logprobs"].values()) < -20 and size["label"] == "one shape"
     for a in labelled:
         assert a.probs is not None and a.logprobs is not None
         assert list(a.probs) == list(a.choices) and abs(sum(a.probs.values()) - 1) < 1e-5
         assert a.label == max(a.logprobs, key=a.logprobs.__getitem__)
-    (one,) = vlm.ask([ROOT / "examples" / "images" / "scene_01.png"], [
+    (one,) = vlm.ask([ROOT / "examples" / "images" / "scene_07.png"], [
         {"id": "colour", "text": "What color is the shape?", "system":
          "You are a careful image annotator.",
          "choices": ["red", "green", "blue", "black", "gray", "teal", "yellow", "brown"]}])
-    assert one.image_id == "0" and same_line({**one.line(), "id": "scene_01"}, want[4])
+    assert one.image_id == "0" and same_line({**one.line(), "id": "scene_07"}, want[3])
 
 
 def same_line(a: dict, b: dict) -> bool:
@@ -86,6 +97,27 @@ def test_every_kind_of_image_gets_the_same_answer(vlm: vlmbatch.VLM) -> None:
         assert [(a.p_yes, a.answer) for a in answers[2 * i: 2 * i + 2]] == \
             [(a.p_yes, a.answer) for a in first], f"image kind {i}"
     assert first[1].answer == ("yes" if first[1].p_yes >= 0.7 else "no")  # its threshold
+
+
+def test_ask_many_keeps_your_ids(vlm: vlmbatch.VLM) -> None:
+    """Issue 38: ``ImageItem(image=..., questions=[...], id="s2")`` needed a base_dir and the
+    internal Question records. Now an item is built from what a user has (a path, bytes, a
+    PIL image; question strings and objects), or given as (id, image, questions); answers
+    carry the ids, and two items of one id in one group each get their own image's."""
+    paths = [ROOT / "examples" / "images" / f"scene_{k:02d}.png" for k in range(4)]
+    ref = list(vlm.ask(paths, QUESTIONS))  # ids "0".."3"
+    items = [vlmbatch.ImageItem(image=str(paths[0]), questions=QUESTIONS, id="s2"),
+             ("dup", paths[1], QUESTIONS),
+             ("dup", Image.open(paths[2]), QUESTIONS),
+             vlmbatch.ImageItem(7, paths[3].read_bytes(), QUESTIONS)]
+    got = list(vlm.ask_many(items))
+    assert [a.image_id for a in got] == ["s2", "s2", "dup", "dup", "dup", "dup", "7", "7"]
+    assert [(a.question_id, a.p_yes, a.answer) for a in got] == \
+        [(a.question_id, a.p_yes, a.answer) for a in ref]
+    assert ref[2].p_yes != ref[4].p_yes  # the two "dup" images answer differently
+    mixed = list(vlm.ask_many([(paths[1], ["Is there a red shape?"]),
+                               ("s9", str(paths[1]), "Is there a red shape?")]))
+    assert [(a.image_id, a.p_yes) for a in mixed] == [("0", ref[2].p_yes), ("s9", ref[2].p_yes)]
 
 
 def test_a_bad_image_is_its_answers_error(vlm: vlmbatch.VLM, tmp_path: Path) -> None:

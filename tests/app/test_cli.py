@@ -13,6 +13,7 @@ import cv2
 import numpy as np
 import pytest
 
+from tests.waiting import wait_until
 from vlmbatch.app.cli import EXIT_BAD_INPUT, EXIT_ITEM_ERRORS, EXIT_OK, main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,6 +100,31 @@ def test_malformed_manifest_fails_before_work(job: Path, random_model_dir: Path,
     rc = main(["run", str(bad), "--model", str(random_model_dir), "-o", str(out)])
     assert rc == EXIT_BAD_INPUT
     assert "bad.jsonl:2:" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("extra,says", [
+    ({"question": ["Is it red?"]}, "unknown key(s) ['question'] (did you mean 'questions'?)"),
+    ({"qestions": ["Is it red?"]}, "unknown key(s) ['qestions'] (did you mean 'questions'?)"),
+    ({"questions": ["Is it red?"], "treshold": 0.3},
+     "unknown key(s) ['treshold'] ('threshold' is a key of a question object"),
+])
+def test_a_misspelt_key_fails_the_run_with_a_policy(job: Path, random_model_dir: Path,
+                                                    extra: dict, says: str,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    """With --policy, a line whose questions sit under a misspelt key still has questions
+    (the policy's): it ran, exit 0, its own questions silently dropped. Now exit 2 before any
+    work, naming the line, the key and the keys a line has."""
+    bad = job / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "g", "image": "good.png", "questions": ["q"]}) + "\n"
+                   + json.dumps({"id": "ok", "image": "good.png", **extra}) + "\n")
+    out = job / "never.jsonl"
+    rc = main(["run", str(bad), "--policy", str(job / "p.yaml"), "--model",
+               str(random_model_dir), "-o", str(out), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == EXIT_BAD_INPUT, err
+    assert f"bad.jsonl:2: {says}" in err and "a manifest line has ['id', 'image', " \
+        "'questions']" in err
     assert not out.exists()
 
 
@@ -268,7 +294,6 @@ def test_ctrl_c_keeps_lines_and_says_how_to_resume(tmp_path: Path, sig: str, rc:
     going when the signal comes (200 groups)."""
     import os
     import signal
-    import time
 
     lines = []
     for i in range(200):
@@ -281,9 +306,7 @@ def test_ctrl_c_keeps_lines_and_says_how_to_resume(tmp_path: Path, sig: str, rc:
                           "--images-per-batch", "1", "--no-progress"], cwd=ROOT,
                          stderr=subprocess.PIPE, text=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.time() + 60
-    while (not out.exists() or out.stat().st_size == 0) and time.time() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: out.exists() and out.stat().st_size > 0, 60, f"a line in {out}")
     p.send_signal(getattr(signal, sig))
     _, err = p.communicate(timeout=60)
     assert p.returncode == rc and f"vlmbatch: {says}" in err and "vlmbatch submit" in err

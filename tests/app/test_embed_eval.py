@@ -39,7 +39,7 @@ def test_figures_on_known_vectors() -> None:
 def test_cli_eval_gives_the_figures_the_docs_state(capsys) -> None:  # noqa: ANN001
     """``vlmbatch embed --eval`` with the built-in embedding model on the whole labelled test
     gallery (880 images; ~15 s on 2 cores): text -> image precision@10 1.000 for every one of
-    the 24 captions, and image -> image top-1 0.9943 (875 of 880: README, docs/embeddings.md).
+    the 24 captions, and image -> image top-1 0.9943 (875 of 880: docs/figures.md, docs/models.md).
     The bounds allow one image less (>= 874), not a caption less."""
     assert main(["embed", "--eval"]) == EXIT_OK
     out = capsys.readouterr().out

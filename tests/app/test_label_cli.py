@@ -14,6 +14,8 @@ import pytest
 from PIL import Image
 
 from vlmbatch.app.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from vlmbatch.app.evaluate import evaluate_labelled, policy_note
+from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.manifest import read_policy
 from vlmbatch.labels.evaluation import evaluate, join
 from vlmbatch.labels.read import read_labels, read_results
@@ -112,12 +114,110 @@ def test_calibrate_on_results_and_on_a_job(labelled: tuple[Path, Path, Path], tm
 
 def test_report_command(labelled: tuple[Path, Path, Path], tmp_path: Path,
                         capsys: pytest.CaptureFixture) -> None:
-    _, _, job = labelled
+    """The job of a labelled manifest: its store keeps the labels (before, it dropped them),
+    so the page marks each answer shown right or wrong and counts them per question, the
+    counts `eval` gets from the same labels; a question none of whose answers is near its
+    threshold says so instead of showing a "borderline" sheet."""
+    manifest, results, job = labelled
     out = tmp_path / "r.html"
     capsys.readouterr()
     assert main(["report", str(job), "-o", str(out), "--borderline", "3"]) == EXIT_OK
     assert capsys.readouterr().err == f"vlmbatch: wrote {out} (4 questions, 0 failed images)\n"
     page = out.read_text()
-    assert page.count("<img ") == 4 * 3 and page.count("<svg ") == 4
+    got = evaluate(join(read_results(results), read_labels(manifest))).as_json()["questions"]
+    rows = [json.loads(x) for x in results.read_text().splitlines()]
+    shown = 0
+    for qid, m in got.items():
+        section = page[page.index(f"<h2>{qid}: "):]
+        section = section[:section.index("<h2>", 4)] if "<h2>" in section[4:] else section
+        wrong = m["answered"] - round(m["accuracy"] * m["answered"])
+        assert f"12 labelled: {12 - wrong} right, {wrong} wrong" in section, section[:400]
+        near = sum(abs(np.log(max(r["p_yes"], 1e-6) / max(1 - r["p_yes"], 1e-6))) <= 1
+                   for r in rows if r["question_id"] == qid)  # threshold 0.5: log-odds 0
+        assert ("Nothing is near the threshold" in section) == (near == 0)
+        assert ("Borderline:" in section) == (near > 0)
+        marks = section.count("<b>right</b>") + section.count("<b>wrong</b>")
+        assert marks == section.count("<img ") == min(near, 3) + min(wrong, 3)
+        shown += marks
+    assert shown == page.count("<img ") and shown > 0
+    assert "Nothing is near the threshold" in page  # the built-in model is sure of most
     assert main(["report", str(job), "-o", str(tmp_path / "r.txt")]) == EXIT_BAD_INPUT
     assert "give an .html file" in capsys.readouterr().err
+
+
+def _half(tmp: Path, name: str, lines: list[str]) -> Path:
+    m = tmp / name
+    m.write_text("".join(json.dumps({**d, "image": str(EXAMPLE / d["image"])}) + "\n"
+                         for d in map(json.loads, lines)))
+    return m
+
+
+def test_calibrate_on_one_half_check_on_the_other(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    """The README's loop, end to end through the CLI: calibrate on half of the labelled
+    example, write the policy, `eval` the other half with it. Before, eval refused ("question
+    id(s) ... are used by both this line and the policy"). The metrics are those of the
+    other half's `run` lines with the policy's thresholds applied by hand."""
+    lines = (EXAMPLE / "manifest.jsonl").read_text().splitlines()
+    fit, check = _half(tmp_path, "fit.jsonl", lines[:24]), _half(tmp_path, "check.jsonl",
+                                                                  lines[24:])
+    fit_r, check_r, policy = tmp_path / "fit_r.jsonl", tmp_path / "check_r.jsonl", \
+        tmp_path / "calibrated.yaml"
+    for m, r in ((fit, fit_r), (check, check_r)):
+        assert main(["run", str(m), "-o", str(r), "--no-progress"]) == EXIT_OK
+    assert main(["calibrate", str(fit_r), "--labels", str(fit), "--precision", "0.95",
+                 "--write-policy", str(policy)]) == EXIT_OK
+    thresholds = {q.id: q.threshold for q in read_policy(policy)}
+    assert sorted(thresholds) == ["circle", "red", "three", "triangle"]
+    assert any(t != 0.5 for t in thresholds.values())
+    capsys.readouterr()
+    assert main(["eval", str(check), "--policy", str(policy), "--json", "--no-progress"]) \
+        == EXIT_OK, capsys.readouterr().err
+    out = capsys.readouterr()
+    got = json.loads(out.out)
+    assert f"at the thresholds of {policy}: red {thresholds['red']}, circle" in out.err
+    rows = [json.loads(x) for x in check_r.read_text().splitlines()]
+    labels = {(d["id"], q["id"]): q["expected"] for d in map(json.loads, lines[24:])
+              for q in d["questions"]}
+    assert got["answered"] == len(rows) == 96
+    for qid, t in thresholds.items():
+        yes = np.array([r["p_yes"] >= t for r in rows if r["question_id"] == qid])
+        want = np.array([labels[(r["id"], qid)] == "yes" for r in rows
+                         if r["question_id"] == qid])
+        q = got["questions"][qid]
+        assert q["accuracy"] == pytest.approx((yes == want).mean())
+        assert q["recall"] == pytest.approx((yes & want).sum() / want.sum())
+        assert q["precision"] == pytest.approx((yes & want).sum() / max(yes.sum(), 1))
+    # what the same set scores at 0.5 differs: the policy's thresholds were used
+    assert main(["eval", str(check), "--json", "--no-progress"]) == EXIT_OK
+    assert json.loads(capsys.readouterr().out) != got
+
+
+def test_eval_with_a_policy_through_the_api_and_its_refusals(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``evaluate_labelled`` (the Python side of `eval`) with a policy: its threshold, the
+    line's label; a text, label set or label that contradicts the line's is refused naming
+    both; a policy question no line labels is named as not evaluated."""
+    lines = (EXAMPLE / "manifest.jsonl").read_text().splitlines()[:4]
+    m = _half(tmp_path, "m.jsonl", lines)
+    policy = tmp_path / "p.yaml"
+    policy.write_text('questions:\n  - {id: red, text: "Is there a red shape?", threshold: 1.0}\n'
+                      '  - {id: blue, text: "Is there a blue shape?"}\n')
+    summary, report = evaluate_labelled(RunConfig(manifest=m, policy=policy, progress=False))
+    red = next(q for q in report.questions if q.question_id == "red")
+    assert (red.answered, red.precision, red.recall) == (4, None, 0.0)  # nothing >= 1.0
+    assert [q.question_id for q in report.questions] == ["red", "circle", "triangle", "three"]
+    assert policy_note(policy, report) == (f"at the thresholds of {policy}: red 1.0; not "
+                                           "evaluated (no label in this manifest): blue")
+    for text, says in [
+            ('{id: red, text: "Is it red?"}', "question 'red' is 'Is there a red shape?' on "
+             "this line but 'Is it red?' in the policy"),
+            ('{id: red, text: "Is there a red shape?", choices: [a, b]}', "question 'red' is "
+             "a yes/no question on this line but a label set ['a', 'b'] in the policy"),
+            ('{id: red, text: "Is there a red shape?", expected: true}',
+             "question 'red' has expected 'no' on this line and 'yes' in the policy")]:
+        policy.write_text(f"questions:\n  - {text}\n")
+        capsys.readouterr()
+        assert main(["eval", str(m), "--policy", str(policy), "--no-progress"]) == \
+            EXIT_BAD_INPUT
+        assert f"{m}:1: {says}" in capsys.readouterr().err

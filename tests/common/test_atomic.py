@@ -1,4 +1,4 @@
-"""pipeline/atomic.py: a file or folder appears whole at its destination, or not at all."""
+"""common/atomic.py: a file or folder appears whole at its destination, or not at all."""
 
 from __future__ import annotations
 

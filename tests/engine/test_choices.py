@@ -1,5 +1,6 @@
 """Label sets through our engine against transformers (fp32, CPU, random weights): InternVL
-and the three Qwen-VL families, each a tiny checkpoint with our tokenizer.
+and the Qwen-VL families (Qwen3.5 too: its own CI tests in ``test_hybrid_choices.py``), each a
+tiny checkpoint with our tokenizer.
 
 - prompts: a system turn and an instruction render as transformers' ``apply_chat_template``
   renders the same messages, and a choice's tokens are what the template's assistant turn
@@ -268,7 +269,9 @@ def _same_first(m: Models, a: str, b: str) -> bool:
 def test_a_shared_instruction_is_prefilled_once(models: Models) -> None:
     """Two questions about one image behind the same system turn and instruction: the second
     prefills only from the first token where the prompts differ (the instruction after the
-    image comes from the cache), and both answer as without a cache."""
+    image comes from the cache), and both answer as without a cache. A hybrid decoder
+    (Qwen3.5) too: the first question's forward takes a state snapshot where the two
+    prompts start to differ (``docs/hybrid_cache.md``)."""
     (im,) = images(models, [(200, 90)])
     qs = [Question(k, t, prompt="Look at the whole image, then answer yes or no.",
                    system="You label images.") for k, t in (("a", "Is it red?"),

@@ -96,9 +96,10 @@ def margins(engine: TorchEngine, ims: list[PreparedImage]) -> torch.Tensor:
 
 def test_snapshot_reuse_equals_a_fresh_prefill_per_question(
         qwen3_5: LoadedModel, case: tuple[list[PreparedImage], torch.Tensor]) -> None:
-    """Each image's prefix is prefilled once and snapshotted; its K questions (the first
-    included) resume from the snapshot and the full layers' blocks: margins = cache off,
-    which prefills every question's whole prompt. A second call finds every prefix and
+    """Each image's first question prefills its whole prompt and takes the snapshot at the
+    prefix's end inside that forward (one forward per question, none prefix-only); its
+    other questions resume from the snapshot and the full layers' blocks: margins = cache
+    off, which prefills every question's whole prompt. A second call finds every prefix and
     prefills the questions only."""
     ims, truth = case
     on = TorchEngine(qwen3_5, EngineConfig(block_size=16))
@@ -108,10 +109,11 @@ def test_snapshot_reuse_equals_a_fresh_prefill_per_question(
     tails = sum(len(p.ids) - p.prefix_len for p in prompts)
     prefixes = sum(p.prefix_len for p in prompts[:: len(QUESTIONS)])
     assert on.stats.prefill_tokens == tails + prefixes  # cache off: tails + K * prefixes
-    assert on.cache.stats.state_hits == len(prompts)
+    assert on.cache.stats.state_hits == len(prompts) - len(ims)  # the first takes it
     assert on.cache.stats.state_inserts == len(ims)
     assert (margins(on, ims) - truth).abs().max() <= 1e-5
     assert on.stats.prefill_tokens == 2 * tails + prefixes
+    assert on.cache.stats.state_hits == 2 * len(prompts) - len(ims)
 
 
 @pytest.mark.parametrize("fault", ["zero state", "zero conv state", "other row's state"])
@@ -152,3 +154,57 @@ def test_a_small_cache_mib_bounds_snapshots_and_blocks(
     assert (margins(tight, ims) - truth).abs().max() <= 1e-5
     assert tight.cache is not None and tight.cache.stats.evictions > 0
     assert tight.cache.stats.state_hits > 0 and tight.cache.bytes <= budget
+
+
+def test_an_embedded_image_answers_from_its_snapshot(
+        qwen3_5: LoadedModel, case: tuple[list[PreparedImage], torch.Tensor]) -> None:
+    """An image embedded first (``image-mean``: its prompt ends at the image's end marker,
+    the snapshot is taken in that forward) then asked its questions: every question
+    resumes from the snapshot (no prefix prefilled again), the margins as without the
+    cache; the vectors as without the cache."""
+    from vlmbatch.engine.config import EmbedConfig
+    from vlmbatch.engine.records import EmbedRequest
+
+    ims, truth = case
+    reqs = [EmbedRequest(i, None) for i in range(len(ims))]
+    cfg = EmbedConfig(pooling="image-mean")
+    on = TorchEngine(qwen3_5, EngineConfig(block_size=16))
+    off = TorchEngine(qwen3_5, EngineConfig(prefix_cache=False))
+    vectors = on.embed(ims, reqs, cfg)
+    for a, b in zip(vectors, off.embed(ims, reqs, cfg)):
+        assert float(np.abs(a.values - b.values).max()) <= 1e-5
+    assert on.cache is not None and on.cache.stats.state_inserts == len(ims)
+    before = on.stats.prefill_tokens
+    assert (margins(on, ims) - truth).abs().max() <= 1e-5
+    prompts = [qwen3_5.prompts.build(r.question, ims[r.image]) for r in requests(len(ims))]
+    assert on.cache.stats.state_hits == len(prompts)
+    assert on.stats.prefill_tokens - before == sum(len(p.ids) - p.prefix_len for p in prompts)
+
+
+def test_a_shared_instruction_takes_two_snapshots(
+        qwen3_5: LoadedModel, case: tuple[list[PreparedImage], torch.Tensor]) -> None:
+    """Questions that share their first words after the image: the first question's
+    forward takes two snapshots, at the image's end and where the prompts start to differ;
+    the others resume from the second (prefilling only what differs); a later call asking
+    one question alone resumes from the first. Margins as without the cache."""
+    ims, _ = case
+    shared = ["Look closely. Is there a red shape?", "Look closely. Is it round?"]
+    reqs = [Request(i, q) for i in range(len(ims)) for q in shared]
+    alone = [Request(i, "Is it blue?") for i in range(len(ims))]
+    off = TorchEngine(qwen3_5, EngineConfig(prefix_cache=False))
+    want = [s.margin for s in off.score(ims, reqs) + off.score(ims, alone)]
+    on = TorchEngine(qwen3_5, EngineConfig(block_size=16))
+    got = [s.margin for s in on.score(ims, reqs)]
+    assert on.cache is not None and on.cache.stats.state_inserts == 2 * len(ims)
+    prompts = [qwen3_5.prompts.build(r.question, ims[r.image]) for r in reqs]
+    common = [next(k for k, (x, y) in enumerate(zip(a.ids, b.ids)) if x != y)
+              for a, b in zip(prompts[::2], prompts[1::2])]
+    assert all(c > p.prefix_len + 3 for c, p in zip(common, prompts[::2]))
+    assert on.stats.prefill_tokens == sum(len(a.ids) + len(b.ids) - c for a, b, c in
+                                          zip(prompts[::2], prompts[1::2], common))
+    before, hits = on.stats.prefill_tokens, on.cache.stats.state_hits
+    got += [s.margin for s in on.score(ims, alone)]
+    assert on.cache.stats.state_hits == hits + len(ims)
+    singles = [qwen3_5.prompts.build(r.question, ims[r.image]) for r in alone]
+    assert on.stats.prefill_tokens - before == sum(len(p.ids) - p.prefix_len for p in singles)
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5

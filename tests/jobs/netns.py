@@ -23,12 +23,13 @@ import secrets
 import shutil
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
+
+from tests.waiting import wait_until
 
 ADDRESSES = {"a": "10.231.0.1", "b": "10.231.0.2"}
 
@@ -63,15 +64,15 @@ class Hosts:
 
     def kill_all(self, host: str, wait_s: float = 30) -> None:
         """SIGKILL every process on ``host`` (again for any forked meanwhile) until none."""
-        deadline = time.monotonic() + wait_s
-        while (pids := self.pids(host)) and time.monotonic() < deadline:
-            for pid in pids:
+        def none_left() -> bool:
+            for pid in (pids := self.pids(host)):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            time.sleep(0.1)
-        assert not self.pids(host), f"processes left on {host}: {self.pids(host)}"
+            return not pids
+
+        wait_until(none_left, wait_s, f"no process left on {host}", interval=0.1)
 
 
 def _ip(*args: str) -> None:

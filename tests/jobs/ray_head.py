@@ -31,6 +31,7 @@ each reproduced (the figures in the issue's report):
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import secrets
 import shutil
@@ -44,9 +45,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tests.jobs.test_job import ROOT
+from tests.waiting import wait_until
 from vlmbatch.jobs.ray_cluster import CLIENT_WAIT_ENV
 
+ROOT = Path(__file__).resolve().parents[2]  # holds tests/ and vlmbatch/: the drivers' imports
 CLIENT_WAIT_S = 120  # measured: the server process listened 0.6-2.2 s after its start
 # the head's environment for Ray Client (both documented in docs/jobs.md)
 HEAD_ENV = {CLIENT_WAIT_ENV: str(CLIENT_WAIT_S), "GRPC_ENABLE_FORK_SUPPORT": "0"}
@@ -60,15 +62,16 @@ def free_port() -> int:
 
 
 def wait_listening(*ports: int, timeout_s: float = 60) -> None:
+    """Until each of ``ports`` on 127.0.0.1 accepts a connection (``timeout_s`` in all)."""
     deadline = time.monotonic() + timeout_s
     for port in ports:
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, f"nothing listens on {port}"
-                time.sleep(0.2)
+        wait_until(functools.partial(_listens, port), max(0.0, deadline - time.monotonic()),
+                   f"a listener on {port}", interval=0.2, retry_on=(OSError,))
+
+
+def _listens(port: int) -> bool:
+    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    return True
 
 
 @contextmanager

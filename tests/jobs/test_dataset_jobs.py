@@ -6,11 +6,6 @@ the drive loop keeping many fetches in flight across groups."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +19,8 @@ from tests.jobs.datasets_helpers import (
     write_policy,
     write_shards,
 )
+from tests.jobs.interrupting import assert_each_once, resume, stop_at
+from tests.jobs.test_job import cli
 from tests.loopback import LoopbackServer
 from tests.s3_server import s3_server
 from vlmbatch.app.cli import EXIT_ITEM_ERRORS, EXIT_OK, main
@@ -41,18 +38,10 @@ def model_opts(tmp_path: Path, model: Path, per_batch: int = 3) -> list[str]:
 
 def kill_mid_run(job: Path) -> None:
     """``vlmbatch run JOB`` in a subprocess, slowed per group, SIGKILLed after 3 items."""
-    p = subprocess.Popen([sys.executable, "-m", "tests.faults", json.dumps({"group_delay": 0.2}),
-                          "--", "run", str(job), "--no-progress"], cwd=ROOT, env=os.environ,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    store = JobStore(job / STORE_FILE)
-    deadline = time.time() + 120
-    while store.counts().done < 3 and time.time() < deadline and p.poll() is None:
-        time.sleep(0.05)
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    left = store.counts()
-    store.close()
-    assert 0 < left.pending < left.total, (left, p.stderr.read() if p.stderr else "")
+    p = cli("run", str(job), "--no-progress", faults={"group_delay": 0.2})
+    stop_at(p, job, 3, timeout=120)
+    left = status(job)
+    assert 0 < left.pending < left.done + left.failed + left.pending, left
 
 
 # shards: slow (~30 s on 2 loaded cores; CI time): the same job store path as a table's rows
@@ -76,11 +65,8 @@ def test_kill_minus_9_then_resume_answers_each_row_or_member_once(
     assert spec < 200_000  # references, not images (the images alone are larger)
     kill_mid_run(job)
     assert status(job).status == "interrupted"
-    assert main(["resume", str(job), "--no-progress"]) == EXIT_OK
-    store = JobStore(job / STORE_FILE)
-    lines = [ln for (r,) in store.db.execute("SELECT result FROM items") for ln in json.loads(r)]
-    store.close()
-    assert sorted(ln["id"] for ln in lines) == sorted(i for i in ids for _ in range(2))
+    resume(job)
+    lines = assert_each_once(job, ids)
     assert all(ln["error"] is None for ln in lines)
     direct = tmp_path / "direct.jsonl"
     assert main(["run", text, "-o", str(direct), *opts]) == EXIT_OK

@@ -173,6 +173,11 @@ def test_shard_validation(tmp_path: Path, ref: tuple, capsys: pytest.CaptureFixt
         assert message in capsys.readouterr().err
     with pytest.raises(ManifestError, match="sample0001: id must be a non-blank string"):
         list(iter_dataset(str(bad), "image", None, None, (_q(),)))
+    write_shards(tmp_path / "s", images[:2], per_shard=2, meta={1: {"question": ["Red?"]}})
+    with pytest.raises(ManifestError, match=r"sample0001\.json: unknown key\(s\) \['question'\] "
+                       r"\(did you mean 'questions'\?\); a sample's json has \['id', "
+                       r"'questions'\]"):  # was ignored: the sample got the policy's only
+        list(iter_dataset(str(bad), "image", None, None, (_q(),)))
     bad.write_bytes(b"not a tar" * 100)
     run_input(tmp_path, str(bad), opts, rc=EXIT_BAD_INPUT)
     assert "not a readable tar shard" in capsys.readouterr().err

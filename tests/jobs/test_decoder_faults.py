@@ -7,10 +7,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
+import pytest
+
+from tests.faults import hooks_from
+from tests.jobs.interrupting import resume, stop, wait_recorded
 from tests.jobs.test_job import cli, make_manifest, submit_job
+from tests.waiting import wait_until
 from vlmbatch.app.cli import EXIT_ITEM_ERRORS, EXIT_OK, main
 from vlmbatch.jobs.folder import STORE_FILE
 from vlmbatch.jobs.job import status
@@ -43,10 +47,11 @@ def decoders_of(pid: int) -> list[int]:
 
 
 def test_a_hang_then_a_segfault_fail_that_item_and_retry_answers_it_once(
-        tmp_path: Path, random_model_dir: Path) -> None:
-    """One job, three runs: img3 hangs its decoder (killed after 2 s: decode_timeout), then,
-    retried, segfaults it (decoder_crashed); the other seven are answered the first time and
-    never again; a last retry answers img3. Every item's two lines exactly once."""
+        tmp_path: Path, random_model_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    """One job, three runs (in this process: the faults are in decoder processes):
+    img3 hangs its decoder (killed after 2 s: decode_timeout), then, retried, segfaults it
+    (decoder_crashed); the other seven are answered the first time and never again; a last
+    retry answers img3. Every item's two lines exactly once."""
     _, job = submit_job(tmp_path, random_model_dir, 8, "--images-per-batch", "3",
                         "--no-progress")
     for fault, kind, says in (
@@ -54,10 +59,11 @@ def test_a_hang_then_a_segfault_fail_that_item_and_retry_answers_it_once(
              "3.png: decoding timed out after 2s (worker killed)"),
             ({"segfault_on": "3.png"}, ErrorKind.DECODER_CRASHED,
              "3.png: preprocessing worker died (killed by SIGSEGV)")):
-        p = cli("resume", str(job), "--retry-failed", "--decode-timeout", "2", "--no-progress",
-                faults=fault)
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == EXIT_ITEM_ERRORS, err
+        capsys.readouterr()
+        rc = main(["resume", str(job), "--retry-failed", "--decode-timeout", "2",
+                   "--no-progress"], hooks=hooks_from(fault))
+        err = capsys.readouterr().err
+        assert rc == EXIT_ITEM_ERRORS, err
         got = by_item(job)
         assert sorted(got) == sorted(f"img{i}" for i in range(8))
         assert {a.error_kind for a in got["img3"]} == {kind}
@@ -69,16 +75,17 @@ def test_a_hang_then_a_segfault_fail_that_item_and_retry_answers_it_once(
     assert sorted(lines) == sorted(f"img{i}" for i in range(8) for _ in range(2))
 
 
-def test_a_plain_run_survives_a_segfault_that_threads_do_not(tmp_path: Path,
-                                                             random_model_dir: Path) -> None:
+def test_a_plain_run_survives_a_segfault_that_threads_do_not(
+        tmp_path: Path, random_model_dir: Path, capsys: pytest.CaptureFixture) -> None:
     """`vlmbatch run MANIFEST`: with decoder processes (the default) a segfault is one item's
-    error line; with --decode-timeout 0 (threads) the same segfault ends the run."""
+    error line (the run in this process: the segfault is in a decoder process); with
+    --decode-timeout 0 (threads) the same segfault ends the run (in a subprocess)."""
     m = make_manifest(tmp_path, 4)
     args = ["--model", str(random_model_dir), "--images-per-batch", "2", "--no-progress"]
     out = tmp_path / "out.jsonl"
-    p = cli("run", str(m), "-o", str(out), *args, faults={"segfault_on": "1.png"})
-    _, err = p.communicate(timeout=300)
-    assert p.returncode == EXIT_ITEM_ERRORS, err
+    capsys.readouterr()
+    rc = main(["run", str(m), "-o", str(out), *args], hooks=hooks_from({"segfault_on": "1.png"}))
+    assert rc == EXIT_ITEM_ERRORS, capsys.readouterr().err
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert [ln["id"] for ln in lines] == [f"img{i}" for i in range(4) for _ in range(2)]
     assert [ln["error"] is None for ln in lines] == [True, True, False, False, True, True,
@@ -94,15 +101,10 @@ def test_kill_minus_9_leaves_no_decoder_process_behind(tmp_path: Path,
     _, job = submit_job(tmp_path, random_model_dir, 20, "--images-per-batch", "1",
                         "--no-progress")
     p = cli("run", str(job), "--no-progress", faults={"group_delay": 0.3})
-    deadline = time.time() + 120
-    while not (status(job).done and decoders_of(p.pid)) and time.time() < deadline:
-        time.sleep(0.1)
+    wait_recorded(p, job, 1, when=lambda: decoders_of(p.pid), timeout=120)
     assert decoders_of(p.pid), "the run decodes in decoder processes"
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    deadline = time.time() + 10
-    while decoders_of(p.pid) and time.time() < deadline:
-        time.sleep(0.1)
-    assert not decoders_of(p.pid)  # PR_SET_PDEATHSIG: they died with it
-    assert main(["resume", str(job), "--no-progress"]) == EXIT_OK
+    stop(p, signal.SIGKILL)
+    wait_until(lambda: not decoders_of(p.pid), 10,  # PR_SET_PDEATHSIG: they died with it
+               f"the decoder processes of the killed pid {p.pid} gone")
+    resume(job)
     assert status(job).done == 20

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.jobs.interrupting import assert_each_once, resume
 from tests.jobs.test_job import make_manifest, submit_job
 from vlmbatch.app.cli import EXIT_CRASH, EXIT_OK, main
 from vlmbatch.jobs.folder import STORE_FILE
@@ -76,16 +77,6 @@ def assert_consistent(job: Path, n: int, per_item: int = 2) -> None:
         db.close()
 
 
-def assert_each_once(job: Path, n: int) -> None:
-    store = JobStore(job / STORE_FILE)
-    try:
-        ids = sorted(a.image_id for a in store.answers())
-        assert ids == sorted(f"img{i}" for i in range(n) for _ in range(2))
-        assert store.counts().pending == 0
-    finally:
-        store.close()
-
-
 def _limited(monkeypatch: pytest.MonkeyPatch, extra_pages: int) -> None:
     """Stores opened from now on may grow ``extra_pages`` pages: SQLite then answers
     SQLITE_FULL, as on a full disk."""
@@ -113,8 +104,8 @@ def test_store_full_while_recording_then_resume_finishes(
     st = status(job)
     assert st.status == "interrupted" and 0 < st.done < 40, st
     assert_consistent(job, 40)
-    assert main(["resume", str(job), "--no-progress"]) == EXIT_OK
-    assert_each_once(job, 40)
+    resume(job)
+    assert_each_once(job, [f"img{i}" for i in range(40)])
 
 
 def test_store_full_at_submit_leaves_no_job(tmp_path: Path, random_model_dir: Path,
@@ -145,8 +136,8 @@ def test_a_full_tmpfs_while_recording_then_resume_once_space_is_back(
         remount(mnt, "size=8m")
         assert status(job).status == "interrupted"
         assert_consistent(job, 60)
-        assert main(["resume", str(job), "--no-progress"]) == EXIT_OK
-        assert_each_once(job, 60)
+        resume(job)
+        assert_each_once(job, [f"img{i}" for i in range(60)])
         assert_consistent(job, 60)
 
 

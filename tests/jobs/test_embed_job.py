@@ -5,14 +5,13 @@ item recorded exactly once across a kill -9 and a resume, status, results as JSO
 from __future__ import annotations
 
 import json
-import signal
-import time
 from pathlib import Path
 
 import cv2
 import numpy as np
 import pytest
 
+from tests.jobs.interrupting import assert_each_once, resume, stop_at
 from tests.jobs.test_job import cli, make_manifest
 from vlmbatch.app.cli import EXIT_BAD_INPUT, EXIT_ITEM_ERRORS, EXIT_OK, main
 from vlmbatch.jobs.folder import JOB_FILE, STORE_FILE, status
@@ -82,19 +81,12 @@ def test_kill_minus_9_then_resume_embeds_each_item_once(tmp_path: Path,
                                                         random_model_dir: Path) -> None:
     _, job = submit(tmp_path, random_model_dir, 24, "--images-per-batch", "1")
     p = cli("run", str(job), "--no-progress", faults={"group_delay": 0.2})
-    store = JobStore(job / STORE_FILE)
-    deadline = time.time() + 60
-    while store.counts().done < 3 and time.time() < deadline:
-        time.sleep(0.1)
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    assert status(job).status == "interrupted" and 0 < store.counts().pending < 25
-    assert main(["resume", str(job), "--no-progress"]) == EXIT_ITEM_ERRORS
-    per_item = [json.loads(r) for (r,) in store.db.execute("SELECT result FROM items")]
-    assert sorted(e["id"] for lines in per_item for e in lines) == sorted(
-        [f"{'itb'[i % 3]}{i}" for i in range(24)] + ["gone"])
-    assert all(len(lines) == 1 for lines in per_item)  # one embedding per item, no more
-    store.close()
+    stop_at(p, job, 3, timeout=60)
+    assert status(job).status == "interrupted" and 0 < status(job).pending < 25
+    resume(job, rc=EXIT_ITEM_ERRORS)
+    # one embedding per item, no more
+    assert_each_once(job, [f"{'itb'[i % 3]}{i}" for i in range(24)] + ["gone"], per_item=1,
+                     failed=1)
 
 
 def test_submit_checks_embedding_options(tmp_path: Path, random_model_dir: Path,

@@ -23,6 +23,7 @@ import json
 import math
 import re
 import signal
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,6 +43,7 @@ from vlmbatch.jobs.manifest import (
     read_manifest,
     read_policy,
 )
+from vlmbatch.jobs.openai_batch import BODY_KEYS
 
 MAX_MESSAGE = 2000  # characters: a refusal names the value, it does not echo megabytes
 
@@ -53,16 +55,26 @@ def fuzz(n: int) -> settings:
 
 @contextmanager
 def time_limit(seconds: float = 10.0) -> Iterator[None]:
-    """A hang fails the case (TimeoutError, not caught below) instead of stalling CI."""
+    """A hang fails the case (TimeoutError, not caught below) instead of stalling CI. The
+    test's own deadline (pytest-timeout's timer) is kept: when it comes first it is left to
+    fire; otherwise it is put back after, less the time spent here."""
+    outer = signal.getitimer(signal.ITIMER_REAL)[0]
+    if outer and outer <= seconds:
+        yield
+        return
+
     def alarm(signum: int, frame: object) -> None:
         raise TimeoutError(f"reader still running after {seconds}s")
     old = signal.signal(signal.SIGALRM, alarm)
     signal.setitimer(signal.ITIMER_REAL, seconds)
+    start = time.monotonic()
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+        if outer:  # > seconds, and this block took at most that
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - start), 1e-3))
 
 
 # ---- the property -------------------------------------------------------------------------
@@ -198,11 +210,16 @@ def manifest_lines(draw: Callable) -> dict:
     return rec
 
 
+IGNORED_BODY_KEYS = ["temperature", "top_p", "seed", "stop", "user", "metadata",
+                     "frequency_penalty", "service_tier"]
+
+
 @st.composite
 def openai_requests(draw: Callable) -> dict:
     """A valid OpenAI batch request: one image_url part, 1-3 text parts, other turns."""
     url = draw(sound_texts)
-    image = {"type": "image_url", "image_url": draw(st.sampled_from([url, {"url": url}]))}
+    image = {"type": "image_url", "image_url": draw(st.sampled_from(
+        [url, {"url": url}, {"url": url, "detail": "low"}]))}
     parts: list[dict] = [{"type": "text", "text": t}
                          for t in draw(st.lists(sound_texts, min_size=1, max_size=3))]
     parts.insert(draw(st.integers(0, len(parts))), image)
@@ -212,6 +229,8 @@ def openai_requests(draw: Callable) -> dict:
     if draw(st.booleans()):
         messages.append({"role": "assistant", "content": draw(json_values)})
     body: dict[str, Any] = {"model": draw(texts), "messages": messages}
+    for key in draw(st.lists(st.sampled_from(IGNORED_BODY_KEYS), max_size=2, unique=True)):
+        body[key] = draw(json_values)  # OpenAI's parameters that answers ignore (greedy)
     if draw(st.booleans()):
         body[draw(st.sampled_from(["max_tokens", "max_completion_tokens"]))] = \
             draw(st.integers(1, 10**30))
@@ -316,6 +335,86 @@ def test_a_wrong_value_at_any_key(tmp_path: Path) -> None:
 
     prop()
     check_counts(counts, 2200, "accepted", "refused")
+
+
+# the keys each object of a line may have, by where it is (None: a key is not checked)
+LINE_KEYS = {"id", "image", "questions"}
+QUESTION_KEYS = {"id", "text", "threshold", "max_new_tokens", "choices", "prompt", "system",
+                 "expected"}
+PART_KEYS = {"text": {"type", "text"}, "image_url": {"type", "image_url"}}
+
+
+def checked_objects(rec: dict) -> list[tuple[tuple, set[str]]]:
+    """(path, keys allowed) of every object in a valid line whose keys the reader checks:
+    the line, its question objects; a request, its body, its messages (by role), its user
+    message's content parts and their image_url objects."""
+    if "custom_id" not in rec:
+        return [((), LINE_KEYS)] + [(("questions", i), QUESTION_KEYS)
+                                    for i, q in enumerate(rec["questions"])
+                                    if isinstance(q, dict)]
+    out = [((), {"custom_id", "method", "url", "body"}), (("body",), None)]
+    for i, m in enumerate(rec["body"]["messages"]):
+        turn = {"role", "content", "name"}
+        out.append((("body", "messages", i),
+                     turn | {"tool_calls", "refusal", "audio", "function_call"}
+                     if m["role"] == "assistant" else turn))
+        if m["role"] != "user":
+            continue
+        for j, part in enumerate(m["content"]):
+            at = ("body", "messages", i, "content", j)
+            out.append((at, PART_KEYS[part["type"]]))
+            if isinstance(part.get("image_url"), dict):
+                out.append(((*at, "image_url"), {"url", "detail"}))
+    return out
+
+
+NEAR_MISSES = ["question", "qestions", "treshold", "Image", "ID", "text", "max_token",
+               "detial", "imageurl", "contents", "custom-id", "bodies", "rol", "choice", ""]
+
+
+@st.composite
+def with_an_unknown_key(draw: Callable) -> tuple[dict, str, tuple, set[str] | None]:
+    """A valid line or request with one key added to one of its checked objects: (the
+    line, the key, where, the keys allowed there)."""
+    rec = copy.deepcopy(draw(manifest_lines() | openai_requests()))
+    path, allowed = draw(st.sampled_from(checked_objects(rec)))
+    node = rec
+    for key in path:
+        node = node[key]
+    taken = allowed if allowed is not None else BODY_KEYS
+    key = draw((st.sampled_from(NEAR_MISSES) | texts).filter(lambda k: k not in taken))
+    node[key] = draw(json_values)
+    return rec, key, path, allowed
+
+
+def test_an_unknown_key_at_any_level_is_refused(tmp_path: Path) -> None:
+    """Any key a line's object does not have, at any level (a manifest line's `question`,
+    `treshold` or `qestions`; a request's, its body's, a message's, a part's, an image_url
+    object's), added to a valid line: refused on that line, naming the key and the keys
+    allowed there; never accepted with what it held dropped."""
+    m = tmp_path / "m.jsonl"
+    counts: Counter = Counter()
+
+    @fuzz(1200)
+    @example(({"id": "ok", "image": "ok.png", "questions": ["q"], "question": ["r"]},
+              "question", (), LINE_KEYS))
+    @given(with_an_unknown_key())
+    def prop(case: tuple[dict, str, tuple, set[str] | None]) -> None:
+        rec, key, path, allowed = case
+        m.write_bytes(dump(rec) + b"\n")  # escaped: a lone surrogate is a value, not bad UTF-8
+        got = read_checked(m)
+        assert isinstance(got, ManifestError), (rec, key)
+        msg = str(got)
+        assert error_line(m, got) == 1 and "unknown key(s) [" in msg, msg[:300]
+        if len(key) < 30 and encodable(key):
+            assert repr(key) in msg, (key, msg[:300])
+        if allowed is not None:
+            assert str(sorted(allowed)) in msg, msg[:300]
+        counts["request" if "custom_id" in rec else "line"] += 1
+        counts[len(path)] += 1
+
+    prop()
+    check_counts(counts, 1200, "line", "request", 0, 1, 2, 3, 5, 6)
 
 
 def _valid_id(v: object) -> bool:
@@ -572,7 +671,7 @@ def policies(draw: Callable) -> dict:
             del q["id"]
     data: dict[str, object] = {"questions": qs}
     if draw(st.booleans()):
-        data["name"] = draw(sound_texts)
+        data["system"] = draw(sound_texts)
     return data
 
 
@@ -627,6 +726,33 @@ def _policy_bytes(text: str, data: st.DataObject) -> bytes:
         piece = data.draw(st.sampled_from(SPLICES) | st.binary(max_size=3))
         raw = raw[:at] + piece + raw[at + data.draw(st.integers(0, 2)):]
     return raw
+
+
+def test_an_unknown_key_in_a_policy_is_refused(tmp_path: Path) -> None:
+    """A key a policy (``questions``, ``system``) or its question objects do not have, added
+    to a valid policy: refused naming it (a top-level ``threshold: 0.3`` is no default
+    threshold, a ``name:`` no label: both would be silently ignored)."""
+    p = tmp_path / "p.yaml"
+    counts: Counter = Counter()
+
+    @fuzz(300)
+    @given(policies(), st.data())
+    def prop(data: dict, draw: st.DataObject) -> None:
+        nodes = [data] + [q for q in data["questions"] if isinstance(q, dict)]
+        node = draw.draw(st.sampled_from(nodes))
+        allowed = {"questions", "system"} if node is data else QUESTION_KEYS
+        key = draw.draw((st.sampled_from(["threshold", "name", "question", "treshold",
+                                          "Questions", "sytem"]) | sound_texts).filter(
+            lambda k: k not in allowed))
+        node[key] = draw.draw(sound_texts)
+        p.write_text(yaml.safe_dump(data, allow_unicode=True), encoding="utf-8")
+        got = policy_checked(p)
+        assert isinstance(got, ManifestError) and "unknown key(s) [" in str(got), (data, got)
+        assert str(sorted(allowed)) in str(got), str(got)[:300]
+        counts["top" if node is data else "question"] += 1
+
+    prop()
+    check_counts(counts, 300, "top", "question")
 
 
 def test_yaml_policies(tmp_path: Path) -> None:
@@ -789,7 +915,7 @@ def test_huge_strings(tmp_path: Path, where: str) -> None:
              "custom_id": ({"custom_id": big, "body": {"messages": [{"role": "user",
                             "content": [{"type": "image_url", "image_url": big}, big]}]}},
                            False),
-             "key": ({big: big, "image": "a", "questions": ["q"]}, True)}
+             "key": ({big: big, "image": "a", "questions": ["q"]}, False)}
     if where == "policy text":  # 1 MiB: PyYAML reads ~3 MB/s
         p = tmp_path / "p.yaml"
         big = big[-(1 << 20):]
@@ -910,12 +1036,18 @@ def test_regression_yaml_impossible_date(tmp_path: Path) -> None:
 
 
 def test_regression_yaml_billion_laughs_is_refused_at_once(tmp_path: Path) -> None:
-    """Aliases nesting 10^9 strings: the refusal's repr of the question never finished."""
+    """Aliases nesting 10^9 strings: the refusal's repr of the question never finished. The
+    anchors are defined where the bomb is (top-level keys of their own are refused first:
+    a policy has no other keys than questions and system)."""
+    chain = "[&a [x,x,x,x,x,x,x,x,x,x], " + ", ".join(
+        f"&{c} [{', '.join(['*' + p] * 10)}]" for p, c in zip("abcdefgh", "bcdefghi")) + "]"
+    for questions in (f"[{chain}]", f"[{{text: q, id: {chain}}}]", f"[{{text: {chain}}}]"):
+        msg = _policy_refusal(tmp_path, f"questions: {questions}\n", "p.yaml")
+        assert msg.startswith(f"{tmp_path / 'p.yaml'}: question 0 ") and len(msg) < 500
     doc = "a: &a [x,x,x,x,x,x,x,x,x,x]\n" + "".join(
         f"{c}: &{c} [{', '.join(['*' + p] * 10)}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
-    for questions in ("[*i]", "[{text: q, id: *i}]", "[{text: *i}]"):
-        msg = _policy_refusal(tmp_path, doc + f"questions: {questions}\n", "p.yaml")
-        assert msg.startswith(f"{tmp_path / 'p.yaml'}: question 0 ") and len(msg) < 500
+    msg = _policy_refusal(tmp_path, doc + "questions: [*i]\n", "p.yaml")
+    assert "unknown key(s) ['a', 'b', 'c', 'd', ...]" in msg and len(msg) < 500
 
 
 def test_regression_huge_values_give_short_messages(tmp_path: Path) -> None:

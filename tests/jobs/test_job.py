@@ -7,13 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import cv2
 import numpy as np
 import pytest
 
+from tests.jobs.interrupting import assert_each_once, resume, stop, stop_at, wait_recorded
 from vlmbatch.app.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from vlmbatch.jobs.config import ExecutorConfig
 from vlmbatch.jobs.folder import STORE_FILE
@@ -77,23 +77,16 @@ def test_kill_minus_9_then_resume_answers_each_item_once(tmp_path: Path,
                                                          random_model_dir: Path) -> None:
     _, job = submit_job(tmp_path, random_model_dir, 30, "--images-per-batch", "1", "--no-progress")
     p = cli("run", str(job), "--no-progress", faults={"group_delay": 0.2})
-    store = JobStore(job / STORE_FILE)
-    deadline = time.time() + 60
-    while store.counts().done < 3 and time.time() < deadline:
-        time.sleep(0.1)
+    wait_recorded(p, job, 3, timeout=60)
     seen = status(job)  # status from another process while the job runs
     assert seen.status == "running" and 3 <= seen.done < 30
-    p.send_signal(signal.SIGKILL)
-    p.wait()
+    stop(p, signal.SIGKILL)
     assert status(job).status == "interrupted"  # its process is gone
-    left = store.counts()
+    left = status(job)
     assert 0 < left.pending < 30, left
-    assert main(["resume", str(job), "--no-progress"]) == EXIT_OK
-    per_item = [json.loads(r) for (r,) in store.db.execute("SELECT result FROM items")]
-    ids = [ln["id"] for lines in per_item for ln in lines]
-    assert sorted(ids) == sorted(f"img{i}" for i in range(30) for _ in range(2))
-    assert store.counts().pending == 0 and status(job).status == "done"
-    store.close()
+    resume(job)
+    assert_each_once(job, [f"img{i}" for i in range(30)])
+    assert status(job).status == "done"
 
 
 def test_sigterm_marks_the_job_interrupted_and_resume_finishes_it(
@@ -103,35 +96,28 @@ def test_sigterm_marks_the_job_interrupted_and_resume_finishes_it(
     _, job = submit_job(tmp_path, random_model_dir, 30, "--images-per-batch", "1",
                         "--no-progress")
     p = cli("run", str(job), "--no-progress", faults={"group_delay": 0.2})
-    store = JobStore(job / STORE_FILE)
-    deadline = time.time() + 60
-    while store.counts().done < 2 and time.time() < deadline:
-        time.sleep(0.05)
-    p.send_signal(signal.SIGTERM)
-    _, err = p.communicate(timeout=60)
+    err = stop_at(p, job, 2, signal.SIGTERM, timeout=60)
     assert p.returncode == 143 and "terminated (SIGTERM)" in err, err
     assert "vlmbatch resume JOB" in err
+    store = JobStore(job / STORE_FILE)
     assert store.get("status") == "interrupted"
     left = store.counts()
-    assert 0 < left.pending < 30 and left.done + left.pending == 30
-    assert main(["resume", str(job), "--no-progress"]) == EXIT_OK
-    assert status(job).done == 30
     store.close()
+    assert 0 < left.pending < 30 and left.done + left.pending == 30
+    resume(job)
+    assert status(job).done == 30
 
 
 def test_cancel_stops_and_resume_continues(tmp_path: Path, random_model_dir: Path) -> None:
     _, job = submit_job(tmp_path, random_model_dir, 30, "--images-per-batch", "1", "--no-progress")
     p = cli("run", str(job), "--no-progress", faults={"group_delay": 0.2})
-    store = JobStore(job / STORE_FILE)
-    while store.counts().done < 2:
-        time.sleep(0.05)
+    wait_recorded(p, job, 2, timeout=60)
     assert main(["cancel", str(job)]) == EXIT_OK
     assert p.wait(timeout=30) == 3  # stopped with work left
     st = status(job)
     assert st.status == "cancelled" and st.pending > 0
-    assert main(["resume", str(job), "--no-progress"]) == EXIT_OK
+    resume(job)
     assert status(job).pending == 0
-    store.close()
 
 
 def test_job_errors(tmp_path: Path, random_model_dir: Path, capsys) -> None:  # noqa: ANN001
@@ -346,10 +332,7 @@ def test_a_second_run_of_a_running_job_is_refused(tmp_path: Path, random_model_d
     _, job = submit_job(tmp_path, random_model_dir, 60, "--images-per-batch", "1", "--no-progress",
                         broken=1)  # 12 s at least: each refusal waits 2 s
     p = cli("run", str(job), "--no-progress", faults={"group_delay": 0.2})
-    store = JobStore(job / STORE_FILE)
-    deadline = time.time() + 60
-    while store.counts().done < 2 and time.time() < deadline:
-        time.sleep(0.1)
+    wait_recorded(p, job, 2, timeout=60)
     capsys.readouterr()
     for cmd in (["run", str(job)], ["resume", str(job), "--retry-failed"]):
         assert main([*cmd, "--no-progress"]) == EXIT_BAD_INPUT
@@ -370,9 +353,8 @@ def test_a_second_run_of_a_running_job_is_refused(tmp_path: Path, random_model_d
     assert seen["job"] == str(job) and seen["status"] == "cancelled"
     assert seen["runner"] is None and seen["eta_s"] is None
     assert seen["items"] == 61 and seen["done"] + seen["failed"] + seen["pending"] == 61
-    assert main(["resume", str(job), "--no-progress"]) == 3  # the lock went with its process
-    assert store.counts().pending == 0
-    store.close()
+    resume(job, rc=3)  # the lock went with its process
+    assert status(job).pending == 0
 
 
 def test_status_trusts_the_lock_over_a_reused_pid(tmp_path: Path, random_model_dir: Path) -> None:

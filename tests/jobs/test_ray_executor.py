@@ -1,6 +1,8 @@
 """The Ray executor: same results as in-process, a killed model worker, a hung decoder,
-cancel and resume, Parquet export, joining a running cluster (`--address`). Each test starts
-(and stops) a local Ray instance, or a head with `ray start` (``tests/jobs/ray_head.py``)."""
+cancel and resume, Parquet export, joining a running cluster (`--address`, `ray://`). The
+first test's run starts (and stops) a local Ray instance of its own, as a run without an
+address does; the others join the session's Ray head (``ray_head`` in ``tests/conftest.py``)
+by its address, each run a driver of its own in a subprocess."""
 
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.jobs.interrupting import recorded, resume, stop, stop_at, wait_recorded
 from tests.jobs.ray_head import RayHead, free_port, ray_client_lock
 from tests.jobs.test_job import ROOT, cli, make_manifest, submit_job
+from tests.waiting import wait_until
 from vlmbatch.app.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from vlmbatch.jobs.folder import STORE_FILE
 from vlmbatch.jobs.job import cancel, status
@@ -28,6 +32,11 @@ from vlmbatch.pipeline.records import Answer
 pytest.importorskip("ray")
 
 RAY = ["--executor", "ray", "--model-cpus", "1"]
+
+
+def on(head: RayHead) -> list[str]:
+    """The Ray options of a run joining ``head``."""
+    return [*RAY, "--address", head.address]
 
 
 def submit(tmp_path: Path, model: Path, n: int, broken: int = 0, per_batch: int = 2) -> Path:
@@ -61,8 +70,11 @@ def direct(tmp_path: Path, model: Path, m: Path) -> list[dict]:
     return [json.loads(x) for x in out.read_text().splitlines()]
 
 
-def test_ray_matches_in_process_and_exports_parquet(tmp_path: Path,
-                                                    random_model_dir: Path) -> None:
+def test_ray_matches_in_process_and_exports_parquet(tmp_path: Path, random_model_dir: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one CI run that starts its own local Ray instance (no --address, no
+    $RAY_ADDRESS: ``init_ray``'s ``address="local"``), in this process."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     job = submit(tmp_path, random_model_dir, 7, broken=1)
     assert main(["run", str(job), *RAY, "--preprocess-workers", "2", "--no-progress"]) == 3
     got = results(job)
@@ -81,11 +93,11 @@ def test_ray_matches_in_process_and_exports_parquet(tmp_path: Path,
         == [(r["id"], r["question_id"], r["answer"], r["p_yes"], r["error"]) for r in got]
 
 
-def test_model_worker_killed_mid_batch_job_completes(tmp_path: Path,
-                                                     random_model_dir: Path) -> None:
+def test_model_worker_killed_mid_batch_job_completes(tmp_path: Path, random_model_dir: Path,
+                                                     ray_head: RayHead) -> None:
     job = submit(tmp_path, random_model_dir, 8)
     marker = tmp_path / "killed"
-    p = cli("run", str(job), *RAY, "--no-progress",
+    p = cli("run", str(job), *on(ray_head), "--no-progress", env=ray_head.env,
             faults={"kill_model_at": [2, str(marker)]})
     _, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
@@ -96,13 +108,14 @@ def test_model_worker_killed_mid_batch_job_completes(tmp_path: Path,
     assert len(ids) == 16 and all(ln["error"] is None for ln in lines)  # once each
 
 
-def test_hung_decoder_becomes_that_items_error(tmp_path: Path, random_model_dir: Path) -> None:
+def test_hung_decoder_becomes_that_items_error(tmp_path: Path, random_model_dir: Path,
+                                               ray_head: RayHead) -> None:
     """On Ray a deadline runs from the task's submission, so it includes starting a worker
     process, which took over 3 s on a loaded 2-core machine (the other items then timed out
     too): 6 s."""
     job = submit(tmp_path, random_model_dir, 5, per_batch=3)
-    p = cli("run", str(job), *RAY, "--decode-timeout", "6", "--no-progress",
-            faults={"hang_on": "3.png"})
+    p = cli("run", str(job), *on(ray_head), "--decode-timeout", "6", "--no-progress",
+            env=ray_head.env, faults={"hang_on": "3.png"})
     _, err = p.communicate(timeout=300)
     assert p.returncode == 3, err  # finished, one item failed
     by_id = {}
@@ -113,10 +126,11 @@ def test_hung_decoder_becomes_that_items_error(tmp_path: Path, random_model_dir:
     assert all(ln["error"] is None for i in (0, 1, 2, 4) for ln in by_id[f"img{i}"])
 
 
-def test_crashing_decoder_becomes_that_items_error(tmp_path: Path,
-                                                   random_model_dir: Path) -> None:
+def test_crashing_decoder_becomes_that_items_error(tmp_path: Path, random_model_dir: Path,
+                                                   ray_head: RayHead) -> None:
     job = submit(tmp_path, random_model_dir, 4, per_batch=4)
-    p = cli("run", str(job), *RAY, "--no-progress", faults={"crash_on": "2.png"})
+    p = cli("run", str(job), *on(ray_head), "--no-progress", env=ray_head.env,
+            faults={"crash_on": "2.png"})
     _, err = p.communicate(timeout=300)
     assert p.returncode == 3, err
     by_id = {}
@@ -127,19 +141,19 @@ def test_crashing_decoder_becomes_that_items_error(tmp_path: Path,
     assert all(ln["error"] is None for i in (0, 1, 3) for ln in by_id[f"img{i}"])
 
 
-def test_cancel_then_resume_on_ray(tmp_path: Path, random_model_dir: Path) -> None:
+def test_cancel_then_resume_on_ray(tmp_path: Path, random_model_dir: Path,
+                                   ray_head: RayHead) -> None:
     job = submit(tmp_path, random_model_dir, 12, per_batch=1)
-    p = cli("run", str(job), *RAY, "--no-progress", faults={"slow_score": 0.5})
-    deadline = time.time() + 120
-    while status(job).done < 1 and time.time() < deadline:
-        time.sleep(0.2)
+    p = cli("run", str(job), *on(ray_head), "--no-progress", env=ray_head.env,
+            faults={"slow_score": 0.5})
+    wait_recorded(p, job, 1, timeout=120)
     cancel(job)
     t0 = time.time()
     p.communicate(timeout=120)
     assert time.time() - t0 < 30  # stops promptly
     st = status(job)
     assert st.status == "cancelled" and 0 < st.done < 12
-    p = cli("resume", str(job), *RAY, "--no-progress")
+    p = cli("resume", str(job), *on(ray_head), "--no-progress", env=ray_head.env)
     _, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
     ids = [ln["id"] for ln in results(job)]
@@ -147,59 +161,59 @@ def test_cancel_then_resume_on_ray(tmp_path: Path, random_model_dir: Path) -> No
     assert os.path.exists(job / STORE_FILE)
 
 
-def test_sigterm_on_ray_ends_the_run_as_ctrl_c_does(tmp_path: Path,
-                                                    random_model_dir: Path) -> None:
+def test_sigterm_on_ray_ends_the_run_as_ctrl_c_does(tmp_path: Path, random_model_dir: Path,
+                                                    ray_head: RayHead) -> None:
     """ray.init installs its own SIGTERM handler (sys.exit(15)); ours is put back, so the
     driver exits 143 with the job marked interrupted, and the job resumes (here in-process)."""
     job = submit(tmp_path, random_model_dir, 12, per_batch=1)
-    p = cli("run", str(job), *RAY, "--no-progress", faults={"slow_score": 0.5})
-    deadline = time.time() + 120
-    while status(job).done < 1 and time.time() < deadline:
-        time.sleep(0.2)
-    p.send_signal(signal.SIGTERM)
-    _, err = p.communicate(timeout=120)
+    p = cli("run", str(job), *on(ray_head), "--no-progress", env=ray_head.env,
+            faults={"slow_score": 0.5})
+    err = stop_at(p, job, 1, signal.SIGTERM, timeout=120)
     assert p.returncode == 143 and "terminated (SIGTERM)" in err, err
     store = JobStore(job / STORE_FILE)
     assert store.get("status") == "interrupted" and 0 < store.counts().done < 12
     store.close()
-    assert main(["resume", str(job), "--no-progress"]) == EXIT_OK
+    resume(job)
     assert status(job).done == 12
 
 
-def test_run_manifest_on_ray_writes_the_same_lines(tmp_path: Path,
-                                                    random_model_dir: Path) -> None:
+# slow: CI checks the same path (`run MANIFEST --executor ray`: a temporary job on Ray, its
+# lines on --out equal the in-process run's) in tests/jobs/test_ray_tasks.py::
+# test_qwen_vl_on_ray_gives_the_run_lines (a Qwen-VL checkpoint), and InternVL's lines on Ray
+# in test_ray_matches_in_process_and_exports_parquet above: ~10 s of CI for one more driver
+@pytest.mark.slow
+def test_run_manifest_on_ray_writes_the_same_lines(tmp_path: Path, random_model_dir: Path,
+                                                    ray_head: RayHead) -> None:
     m = make_manifest(tmp_path, 3)
     out = tmp_path / "ray.jsonl"
-    rc = main(["run", str(m), "-o", str(out), "--model", str(random_model_dir),
-               "--images-per-batch", "2", "--no-progress", *RAY])
-    assert rc == EXIT_OK
+    p = cli("run", str(m), "-o", str(out), "--model", str(random_model_dir),
+            "--images-per-batch", "2", "--no-progress", *on(ray_head), env=ray_head.env)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == EXIT_OK, err[-3000:]
     assert_same_lines([json.loads(x) for x in out.read_text().splitlines()],
                       direct(tmp_path, random_model_dir, m))
 
 
+def temporary_job_recorded(t0: float) -> bool:
+    """Whether ``run MANIFEST``'s temporary job, made since ``t0``, has recorded a group."""
+    stores = [f for f in Path(tempfile.gettempdir()).glob(f"vlmbatch-job-*/job/{STORE_FILE}")
+              if f.stat().st_mtime >= t0]
+    return bool(stores) and recorded(stores[0].parent) > 0
+
+
 def test_sigterm_on_a_ray_run_of_a_manifest_keeps_the_lines_answered(
-        tmp_path: Path, random_model_dir: Path) -> None:
+        tmp_path: Path, random_model_dir: Path, ray_head: RayHead) -> None:
     """`run MANIFEST --executor ray` answers through a temporary job; on SIGTERM the lines
     answered so far still reach --out, whole, as in-process."""
     m = make_manifest(tmp_path, 12)
     out = tmp_path / "ray.jsonl"
     t0 = time.time()
     p = cli("run", str(m), "-o", str(out), "--model", str(random_model_dir),
-            "--images-per-batch", "1", "--no-progress", *RAY,
+            "--images-per-batch", "1", "--no-progress", *on(ray_head), env=ray_head.env,
             faults={"slow_score": 0.5})
-    deadline = time.time() + 120
-    while time.time() < deadline:  # until the run's temporary job has recorded a group
-        stores = [f for f in Path(tempfile.gettempdir()).glob("vlmbatch-job-*/job/store.sqlite")
-                  if f.stat().st_mtime >= t0]
-        if stores:
-            store = JobStore(stores[0])
-            done = store.counts().done
-            store.close()
-            if done:
-                break
-        time.sleep(0.2)
-    p.send_signal(signal.SIGTERM)
-    _, err = p.communicate(timeout=120)
+    wait_until(lambda: temporary_job_recorded(t0) or p.poll() is not None, 120,
+               "a group recorded by the run's temporary job")
+    err = stop(p, signal.SIGTERM)
     assert p.returncode == 143 and "terminated (SIGTERM)" in err, err
     text = out.read_text()
     got = [json.loads(x) for x in text.splitlines()]
@@ -265,29 +279,28 @@ def test_missing_auth_token_is_named(tmp_path: Path, random_model_dir: Path) -> 
 
 
 def test_joins_a_running_cluster_by_address_and_by_ray_client(tmp_path: Path,
-                                                              random_model_dir: Path) -> None:
-    """A head started apart (`ray start --head`, as on a cluster), joined through its GCS
-    address and through Ray Client (ray://): each run is one more driver on that head, and
-    its lines equal the in-process run's (the broken item's error included)."""
-    head = RayHead(tmp_path)
-    try:
-        m = make_manifest(tmp_path, 2, broken=1)
-        want = direct(tmp_path, random_model_dir, m)
-        for i, address in enumerate([head.address, head.client_address]):
-            job = tmp_path / f"job{i}"
-            main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir),
-                  "--images-per-batch", "2", "--no-progress"])
-            joined = head.drivers()
-            with ray_client_lock() if address.startswith("ray://") else nullcontext():
-                p = subprocess.run([sys.executable, "-m", "vlmbatch", "run", str(job), *RAY,
-                                    "--address", address, "--no-progress"], cwd=ROOT,
-                                   env=head.env, capture_output=True, text=True, timeout=300)
-            # the broken item failed, as in-process
-            assert p.returncode == 3, p.stderr[-3000:] + head.client_logs()
-            assert head.drivers() == joined + 1, address  # it ran there, not on its own Ray
-            assert_same_lines(results(job), want)
-    finally:
-        head.stop()
+                                                              random_model_dir: Path,
+                                                              ray_head: RayHead) -> None:
+    """A head started apart (`ray start --head`, as on a cluster: the session's), joined
+    through its GCS address and through Ray Client (ray://): each run is one more driver on
+    that head, and its lines equal the in-process run's (the broken item's error
+    included)."""
+    head = ray_head
+    m = make_manifest(tmp_path, 2, broken=1)
+    want = direct(tmp_path, random_model_dir, m)
+    for i, address in enumerate([head.address, head.client_address]):
+        job = tmp_path / f"job{i}"
+        main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir),
+              "--images-per-batch", "2", "--no-progress"])
+        joined = head.drivers()
+        with ray_client_lock() if address.startswith("ray://") else nullcontext():
+            p = subprocess.run([sys.executable, "-m", "vlmbatch", "run", str(job), *RAY,
+                                "--address", address, "--no-progress"], cwd=ROOT,
+                               env=head.env, capture_output=True, text=True, timeout=300)
+        # the broken item failed, as in-process
+        assert p.returncode == 3, p.stderr[-3000:] + head.client_logs()
+        assert head.drivers() == joined + 1, address  # it ran there, not on its own Ray
+        assert_same_lines(results(job), want)
 
 
 def test_without_an_address_a_run_starts_its_own_instance(monkeypatch) -> None:  # noqa: ANN001

@@ -1,8 +1,9 @@
-"""Ray losing a process it cannot get back: the driver killed with SIGKILL mid-job (resumed
-on Ray, killed again, resumed in-process), and a worker node (a second raylet on this
-machine, `ray start --address`) killed mid-job. Each job ends with every item recorded
-exactly once. Load-sensitive on 2 cores: generous deadlines, and each waits on the store
-or on a marker, never on a fixed sleep."""
+"""Ray losing a process it cannot get back: the driver killed with SIGKILL mid-job (first
+the driver of a local instance, which dies with it; resumed on the session's Ray head,
+killed again, which leaves the head to end its actors; resumed in-process), and a worker
+node (a second raylet on this machine, `ray start --address`) killed mid-job. Each job ends
+with every item recorded exactly once. Load-sensitive on 2 cores: generous deadlines, and
+each waits on the store or on a marker, never on a fixed sleep."""
 
 from __future__ import annotations
 
@@ -14,17 +15,16 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.jobs.ray_head import free_port, wait_listening
+from tests.jobs.interrupting import assert_each_once, stop_at
+from tests.jobs.ray_head import RayHead, free_port, wait_listening
 from tests.jobs.test_job import ROOT, cli, submit_job
+from tests.waiting import wait_until
 from vlmbatch.app.cli import EXIT_OK, main
-from vlmbatch.jobs.folder import STORE_FILE
 from vlmbatch.jobs.job import status
-from vlmbatch.jobs.store import JobStore
 
 pytest.importorskip("ray")
 
@@ -32,24 +32,12 @@ RAY = ["--executor", "ray", "--model-cpus", "1"]
 
 
 def lines_once(job: Path, n: int) -> None:
-    store = JobStore(job / STORE_FILE)
-    try:
-        assert store.counts().pending == 0 and store.counts().failed == 0
-        ids = sorted(a.image_id for a in store.answers())
-        assert ids == sorted(f"img{i}" for i in range(n) for _ in range(2))
-    finally:
-        store.close()
+    assert_each_once(job, [f"img{i}" for i in range(n)])
 
 
 def kill_when_done(p: subprocess.Popen, job: Path, done: int) -> None:
     """SIGKILL ``p`` once the job's store holds ``done`` items more than now."""
-    start = status(job).done
-    deadline = time.time() + 240
-    while status(job).done < start + done and p.poll() is None and time.time() < deadline:
-        time.sleep(0.2)
-    assert p.poll() is None, p.communicate()[1][-3000:]
-    p.send_signal(signal.SIGKILL)
-    p.wait()
+    stop_at(p, job, status(job).done + done)
     _end_leftovers(p.pid)
 
 
@@ -68,15 +56,15 @@ def _end_leftovers(driver: int) -> None:
                 pass
 
 
-def test_driver_killed_twice_then_resumed_on_ray_and_in_process(tmp_path: Path,
-                                                               random_model_dir: Path) -> None:
+def test_driver_killed_twice_then_resumed_on_ray_and_in_process(
+        tmp_path: Path, random_model_dir: Path, ray_head: RayHead) -> None:
     _, job = submit_job(tmp_path, random_model_dir, 14, "--images-per-batch", "1",
                         "--no-progress")
     kill_when_done(cli("run", str(job), *RAY, "--no-progress", faults={"slow_score": 0.5}),
-                   job, 2)
+                   job, 2)  # a local instance of its own
     assert status(job).status == "interrupted"
-    kill_when_done(cli("resume", str(job), *RAY, "--no-progress",
-                       faults={"slow_score": 0.5}), job, 2)
+    kill_when_done(cli("resume", str(job), *RAY, "--address", ray_head.address,
+                       "--no-progress", env=ray_head.env, faults={"slow_score": 0.5}), job, 2)
     assert 4 <= status(job).done < 14
     assert main(["resume", str(job), "--no-progress"]) == EXIT_OK
     lines_once(job, 14)
@@ -99,10 +87,10 @@ def _stop(p: subprocess.Popen) -> None:
 
 
 def _wait_for_nodes(address: str, env: dict, n: int) -> None:
-    code = (f"import ray, time; ray.init(address={address!r}, log_to_driver=False)\n"
-            "t = time.time() + 120\n"
-            f"while sum(x['Alive'] for x in ray.nodes()) < {n} and time.time() < t:\n"
-            "    time.sleep(0.5)\n"
+    code = ("import ray\nfrom tests.waiting import wait_until\n"
+            f"ray.init(address={address!r}, log_to_driver=False)\n"
+            f"wait_until(lambda: sum(x['Alive'] for x in ray.nodes()) >= {n}, 120, "
+            f"'{n} nodes alive', interval=0.5)\n"
             "print(sum(x['Alive'] for x in ray.nodes()))")
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=240)
@@ -111,10 +99,8 @@ def _wait_for_nodes(address: str, env: dict, n: int) -> None:
 
 def _images_on(notes: Path, node: str, p: subprocess.Popen) -> set[str]:
     """The images prepare tasks noted on ``node``, once there is one (or ``p`` ended)."""
-    deadline = time.time() + 240
-    while not any(n.name.startswith(f"{node}-") for n in notes.iterdir()) \
-            and p.poll() is None and time.time() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: p.poll() is not None or any(
+        n.name.startswith(f"{node}-") for n in notes.iterdir()), 240, f"a note of {node}")
     return {n.name.split("-", 2)[2] for n in notes.iterdir() if n.name.startswith(f"{node}-")}
 
 

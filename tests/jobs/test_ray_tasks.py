@@ -2,47 +2,36 @@
 (``tests/app/test_cli_qwen_vl.py::test_ray_gives_the_run_lines``,
 ``tests/jobs/test_embed_job.py::test_embed_job_on_ray`` and
 ``::test_kill_minus_9_then_resume_embeds_each_item_once``): a Qwen-VL checkpoint answered on
-Ray, and an embedding job on Ray whose driver is killed with -9, then resumed. One Ray head
-(``tests/jobs/ray_head.py``) serves the module; each run is a driver joined to it by its GCS
+Ray, and an embedding job on Ray whose driver is killed with -9, then resumed. Each run is a
+driver joined to the session's Ray head (``ray_head`` in ``tests/conftest.py``) by its GCS
 address, in a subprocess (the head's token in its environment)."""
 
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.app.test_cli_qwen_vl import run_lines
+from tests.jobs.interrupting import assert_each_once, resume, stop_at
 from tests.jobs.ray_head import RayHead
 from tests.jobs.test_embed_job import stored, submit
 from tests.jobs.test_job import ROOT, cli, make_manifest
 from tests.models.qwen_vl_helpers import save_engine_checkpoint
 from vlmbatch.app.cli import EXIT_ITEM_ERRORS, EXIT_OK, main
-from vlmbatch.jobs.folder import STORE_FILE, status
-from vlmbatch.jobs.store import JobStore
+from vlmbatch.jobs.folder import status
 
 pytest.importorskip("ray")
 
 RAY = ["--executor", "ray", "--model-cpus", "1"]
 
 
-@pytest.fixture(scope="module")
-def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayHead]:
-    h = RayHead(tmp_path_factory.mktemp("head"))
-    try:
-        yield h
-    finally:
-        h.stop()
-
-
-def test_qwen_vl_on_ray_gives_the_run_lines(head: RayHead, tmp_path: Path) -> None:
+def test_qwen_vl_on_ray_gives_the_run_lines(ray_head: RayHead, tmp_path: Path) -> None:
+    head = ray_head
     model = save_engine_checkpoint("qwen2_5_vl", tmp_path / "qwen")
     m = make_manifest(tmp_path, 2)
     direct = run_lines(m, model, tmp_path / "direct.jsonl")
@@ -59,27 +48,20 @@ def test_qwen_vl_on_ray_gives_the_run_lines(head: RayHead, tmp_path: Path) -> No
         assert a["image_tokens"] == b["image_tokens"] and abs(a["p_yes"] - b["p_yes"]) <= 1e-5
 
 
-def test_embed_job_on_ray_killed_with_minus_9_then_resumed(head: RayHead, tmp_path: Path,
+def test_embed_job_on_ray_killed_with_minus_9_then_resumed(ray_head: RayHead, tmp_path: Path,
                                                            random_model_dir: Path) -> None:
     """The driver is SIGKILLed once the store holds 2 items (each model call slowed by
     0.5 s); resumed in-process, every item is embedded once, and the vectors (those made on
     Ray included) equal an in-process job's to 1e-5."""
     _, job = submit(tmp_path, random_model_dir, 6, "--images-per-batch", "1")
-    p = cli("run", str(job), *RAY, "--address", head.address, "--no-progress",
-            env=head.env, faults={"slow_score": 0.5})
-    deadline = time.time() + 240
-    while status(job).done < 2 and p.poll() is None and time.time() < deadline:
-        time.sleep(0.1)
-    assert p.poll() is None, p.communicate()[1][-3000:]
-    p.send_signal(signal.SIGKILL)
-    p.communicate()
+    p = cli("run", str(job), *RAY, "--address", ray_head.address, "--no-progress",
+            env=ray_head.env, faults={"slow_score": 0.5})
+    stop_at(p, job, 2)
     st = status(job)
     assert st.status == "interrupted" and 2 <= st.done < 7, st
-    assert main(["resume", str(job), "--no-progress"]) == EXIT_ITEM_ERRORS  # the missing image
-    store = JobStore(job / STORE_FILE)
-    per_item = [json.loads(r) for (r,) in store.db.execute("SELECT result FROM items")]
-    store.close()
-    assert all(len(lines) == 1 for lines in per_item)  # one embedding per item, no more
+    resume(job, rc=EXIT_ITEM_ERRORS)  # the missing image
+    # one embedding per item, no more
+    assert_each_once(job, ["i0", "t1", "b2", "i3", "t4", "b5", "gone"], per_item=1, failed=1)
     local = tmp_path / "local"
     local.mkdir()
     _, job2 = submit(local, random_model_dir, 6, "--images-per-batch", "1")

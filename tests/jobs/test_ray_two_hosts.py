@@ -23,17 +23,17 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.jobs import netns
+from tests.jobs.interrupting import wait_recorded
 from tests.jobs.netns import ADDRESSES, Hosts, netns_pair
 from tests.jobs.test_job import ROOT, make_manifest
 from vlmbatch.app.cli import EXIT_OK, main
-from vlmbatch.jobs.folder import STORE_FILE, is_job
+from vlmbatch.jobs.folder import STORE_FILE
 from vlmbatch.jobs.job import status
 from vlmbatch.jobs.store import JobStore
 
@@ -80,12 +80,13 @@ class Cluster:
     def _wait_head(self, timeout_s: float = 60) -> None:
         """Until the GCS port answers on host a (a probe run there: the port is not
         reachable from this machine's own namespace)."""
-        probe = (f"import socket, time\nt = time.time() + {timeout_s!r}\nwhile True:\n"
-                 f"    try:\n        socket.create_connection({(ADDRESSES['a'], PORT)!r}, "
-                 "timeout=1).close()\n        break\n    except OSError:\n"
-                 "        assert time.time() < t, 'no head'\n        time.sleep(0.2)\n")
+        probe = ("import socket\nfrom tests.waiting import wait_until\n"
+                 "def up():\n"
+                 f"    socket.create_connection({(ADDRESSES['a'], PORT)!r}, timeout=1).close()\n"
+                 "    return True\n"
+                 f"wait_until(up, {timeout_s!r}, 'the head', interval=0.2, retry_on=(OSError,))\n")
         subprocess.run(self.hosts.cmd("a", [sys.executable, "-c", probe]), check=True,
-                       timeout=timeout_s + 30)
+                       cwd=ROOT, timeout=timeout_s + 30)
 
     def start_worker(self, label: str) -> None:
         """A worker node on host b, 3 CPUs (a model actor and 2 prepare tasks); its
@@ -182,15 +183,8 @@ def test_a_job_on_two_hosts_runs_on_the_worker_host(cluster: Cluster, tmp_path: 
     assert_answered_once_as(job, want)
 
 
-def _done(job: Path) -> int:
-    return status(job).done if is_job(job) else 0  # `submit --wait` may not have made it yet
-
-
 def _wait_done(job: Path, p: subprocess.Popen, done: int) -> None:
-    deadline = time.time() + 240
-    while _done(job) < done and p.poll() is None and time.time() < deadline:
-        time.sleep(0.2)
-    assert p.poll() is None and _done(job) >= done, p.communicate()[1][-3000:]
+    wait_recorded(p, job, done)  # from 0 while `submit --wait` has not made the job yet
 
 
 @pytest.mark.slow
@@ -215,7 +209,7 @@ def test_worker_host_killed_mid_job_then_the_driver_then_resumed(
     assert lost, "no prepare task was in flight on host b"
     cluster.start_worker("hostb2")
     _wait_done(job, p, 5)  # the same driver, on the new node
-    os.killpg(p.pid, signal.SIGKILL)
+    os.killpg(p.pid, signal.SIGKILL)  # its whole session: `ip netns exec` and the driver
     p.wait()
     assert status(job).done < n
     r = cluster.driver(["resume", str(job), *RAY], faults)

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.jobs.interrupting import stop
 from tests.jobs.test_job import cli, make_manifest, submit_job
+from tests.waiting import wait_until
 from vlmbatch.app.cli import EXIT_OK, main
 from vlmbatch.jobs.job import status
 
@@ -24,12 +25,9 @@ def signalled(marker: Path, sig: signal.Signals, *args: str, where: str, n: int 
     """``vlmbatch ARGS`` in a subprocess, sent ``sig`` once it waits in the window ``where``
     (its ``n``-th call); returns its stderr after checking the exit code."""
     p = cli(*args, faults={"pause_at": {where: [n, str(marker)]}})
-    deadline = time.time() + 120
-    while not marker.exists() and p.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: marker.exists() or p.poll() is not None, 120, f"{marker} written")
     assert marker.exists(), p.communicate()[1]
-    p.send_signal(sig)
-    _, err = p.communicate(timeout=60)
+    err = stop(p, sig)
     assert p.returncode == RC[sig] and SAYS[sig] in err and "Traceback" not in err, err
     return err
 

@@ -131,3 +131,33 @@ def test_a_store_from_a_newer_version_is_refused_with_both_numbers(
         assert (f"{job / STORE_FILE} was written by a newer vlmbatch (job store version "
                 f"{STORE_VERSION + 1}; this one reads up to {STORE_VERSION})"
                 in capsys.readouterr().err)
+
+
+def test_labels_are_kept_and_a_version_2_store_is_upgraded(tmp_path: Path) -> None:
+    """Version 3 keeps each question's label in the item (the report marks answers right or
+    wrong; before, a job's store dropped it). A version-2 store is the same tables: opened,
+    it reads as it was and says version 3; read-only (an archive), it is read unchanged."""
+    import sqlite3
+
+    from vlmbatch.jobs.store import item_from_json, item_to_json
+    from vlmbatch.jobs.store_schema import upgrade, version_of
+
+    qs = (Question("red", "Red?", 0.3, expected="no"), Question("q1", "Blue?"),
+          Question("c", "Colour?", choices=("a", "b"), expected="b"))
+    item = ImageItem("i", "a.png", qs, tmp_path)
+    assert item_from_json(item_to_json(item)) == item
+    assert '"expected": "no"' in item_to_json(item) and '["q1", "Blue?", 0.5]' in \
+        item_to_json(item)  # an unlabelled question keeps its short form
+    path = tmp_path / "store.sqlite"
+    store = store_of(path, 3)
+    store.set("schema", "2")  # what a version-2 vlmbatch wrote
+    store.close()
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
+    upgrade(db, path, read_only=True)
+    assert version_of(db) == 2
+    db.close()
+    store = JobStore(path)
+    assert store.get("schema") == "3" == str(STORE_VERSION)
+    assert [it.id for group in store.pending(10)
+            for it in group] == ["img0", "img1", "img2"]
+    store.close()

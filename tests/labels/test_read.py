@@ -27,15 +27,15 @@ def q(qid: str, expected: object = None, **kw: object) -> dict:
     return d
 
 
-def test_expected_is_read_and_a_run_keeps_it_out_of_a_job(tmp_path: Path) -> None:
+def test_expected_is_read_and_a_job_keeps_it(tmp_path: Path) -> None:
+    """Decided again (issue 38): a job's store keeps labels (version 3), for the report's
+    right/wrong marks; before, it dropped them."""
     m = write(tmp_path / "m.jsonl", [{"id": "a", "image": "a.png",
                                       "questions": [q("red", "yes"), q("big")]}])
     (item,) = read_manifest(m)
     assert [x.expected for x in item.questions] == ["yes", None]
-    stored = item_from_json(item_to_json(item))  # a job's store does not keep labels
-    assert [x.expected for x in stored.questions] == [None, None]
-    assert [(x.id, x.text, x.threshold) for x in stored.questions] == [
-        (x.id, x.text, x.threshold) for x in item.questions]
+    stored = item_from_json(item_to_json(item))
+    assert stored == item and [x.expected for x in stored.questions] == ["yes", None]
 
 
 @pytest.mark.parametrize("bad", ["Yes", "maybe", 1, ["yes"], ""])

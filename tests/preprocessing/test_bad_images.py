@@ -312,7 +312,7 @@ def test_every_bad_image_is_prepared_or_an_image_error(tmp_path: Path) -> None:
             assert outcome == ("prepared" if expected == "prepared" else "ImageError"), \
                 (name, got[f"{name}.img"])
     counts = Counter(outcome for outcome, _, _ in got.values())
-    # docs/reliability.md and the README: 461 files, 59 prepared, 402 ImageError (a change to
+    # docs/reliability.md and docs/status.md: 461 files, 59 prepared, 402 ImageError (a change to
     # the corpus or to what a case becomes changes those figures too)
     assert (len(cases), counts["prepared"], counts["ImageError"]) == (461, 59, 402), counts
 

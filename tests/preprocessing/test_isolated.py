@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from tests import fault_points as fp
+from tests.waiting import wait_until
 from vlmbatch.preprocessing.decode import ImageError, ImageTooLarge
 from vlmbatch.preprocessing.isolated import DecoderCrashed, DecoderPool, DecodeTimeout
 from vlmbatch.preprocessing.prepare import TilingConfig, prepare_bytes
@@ -113,12 +114,28 @@ def test_stop_kills_a_busy_worker_at_once(tmp_path: Path) -> None:
     pool = DecoderPool(2, PLAN, 10**8, 600.0, before=functools.partial(fp.hang_on, ".png"))
     for _ in range(6):  # each worker takes up to two at a time
         pool.submit(str(p), tmp_path)
-    deadline = time.monotonic() + 60
-    while len(children()) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: len(children()) >= 2, 60, "two decoder processes")
     assert len(children()) == 2
     t0 = time.monotonic()
     pool.stop()
-    while children() and time.monotonic() - t0 < 10:
-        time.sleep(0.05)
-    assert not children() and time.monotonic() - t0 < 10
+    wait_until(lambda: not children(), 10, "no decoder process left after stop()")
+    assert time.monotonic() - t0 < 10
+
+
+def test_start_starts_the_workers_before_any_item(tmp_path: Path) -> None:
+    """``start`` (the fetch stage's, while the first bytes travel): both workers come up with
+    no item submitted; items then go to them as usual; stop leaves none."""
+    paths = images(tmp_path, 4)
+    pool = DecoderPool(2, PLAN, 10**8, 30.0)
+    try:
+        assert not pool.live
+        pool.start()
+        wait_until(lambda: len(pool.live) == 2, 60, "two decoder processes started")
+        started = set(pool.live)
+        got = [f.result() for f in [pool.submit(str(p), tmp_path) for p in paths]]
+        assert set(pool.live) == started  # the same two, none more
+    finally:
+        pool.stop()
+    for p, g in zip(paths, got, strict=True):
+        np.testing.assert_array_equal(g.tiles, prepare_bytes(p.read_bytes(), PLAN, 10**8).tiles)
+    wait_until(lambda: not children(), 10, "no decoder process left")

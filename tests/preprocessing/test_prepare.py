@@ -116,7 +116,7 @@ def test_dct_reduced_decode_matches_full_decode(mode: str, size: tuple[int, int]
     assert fast.pixels is not None and fast.pixels.shape[0] < h  # the fast path was taken
     assert fast.grid == full.grid and (fast.width, fast.height) == (w, h)
     diff = np.abs(fast.tiles.astype(np.int16) - full.tiles.astype(np.int16))
-    # mean abs per tile, grey levels: README's "within 0.1 level" (measured 0.069-0.093)
+    # mean abs per tile, grey levels: docs/status.md's "within 0.1 level" (measured 0.069-0.093)
     assert diff.reshape(len(diff), -1).mean(1).max() <= 0.1
 
 
@@ -132,7 +132,7 @@ def test_dct_reduced_decode_follows_exif_orientation() -> None:
     assert (fast.width, fast.height) == (2000, 4000) and fast.grid == full.grid
     assert fast.pixels.shape[0] < 4000  # reduced
     diff = np.abs(fast.tiles.astype(np.int16) - full.tiles.astype(np.int16))
-    assert diff.reshape(len(diff), -1).mean(1).max() <= 0.125  # measured 0.117 (the README's)
+    assert diff.reshape(len(diff), -1).mean(1).max() <= 0.125  # measured 0.117 (docs/status.md)
 
 
 @pytest.mark.parametrize("fmt", ["JPEG", "PNG"])

@@ -6,9 +6,9 @@ Error figures measured here (seeded random data, CPU, torch 2.13):
   max 5.9%), at most 2^-10 of the row scale below it (subnormals); RMS relative error 2.6%;
 - Fp8Linear (K 512, weights and activations quantised) against nn.Linear: relative error
   (Frobenius) 3.7%, cosine 0.9993 (bound 0.999);
-- a 2-layer Qwen2 decoder (pipeline/llm.py, hidden 64) with its 14 linears converted: logits
-  cosine >= 0.99992 per row (bound 0.999), relative error 0.8-1.3%, |dP(yes)| 0.0033 (bound
-  0.01).
+- a 2-layer Qwen2 decoder (models/decoder.py's TextDecoder, hidden 64) with its 14 linears
+  converted: logits cosine >= 0.99992 per row (bound 0.999), relative error 0.8-1.3%,
+  |dP(yes)| 0.0033 (bound 0.01).
 """
 
 from __future__ import annotations

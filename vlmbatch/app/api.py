@@ -7,7 +7,9 @@
                      ["Is there a red shape?", {"id": "c", "text": "Is there a circle?",
                                                 "threshold": 0.7}]):
         print(a.image_id, a.question_id, a.answer, a.p_yes)
-    vlm.ask_many(items)    # (image, questions) pairs or ImageItems: a stream of Answers
+    vlm.ask_many([vlmbatch.ImageItem("s2", "b.jpg", ["Is there a red shape?"]),
+                  ("s3", pil_image, [{"id": "c", "text": "A circle?", "threshold": 0.7}]),
+                  (jpeg_bytes, ["Red?"])])  # a stream of Answers, with your ids (or places)
 
     emb = vlmbatch.VLM(vlmbatch.EMBED_MODEL)  # the built-in embedding model
     vecs = emb.embed(texts=["a red circle"], images=["a.jpg"])  # [2, D] float32, unit rows
@@ -48,21 +50,31 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image
 
 from vlmbatch.engine.build import build_engine
 from vlmbatch.engine.config import EMBED_GROUP, EmbedConfig, EngineConfig, ModelConfig, default_of
 from vlmbatch.engine.embed import EmbedHandle, build_embedder
 from vlmbatch.jobs.config import RunConfig
-from vlmbatch.jobs.manifest import parse_question
 from vlmbatch.pipeline.config import PrepareConfig
 from vlmbatch.pipeline.drive import Preparer, drive, groups_of, preparer
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
-from vlmbatch.pipeline.records import Answer, Embedding, EmbedItem, ImageItem, Question
+from vlmbatch.pipeline.questions import questions_of
+from vlmbatch.pipeline.records import (
+    Answer,
+    Embedding,
+    EmbedItem,
+    ImageItem,
+    Question,
+    image_source,
+)
 from vlmbatch.pipeline.task import AnswerTask, EmbedTask, Task
 
 ImageLike = str | Path | bytes | np.ndarray | Image.Image
 QuestionLike = str | dict | Question
+# an item of ask_many: an ImageItem, (id, image, questions), or (image, questions)
+ItemLike = (ImageItem | tuple[str | int, ImageLike, Sequence[QuestionLike] | QuestionLike]
+            | tuple[ImageLike, Sequence[QuestionLike] | QuestionLike])
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)} - {"path", "device", "dtype"}
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 # an embedding input: a text (str), an image (not a str), (image, text) in one prompt
@@ -112,18 +124,23 @@ class VLM:
         for q in qs:  # a label set the engine cannot score fails here, before any work
             if q.choices:
                 self.engine.check_choices(q.choices)
-        return self.ask_many(ImageItem(str(i), image_source(im), qs, Path.cwd())
-                             for i, im in enumerate(images))
+        return self.ask_many(ImageItem(str(i), im, qs) for i, im in enumerate(images))
 
-    def ask_many(self, items: Iterable[ImageItem | tuple[ImageLike, Sequence[QuestionLike]]]
-                 ) -> Iterator[Answer]:
-        """Answers for a stream of items: ``ImageItem``s, or ``(image, questions)`` pairs
-        (ids are their positions in the stream). A label set the engine cannot score as
-        configured raises ``ChoiceError`` when the stream reaches its item, before that
-        item's group is answered."""
+    def ask_many(self, items: Iterable[ItemLike]) -> Iterator[Answer]:
+        """Answers for a stream of items, each an ``ImageItem`` (``ImageItem(id, image,
+        questions)``: what ``ask`` takes, and your id), an ``(id, image, questions)`` triple
+        (the same), or an ``(image, questions)`` pair (its id its position in the stream).
+        Answers carry the items' ids; items may repeat an id (each is answered about its own
+        image). A label set the engine cannot score as configured raises ``ChoiceError``
+        when the stream reaches its item, before that item's group is answered."""
         groups = groups_of(self._checked(_item(i, x) for i, x in enumerate(items)),
                            self.images_per_batch)
-        yield from self._results(AnswerTask(), groups)
+        renamed: dict[str, str] = {}  # a repeated id's key in its group -> the id
+        for done, results in self._done(AnswerTask(), (_distinct(g, renamed) for g in groups)):
+            for it, answers in zip(done, results):
+                if (given := renamed.pop(it.id, None)) is not None:
+                    answers = [dataclasses.replace(a, image_id=given) for a in answers]
+                yield from answers
 
     def _checked(self, items: Iterable[ImageItem]) -> Iterator[ImageItem]:
         """``items``, each label set checked against the engine (``Engine.check_choices``)."""
@@ -177,10 +194,15 @@ class VLM:
 
     def _results(self, task: Task, groups: Iterable[list]) -> Iterator[Any]:
         """Each group's results through the drive loop, flattened, on this VLM's workers."""
-        for _, results in drive(task, self.engine, groups, self.prepare, hooks=self.hooks,
-                                workers=self._prepare_workers()):
+        for _, results in self._done(task, groups):
             for per_item in results:
                 yield from per_item
+
+    def _done(self, task: Task, groups: Iterable[list]) -> Iterator[tuple[list, list]]:
+        """(a group's items, each item's results) through the drive loop, on this VLM's
+        workers."""
+        yield from drive(task, self.engine, groups, self.prepare, hooks=self.hooks,
+                         workers=self._prepare_workers())
 
     def _prepare_workers(self) -> Preparer | None:
         """The decoder processes (or threads) every call shares, made once."""
@@ -203,36 +225,33 @@ class VLM:
         self.close()
 
 
-def questions_of(questions: Sequence[QuestionLike]) -> tuple[Question, ...]:
-    """Questions as a manifest line would give them (ids q0, q1, ... unless set)."""
-    if isinstance(questions, (str, dict, Question)):
-        questions = [questions]
-    out = tuple(q if isinstance(q, Question) else parse_question(q, "questions", i)
-                for i, q in enumerate(questions))
-    if not out:
-        raise ValueError("no questions to ask")
-    return out
-
-
-def image_source(image: ImageLike) -> str | bytes | np.ndarray:
-    """What an ``ImageItem`` holds for each kind of image the API takes."""
-    if isinstance(image, Path):
-        return str(image)
-    if isinstance(image, Image.Image):
-        return np.asarray(ImageOps.exif_transpose(image).convert("RGB"))
-    if isinstance(image, np.ndarray):
-        if image.ndim == 2:
-            return np.repeat(image[:, :, None], 3, axis=2)
-        if image.ndim == 3 and image.shape[2] == 4:
-            return np.ascontiguousarray(image[:, :, :3])
-    return image
-
-
-def _item(i: int, x: ImageItem | tuple[ImageLike, Sequence[QuestionLike]]) -> ImageItem:
+def _item(i: int, x: ItemLike) -> ImageItem:
     if isinstance(x, ImageItem):
         return x
-    image, questions = x
-    return ImageItem(str(i), image_source(image), questions_of(questions), Path.cwd())
+    if not isinstance(x, tuple) or len(x) not in (2, 3):
+        raise TypeError(f"item {i}: an ImageItem, (id, image, questions) or (image, "
+                        f"questions), not {type(x).__name__}")
+    item_id, image, questions = x if len(x) == 3 else (str(i), *x)
+    return ImageItem(item_id, image, questions)
+
+
+def _distinct(group: list[ImageItem], renamed: dict[str, str]) -> list[ImageItem]:
+    """``group`` with a repeated id keyed apart (``ID#K``, K its place in the group, noted in
+    ``renamed``): the drive tells a group's items apart by id."""
+    ids = {it.id for it in group}
+    if len(ids) == len(group):
+        return group
+    seen: set[str] = set()
+    out = []
+    for k, it in enumerate(group):
+        if it.id in seen:
+            key = next(c for n in range(k, k + len(group) + 1)
+                       if (c := f"{it.id}#{n}") not in ids and c not in renamed)
+            renamed[key] = it.id
+            it = dataclasses.replace(it, id=key)
+        seen.add(it.id)
+        out.append(it)
+    return out
 
 
 def _embed_item(i: int, x: EmbedLike) -> EmbedItem:

@@ -1,450 +1,302 @@
-"""The ``vlmbatch`` argument parser: every command's options, their defaults and help.
+"""The ``vlmbatch`` command line, derived from the config roots' option declarations.
 
-It only parses: ``vlmbatch/app/cli.py`` maps ``args.command`` to the function that builds the
-command's config root and runs it (``commands.COMMANDS``). Each option's ``dest`` is the
-name of the config field it fills (``app/config.py`` ``from_args``), its ``type`` converts
-units (``--cache-mib`` to ``cache_bytes``, ``--yes a,b`` to ``yes_words``), and a ``--no-X``
-switch stores False into field ``X``. Option names follow vLLM/LMDeploy where
-they exist (``--max-new-tokens``, ``--dtype``, ``--device``). Every default is read from the
-config dataclasses (or the light constants of the package that owns it: ``quant``'s methods
-and sizes, ``vit_trt.OPSET``) and every choice list from the registry or tuple that owns it,
-so neither is written twice. Light: it imports no torch, no model code and no server, so
-``--help`` costs only the interpreter and these modules.
+``COMMANDS`` lists each command with its help and the config roots it builds
+(``app/config.py``); its parser takes every option declared on those roots and their
+sub-configs (``common/options.py``), less the ones the command does not use (``omit``), so
+an option is written once, next to the field it fills. ``parse`` returns what was typed (a
+``CommandLine``: the command and each typed option's value, nothing for options left out);
+the command builds its config root from that, once (``common.options.build``), and every
+cross-option check is that root's ``__post_init__``.
+
+A misspelt option is reported with the command's own usage and the closest option
+(``--polcy`` -> ``--policy``), a misspelt choice or command with the closest choice. Light:
+it imports no torch, no model code and no server, so ``--help`` costs only the interpreter
+and the config modules.
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+import difflib
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
-from vlmbatch.app.config import SPLITS
-from vlmbatch.app.embed_args import add_embed_parser, embed_option_args
-from vlmbatch.app.label_args import add_calibrate_parser, add_report_parser
-from vlmbatch.app.server.config import add_executor_args, add_server_args
-from vlmbatch.engine.build import ENGINES
-from vlmbatch.engine.config import (
-    CHOICE_SCORING,
-    DTYPES,
-    LLM_QUANT,
-    QUANT,
-    EngineConfig,
-    ModelConfig,
-    default_of,
-    vit_backends,
+from vlmbatch.app.config import (
+    CalibrateConfig,
+    EmbedCommandConfig,
+    EvalConfig,
+    ExportVitConfig,
+    JobConfig,
+    QuantizeConfig,
+    ReportConfig,
+    ResultsConfig,
+    ResumeConfig,
+    SubmitConfig,
 )
-from vlmbatch.jobs.config import EXECUTORS, TASKS, RayOptions, RunConfig
-from vlmbatch.jobs.export import PARQUET_ROWS_PER_FILE
-from vlmbatch.pipeline.config import PrepareConfig
-from vlmbatch.preprocessing.tiling import TILING_MODES
-from vlmbatch.quant import GROUP_SIZE, METHODS, SAMPLES
-from vlmbatch.vit_trt import OPSET
+from vlmbatch.app.server.config import ServerConfig
+from vlmbatch.common.options import Declared, Option, declared
+from vlmbatch.engine.config import EngineConfig
+from vlmbatch.jobs.config import RunConfig
 
-M, E, R, P = ModelConfig(), EngineConfig(), RayOptions(), PrepareConfig()  # the defaults
-
-
-def positive_int(text: str, least: int = 1) -> int:
-    """argparse type: an integer >= 1 (>= ``least``)."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < least:
-        raise argparse.ArgumentTypeError(f"must be >= {least}, got {v}")
-    return v
+SHORT_USAGE = 16  # a command with more options gets a short usage line (``_usage``)
+SERVE_ONLY = ("prepare.allowed_media_domains",)  # the server's SSRF guard
+ANSWER_ONLY = tuple(f"engine.{n}" for n in EngineConfig.ANSWER_ONLY)  # not embed's
 
 
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    return positive_int(text, least=0)
+@dataclass(frozen=True)
+class Command:
+    """One command: its help, the config roots it builds, and the dotted paths of those
+    roots' declared fields (or sub-configs: all their fields) it does not take."""
+    name: str
+    help: str
+    description: str
+    roots: tuple[type, ...]
+    omit: tuple[str, ...] = ()
+
+    def options(self) -> list[Declared]:
+        """Its options, in the roots' field order, each declaration once (a field of a later
+        root taking the same option as an earlier one adds nothing). ValueError if two
+        declarations share a flag: one flag, one declaration."""
+        out: list[Declared] = []
+        seen: set[int] = set()  # the declarations taken (by identity)
+        by_flag: dict[str, Option] = {}
+        for root in self.roots:
+            for d in declared(root):
+                if self.omits(d.path) or id(d.option) in seen:
+                    continue
+                seen.add(id(d.option))
+                for flag in d.option.flags:
+                    if by_flag.setdefault(flag, d.option) is not d.option:
+                        raise ValueError(f"`{self.name}`: {flag} is declared twice "
+                                         f"({d.path} and another field)")
+                out.append(d)
+        return out
+
+    def omits(self, path: str) -> bool:
+        return any(path == o or path.startswith(o + ".") for o in self.omit)
 
 
-def mib(text: str) -> int:
-    """argparse type: MiB (an integer >= 0) as bytes."""
-    return positive_int(text, least=0) << 20
+COMMANDS: tuple[Command, ...] = (
+    Command("run", "answer a manifest's (or a folder's) questions -> JSONL; or run a "
+            "submitted job",
+            "Answer every question about every image; one JSONL line per (image, question) "
+            "with answer, p_yes and error. Given a job folder (from `submit`), run its pending "
+            "items instead: with a job only --threads, --preprocess-threads, --decode-timeout, "
+            "the fetching options (default: as submitted), --retry-failed and the executor "
+            "options may be given; the rest was fixed at submit.",
+            (RunConfig, ResumeConfig), ("task", "embed", "job", *SERVE_ONLY)),
+    Command("submit", "create a resumable job (SQLite store) from a manifest",
+            "Validate the input and create a job folder: config + a store of every item. Run "
+            "it with `vlmbatch run JOB` (or --wait).",
+            (RunConfig, SubmitConfig), ("out", *SERVE_ONLY)),
+    Command("status", "counts, QPM and ETA of a job", "counts, QPM and ETA of a job",
+            (JobConfig,)),
+    Command("cancel", "stop a running job after its batch",
+            "stop a running job after its batch", (JobConfig,), ("json",)),
+    Command("resume", "continue an interrupted job", "continue an interrupted job",
+            (ResumeConfig,)),
+    Command("results", "export a job's results as JSONL, CSV or Parquet",
+            "Every recorded result line of a job, in manifest order.", (ResultsConfig,)),
+    Command("eval", "accuracy on easy-vqa's test split (yes/no questions), or metrics on your "
+            "own labelled manifest",
+            "Without MANIFEST: accuracy of a model on easy-vqa's yes/no questions. With "
+            "MANIFEST (questions carrying \"expected\"): ask its labelled questions and print "
+            "accuracy and, per question, precision, recall, F1, AUROC and expected calibration "
+            "error (10 bins), with a confusion matrix for label-set questions; --json for "
+            "scripts. With --policy, at the policy's thresholds: calibrate on one labelled "
+            "set, check the written policy on another.", (EvalConfig,), SERVE_ONLY),
+    Command("calibrate", "thresholds from your labels: per yes/no question, the P(yes) "
+            "threshold meeting a precision, recall or false-positive target",
+            "Join result lines with your labels and choose, per yes/no question, the "
+            "threshold (yes when p_yes >= it) that meets the target with the best other "
+            "side: --precision P the highest recall at precision >= P, --recall R the highest "
+            "precision at recall >= R, --max-fpr F the highest recall at a false-positive "
+            "rate <= F, --f1 the best F1. Prints a table (threshold, precision, recall, "
+            "support, whether the target is reachable; an unreachable one gets the closest "
+            "point); --plots DIR writes PR and ROC curves, --write-policy a policy with the "
+            "thresholds.", (CalibrateConfig,)),
+    Command("report", "one self-contained HTML page about a job: counts, errors, P(yes) "
+            "histograms, borderline images, right and wrong answers",
+            "Write one HTML file (no outside resources: thumbnails embedded) with the job's "
+            "counts, QPM and failed images by error kind; per question its yes-rate and "
+            "P(yes) histogram on a log-odds axis (a label-set question: its label "
+            "distribution), a contact sheet of its borderline images (log-odds within 1 of the "
+            "threshold's; a label set: its top two choices within a factor e), or a line "
+            "saying none is near; when the manifest's questions carried \"expected\", each "
+            "answer shown marked right or wrong, the counts of each and a sheet of the most "
+            "confident wrong answers.",
+            (ReportConfig,)),
+    Command("quantize", "write a W4A16 (AWQ/GPTQ) copy of a model, calibrated on your images",
+            "Quantise the language model's decoder linears to 4-bit weights (symmetric, per "
+            "group) with AWQ or GPTQ, calibrated on the questions of a manifest, and write a "
+            "compressed-tensors checkpoint that `vlmbatch run --model OUT` serves. The vision "
+            "encoder stays as it is (see --vit-backend onnxruntime-int8). Calibration runs in "
+            "float32 on --device.", (QuantizeConfig,)),
+    Command("export-vit", "export the vision encoder to ONNX and check it",
+            "ONNX of the vision encoder (uint8 tiles in, embeddings out, dynamic batch), "
+            "checked with onnxruntime against torch. `run --vit-backend onnxruntime` exports "
+            "on the fly; this file is for other runtimes, TensorRT's builder (docs/vision.md) "
+            "or inspection.", (ExportVitConfig,)),
+    Command("serve", "an OpenAI-compatible server: chat completions with P(yes), embeddings, "
+            "files and batches (docs/server.md)",
+            "Serve the model over HTTP: /v1/chat/completions (yes/no with P(yes) in logprobs), "
+            "/v1/embeddings (--embed-model), /v1/files + /v1/batches of either (each batch a "
+            "resumable job), /v1/models, /health. --images-per-batch is a batch job's group, "
+            "the most an interactive request waits behind.", (ServerConfig,)),
+    Command("embed", "texts, images or a manifest -> embeddings (JSONL, Parquet, .npy), -sim, "
+            "--maxsim, --eval",
+            "Unit vectors for texts (arguments, else standard input, one per line), image "
+            "files (--images) or a JSONL manifest of {\"id\", \"image\"?, \"text\"?} "
+            "(--manifest); default model: the built-in embedding model. docs/embeddings.md.",
+            (EmbedCommandConfig,), (*ANSWER_ONLY, *SERVE_ONLY)),
+)
+BY_NAME = {c.name: c for c in COMMANDS}
 
 
-def words(text: str) -> tuple[str, ...]:
-    """argparse type: comma-separated words (empty ones dropped)."""
-    return tuple(w for w in text.split(",") if w)
+@dataclass(frozen=True)
+class CommandLine:
+    """One parsed command line: the command and what it typed (``Option.key`` -> value;
+    an option not typed is absent, so its field keeps its default)."""
+    command: str
+    typed: Mapping[str, Any] = field(default_factory=dict)
+
+    def names(self, keys: Iterator[str] | set[str]) -> list[str]:
+        """The options of ``keys`` as the user knows them (``--out``), sorted."""
+        opts = {d.option.key: d.option.name for d in BY_NAME[self.command].options()}
+        return sorted(opts[k] for k in keys)
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
-    """The model, its images and the engine: ``ModelConfig`` and ``EngineConfig``."""
-    g = p.add_argument_group("model")
-    g.add_argument("--model", dest="path", type=Path, default=M.path,
-                   help="HF-format checkpoint directory, e.g. an InternVL '-hf' release "
-                   "(default: the built-in model)")
-    g.add_argument("--device", default=M.device,
-                   help="torch device, e.g. cpu or cuda (default %(default)s)")
-    g.add_argument("--dtype", default=M.dtype, choices=list(DTYPES),
-                   help="weights and activations (default float32; bfloat16 on GPUs)")
-    g.add_argument("--llm-quant", default=M.llm_quant, choices=LLM_QUANT,
-                   help="int8-dynamic: torch dynamic int8 linears for the language model (CPU). "
-                   "For W4A16 pass a checkpoint made by `vlmbatch quantize`")
-    g.add_argument("--quant", default=M.quant, choices=QUANT,
-                   help="fp8: e4m3 W8A8 linears in the decoder and the vision encoder "
-                   "(torch._scaled_mm; CUDA compute capability >= 8.9; on the CPU a slow "
-                   "reference of the same arithmetic, for accuracy checks)")
-    g.add_argument("--max-tiles", type=int, default=M.max_tiles,
-                   help="cap tiles per image (default: the checkpoint's max_patches)")
-    g.add_argument("--tiling", default=M.tiling, choices=TILING_MODES,
-                   help="reduced (default): fewest tiles that keep the image's resolution, "
-                   "letterboxed (docs/preprocessing.md); reference: InternVL's "
-                   "dynamic_preprocess, for parity with the model card")
-    g.add_argument("--upscale-limit", type=float, default=M.upscale_limit,
-                   help="reduced tiling: most a tile count may enlarge an image (default "
-                   "%(default)s)")
-    g.add_argument("--max-image-tokens", type=int, default=M.max_image_tokens,
-                   help="per-image token budget the tiling must fit (thumbnail included)")
-    g.add_argument("--images-per-batch", type=int,
-                   default=default_of(RunConfig, "images_per_batch"),
-                   help="images preprocessed and scored together (default %(default)s)")
-    _thread_args(g)
-    _engine_args(p.add_argument_group("engine"))
-    _cache_args(p.add_argument_group("prefix cache"))
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors suggest the closest choice (``--dtype flot32``, a
+    misspelt command)."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(message + _did_you_mean(message))
 
 
-def _engine_args(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--engine", default=E.engine, choices=ENGINES.names(),
-                   help="torch: ours (CPU/CUDA, default); lmdeploy: TurboMind, GPU env only, "
-                   "never run by us yet")
-    g.add_argument("--vit-backend", default=E.vit_backend, choices=vit_backends(),
-                   help="vision encoder runner (default auto: tensorrt on CUDA when installed, "
-                   "else torch); onnxruntime-int8: dynamic int8 ViT on CPU")
-    g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                   help="torch/tensorrt vision backends on CUDA: run without the CUDA graph pool")
-    g.add_argument("--vit-max-batch", type=positive_int, default=E.vit_max_batch,
-                   help="largest vision batch prepared for: the CUDA graph pool's largest "
-                   "bucket and the TensorRT profile's maximum (default %(default)s)")
-    g.add_argument("--max-batch-tiles", type=positive_int, default=E.max_batch_tiles,
-                   help="tiles per vision-encoder forward (default %(default)s)")
-    g.add_argument("--compile-llm", action="store_true",
-                   help="run the language model's prefill through torch.compile (dynamic "
-                   "shapes; the first batches pay the compilation)")
-    g.add_argument("--max-batch-tokens", type=int, default=E.max_batch_tokens,
-                   help="padded prompt tokens per LLM forward (default %(default)s)")
-    g.add_argument("--yes", dest="yes_words", type=words, default=E.yes_words,
-                   help="comma-separated answer words counted as yes; P(yes) sums their "
-                   f"first-token probabilities (default {','.join(E.yes_words)})")
-    g.add_argument("--no", dest="no_words", type=words, default=E.no_words,
-                   help="comma-separated answer words counted as no (default "
-                   f"{','.join(E.no_words)})")
-    g.add_argument("--choice-scoring", default=E.choice_scoring, choices=CHOICE_SCORING,
-                   help="label-set questions (choices): exact (default) scores each choice's "
-                   "whole token sequence after the prompt, sum of log P(token | prompt, the "
-                   "choice's tokens before it), in one continuation forward after the "
-                   "prompt's KV; first-token scores its first token only (cheaper; refused, "
-                   "naming them, when two choices start with the same token)")
-    g.add_argument("--max-new-tokens", type=int, default=E.max_new_tokens,
-                   help="also write a greedy text answer of up to N tokens (default 0: none); "
-                   "a question's own max_new_tokens (policy/manifest) overrides it")
-    g.add_argument("--ignore-eos", action="store_true",
-                   help="with --max-new-tokens: always generate N tokens (for benchmarks)")
+def _unrecognized(top: argparse.ArgumentParser, command: str | None, extras: list[str]
+                  ) -> NoReturn:
+    """Exit 2 with the usage of the command the unknown arguments were given to (not the
+    top level's) and the closest option to each misspelt one (``--polcy``: ``--policy``)."""
+    sub: argparse.ArgumentParser = _subparsers(top).choices.get(command or "", top)
+    options = [s for s in sub._option_string_actions if s.startswith("--")]
+    guess = [m for x in extras if x.startswith("-")
+             for m in difflib.get_close_matches(x.split("=", 1)[0], options, 1, 0.6)]
+    hint = f" (did you mean {' or '.join(dict.fromkeys(guess))}?)" if guess else ""
+    argparse.ArgumentParser.error(sub, f"unrecognized arguments: {' '.join(extras)}{hint}")
 
 
-def _cache_args(c: argparse._ArgumentGroup) -> None:
-    c.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
-                   help="recompute every prompt's image tokens (for comparison)")
-    c.add_argument("--block-size", type=int, default=E.block_size,
-                   help="tokens per cache block (default %(default)s)")
-    c.add_argument("--cache-mib", dest="cache_bytes", type=mib, default=E.cache_bytes,
-                   help="KV cache budget in MiB: one pool of this size (on CUDA taken when the "
-                   "engine starts), least recently used blocks evicted first (default "
-                   f"{E.cache_bytes >> 20})")
+def _did_you_mean(message: str) -> str:
+    """`` (did you mean X?)`` for argparse's "invalid choice: 'x' (choose from ...)"."""
+    m = re.search(r"invalid choice: '(.*?)' \(choose from (.*)\)$", message)
+    if m is None:
+        return ""
+    choices = re.findall(r"'([^']*)'", m[2])
+    close = difflib.get_close_matches(m[1], choices, 1, 0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
-def _thread_args(g: argparse._ActionsContainer, note: str = "") -> None:
-    """``--threads`` and ``--preprocess-threads``: speed only, so a job's run may change them."""
-    torch_default = note or "torch's, one per core"
-    g.add_argument("--threads", type=positive_int, default=None,
-                   help=f"torch CPU threads (default: {torch_default})")
-    g.add_argument("--preprocess-threads", type=non_negative_int, default=None,
-                   help="decoder processes (threads with --decode-timeout 0) decoding and "
-                   "tiling the next image groups while the model answers the current one, "
-                   "in-process (Ray: --preprocess-workers); 0: none ahead (one decoder "
-                   f"process, or this thread) (default: {note or '2 on CPU, up to 8 on CUDA'})")
+def _subparsers(p: argparse.ArgumentParser) -> argparse._SubParsersAction:
+    return next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
 
 
-def _executor_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("executor (jobs)")
-    g.add_argument("--executor", default=EXECUTORS[0], choices=EXECUTORS,
-                   help="local: this process (default); ray: CPU preprocessing tasks feeding "
-                   "model actors (pip install 'vlmbatch[ray]'; docs/jobs.md)")
-    g.add_argument("--address", default=R.address,
-                   help="ray: join this cluster: HOST:PORT (its GCS), ray://HEAD:10001 (Ray "
-                   "Client) or auto (default: $RAY_ADDRESS, else a new local instance for the "
-                   "run)")
-    g.add_argument("--preprocess-workers", type=int, default=R.preprocess_workers,
-                   help="ray: concurrent decode/tile tasks (default %(default)s)")
-    g.add_argument("--model-workers", type=int, default=R.model_workers,
-                   help="ray: model actors, one per GPU on a GPU cluster (default %(default)s)")
-    g.add_argument("--model-cpus", type=float, default=R.model_cpus,
-                   help="ray: CPUs per model actor = its torch threads on CPU (default "
-                   "%(default)s)")
-    decode_timeout_arg(g)
+def _help(d: Declared) -> str:
+    """The option's help with its default written in (a phrase after a colon: "(default:
+    as submitted)"; a value without: "(default 32)")."""
+    if d.hidden:
+        return argparse.SUPPRESS
+    text = d.option.help
+    if " " in d.default:
+        text = text.replace("(default %(default)s", "(default: %(default)s")
+    return text.replace("%(default)s", d.default.replace("%", "%%"))
 
 
-def decode_timeout_arg(g: argparse._ActionsContainer) -> None:
-    """``--decode-timeout``: every command that decodes images has it (run, jobs, eval,
-    embed; the server's batches take their job's)."""
-    g.add_argument("--decode-timeout", type=float, default=P.decode_timeout,
-                   help="seconds one image may take to read and decode before its worker (a "
-                   "decoder process, or a Ray prepare task) is killed and that item fails "
-                   "(default %(default)s); 0: no limit, and in-process decoding runs on "
-                   "threads of this process, where a hung or crashing decoder stops the run")
+def _add(container: Any, d: Declared) -> None:
+    """``d``'s argument; nothing is stored unless it is typed (``default=SUPPRESS``)."""
+    o = d.option
+    kw: dict[str, Any] = {"help": _help(d), "default": argparse.SUPPRESS}
+    if o.positional:
+        # argparse converts an optional positional's default too: SUPPRESS passes unchanged
+        # (the very object: argparse tests it by identity), so nothing is stored
+        parse = o.parse
+        convert = None if parse is None else (
+            lambda t: t if t is argparse.SUPPRESS else parse(t))
+        container.add_argument(o.flags[0], nargs=o.nargs, type=convert, metavar=o.metavar,
+                               **kw)
+        return
+    if o.action in ("true", "false"):
+        kw["action"] = f"store_{o.action}"
+    elif o.action == "both":
+        kw["action"] = argparse.BooleanOptionalAction
+    else:
+        kw.update(type=o.parse, choices=o.choices, nargs=o.nargs, metavar=o.metavar)
+        if o.exclusive is None:
+            kw["required"] = o.required
+    container.add_argument(*o.flags, dest=o.key, **kw)
 
 
-def fetch_args(g: argparse._ActionsContainer, at_submit: bool = True) -> None:
-    """The fetch stage's options (``PrepareConfig``): remote images (http(s), s3/gs/az),
-    table rows and shard members. ``at_submit``: also the size cap, fixed with the job."""
-    g.add_argument("--fetch-concurrency", type=positive_int, default=P.fetch_concurrency,
-                   help="remote images (http(s)://, s3://, gs://, az://), table rows and shard "
-                   "members read at once, ahead of decoding (default %(default)s)")
-    g.add_argument("--fetch-timeout", type=float, default=P.fetch_timeout,
-                   help="seconds a fetch attempt may wait to connect or between two reads "
-                   "(default %(default)s); apart from --decode-timeout")
-    g.add_argument("--fetch-retries", type=non_negative_int, default=P.fetch_retries,
-                   help="more attempts after a 429, a 5xx or a connection error, backing off "
-                   "(Retry-After honoured up to 60 s) (default %(default)s)")
-    if at_submit:
-        g.add_argument("--max-image-mib", dest="max_image_bytes", type=mib,
-                       default=P.max_image_bytes,
-                       help="an encoded image larger than this many MiB is that item's error, "
-                       "refused before it is read whole (default "
-                       f"{P.max_image_bytes >> 20})")
+def _usage(options: list[Declared]) -> str | None:
+    """A short usage line for a command of many options (its error messages then fit on a
+    screen; ``--help`` lists them all): its required options and positional arguments;
+    None: argparse's own, every option listed."""
+    if len(options) <= SHORT_USAGE:
+        return None
+    parts = ["%(prog)s [options]"]
+    for o in (d.option for d in options if d.option.required and not d.option.positional):
+        choices = "{" + ",".join(map(str, o.choices or ())) + "}"
+        parts.append(f"{o.name} {o.metavar or choices}")
+    for o in (d.option for d in options if d.option.positional):
+        name = o.metavar or o.name
+        parts.append({"?": f"[{name}]", "*": f"[{name} ...]",
+                      "+": f"{name} [{name} ...]"}.get(str(o.nargs), str(name)))
+    return " ".join(parts)
 
 
-def dataset_args(p: argparse.ArgumentParser) -> None:
-    """A table input's columns (``RunConfig``)."""
-    g = p.add_argument_group("tables (Parquet, HF datasets)")
-    g.add_argument("--image-column", default=default_of(RunConfig, "image_column"),
-                   help="the column of encoded bytes, {bytes, path} structs (HF datasets' "
-                   "Image) or paths/URLs (default %(default)s)")
-    g.add_argument("--id-column", default=None,
-                   help="the column of item ids (default: FILE:ROW)")
-    g.add_argument("--questions-column", default=None,
-                   help="the column of each row's own questions (a string, or a list of "
-                   "strings or question objects), asked before the policy's")
-
-
-def given_options(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, str]:
-    """Each option ``argv`` (one command line, already parsed by ``parser``) actually types,
-    whatever its value: its ``dest`` -> the option's long name (``-o`` -> ``--out``), read
-    off the command's parser (abbreviations resolved as argparse does)."""
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    at = next((i for i, tok in enumerate(argv) if tok in sub.choices), None)
-    if at is None:
-        return {}
-    table = sub.choices[argv[at]]._option_string_actions
-    out: dict[str, str] = {}
-    for tok in argv[at + 1:]:
-        if tok == "--":
-            break
-        opt = tok.split("=", 1)[0]
-        action = table.get(opt)
-        if action is None and opt.startswith("--"):  # an abbreviation argparse accepted
-            found = {a for s, a in table.items() if s.startswith(opt)}
-            action = found.pop() if len(found) == 1 else None
-        if action is not None and action.dest not in out:
-            out[action.dest] = next((s for s in action.option_strings if s.startswith("--")),
-                                    opt)
-    return out
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="vlmbatch",
-        description="Ask a vision-language model yes/no questions about many images, fast.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_run, _add_submit, _add_job_commands, _add_eval, add_calibrate_parser,
-                add_report_parser, _add_quantize, _add_export_vit, _add_serve):
-        add(sub)
-    add_embed_parser(sub, _model_args, decode_timeout_arg)
+def add_command(sub: argparse._SubParsersAction, cmd: Command, whole: bool = True
+                ) -> argparse.ArgumentParser:
+    """``cmd``'s parser: its options in the help sections their declarations name (not
+    ``whole``: its name and help only, for the list of commands)."""
+    if not whole:
+        return sub.add_parser(cmd.name, help=cmd.help)
+    options = cmd.options()
+    p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.description,
+                       usage=_usage(options))
+    sections: dict[str | None, Any] = {None: p}
+    exclusive: dict[str, Any] = {}
+    for d in options:
+        if d.group not in sections:
+            sections[d.group] = p.add_argument_group(d.group)
+        where = sections[d.group]
+        if d.option.exclusive is not None:
+            if d.option.exclusive not in exclusive:
+                exclusive[d.option.exclusive] = where.add_mutually_exclusive_group(
+                    required=d.option.required)
+            where = exclusive[d.option.exclusive]
+        _add(where, d)
     return p
 
 
-def _add_run(sub: argparse._SubParsersAction) -> None:
-    """``run MANIFEST | --images DIR | JOB``."""
-    r = sub.add_parser("run", help="answer a manifest's (or a folder's) questions -> JSONL; "
-                       "or run a submitted job",
-                       description="Answer every question about every image; one JSONL line per "
-                       "(image, question) with answer, p_yes and error. Given a job folder "
-                       "(from `submit`), run its pending items instead: with a job only --threads, "
-                       "--preprocess-threads (default: as submitted), --retry-failed and the "
-                       "executor options may be given; the rest was fixed at submit.")
-    r.add_argument("manifest", nargs="?",
-                   help='JSONL, one image per line: {"id", "image", "questions"}; a Parquet '
-                   "file, folder or glob, or an HF dataset's save_to_disk folder "
-                   "(--image-column); WebDataset shards ('shards/{00000..00099}.tar', paths "
-                   "or URLs); or a job folder")
-    r.add_argument("--images", type=Path, help="a folder of images instead of a manifest")
-    r.add_argument("--policy", type=Path,
-                   help="YAML/TOML file of questions asked of every image")
-    r.add_argument("--out", "-o", type=Path, help="results file: JSONL, or CSV when it ends "
-                   "in .csv (default: JSONL on standard output)")
-    r.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bar")
-    r.add_argument("--retry-failed", action="store_true",
-                   help="a job: first queue its failed images again (as `resume --retry-failed`)")
-    r.add_argument("--max-pixels", type=int, default=P.max_pixels,
-                   help="images with more pixels (read from the header) are that item's error "
-                   "(default %(default)s)")
-    dataset_args(r)
-    fetch_args(r.add_argument_group("fetching"))
-    _model_args(r)
-    _executor_args(r)
+def build_parser(only: str | None = None) -> Parser:
+    """The parser of every command (``only``: of that one, the others listed by name; what a
+    command line needs, since only its command's options can follow)."""
+    p = Parser(prog="vlmbatch", description="Ask a vision-language model yes/no questions "
+               "about many images, fast.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                           parser_class=Parser)
+    for cmd in COMMANDS:
+        add_command(sub, cmd, only is None or cmd.name == only)
+    return p
 
 
-def _add_submit(sub: argparse._SubParsersAction) -> None:
-    """``submit``: a resumable job folder."""
-    s = sub.add_parser("submit", help="create a resumable job (SQLite store) from a manifest",
-                       description="Validate the input and create a job folder: config + a "
-                       "store of every item. Run it with `vlmbatch run JOB` (or --wait).")
-    s.add_argument("manifest", nargs="?",
-                   help="JSONL manifest; a Parquet file, folder or glob, or an HF dataset's "
-                   "save_to_disk folder; or WebDataset shards (a brace pattern of .tar paths "
-                   "or URLs)")
-    s.add_argument("--images", type=Path, help="a folder of images instead of a manifest")
-    s.add_argument("--policy", type=Path, help="YAML/TOML file of questions")
-    s.add_argument("--task", default=TASKS[0], choices=TASKS,
-                   help="answer: the questions (default); embed: one embedding per line of "
-                   'a {"id", "image"?, "text"?} manifest or per image of --images DIR, with '
-                   "the embedding options below (default model: the built-in embedding one)")
-    s.add_argument("--job", type=Path, help="the job folder to create")
-    s.add_argument("--wait", action="store_true", help="run the job now")
-    s.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bar")
-    s.add_argument("--max-pixels", type=int, default=P.max_pixels,
-                   help="images with more pixels are that item's error (default %(default)s)")
-    dataset_args(s)
-    fetch_args(s.add_argument_group("fetching"))
-    _model_args(s)
-    _executor_args(s)
-    embed_option_args(s)
-
-
-def _add_job_commands(sub: argparse._SubParsersAction) -> None:
-    """``status``, ``cancel``, ``resume`` and ``results`` of a job folder."""
-    for name, text in [("status", "counts, QPM and ETA of a job"),
-                       ("cancel", "stop a running job after its batch"),
-                       ("resume", "continue an interrupted job")]:
-        c = sub.add_parser(name, help=text, description=text)
-        c.add_argument("job", type=Path)
-        if name == "status":
-            c.add_argument("--json", action="store_true",
-                           help="one JSON object: status, items, done, failed, pending, "
-                           "questions, qpm, eta_s, runner ({pid, host} or null)")
-        if name != "resume":  # accepted as before, does nothing
-            c.add_argument("--no-progress", dest="progress", action="store_false",
-                           help=argparse.SUPPRESS)
-        else:
-            c.add_argument("--no-progress", dest="progress", action="store_false",
-                           help="no progress bar")
-            c.add_argument("--retry-failed", action="store_true",
-                           help="first queue the failed images again (e.g. after fixing a "
-                           "missing file or an out-of-memory batch)")
-            _thread_args(c, "as submitted")
-            fetch_args(c.add_argument_group("fetching (default: as submitted)"),
-                       at_submit=False)
-            _executor_args(c)
-    x = sub.add_parser("results", help="export a job's results as JSONL, CSV or Parquet",
-                       description="Every recorded result line of a job, in manifest order.")
-    x.add_argument("job", type=Path)
-    x.add_argument("--out", "-o",
-                   help="file (default: standard output); a folder (a name ending in /, or an "
-                   "existing folder) for Parquet: a dataset of several files")
-    x.add_argument("--rows-per-file", type=positive_int, default=None,
-                   help="Parquet into the folder --out as files of at most N rows each "
-                   f"(default {PARQUET_ROWS_PER_FILE:,} when --out is a folder)")
-    x.add_argument("--format", choices=["jsonl", "csv", "parquet", "npy"], default=None,
-                   help="default: from --out's suffix (.parquet, .csv, .npy), else JSONL "
-                   "(OpenAI batch output lines for a job submitted in that format); CSV and "
-                   "Parquet have one row per result line, in our columns for either format; "
-                   "an embedding job: JSONL, Parquet or .npy")
-
-
-def _add_eval(sub: argparse._SubParsersAction) -> None:
-    """``eval [MANIFEST]``: easy-vqa accuracy, or a labelled evaluation."""
-    e = sub.add_parser("eval", help="accuracy on easy-vqa's test split (yes/no questions), or "
-                       "metrics on your own labelled manifest",
-                       description="Without MANIFEST: accuracy of a model on easy-vqa's yes/no "
-                       "questions. With MANIFEST (questions carrying \"expected\"): ask its "
-                       "labelled questions and print accuracy and, per question, precision, "
-                       "recall, F1, AUROC and expected calibration error (10 bins), with a "
-                       "confusion matrix for label-set questions; --json for scripts.")
-    e.add_argument("manifest", type=Path, nargs="?",
-                   help='a labelled manifest: questions {"id", "text", "expected": "yes"|"no"|'
-                   "a choice}; only questions with expected are asked")
-    e.add_argument("--policy", type=Path, help="with MANIFEST: questions asked of every image "
-                   "(their expected holds for every image)")
-    e.add_argument("--json", action="store_true", help="with MANIFEST: one JSON object")
-    e.add_argument("--split", default="test", choices=SPLITS)
-    e.add_argument("--limit", type=positive_int, default=None, help="first N questions only")
-    e.add_argument("--open", dest="open_questions", action="store_true",
-                   help="easy-vqa's open questions instead, asked as label sets: the 3 shapes "
-                   "(\"what is the red shape?\") or the 8 colours (\"what color is the "
-                   "triangle?\") as choices (see --choice-scoring)")
-    e.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bar")
-    decode_timeout_arg(e)
-    _model_args(e)
-
-
-def _add_quantize(sub: argparse._SubParsersAction) -> None:
-    """``quantize``: a W4A16 checkpoint."""
-    q = sub.add_parser("quantize", help="write a W4A16 (AWQ/GPTQ) copy of a model, calibrated "
-                       "on your images",
-                       description="Quantise the language model's decoder linears to 4-bit "
-                       "weights (symmetric, per group) with AWQ or GPTQ, calibrated on the "
-                       "questions of a manifest, and write a compressed-tensors checkpoint that "
-                       "`vlmbatch run --model OUT` serves. The vision encoder stays as it is "
-                       "(see --vit-backend onnxruntime-int8).")
-    q.add_argument("--model", type=Path, default=None,
-                   help="HF-format checkpoint directory (default: the built-in model)")
-    q.add_argument("--method", required=True, choices=METHODS,
-                   help="rtn: plain round-to-nearest, for comparison")
-    q.add_argument("--calib", type=Path, required=True,
-                   help="JSONL manifest of calibration images and questions")
-    q.add_argument("--policy", type=Path, help="YAML/TOML questions asked of every image")
-    q.add_argument("--samples", type=int, default=SAMPLES,
-                   help="calibration (image, question) pairs (default %(default)s)")
-    q.add_argument("--group-size", type=int,
-                   default=GROUP_SIZE,
-                   help="input columns per scale (default %(default)s)")
-    q.add_argument("--out", type=Path, required=True, help="new model folder")
-    q.add_argument("--device", default="cpu",
-                   help="where calibration runs: cpu (default) or cuda; the model is float32")
-    q.add_argument("--threads", type=positive_int, default=None,
-                   help="torch CPU threads (default: torch's, one per core)")
-    q.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bar")
-
-
-def _add_export_vit(sub: argparse._SubParsersAction) -> None:
-    """``export-vit``: the vision encoder as ONNX."""
-    x = sub.add_parser("export-vit", help="export the vision encoder to ONNX and check it",
-                       description="ONNX of the vision encoder (uint8 tiles in, embeddings out, "
-                       "dynamic batch), checked with onnxruntime against torch. `run "
-                       "--vit-backend onnxruntime` exports on the fly; this file is for other "
-                       "runtimes, TensorRT's builder (docs/vision.md) or inspection.")
-    x.add_argument("--model", type=Path, default=None,
-                   help="HF-format checkpoint directory (default: the built-in model)")
-    x.add_argument("--out", type=Path, required=True, help="output folder")
-    x.add_argument("--opset", type=int, default=OPSET,
-                   choices=range(17, 21), metavar="{17..20}",
-                   help="ONNX opset (default %(default)s; SDPA exports as plain ops in 17-20)")
-
-
-def _add_serve(sub: argparse._SubParsersAction) -> None:
-    """``serve``: the OpenAI-compatible server (its options: ``vlmbatch/app/server/config.py``)."""
-    s = sub.add_parser("serve", help="an OpenAI-compatible server: chat completions with "
-                       "P(yes), embeddings, files and batches (docs/server.md)",
-                       description="Serve the model over HTTP: /v1/chat/completions (yes/no "
-                       "with P(yes) in logprobs), /v1/embeddings (--embed-model), /v1/files + "
-                       "/v1/batches of either (each batch a resumable job), /v1/models, "
-                       "/health. --images-per-batch is a batch "
-                       "job's group, the most an interactive request waits behind.")
-    _model_args(s)
-    add_server_args(s)
-    fetch_args(s.add_argument_group("fetching http(s) images (--allow-remote-media)"))
-    add_executor_args(s)
+def parse(argv: list[str]) -> CommandLine:
+    """``argv`` parsed (SystemExit 2 with a usage message for a bad command line). Only the
+    parser of the command named is built (the first argument that is not an option)."""
+    parser = build_parser(next((a for a in argv if not a.startswith("-")), ""))
+    ns, extras = parser.parse_known_args(argv)
+    typed = vars(ns)
+    command = typed.pop("command")
+    if extras:
+        _unrecognized(parser, command, extras)
+    return CommandLine(command, typed)

@@ -1,8 +1,9 @@
-"""``vlmbatch`` command line: parse (``args.py``), dispatch to the command
-(``commands.COMMANDS``: its module is imported only when it runs), turn errors into one-line
-messages and exit codes. Everything imported here is light (no torch, transformers, fastapi
-or OpenCV): ``--help``, ``COMMAND --help``, ``status``, ``cancel`` and ``results`` pay for
-nothing else (``tests/app/test_startup.py``, ``bench/startup.py``).
+"""``vlmbatch`` command line: parse (``args.py``: what was typed), dispatch to the command
+(``commands.COMMANDS``: its module is imported only when it runs; it builds its config root
+once), turn errors into one-line messages and exit codes. Everything imported here is light
+(no torch, transformers, fastapi or OpenCV): ``--help``, ``COMMAND --help``, ``status``,
+``cancel`` and ``results`` pay for nothing else (``tests/app/test_startup.py``,
+``bench/startup.py``).
 
 Exit codes: 0 all answered; 3 finished but some items failed (their lines carry ``error``),
 or a job was cancelled with items left; 2 bad input or model, or a job another process
@@ -14,7 +15,6 @@ is left resumable.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import errno
 import os
@@ -23,7 +23,7 @@ import sys
 import threading
 from collections.abc import Iterator
 
-from vlmbatch.app.args import build_parser, given_options
+from vlmbatch.app.args import CommandLine, parse
 from vlmbatch.app.commands import (
     COMMANDS,
     EXIT_BAD_INPUT,
@@ -32,8 +32,7 @@ from vlmbatch.app.commands import (
     EXIT_ITEM_ERRORS,
     EXIT_OK,
     EXIT_TERMINATED,
-    executor_config,
-    is_job_arg,
+    typed_job,
 )
 from vlmbatch.engine.config import AnswerWordsError, ConfigError
 from vlmbatch.jobs.errors import ManifestError
@@ -61,12 +60,9 @@ def _quiet_opencv() -> None:
 
 def main(argv: list[str] | None = None, hooks: FaultHooks = NO_HOOKS) -> int:
     """Run one command line; ``hooks``: fault injection for tests (none otherwise)."""
-    argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    args.given = given_options(parser, argv)
+    line = parse(sys.argv[1:] if argv is None else argv)
     with _sigterm_as_interrupt():
-        return _main(args, hooks)
+        return _main(line, hooks)
 
 
 class Terminated(KeyboardInterrupt):
@@ -100,13 +96,11 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _main(args: argparse.Namespace, hooks: FaultHooks) -> int:
+def _main(line: CommandLine, hooks: FaultHooks) -> int:
     try:
-        if hasattr(args, "executor") and args.command != "serve":  # serve: server_config
-            executor_config(args)  # Ray-only options without --executor ray are an error
-        command = COMMANDS.get(args.command)  # imports its module (model_commands: torch)
+        command = COMMANDS.get(line.command)  # imports its module (model_commands: torch)
         _quiet_opencv()
-        return command(args, hooks)
+        return command(line, hooks)
     except (ConfigError, ManifestError, ModelError, AnswerWordsError, ImportError) as e:
         print(f"vlmbatch: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -120,25 +114,26 @@ def _main(args: argparse.Namespace, hooks: FaultHooks) -> int:
         print(f"vlmbatch: error: {where}{e.strerror or e}", file=sys.stderr)
         return EXIT_CRASH
     except KeyboardInterrupt:
-        return _interrupted(args)
+        return _interrupted(line)
 
 
-def _interrupted(args: argparse.Namespace) -> int:
+def _interrupted(line: CommandLine) -> int:
     """After Ctrl-C or SIGTERM: say what was kept and how to go on; exit 130 or 143."""
     what = "terminated (SIGTERM)" if SIGTERMS else "interrupted"
     kept = "results written so far are kept"
     hint = ""
-    if args.command == "run" and not is_job_arg(args):
+    command = line.command
+    if command == "run" and typed_job(line) is None:
         hint = ("; the same command starts over: for work that resumes, `vlmbatch submit "
                 "... --job DIR` then `vlmbatch resume DIR`")
-    elif args.command == "submit" and not (args.job and is_job(args.job)):
+    elif command == "submit" and not ((job := line.typed.get("job")) and is_job(job)):
         hint = "; no job was created"
-    elif args.command in ("run", "submit", "resume"):
+    elif command in ("run", "submit", "resume"):
         hint = "; `vlmbatch resume JOB` continues the job"
-    elif args.command in ("results", "quantize", "export-vit"):
+    elif command in ("results", "quantize", "export-vit"):
         kept = ("--out is left as it was (written whole or not at all); run the command "
                 "again")
-    elif args.command == "eval":
+    elif command == "eval":
         kept = "nothing was written"
     print(f"vlmbatch: {what}; {kept}{hint}", file=sys.stderr)
     return EXIT_TERMINATED if SIGTERMS else EXIT_INTERRUPTED

@@ -12,9 +12,9 @@ evaluation (``--eval``).
 The command runs here (``run_embed``, given the model and engine configs ``commands.py``
 builds), through the same drive loop as the Python API and jobs (``pipeline/drive.py`` with
 ``pipeline.task.EmbedTask``): one behaviour for all three, each image decoded in a decoder
-process under ``--decode-timeout``. Its parser and the embedding options ``submit --task embed``
-shares are ``embed_args.py`` (light, as every parser module); ``results`` of an embedding
-job is ``commands.embed_results``.
+process under ``--decode-timeout``. Its options are declared on ``EmbedCommandConfig``
+(``app/config.py``) and ``EmbedConfig`` (shared with ``submit --task embed``); ``results`` of
+an embedding job is ``commands.embed_results``.
 """
 
 from __future__ import annotations

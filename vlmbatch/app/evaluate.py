@@ -26,6 +26,7 @@ from vlmbatch.app.embed_eval import COLOURS, SHAPES
 from vlmbatch.engine.build import build_engine
 from vlmbatch.engine.config import EngineConfig, ModelConfig
 from vlmbatch.jobs.config import RunConfig
+from vlmbatch.jobs.manifest import read_policy
 from vlmbatch.jobs.runner import RunSummary, run
 from vlmbatch.labels.evaluation import EvalReport, join
 from vlmbatch.labels.evaluation import evaluate as evaluate_lines
@@ -120,7 +121,9 @@ def evaluate_labelled(cfg: RunConfig, hooks: FaultHooks = NO_HOOKS
                       ) -> tuple[RunSummary, EvalReport]:
     """``vlmbatch eval MANIFEST``: the manifest's labelled questions (``expected``; the
     others are not asked) answered as ``run`` answers them, their result lines scored
-    against the labels (``labels/evaluation.py``)."""
+    against the labels (``labels/evaluation.py``). With ``cfg.policy``, a policy question
+    with the id of a line's is that question at the policy's threshold (a calibration
+    checked on another labelled set: ``labels/read.py`` ``labelled_manifest``)."""
     assert cfg.manifest is not None
     items, labels = labelled_manifest(cfg.manifest, cfg.policy)
     buf = io.StringIO()
@@ -128,3 +131,15 @@ def evaluate_labelled(cfg: RunConfig, hooks: FaultHooks = NO_HOOKS
     lines = (scored(json.loads(text), f"result line {n}")
              for n, text in enumerate(buf.getvalue().splitlines(), 1))
     return summary, evaluate_lines(join(lines, labels))
+
+
+def policy_note(policy: Path, report: EvalReport) -> str:
+    """What ``eval MANIFEST --policy`` says on stderr: the thresholds its yes/no questions
+    were evaluated at, and its questions that had no label here (not evaluated)."""
+    qs = read_policy(policy)
+    scored_ids = {q.question_id for q in report.questions}
+    at = [f"{q.id} {q.threshold}" for q in qs if q.id in scored_ids and not q.choices]
+    out = f"at the thresholds of {policy}: {', '.join(at) or 'none (label sets only)'}"
+    if missing := [q.id for q in qs if q.id not in scored_ids]:
+        out += f"; not evaluated (no label in this manifest): {', '.join(missing)}"
+    return out

@@ -1,17 +1,18 @@
 """The commands over labels and recorded results, which load no model: ``calibrate`` and
-``report`` (argparse namespace -> the config root -> ``labels/calibration.py``, ``labels/plots.py``
+``report`` (the command line -> its config root -> ``labels/calibration.py``, ``labels/plots.py``
 or ``labels/report.py``, and the exit code). Imported only when one of them runs
 (``commands.COMMANDS``); ``report`` imports Pillow, ``calibrate --plots`` matplotlib.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
+from vlmbatch.app.args import CommandLine
 from vlmbatch.app.commands import EXIT_OK
-from vlmbatch.app.config import CalibrateConfig, ReportConfig, from_args
+from vlmbatch.app.config import CalibrateConfig, ReportConfig
+from vlmbatch.common.options import build
 from vlmbatch.labels.calibration import Target, calibrate, table, write_policy
 from vlmbatch.labels.evaluation import join
 from vlmbatch.labels.plots import curve_plots
@@ -20,8 +21,8 @@ from vlmbatch.labels.report import write_report
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 
 
-def cmd_calibrate(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
-    cfg = from_args(CalibrateConfig, a)
+def cmd_calibrate(line: CommandLine, hooks: FaultHooks = NO_HOOKS) -> int:
+    cfg = build(CalibrateConfig, line.typed)
     target = Target(*cfg.target)
     joined = join(read_results(cfg.results), read_labels(cfg.labels))
     chosen = calibrate(joined.pairs, target)
@@ -47,8 +48,8 @@ def cmd_calibrate(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
     return EXIT_OK
 
 
-def cmd_report(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
-    cfg = from_args(ReportConfig, a)
+def cmd_report(line: CommandLine, hooks: FaultHooks = NO_HOOKS) -> int:
+    cfg = build(ReportConfig, line.typed)
     r = write_report(cfg.job, cfg.out, cfg.borderline, cfg.thumb_size)
     print(f"vlmbatch: wrote {cfg.out} ({len(r.questions)} questions, "
           f"{sum(r.errors.values())} failed images)", file=sys.stderr)

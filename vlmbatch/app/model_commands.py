@@ -1,44 +1,44 @@
 """The commands that load or run a model: ``run``, ``submit``, ``resume``, ``eval``,
-``quantize``, ``export-vit``, ``embed`` and ``serve``, one function each (argparse namespace
--> the config tree -> a call into ``jobs/`` or ``pipeline/``, and the exit code). Imported
-only when one of them runs (``commands.COMMANDS``); ``vlmbatch/app/cli.py`` dispatches to
-them and turns errors into messages.
+``quantize``, ``export-vit``, ``embed`` and ``serve``, one function each (the command line
+-> its config root, built once -> a call into ``jobs/`` or ``pipeline/``, and the exit
+code). Imported only when one of them runs (``commands.COMMANDS``); ``vlmbatch/app/cli.py``
+dispatches to them and turns errors into messages.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
 import tempfile
 from pathlib import Path
 
+from vlmbatch.app.args import CommandLine
 from vlmbatch.app.commands import (
     EXIT_CRASH,
     EXIT_ITEM_ERRORS,
     EXIT_OK,
-    RAY_ONLY,
     _export_text,  # `run --executor ray` writes its job's lines as `results` does
-    executor_config,
-    is_job_arg,
+    typed_job,
 )
 from vlmbatch.app.config import (
     EmbedCommandConfig,
     EvalConfig,
     ExportVitConfig,
     QuantizeConfig,
-    from_args,
+    ResumeConfig,
+    SubmitConfig,
 )
 from vlmbatch.app.embed_cli import run_embed
-from vlmbatch.app.evaluate import evaluate, evaluate_labelled
+from vlmbatch.app.evaluate import evaluate, evaluate_labelled, policy_note
 from vlmbatch.app.quantize import quantize_model
 from vlmbatch.app.server.config import server_config
 from vlmbatch.app.server.serve import serve
+from vlmbatch.common.options import build, declared
 from vlmbatch.engine.config import DEFAULT_EMBED_MODEL, EMBED_GROUP, ConfigError, ModelConfig
 from vlmbatch.engine.embed import embedding_checkpoint
 from vlmbatch.engine.loading import load_model, vision_model
-from vlmbatch.jobs.config import RUN_FETCH, RunConfig
+from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.datasets import input_kind
 from vlmbatch.jobs.job import run_job, submit
 from vlmbatch.jobs.manifest import read_manifest, read_policy
@@ -48,36 +48,29 @@ from vlmbatch.labels.evaluation import report_text
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.vit_trt.export import export_onnx
 
-# `run JOB`: options that may change between runs of a job; the rest were fixed at submit
-RUN_JOB_OPTIONS = {"manifest", "progress", "retry_failed", "executor", *RAY_ONLY,
-                   "decode_timeout", "threads", "preprocess_threads", *RUN_FETCH}
+# `run JOB`: what a run of a job may change (ResumeConfig's options); the rest was fixed at
+# submit
+RUN_JOB_OPTIONS = {"manifest", *(d.option.key for d in declared(ResumeConfig))}
 
 
-# `submit --task embed` only
-EMBED_OPTIONS = ("pooling", "dimensions", "force_dimensions", "multi_vector", "prompt",
-                 "query_prefix", "document_prefix")
-
-
-def run_config(a: argparse.Namespace, out: Path | None) -> RunConfig:
-    """``run``'s or ``submit``'s config root (``jobs/config.py``), from the command line."""
-    task = getattr(a, "task", "answer")
-    extra: dict = {"out": out, "executor": executor_config(a), "task": task}
-    text = a.manifest
+def run_config(line: CommandLine) -> RunConfig:
+    """``run``'s or ``submit``'s config root (``jobs/config.py``), from the command line: its
+    input (a manifest, or a table or shards), and for ``--task embed`` the built-in
+    embedding model and a larger group unless given."""
+    typed = line.typed
+    text = typed.get("manifest")
+    given: dict = {"manifest": None if text is None else Path(text)}
     if text is not None and input_kind(text) is not None:  # a table or shards
-        extra.update(manifest=None, dataset=text)
-    else:
-        extra["manifest"] = None if text is None else Path(text)
-    if task == "embed":
-        if a.path is None:  # the built-in embedding model, not the chat one
-            extra["model"] = from_args(ModelConfig, a, path=DEFAULT_EMBED_MODEL)
-        if "images_per_batch" not in a.given:
-            extra["images_per_batch"] = EMBED_GROUP  # one prompt per input: larger groups
-    else:
-        typed = [a.given[k] for k in EMBED_OPTIONS if k in a.given]
-        if typed:
-            raise ConfigError(f"{', '.join(typed)}: embedding options; add --task embed")
-        refuse_embedding_model(a.path)
-    return from_args(RunConfig, a, **extra)
+        given.update(manifest=None, dataset=text)
+    if typed.get("task") == "embed":
+        if "model" not in typed:  # the built-in embedding model, not the chat one
+            given["model"] = build(ModelConfig, typed, ModelConfig(path=DEFAULT_EMBED_MODEL))
+        if "images_per_batch" not in typed:
+            given["images_per_batch"] = EMBED_GROUP  # one prompt per input: larger groups
+    cfg = build(RunConfig, typed, **given)
+    if cfg.task == "answer":
+        refuse_embedding_model(cfg.model.path)
+    return cfg
 
 
 def refuse_embedding_model(path: Path | None) -> None:
@@ -91,93 +84,93 @@ def refuse_embedding_model(path: Path | None) -> None:
                           "e.g. the default (leave out --model)")
 
 
-def _job_exit(job: Path, a: argparse.Namespace, hooks: FaultHooks) -> int:
+def _job_exit(cfg: ResumeConfig, hooks: FaultHooks) -> int:
     """Run a job folder (after re-queueing its failed items with --retry-failed)."""
-    retry = getattr(a, "retry_failed", False)
-    st = run_job(job, a.progress, executor_config(a), retry_failed=retry,
-                 threads=getattr(a, "threads", None),
-                 preprocess_threads=getattr(a, "preprocess_threads", None),
-                 decode_timeout=a.decode_timeout if "decode_timeout" in a.given else None,
-                 hooks=hooks, fetch={k: getattr(a, k) for k in RUN_FETCH if k in a.given})
-    if retry:
-        print(f"vlmbatch: job {job}: {st.requeued} failed images were queued again",
+    st = run_job(cfg.job, cfg.progress, cfg.executor, retry_failed=cfg.retry_failed,
+                 threads=cfg.threads, preprocess_threads=cfg.preprocess_threads,
+                 decode_timeout=cfg.decode_timeout, hooks=hooks, fetch=cfg.fetch)
+    if cfg.retry_failed:
+        print(f"vlmbatch: job {cfg.job}: {st.requeued} failed images were queued again",
               file=sys.stderr)
-    print(f"vlmbatch: job {job}: {st.text()}", file=sys.stderr)
+    print(f"vlmbatch: job {cfg.job}: {st.text()}", file=sys.stderr)
     if st.pending:
         return EXIT_ITEM_ERRORS  # cancelled with work left
     return EXIT_ITEM_ERRORS if st.failed else EXIT_OK
 
 
-def cmd_run(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
-    if is_job_arg(a):
-        fixed = sorted(opt for dest, opt in a.given.items() if dest not in RUN_JOB_OPTIONS)
+def cmd_run(line: CommandLine, hooks: FaultHooks = NO_HOOKS) -> int:
+    if (job := typed_job(line)) is not None:
+        fixed = line.names(set(line.typed) - RUN_JOB_OPTIONS)
         if fixed:
             raise ConfigError(
-                f"{a.manifest} is a job: its input, model and engine settings were fixed at "
+                f"{job} is a job: its input, model and engine settings were fixed at "
                 f"submit, so {', '.join(fixed)} would be ignored. Submit a new job to change "
                 "them; `vlmbatch results JOB -o FILE` writes the results to a file")
-        return _job_exit(Path(a.manifest), a, hooks)
-    if a.retry_failed:
+        return _job_exit(build(ResumeConfig, line.typed, job=job), hooks)
+    if line.typed.get("retry_failed"):
         raise ConfigError("--retry-failed applies to a job folder (`vlmbatch run JOB "
                           "--retry-failed`); a plain run has nothing recorded to retry")
-    cfg = run_config(a, a.out)  # validates, --out included, before any work
-    if a.out is not None and a.out.is_dir():
-        raise ConfigError(f"--out {a.out} is a folder; give a file name, e.g. {a.out}/out.jsonl")
-    if format_of(a.out) == "parquet":
+    cfg = run_config(line)  # validates, --out included, before any work
+    out = cfg.out
+    if out is not None and out.is_dir():
+        raise ConfigError(f"--out {out} is a folder; give a file name, e.g. {out}/out.jsonl")
+    if format_of(out) == "parquet":
         raise ConfigError("`run` streams JSONL or CSV (a Parquet file is readable only once "
                           "closed, so a killed run would leave nothing); for Parquet, "
                           "`vlmbatch submit ... --job DIR --wait`, then `vlmbatch results DIR "
                           "-o FILE.parquet`")
-    if a.out is not None:
-        check_writable(a.out)  # a read-only --out fails here, before any work
+    if out is not None:
+        check_writable(out)  # a read-only --out fails here, before any work
     if cfg.executor.kind == "ray":
-        return _run_on_ray(a, cfg, hooks)
+        return _run_on_ray(cfg, hooks)
     summary = run(cfg, hooks=hooks)
     print(f"vlmbatch: {summary.text()}", file=sys.stderr)
-    if a.out:
-        print(f"vlmbatch: results in {a.out}", file=sys.stderr)
+    if out:
+        print(f"vlmbatch: results in {out}", file=sys.stderr)
     return EXIT_ITEM_ERRORS if summary.failed_images else EXIT_OK
 
 
-def _run_on_ray(a: argparse.Namespace, cfg: RunConfig, hooks: FaultHooks) -> int:
+def _run_on_ray(cfg: RunConfig, hooks: FaultHooks) -> int:
     """`run MANIFEST --executor ray`: a job in a temporary folder, run on Ray, exported."""
     with tempfile.TemporaryDirectory(prefix="vlmbatch-job-") as tmp:
         job = Path(tmp) / "job"
         submit(dataclasses.replace(cfg, out=None), job)
         try:
-            rc = _job_exit(job, a, hooks)
+            rc = _job_exit(ResumeConfig(job, progress=cfg.progress, executor=cfg.executor),
+                           hooks)
         except KeyboardInterrupt:  # Ctrl-C, SIGTERM: the lines answered so far, as in-process
-            _export_text(job, a.out, format_of(a.out))
+            _export_text(job, cfg.out, format_of(cfg.out))
             raise
-        _export_text(job, a.out, format_of(a.out))
-        if a.out is not None:
-            print(f"vlmbatch: results in {a.out}", file=sys.stderr)
+        _export_text(job, cfg.out, format_of(cfg.out))
+        if cfg.out is not None:
+            print(f"vlmbatch: results in {cfg.out}", file=sys.stderr)
     return rc
 
 
-def cmd_submit(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
-    if a.job is None:
-        raise ConfigError("submit needs --job DIR: the folder the job is kept in")
-    cfg = run_config(a, None)
-    n = submit(cfg, a.job, hooks)
+def cmd_submit(line: CommandLine, hooks: FaultHooks = NO_HOOKS) -> int:
+    sub = build(SubmitConfig, line.typed)
+    job = sub.job
+    assert job is not None  # SubmitConfig refuses a submit without --job
+    cfg = run_config(line)
+    n = submit(cfg, job, hooks)
     what = "inputs" if cfg.task == "embed" else "images"
-    print(f"vlmbatch: job {a.job}: {n} {what} submitted; run it with `vlmbatch run {a.job}`",
+    print(f"vlmbatch: job {job}: {n} {what} submitted; run it with `vlmbatch run {job}`",
           file=sys.stderr)
-    return _job_exit(a.job, a, hooks) if a.wait else EXIT_OK
+    if not sub.wait:
+        return EXIT_OK
+    return _job_exit(ResumeConfig(job, progress=cfg.progress, executor=cfg.executor), hooks)
 
 
-def cmd_embed(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
-    given = {} if a.path is not None else {  # the built-in embedding model, not the chat one
-        "model": from_args(ModelConfig, a, path=DEFAULT_EMBED_MODEL)}
-    return run_embed(from_args(EmbedCommandConfig, a, **given), hooks)
+def cmd_embed(line: CommandLine, hooks: FaultHooks = NO_HOOKS) -> int:
+    return run_embed(build(EmbedCommandConfig, line.typed), hooks)
 
 
-def cmd_resume(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
-    return _job_exit(a.job, a, hooks)
+def cmd_resume(line: CommandLine, hooks: FaultHooks = NO_HOOKS) -> int:
+    return _job_exit(build(ResumeConfig, line.typed), hooks)
 
 
-def cmd_eval(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
-    cfg = from_args(EvalConfig, a)
+def cmd_eval(line: CommandLine, hooks: FaultHooks = NO_HOOKS) -> int:
+    cfg = build(EvalConfig, line.typed)
     refuse_embedding_model(cfg.model.path)
     if cfg.manifest is not None:
         return _eval_labelled(cfg, hooks)
@@ -198,12 +191,14 @@ def _eval_labelled(cfg: EvalConfig, hooks: FaultHooks) -> int:
                         prepare=cfg.prepare)
     summary, report = evaluate_labelled(run_cfg, hooks)
     print(f"vlmbatch: {summary.text()}", file=sys.stderr)
+    if cfg.policy is not None:
+        print(f"vlmbatch: {policy_note(cfg.policy, report)}", file=sys.stderr)
     print(json.dumps(report.as_json()) if cfg.json else report_text(report))
     return EXIT_ITEM_ERRORS if summary.failed_images else EXIT_OK
 
 
-def cmd_export_vit(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
-    cfg = from_args(ExportVitConfig, a)
+def cmd_export_vit(line: CommandLine, hooks: FaultHooks = NO_HOOKS) -> int:
+    cfg = build(ExportVitConfig, line.typed)
     r = export_onnx(vision_model(load_model(cfg.model)), cfg.out, opset=cfg.opset)
     print(f"wrote {r.onnx_path} (+ vision.json); onnxruntime vs torch max abs error "
           f"{r.max_abs_err:.2e}")
@@ -213,8 +208,8 @@ def cmd_export_vit(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
     return EXIT_OK
 
 
-def cmd_quantize(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
-    cfg = from_args(QuantizeConfig, a)
+def cmd_quantize(line: CommandLine, hooks: FaultHooks = NO_HOOKS) -> int:
+    cfg = build(QuantizeConfig, line.typed)
     items = read_manifest(cfg.calib, read_policy(cfg.policy) if cfg.policy else ())
     r = quantize_model(cfg.model, cfg.out, cfg.method, items, cfg.samples, cfg.group_size,
                        cfg.device, progress=cfg.progress, threads=cfg.threads)
@@ -227,6 +222,6 @@ def cmd_quantize(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
     return EXIT_OK
 
 
-def cmd_serve(a: argparse.Namespace, hooks: FaultHooks = NO_HOOKS) -> int:
-    serve(server_config(a), hooks)  # until SIGTERM or Ctrl-C
+def cmd_serve(line: CommandLine, hooks: FaultHooks = NO_HOOKS) -> int:
+    serve(server_config(line.typed), hooks)  # until SIGTERM or Ctrl-C
     return EXIT_OK

@@ -5,7 +5,7 @@
 Loads the model into the torch engine (float32 by default, prefix cache off), takes the first
 ``samples`` questions of the calibration items, runs ``quant.calibrate.quantize_llm`` and
 writes the checkpoint with ``quant.checkpoint.save_quantized``. Offline only: serving loads
-the result (``pipeline.loading.load_model``) and never quantises. Here rather than in
+the result (``engine.loading.load_model``) and never quantises. Here rather than in
 ``quant/`` because calibration runs the serving engine, which sits above it.
 """
 
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from vlmbatch.common.atomic import replaced_on_success
 from vlmbatch.engine.config import DEFAULT_MODEL, ConfigError, EngineConfig, ModelConfig
+from vlmbatch.engine.loading import read_spec
 from vlmbatch.engine.torch_engine import TorchEngine, build_torch
 from vlmbatch.models.io import ModelError, read_config
 from vlmbatch.pipeline.drive import answer_group
@@ -68,6 +69,11 @@ def quantize_model(model: Path | None, out: Path, method: str, items: list[Image
         raise ConfigError(f"--out {out} exists and is not empty; choose a new folder")
     if out.resolve() == src.resolve():
         raise ConfigError("--out must differ from --model")
+    model_spec = read_spec(src)[1]
+    if "linear" in model_spec.text.kinds:
+        raise ModelError(f"--model {src} ({model_spec.model_type}) has linear-attention (Gated "
+                         "DeltaNet) layers: AWQ/GPTQ calibration here covers attention and "
+                         "MLP linears only, so W4A16 of this model is not implemented")
     calib = calibration_items(items, samples)
     n = sum(len(it.questions) for it in calib)
     # unfused: calibration hooks the linears by name (q_proj, ...) and writes them so

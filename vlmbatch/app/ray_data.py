@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from vlmbatch.app.api import VLM, QuestionLike, image_source, questions_of
+from vlmbatch.app.api import VLM, QuestionLike
 from vlmbatch.engine.config import EmbedConfig, ModelConfig
 from vlmbatch.engine.loading import image_plan_for, read_spec
 from vlmbatch.jobs.datasets import own_questions
@@ -55,7 +55,15 @@ from vlmbatch.jobs.manifest import policy_questions, read_policy, with_policy
 from vlmbatch.models.paths import DEFAULT_EMBED_MODEL
 from vlmbatch.pipeline.config import PrepareConfig
 from vlmbatch.pipeline.drive import prepared_groups, preparer, run_group
-from vlmbatch.pipeline.records import Answer, EmbedItem, ErrorKind, ImageItem, ItemError
+from vlmbatch.pipeline.questions import questions_of
+from vlmbatch.pipeline.records import (
+    Answer,
+    EmbedItem,
+    ErrorKind,
+    ImageItem,
+    ItemError,
+    image_source,
+)
 from vlmbatch.pipeline.task import AnswerTask, Prepared
 from vlmbatch.preprocessing.prepare import PreparedImage
 

@@ -4,7 +4,7 @@ An engine takes prepared images (``preprocessing.PreparedImage``, made with its 
 ``image_plan``) and one ``Request`` per question, and returns one ``Score`` per request, in
 order. Backends are builders named in ``engine/build.py``'s ``ENGINES`` (ours:
 ``engine/torch_engine.py``; LMDeploy's TurboMind: ``engine/lmdeploy_engine.py``);
-``pipeline.build.build_engine`` picks one by name. What callers may read besides ``score``
+``engine.build.build_engine`` picks one by name. What callers may read besides ``score``
 is ``image_plan``, ``summary()`` and, where the engine can, ``embed``/``embedding``: no
 engine's internals (its cache, its planner, its vision runner).
 """

@@ -11,6 +11,12 @@ each choice adds only its own tokens:
 
     log P(choice | prompt) = sum_i log P(t_i | prompt, t_<i)
 
+A hybrid decoder's linear-attention layers (Qwen3.5) keep one state per row, not per-token
+K/V that a mask could select: for them each choice is a branch (``linear_attention.Branches``)
+that starts from the row's state at the end of the prompt (the prefill's, ``AfterPrefill``),
+replicated per choice, and runs its own tokens through the gated delta rule in a row of its
+own; the full-attention layers read the shared K/V through the mask as above.
+
 Shapes: B rows, R rows with a label set, M choices in all (rows, then choices, in order), N
 continuation tokens per row (padded), V vocabulary.
 """
@@ -25,6 +31,7 @@ import torch
 
 from vlmbatch.engine.scoring import ChoiceIds
 from vlmbatch.models.base import KV, Decoder
+from vlmbatch.models.linear_attention import Branches
 
 ToDevice = Callable[[list], torch.Tensor]  # a host list as a long tensor on the device
 
@@ -106,7 +113,8 @@ def _continue(llm: Decoder, to_device: ToDevice, choices: list[ChoiceIds], bases
         pos = pos.expand(3, *pos.shape)  # a text token: the same on all three axes
     same = (seg[:, :, None] == seg[:, None, :]) & (seg < m)[:, None, :]
     mask = same & (off[:, None, :] <= off[:, :, None])  # [R, N, N]: causal within a choice
-    logits, _ = llm.extend(llm.embed_tokens(tok), pos, kv, valid, mask)  # [R, N, V]
+    branches = _branches(choices, tok.shape[1], to_device) if "linear" in llm.kinds else None
+    logits, _ = llm.extend(llm.embed_tokens(tok), pos, kv, valid, mask, branches)  # [R, N, V]
     lp = torch.log_softmax(logits, -1).gather(-1, tgt[..., None])[..., 0]  # [R, N]
     total = torch.cat([first, first.new_zeros(1)])  # slot m takes the padding
     return total.index_add(0, seg.flatten(), lp.flatten())[:-1]
@@ -133,3 +141,23 @@ def _segments(choices: list[ChoiceIds], bases: list[int], m: int
     n = max(len(r[0]) for r in rows)
     pad = (0, 0, m, 0)
     return tuple([r[i] + [pad[i]] * (n - len(r[i])) for r in rows] for i in range(4))
+
+
+def _branches(choices: list[ChoiceIds], n: int, to_device: ToDevice) -> Branches:
+    """Each choice with tokens after its first as one branch (module docstring): its
+    continuation tokens' flat positions ``r * n + t`` in the ``[R, n]`` rows ``_segments``
+    lays out (padding: ``R * n``), the row whose state it continues."""
+    rows: list[int] = []
+    runs: list[list[int]] = []
+    for r, row in enumerate(choices):
+        at = r * n
+        for ids in row:
+            if len(ids) > 1:
+                rows.append(r)
+                runs.append(list(range(at, at + len(ids) - 1)))
+                at += len(ids) - 1
+    width = max(len(x) for x in runs)
+    pad = len(choices) * n
+    lens = to_device([len(x) for x in runs])  # [M]
+    return Branches(to_device(rows), to_device([x + [pad] * (width - len(x)) for x in runs]),
+                    torch.arange(width, device=lens.device)[None] < lens[:, None])

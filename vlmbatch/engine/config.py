@@ -1,10 +1,13 @@
 """The engine side of the one frozen config tree: ``ModelConfig`` (which checkpoint, where,
-how its images are prepared) and ``EngineConfig`` (how it is run). ``jobs.config.RunConfig``
-holds both, with the run's input, output and executor; the CLI builds it.
+how its images are prepared), ``EngineConfig`` (how it is run) and ``EmbedConfig`` (how
+inputs become vectors). ``jobs.config.RunConfig`` holds them, with the run's input, output
+and executor; every command's root holds the ones it uses.
 
 Validation lives in ``__post_init__`` so a bad value fails before any model is loaded. Each
-choice list is written once here (or in the registry that owns it) and read by the CLI's
-``choices``; each default is the dataclass field's, which the CLI reads too.
+field a user sets from the command line declares its option in its metadata
+(``common/options.py``: flags, help, metavar, how the text becomes the value); the parsers
+of every command are derived from those declarations (``app/args.py``), so an option, its
+default and its choices are written once, here.
 
 Light by design (``--help`` and ``status`` import it): no torch, no model or runner code. The
 dtype and the device are names, checked here as strings (``DTYPES``; ``cpu``, ``cuda``,
@@ -15,10 +18,12 @@ dtype and the device are names, checked here as strings (``DTYPES``; ``cpu``, ``
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from vlmbatch.common.options import COUNT, MIB, WORDS, N, opt
+from vlmbatch.common.registry import Registry
 from vlmbatch.models.embedding import POOLINGS, EmbeddingSpec
 
 # re-exported: where the built-in checkpoints live (models/paths.py)
@@ -27,6 +32,14 @@ from vlmbatch.models.paths import DEFAULT_MODEL as DEFAULT_MODEL
 from vlmbatch.models.paths import DEFAULT_QWEN_MODEL as DEFAULT_QWEN_MODEL
 from vlmbatch.preprocessing.tiling import TILING_MODES
 from vlmbatch.vit_trt import RUNNERS
+
+# the engines by name, each builder as "module:attr" (engine/build.py builds them): listing
+# the names (``--engine``'s choices) imports none of them. A builder takes
+# (ModelConfig, EngineConfig, threads) and returns an ``engine.base.Engine``.
+ENGINES: Registry[Any] = Registry("engine", {
+    "torch": "vlmbatch.engine.torch_engine:build_torch",  # ours: CPU and CUDA
+    "lmdeploy": "vlmbatch.engine.lmdeploy_engine:build_lmdeploy",  # TurboMind, GPU env only
+})
 
 
 class ConfigError(ValueError):
@@ -78,21 +91,50 @@ def default_of(cls: type, name: str) -> Any:
     return next(f.default for f in fields(cls) if f.name == name)
 
 
+def model_shown(path: Path | None) -> str:
+    """``--model``'s default as its help reads it."""
+    if path is None or Path(path) == DEFAULT_MODEL:
+        return "the built-in model"
+    return "the built-in embedding model" if Path(path) == DEFAULT_EMBED_MODEL else str(path)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    path: Path | None = None  # None: the built-in model (DEFAULT_MODEL)
-    device: str = "cpu"
-    dtype: str = "float32"  # one of DTYPES (a name: loading.py resolves it)
-    max_tiles: int | None = None  # override the checkpoint's max tiles per image
+    OPTION_GROUP: ClassVar[str] = "model"
+    path: Path | None = field(default=None, metadata=opt(  # None: the built-in model
+        "--model", parse=Path, metavar="DIR", show=model_shown,
+        help="HF-format checkpoint folder, e.g. an InternVL '-hf' release; nothing is "
+        "downloaded (default: %(default)s)"))
+    device: str = field(default="cpu", metadata=opt(
+        "--device", metavar="DEVICE", help="torch device: cpu, cuda or cuda:N (default "
+        "%(default)s)"))
+    dtype: str = field(default="float32", metadata=opt(  # one of DTYPES (loading.py resolves it)
+        "--dtype", choices=DTYPES, help="weights and activations (default %(default)s; "
+        "bfloat16 on GPUs)"))
+    max_tiles: int | None = field(default=None, metadata=opt(  # the checkpoint's cap, overridden
+        "--max-tiles", unit=COUNT, help="cap tiles per image (default: the checkpoint's "
+        "max_patches)"))
     # "reduced" (fewest tiles that keep the image's resolution, letterboxed; the default since
     # the built-in model trains on it too) | "reference" (InternVL's dynamic_preprocess)
-    tiling: str = "reduced"
-    upscale_limit: float = 1.0  # reduced tiling: most a tile count may enlarge an image
-    max_image_tokens: int | None = None  # per-image token budget (thumbnail included)
-    llm_quant: str = "none"  # "none" | "int8-dynamic" (CPU); W4A16 comes from the checkpoint
+    tiling: str = field(default="reduced", metadata=opt(
+        "--tiling", choices=TILING_MODES, help="reduced (default): fewest tiles that keep the "
+        "image's resolution, letterboxed (docs/preprocessing.md); reference: InternVL's "
+        "dynamic_preprocess, for parity with the model card"))
+    upscale_limit: float = field(default=1.0, metadata=opt(
+        "--upscale-limit", parse=float, metavar="FACTOR", help="reduced tiling: most a tile "
+        "count may enlarge an image (default %(default)s)"))
+    max_image_tokens: int | None = field(default=None, metadata=opt(  # thumbnail included
+        "--max-image-tokens", unit=COUNT, metavar="TOKENS", help="per-image token budget the "
+        "tiling must fit (thumbnail included)"))
+    llm_quant: str = field(default="none", metadata=opt(  # W4A16 comes from the checkpoint
+        "--llm-quant", choices=LLM_QUANT, help="int8-dynamic: torch dynamic int8 linears for "
+        "the language model (CPU). For W4A16 pass a checkpoint made by `vlmbatch quantize`"))
     # "fp8": e4m3 W8A8 linears (decoder and vision encoder) through torch._scaled_mm on CUDA
     # (compute capability >= 8.9); on the CPU a slow reference of the same arithmetic
-    quant: str = "none"
+    quant: str = field(default="none", metadata=opt(
+        "--quant", choices=QUANT, help="fp8: e4m3 W8A8 linears in the decoder and the vision "
+        "encoder (torch._scaled_mm; CUDA compute capability >= 8.9; on the CPU a slow "
+        "reference of the same arithmetic, for accuracy checks)"))
 
     def __post_init__(self) -> None:
         if not device_ok(self.device):
@@ -122,37 +164,83 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    # one of pipeline.build.ENGINES (checked when built): torch (ours, CPU/CUDA), lmdeploy
-    engine: str = "torch"
-    vit_backend: str = "auto"  # one of vit_backends()
-    cuda_graphs: bool = True  # torch/tensorrt vision backends on CUDA: batch-bucketed graph pool
-    max_batch_tokens: int = 8192  # padded prompt tokens per LLM forward
-    max_batch_tiles: int = 64  # tiles per vision-encoder forward
+    OPTION_GROUP: ClassVar[str] = "engine"
+    # the fields that matter only when questions are answered (``embed`` does not take them)
+    ANSWER_ONLY: ClassVar[tuple[str, ...]] = ("max_new_tokens", "ignore_eos", "yes_words",
+                                              "no_words", "choice_scoring",
+                                              "question_rows")
+    # one of ENGINES (checked when built): torch (ours, CPU/CUDA), lmdeploy
+    engine: str = field(default="torch", metadata=opt(
+        "--engine", choices=tuple(ENGINES.names()), help="torch: ours (CPU/CUDA, default); "
+        "lmdeploy: TurboMind, GPU env only, never run by us yet"))
+    vit_backend: str = field(default="auto", metadata=opt(  # one of vit_backends()
+        "--vit-backend", choices=vit_backends(), help="vision encoder runner (default auto: "
+        "tensorrt on CUDA when installed, else torch); onnxruntime-int8: dynamic int8 ViT on "
+        "CPU"))
+    # torch/tensorrt vision backends on CUDA: batch-bucketed graph pool
+    cuda_graphs: bool = field(default=True, metadata=opt(
+        "--no-cuda-graphs", action="false", help="torch/tensorrt vision backends on CUDA: run "
+        "without the CUDA graph pool"))
+    max_batch_tokens: int = field(default=8192, metadata=opt(  # padded prompt tokens per forward
+        "--max-batch-tokens", unit=COUNT, metavar="TOKENS", help="padded prompt tokens per LLM "
+        "forward (default %(default)s)"))
+    max_batch_tiles: int = field(default=64, metadata=opt(  # tiles per vision-encoder forward
+        "--max-batch-tiles", unit=N, help="tiles per vision-encoder forward (default "
+        "%(default)s)"))
     # largest vision batch a runner prepares for: the graph pool's largest bucket, the
     # TensorRT profile's maximum; larger forwards are split
-    vit_max_batch: int = 32
+    vit_max_batch: int = field(default=32, metadata=opt(
+        "--vit-max-batch", unit=N, help="largest vision batch prepared for: the CUDA graph "
+        "pool's largest bucket and the TensorRT profile's maximum (default %(default)s)"))
     # the decoder's prefill through torch.compile (dynamic shapes); off by default: its gain
     # on a GPU has not been measured yet (bench/qpm.py --compile-llm, bench/gpu_check.sh)
-    compile_llm: bool = False
-    prefix_cache: bool = True  # image-aware prefix KV cache (engine/prefix_cache.py)
-    block_size: int = 16  # tokens per cache block
-    cache_bytes: int = 1 << 30  # LRU budget for cached KV
-    max_new_tokens: int = 0  # > 0: also generate a greedy text answer of up to this length
-    ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks of long answers)
+    compile_llm: bool = field(default=False, metadata=opt(
+        "--compile-llm", action="true", help="run the language model's prefill through "
+        "torch.compile (dynamic shapes; the first batches pay the compilation)"))
+    # image-aware prefix KV cache (engine/prefix_cache.py)
+    prefix_cache: bool = field(default=True, metadata=opt(
+        "--no-prefix-cache", action="false", group="prefix cache",
+        help="recompute every prompt's image tokens (for comparison)"))
+    block_size: int = field(default=16, metadata=opt(  # tokens per cache block
+        "--block-size", unit=COUNT, metavar="TOKENS", group="prefix cache",
+        help="tokens per cache block (default %(default)s)"))
+    cache_bytes: int = field(default=1 << 30, metadata=opt(  # LRU budget for cached KV
+        "--cache-mib", unit=MIB, group="prefix cache", help="KV cache budget in MiB: one pool "
+        "of this size (on CUDA taken when the engine starts), least recently used blocks "
+        "evicted first (default %(default)s)"))
+    # > 0: also generate a greedy text answer of up to this length
+    max_new_tokens: int = field(default=0, metadata=opt(
+        "--max-new-tokens", parse=int, metavar="N", help="also write a greedy text answer of "
+        "up to N tokens (default 0: none); a question's own max_new_tokens (policy/manifest) "
+        "overrides it"))
+    # generate exactly max_new_tokens (benchmarks of long answers)
+    ignore_eos: bool = field(default=False, metadata=opt(
+        "--ignore-eos", action="true", help="with --max-new-tokens: always generate N tokens "
+        "(for benchmarks)"))
     # Words that are not one token of the model's vocabulary are skipped (是/否 are single
     # tokens in Qwen2's vocabulary, not in the built-in model's).
-    yes_words: tuple[str, ...] = ("yes", "Yes", "YES", "是")
-    no_words: tuple[str, ...] = ("no", "No", "NO", "否")
-    choice_scoring: str = "exact"  # one of CHOICE_SCORING
+    yes_words: tuple[str, ...] = field(default=("yes", "Yes", "YES", "是"), metadata=opt(
+        "--yes", unit=WORDS, help="comma-separated answer words counted as yes; P(yes) sums "
+        "their first-token probabilities (default %(default)s)"))
+    no_words: tuple[str, ...] = field(default=("no", "No", "NO", "否"), metadata=opt(
+        "--no", unit=WORDS, help="comma-separated answer words counted as no (default "
+        "%(default)s)"))
+    choice_scoring: str = field(default="exact", metadata=opt(  # one of CHOICE_SCORING
+        "--choice-scoring", choices=CHOICE_SCORING, help="label-set questions (choices): exact "
+        "(default) scores each choice's whole token sequence after the prompt, sum of log "
+        "P(token | prompt, the choice's tokens before it), in one continuation forward after "
+        "the prompt's KV; first-token scores its first token only (cheaper; refused, naming "
+        "them, when two choices start with the same token)"))
     # an image's prefix and its yes/no questions in one row, one forward (engine/packing.py):
     # "auto" where the host is the bottleneck (CUDA), else the leaders/followers phases,
     # which compute less (the CPU is bound by arithmetic: docs/engine.md, "Host cost")
-    question_rows: str = "auto"  # one of QUESTION_ROWS
+    question_rows: str = field(default="auto", metadata=opt(  # one of QUESTION_ROWS
+        "--question-rows", choices=QUESTION_ROWS, help="with the prefix cache: on puts an "
+        "image's prefix and its yes/no questions in one row, one forward for them all (fewer "
+        "forwards and host work; more arithmetic); off prefills the prefix first, then the "
+        "questions after it; auto (default): on with CUDA, off on the CPU"))
 
     def __post_init__(self) -> None:
-        if self.question_rows not in QUESTION_ROWS:
-            raise ConfigError(f"question_rows {self.question_rows!r} not one of "
-                              f"{QUESTION_ROWS}")
         if min(self.max_batch_tokens, self.max_batch_tiles, self.block_size,
                self.vit_max_batch) < 1:
             raise ConfigError("max_batch_tokens, max_batch_tiles, vit_max_batch and block_size "
@@ -172,21 +260,42 @@ class EngineConfig:
         if self.choice_scoring not in CHOICE_SCORING:
             raise ConfigError(f"choice_scoring {self.choice_scoring!r} not one of "
                               f"{CHOICE_SCORING}")
+        if self.question_rows not in QUESTION_ROWS:
+            raise ConfigError(f"question_rows {self.question_rows!r} not one of "
+                              f"{QUESTION_ROWS}")
 
 
 @dataclass(frozen=True)
 class EmbedConfig:
     """How inputs become vectors (``engine/embed.py``); checked against the checkpoint's
     declarations (``models/embedding.py``) when an embedder is built."""
-    pooling: str | None = None  # one of POOLINGS; None: the checkpoint's, else its family's
-    dimensions: int | None = None  # Matryoshka: keep the first N components, re-normalise
-    force_dimensions: bool = False  # truncate where the checkpoint declares no such size
+    OPTION_GROUP: ClassVar[str] = "embeddings"
+    # one of POOLINGS; None: the checkpoint's, else its family's
+    pooling: str | None = field(default=None, metadata=opt(
+        "--pooling", choices=POOLINGS, help="image-mean: an image's hidden states over "
+        "<img>..</img>, a text's over its tokens (jina-embeddings-v4); mean: every token; "
+        "last: the last token (GME/VLM2Vec). Default: the checkpoint's, else its family's"))
+    dimensions: int | None = field(default=None, metadata=opt(  # Matryoshka: the first N
+        "--dimensions", unit=COUNT, help="Matryoshka: keep the first N components, re-normalised "
+        "(N must be one of the checkpoint's matryoshka_dims)"))
+    force_dimensions: bool = field(default=False, metadata=opt(  # where none is declared
+        "--force-dimensions", action="true", help="--dimensions even where the checkpoint "
+        "declares no such size"))
     # one unit vector per token (after the checkpoint's projection); None: the checkpoint's
     # default (ColQwen2: yes, unless --pooling or --dimensions asks for a pooled vector)
-    multi_vector: bool | None = None
-    prompt: str | None = None  # text after an image-only input's image; None: the family's
-    query_prefix: str = ""  # put before a text-only input's text, as given
-    document_prefix: str = ""  # put before the text of an input with an image, as given
+    multi_vector: bool | None = field(default=None, metadata=opt(
+        "--multi-vector", action="both", help="one unit vector per token (after the "
+        "checkpoint's projection layer); default: the checkpoint's (a ColQwen2 one: yes, "
+        "unless --pooling or --dimensions is given)"))
+    prompt: str | None = field(default=None, metadata=opt(  # None: the family's
+        "--prompt", metavar="TEXT", help="text after the image of an image-only input "
+        "(default: the family's, 'Describe the image.')"))
+    query_prefix: str = field(default="", metadata=opt(  # before a text-only input, as given
+        "--query-prefix", metavar="TEXT", help="put before every text-only input, as given "
+        "(e.g. 'Query: ')"))
+    document_prefix: str = field(default="", metadata=opt(  # before an input with an image
+        "--document-prefix", metavar="TEXT", help="put before the text of inputs with an "
+        "image, and of --maxsim DOCS"))
 
     def __post_init__(self) -> None:
         if self.pooling is not None and self.pooling not in POOLINGS:

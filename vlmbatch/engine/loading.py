@@ -25,7 +25,7 @@ from vlmbatch.quant.fp8 import Fp8Unavailable, convert_linears_fp8, require_fp8
 from vlmbatch.quant.runtime import QuantError, convert_for_runtime, int8_dynamic
 from vlmbatch.vit_trt.base import VisionModel
 
-# ModelConfig.dtype's names (the keys are pipeline.config.DTYPES: tested) -> torch dtypes
+# ModelConfig.dtype's names (the keys are engine.config.DTYPES: tested) -> torch dtypes
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -61,7 +61,7 @@ def check_label_sets(path: Path | None, cfg: EngineConfig,
                      label_sets: Iterable[tuple[str, ...]]) -> None:
     """Before any work: ConfigError (``ChoiceError``) for a label set the engine of ``cfg``
     would not score on this checkpoint (two choices it cannot tell apart under
-    ``cfg.choice_scoring``, a hybrid decoder, or an engine without label sets). Reads the
+    ``cfg.choice_scoring``, or an engine without label sets). Reads the
     tokenizer, not the weights, and only when there is a label set."""
     sets = sorted(set(label_sets))
     if sets:
@@ -78,11 +78,6 @@ def label_set_checker(path: Path | None, cfg: EngineConfig
         raise ConfigError(f"label sets (choices) are scored by the torch engine (--engine "
                           f"torch), not {cfg.engine}")
     family, spec = read_spec(path)
-    if "linear" in spec.text.kinds:
-        raise ConfigError(f"label sets (choices) are not supported on {spec.model_type}: its "
-                          "linear-attention layers keep one state per row, which a label "
-                          "set's choices side by side after one prompt cannot share; ask "
-                          "yes/no questions of this model")
     prompts = family.prompt_builder(
         family.load_tokenizer(Path(path) if path is not None else DEFAULT_MODEL), spec)
     first = cfg.choice_scoring == "first-token"

@@ -38,7 +38,15 @@ from vlmbatch.engine.packing import Row
 from vlmbatch.engine.planner import Plan
 from vlmbatch.engine.prefix_cache import BlockKey, PrefixCache
 from vlmbatch.engine.scoring import AnswerTokens, ChoiceIds, yes_no
-from vlmbatch.engine.state_snapshots import StateCodec, join_layers, restore, snapshot, split_layers
+from vlmbatch.engine.state_snapshots import (
+    StateCodec,
+    join_layers,
+    restore,
+    snapshot,
+    snapshot_at,
+    split_layers,
+    take_snapshots,
+)
 from vlmbatch.models.base import KV, DeepStack, LoadedModel, Prompt
 from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.vit_trt.base import VitRunner
@@ -161,10 +169,9 @@ class ModelRunner:
         None without any), only their first tokens' with ``first_token``)."""
         x, lengths, positions, deep = self._inputs(batch, images)
         past, past_lengths = self._gather_past(batch)
-        logits, new_kv = self.prefill_fn(x, lengths, past, past_lengths,
-                                                positions=positions, deepstack=deep)  # [B, V]
-        if self.cache is not None:
-            self._insert(batch, new_kv)
+        logits, new_kv = self.prefill_fn(x, lengths, past, past_lengths, positions=positions,
+                                         deepstack=deep, **self._state_at(batch))  # [B, V]
+        new_kv = self._cache_new(batch, new_kv)
         p_yes, margin = yes_no(logits, self.answers)
         after = AfterPrefill(past, past_lengths, new_kv, lengths,
                              [p.prompt.rope_delta for p in batch],
@@ -214,7 +221,7 @@ class ModelRunner:
             x, positions, seg, at, past, past_lengths, deepstack=deep, seq_lens=seq_lens)
         self.stats.prefill_tokens += sum([r.new_len for r in step])
         if self.cache is not None:
-            self._insert(plans, new_kv)
+            self._insert(plans, new_kv, None)  # rows: full attention only, no snapshot
         p_yes, margin = yes_no(logits, self.answers)
         return torch.stack([p_yes, margin], 1)
 
@@ -253,10 +260,26 @@ class ModelRunner:
         x, lengths, positions, deep = self._inputs(batch, images)
         past, past_lengths = self._gather_past(batch)
         hidden, new_kv = self.model.llm.prefill_hidden(x, lengths, past, past_lengths,
-                                                       positions=positions, deepstack=deep)
-        if self.cache is not None:
-            self._insert(batch, new_kv)
+                                                       positions=positions, deepstack=deep,
+                                                       **self._state_at(batch))
+        self._cache_new(batch, new_kv)
         return hidden
+
+    def _state_at(self, batch: list[Plan]) -> dict[str, torch.Tensor]:
+        """The decoder's ``state_at`` keyword when a row takes a state snapshot (a hybrid
+        decoder's prefix found nowhere: ``state_snapshots.snapshot_at``), else none."""
+        at = snapshot_at(batch) if self.codec is not None and self.cache is not None else None
+        return {} if at is None else {"state_at": self.to_device(at)}
+
+    def _cache_new(self, batch: list[Plan], new_kv: list[KV]) -> list[KV]:
+        """Cache a forward's new prefix blocks and state snapshots (``_insert``); its
+        per-layer output without the snapshot rows (``take_snapshots``)."""
+        snaps = None
+        if self.codec is not None and any(p.snapshots for p in batch):
+            new_kv, snaps = take_snapshots(self.kinds, new_kv, len(batch))
+        if self.cache is not None:
+            self._insert(batch, new_kv, snaps)
+        return new_kv
 
     def _inputs(self, batch: list[Plan], images: list[ImageEmbeds | None]
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, DeepStack | None]:
@@ -364,7 +387,7 @@ class ModelRunner:
         gather from the pool for the whole batch. Row j's keys past its own ``past_len``
         (another slot's or a padding slot's, all finite) are masked by ``past_lengths``.
         A hybrid decoder's linear layers get each row's state snapshot instead (zeros for a
-        row without one, which then has no cached prefix either: ``planner._plan_state``)."""
+        row without one, which then has no cached prefix either: ``Planner._resume``)."""
         longest = max(p.past_len for p in batch)
         if longest == 0:
             return None, None
@@ -388,16 +411,16 @@ class ModelRunner:
         g = g[..., :longest, :]
         return [(g[i, 0], g[i, 1]) for i in range(layers)]
 
-    def _insert(self, batch: list[Plan], new_kv: list[KV]) -> None:
+    def _insert(self, batch: list[Plan], new_kv: list[KV],
+                snaps: list[list[torch.Tensor]] | None) -> None:
         """New prefix blocks of the full layers' K/V into the pool, every block of the
         batch in one gather and one copy (``PrefixCache.claim``; entries dropped if the
-        copy fails); a hybrid decoder's snapshots of the rows that end at their shared
-        prefix (``Plan.snapshot``) after. Row j's new token t is its prompt's position
-        ``past_len + t``."""
+        copy fails); a hybrid decoder's snapshots (``snaps``: per column, the states
+        ``take_snapshots`` split off) of the rows that take them (``Plan.snapshots``) after.
+        Row j's new token t is its prompt's position ``past_len + t``."""
         assert self.cache is not None
-        states: list[torch.Tensor] = []
         if self.codec is not None:
-            new_kv, states = split_layers(self.kinds, new_kv)
+            new_kv, _ = split_layers(self.kinds, new_kv)
         claimed: list[tuple[BlockKey, int, int, int, int]] = []  # key, slot, row, first, n
         try:  # an entry whose KV never got in must not stay (an error: out of memory, ...)
             for j, p in enumerate(batch):
@@ -414,8 +437,9 @@ class ModelRunner:
         except BaseException:
             self.cache.drop([c[0] for c in claimed])
             raise
-        if self.codec is not None:
-            snapshot(self.cache, self.codec, batch, states)
+        if snaps is not None:
+            assert self.codec is not None
+            snapshot(self.cache, self.codec, batch, snaps)
 
     def _copy_blocks(self, new_kv: list[KV], claimed: list[tuple[BlockKey, int, int, int, int]],
                      t: int) -> None:

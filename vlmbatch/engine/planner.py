@@ -17,10 +17,14 @@ Invariant: every slot a plan holds is pinned in the cache until ``release`` (aft
 has gathered the slots' KV, or in a ``finally`` on error), so a later insert cannot reuse it.
 
 A decoder with linear-attention layers (Qwen3.5; ``state_bytes`` > 0: the bytes of one row's
-states, ``docs/hybrid_cache.md``) can resume only where a state snapshot was taken: at the end
-of a shared prefix. Its plans reuse the whole prefix (every block and the snapshot) or nothing;
-only a plan whose prompt ends at the prefix (``prefix_phases``' first phase of each chunk)
-caches blocks and a snapshot, so its followers, and its own full prompt, resume there.
+states, ``docs/hybrid_cache.md``) can resume only where a state snapshot was taken. Its plans
+reuse the whole shared prefix (every block and the snapshot at its end) or nothing; a plan
+that finds nothing prefills its whole prompt and takes the snapshots inside that forward
+(``Plan.snapshots``: the runner asks the decoder for the linear layers' state there too):
+at the end of the shared prefix, and, when that runs past the image, also at the image's
+end marker (where a later call's prompt alone resumes, as the image-end block serves it
+above). The prefix's blocks are cached with them, so the followers of its phase, and later
+calls, resume there. The phases are the same as without linear layers.
 """
 
 from __future__ import annotations
@@ -54,11 +58,12 @@ class Plan:
     past_len: int = 0
     blocks: list[tuple[int, BlockId]] = field(default_factory=list)  # (start, block) to cache
     chain: list[BlockKey] = field(default_factory=list)  # keys of the whole shared prefix
-    # linear-attention state (module docstring): the prefix's last block (its snapshot's
-    # key), the snapshot's pinned slots if one is reused, whether to take one
+    # linear-attention state (module docstring): the shared prefix's last block (its
+    # snapshot's key), the snapshot's pinned slots if one is reused, the snapshots to take
+    # in this plan's own forward (prompt position, the last block of the prefix it ends)
     state_tail: BlockId | None = None
     state_slots: list[int] = field(default_factory=list)
-    snapshot: bool = False
+    snapshots: list[tuple[int, BlockId]] = field(default_factory=list)
 
     @property
     def new_len(self) -> int:
@@ -79,11 +84,8 @@ class Planner:
 
     def shared_lengths(self, requests: list[Request], prompts: list[Prompt]) -> list[int]:
         """Each prompt's shared prefix length (module docstring): its group's common prefix,
-        within ``[prefix_len, len(ids) - 1]``; ``prefix_len`` for a prompt alone, and for
-        every prompt of a decoder with linear layers (its snapshots are taken there)."""
+        within ``[prefix_len, len(ids) - 1]``; ``prefix_len`` for a prompt alone."""
         out = [p.prefix_len for p in prompts]
-        if self.state_bytes:  # a hybrid decoder resumes only at its snapshot: the image's end
-            return out
         for group in groups(requests, prompts).values():
             if len(group) < 2:
                 continue
@@ -113,15 +115,6 @@ class Planner:
             phases.append([i for reqs in chunk for i in reqs[1:]])
         return [p for p in phases if p]
 
-    def prefix_phases(self, requests: list[Request], prompts: list[Prompt],
-                      shared: list[int]) -> list[tuple[list[int], list[int]]]:
-        """With linear-attention layers (module docstring): per chunk of groups, (the first
-        request of each group, to prefill through its shared prefix only and snapshot it;
-        every request of the chunk, which then resume after that prefix)."""
-        assert self.cache is not None
-        return [([reqs[0] for reqs in chunk], [i for reqs in chunk for i in reqs])
-                for chunk in self._chunks(requests, prompts, shared)]
-
     def _chunks(self, requests: list[Request], prompts: list[Prompt],
                 shared: list[int]) -> list[list[list[int]]]:
         """Groups (``groups``) in chunks whose prefixes (a slot per block of ``shared``, the
@@ -132,7 +125,8 @@ class Planner:
         bs = self.cache.block_size
         state = self.cache.state_slots(self.state_bytes) if self.state_bytes else 0
         for reqs in groups(requests, prompts).values():
-            need = (-(-shared[reqs[0]] // bs) + state) * self.cache.slot_bytes
+            snaps = 2 if shared[reqs[0]] > prompts[reqs[0]].prefix_len else 1
+            need = (-(-shared[reqs[0]] // bs) + snaps * state) * self.cache.slot_bytes
             if chunks[-1] and used + need > self.cache.budget_bytes // 2:
                 chunks.append([])
                 used = 0
@@ -171,8 +165,8 @@ class Planner:
         plan.chain = [b.key for b in blocks]
         usable = blocks if reuse_limit is None else _ending_by(blocks, reuse_limit)
         plan.slots = self.cache.lookup_slots(usable)
-        if self.state_bytes:
-            return self._plan_state(plan, blocks)
+        if self.state_bytes and self._resume(plan, blocks):
+            return plan
         found = len(plan.slots)
         plan.past_len = sum([len(b.ids) for b in blocks[:found]])
         bs = self.cache.block_size
@@ -182,6 +176,11 @@ class Planner:
             # also the block that ends at the image's end marker: a later call's prompt
             # alone shares only through there, and finds its whole image cached
             plan.blocks.append((start, self._image_end(prompt, span, prefixes, key)))
+        if self.state_bytes:  # nothing found (``_resume``): snapshots in this forward
+            plan.snapshots = [(limit, blocks[-1])]
+            if limit > prompt.prefix_len:  # and where a prompt alone resumes
+                plan.snapshots.insert(0, (prompt.prefix_len,
+                                          self._image_end(prompt, span, prefixes, key)))
         return plan
 
     def _image_end(self, prompt: Prompt, span: ImageSpan, prefixes: dict[Prefix, list[BlockId]],
@@ -198,28 +197,26 @@ class Planner:
                                       head=prefixes[key][:full])
         return prefixes[own][-1]
 
-    def _plan_state(self, plan: Plan, blocks: list[BlockId]) -> Plan:
-        """``plan`` for a decoder with linear layers: the whole prefix from the cache (every
-        block found and usable, and the snapshot at its end) or none of it; blocks and a
-        snapshot cached only by a prompt that ends at its prefix (module docstring)."""
+    def _resume(self, plan: Plan, blocks: list[BlockId]) -> bool:
+        """For a decoder with linear layers: whether the whole shared prefix is cached, every
+        block found and usable and the snapshot at its end (the plan then resumes there,
+        pinned); otherwise nothing is kept (K/V without the state where they end is of no
+        use) and the plan prefills from the start (module docstring)."""
         assert self.cache is not None
         plan.state_tail = blocks[-1]
         if len(plan.slots) == len(blocks):
             plan.state_slots = self.cache.lookup_state(blocks[-1])
-        if not plan.state_slots:  # K/V without the state where they end is of no use
-            self.cache.unpin(plan.chain[: len(plan.slots)])
-            plan.slots = []
-            plan.snapshot = len(plan.prompt.ids) == plan.prompt.prefix_len
-            if plan.snapshot:
-                plan.blocks = [(k * self.cache.block_size, b) for k, b in enumerate(blocks)]
-            return plan
-        plan.past_len = plan.prompt.prefix_len
-        return plan
+        if plan.state_slots:
+            plan.past_len = sum(len(b.ids) for b in blocks)
+            return True
+        self.cache.unpin(plan.chain[: len(plan.slots)])
+        plan.slots = []
+        return False
 
     def batches(self, plans: list[Plan]) -> list[list[Plan]]:
         """Plans sorted by new length (longest first), cut so B * (P + T) <=
-        max_batch_tokens. A plan with no new token (a prefix-only prompt whose prefix is
-        cached, ``prefix_phases``) needs no forward and is left out."""
+        max_batch_tokens. A plan with no new token (an embedding prompt whose every token
+        is cached) needs no forward and is left out."""
         plans = sorted((p for p in plans if p.new_len), key=lambda p: p.new_len, reverse=True)
         batches: list[list[Plan]] = []
         cur: list[Plan] = []

@@ -5,9 +5,13 @@ A hybrid decoder (Qwen3.5) has, per linear layer and row, a conv state and a rec
 (``Decoder.state_shapes``: shapes and dtypes, the recurrent state float32). A snapshot is all
 of them for one row, each tensor's bytes one after the other in layer order (``StateCodec``),
 stored in the cache's byte arena under the key of the prefix's last block
-(``PrefixCache.insert_state``). Restoring copies the snapshot's slots out of the arena in one
-gather for the batch and views the bytes back as the tensors; rows without a snapshot get
-zero states, which a linear layer reads as "no history".
+(``PrefixCache.insert_state``). It is taken inside the forward that prefills the prompt: the
+runner asks the decoder for the linear layers' states at each snapshot row's positions too
+(``snapshot_at``, the decoder's ``state_at``: the image's end, the end of what its group
+shares) and splits them from the states at the rows' ends (``take_snapshots``). Restoring
+copies the snapshot's slots out of the arena in one gather for the batch and views the bytes
+back as the tensors; rows without a snapshot get zero states, which a linear layer reads as
+"no history".
 """
 
 from __future__ import annotations
@@ -69,17 +73,45 @@ def restore(cache: PrefixCache, codec: StateCodec, batch: list[Plan],
 
 
 def snapshot(cache: PrefixCache, codec: StateCodec, batch: list[Plan],
-             states: list[torch.Tensor]) -> None:
-    """Cache the states of the rows whose plan ends at its shared prefix and asks for a
-    snapshot (``Plan.snapshot``); ``states`` as ``restore`` returns them."""
-    rows = [j for j, p in enumerate(batch) if p.snapshot]
-    if not rows:
-        return
-    data = codec.pack([t[rows] if len(rows) < len(batch) else t for t in states])
-    for j, row in zip(rows, data):
-        tail = batch[j].state_tail
-        assert tail is not None  # the planner sets it with snapshot
-        cache.insert_state(tail, row)
+             columns: list[list[torch.Tensor]]) -> None:
+    """Cache the snapshots the batch's plans ask for (``Plan.snapshots``): ``columns[p]``
+    (``take_snapshots``, each as ``restore`` returns states) holds each row's p-th."""
+    for p, states in enumerate(columns):
+        rows = [j for j, plan in enumerate(batch) if len(plan.snapshots) > p]
+        data = codec.pack([t[rows] if len(rows) < len(batch) else t for t in states])
+        for j, row in zip(rows, data):
+            cache.insert_state(batch[j].snapshots[p][1], row)
+
+
+def snapshot_at(batch: list[Plan]) -> list[list[int]] | None:
+    """Per row, the new tokens after which the decoder also returns the linear layers'
+    states (``[B, P]``, the decoder's ``state_at``): a snapshot row's positions (it prefills
+    from the start); its length where it has fewer (unused); None when no row takes one."""
+    n = max(len(p.snapshots) for p in batch)
+    if not n:
+        return None
+    return [[at - p.past_len for at, _ in p.snapshots] + [p.new_len] * (n - len(p.snapshots))
+            for p in batch]
+
+
+def take_snapshots(kinds: tuple[str, ...], new_kv: list[KV], b: int
+                   ) -> tuple[list[KV], list[list[torch.Tensor]]]:
+    """A prefill's per-layer output with ``state_at`` [B, P] (a linear layer's entries
+    ``[(1 + P) B, ...]``: its state at each row's end, then at each column) -> (the same with
+    each row's end state only; per column, its states flattened as ``split_layers`` gives
+    them)."""
+    out: list[KV] = []
+    columns: list[list[torch.Tensor]] = []
+    for kind, (x, y) in zip(kinds, new_kv):
+        if kind != "linear":
+            out.append((x, y))
+            continue
+        out.append((x[:b], y[:b]))
+        cols = [(x[k * b: (k + 1) * b], y[k * b: (k + 1) * b]) for k in range(1, len(x) // b)]
+        columns += [[] for _ in range(len(cols) - len(columns))]
+        for col, pair in zip(columns, cols):
+            col += pair
+    return out, columns
 
 
 def split_layers(kinds: tuple[str, ...], per_layer: list[KV]

@@ -152,16 +152,11 @@ class TorchEngine(Engine):
                                        [choices[p.req] for p in batch], self._first_token)
 
         done: _Queued = []
-        if self.cache is not None and self.planner.state_bytes:
-            for heads, members in self.planner.prefix_phases(requests, prompts, shared):
-                self._prefix_phase(heads, prompts, image_of, images, embeds, prefixes)
-                done += self._phase(members, prompts, image_of, images, embeds, prefixes,
-                                    forward, shared=shared)
-            return self._read_back([], done, len(requests), choices, prompts)
         rows: _Rows = []
         phases = self.planner.phases(requests, prompts, shared)
-        if self.cache is not None and self._question_rows:  # yes/no questions in rows; the
-            # rest after them, in phases
+        # yes/no questions in rows, the rest after them in phases; a hybrid decoder's linear
+        # layers keep one state per row: its questions stay on the phases
+        if self.cache is not None and self._question_rows and not self.planner.state_bytes:
             rows, rest = self._rows(images, requests, prompts, shared, embeds, prefixes)
             keep = set(rest)
             phases = [kept for ph in phases if (kept := [i for i in ph if i in keep])]
@@ -226,21 +221,6 @@ class TorchEngine(Engine):
         s = self.model.spec.text
         return (getattr(s, "rope_scaling", "none") != "dynamic"
                 or len(p.ids) <= getattr(s, "max_positions", 0))
-
-    def _prefix_phase(self, heads: list[int], prompts: list[Prompt], image_of: list[int | None],
-                      images: list[PreparedImage], embeds: dict[int, ImageEmbeds],
-                      prefixes: dict[Prefix, list[BlockId]]) -> None:
-        """A hybrid decoder's (``docs/hybrid_cache.md``): prefill the first prompt of each
-        image through its shared prefix only, caching the prefix's blocks and the linear
-        layers' state snapshot at its end, from which every question about the image then
-        resumes. A prefix already cached needs no forward (``Planner.batches``)."""
-        cut_prompts = {i: cut(prompts[i], prompts[i].prefix_len) for i in heads}
-
-        def forward(batch: list[Plan], ims: list[ImageEmbeds | None]) -> None:
-            self.runner.prefill(batch, ims, [0] * len(batch))
-
-        self._phase(heads, [cut_prompts.get(i, p) for i, p in enumerate(prompts)], image_of,
-                    images, embeds, prefixes, forward)
 
     def embedding(self, cfg: EmbedConfig) -> Resolved:
         return self._head(cfg).resolved

@@ -2,7 +2,8 @@
 holds the shared sub-configs ``ModelConfig``, ``EngineConfig`` and ``PrepareConfig``
 (``pipeline/config.py``: the same records the other commands' roots hold, ``app/config.py``,
 ``app/server/config.py``) and ``ExecutorConfig`` (where the run's stages execute, with the Ray
-options). The CLI builds it from argparse by field name (``app/config.py``); a job stores it
+options). Each field a command line sets declares its option (``common/options.py``); the
+CLI's parsers are derived from those declarations (``app/args.py``). A job stores it
 serialised (``to_json``/``from_json``, with ``RunConfig.VERSION``) and each run may change only
 what does not change an answer: thread counts, the decode deadline and the executor
 (``for_run``).
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from vlmbatch.common.options import COUNT, N, non_default, opt
 from vlmbatch.engine.config import ConfigError, EmbedConfig, EngineConfig, ModelConfig
 from vlmbatch.pipeline.config import PrepareConfig, PrepareOptions, check_threads
 
@@ -26,14 +28,27 @@ EXECUTORS = ("local", "ray")
 RUN_FETCH = ("fetch_concurrency", "fetch_timeout", "fetch_retries")
 # what a run does with its items: answer their questions (yes/no), or embed them
 TASKS = ("answer", "embed")
+TABLES = "tables (Parquet, HF datasets)"  # the help section of a table input's options
 
 
 @dataclass(frozen=True)
 class RayOptions:
-    address: str | None = None  # None: $RAY_ADDRESS, else a new local instance for this run
-    preprocess_workers: int = 1  # concurrent CPU preprocessing tasks
-    model_workers: int = 1  # model actors (one per GPU on a GPU cluster)
-    model_cpus: float = 1.0  # CPUs reserved per model actor (its torch threads, on CPU)
+    OPTION_GROUP: ClassVar[str] = "executor"
+    # None: $RAY_ADDRESS, else a new local instance for this run
+    address: str | None = field(default=None, metadata=opt(
+        "--address", metavar="ADDRESS", help="ray: join this cluster: HOST:PORT (its GCS), "
+        "ray://HEAD:10001 (Ray Client) or auto (default: $RAY_ADDRESS, else a new local "
+        "instance for the run)"))
+    preprocess_workers: int = field(default=1, metadata=opt(  # concurrent CPU prepare tasks
+        "--preprocess-workers", unit=COUNT, help="ray: concurrent decode/tile tasks (serve: per "
+        "batch) (default %(default)s)"))
+    model_workers: int = field(default=1, metadata=opt(  # model actors (one per GPU)
+        "--model-workers", unit=COUNT, help="ray: model actors, one per GPU on a GPU cluster "
+        "(serve: shared by the batches) (default %(default)s)"))
+    # CPUs reserved per model actor (its torch threads, on CPU)
+    model_cpus: float = field(default=1.0, metadata=opt(
+        "--model-cpus", parse=float, metavar="CPUS", help="ray: CPUs per model actor = its "
+        "torch threads on CPU (default %(default)s)"))
 
     def __post_init__(self) -> None:
         if self.preprocess_workers < 1 or self.model_workers < 1:
@@ -44,12 +59,33 @@ class RayOptions:
 
 @dataclass(frozen=True)
 class ExecutorConfig:
-    kind: str = "local"  # one of EXECUTORS: this process, or Ray tasks and actors
+    OPTION_GROUP: ClassVar[str] = "executor"
+    # one of EXECUTORS: this process, or Ray tasks and actors
+    kind: str = field(default="local", metadata=opt(
+        "--executor", choices=EXECUTORS, help="local: this process (serve: batches on the "
+        "engine processes, between interactive requests) (default); ray: CPU preprocessing "
+        "tasks feeding model actors (serve: each batch a job on Ray, several at once, sharing "
+        "the actors) (pip install 'vlmbatch[ray]'; docs/jobs.md)"))
     ray: RayOptions = field(default_factory=RayOptions)
 
     def __post_init__(self) -> None:
         if self.kind not in EXECUTORS:
             raise ConfigError(f"executor {self.kind!r} not one of {EXECUTORS}")
+        if self.kind != "ray" and (given := non_default(self.ray)):
+            raise ConfigError(f"{', '.join(given)}: Ray executor options; add --executor ray")
+
+
+def check_ray_threads(executor: ExecutorConfig, threads: int | None,
+                      preprocess_threads: int | None) -> None:
+    """ConfigError for thread counts given to a run on Ray, where each model actor runs
+    ``model_cpus`` torch threads (what Ray reserves) and decoding runs in Ray tasks."""
+    given = [n for n, v in (("--threads", threads), ("--preprocess-threads",
+                                                     preprocess_threads)) if v is not None]
+    if executor.kind == "ray" and given:
+        raise ConfigError(f"{', '.join(given)}: thread counts apply to in-process runs; with "
+                          "--executor ray each model actor runs --model-cpus torch threads "
+                          "(what Ray reserves) and decoding runs in Ray tasks: use "
+                          "--preprocess-workers")
 
 
 @dataclass(frozen=True)
@@ -61,24 +97,50 @@ class RunConfig:
     # "exact", its default; jobs.folder.load_config reads versions 1-5)
     VERSION: ClassVar[int] = 6
 
-    manifest: Path | None = None
-    images: Path | None = None  # a folder of images, asked the policy's questions
+    manifest: Path | None = field(default=None, metadata=opt(
+        "manifest", nargs="?", help='JSONL, one image per line: {"id", "image", "questions"}; '
+        "a Parquet file, folder or glob, or an HF dataset's save_to_disk folder "
+        "(--image-column); WebDataset shards ('shards/{00000..00099}.tar', paths or URLs); "
+        "run: or a job folder"))
+    images: Path | None = field(default=None, metadata=opt(  # asked the policy's questions
+        "--images", parse=Path, metavar="DIR", help="a folder of images instead of a "
+        "manifest"))
     # Parquet (a file, folder or glob), an HF dataset's save_to_disk folder, or WebDataset
     # shards (a brace pattern of .tar paths or URLs), as typed (jobs/datasets.py)
     dataset: str | None = None
-    image_column: str = "image"  # a table's column of bytes, {bytes, path} or paths/URLs
-    id_column: str | None = None  # a table's column of item ids (default FILE:ROW)
-    questions_column: str | None = None  # a table's column of each row's own questions
-    policy: Path | None = None
-    out: Path | None = None  # JSONL (or CSV: .csv) results; None: standard output
-    images_per_batch: int = 16  # images preprocessed and scored together
-    threads: int | None = None  # torch intra-op threads; None: torch's default
-    progress: bool = True
+    # a table's column of bytes, {bytes, path} or paths/URLs
+    image_column: str = field(default="image", metadata=opt(
+        "--image-column", metavar="COLUMN", group=TABLES, help="the column of encoded bytes, "
+        "{bytes, path} structs (HF datasets' Image) or paths/URLs (default %(default)s)"))
+    id_column: str | None = field(default=None, metadata=opt(  # default FILE:ROW
+        "--id-column", metavar="COLUMN", group=TABLES, help="the column of item ids (default: "
+        "FILE:ROW)"))
+    questions_column: str | None = field(default=None, metadata=opt(  # each row's own
+        "--questions-column", metavar="COLUMN", group=TABLES, help="the column of each row's "
+        "own questions (a string, or a list of strings or question objects), asked before "
+        "the policy's"))
+    policy: Path | None = field(default=None, metadata=opt(
+        "--policy", parse=Path, metavar="FILE", help="YAML/TOML file of questions asked of "
+        "every image"))
+    out: Path | None = field(default=None, metadata=opt(  # None: standard output
+        "--out", "-o", parse=Path, metavar="FILE", help="results file: JSONL, or CSV when it "
+        "ends in .csv (default: JSONL on standard output)"))
+    images_per_batch: int = field(default=16, metadata=opt(  # preprocessed, scored together
+        "--images-per-batch", unit=COUNT, help="images preprocessed and scored together "
+        "(embed: inputs per call) (default %(default)s)"))
+    threads: int | None = field(default=None, metadata=opt(  # None: torch's default
+        "--threads", unit=N, show=lambda v: "torch's, one per core" if v is None else str(v),
+        help="torch CPU threads (default: %(default)s)"))
+    progress: bool = field(default=True, metadata=opt(
+        "--no-progress", action="false", help="no progress bar"))
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
-    task: str = "answer"  # one of TASKS
+    task: str = field(default="answer", metadata=opt(  # one of TASKS
+        "--task", choices=TASKS, help="answer: the questions (default); embed: one embedding "
+        'per line of a {"id", "image"?, "text"?} manifest or per image of --images DIR, with '
+        "the embedding options (default model: the built-in embedding one)"))
     embed: EmbedConfig = field(default_factory=EmbedConfig)  # task "embed": how
 
     def __post_init__(self) -> None:
@@ -91,6 +153,9 @@ class RunConfig:
         self._check_dataset()
         if self.task == "embed" and self.policy is not None:
             raise ConfigError("--policy asks questions: it does not apply to --task embed")
+        if self.task != "embed" and (given := non_default(self.embed)):
+            raise ConfigError(f"{', '.join(given)}: embedding options; add --task embed")
+        check_ray_threads(self.executor, self.threads, self.prepare.preprocess_threads)
         if self.task == "answer" and self.images is not None and self.policy is None:
             raise ConfigError("--images DIR needs --policy FILE to say which questions to ask")
         if self.images_per_batch < 1:
@@ -131,8 +196,18 @@ class RunConfig:
         (``fetch``: any of ``RUN_FETCH``) and executor in place of those stored (None: keep
         them). These change no answer, only speed, what a hung image or a slow server costs
         and where the work runs, and a job may run on another machine than the one it was
-        submitted on."""
+        submitted on. On Ray the stored thread counts do not apply (each model actor runs
+        ``model_cpus`` threads): they are dropped, and this run's are refused."""
         check_threads(threads, preprocess_threads)
+        if executor is not None and executor.kind == "ray":
+            keep = dataclasses.replace(self, threads=None, prepare=dataclasses.replace(
+                self.prepare, preprocess_threads=None))
+            return keep._for_run(threads, preprocess_threads, executor, decode_timeout, fetch)
+        return self._for_run(threads, preprocess_threads, executor, decode_timeout, fetch)
+
+    def _for_run(self, threads: int | None, preprocess_threads: int | None,
+                 executor: ExecutorConfig | None, decode_timeout: float | None,
+                 fetch: dict[str, Any] | None) -> RunConfig:
         unknown = sorted(set(fetch or {}) - set(RUN_FETCH))
         if unknown:
             raise ConfigError(f"not settings a run may change: {unknown}")

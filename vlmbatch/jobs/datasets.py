@@ -6,7 +6,8 @@ or URLs), each listed as ``ImageItem``s whose image is a reference, never the by
                       ``{"bytes", "path"}`` -> ``RowRef(file, row, column)``; a column of
                       paths or URLs -> that string (a path relative to the file's folder)
     WebDataset        ``KEY.jpg|jpeg|png|webp`` (+ optional ``KEY.json``: ``{"id"?,
-                      "questions"?}``) -> ``MemberRef(shard, member, offset, size)``
+                      "questions"?}``, no other key) -> ``MemberRef(shard, member,
+                      offset, size)``
 
 An item's identity is (file, row) or (shard, key): its id is the ``--id-column``'s value
 (the json's ``id``), else ``FILE:ROW`` / ``SHARD:KEY`` (file names relative to the input's
@@ -34,6 +35,7 @@ from typing import IO, Any
 
 from vlmbatch.jobs.errors import ManifestError, brief, check_id, check_unicode
 from vlmbatch.jobs.manifest import parse_question, with_policy
+from vlmbatch.pipeline.questions import QUESTION_KEYS, check_keys
 from vlmbatch.pipeline.records import ImageItem, Question
 from vlmbatch.preprocessing.fetch import Fetcher
 from vlmbatch.preprocessing.limits import FetchOptions
@@ -41,6 +43,7 @@ from vlmbatch.preprocessing.sources import MemberRef, RowRef, SourceError, is_re
 from vlmbatch.preprocessing.table_rows import read_arrow_table
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+SAMPLE_KEYS = frozenset({"id", "questions"})  # a WebDataset sample's KEY.json
 HF_FILES = ("state.json", "dataset_info.json")
 COMPRESSED = (".tar.gz", ".tgz", ".tar.zst", ".tar.bz2", ".tar.xz")  # refused: no offsets
 _BRACE = re.compile(r"\{[^{}]*(,|\.\.)[^{}]*\}")  # a brace pattern's innermost group
@@ -348,6 +351,8 @@ def _sample_item(shard: str, name: str, key: str, members: dict[str, Any],
     meta = members.get("json") or {}
     if not isinstance(meta, dict):
         raise ManifestError(f"{where}.json: must be an object with 'id' and/or 'questions'")
+    check_keys(meta, SAMPLE_KEYS, f"{where}.json", "a sample's json",
+               inner=("a question object", QUESTION_KEYS))
     item_id = check_id(meta["id"], where, "id") if "id" in meta else f"{name}:{key}"
     qs = with_policy(own_questions(meta.get("questions"), where), policy, where,
                      f"give --policy or 'questions' in {key}.json")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from vlmbatch.jobs.errors import ManifestError, brief, check_id, check_unicode
 from vlmbatch.jobs.manifest import IMAGE_SUFFIXES
+from vlmbatch.pipeline.questions import check_keys
 from vlmbatch.pipeline.records import EmbedItem
 
 EMBED_KEYS = {"id", "image", "text"}
@@ -55,10 +56,7 @@ def _json_object(line: str, where: str) -> dict:
 
 
 def _item(rec: dict, where: str, lineno: int, index: int, base_dir: Path) -> EmbedItem:
-    unknown = sorted(set(rec) - EMBED_KEYS, key=str)
-    if unknown:
-        raise ManifestError(f"{where}: unknown key(s) {brief(unknown)}; an embedding line has "
-                            f"{sorted(EMBED_KEYS)} (image, text or both)")
+    check_keys(rec, EMBED_KEYS, where, "an embedding line (image, text or both)")
     image, text = rec.get("image"), rec.get("text")
     for name, v in (("image", image), ("text", text)):
         if v is not None and (not isinstance(v, str) or not v.strip()):

@@ -20,9 +20,13 @@ system turn (a question's own ``system`` wins):
       - {id: category, text: "Which category fits the image best?",
          choices: [safe, sexual, violence, hate]}
 
-Validation is complete before any work starts: a malformed line raises ``ManifestError``
-naming the file and line number. Reading image bytes happens later, per item, so a missing
-image is that item's error, not the job's.
+A line has no other keys, a policy no other top-level keys than ``questions`` and
+``system``, a question object no other keys than those above: an unknown key at any level is
+refused (``pipeline/questions.py`` ``check_keys``: the key, the keys allowed there, a close
+match), never ignored with what it held (a misspelt ``questions`` would otherwise leave the
+line only the policy's questions). Validation is complete before any work starts: a
+malformed line raises ``ManifestError`` naming the file and line number. Reading image bytes
+happens later, per item, so a missing image is that item's error, not the job's.
 """
 
 from __future__ import annotations
@@ -32,86 +36,29 @@ import json
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from vlmbatch.jobs.errors import ManifestError, brief, check_id, check_unicode, parse_choices
 from vlmbatch.jobs.openai_batch import is_openai_request, parse_request
+from vlmbatch.pipeline.questions import (
+    QUESTION_KEYS,
+    YES_NO,
+    check_expected,
+    check_keys,
+    parse_question,
+)
 from vlmbatch.pipeline.records import ImageItem, Question
 
-__all__ = ["ImageItem", "ManifestError", "Question", "check_expected", "first_line",
-           "items_from_folder", "iter_manifest", "manifest_format", "parse_choices",
-           "parse_question", "read_manifest", "read_policy", "with_policy"]
+__all__ = ["QUESTION_KEYS", "YES_NO", "ImageItem", "ManifestError", "Question", "check_expected",
+           "first_line", "items_from_folder", "iter_manifest", "manifest_format",
+           "merged", "parse_choices", "parse_question", "read_manifest", "read_policy",
+           "with_policy"]
 
-QUESTION_KEYS = {"id", "text", "threshold", "max_new_tokens", "choices", "prompt", "system",
-                 "expected"}
-YES_NO = ("yes", "no")
+LINE_KEYS = frozenset({"id", "image", "questions"})
+POLICY_KEYS = frozenset({"questions", "system"})
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
-
-
-def parse_question(raw: object, where: str, index: int, prefix: str = "q") -> Question:
-    """A question given as a string or ``{"id", "text", "threshold"?, "max_new_tokens"?,
-    "choices"?, "prompt"?, "system"?, "expected"?}``; ManifestError naming ``where`` and
-    ``index`` otherwise. Without an id it is ``{prefix}{index}``."""
-    if isinstance(raw, str):
-        if not raw.strip():
-            raise ManifestError(f"{where}: question {index} is empty")
-        return Question(id=f"{prefix}{index}", text=raw)
-    if not isinstance(raw, dict) or not isinstance(raw.get("text"), str) \
-            or not raw["text"].strip():
-        raise ManifestError(f"{where}: question {index} must be a string or an object with a "
-                            f"non-empty 'text', got {brief(raw)}")
-    unknown = sorted(set(raw) - QUESTION_KEYS, key=str)  # YAML keys may be 1, null...
-    if unknown:  # a misspelt "threshold" would silently fall back to 0.5
-        raise ManifestError(f"{where}: question {index} has unknown key(s) {brief(unknown)}; a "
-                            f"question object has {sorted(QUESTION_KEYS)}")
-    thr = raw.get("threshold", 0.5)
-    if isinstance(thr, bool) or not isinstance(thr, (int, float)) or not 0.0 <= thr <= 1.0:
-        raise ManifestError(f"{where}: question {index} threshold must be a number in [0, 1], "
-                            f"got {brief(thr)}")
-    gen = raw.get("max_new_tokens")
-    if gen is not None and (not isinstance(gen, int) or isinstance(gen, bool) or gen < 0):
-        raise ManifestError(f"{where}: question {index} max_new_tokens must be a whole number "
-                            f">= 0, got {brief(gen)}")
-    choices = parse_choices(raw["choices"], f"{where}: question {index}") \
-        if "choices" in raw else ()
-    if choices and "threshold" in raw:
-        raise ManifestError(f"{where}: question {index} has choices and a threshold: a label "
-                            "set's answer is its most probable choice, a threshold applies to "
-                            "yes/no questions")
-    qid = check_id(raw.get("id", f"{prefix}{index}"), where, f"question {index} id")
-    expected = check_expected(raw.get("expected"), choices or None, where, f"question {index}")
-    return Question(id=qid, text=raw["text"], threshold=float(thr), max_new_tokens=gen,
-                    choices=choices, system=_text(raw, "system", where, index),
-                    prompt=_text(raw, "prompt", where, index), expected=expected)
-
-
-def _text(raw: dict, key: str, where: str, index: int) -> str | None:
-    """A question's optional non-blank text field (``system``, ``prompt``)."""
-    v = raw.get(key)
-    if v is not None and (not isinstance(v, str) or not v.strip()):
-        raise ManifestError(f"{where}: question {index} {key} must be a non-empty string, got "
-                            f"{brief(v)}")
-    return v
-
-
-def check_expected(raw: object, choices: tuple[str, ...] | None, where: str,
-                   what: str) -> str | None:
-    """A label as given (``expected`` of a question or a labels line): None when absent,
-    else ``"yes"``/``"no"`` for a yes/no question (``choices`` None) or one of ``choices``;
-    ManifestError naming ``where`` and ``what`` otherwise. Exact: ``"Yes"`` is refused, not
-    read as yes, as a label-set's choices are matched exactly; but true/false are yes/no
-    (YAML 1.1 reads a policy's bare ``expected: yes`` as true)."""
-    if raw is None:
-        return None
-    if isinstance(raw, bool):
-        raw = "yes" if raw else "no"
-    allowed = YES_NO if choices is None else choices
-    if not isinstance(raw, str) or raw not in allowed:
-        kind = "a yes/no question's" if choices is None else "its"
-        raise ManifestError(f"{where}: {what} expected must be one of {kind} answers "
-                            f"{list(allowed)}, got {brief(raw)}")
-    return raw
 
 
 def _questions(raw: object, where: str, prefix: str = "q") -> tuple[Question, ...]:
@@ -152,6 +99,8 @@ def policy_questions(data: object, where: str) -> tuple[Question, ...]:
     policy file holds it); ``where`` names it in errors."""
     if not isinstance(data, dict) or "questions" not in data:
         raise ManifestError(f"{where}: a policy needs a top-level 'questions' list")
+    check_keys(data, POLICY_KEYS, where, "a policy", inner=("a question object",
+                                                             QUESTION_KEYS))
     system = data.get("system")
     if system is not None and (not isinstance(system, str) or not system.strip()):
         raise ManifestError(f"{where}: system must be a non-empty string, got {brief(system)}")
@@ -180,10 +129,12 @@ def read_manifest(path: Path, policy: tuple[Question, ...] = ()) -> list[ImageIt
     return items
 
 
-def iter_manifest(path: Path, policy: tuple[Question, ...] = ()
+def iter_manifest(path: Path, policy: tuple[Question, ...] = (), merge: bool = False
                   ) -> Iterator[tuple[int, ImageItem]]:
     """(line number, item) for each line, validated as read, in bounded memory. Duplicate
-    ids are the caller's check (``read_manifest`` keeps a set; the job store a UNIQUE key)."""
+    ids are the caller's check (``read_manifest`` keeps a set; the job store a UNIQUE key).
+    ``merge``: a policy question with the id of a line's is that question (``with_policy``),
+    as ``vlmbatch eval`` reads it."""
     path = Path(path)
     if path.is_dir():
         raise ManifestError(f"{path} is a folder, not a manifest (nor a job folder): for a "
@@ -211,7 +162,7 @@ def iter_manifest(path: Path, policy: tuple[Question, ...] = ()
                 raise ManifestError(f"{where}: not valid JSON ({_reason(e)})") from None
             if not isinstance(rec, dict):
                 raise ManifestError(f"{where}: each line must be a JSON object")
-            item = _item(rec, where, lineno, base_dir, policy)
+            item = _item(rec, where, lineno, base_dir, policy, merge)
             asked = [t for q in item.questions for t in _texts(q)]
             check_unicode([item.id, item.source, *asked], where)  # item.image: a string here
             if (kind := "openai" if is_openai_request(rec) else "vlmbatch") != fmt.setdefault(
@@ -224,24 +175,33 @@ def iter_manifest(path: Path, policy: tuple[Question, ...] = ()
 
 
 def _item(rec: dict, where: str, lineno: int, base_dir: Path,
-          policy: tuple[Question, ...]) -> ImageItem:
+          policy: tuple[Question, ...], merge: bool = False) -> ImageItem:
     if is_openai_request(rec):
         if policy:
             raise ManifestError(f"{where}: a policy does not apply to OpenAI batch requests "
                                 "(each request carries its own question)")
         return parse_request(rec, where, base_dir)
+    check_keys(rec, LINE_KEYS, where, "a manifest line", inner=("a question object",
+                                                                 QUESTION_KEYS))
     if not isinstance(rec.get("image"), str) or not rec["image"]:
         raise ManifestError(f"{where}: missing 'image' (a path, file:// or data: URL)")
     own = _questions(rec.get("questions", []), where)
-    qs = with_policy(own, policy, where, "give 'questions' or --policy", "this line")
+    qs = with_policy(own, policy, where, "give 'questions' or --policy", "this line", merge)
     return ImageItem(check_id(rec.get("id", lineno), where, "id"), rec["image"], qs, base_dir)
 
 
 def with_policy(own: tuple[Question, ...], policy: tuple[Question, ...], where: str,
-                hint: str, holder: str = "this item") -> tuple[Question, ...]:
+                hint: str, holder: str = "this item", merge: bool = False
+                ) -> tuple[Question, ...]:
     """An item's own questions, then the policy's: ManifestError naming ``where`` when an id
     is in both (``holder``: what holds the own ones) or there is none (``hint``: how to give
-    some). One check for manifest lines, table rows, shard members and Ray Data rows."""
+    some). One check for manifest lines, table rows, shard members and Ray Data rows.
+    ``merge`` (``vlmbatch eval MANIFEST --policy``): an id in both is one question instead,
+    asked as ``merged`` says."""
+    if merge:
+        by_id = {q.id: q for q in policy}
+        own = tuple(merged(q, by_id[q.id], where) if q.id in by_id else q for q in own)
+        policy = tuple(q for q in policy if q.id not in {q.id for q in own})
     clash = {q.id for q in own} & {q.id for q in policy}
     if clash:
         raise ManifestError(f"{where}: question id(s) {brief(sorted(clash))} are used by both "
@@ -249,6 +209,31 @@ def with_policy(own: tuple[Question, ...], policy: tuple[Question, ...], where: 
     if not own + policy:
         raise ManifestError(f"{where}: no questions ({hint})")
     return own + policy
+
+
+def merged(own: Question, policy: Question, where: str) -> Question:
+    """A question a line and the policy both give (one id): the policy's threshold (what a
+    policy written by ``calibrate`` is for), every other field the line's where it sets it,
+    else the policy's. A text or label set that differs, or another field both set
+    differently, is a contradiction: ManifestError naming ``where``, the id and the field."""
+    def kind(q: Question) -> str:
+        return f"a label set {brief(list(q.choices))}" if q.choices else "a yes/no question"
+
+    for same, mine, theirs in ((own.text == policy.text, brief(own.text), brief(policy.text)),
+                               (own.choices == policy.choices, kind(own), kind(policy))):
+        if not same:
+            raise ManifestError(f"{where}: question {own.id!r} is {mine} on this line but "
+                                f"{theirs} in the policy; a policy's threshold holds for its "
+                                "own question: give both the same, or another id")
+    def one(name: str) -> Any:
+        mine, theirs = getattr(own, name), getattr(policy, name)
+        if mine is not None and theirs is not None and mine != theirs:
+            raise ManifestError(f"{where}: question {own.id!r} has {name} {brief(mine)} on this "
+                                f"line and {brief(theirs)} in the policy; give one")
+        return mine if mine is not None else theirs
+
+    return dataclasses.replace(own, threshold=policy.threshold, max_new_tokens=one(
+        "max_new_tokens"), system=one("system"), prompt=one("prompt"), expected=one("expected"))
 
 
 def first_line(path: Path, item_id: str, policy: tuple[Question, ...] = ()) -> int:

@@ -11,9 +11,9 @@ Tables (``jobs/store_schema.py``: the layout, its version, migrations)::
     meta(key, value)                          schema version, status, cancel flag, created
                                               time, the current run's start, pid and host
     items(idx, item_id, spec, state, result,  idx = manifest order; spec = the ImageItem as
-          lines, answered)                    JSON; state pending | done | failed;
-                                              result = JSON list of result lines; lines and
-                                              answered count them
+          lines, answered)                    JSON, its labels too; state pending | done |
+                                              failed; result = JSON list of result lines;
+                                              lines and answered count them
     totals(state, items, lines, answered)     their sums per state, kept by triggers (what
                                               status reads)
 
@@ -90,11 +90,12 @@ def item_to_json(item: ImageItem) -> str:
 def _question_json(q: Question) -> list | dict:
     """[id, text, threshold], plus max_new_tokens when set (stores stay readable by
     versions that know three fields, unless a question uses the fourth); a question with a
-    label set, a system turn or an instruction as an object of its set fields."""
-    if q.choices or q.system is not None or q.prompt is not None:
+    label set, a system turn, an instruction or a label (``expected``: the report marks its
+    answers right or wrong) as an object of its set fields."""
+    if q.choices or q.system is not None or q.prompt is not None or q.expected is not None:
         d = {"id": q.id, "text": q.text, "threshold": q.threshold,
              "max_new_tokens": q.max_new_tokens, "choices": list(q.choices),
-             "system": q.system, "prompt": q.prompt}
+             "system": q.system, "prompt": q.prompt, "expected": q.expected}
         return {k: v for k, v in d.items() if v not in (None, [])}
     fields = [q.id, q.text, q.threshold]
     return fields if q.max_new_tokens is None else [*fields, q.max_new_tokens]
@@ -142,7 +143,7 @@ class JobStore:
                 if new and not tables:
                     create(self.db)
                 elif {"meta", "items"} <= tables:
-                    upgrade(self.db, self.path)
+                    upgrade(self.db, self.path, read_only)
                 else:
                     raise StoreDamaged(f"{self.path} holds no job store (empty, truncated or "
                                        "another file); submit the job again")

@@ -9,6 +9,13 @@ updates and deletes (whoever makes them), and by ``JobStore.add_items`` for its 
 (the only ones; a trigger there would add ~12 us to each of a million inserts, doubling
 their time). A version-1 store is migrated when first opened; a store of a later version than
 ``STORE_VERSION`` is refused, with both numbers.
+
+Version 3 keeps each question's label (``expected``) in the item's ``spec`` (its JSON object
+form), so ``vlmbatch report`` can mark answers right or wrong. The tables are those of
+version 2: migrating is writing the number, and what it guards is the other direction: a
+vlmbatch of version 2 that predates labels would read such a spec as damage, so it is told
+instead that a newer vlmbatch wrote the store. Stores submitted before keep no labels (their
+manifests' were dropped): their reports mark nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from pathlib import Path
 
 from vlmbatch.jobs.errors import ManifestError
 
-STORE_VERSION = 2
+STORE_VERSION = 3
 
 TABLES = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -79,20 +86,23 @@ def create(db: sqlite3.Connection) -> None:
     db.execute("COMMIT")
 
 
-def upgrade(db: sqlite3.Connection, path: Path) -> None:
-    """Refuse a store of a later version; migrate a version-1 store, in one transaction
-    (re-checked inside it: another process may have migrated it meanwhile)."""
+def upgrade(db: sqlite3.Connection, path: Path, read_only: bool = False) -> None:
+    """Refuse a store of a later version; migrate an older one (1 -> 2 -> 3), in one
+    transaction (re-checked inside it: another process may have migrated it meanwhile). A
+    read-only version-2 store (an archive) is read as it is: its tables are version 3's."""
     v = version_of(db)
     if v > STORE_VERSION:
         raise StoreTooNew(f"{path} was written by a newer vlmbatch (job store version {v}; "
                           f"this one reads up to {STORE_VERSION}): run the job with that "
                           "version")
-    if v == STORE_VERSION:
+    if v == STORE_VERSION or (read_only and v == 2):
         return
     db.execute("BEGIN IMMEDIATE")
     try:
         if version_of(db) == 1:
             _from_v1(db)
+        if version_of(db) == 2:  # the same tables; specs may now hold labels
+            db.execute("UPDATE meta SET value = ? WHERE key = 'schema'", (str(STORE_VERSION),))
         db.execute("COMMIT")
     except BaseException:
         if db.in_transaction:
@@ -112,7 +122,7 @@ def _from_v1(db: sqlite3.Connection) -> None:
     db.execute("UPDATE totals SET (items, lines, answered) = (SELECT COUNT(*), "
                "COALESCE(SUM(lines), 0), COALESCE(SUM(answered), 0) FROM items "
                "WHERE items.state = totals.state)")
-    db.execute("INSERT INTO meta (key, value) VALUES ('schema', ?)", (str(STORE_VERSION),))
+    db.execute("INSERT INTO meta (key, value) VALUES ('schema', '2')")
 
 
 def _statements(script: str) -> list[str]:

@@ -2,6 +2,6 @@
 labels read back (``read.py``: ``Scored``, ``Label``), a labelled evaluation
 (``evaluation.py``, its maths in ``metrics.py``), thresholds calibrated on labels
 (``calibration.py``, curves drawn by ``plots.py``: matplotlib) and a job's HTML report
-(``report.py``). Runs no model: it reads answers (a results file or a job's store, through
-``jobs/``) and labels.
+(``report.py``; what it counts, in one pass over the store: ``job_stats.py``). Runs no
+model: it reads answers (a results file or a job's store, through ``jobs/``) and labels.
 """

@@ -82,6 +82,16 @@ class Curve:
     def f1(self) -> np.ndarray:
         return 2 * self.tp / np.maximum(self.tp + self.fp + self.positives, 1)
 
+    @property
+    def auroc(self) -> float | None:
+        """The area under the ROC curve from (0, 0) through every point, trapezoids between
+        them: the Mann-Whitney statistic, a tie counting 1/2 (``metrics.auroc``); None
+        without both classes."""
+        if not self.positives or not self.negatives:
+            return None
+        x, y = np.r_[0.0, self.fpr], np.r_[0.0, self.recall]
+        return float(np.sum((x[1:] - x[:-1]) * (y[1:] + y[:-1])) / 2)
+
 
 def curve(p_yes: np.ndarray, actual: np.ndarray) -> Curve:
     """``p_yes`` float ``[N]``, ``actual`` bool ``[N]`` (expected yes)."""

@@ -13,7 +13,8 @@ Labels (``--labels``) come in either of two files, told apart by their first lin
   "question_id": "red", "expected": "yes"}`` (other keys are ignored: an annotator's name,
   a note);
 - a manifest whose questions carry ``"expected"`` (``jobs/manifest.py``), a policy's
-  questions too when one is given: a policy's label holds for every image.
+  questions too when one is given: a policy's label holds for every image, and a policy
+  question with the id of a line's is that question, at the policy's threshold.
 
 A label is validated against its result line when the two are joined (``evaluation.py``):
 ``"yes"``/``"no"`` for a yes/no line, one of its choices for a label-set line.
@@ -203,19 +204,24 @@ def _add(out: dict[Key, Label], key: Key, label: Label) -> None:
 def labelled_manifest(path: Path, policy: Path | None = None
                       ) -> tuple[list[ImageItem], dict[Key, Label]]:
     """A manifest's items asked only their labelled questions (items with none left out),
-    and those labels: what ``vlmbatch eval MANIFEST`` runs and scores."""
+    and those labels: what ``vlmbatch eval MANIFEST`` runs and scores. A ``policy``
+    question with the id of a line's question is that question, asked at the policy's
+    threshold (``jobs/manifest.py`` ``merged``: how a calibration is checked on another
+    labelled set); the policy's other questions are asked of every image."""
     qs = read_policy(policy) if policy is not None else ()
+    by_id = {q.id: q for q in qs}
     items: list[ImageItem] = []
     labels: dict[Key, Label] = {}
     seen: dict[str, int] = {}
-    for lineno, item in iter_manifest(Path(path), qs):
+    for lineno, item in iter_manifest(Path(path), qs, merge=True):
         if (first := seen.setdefault(item.id, lineno)) != lineno:
             raise ManifestError(f"{path}:{lineno}: id {brief(item.id)} appears twice (first "
                                 f"on line {first})")
-        own = {q.id for q in item.questions} - {q.id for q in qs}
         asked = tuple(q for q in item.questions if q.expected is not None)
-        for q in asked:
-            where = f"{path}:{lineno}" if q.id in own else str(policy)
+        for q in asked:  # a label the policy gave names the policy, one the line gave the line
+            given = by_id.get(q.id)
+            where = str(policy) if given is not None and given.expected == q.expected \
+                else f"{path}:{lineno}"
             _add(labels, (item.id, q.id), Label(str(q.expected), where))
         if asked:
             items.append(ImageItem(item.id, item.image, asked, item.base_dir))

@@ -1,128 +1,40 @@
 """``vlmbatch report JOB -o report.html``: one self-contained HTML page about a job.
 
 The page: the job's counts, QPM and its failed images by error kind; per question the
-yes-rate and a histogram of P(yes) with the threshold marked (a label-set question: its
-label distribution); and a contact sheet of the question's most borderline images, closest
-to the threshold (a label set: smallest gap between the two most probable choices), each a
-thumbnail with its P(yes) (or label and probability).
+yes-rate and a histogram of P(yes) on a log-odds axis with the threshold marked (a label-set
+question: its label distribution); a contact sheet of its borderline images, closest to the
+threshold first, or a line saying that none is near; and when the job's manifest carried
+labels (``expected``, kept by the store), each shown answer marked right or wrong, the
+question's count of each, and a sheet of its most confident wrong answers. What is counted,
+the borderline rule and the histogram's bins: ``job_stats.py``.
 
 Self-contained: the styles are inline, the charts inline SVG, the thumbnails JPEG ``data:``
 URLs; the page runs no script and loads nothing, so it opens offline, mailed or archived.
-Read in one pass over the store in bounded memory: per question, histogram counts and a heap
-of the ``borderline`` closest images; only those are read again and shrunk.
+Only the images shown are read again, and shrunk.
 """
 
 from __future__ import annotations
 
 import base64
-import heapq
 import html
 import io
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from PIL import Image, ImageOps
 
 from vlmbatch.common.atomic import replaced_on_success
-from vlmbatch.jobs.folder import STORE_FILE, JobStatus, job_task, load_config, status
-from vlmbatch.jobs.manifest import ManifestError
-from vlmbatch.jobs.store import JobStore, item_from_json
-from vlmbatch.labels.read import Scored, scored
-from vlmbatch.pipeline.records import ImageItem
+from vlmbatch.labels.job_stats import (
+    LOGITS,
+    NEAR,
+    JobReport,
+    QuestionStats,
+    Shown,
+    gather,
+    logit,
+    sigmoid,
+)
 from vlmbatch.preprocessing.sources import SourceError, read_bytes
-
-BINS = 20  # P(yes) histogram bins
-
-
-@dataclass
-class QuestionStats:
-    """What the page shows of one question, gathered line by line."""
-    question_id: str
-    text: str
-    threshold: float
-    answered: int = 0
-    failed: int = 0
-    yes: int = 0
-    hist: list[int] = field(default_factory=lambda: [0] * BINS)
-    labels: Counter[str] = field(default_factory=Counter)  # label-set questions
-    # the most borderline answers as a max-heap on distance: (-distance, order, line, image)
-    near: list[tuple[float, int, Scored, tuple[str, Path]]] = field(
-        default_factory=list)
-
-    @property
-    def is_label_set(self) -> bool:
-        return bool(self.labels)
-
-    def add(self, s: Scored, image: tuple[str, Path], keep: int, order: int) -> None:
-        if s.error is not None:
-            self.failed += 1
-            return
-        self.answered += 1
-        if s.probs is not None:
-            self.labels[str(s.answer)] += 1
-            top = sorted((p for _, p in s.probs), reverse=True)
-            distance = top[0] - (top[1] if len(top) > 1 else 0.0)
-        else:
-            p = float(s.p_yes or 0.0)
-            self.yes += s.answer == "yes"
-            self.hist[min(int(p * BINS), BINS - 1)] += 1
-            distance = abs(p - self.threshold)
-        entry = (-distance, -order, s, image)  # ties: the earlier line stays
-        if len(self.near) < keep:
-            heapq.heappush(self.near, entry)
-        elif keep and entry > self.near[0]:
-            heapq.heapreplace(self.near, entry)
-
-    def borderline(self) -> list[tuple[Scored, tuple[str, Path]]]:
-        """The kept answers, closest first."""
-        return [(s, im) for _, _, s, im in sorted(self.near, key=lambda e: (-e[0], -e[1]))]
-
-
-@dataclass(frozen=True)
-class JobReport:
-    job: Path
-    status: JobStatus
-    model: str
-    questions: list[QuestionStats]
-    errors: Counter[str]  # error kind -> failed images
-    error_example: dict[str, str]  # error kind -> one message
-
-
-def gather(job: Path, borderline: int = 8) -> JobReport:
-    """One pass over the job's store."""
-    if job_task(job) != "answer":
-        raise ManifestError(f"{job} is an embedding job: a report covers jobs that answer "
-                            "questions")
-    st, cfg = status(job), load_config(job)
-    per_q: dict[str, QuestionStats] = {}
-    errors: Counter[str] = Counter()
-    example: dict[str, str] = {}
-    store = JobStore(Path(job) / STORE_FILE)
-    try:
-        for n, (item, lines) in enumerate(store.recorded_items(item_from_json)):
-            _add_item(item, lines, per_q, borderline, n)
-            failed = next((d for d in lines if d.get("error")), None)
-            if failed is not None:
-                kind = str(failed.get("error_kind") or "unknown")
-                errors[kind] += 1
-                example.setdefault(kind, str(failed["error"]))
-    finally:
-        store.close()
-    model = str(cfg.model.path) if cfg.model.path is not None else "the built-in model"
-    return JobReport(Path(job), st, model, list(per_q.values()), errors, example)
-
-
-def _add_item(item: ImageItem, lines: list[dict], per_q: dict[str, QuestionStats],
-              keep: int, order: int) -> None:
-    thresholds = {q.id: q.threshold for q in item.questions}
-    for d in lines:
-        s = scored(d, f"item {item.id!r}")
-        q = per_q.get(s.question_id)
-        if q is None:
-            q = per_q[s.question_id] = QuestionStats(s.question_id, s.question,
-                                                     thresholds.get(s.question_id, 0.5))
-        q.add(s, (item.source, item.base_dir), keep, order)
 
 
 def thumbnail(image: str, base_dir: Path, size: int = 128) -> str | None:
@@ -162,6 +74,7 @@ border-bottom:1px solid #dde2ea} th{background:#f2f4f8} .num{text-align:right}
 figure{margin:0;width:140px;padding:6px;border:1px solid #dde2ea;border-radius:6px;
 background:#f8f9fb} figure img{display:block;max-width:128px;max-height:128px;margin:auto}
 figcaption{font-size:12px;margin-top:4px;word-break:break-all}
+figure.right{border:2px solid #2e8540} figure.wrong{border:2px solid #d33}
 .none{width:128px;height:64px;background:#eceff4;display:flex;align-items:center;
 justify-content:center;font-size:11px;color:#667085}
 svg{display:block;margin:6px 0}
@@ -206,48 +119,91 @@ def _question(q: QuestionStats, thumb: int) -> str:
     head = f"<h2>{e(q.question_id)}: {e(q.text)}</h2>"
     if not q.answered:
         return head + f'<p class="muted">No answer ({q.failed} failed).</p>'
+    stats = f"{q.answered} answered, {q.failed} failed"
+    if not q.is_label_set:
+        stats += f"; yes-rate {q.yes / q.answered:.1%} at threshold {q.threshold:g}"
+    if q.labelled:
+        stats += (f"; {q.labelled} labelled: {q.right} right, {q.labelled - q.right} wrong "
+                  f"(accuracy {q.right / q.labelled:.1%})")
+    chart = _label_bars(q.labels) if q.is_label_set else _histogram(q.hist, q.threshold)
+    parts = [head, f"<p>{e(stats)}</p>", chart, _near(q, thumb)]
+    if q.wrong:
+        parts.append(f'<p class="muted">Wrong answers: {q.labelled - q.right} of {q.labelled} '
+                     f"labelled, the {len(q.wrong)} most confident first:</p>"
+                     + _sheet(q.wrong_answers(), thumb))
+    return "".join(parts)
+
+
+def _near(q: QuestionStats, thumb: int) -> str:
+    """The borderline sheet (``NEAR``), or the line saying nothing is near."""
     if q.is_label_set:
-        stats = f"{q.answered} answered, {q.failed} failed"
-        chart = _label_bars(q.labels)
-        what = "smallest gap between the two most probable choices"
+        rule = "its two most probable choices within a factor e (log p1/p2 <= 1)"
     else:
-        stats = (f"{q.answered} answered, {q.failed} failed; yes-rate "
-                 f"{q.yes / q.answered:.1%} at threshold {q.threshold:g}")
-        chart = _histogram(q.hist, q.threshold)
-        what = f"P(yes) closest to the threshold {q.threshold:g}"
-    sheet = "".join(_figure(s, im, thumb) for s, im in q.borderline())
-    return (f"{head}<p>{e(stats)}</p>{chart}<p class=\"muted\">Most borderline ({e(what)}):"
-            f"</p><div class=\"sheet\">{sheet}</div>")
+        t = logit(q.threshold)
+        rule = (f"P(yes) within a factor e in odds of the threshold {q.threshold:g}: "
+                f"{sigmoid(t - NEAR):.3g} to {sigmoid(t + NEAR):.3g}")
+    if not q.near_count:
+        assert q.closest is not None  # answered
+        d, s = q.closest
+        what = (f"P(yes) {float(s.p_yes or 0.0):.4f}" if s.probs is None
+                else f"{s.answer} {s.confidence or 0.0:.4f}")
+        return (f'<p class="muted">Nothing is near the threshold: no answer has {e(rule)}. '
+                f"The closest, {e(s.image_id)}, has {e(what)}, {d:.1f} from it in log-odds."
+                "</p>")
+    return (f'<p class="muted">Borderline: {q.near_count} answer(s) with {e(rule)}; the '
+            f"{len(q.near)} closest first:</p>" + _sheet(q.borderline(), thumb))
 
 
-def _figure(s: Scored, image: tuple[str, Path], thumb: int) -> str:
-    url = thumbnail(image[0], image[1], thumb)
+def _sheet(shown: list[Shown], thumb: int) -> str:
+    return '<div class="sheet">' + "".join(_figure(a, thumb) for a in shown) + "</div>"
+
+
+def _figure(a: Shown, thumb: int) -> str:
+    s = a.s
+    url = thumbnail(a.image[0], a.image[1], thumb)
     pic = (f'<img src="{url}" alt="{e(s.image_id)}">' if url
            else '<div class="none">image unreadable</div>')
     if s.probs is not None:
         what = f"{s.answer} {dict(s.probs).get(str(s.answer), 0.0):.3f}"
     else:
         what = f"P(yes) {float(s.p_yes or 0.0):.4f} ({s.answer})"
-    return f"<figure>{pic}<figcaption>{e(s.image_id)}<br>{e(what)}</figcaption></figure>"
+    mark, cls = "", ""
+    if a.expected is not None:
+        right = s.answer == a.expected
+        mark = ("<br><b>right</b>" if right
+                else f"<br><b>wrong</b>: expected {e(a.expected)}")
+        cls = ' class="right"' if right else ' class="wrong"'
+    return (f"<figure{cls}>{pic}<figcaption>{e(s.image_id)}<br>{e(what)}{mark}"
+            "</figcaption></figure>")
 
 
-def _histogram(hist: list[int], threshold: float, w: int = 480, h: int = 120) -> str:
-    """Bars of the P(yes) counts over [0, 1], the threshold as a red line."""
+TICKS = (0.0001, 0.001, 0.01, 0.1, 0.5, 0.9, 0.99, 0.999, 0.9999)  # P(yes) labels
+
+
+def _histogram(hist: list[int], threshold: float, w: int = 480, h: int = 130) -> str:
+    """Bars of the P(yes) counts on the log-odds axis (``bin_of``), ticks in probability,
+    the threshold as a red line at its log-odds."""
     top = max(max(hist), 1)
     bw = w / len(hist)
+
+    def x(p: float) -> float:  # a probability's place on the axis
+        return (min(max(logit(p), -LOGITS), LOGITS) + LOGITS) / (2 * LOGITS) * w
+
     bars = "".join(
-        f'<rect x="{i * bw + 1:.1f}" y="{h - 20 - (h - 30) * n / top:.1f}" '
-        f'width="{bw - 2:.1f}" height="{(h - 30) * n / top:.1f}" fill="#4a78c2">'
-        f"<title>{i / len(hist):.2f}-{(i + 1) / len(hist):.2f}: {n}</title></rect>"
-        for i, n in enumerate(hist))
-    x = threshold * w
-    axis = (f'<line x1="0" y1="{h - 20}" x2="{w}" y2="{h - 20}" stroke="#667085"/>'
-            f'<text x="0" y="{h - 5}" font-size="11">0</text>'
-            f'<text x="{w - 8}" y="{h - 5}" font-size="11">1</text>'
-            f'<text x="{w / 2 - 20}" y="{h - 5}" font-size="11">P(yes)</text>'
+        f'<rect x="{i * bw + 1:.1f}" y="{h - 32 - (h - 42) * n / top:.1f}" '
+        f'width="{bw - 2:.1f}" height="{(h - 42) * n / top:.1f}" fill="#4a78c2">'
+        f"<title>P(yes) {sigmoid(i - LOGITS):.2g}-{sigmoid(i + 1 - LOGITS):.2g}: {n}</title>"
+        "</rect>" for i, n in enumerate(hist))
+    ticks = "".join(f'<line x1="{x(p):.1f}" y1="{h - 32}" x2="{x(p):.1f}" y2="{h - 28}" '
+                    f'stroke="#667085"/><text x="{x(p):.1f}" y="{h - 17}" font-size="10" '
+                    f'text-anchor="middle">{p:g}</text>' for p in TICKS)
+    axis = (f'<line x1="0" y1="{h - 32}" x2="{w}" y2="{h - 32}" stroke="#667085"/>{ticks}'
+            f'<text x="{w / 2:.0f}" y="{h - 3}" font-size="11" text-anchor="middle">'
+            f"P(yes), log-odds axis</text>"
             f'<text x="2" y="10" font-size="11">{top}</text>')
-    mark = (f'<line x1="{x:.1f}" y1="0" x2="{x:.1f}" y2="{h - 20}" stroke="#d33" '
-            'stroke-width="2"/>')
+    tx = x(threshold)
+    mark = (f'<line x1="{tx:.1f}" y1="0" x2="{tx:.1f}" y2="{h - 32}" stroke="#d33" '
+            f'stroke-width="2"><title>threshold {threshold:g}</title></line>')
     return (f'<svg width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img" '
             f'aria-label="P(yes) histogram">{bars}{axis}{mark}</svg>')
 

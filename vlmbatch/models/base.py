@@ -32,6 +32,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import nn
 
+from vlmbatch.models.linear_attention import Branches
 from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
 
 KV = tuple[torch.Tensor, torch.Tensor]  # (k, v), each [B, K, T, d], rotary applied
@@ -140,17 +141,20 @@ class Decoder(nn.Module, ABC):
     @abstractmethod
     def prefill(self, embeds: torch.Tensor, lengths: torch.Tensor,
                 past: list[KV] | None = None, past_lengths: torch.Tensor | None = None, *,
-                positions: torch.Tensor | None = None,
-                deepstack: DeepStack | None = None) -> tuple[torch.Tensor, list[KV]]:
+                positions: torch.Tensor | None = None, deepstack: DeepStack | None = None,
+                state_at: torch.Tensor | None = None) -> tuple[torch.Tensor, list[KV]]:
         """embeds [B, T, D] after per layer (k, v) [B, K, P, d] (row b's first
         past_lengths[b] real); lengths [B] real new tokens; positions of the new tokens
         (``[3, B, T]`` M-RoPE; None: past_lengths[b] + t). Returns (logits of each row's
-        last real token [B, V] float32, per layer (k, v) [B, K, T, d] of the new tokens)."""
+        last real token [B, V] float32, per layer (k, v) [B, K, T, d] of the new tokens).
+        ``state_at`` [B, P]: a linear layer's state also after that many new tokens (its
+        entry then has (1 + P) B rows, ``models/decoder.py``)."""
 
     def prefill_hidden(self, embeds: torch.Tensor, lengths: torch.Tensor,
                        past: list[KV] | None = None, past_lengths: torch.Tensor | None = None,
                        *, positions: torch.Tensor | None = None,
-                       deepstack: DeepStack | None = None) -> tuple[torch.Tensor, list[KV]]:
+                       deepstack: DeepStack | None = None,
+                       state_at: torch.Tensor | None = None) -> tuple[torch.Tensor, list[KV]]:
         """As ``prefill``, but every new position's last hidden state (after the final norm)
         ``[B, T, D]`` instead of the last token's logits: what embeddings pool."""
         raise NotImplementedError(f"{type(self).__name__} gives no hidden states yet: "
@@ -176,12 +180,14 @@ class Decoder(nn.Module, ABC):
                                   "in one row")
 
     def extend(self, embeds: torch.Tensor, positions: torch.Tensor, kv: list[KV],
-               key_valid: torch.Tensor, new_mask: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:
+               key_valid: torch.Tensor, new_mask: torch.Tensor,
+               branches: Branches | None = None) -> tuple[torch.Tensor, list[KV]]:
         """N tokens per row after cached keys, each new token seeing the valid cached keys
         and the new tokens ``new_mask`` allows: embeds [B, N, D], positions [B, N] (M-RoPE
         [3, B, N]), kv per layer [B, K, S, d], key_valid [B, S] bool, new_mask [B, N, N]
         bool -> (logits of every new position [B, N, V] float32, per layer (k, v)
-        [B, K, N, d])."""
+        [B, K, N, d]). ``branches``: which new tokens continue which row's state, for a
+        decoder with linear-attention layers (``models/linear_attention.py``)."""
         raise NotImplementedError(f"{type(self).__name__} cannot extend a cached prefix by "
                                   "several tokens: label sets of this family are not "
                                   "supported")

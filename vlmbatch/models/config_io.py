@@ -7,7 +7,11 @@ error handling stay light; ``io.py`` reads the weights and re-exports these.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+
+# ORG/NAME as the Hugging Face hub names a repository (what `--model` is often given)
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 class ModelError(RuntimeError):
@@ -31,6 +35,12 @@ def read_json(p: Path) -> dict:
 def read_config(path: Path) -> dict:
     """The model directory's ``config.json``; ModelError, saying what to do, if absent."""
     cfg_file = path / "config.json"
+    if not cfg_file.is_file() and not path.exists() and _HUB_ID.fullmatch(str(path)):
+        raise ModelError(
+            f"no model folder {path}: vlmbatch reads checkpoints from local folders and "
+            f"downloads nothing. {path} looks like a Hugging Face hub id: download it first, "
+            f"e.g. `huggingface-cli download {path} --local-dir ./{path.name}`, then pass "
+            f"--model ./{path.name}")
     if not cfg_file.is_file():
         raise ModelError(
             f"no model at {path}: looked for {cfg_file}. Pass --model DIR with an HF-format "

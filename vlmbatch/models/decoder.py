@@ -30,7 +30,11 @@ The options:
   recurrent [B, Hv, dk, dv])`` before / after the call instead of k, v, a missing past
   meaning zeros; ``join_cache`` joins a cache with a step's output per kind (K/V appended, a
   state replaced). Positions and the attention mask concern the full layers only; a linear
-  layer reads which new tokens are real (``valid``) instead;
+  layer reads how the new tokens sit in their rows instead (``linear_attention.Layout``:
+  which are real; ``prefill``'s ``state_at``, state snapshots inside the forward, which
+  add B rows per snapshot column to its returned state; ``extend``'s ``branches``,
+  continuations side by side, each from its row's state, whose returned state has a row
+  per branch);
 - ``qkv_layout``: ``"separate"`` (``q_proj``, ``k_proj``, ``v_proj``) or ``"grouped"``
   (InternLM2's one fused ``wqkv``: per key/value head its query heads, then its key, then
   its value; ``GroupedQKVAttention``); ``Attention.qkv`` is the one method that builds
@@ -99,7 +103,7 @@ from vlmbatch.models.layers import (
     rotary,
     scaled_inverse_frequencies,
 )
-from vlmbatch.models.linear_attention import GatedDeltaNet, LinearSpec
+from vlmbatch.models.linear_attention import Branches, GatedDeltaNet, Layout, LinearSpec
 
 ROPE_KINDS = ("1d", "mrope-sectioned", "mrope-interleaved")
 ROPE_SCALINGS = ("none", "linear", "dynamic")  # 1-D rotary only (module docstring)
@@ -384,16 +388,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = make_norm(s, s.hidden)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                past: KV | None = None, valid: torch.Tensor | None = None
+                past: KV | None = None, layout: Layout | None = None
                 ) -> tuple[torch.Tensor, KV]:
-        # x: [B, T, D]; as Attention.forward (valid [B, T]: real new tokens, for mixers that
-        # need it). Returns x and this step's k, v.
-        a, kv = self.mix(self.input_layernorm(x), cos, sin, mask, past, valid)
+        # x: [B, T, D]; as Attention.forward (layout: which new tokens are real, and how they
+        # continue a state, for mixers that keep one). Returns x and this step's k, v.
+        a, kv = self.mix(self.input_layernorm(x), cos, sin, mask, past, layout)
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
     def mix(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-            past: KV | None, valid: torch.Tensor | None) -> tuple[torch.Tensor, KV]:
+            past: KV | None, layout: Layout | None) -> tuple[torch.Tensor, KV]:
         """The token mixer on the normed stream: attention here."""
         return self.self_attn(h, cos, sin, mask, past)
 
@@ -411,8 +415,8 @@ class LinearDecoderLayer(DecoderLayer):
         self.post_attention_layernorm = make_norm(s, s.hidden)
 
     def mix(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-            past: KV | None, valid: torch.Tensor | None) -> tuple[torch.Tensor, KV]:
-        return self.linear_attn(h, past, valid)
+            past: KV | None, layout: Layout | None) -> tuple[torch.Tensor, KV]:
+        return self.linear_attn(h, past, layout)
 
 
 # a layer kind -> its module (module docstring: ``layer_kinds``)
@@ -471,8 +475,8 @@ class TextDecoder(Decoder):
 
     def prefill(self, embeds: torch.Tensor, lengths: torch.Tensor, past: list[KV] | None = None,
                 past_lengths: torch.Tensor | None = None, *,
-                positions: torch.Tensor | None = None,
-                deepstack: DeepStack | None = None) -> tuple[torch.Tensor, list[KV]]:
+                positions: torch.Tensor | None = None, deepstack: DeepStack | None = None,
+                state_at: torch.Tensor | None = None) -> tuple[torch.Tensor, list[KV]]:
         """Prefill new tokens after an optional cached prefix; logits of the last real token.
 
         embeds: [B, T, D] new tokens, right-padded; lengths: [B] (1..T) real new tokens.
@@ -481,29 +485,34 @@ class TextDecoder(Decoder):
         + t) or M-RoPE [3, B, T] (required; ``qwen_vl/positions.py``; padding slots: any
         value). Keys: the real past, then the new tokens causally; padding queries attend to
         real tokens only, so no attention row is fully masked. deepstack: features added
-        after the leading layers (module docstring).
+        after the leading layers (module docstring). state_at [B, P] (0..lengths[b]): a
+        linear layer's returned state has (1 + P) B rows, each row's after its last real
+        token, then, column by column, each row's after its first state_at[b, p] new
+        tokens (snapshots at the end of its image's prefix and of what its group shares,
+        taken in this forward: ``linear_attention``).
         Returns (logits [B, V] float32, per layer (k, v) [B, K, T, d] of the new tokens).
         """
         x, new_kv = self._prefill_states(embeds, lengths, past, past_lengths, positions,
-                                         deepstack)
+                                         deepstack, state_at)
         last = x[torch.arange(x.shape[0], device=x.device), lengths - 1]  # [B, D]
         return self.lm_head(self.norm(last)).float(), new_kv
 
     def prefill_hidden(self, embeds: torch.Tensor, lengths: torch.Tensor,
                        past: list[KV] | None = None, past_lengths: torch.Tensor | None = None,
                        *, positions: torch.Tensor | None = None,
-                       deepstack: DeepStack | None = None) -> tuple[torch.Tensor, list[KV]]:
+                       deepstack: DeepStack | None = None,
+                       state_at: torch.Tensor | None = None) -> tuple[torch.Tensor, list[KV]]:
         """As ``prefill`` (same inputs), but every new position's last hidden state after
         the final norm, ``[B, T, D]`` in the model's dtype (row b's first lengths[b] real):
         transformers' ``hidden_states[-1]``, what embeddings pool. No LM head."""
         x, new_kv = self._prefill_states(embeds, lengths, past, past_lengths, positions,
-                                         deepstack)
+                                         deepstack, state_at)
         return self.norm(x), new_kv
 
     def _prefill_states(self, embeds: torch.Tensor, lengths: torch.Tensor,
                         past: list[KV] | None, past_lengths: torch.Tensor | None,
-                        positions: torch.Tensor | None, deepstack: DeepStack | None
-                        ) -> tuple[torch.Tensor, list[KV]]:
+                        positions: torch.Tensor | None, deepstack: DeepStack | None,
+                        state_at: torch.Tensor | None = None) -> tuple[torch.Tensor, list[KV]]:
         """``prefill``'s positions and masks around the stack: the last layer's output
         [B, T, D] before the final norm, and the new tokens' KV."""
         b, t, _ = embeds.shape
@@ -518,7 +527,8 @@ class TextDecoder(Decoder):
         if past is not None:
             seen = torch.arange(p, device=dev)[None, :] < offset[:, None]  # [B, P]
             mask = torch.cat([seen[:, None, :].expand(b, t, p), mask], dim=2)  # [B, T, P+T]
-        return self._layers(embeds, positions, mask, past, deepstack, valid, offset + lengths)
+        return self._layers(embeds, positions, mask, past, deepstack, Layout(valid, state_at),
+                            offset + lengths)
 
     def _positions(self, positions: torch.Tensor | None, offset: torch.Tensor,
                    pos: torch.Tensor, b: int) -> torch.Tensor:
@@ -588,7 +598,8 @@ class TextDecoder(Decoder):
         return logits if logits.dtype == torch.float32 else logits.float(), new_kv
 
     def extend(self, embeds: torch.Tensor, positions: torch.Tensor, kv: list[KV],
-               key_valid: torch.Tensor, new_mask: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:
+               key_valid: torch.Tensor, new_mask: torch.Tensor,
+               branches: Branches | None = None) -> tuple[torch.Tensor, list[KV]]:
         """N tokens per row after cached keys (``Decoder.extend``): ``decode_step`` for
         several tokens, which see each other only where ``new_mask [B, N, N]`` says (causal
         for a plain continuation; block-causal for a label set's choices side by side, each
@@ -596,15 +607,22 @@ class TextDecoder(Decoder):
         tokens, so a padding token (masked from the real ones) still attends to something.
         positions: [B, N] (1-D) or [3, B, N] (M-RoPE); a dynamic rope scaling takes each
         row's largest position + 1 as its length (module docstring). Returns (logits
-        [B, N, V] float32, per layer (k, v) [B, K, N, d])."""
-        if "linear" in self.kinds:  # checked before any work: pipeline.loading
-            raise NotImplementedError("a linear-attention layer cannot extend a prefix by "
-                                      "several side-by-side continuations")
+        [B, N, V] float32, per layer (k, v) [B, K, N, d]).
+
+        A linear layer (``kv``: its state after the prompt) cannot read a mask: ``branches``
+        says which new tokens continue which row's state, one branch per run of tokens that
+        ``new_mask`` chains (a label set: one per choice); its returned state has one row per
+        branch. Required with linear layers (ValueError): tokens side by side in one row are
+        not one sequence."""
+        if branches is None and "linear" in self.kinds:
+            raise ValueError("extend on a decoder with linear-attention layers needs the "
+                             "branches its new tokens continue (linear_attention.Branches)")
         b, n, _ = embeds.shape
         mask = torch.cat([key_valid[:, None, :].expand(b, n, key_valid.shape[1]), new_mask],
                          dim=2)  # [B, N, S + N]
         seq_lens = positions.amax(-1) + 1 if self.spec.rope == "1d" else None  # [B]
-        x, new_kv = self._layers(embeds, positions, mask, kv, seq_lens=seq_lens)
+        x, new_kv = self._layers(embeds, positions, mask, kv, seq_lens=seq_lens,
+                                 layout=Layout(branches=branches))
         return self.lm_head(self.norm(x)).float(), new_kv
 
     @property
@@ -626,11 +644,12 @@ class TextDecoder(Decoder):
 
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                 past: list[KV] | None, deepstack: DeepStack | None = None,
-                valid: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None
+                layout: Layout | None = None, seq_lens: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, list[KV]]:
-        # x: [B, T, D]; positions: [B, T] or [3, B, T]; mask: [B, T, P+T] bool; valid:
-        # [B, T] bool real new tokens (None: all); seq_lens: [B] each row's length after
-        # these tokens (``rotary``; dynamic scaling reads it)
+        # x: [B, T, D]; positions: [B, T] or [3, B, T]; mask: [B, T, P+T] bool; layout: the
+        # linear layers' view of the new tokens (module docstring; None: all real, one
+        # sequence per row); seq_lens: [B] each row's length after these tokens
+        # (``rotary``; dynamic scaling reads it)
         cos, sin = self.rotary(positions, x.dtype, seq_lens)
         feats = deepstack.features if deepstack is not None else ()
         if len(feats) > len(self.layers):
@@ -638,7 +657,7 @@ class TextDecoder(Decoder):
         new_kv = []
         mask = mask[:, None]  # [B, 1, T, P+T]: heads broadcast
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, cos, sin, mask, None if past is None else past[i], valid)
+            x, kv = layer(x, cos, sin, mask, None if past is None else past[i], layout)
             new_kv.append(kv)
             if i < len(feats):
                 assert deepstack is not None

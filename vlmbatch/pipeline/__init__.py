@@ -1,8 +1,10 @@
 """The drive: from items to results, through an engine. One loop for every way in.
 
-- ``records.py``: the drive's records (``ImageItem``, ``Question``, ``Answer`` with its
-  ``ErrorKind``, ``ItemError``, ``EmbedItem``, ``Embedding``), built from and into the
-  engine's (``engine/records.py``: ``Request``, ``Score``, ``EmbedRequest``, ``Vector``);
+- ``records.py``: the drive's records (``ImageItem``, ``Answer`` with its ``ErrorKind``,
+  ``ItemError``, ``EmbedItem``, ``Embedding``), built from and into the engine's
+  (``engine/records.py``: ``Request``, ``Score``, ``EmbedRequest``, ``Vector``);
+- ``questions.py``: ``Question`` and the one parser of questions as users write them
+  (manifests, policies, rows, the Python API), with ``ManifestError``;
 - ``config.py``: ``PrepareConfig`` / ``PrepareOptions``, how stage 1 runs (names only, no
   torch: the CLI's ``--help`` imports it);
 - ``task.py``: what a group of items goes through (``Task``: ``AnswerTask``, ``EmbedTask``);

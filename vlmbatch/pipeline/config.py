@@ -1,14 +1,16 @@
 """The drive's part of the config tree: how stage 1 (reading, decoding, preparing images)
-runs. ``PrepareConfig`` is the shared sub-config of every command that decodes images;
-``PrepareOptions`` is it resolved for a device. The engine's configs are in
-``engine/config.py``. Light by design: no torch.
+runs. ``PrepareConfig`` is the shared sub-config of every command that decodes images, its
+fields declaring their options (``common/options.py``); ``PrepareOptions`` is it resolved for
+a device. The engine's configs are in ``engine/config.py``. Light by design: no torch.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
+from vlmbatch.common.options import COUNT, MIB, N0, SECONDS, BadValue, N, opt
 from vlmbatch.engine.config import ConfigError
 from vlmbatch.preprocessing.limits import (
     DEFAULT_MAX_IMAGE_BYTES,
@@ -33,29 +35,70 @@ class PrepareOptions:
     fetch: FetchOptions = FetchOptions()
 
 
+def domain_list(text: str) -> tuple[str, ...]:
+    """argparse type: ``a.com,.b.org,127.0.0.1`` -> its entries, lower case, checked."""
+    out = []
+    for entry in (e.strip().lower() for e in text.split(",")):
+        host = entry.removeprefix(".")
+        if not host or any(c in host for c in "/@?#\\ ") or "://" in entry:
+            raise BadValue(f"{entry!r} is not a host name (a.com, .b.org)")
+        out.append(entry)
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class PrepareConfig:
     """Stage 1 of every command that decodes images (run and jobs, serve, embed, eval, the
     API): the shared sub-config of their config roots. ``preprocess_threads`` None: by
     device (``preprocess_threads_for``)."""
-    max_pixels: int = DEFAULT_MAX_PIXELS  # larger images are that item's error (bomb guard)
+    OPTION_GROUP: ClassVar[str] = "images"
+    # larger images are that item's error (bomb guard)
+    max_pixels: int = field(default=DEFAULT_MAX_PIXELS, metadata=opt(
+        "--max-pixels", unit=COUNT, metavar="PIXELS", help="images with more pixels (read from "
+        "the header) are that item's error; serve: a 400 (default %(default)s)"))
     # decoder processes (threads with decode_timeout 0) decoding and tiling the next groups
     # while the model answers the current one; 0: none ahead; None: by device
-    preprocess_threads: int | None = None
+    preprocess_threads: int | None = field(default=None, metadata=opt(
+        "--preprocess-threads", unit=N0, show=lambda v: "2 on CPU, up to 8 on CUDA",
+        help="decoder processes (threads with --decode-timeout 0) decoding and tiling the "
+        "next image groups while the model answers the current one, in-process (Ray: "
+        "--preprocess-workers); 0: none ahead (one decoder process, or this thread) "
+        "(default: %(default)s)"))
     # seconds one image may take to read, decode and tile before its worker (a decoder
     # process; a prepare task on Ray) is killed and that item fails; 0: no deadline, and
     # in-process decoding runs on threads of this process (a hang then stops the run)
-    decode_timeout: float = 30.0
+    decode_timeout: float = field(default=30.0, metadata=opt(
+        "--decode-timeout", unit=SECONDS, help="seconds one image may take to read and decode "
+        "before its worker (a decoder process, or a Ray prepare task) is killed and that item "
+        "fails (serve: a request's 400, a batch line's error) (default %(default)s); 0: no "
+        "limit, and decoding runs on threads of this process, where a hung or crashing "
+        "decoder stops the run"))
     # the fetch stage (http(s), s3/gs/az, table rows, shard members): reads at once, seconds
     # per attempt (connect; between two reads), more attempts on 429/5xx/connection errors
-    fetch_concurrency: int = 32
-    fetch_timeout: float = 30.0
-    fetch_retries: int = 3
-    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # a larger encoded image: refused unread
+    fetch_concurrency: int = field(default=32, metadata=opt(
+        "--fetch-concurrency", unit=N, group="fetching", help="remote images (http(s)://, "
+        "s3://, gs://, az://), table rows and shard members read at once, ahead of decoding "
+        "(default %(default)s)"))
+    fetch_timeout: float = field(default=30.0, metadata=opt(
+        "--fetch-timeout", unit=SECONDS, group="fetching", help="seconds a fetch attempt may "
+        "wait to connect or between two reads (default %(default)s); apart from "
+        "--decode-timeout"))
+    fetch_retries: int = field(default=3, metadata=opt(
+        "--fetch-retries", unit=N0, group="fetching", help="more attempts after a 429, a 5xx "
+        "or a connection error, backing off (Retry-After honoured up to 60 s) (default "
+        "%(default)s)"))
+    # a larger encoded image: refused unread
+    max_image_bytes: int = field(default=DEFAULT_MAX_IMAGE_BYTES, metadata=opt(
+        "--max-image-mib", unit=MIB, group="fetching", help="an encoded image larger than this "
+        "many MiB is that item's error, refused before it is read whole (default "
+        "%(default)s)"))
     # the SSRF guard on http(s) fetches (a server's jobs: preprocessing/guard.py), and the
     # hosts it lets through (exact names; ".b.org" for b.org's subdomains)
     media_guard: bool = False
-    allowed_media_domains: tuple[str, ...] = ()
+    allowed_media_domains: tuple[str, ...] = field(default=(), metadata=opt(
+        "--allowed-media-domains", parse=domain_list, metavar="HOST,HOST", group="server",
+        help="serve --allow-remote-media: hosts the SSRF guard lets through whatever they "
+        "resolve to (exact names or addresses; .b.org for b.org's subdomains)"))
 
     def __post_init__(self) -> None:
         if self.max_pixels < 1:

@@ -24,9 +24,9 @@ the Python API, ``embed``, ``eval``):
 - a group is written to the sink whole before the next one is, so an interrupted loop keeps
   whole groups; closing the loop (an exception, Ctrl-C, a consumer that stops) cancels the
   groups prepared ahead and stops the decoder processes; ``Drive.final`` says how it ended;
-- memory stays bounded: at most ``ahead + 2`` groups' prepared images are alive at once
-  (groups with remote images: also as many as hold ``fetch.concurrency`` items, so that
-  many fetches stay in flight).
+- memory stays bounded: at most ``ahead + 2`` groups' prepared images are alive at once;
+  remote images are fetched further ahead, bytes only, ``fetch.concurrency`` items beyond
+  them, so that that many fetches stay in flight while the model works (``Lookahead``).
 
 This module imports no torch: a Ray prepare worker loads it (``prepare_task``).
 """
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import sys
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -114,54 +115,96 @@ def prepare_task(task: Task[I, R], items: list[I], plan: ImagePlan, max_pixels: 
 def prepared_groups(task: Task[I, R], groups: Iterable[list[I]], plan: ImagePlan,
                     opts: PrepareOptions = PrepareOptions(), hooks: FaultHooks = NO_HOOKS,
                     workers: Preparer | None = None) -> Generator[Prepared[I], None, None]:
-    """``groups`` prepared, in order (``PrepareOptions`` says where and how far ahead).
-    ``workers``: a caller's long-lived ``Preparer`` (made by ``preparer`` for the same plan and
-    options: a Python API object, a server), used and left running; else one is made here
-    and stopped at the end.
+    """``groups`` prepared, in order (``PrepareOptions`` says where and how far ahead:
+    ``Lookahead``). ``workers``: a caller's long-lived ``Preparer`` (made by ``preparer`` for
+    the same plan and options: a Python API object, a server), used and left running; else
+    one is made here and stopped at the end.
 
-    At most ``ahead + 2`` groups' images are alive at once (the caller's previous one until
-    it lets go). ``groups`` is advanced in the calling thread only (it may read a SQLite
-    store). Closing the generator, or an exception, cancels what has not started and does not
-    wait for what has (threads stuck on a hung mount die with the process; the decoder
-    processes of a pool made here are killed)."""
+    ``groups`` is advanced in the calling thread only (it may read a SQLite store), and only
+    when the caller asks for the next group. Closing the generator, or an exception, cancels
+    what has not started (fetches included) and does not wait for what has (threads stuck on
+    a hung mount die with the process; the decoder processes of a pool made here are
+    killed)."""
     pool = workers or preparer(plan, opts, hooks)
     if pool is None:
         with Fetcher(opts.fetch) as fetcher:
             for items in groups:
                 yield prepare_group(task, items, plan, opts.max_pixels, hooks, fetcher)
         return
+    window = Lookahead(task, pool, opts)
     source = iter(groups)
-    ahead = opts.ahead if opts.threads else 0
-    queue: deque[tuple[list[I], list[tuple[ImageRef, Future] | None]]] = deque()
-    remote = False  # the last group had a remote image: look further ahead
     try:
-        while True:
-            while _wants_more(queue, ahead, opts.fetch.concurrency if remote else 0) and (
-                    nxt := next(source, None)) is not None:
-                refs = [task.image(it) for it in nxt]
-                remote = any(r is not None and is_remote(r.image) for r in refs)
-                queue.append((nxt, [None if r is None else (r, pool.submit(r)) for r in refs]))
-            if not queue:
-                return
-            items, futures = queue[0]
-            done = [None if f is None else outcome(*f) for f in futures]
-            queue.popleft()
-            yield _collect(task, items, done)
+        while (head := window.head(source)) is not None:
+            done = [None if f is None else outcome(r, f)  # type: ignore[arg-type]
+                    for r, f in zip(head.refs, head.prepared or (), strict=True)]
+            window.queue.popleft()
+            yield _collect(task, head.items, done)
     finally:
-        for _, futures in queue:
-            for f in futures:
-                if f is not None:
-                    f[1].cancel()
+        window.cancel()
         if workers is None:
             pool.stop()
 
 
-def _wants_more(queue: deque, ahead: int, fetching: int) -> bool:
-    """Whether to take another group: fewer than ``ahead`` wait behind the first, or (remote
-    images) fewer than ``fetching`` items do, so that many fetches stay in flight."""
-    if len(queue) <= ahead:
-        return True
-    return fetching > 0 and sum(len(g) for g, _ in list(queue)[1:]) < fetching
+@dataclasses.dataclass
+class Taken(Generic[I]):
+    """A group taken from the source: each item's image (None: it needs none), the future of
+    its bytes (a remote image: read from when the group is taken, else None) and, once the
+    group is in the decode window, the future of its ``PreparedImage``."""
+    items: list[I]
+    refs: list[ImageRef | None]
+    fetched: list[Future | None]
+    prepared: list[Future | None] | None = None
+
+
+class Lookahead(Generic[I]):
+    """Stage 1's look-ahead: the first ``ahead + 1`` groups taken (the one the caller gets
+    next, and ``ahead`` behind it while the model answers it) are in the decode window,
+    their images submitted to the workers; behind them, while the last group taken had a
+    remote image, groups are taken until they hold ``fetch.concurrency`` items, whose remote
+    images are fetched (bytes only) so that that many reads stay in flight, their decoding
+    left until they reach the window. Bounded: prepared images of ``ahead + 2`` groups
+    alive at once (as for local files: the caller's previous one until it lets go), fetched
+    bytes of at most ``ahead + 1`` groups and, behind them, fewer than ``fetch.concurrency``
+    items and one group more (each image at most ``fetch.max_bytes``: a larger one is
+    refused unread)."""
+
+    def __init__(self, task: Task[I, R], pool: Preparer, opts: PrepareOptions) -> None:
+        self.task, self.pool = task, pool
+        self.decoding = (opts.ahead if opts.threads else 0) + 1
+        self.fetching = opts.fetch.concurrency
+        self.queue: deque[Taken[I]] = deque()
+        self.remote = False  # the last group taken had a remote image: fetch further ahead
+
+    def head(self, source: Iterator[list[I]]) -> Taken[I] | None:
+        """The first group (``queue[0]``, its images submitted to the workers), after
+        taking more from ``source`` as far as the windows allow; None when all are done."""
+        while self._wants_more() and (items := next(source, None)) is not None:
+            self.queue.append(self._take(items))
+        for g in itertools.islice(self.queue, self.decoding):
+            if g.prepared is None:
+                g.prepared = [None if r is None else self.pool.submit(r, f)
+                              for r, f in zip(g.refs, g.fetched, strict=True)]
+        return self.queue[0] if self.queue else None
+
+    def _wants_more(self) -> bool:
+        if len(self.queue) < self.decoding:
+            return True
+        behind = itertools.islice(self.queue, self.decoding, None)
+        return self.remote and sum(len(g.items) for g in behind) < self.fetching
+
+    def _take(self, items: list[I]) -> Taken[I]:
+        refs = [self.task.image(it) for it in items]
+        fetched = [self.pool.fetch(r) if r is not None and is_remote(r.image) else None
+                   for r in refs]
+        self.remote = any(f is not None for f in fetched)
+        return Taken(items, refs, fetched)
+
+    def cancel(self) -> None:
+        """Cancel what has not started, in every group still queued."""
+        for g in self.queue:
+            for f in (*g.fetched, *(g.prepared or ())):
+                if f is not None:
+                    f.cancel()
 
 
 # --- stage 2 and the loop -------------------------------------------------------------------

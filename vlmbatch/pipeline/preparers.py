@@ -80,7 +80,7 @@ def preparer(plan: ImagePlan, opts: PrepareOptions,
     or None (``threads == 0`` and no deadline: each group prepared in the caller's thread).
     Each starts its processes with the first image; ``stop`` ends them. Remote images go
     through a fetch stage first (``_Fetching``), which hands their bytes to the workers."""
-    inner: Preparer
+    inner: _ThreadPreparer | _ProcessPreparer
     if opts.decode_timeout > 0:
         inner = _ProcessPreparer(max(opts.threads, 1), plan, opts.max_pixels,
                                  opts.decode_timeout, hooks)
@@ -111,9 +111,12 @@ def outcome(ref: ImageRef, f: Future) -> PreparedImage | ItemError:
 
 class Preparer(Protocol):
     """Stage-1 workers: ``submit`` an image, get its ``PreparedImage`` in a future (or its
-    ``SourceError``/``ImageError``); thread-safe."""
+    ``SourceError``/``ImageError``); ``fetch`` a remote image's bytes ahead of that (the
+    drive's look-ahead, ``drive.prepared_groups``); thread-safe."""
 
-    def submit(self, ref: ImageRef) -> Future: ...
+    def fetch(self, ref: ImageRef) -> Future: ...
+
+    def submit(self, ref: ImageRef, fetched: Future | None = None) -> Future: ...
 
     def stop(self) -> None: ...
 
@@ -121,23 +124,37 @@ class Preparer(Protocol):
 class _Fetching:
     """The fetch stage ahead of ``inner``: a remote image (``sources.is_remote``) is fetched
     on ``fetcher``'s threads, many at once, and its bytes handed to ``inner`` (so a decoder
-    process's deadline measures decoding alone); other images go to ``inner`` at once."""
+    process's deadline measures decoding alone); other images go to ``inner`` at once.
+    Cancelling a submitted image's future cancels its fetch too, if not started."""
 
-    def __init__(self, inner: Preparer, fetcher: Fetcher) -> None:
+    def __init__(self, inner: _ThreadPreparer | _ProcessPreparer, fetcher: Fetcher) -> None:
         self.inner, self.fetcher = inner, fetcher
+        self.warm = False
 
-    def submit(self, ref: ImageRef) -> Future:
-        if not is_remote(ref.image):
-            return self.inner.submit(ref)
+    def fetch(self, ref: ImageRef) -> Future:
+        """The bytes of ``ref``'s remote image, read now; the first one also starts the
+        decoder processes, so that they start while the bytes travel, not after."""
+        if not self.warm:
+            self.warm = True
+            self.inner.start()
+        return self.fetcher.submit(ref.image, ref.base_dir)
+
+    def submit(self, ref: ImageRef, fetched: Future | None = None) -> Future:
+        """``ref``'s ``PreparedImage``; ``fetched``: its bytes being read already
+        (``fetch``), else a remote image is fetched first."""
+        if fetched is None:
+            if not is_remote(ref.image):
+                return self.inner.submit(ref)
+            fetched = self.fetch(ref)
         out: Future = Future()
-        self.fetcher.submit(ref.image, ref.base_dir).add_done_callback(
-            lambda f: self._fetched(ref, f, out))
+        out.add_done_callback(lambda o: o.cancelled() and fetched.cancel())
+        fetched.add_done_callback(lambda f: self._fetched(ref, f, out))
         return out
 
     def _fetched(self, ref: ImageRef, f: Future, out: Future) -> None:
         if out.cancelled():
             return
-        if f.exception() is not None:
+        if f.cancelled() or f.exception() is not None:
             return _settle(out, f)
         prepared = self.inner.submit(dataclasses.replace(ref, image=f.result()))
         prepared.add_done_callback(lambda p: _settle(out, p))
@@ -169,6 +186,9 @@ class _ThreadPreparer:
     def submit(self, ref: ImageRef) -> Future:
         return self.pool.submit(prepare_hooked, ref, *self.args)
 
+    def start(self) -> None:
+        pass  # threads: started already
+
     def stop(self) -> None:
         self.pool.stop()
 
@@ -192,6 +212,9 @@ class _ProcessPreparer:
         except (SourceError, ImageError) as e:
             f.set_exception(e)
         return f
+
+    def start(self) -> None:
+        self.pool.start()
 
     def stop(self) -> None:
         self.pool.stop()

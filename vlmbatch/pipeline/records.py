@@ -24,56 +24,65 @@ from __future__ import annotations
 
 import base64
 import json
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Union
 
 import numpy as np
 
 from vlmbatch.engine.records import Request, Score, Vector
+from vlmbatch.pipeline.questions import Question, check_id, questions_of
 from vlmbatch.preprocessing.sources import MemberRef, RowRef
+
+if TYPE_CHECKING:
+    import PIL.Image
 
 # an image as an item may hold it: a path (relative to ``base_dir``), a file://, data:,
 # http(s):// or s3/gs/az URL (strings: what a manifest or a job store holds), a table's row or
 # a shard's member (``preprocessing/sources.py``: what a job over a Parquet file or WebDataset
 # shards stores), encoded bytes, or decoded uint8 RGB pixels [H, W, 3] (the Python API)
 ImageSource = str | bytes | np.ndarray | RowRef | MemberRef
+# what ImageItem takes: those, a Path, or a PIL image (converted: image_source)
+ImageLike = Union[ImageSource, Path, "PIL.Image.Image"]
+QuestionsLike = Sequence[str | dict | Question] | str | dict | Question
+# PIL's Transpose values (an IntEnum) for each EXIF orientation that is not upright
+_UPRIGHT = {2: 0, 3: 3, 4: 1, 5: 5, 6: 4, 7: 6, 8: 2}
 
 
-# most choices a label-set question may have (each is a row of the engine's continuation)
-MAX_CHOICES = 64
-
-
-@dataclass(frozen=True)
-class Question:
-    id: str
-    text: str
-    threshold: float = 0.5
-    # greedy answer tokens to generate for this question (an explanation after the yes/no);
-    # None: the run's --max-new-tokens (0 by default: P(yes) only)
-    max_new_tokens: int | None = None
-    # a label set: 2..MAX_CHOICES distinct non-empty strings, scored as the assistant's whole
-    # answer; () for a yes/no question
-    choices: tuple[str, ...] = ()
-    system: str | None = None  # a system turn before the user's (a policy's ``system:``)
-    prompt: str | None = None  # an instruction before the question, in the same user turn
-    # the user's label for this question ("yes"/"no", or one of its choices): read by
-    # `vlmbatch eval MANIFEST` only; a run or a job ignores it (a job's store does not keep it)
-    expected: str | None = None
-
-    @property
-    def user_text(self) -> str:
-        """The user turn's text: the instruction, a newline, then the question."""
-        return self.text if self.prompt is None else f"{self.prompt}\n{self.text}"
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class ImageItem:
+    """An image and the questions asked about it, built from what a user has::
+
+        ImageItem("s2", "photos/a.jpg", ["Is there a red shape?",
+                                         {"id": "c", "text": "A circle?", "threshold": 0.7}])
+
+    ``image``: a path (a str or a ``Path``, relative to ``base_dir``), a URL, encoded bytes,
+    a PIL image (EXIF orientation applied, converted to RGB) or a uint8 array ``[H, W, 3]``
+    (gray ``[H, W]`` and RGBA ``[H, W, 4]`` converted as Pillow's ``convert("RGB")``
+    would), kept as ``image_source`` says; readers pass a table's ``RowRef`` or a shard's
+    ``MemberRef``. ``questions``: one or a sequence of strings, question objects (dicts, as
+    in a manifest: ``pipeline/questions.py``) or ``Question``s, kept as a tuple of
+    ``Question``s (a malformed one: ``ManifestError`` naming the item). ``id``: a string or
+    a whole number (kept as text). ``base_dir``: the current folder when not given. The
+    fields hold the kept forms; readers and job stores pass them, at no cost."""
     id: str
     image: ImageSource
     questions: tuple[Question, ...]
     base_dir: Path  # relative paths resolve against this
+
+    def __init__(self, id: str | int, image: ImageLike, questions: QuestionsLike,  # noqa: A002
+                 base_dir: str | Path | None = None) -> None:
+        qs = questions
+        if type(qs) is not tuple or not all(type(q) is Question for q in qs):
+            qs = questions_of(qs, f"item {id!r}")
+        put = object.__setattr__  # frozen
+        put(self, "id", id if type(id) is str else check_id(id, "item", "id"))
+        put(self, "image", image if type(image) is str else image_source(image))
+        put(self, "questions", qs)
+        put(self, "base_dir", Path.cwd() if base_dir is None else Path(base_dir))
 
     @property
     def source(self) -> str:
@@ -82,6 +91,30 @@ class ImageItem:
         if isinstance(self.image, (RowRef, MemberRef)):
             return self.image.source
         return self.image if isinstance(self.image, str) else f"image {self.id}"
+
+
+def image_source(image: ImageLike) -> ImageSource:
+    """What an item holds for each kind of image a user may give: a ``Path`` as its text, a
+    PIL image as its upright RGB pixels (uint8 ``[H, W, 3]``), a gray ``[H, W]`` or RGBA
+    ``[H, W, 4]`` uint8 array as RGB; the other sources as they are. TypeError for anything
+    else."""
+    if isinstance(image, (str, bytes, RowRef, MemberRef)):
+        return image
+    if isinstance(image, Path):
+        return str(image)
+    if isinstance(image, np.ndarray):
+        if image.ndim == 2:
+            return np.repeat(image[:, :, None], 3, axis=2)
+        if image.ndim == 3 and image.shape[2] == 4:
+            return np.ascontiguousarray(image[:, :, :3])
+        return image
+    pil = sys.modules.get("PIL.Image")  # a PIL image exists only once its caller imported PIL
+    if pil is not None and isinstance(image, pil.Image):
+        turn = _UPRIGHT.get(image.getexif().get(0x0112, 1))  # EXIF orientation, as
+        upright = image if turn is None else image.transpose(turn)  # ImageOps.exif_transpose
+        return np.asarray(upright.convert("RGB"))
+    raise TypeError(f"an image is a path, a URL, bytes, a PIL image or a uint8 array, not "
+                    f"{type(image).__name__}")
 
 
 def request_of(image: int, q: Question) -> Request:

@@ -98,7 +98,9 @@ class DaemonPool:
 
 class Fetcher:
     """The fetch stage (module docstring). Its threads and HTTP client start with the first
-    remote image, so a run over local files pays for none; ``stop`` ends them."""
+    remote image, so a run over local files pays for none; ``stop`` ends them, for good: an
+    http(s) fetch in flight (its connection closed) or asked for later fails, never retried
+    on a client made again."""
 
     def __init__(self, opts: FetchOptions = FetchOptions(), resolve: Resolve = system_resolve,
                  network: httpcore.NetworkBackend | None = None) -> None:
@@ -108,6 +110,7 @@ class Fetcher:
         self.lock = threading.Lock()
         self.pool: DaemonPool | None = None
         self.client: httpx.Client | None = None
+        self.stopped = False  # then no client is made again: a fetch in flight fails
         self.fs: dict[str, Any] = {}  # fsspec file systems by protocol, made on first use
         self.tables = TableRows()
 
@@ -131,6 +134,7 @@ class Fetcher:
     def stop(self) -> None:
         with self.lock:
             pool, client, self.pool, self.client = self.pool, self.client, None, None
+            self.stopped = True
         if pool is not None:
             pool.stop()
         if client is not None:
@@ -198,6 +202,8 @@ class Fetcher:
 
     def _client(self) -> httpx.Client:
         with self.lock:
+            if self.stopped:  # its requests in flight broke off: not sent again
+                raise SourceError("the fetch stage was stopped", "connection")
             if self.client is None:
                 n = self.opts.concurrency
                 limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)

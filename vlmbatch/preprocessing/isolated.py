@@ -66,6 +66,9 @@ class _Died(Exception):
     pass
 
 
+_START = object()  # in the jobs queue: start a worker now, without an item (DecoderPool.start)
+
+
 class _Worker:
     """One decoder process, the two pipes and the two slots (one memfd) it shares with this
     one: item k's arrays go to slot k % 2, so the worker fills one while the other is
@@ -170,6 +173,13 @@ class DecoderPool:
         self.jobs.put(_Job(f, source, base_dir))
         return f
 
+    def start(self) -> None:
+        """Start the workers now instead of with the first item (a caller whose items are
+        still being fetched: the interpreters start meanwhile). A hint: a thread busy with
+        items starts its worker with them."""
+        for _ in range(self.threads):
+            self.jobs.put(_START)
+
     def stop(self) -> None:
         with self.lock:
             self.stopped = True
@@ -195,7 +205,8 @@ class DecoderPool:
                         job.future.set_exception(e)
                     queued.clear()
                     continue
-                w = self._step(w, queued)
+                if queued:  # else only asked to start (``start``)
+                    w = self._step(w, queued)
         finally:
             self._drop(w, kill=True)
 
@@ -209,6 +220,10 @@ class DecoderPool:
                 return True
             if got is None:
                 return False
+            if got is _START:
+                if not queued:
+                    return True
+                continue
             if got.future.set_running_or_notify_cancel():  # else cancelled before it started
                 queued.append(got)
         return True

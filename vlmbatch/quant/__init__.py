@@ -9,7 +9,7 @@ Modules, in data-flow order:
 - ``int4.py``: symmetric group-wise int4 (quantise, pack in compressed-tensors' layout) and
   ``Int4Linear``, the W4A16 layer on CPU or CUDA;
 - ``runtime.py``: the swap of a loaded float decoder's linears for ``Int4Linear`` or torch's
-  dynamic int8 ones (``engine/build.py`` calls it; no loader imports this package);
+  dynamic int8 ones (``engine/loading.py`` calls it; no loader imports this package);
 - ``checkpoint.py``: writing and reading compressed-tensors ``pack-quantized`` checkpoints;
 - ``fp8.py``: e4m3 W8A8 linears (``--quant fp8``) through ``torch._scaled_mm`` on CUDA and a
   CPU reference of the same arithmetic.

@@ -12,7 +12,7 @@ the block vLLM and LMDeploy read. That those engines load our files is not yet c
 
 Reading (``int4_weights``): from a state dict with normalised keys, the ``(q, scale)`` of each
 packed linear, and the dequantised ``.weight`` put back so the ordinary loader can run; the
-loader (``engine/build.py``) then swaps those linears for ``quant.int4.Int4Linear`` with
+loader (``engine/loading.py``) then swaps those linears for ``quant.int4.Int4Linear`` with
 ``quant.runtime.convert_for_runtime``.
 """
 

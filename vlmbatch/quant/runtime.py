@@ -1,6 +1,6 @@
 """Swapping a loaded float decoder's linears for their quantised runtime forms (gpt-fast's
 ``convert_for_runtime``): W4A16 ``Int4Linear`` from a checkpoint's packed weights, or torch's
-dynamic int8 linears. ``engine/build.py`` calls these after a family has built the float
+dynamic int8 linears. ``engine/loading.py`` calls these after a family has built the float
 model, so no loader imports this package.
 """
 

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from tests.app.server.serving import IMAGES, KEY, Server, chat_body, data_url
 
-MIN_CASES = 1000  # docs/server.md and the README: about 1,000 a run (1,033 measured)
+MIN_CASES = 1000  # docs/server.md and docs/status.md: about 1,000 a run (1,033 measured)
 SEEN: list[int] = []  # status of every fuzzed response
 FUZZ = settings(derandomize=True, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

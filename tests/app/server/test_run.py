@@ -7,15 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from vlmbatch.app.args import build_parser
+from vlmbatch.app.args import parse
 from vlmbatch.app.server.config import API_KEY_ENV, ServerConfig, server_config
 from vlmbatch.app.server.serve import _take_data_dir
 from vlmbatch.engine.config import ConfigError
 
 
 def config(*argv: str) -> ServerConfig:
-    a = build_parser().parse_args(["serve", *argv])
-    return server_config(a)
+    return server_config(parse(["serve", *argv]).typed)
 
 
 def test_options_and_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

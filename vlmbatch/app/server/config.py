@@ -1,30 +1,25 @@
 """``ServerConfig``: everything ``vlmbatch serve`` is started with, one frozen record (the
-serve command's config root, ``app/config.py``), and the options that make it.
+serve command's config root, ``app/config.py``), its fields declaring their options.
 
-The model, engine and stage-1 settings are the same sub-configs as ``vlmbatch run``'s
-(``ModelConfig``, ``EngineConfig``, ``PrepareConfig``, added by ``app/args.py``); the rest is
-the server's: where it listens, who may call it, where batches live, and the limits that turn
-an oversized or hostile request into a 4xx before it reaches the engine. Each option's
-``dest`` is its field's name (``from_args``); defaults are the fields'.
+The model, engine, stage-1 and executor settings are the same sub-configs as ``vlmbatch
+run``'s (``ModelConfig``, ``EngineConfig``, ``PrepareConfig``, ``ExecutorConfig``, with their
+options); the rest is the server's: where it listens, who may call it, where batches live,
+and the limits that turn an oversized or hostile request into a 4xx before it reaches the
+engine. ``server_config`` builds it from what the command line typed.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, ClassVar
 
-from vlmbatch.app.config import from_args
-from vlmbatch.engine.config import (
-    DEFAULT_EMBED_MODEL,
-    ConfigError,
-    EngineConfig,
-    ModelConfig,
-    default_of,
-)
-from vlmbatch.jobs.config import EXECUTORS, ExecutorConfig, RayOptions
+from vlmbatch.common.options import COUNT, MIB, MS, build, opt, reuse
+from vlmbatch.engine.config import DEFAULT_EMBED_MODEL, ConfigError, EngineConfig, ModelConfig
+from vlmbatch.jobs.config import ExecutorConfig, RunConfig
 from vlmbatch.pipeline.config import PrepareConfig, PrepareOptions, check_threads
 from vlmbatch.preprocessing.limits import MediaGuard
 
@@ -33,28 +28,61 @@ API_KEY_ENV = "VLMBATCH_API_KEY"
 
 @dataclass(frozen=True)
 class ServerConfig:
-    data_dir: Path = Path("vlmbatch-server")  # files/ and batches/ (each batch a job folder)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None  # every endpoint but /health needs "Authorization: Bearer KEY"
-    served_model_name: str = "vlmbatch"  # the one id /v1/models lists and requests must name
+    OPTION_GROUP: ClassVar[str] = "server"
+    # files/ and batches/ (each batch a job folder)
+    data_dir: Path = field(default=Path("vlmbatch-server"), metadata=opt(
+        "--data-dir", parse=Path, metavar="DIR", help="uploaded files and batches (each batch "
+        "a job folder) (default %(default)s)"))
+    host: str = field(default="127.0.0.1", metadata=opt(
+        "--host", metavar="HOST", help="address to listen on (default %(default)s: this "
+        "machine only)"))
+    port: int = field(default=8000, metadata=opt(
+        "--port", parse=int, metavar="PORT", help="default %(default)s"))
+    # every endpoint but /health needs "Authorization: Bearer KEY"
+    api_key: str | None = field(default=None, metadata=opt(
+        "--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every "
+        f"endpoint but /health (default: ${API_KEY_ENV} if set, else no key)"))
+    # the one id /v1/models lists and requests must name
+    served_model_name: str = field(default="vlmbatch", metadata=opt(
+        "--served-model-name", metavar="NAME", help="the model id clients name (default "
+        "%(default)s)"))
     # file:// image URLs are read only from under this folder; None: file:// is refused
-    allowed_local_media_path: Path | None = None
+    allowed_local_media_path: Path | None = field(default=None, metadata=opt(
+        "--allowed-local-media-path", parse=Path, metavar="DIR", help="let image URLs be "
+        "file:// paths inside this folder (default: only data: URLs)"))
     # http(s) image URLs in chat requests and batch lines, fetched under the SSRF guard
     # (prepare.media_guard, always on in the server; prepare.allowed_media_domains let
     # through); False: refused with a 400 (data: and file:// only)
-    allow_remote_media: bool = False
-    max_body_bytes: int = 64 << 20  # any request body (413 beyond): images, uploads
-    max_prompt_chars: int = 16_384  # a chat request's question text (400 beyond)
-    max_completion_tokens: int = 512  # largest max_tokens a request may ask for (400 beyond)
+    allow_remote_media: bool = field(default=False, metadata=opt(
+        "--allow-remote-media", action="true", help="let image URLs be http(s):// (chat "
+        "requests and batch lines), fetched under the SSRF guard: loopback, private, "
+        "link-local and metadata addresses refused, redirects and DNS answers included "
+        "(docs/server.md); the fetching options (--fetch-timeout, --max-image-mib) apply"))
+    # any request body (413 beyond): images, uploads
+    max_body_bytes: int = field(default=64 << 20, metadata=opt(
+        "--max-body-mib", unit=MIB, help="largest request body, uploads included; 413 beyond "
+        "(default %(default)s)"))
+    max_prompt_chars: int = field(default=16_384, metadata=opt(  # 400 beyond
+        "--max-prompt-chars", unit=COUNT, metavar="CHARS", help="longest question text; 400 "
+        "beyond (default %(default)s)"))
+    # largest max_tokens a request may ask for (400 beyond)
+    max_completion_tokens: int = field(default=512, metadata=opt(
+        "--max-completion-tokens", unit=COUNT, metavar="TOKENS", help="largest max_tokens a "
+        "request may ask; 400 beyond (default %(default)s)"))
     # interactive scheduling: the engine thread waits up to batch_wait_s after the first
     # queued request for more, then answers up to max_batch_requests in one engine call
-    batch_wait_s: float = 0.005
-    max_batch_requests: int = 64
-    max_queue: int = 1024  # queued chat requests; beyond that 429 (clients retry)
+    batch_wait_s: float = field(default=0.005, metadata=opt(
+        "--batch-wait-ms", unit=MS, help="how long the engine waits after a request for "
+        "others to batch with it (default %(default)s)"))
+    max_batch_requests: int = field(default=64, metadata=opt(
+        "--max-batch-requests", unit=COUNT, help="chat requests per engine call (default "
+        "%(default)s)"))
+    max_queue: int = field(default=1024, metadata=opt(  # queued chat requests; 429 beyond
+        "--max-queue", unit=COUNT, help="queued chat requests; 429 beyond (default %(default)s)"))
     image_cache_bytes: int = 64 << 20  # prepared data: images kept by URL hash (no re-decode)
-    images_per_batch: int = 16  # a batch job's group: the most an interactive request waits
-    threads: int | None = None  # torch threads (None: torch's default)
+    # a batch job's group: the most an interactive request waits
+    images_per_batch: int = reuse(RunConfig, "images_per_batch", 16)
+    threads: int | None = reuse(RunConfig, "threads", None)  # None: torch's default
     shutdown_timeout_s: int = 30  # SIGTERM: how long in-flight requests may take
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -64,11 +92,18 @@ class ServerConfig:
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     # /v1/embeddings: the checkpoint (None: the built-in embedding model when the chat model
     # is the built-in one, else the chat model itself); embeddings False: answered 501
-    embed_model: Path | None = None
-    embeddings: bool = True
+    embed_model: Path | None = field(default=None, metadata=opt(
+        "--embed-model", parse=Path, metavar="DIR", help="checkpoint for /v1/embeddings "
+        "(default: the built-in embedding model with the built-in chat model, else --model)"))
+    embeddings: bool = field(default=True, metadata=opt(
+        "--no-embeddings", action="false", help="answer /v1/embeddings with 501 (no embedding "
+        "model loaded)"))
     # engine processes (one per GPU on a multi-GPU host); 0: the engine thread in the HTTP
     # process itself (no process boundary, no restart)
-    engines: int = 1
+    engines: int = field(default=1, metadata=opt(
+        "--engines", unit=COUNT, help="engine processes, each with the model (one per GPU on a "
+        "multi-GPU host); requests are spread over them and one that dies is restarted "
+        "(default %(default)s; 0: the engine in the HTTP process)"))
     # where batches run: the engine processes (local), or each batch a job on Ray
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
 
@@ -127,122 +162,10 @@ class ServerConfig:
         return Path(self.data_dir) / "batches"
 
 
-def _d(name: str) -> object:
-    return default_of(ServerConfig, name)
-
-
-def _ms(text: str) -> float:
-    """argparse type: milliseconds as seconds."""
-    return float(text) / 1000
-
-
-def _mib(text: str) -> int:
-    """argparse type: MiB as bytes."""
-    return int(text) << 20
-
-
-# the integer limits: (option, field, help)
-LIMITS = [
-    ("--max-pixels", "max_pixels", "images with more pixels (read from the header) are "
-     "refused with a 400"),
-    ("--max-prompt-chars", "max_prompt_chars", "longest question text; 400 beyond"),
-    ("--max-completion-tokens", "max_completion_tokens", "largest max_tokens a request may "
-     "ask; 400 beyond"),
-    ("--max-batch-requests", "max_batch_requests", "chat requests per engine call"),
-    ("--max-queue", "max_queue", "queued chat requests; 429 beyond")]
-
-
-def add_server_args(s: argparse.ArgumentParser) -> None:
-    """``serve``'s own options (the model, engine and stage-1 options are ``run``'s)."""
-    g = s.add_argument_group("server")
-    g.add_argument("--host", default=_d("host"),
-                   help="address to listen on (default %(default)s: this machine only)")
-    g.add_argument("--port", type=int, default=_d("port"), help="default %(default)s")
-    g.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on every endpoint but /health "
-                   f"(default: ${API_KEY_ENV} if set, else no key)")
-    g.add_argument("--data-dir", type=Path, default=_d("data_dir"),
-                   help="uploaded files and batches (each batch a job folder) (default "
-                   "%(default)s)")
-    g.add_argument("--served-model-name", default=_d("served_model_name"),
-                   help="the model id clients name (default %(default)s)")
-    g.add_argument("--allowed-local-media-path", type=Path, default=None,
-                   help="let image URLs be file:// paths inside this folder (default: only "
-                   "data: URLs)")
-    g.add_argument("--allow-remote-media", action="store_true",
-                   help="let image URLs be http(s):// (chat requests and batch lines), fetched "
-                   "under the SSRF guard: loopback, private, link-local and metadata "
-                   "addresses refused, redirects and DNS answers included (docs/server.md); "
-                   "the fetch options below (--fetch-timeout, --max-image-mib) apply")
-    g.add_argument("--allowed-media-domains", type=domain_list, default=(),
-                   metavar="HOST,HOST",
-                   help="hosts the SSRF guard lets through whatever they resolve to (exact "
-                   "names or addresses; .b.org for b.org's subdomains)")
-    for flag, name, text in LIMITS:
-        default = default_of(PrepareConfig, name) if name == "max_pixels" else _d(name)
-        g.add_argument(flag, type=int, default=default, help=f"{text} (default {default})")
-    g.add_argument("--max-body-mib", dest="max_body_bytes", type=_mib,
-                   default=_d("max_body_bytes"),
-                   help="largest request body, uploads included; 413 beyond (default "
-                   f"{int(_d('max_body_bytes')) >> 20})")  # type: ignore[call-overload]
-    g.add_argument("--embed-model", type=Path, default=None,
-                   help="checkpoint for /v1/embeddings (default: the built-in embedding model "
-                   "with the built-in chat model, else --model)")
-    g.add_argument("--no-embeddings", dest="embeddings", action="store_false",
-                   help="answer /v1/embeddings with 501 (no embedding model loaded)")
-    g.add_argument("--decode-timeout", type=float,
-                   default=default_of(PrepareConfig, "decode_timeout"),
-                   help="seconds an image may take to read and decode before its decoder "
-                   "process is killed: a request's 400, a batch line's error (default "
-                   "%(default)s); 0: no limit, decoding on the request's thread")
-    g.add_argument("--batch-wait-ms", dest="batch_wait_s", type=_ms,
-                   default=_d("batch_wait_s"),
-                   help="how long the engine waits after a request for others to batch "
-                   f"with it (default {1000 * float(_d('batch_wait_s')):g})")  # type: ignore[arg-type]
-
-
-def add_executor_args(s: argparse.ArgumentParser) -> None:
-    """Where the engine runs and where batches run."""
-    g = s.add_argument_group("engines and batches")
-    g.add_argument("--engines", type=int, default=_d("engines"),
-                   help="engine processes, each with the model (one per GPU on a multi-GPU "
-                   "host); requests are spread over them and one that dies is restarted "
-                   "(default %(default)s; 0: the engine in the HTTP process)")
-    g.add_argument("--executor", default=EXECUTORS[0], choices=EXECUTORS,
-                   help="local: batches run on the engine processes between interactive "
-                   "requests (default); ray: each batch a job on Ray (prepare tasks, model "
-                   "actors), several at once, sharing the actors")
-    r = RayOptions()
-    g.add_argument("--address", default=None,
-                   help="ray: join this cluster (HOST:PORT, ray://HEAD:10001, auto; default "
-                   "$RAY_ADDRESS, else a new local instance)")
-    g.add_argument("--preprocess-workers", type=int, default=r.preprocess_workers,
-                   help="ray: concurrent decode/tile tasks per batch (default %(default)s)")
-    g.add_argument("--model-workers", type=int, default=r.model_workers,
-                   help="ray: model actors shared by the batches (default %(default)s)")
-    g.add_argument("--model-cpus", type=float, default=r.model_cpus,
-                   help="ray: CPUs per model actor (default %(default)s)")
-
-
-def domain_list(text: str) -> tuple[str, ...]:
-    """argparse type: ``a.com,.b.org,127.0.0.1`` -> its entries, lower case, checked."""
-    out = []
-    for entry in (e.strip().lower() for e in text.split(",")):
-        host = entry.removeprefix(".")
-        if not host or any(c in host for c in "/@?#\\ ") or "://" in entry:
-            raise argparse.ArgumentTypeError(f"{entry!r} is not a host name (a.com, .b.org)")
-        out.append(entry)
-    return tuple(out)
-
-
-def server_config(a: argparse.Namespace) -> ServerConfig:
-    """The server's config root from its command line (``--api-key``, else $VLMBATCH_API_KEY)."""
-    key = a.api_key if a.api_key is not None else os.environ.get(API_KEY_ENV)
-    ray = from_args(RayOptions, a)
-    if a.executor != "ray" and ray != RayOptions():
-        raise ConfigError("--address, --preprocess-workers, --model-workers and --model-cpus "
-                          "are Ray executor options; add --executor ray")
-    # the guard is on for every fetch the server makes, its batches' jobs included
-    prepare = dataclasses.replace(from_args(PrepareConfig, a), media_guard=True)
-    return from_args(ServerConfig, a, api_key=key, executor=ExecutorConfig(a.executor, ray),
-                     prepare=prepare)
+def server_config(typed: Mapping[str, Any]) -> ServerConfig:
+    """The server's config root from what its command line typed (``--api-key``, else
+    $VLMBATCH_API_KEY); the SSRF guard is on for every fetch the server makes, its batches'
+    jobs included."""
+    key = typed.get("api_key", os.environ.get(API_KEY_ENV))
+    prepare = dataclasses.replace(build(PrepareConfig, typed), media_guard=True)
+    return build(ServerConfig, typed, api_key=key, prepare=prepare)

@@ -1,6 +1,6 @@
 """Random-weight InternVL checkpoints (HF-native layout) for tests and benchmarks.
 
-``save_random_internvl`` writes what ``pipeline.loading.load_model`` and transformers'
+``save_random_internvl`` writes what ``engine.loading.load_model`` and transformers'
 ``InternVLForConditionalGeneration`` both read: config, safetensors weights (seeded), our own
 byte-level BPE tokenizer (``models/internvl/tokenizer.py``) and a preprocessor config. Nothing is
 downloaded.

@@ -1,6 +1,6 @@
 """Random-weight Qwen-VL checkpoints (HF-native layout) for tests and benchmarks.
 
-``save_random_qwen_vl`` writes what ``pipeline.loading.load_model`` and transformers'
+``save_random_qwen_vl`` writes what ``engine.loading.load_model`` and transformers'
 ``Qwen2VL`` / ``Qwen2_5_VL`` / ``Qwen3VL`` / ``Qwen3_5ForConditionalGeneration`` all read:
 config, seeded safetensors weights, our own byte-level BPE tokenizer with Qwen's special
 tokens and chat template (``tokenizer.py``) and a preprocessor config. Nothing is downloaded.
