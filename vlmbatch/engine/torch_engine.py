@@ -8,7 +8,13 @@ Flow of one ``score`` call::
                                         given, before the image), image span expanded
     planner.shared_lengths              each prompt's shared prefix (through the image, and
                                         what the image's other prompts also start with)
-    planner.phases                      leaders (first question per prefix), then followers
+    rows (``question_rows``: on CUDA)   the yes/no questions: ``packing.make_rows`` (one row
+                                        per image: its prefix, then its questions), the
+                                        images they need encoded, ``packing.steps`` (rows
+                                        per token budget), one ``runner.prefill_rows`` each
+    planner.phases                      the rest (label sets, text, what a row cannot hold,
+                                        a hybrid decoder's; every question without rows):
+                                        leaders (first question per prefix), then followers
     per phase (``_phase``, shared with ``embed``):
       planner.plan      longest cached prefix per prompt -> pinned slots + past_len
       runner.encode     images whose tokens are not all cached -> ImageEmbeds, once per
