@@ -15,6 +15,8 @@
     each image encoded once, batched prefill), the same path as ``vlmbatch run``;
 (c) vlmbatch with the image-aware prefix cache (the default): an image's prefix is prefilled
     once and reused by its other questions;
+(c') on the CPU, (c) with ``question_rows="on"`` (an image's prefix and its questions in one
+    row, one forward per step: the default on CUDA, ``engine/packing.py``);
 (d) (c) with the vision encoder on onnxruntime (CPU; on CUDA only with onnxruntime-gpu);
 (e) on CUDA, (c) with the vision encoder run eagerly instead of through the CUDA graph pool;
 (f) on CUDA, (c) with ``max_batch_tokens`` 65,536 instead of 8,192 (fewer, larger forwards).
@@ -50,6 +52,7 @@ per vlmbatch path.
 
     python bench/qpm.py --images 60 --rounds 3
     python bench/qpm.py --images 500 --device cuda --dtype bfloat16 --rounds 3
+    python bench/qpm.py --images 60 --rounds 3 --before /tmp/before   # today's code beside
 """
 
 from __future__ import annotations
@@ -84,16 +87,22 @@ from vlmbatch.vit_trt import RunnerOptions, make_runner  # noqa: E402
 
 
 def _record_prefills(model) -> list:  # noqa: ANN001
-    """Wrap ``model.llm.prefill`` to keep each call's (lengths, past_lengths) tensors, as
-    they are (no read-back, so no host wait on CUDA): the work of a round, for its FLOPs."""
+    """Wrap ``model.llm.prefill`` and ``prefill_segments`` (an image's prefix and questions
+    in one row) to keep each call's (new tokens per row, past_lengths) tensors, as they are
+    (no read-back, so no host wait on CUDA): the work of a round, for its FLOPs."""
     calls: list = []
-    inner = model.llm.prefill
+    inner, rows = model.llm.prefill, model.llm.prefill_segments
 
     def prefill(embeds, lengths, past=None, past_lengths=None, **kw):  # noqa: ANN001, ANN003, ANN202
         calls.append((lengths, past_lengths))
         return inner(embeds, lengths, past, past_lengths, **kw)
 
-    model.llm.prefill = prefill
+    def prefill_segments(embeds, positions, segments, at, past=None, past_lengths=None,  # noqa: ANN001, ANN202
+                         **kw):  # noqa: ANN003
+        calls.append(((segments >= 0).sum(1), past_lengths))
+        return rows(embeds, positions, segments, at, past, past_lengths, **kw)
+
+    model.llm.prefill, model.llm.prefill_segments = prefill, prefill_segments
     return calls
 
 
@@ -117,7 +126,7 @@ class VlmbatchPath:
                  dtype: torch.dtype = torch.float32, graphs: bool = True,
                  engine_kw: dict | None = None, quant: str = "none") -> None:
         self.name, self.items, self.images_per_batch = name, items, images_per_batch
-        self.model = load_model(model_dir, device, dtype, quant=quant)
+        self.model = load_model(model_dir, device, dtype, quant=quant, fuse=True)  # as `run`
         self.runner = make_runner(vit, vision_model(self.model), RunnerOptions(
             device, graphs, stream_ordered=True))  # as `run`
         self.cfg = EngineConfig(prefix_cache=cache, cuda_graphs=graphs, **(engine_kw or {}))
@@ -147,6 +156,53 @@ class VlmbatchPath:
 
     def profile(self, path: Path) -> None:
         write_profile(path, lambda: self._run(self.engine(), self.items))
+
+
+class TreeRow:
+    """A vlmbatch row answered by another checkout of the code (``--before DIR``): a
+    ``bench/qpm_row.py`` worker under ``PYTHONPATH=DIR``, warmed up at construction,
+    timed round for round with the rows of this process (``round()``: a fresh engine)."""
+
+    def __init__(self, name: str, tree: Path, args: argparse.Namespace, cache: bool) -> None:
+        import json
+        import os
+        import subprocess
+
+        self.name, self.times, self._json = name, [], json
+        cmd = [sys.executable, str(Path(__file__).with_name("qpm_row.py")), "--images",
+               str(args.images), "--images-per-batch", str(args.images_per_batch), "--cache",
+               str(int(cache)), "--threads", str(args.threads), "--device", args.device,
+               "--dtype", args.dtype]
+        if args.model != DEFAULT_MODEL:
+            cmd += ["--model", str(args.model)]
+        self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(tree)},
+                                     cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        self._read()  # ready
+        self.rss = float("nan")
+
+    def _read(self) -> dict:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"{self.name}: the worker exited ({self.proc.wait()})")
+        return self._json.loads(line)
+
+    def _send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def round(self) -> None:
+        self._send("round")
+        self.times.append(self._read()["seconds"])
+
+    def finish(self) -> None:
+        self._send("quit")
+        out = self._read()
+        self.proc.wait()
+        self.p_yes, self.hit, self.prefill_tokens = (out["p_yes"], out["hit_rate"],
+                                                     out["prefill_tokens"])
 
 
 def write_profile(path: Path, fn) -> None:  # noqa: ANN001
@@ -229,6 +285,10 @@ def parse_args() -> argparse.Namespace:
                     help="add a row with --compile-llm (torch.compile of the prefill)")
     ap.add_argument("--profile", type=Path, default=None, metavar="DIR",
                     help="also write a torch.profiler table per vlmbatch path into DIR")
+    ap.add_argument("--before", type=Path, default=None, metavar="DIR",
+                    help="also time the two vlmbatch rows (prefix cache on and off) with "
+                    "another checkout of the code (bench/qpm_row.py workers, PYTHONPATH=DIR), "
+                    "round for round with this one, and print this tree's / that one's")
     ap.add_argument("--check-tol", type=float, default=1e-4,
                     help="fp32 bound on |batched - per-question transformers P(yes)|; the run "
                     "exits 1 past it (default 1e-4)")
@@ -245,6 +305,9 @@ def vlmbatch_paths(args: argparse.Namespace, items: list, warm: list,
     cuda = args.device.startswith("cuda")
     paths: list[tuple] = [("vlmbatch, no prefix cache", False, "torch", True, {}),
                           ("vlmbatch, prefix cache", True, "torch", True, {})]
+    if not cuda:  # on CUDA the default; on the CPU: what an image's questions in one row cost
+        paths.append(("vlmbatch, cache, question rows", True, "torch", True,
+                      {"question_rows": "on"}))
     if cuda:
         paths.append(("vlmbatch, cache, eager ViT", True, "torch", False, {}))
         # batches 8x the default's tokens: fewer forwards, fewer launches and gathers
@@ -287,7 +350,11 @@ def timed_rows(args: argparse.Namespace, items: list, warm: list, dtype: torch.d
          Batched(ref, spec, prompts, answers, items, warm, args.baseline_batch,
                  args.baseline_vit == "once", tok.pad_token_id or 0))
     rss_b = peak_rss_mib()
-    timed: list = [b, *ours]
+    before = [] if args.before is None else [
+        TreeRow(f"before: {name}", args.before.resolve(), args, cache)
+        for name, cache in (("vlmbatch, no prefix cache", False),
+                            ("vlmbatch, prefix cache", True))]
+    timed: list = [b, *ours, *before]
     for r in range(args.rounds):
         for path in timed[r % len(timed):] + timed[: r % len(timed)]:
             path.round()
@@ -307,6 +374,11 @@ def timed_rows(args: argparse.Namespace, items: list, warm: list, dtype: torch.d
         hit = f"{eng.cache.stats.hit_rate():.2f}" if eng.cache is not None else "-"
         rows.append((path.name, min(path.times), path.p_yes, hit, eng.stats.prefill_tokens / n,
                      path.work, path.rss))
+    for tree in before:
+        tree.finish()
+        hit = "-" if tree.hit is None else f"{tree.hit:.2f}"
+        rows.append((tree.name, min(tree.times), tree.p_yes, hit, tree.prefill_tokens / n,
+                     None, tree.rss))
     return rows, b.vision
 
 
@@ -375,6 +447,8 @@ def print_table(rows: list[tuple], truth: list[str], spec,  # noqa: ANN001
     print(f"{'path':<28}{'vision tiles':>13}{'LLM tokens':>12}{'GFLOP/q':>10}{'TFLOP/s':>10}"
           f"{'of peak':>9}")
     for name, secs, _, _, _, work, _ in rows:
+        if work is None:  # another tree's row: its work is not recorded here
+            continue
         flops = workload_flops(spec, work.vision_tiles, work.prefills)
         rate = flops / secs / 1e12
         frac = f"{rate / peak:.2%}" if peak else "-"
@@ -394,6 +468,14 @@ def print_checks(rows: list[tuple], dtype: str, tol: float) -> Checks:
     max_dp = max(abs(a - b) for a, b in zip(cache[2], p_b))
     print(f"max |dP(yes)| vlmbatch (cache) vs batched transformers: {max_dp:.4f} "
           "(OpenCV vs Pillow resize; the models are the same)")
+    for name in ("vlmbatch, prefix cache", "vlmbatch, no prefix cache"):
+        old = next((r for r in rows if r[0] == f"before: {name}"), None)
+        if old is not None:
+            new = next(r for r in rows if r[0] == name)
+            d = max(abs(a - b) for a, b in zip(new[2], old[2]))
+            print(f"{name}: this tree {old[1] / new[1]:.2f}x the other's QPM "
+                  f"({60 * len(new[2]) / new[1]:.0f} vs {60 * len(old[2]) / old[1]:.0f}); "
+                  f"max |dP(yes)| between them {d:.2e}")
     return checks
 
 

@@ -209,24 +209,28 @@ def test_many_batches_under_a_tight_pool_read_no_reused_slot(model) -> None:  # 
 
 def test_an_error_while_inserting_leaves_no_pin(model, monkeypatch) -> None:  # noqa: ANN001
     """The runner keeps the engine after a failed group (e.g. out of memory): pins taken by
-    that group's lookups and inserts must all be released, or slots leak for good."""
+    that group's lookups and inserts must all be released, or slots leak for good; and the
+    blocks it claimed before the error (their KV never copied in) must not stay cached."""
     ims = images(model)
     engine = TorchEngine(model, EngineConfig(block_size=4, cache_bytes=3_000))
     assert engine.cache is not None
     engine.score(ims, [Request(i, q) for i in range(len(ims)) for q in QUESTIONS])
-    real, calls = engine.cache.insert, []
+    real, calls = engine.cache.claim, []
 
     def failing(*args, **kw):  # noqa: ANN002, ANN003, ANN202
         calls.append(1)
-        if len(calls) == 2:  # the second block of the first new image's chain
+        if len(calls) == 2:  # the second new image's chain, after the first one's claim
             raise RuntimeError("out of memory (simulated)")
         return real(*args, **kw)
 
-    monkeypatch.setattr(engine.cache, "insert", failing)
+    monkeypatch.setattr(engine.cache, "claim", failing)
     more = images(model, seed=6)  # new images: inserts, and lookups of the shared text
     with pytest.raises(RuntimeError, match="simulated"):
         engine.score(more, [Request(i, q) for i in range(len(more)) for q in QUESTIONS])
     assert len(calls) == 2 and pins(engine) == 0
+    monkeypatch.setattr(engine.cache, "claim", real)
+    off = margins(TorchEngine(model, EngineConfig(prefix_cache=False)), more)
+    assert (margins(engine, more) - off).abs().max() <= 1e-5
 
 
 def test_a_cache_budget_that_cannot_be_allocated_is_a_config_error(model) -> None:  # noqa: ANN001

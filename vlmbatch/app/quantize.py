@@ -76,9 +76,10 @@ def quantize_model(model: Path | None, out: Path, method: str, items: list[Image
                          "MLP linears only, so W4A16 of this model is not implemented")
     calib = calibration_items(items, samples)
     n = sum(len(it.questions) for it in calib)
+    # unfused: calibration hooks the linears by name (q_proj, ...) and writes them so
     engine: TorchEngine = build_torch(ModelConfig(src, device),
                                       EngineConfig(vit_backend="torch", prefix_cache=False),
-                                      threads)
+                                      threads, fuse=False)
     llm = engine.model.llm
     spec = llm.spec
     for size in (spec.hidden, spec.intermediate, spec.heads * spec.head_dim):

@@ -61,6 +61,7 @@ LLM_QUANT = ("none", "int8-dynamic")
 # how a label set's choices are scored: each choice's whole token sequence after the prompt
 # (exact), or its first token only (cheaper; choices must then start with different tokens)
 CHOICE_SCORING = ("exact", "first-token")
+QUESTION_ROWS = ("auto", "on", "off")  # EngineConfig.question_rows
 QUANT = ("none", "fp8")  # W8A8 of the decoder's and the vision encoder's linears
 # dtype names; engine/loading.py maps each to its torch dtype where the model is loaded
 DTYPES = ("float32", "bfloat16", "float16")
@@ -166,7 +167,8 @@ class EngineConfig:
     OPTION_GROUP: ClassVar[str] = "engine"
     # the fields that matter only when questions are answered (``embed`` does not take them)
     ANSWER_ONLY: ClassVar[tuple[str, ...]] = ("max_new_tokens", "ignore_eos", "yes_words",
-                                              "no_words", "choice_scoring")
+                                              "no_words", "choice_scoring",
+                                              "question_rows")
     # one of ENGINES (checked when built): torch (ours, CPU/CUDA), lmdeploy
     engine: str = field(default="torch", metadata=opt(
         "--engine", choices=tuple(ENGINES.names()), help="torch: ours (CPU/CUDA, default); "
@@ -229,6 +231,14 @@ class EngineConfig:
         "P(token | prompt, the choice's tokens before it), in one continuation forward after "
         "the prompt's KV; first-token scores its first token only (cheaper; refused, naming "
         "them, when two choices start with the same token)"))
+    # an image's prefix and its yes/no questions in one row, one forward (engine/packing.py):
+    # "auto" where the host is the bottleneck (CUDA), else the leaders/followers phases,
+    # which compute less (the CPU is bound by arithmetic: docs/engine.md, "Host cost")
+    question_rows: str = field(default="auto", metadata=opt(  # one of QUESTION_ROWS
+        "--question-rows", choices=QUESTION_ROWS, help="with the prefix cache: on puts an "
+        "image's prefix and its yes/no questions in one row, one forward for them all (fewer "
+        "forwards and host work; more arithmetic); off prefills the prefix first, then the "
+        "questions after it; auto (default): on with CUDA, off on the CPU"))
 
     def __post_init__(self) -> None:
         if min(self.max_batch_tokens, self.max_batch_tiles, self.block_size,
@@ -250,6 +260,9 @@ class EngineConfig:
         if self.choice_scoring not in CHOICE_SCORING:
             raise ConfigError(f"choice_scoring {self.choice_scoring!r} not one of "
                               f"{CHOICE_SCORING}")
+        if self.question_rows not in QUESTION_ROWS:
+            raise ConfigError(f"question_rows {self.question_rows!r} not one of "
+                              f"{QUESTION_ROWS}")
 
 
 @dataclass(frozen=True)

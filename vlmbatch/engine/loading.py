@@ -18,6 +18,7 @@ from vlmbatch.engine.scoring import choice_ids
 from vlmbatch.models import family_for
 from vlmbatch.models.base import ImageOptions, LoadedModel, ModelFamily, ModelSpec
 from vlmbatch.models.io import ModelError, raw_state_dict
+from vlmbatch.models.layers import fuse_projections
 from vlmbatch.preprocessing.prepare import ImagePlan
 from vlmbatch.quant.checkpoint import check_config, int4_weights
 from vlmbatch.quant.fp8 import Fp8Unavailable, convert_linears_fp8, require_fp8
@@ -88,11 +89,20 @@ def label_set_checker(path: Path | None, cfg: EngineConfig
 
 def load_model(path: Path | None = None, device: str = "cpu",
                dtype: torch.dtype = torch.float32, llm_quant: str = "none",
-               quant: str = "none") -> LoadedModel:
+               quant: str = "none", fuse: bool = False) -> LoadedModel:
     """Build our modules from a checkpoint folder (the built-in model by default).
 
     ``quant="fp8"``: every linear of the decoder (but the LM head) and of the vision encoder
-    becomes an ``Fp8Linear`` (``quant/fp8.py``) after loading."""
+    becomes an ``Fp8Linear`` (``quant/fp8.py``) after loading.
+
+    ``fuse``: the projections that read one input fused into one linear each (q/k/v, gate/up;
+    ``models.layers.fuse_projections``), before any quantised conversion, which then
+    converts the fused linear whole: a W4A16 checkpoint's parts' int4 rows concatenated
+    (``quant.runtime.convert_for_runtime``), FP8 on the fused weight (row-wise scales: the
+    same layer). Not with ``int8-dynamic``: torch's dynamic int8 linears keep one scale per
+    tensor, which a fused weight would change. The engine fuses (``build_torch``); off by
+    default so that the modules keep transformers' layout for whoever reads them by name
+    (calibration, the reference tests)."""
     path = Path(path) if path is not None else DEFAULT_MODEL
     check_device(device)
     backend = _fp8_backend(device, quant)
@@ -108,6 +118,8 @@ def load_model(path: Path | None = None, device: str = "cpu",
         int4 = int4_weights(sd, group_size)
     vision, llm = family.build(spec, sd, path)
     llm = llm.to(device, dtype).eval()
+    if fuse and llm_quant != "int8-dynamic":
+        fuse_projections(llm)
     if int4:
         try:
             convert_for_runtime(llm, int4, group_size, device, dtype, family.llm_param)
@@ -119,6 +131,8 @@ def load_model(path: Path | None = None, device: str = "cpu",
     elif llm_quant != "none":
         raise ModelError(f"llm_quant {llm_quant!r} not one of none, int8-dynamic")
     vision = vision.to(device, dtype).eval()
+    if fuse:
+        fuse_projections(vision)
     if backend is not None:
         if int4:
             raise ModelError(f"{path} is already quantised (W4A16); --quant fp8 needs a float "

@@ -31,8 +31,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vlmbatch.engine import packing
 from vlmbatch.engine.base import EngineStats
 from vlmbatch.engine.choices import AfterPrefill, choice_logprobs
+from vlmbatch.engine.packing import Row
 from vlmbatch.engine.planner import Plan
 from vlmbatch.engine.prefix_cache import BlockKey, PrefixCache
 from vlmbatch.engine.scoring import AnswerTokens, ChoiceIds, yes_no
@@ -45,7 +47,7 @@ from vlmbatch.engine.state_snapshots import (
     split_layers,
     take_snapshots,
 )
-from vlmbatch.models.base import KV, DeepStack, LoadedModel
+from vlmbatch.models.base import KV, DeepStack, LoadedModel, Prompt
 from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.vit_trt.base import VitRunner
 
@@ -54,6 +56,18 @@ Generated = tuple[str, int]  # a row's greedy text and its token count
 # a packed model's images go through the vision module in calls of at most
 # max_batch_tiles * PATCHES_PER_TILE rows: one 448 px InternVL tile is 32 x 32 patches of 14 px
 PATCHES_PER_TILE = 1024
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """A step of rows' host inputs (``ModelRunner.step_inputs``): the arrays, their one
+    int64 buffer (token ids, positions, segments, questions' last tokens, image token
+    destinations), M-RoPE positions ``[3, B, T]`` or None, each row's longest prompt (dynamic
+    rotary) or None."""
+    arrays: packing.StepArrays
+    host: torch.Tensor
+    positions: torch.Tensor | None
+    seq_lens: list[int] | None
 
 
 @dataclass(frozen=True)
@@ -80,6 +94,7 @@ class ModelRunner:
         self.max_batch_tiles = max_batch_tiles
         self.ignore_eos = ignore_eos
         self.device = next(model.llm.parameters()).device
+        self._dynamic = getattr(model.llm.spec, "rope_scaling", "none") == "dynamic"
         # a hybrid decoder (Qwen3.5): the pool holds the full layers' K/V only, the linear
         # layers' states go through snapshots (``state_snapshots.py``)
         self.kinds = model.llm.kinds
@@ -118,13 +133,10 @@ class ModelRunner:
             chunk = torch.from_numpy(tiles[start: start + self.max_batch_tiles])
             outs.append(self.vision.encode(chunk).to(self.device))  # [n, T, D]
         self.stats.vision_tiles += len(tiles)
-        feats = torch.cat(outs)
-        result, first = [], 0
-        for im in images:
-            n = len(im.rows)
-            result.append(ImageEmbeds(im.cache_key, feats[first: first + n].flatten(0, 1)))
-            first += n
-        return result
+        feats = (torch.cat(outs) if len(outs) > 1 else outs[0]).flatten(0, 1)  # [N * T, D]
+        per = feats.shape[0] // len(tiles)  # tokens per tile
+        parts = feats.split([len(im.rows) * per for im in images])  # one op for all
+        return [ImageEmbeds(im.cache_key, part) for im, part in zip(images, parts)]
 
     def _encode_packed(self, images: list[PreparedImage]) -> list[ImageEmbeds]:
         """Packed images in calls of whole images; each image's share of the call's tokens
@@ -168,6 +180,78 @@ class ModelRunner:
                              logits, after, first_token)
         texts = self._texts(limits, logits, after)
         return torch.stack([p_yes, margin], 1), texts, lp
+
+    def step_inputs(self, step: list[Row], prompts: list[Prompt]) -> StepInputs:
+        """A step's host inputs (``packing.arrays``, M-RoPE positions, each row's longest
+        prompt), as host tensors ready to copy (pinned on CUDA): no device work, so it may
+        run on another thread while the previous step's forward runs (``TorchEngine``)."""
+        arr = packing.arrays(step, prompts)
+        host = torch.from_numpy(np.concatenate([arr.tokens.ravel(), arr.at, arr.image_index]))
+        pos = None
+        if step[0].plan.prompt.positions is not None:
+            pos = _row_positions(step, prompts, arr.tokens.shape[2])
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+            pos = None if pos is None else pos.pin_memory()
+        lens = [max([len(prompts[i].ids) for i in r.members]) for r in step] \
+            if self._dynamic else None
+        return StepInputs(arr, host, pos, lens)
+
+    def prefill_rows(self, step: list[Row], images: list[ImageEmbeds | None],
+                     inputs: StepInputs) -> torch.Tensor:
+        """One forward over a step of rows (``engine/packing.py``: an image's uncached
+        prefix and its questions in one row each; ``inputs``: ``step_inputs``): ``[Q, 2]``
+        (p_yes, margin) on the device, the rows' questions in order; the prefixes' new
+        blocks cached. ``images``: each row's image embeddings (None: none of its image is
+        computed)."""
+        arr = inputs.arrays
+        b, t = arr.tokens.shape[1:]
+        n, q = 3 * b * t, len(arr.at)  # one host-to-device copy for the step's indices
+        host = inputs.host.to(self.device, non_blocking=True)
+        ids, pos, seg = host[:n].view(3, b, t).unbind(0)
+        at = host[n: n + q]
+        x = self.model.llm.embed_tokens(ids)  # [B, T, D]
+        plans = [r.plan for r in step]
+        deep = self._place_images(x, arr.image_at, host[n + q:], images)
+        positions = pos if inputs.positions is None else inputs.positions.to(
+            self.device, non_blocking=True)
+        past, past_lengths = self._gather_past(plans)
+        seq_lens = None if inputs.seq_lens is None else self.to_device(inputs.seq_lens)
+        logits, new_kv = self.model.llm.prefill_segments(
+            x, positions, seg, at, past, past_lengths, deepstack=deep, seq_lens=seq_lens)
+        self.stats.prefill_tokens += sum([r.new_len for r in step])
+        if self.cache is not None:
+            self._insert(plans, new_kv, None)  # rows: full attention only, no snapshot
+        p_yes, margin = yes_no(logits, self.answers)
+        return torch.stack([p_yes, margin], 1)
+
+    def _place_images(self, x: torch.Tensor, image_at: list[tuple[int, int, int]],
+                      index: torch.Tensor, images: list[ImageEmbeds | None]
+                      ) -> DeepStack | None:
+        """Write each row's uncached image tokens into ``x [B, T, D]`` (row j from column
+        ``col`` on, the image's tokens from ``k``: ``packing.StepArrays.image_at``; their
+        flat destinations ``index``) in one copy; their DeepStack features (Qwen3-VL)
+        likewise, in row order (None without)."""
+        if not image_at:
+            return None
+        b, t, d = x.shape
+        srcs: list[torch.Tensor] = []
+        deep: list[list[torch.Tensor]] = []
+        for j, _, k in image_at:
+            im = images[j]
+            assert im is not None
+            srcs.append(im.embeds if k == 0 else im.embeds[k:])
+            if im.deepstack:
+                deep.append([f if k == 0 else f[k:] for f in im.deepstack])
+        self.stats.image_tokens_prefilled += index.shape[0]
+        src = torch.cat(srcs) if len(srcs) > 1 else srcs[0]
+        x.view(b * t, d).index_copy_(0, index, src if src.dtype == x.dtype else src.to(x.dtype))
+        if not deep:
+            return None
+        mask = torch.zeros(b * t, dtype=torch.bool, device=x.device)
+        mask[index] = True
+        return DeepStack(mask.view(b, t), tuple(torch.cat(fs).to(x.dtype)
+                                                for fs in zip(*deep)))
 
     def hidden(self, batch: list[Plan], images: list[ImageEmbeds | None]) -> torch.Tensor:
         """One forward over ``batch`` for embeddings: the last hidden states ``[B, T, D]`` of
@@ -329,29 +413,70 @@ class ModelRunner:
 
     def _insert(self, batch: list[Plan], new_kv: list[KV],
                 snaps: list[list[torch.Tensor]] | None) -> None:
-        """New prefix blocks of the full layers' K/V into the pool; a hybrid decoder's
-        snapshots (``snaps``: per column, the states ``take_snapshots`` split off) of the
-        rows that take them (``Plan.snapshots``) after."""
+        """New prefix blocks of the full layers' K/V into the pool, every block of the
+        batch in one gather and one copy (``PrefixCache.claim``; entries dropped if the
+        copy fails); a hybrid decoder's snapshots (``snaps``: per column, the states
+        ``take_snapshots`` split off) of the rows that take them (``Plan.snapshots``) after.
+        Row j's new token t is its prompt's position ``past_len + t``."""
         assert self.cache is not None
         if self.codec is not None:
             new_kv, _ = split_layers(self.kinds, new_kv)
-        k_all = torch.stack([k for k, _ in new_kv], 1)  # [B, L, K, T, d]
-        v_all = torch.stack([v for _, v in new_kv], 1)
-        for j, p in enumerate(batch):
-            pinned: list[BlockKey] = []
-            try:  # pinned while the chain goes in: a pool too small for it keeps its head
-                for start, blk in p.blocks:
-                    lo = start - p.past_len
-                    hi = lo + len(blk.ids)
-                    kv = torch.stack([k_all[j, :, :, lo:hi], v_all[j, :, :, lo:hi]], 1)
-                    if self.cache.insert(blk, kv, pin=True):  # [L, 2, K, n, d], copied
-                        pinned.append(blk.key)
-            finally:  # also after an error (e.g. out of memory): the runner goes on
-                self.cache.unpin(pinned)
-            self.cache.touch(p.chain)
+        claimed: list[tuple[BlockKey, int, int, int, int]] = []  # key, slot, row, first, n
+        try:  # an entry whose KV never got in must not stay (an error: out of memory, ...)
+            for j, p in enumerate(batch):
+                got = self.cache.claim([b for _, b in p.blocks])
+                claimed += [(blk.key, slot, j, start - p.past_len, len(blk.ids))
+                            for (start, blk), slot in zip(p.blocks, got) if slot >= 0]
+                self.cache.touch(p.chain)
+            if claimed:
+                keys, slots, _, _, _ = zip(*claimed)
+                held = self.cache.held(keys, slots)
+                claimed = [c for c, ok in zip(claimed, held) if ok]
+            if claimed:
+                self._copy_blocks(new_kv, claimed, new_kv[0][0].shape[2])
+        except BaseException:
+            self.cache.drop([c[0] for c in claimed])
+            raise
         if snaps is not None:
             assert self.codec is not None
             snapshot(self.cache, self.codec, batch, snaps)
+
+    def _copy_blocks(self, new_kv: list[KV], claimed: list[tuple[BlockKey, int, int, int, int]],
+                     t: int) -> None:
+        """For each claimed (key, slot, row, first token, n): pool[slot] = that row's K/V of
+        new tokens first..first + n, zeros after: one gather, one copy. new_kv: per layer
+        (k, v) [B, K, T, d]."""
+        assert self.cache is not None
+        pool = self.cache.pool  # [S, L, 2, K, bs, d]
+        bs = self.cache.block_size
+        rows: list[int] = []
+        toks: list[int] = []
+        for _, _, j, lo, n in claimed:
+            rows += [j] * bs
+            toks += range(lo, lo + n)
+            toks += [-1] * (bs - n)  # past the block: zeroed
+        slots = [c[1] for c in claimed]
+        kv = torch.stack([x for pair in new_kv for x in pair])  # [2L, B, K, T, d]
+        where = self.to_device([rows, toks, slots + [0] * (len(rows) - len(slots))])
+        tok = where[1]
+        got = kv[:, where[0], :, tok.clamp(min=0)]  # [N, 2L, K, d]: the index dims first
+        got = got.masked_fill((tok < 0)[:, None, None, None], 0)
+        got = got.view(len(slots), bs, *pool.shape[1:4], pool.shape[5])  # [n, bs, L, 2, K, d]
+        pool.index_copy_(0, where[2, : len(slots)], got.permute(0, 2, 3, 4, 1, 5))
+
+
+def _row_positions(step: list[Row], prompts: list[Prompt], t: int) -> torch.Tensor:
+    """M-RoPE positions ``[3, B, T]`` (host) of a step's rows: each token's in its own
+    prompt (the tail's in the group's first prompt); padding 0."""
+    pos = torch.zeros((3, len(step), t), dtype=torch.long)
+    for j, r in enumerate(step):
+        lead = r.plan.prompt.positions
+        assert lead is not None
+        parts = [lead[:, r.plan.past_len: r.shared]]
+        parts += [prompts[i].positions[:, r.shared:] for i in r.members]  # type: ignore[index]
+        row = torch.cat(parts, 1)
+        pos[:, j, : row.shape[1]] = row
+    return pos
 
 
 def _chunks(sizes: list[int], budget: int) -> list[list[int]]:

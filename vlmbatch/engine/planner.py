@@ -86,15 +86,18 @@ class Planner:
         """Each prompt's shared prefix length (module docstring): its group's common prefix,
         within ``[prefix_len, len(ids) - 1]``; ``prefix_len`` for a prompt alone."""
         out = [p.prefix_len for p in prompts]
-        for group in _groups(requests, prompts).values():
+        for group in groups(requests, prompts).values():
             if len(group) < 2:
                 continue
             ids = [prompts[i].ids for i in group]
+            first = ids[0]
             lo = prompts[group[0]].prefix_len
-            hi = min(len(x) for x in ids) - 1
-            n = lo
-            while n < hi and all(x[n] == ids[0][n] for x in ids):
-                n += 1
+            n = min([len(x) for x in ids]) - 1
+            for x in ids[1:]:  # the common prefix, one comparison per token
+                k = lo
+                while k < n and x[k] == first[k]:
+                    k += 1
+                n = k
             for i in group:
                 out[i] = max(n, lo)
         return out
@@ -114,14 +117,14 @@ class Planner:
 
     def _chunks(self, requests: list[Request], prompts: list[Prompt],
                 shared: list[int]) -> list[list[list[int]]]:
-        """Groups (``_groups``) in chunks whose prefixes (a slot per block of ``shared``, the
+        """Groups (``groups``) in chunks whose prefixes (a slot per block of ``shared``, the
         partial one included, and a state snapshot's slots) fit half the cache budget."""
         assert self.cache is not None
         chunks: list[list[list[int]]] = [[]]
         used = 0
         bs = self.cache.block_size
         state = self.cache.state_slots(self.state_bytes) if self.state_bytes else 0
-        for reqs in _groups(requests, prompts).values():
+        for reqs in groups(requests, prompts).values():
             snaps = 2 if shared[reqs[0]] > prompts[reqs[0]].prefix_len else 1
             need = (-(-shared[reqs[0]] // bs) + snaps * state) * self.cache.slot_bytes
             if chunks[-1] and used + need > self.cache.budget_bytes // 2:
@@ -164,9 +167,10 @@ class Planner:
         plan.slots = self.cache.lookup_slots(usable)
         if self.state_bytes and self._resume(plan, blocks):
             return plan
-        plan.past_len = sum(len(b.ids) for b in blocks[: len(plan.slots)])
+        found = len(plan.slots)
+        plan.past_len = sum([len(b.ids) for b in blocks[:found]])
         bs = self.cache.block_size
-        plan.blocks = [(k * bs, b) for k, b in enumerate(blocks) if k >= len(plan.slots)]
+        plan.blocks = [(k * bs, b) for k, b in enumerate(blocks[found:], found)]
         start = prompt.prefix_len // bs * bs
         if limit > prompt.prefix_len and prompt.prefix_len % bs and start >= plan.past_len:
             # also the block that ends at the image's end marker: a later call's prompt
@@ -181,13 +185,16 @@ class Planner:
 
     def _image_end(self, prompt: Prompt, span: ImageSpan, prefixes: dict[Prefix, list[BlockId]],
                    key: Prefix) -> BlockId:
-        """The last block of the chain through the image's end marker (memoised)."""
+        """The last block of the chain through the image's end marker (memoised): the
+        full blocks before it are the shared chain's (``prefixes[key]``)."""
         end = prompt.image_start + prompt.image_len
         own = (key[0], key[1], prompt.ids[end: prompt.prefix_len])
         if own not in prefixes:
             assert self.cache is not None
+            full = prompt.prefix_len // self.cache.block_size
             prefixes[own] = block_ids(prompt.ids, [span], self.cache.block_size,
-                                      limit=prompt.prefix_len, tail=True)
+                                      limit=prompt.prefix_len, tail=True,
+                                      head=prefixes[key][:full])
         return prefixes[own][-1]
 
     def _resume(self, plan: Plan, blocks: list[BlockId]) -> bool:
@@ -237,7 +244,7 @@ class Planner:
                 p.state_slots = []
 
 
-def _groups(requests: list[Request], prompts: list[Prompt]
+def groups(requests: list[Request], prompts: list[Prompt]
             ) -> dict[tuple[int, tuple[int, ...]], list[int]]:
     """Request indices by (image, the prompt's ids before the image), in first-seen order."""
     out: dict[tuple[int, tuple[int, ...]], list[int]] = {}

@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NewType
+from typing import NamedTuple, NewType
 
 import numpy as np
 import torch
@@ -54,10 +54,13 @@ class ImageSpan:
     content_hash: str  # PreparedImage.content_hash (pixels + shape) + tiling
 
 
-@dataclass(frozen=True)
-class BlockId:
+class BlockId(NamedTuple):
+    """One block of a prompt: its chained key, its parent's key (b"" for the first), its
+    token ids and its extra keys ((image content hash, offset of the block's start in the
+    image span), per image it overlaps). A named tuple: a prompt's prefix makes one per
+    block, and a tuple is built without a call per field."""
     key: BlockKey
-    parent: bytes  # key of the previous block (b"" for the first)
+    parent: bytes
     ids: tuple[int, ...]
     extra: tuple[tuple[str, int], ...]
 
@@ -78,26 +81,36 @@ class CacheStats:
 
 
 def block_ids(ids: Sequence[int], images: Sequence[ImageSpan], block_size: int,
-              limit: int | None = None, tail: bool = False) -> list[BlockId]:
+              limit: int | None = None, tail: bool = False,
+              head: Sequence[BlockId] = ()) -> list[BlockId]:
     """Keys of the full blocks of ``ids[:limit]``; with ``tail``, also of the partial block
-    that ends at ``limit`` (the end of a prompt's shared prefix)."""
+    that ends at ``limit`` (the end of a prompt's shared prefix). ``head``: the chain's
+    first blocks already made (from a longer limit over the same ids, each full), reused.
+    A block's key is the xxh3-128 of its parent's key, its token ids (int64 bytes) and
+    its extra keys (module docstring); the bytes of all the ids are made once."""
+    ids = tuple(ids)
     end = len(ids) if limit is None else min(limit, len(ids))
-    out: list[BlockId] = []
-    parent = b""
-    for start in range(0, end, block_size):
+    out = list(head)
+    parent = out[-1].key if out else b""
+    data = np.asarray(ids[:end], dtype=np.int64).tobytes()
+    spans = [(im.start, im.start + im.length, im.content_hash, im.content_hash.encode())
+             for im in images]
+    new = tuple.__new__  # a named tuple without its Python-level __new__: one call a block
+    for start in range(len(out) * block_size, end, block_size):
         stop = start + block_size
         if stop > end:
             if not tail:
                 break
             stop = end
-        toks = tuple(ids[start:stop])
-        extra = tuple((im.content_hash, start - im.start) for im in images
-                      if im.start < stop and start < im.start + im.length)
-        h = xxhash.xxh3_128(parent)
-        h.update(np.asarray(toks, dtype=np.int64).tobytes())
-        h.update(repr(extra).encode())
-        out.append(BlockId(BlockKey(h.digest()), parent, toks, extra))
-        parent = h.digest()
+        extra: tuple[tuple[str, int], ...] = ()
+        mark = b""
+        for first, last, name, raw in spans:
+            if first < stop and start < last:
+                extra += ((name, start - first),)
+                mark += b"%s@%d;" % (raw, start - first)
+        key = BlockKey(xxhash.xxh3_128_digest(parent + data[8 * start: 8 * stop] + mark))
+        out.append(new(BlockId, (key, parent, ids[start:stop], extra)))
+        parent = key
     return out
 
 
@@ -220,6 +233,14 @@ class PrefixCache:
             if e is not None and e.pins > 0:
                 e.pins -= 1
 
+    def drop(self, keys: Sequence[BlockKey]) -> None:
+        """Forget these entries and free their slots (claimed blocks whose KV never got in;
+        one a later claim already took back is not this claim's any more and is left)."""
+        for key in keys:
+            e = self._entries.pop(key, None)
+            if e is not None:
+                self._free.extend(e.slots)
+
     def touch(self, chain: Sequence[BlockKey]) -> None:
         """Mark a chain recently used, its first block most recently: eviction then takes a
         chain's tail before its head, so what stays cached is always a usable prefix."""
@@ -259,6 +280,36 @@ class PrefixCache:
         self._entries[block.key] = _Entry(block, taken, int(pin))
         self.stats.inserts += 1
         return True
+
+    def claim(self, blocks: Sequence[BlockId]) -> list[int]:
+        """Slots for ``blocks`` (one chain's, head first) in bulk: each block not cached yet
+        becomes an entry in a free slot (evicting least recently used unpinned entries), its
+        KV to be copied in by the caller (one ``pool.index_copy_`` for many blocks, the
+        partial block's unused positions zeroed: ``pool``'s invariant) before anything
+        looks it up; a block already cached gets -1, and so does each block past what the
+        pool can free (the chain keeps its head). A later claim may evict an entry claimed
+        earlier whose KV is not in yet: ``held`` says which still are, and only those are
+        copied. The caller then ``touch``es the chain (its head most recently used)."""
+        entries = self._entries
+        fresh = [b for b in blocks if b.key not in entries]
+        kept = [entries[b.key] for b in blocks if b.key in entries]
+        for e in kept:  # the chain's cached blocks are not this claim's to evict
+            e.pins += 1
+        try:
+            given = dict(zip([b.key for b in fresh], self._take_upto(len(fresh))))
+        finally:
+            for e in kept:
+                e.pins -= 1
+        for b in fresh:
+            if b.key in given:
+                entries[b.key] = _Entry(b, [given[b.key]])
+        self.stats.inserts += len(given)
+        return [given[b.key] if b.key in given else -1 for b in blocks]
+
+    def held(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> list[bool]:
+        """Whether each claimed block (``claim``) still holds its slot."""
+        e = self._entries
+        return [k in e and e[k].slots[0] == s for k, s in zip(keys, slots)]
 
     def insert_state(self, tail: BlockId, data: torch.Tensor) -> bool:
         """Copy a state snapshot (``data``: its bytes, ``[n]`` uint8 on the pool's device)
@@ -301,6 +352,25 @@ class PrefixCache:
                                                   dim)
         self._free = list(range(slots - 1, -1, -1))  # popped from the end: slot 0 first
         self._entries.clear()
+
+    def _take_upto(self, n: int) -> list[int]:
+        """Up to ``n`` free slots, evicting least recently used unpinned entries for them."""
+        if len(self._free) < n:
+            need = n - len(self._free)
+            victims = []
+            for key, e in self._entries.items():  # oldest first
+                if need <= 0:
+                    break
+                if e.pins == 0:
+                    victims.append(key)
+                    need -= len(e.slots)
+            for key in victims:
+                self._free.extend(self._entries.pop(key).slots)
+                self.stats.evictions += 1
+        k = min(n, len(self._free))
+        taken = self._free[len(self._free) - k:][::-1]  # as ``_take``: popped from the end
+        del self._free[len(self._free) - k:]
+        return taken
 
     def _take(self, n: int) -> list[int] | None:
         """``n`` free slots, evicting least recently used unpinned entries for them; None

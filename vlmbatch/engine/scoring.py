@@ -61,7 +61,7 @@ def _index(ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
 
 def yes_no(logits: torch.Tensor, tokens: AnswerTokens) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] -> (p_yes [B], margin [B]), float32, on the logits' device."""
-    logits = logits.float()
+    logits = logits if logits.dtype == torch.float32 else logits.float()
     ly = logits.index_select(1, _index(tokens.yes_ids, logits.device)).logsumexp(-1)
     ln = logits.index_select(1, _index(tokens.no_ids, logits.device)).logsumexp(-1)
     margin = ly - ln

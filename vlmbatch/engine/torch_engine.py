@@ -8,7 +8,13 @@ Flow of one ``score`` call::
                                         given, before the image), image span expanded
     planner.shared_lengths              each prompt's shared prefix (through the image, and
                                         what the image's other prompts also start with)
-    planner.phases                      leaders (first question per prefix), then followers
+    rows (``question_rows``: on CUDA)   the yes/no questions: ``packing.make_rows`` (one row
+                                        per image: its prefix, then its questions), the
+                                        images they need encoded, ``packing.steps`` (rows
+                                        per token budget), one ``runner.prefill_rows`` each
+    planner.phases                      the rest (label sets, text, what a row cannot hold,
+                                        a hybrid decoder's; every question without rows):
+                                        leaders (first question per prefix), then followers
     per phase (``_phase``, shared with ``embed``):
       planner.plan      longest cached prefix per prompt -> pinned slots + past_len
       runner.encode     images whose tokens are not all cached -> ImageEmbeds, once per
@@ -31,17 +37,20 @@ prefilled, image tokens prefilled.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import numpy as np
 import torch
 
+from vlmbatch.engine import packing
 from vlmbatch.engine.base import Engine, EngineStats, EngineSummary
 from vlmbatch.engine.config import ConfigError, EmbedConfig, EngineConfig, ModelConfig, Resolved
 from vlmbatch.engine.embed import EmbedHead, cut
 from vlmbatch.engine.loading import image_plan_for, load_model, torch_dtype, vision_model
-from vlmbatch.engine.model_runner import Generated, ImageEmbeds, ModelRunner
+from vlmbatch.engine.model_runner import Generated, ImageEmbeds, ModelRunner, StepInputs
+from vlmbatch.engine.packing import Row
 from vlmbatch.engine.planner import Plan, Planner, Prefix
 from vlmbatch.engine.prefix_cache import BlockId, PrefixCache
 from vlmbatch.engine.records import EmbedRequest, Request, Score, Vector
@@ -58,12 +67,14 @@ Forward = Callable[[list[Plan], list[ImageEmbeds | None]], Out]
 # tokens), its label sets' log-likelihoods [M] on the device (None: no label set)
 _Queued = list[tuple[list[Plan], tuple[torch.Tensor, list[Generated | None],
                                        torch.Tensor | None]]]
+# per step of rows (``engine/packing.py``): its requests, [Q, 2] (p_yes, margin) on the device
+_Rows = list[tuple[list[int], torch.Tensor]]
 
 
 class TorchEngine(Engine):
     def __init__(self, model: LoadedModel, cfg: EngineConfig, vision: VitRunner | None = None,
                  image_plan: ImagePlan | None = None) -> None:
-        self.model = model
+        self.model = model  # as loaded: fused by ``build_torch`` (``load_model(fuse=True)``)
         self.cfg = cfg
         # the run's plan; by default the checkpoint's under a default ModelConfig
         self.image_plan = image_plan or image_plan_for(model.family, model.spec, ModelConfig())
@@ -80,6 +91,13 @@ class TorchEngine(Engine):
         self._heads: dict[EmbedConfig, EmbedHead] = {}
         self._choice_ids: dict[tuple[str, ...], ChoiceIds] = {}
         self._first_token = cfg.choice_scoring == "first-token"
+        self._dynamic = getattr(model.spec.text, "rope_scaling", "none") == "dynamic"
+        rows = cfg.question_rows
+        self._question_rows = rows == "on" or (rows == "auto" and self.device.type == "cuda")
+        # step k + 1's host inputs made on a thread during step k (``_prepare``): off, it
+        # does not pay (docs/engine.md, "Host cost": 0.3-0.8 ms of host work per step)
+        self.prepare_ahead = False
+        self._ahead: ThreadPoolExecutor | None = None
         if self.cache is not None:
             self._allocate_cache()
 
@@ -128,7 +146,7 @@ class TorchEngine(Engine):
         choices = [self.choice_ids(r.choices) if r.choices else () for r in requests]
         prompts = [self.model.prompts.build(r.question, images[r.image], r.system)
                    for r in requests]
-        self.stats.prompt_tokens += sum(len(p.ids) for p in prompts)  # what was asked
+        self.stats.prompt_tokens += sum([len(p.ids) for p in prompts])  # what was asked
         image_of: list[int | None] = [r.image for r in requests]
         embeds: dict[int, ImageEmbeds] = {}
         prefixes: dict[Prefix, list[BlockId]] = {}
@@ -140,10 +158,75 @@ class TorchEngine(Engine):
                                        [choices[p.req] for p in batch], self._first_token)
 
         done: _Queued = []
-        for phase in self.planner.phases(requests, prompts, shared):
+        rows: _Rows = []
+        phases = self.planner.phases(requests, prompts, shared)
+        # yes/no questions in rows, the rest after them in phases; a hybrid decoder's linear
+        # layers keep one state per row: its questions stay on the phases
+        if self.cache is not None and self._question_rows and not self.planner.state_bytes:
+            rows, rest = self._rows(images, requests, prompts, shared, embeds, prefixes)
+            keep = set(rest)
+            phases = [kept for ph in phases if (kept := [i for i in ph if i in keep])]
+        for phase in phases:
             done += self._phase(phase, prompts, image_of, images, embeds, prefixes, forward,
                                 shared=shared)
-        return self._read_back(done, len(requests), choices)
+        return self._read_back(rows, done, len(requests), choices, prompts)
+
+    def _rows(self, images: list[PreparedImage], requests: list[Request],
+              prompts: list[Prompt], shared: list[int], embeds: dict[int, ImageEmbeds],
+              prefixes: dict[Prefix, list[BlockId]]) -> tuple[_Rows, list[int]]:
+        """The questions that want only P(yes) in rows (``engine/packing.py``: an image's
+        prefix and its questions in one row, a step of rows per token budget): each step's
+        requests and ``[Q, 2]`` (p_yes, margin) on the device; and the requests left for
+        the phases (label sets, text, what a row cannot hold)."""
+        text = self.cfg.max_new_tokens  # the engine's limit, where a request sets none
+        packable = [not r.choices and not (text if r.max_new_tokens is None
+                                           else r.max_new_tokens) for r in requests]
+        if self._dynamic:
+            packable = [ok and self._rope_fits(p) for ok, p in zip(packable, prompts)]
+        rows, rest = packing.make_rows(self.planner, requests, prompts, images, shared,
+                                       prefixes, packable)
+        out: _Rows = []
+        try:
+            need = sorted({k for r in rows if r.plan.needs_image
+                           and (k := requests[r.plan.req].image) not in embeds})
+            embeds.update(zip(need, self.runner.encode([images[k] for k in need])))
+            steps = packing.steps(rows, self.cfg.max_batch_tokens)
+            ahead = self._prepare(steps, prompts)  # step k + 1's host work during step k
+            for step in steps:
+                ims = [embeds.get(requests[r.plan.req].image) for r in step]
+                out.append(([i for r in step for i in r.members],
+                            self.runner.prefill_rows(step, ims, next(ahead))))
+                self.planner.release([r.plan for r in step])  # gathered: see ``_phase``
+        finally:
+            self.planner.release([r.plan for r in rows])
+        return out, rest
+
+    def _prepare(self, steps: list[list[Row]], prompts: list[Prompt]
+                 ) -> Iterator[StepInputs]:
+        """Each step's host inputs (``ModelRunner.step_inputs``), in order; with
+        ``prepare_ahead`` the next step's are made on a thread while the caller runs this
+        one (torch releases the GIL inside its ops), else each when asked."""
+        if not self.prepare_ahead or len(steps) < 2:
+            return (self.runner.step_inputs(s, prompts) for s in steps)
+        if self._ahead is None:
+            self._ahead = ThreadPoolExecutor(1, thread_name_prefix="vlmbatch-step")
+        pool = self._ahead
+
+        def chain() -> Iterator[StepInputs]:
+            nxt = pool.submit(self.runner.step_inputs, steps[0], prompts)
+            for k in range(len(steps)):
+                cur = nxt.result()
+                if k + 1 < len(steps):
+                    nxt = pool.submit(self.runner.step_inputs, steps[k + 1], prompts)
+                yield cur
+        return chain()
+
+    def _rope_fits(self, p: Prompt) -> bool:
+        """Whether ``p`` may share a row: not past a dynamic rotary's trained length
+        (``packing`` module docstring)."""
+        s = self.model.spec.text
+        return (getattr(s, "rope_scaling", "none") != "dynamic"
+                or len(p.ids) <= getattr(s, "max_positions", 0))
 
     def embedding(self, cfg: EmbedConfig) -> Resolved:
         return self._head(cfg).resolved
@@ -213,15 +296,22 @@ class TorchEngine(Engine):
         """Answer tokens to generate for ``r``: its own limit, else the engine's."""
         return self.cfg.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens
 
-    def _read_back(self, done: _Queued, n: int, choices: list[ChoiceIds]) -> list[Score]:
-        """The queued batches' (p_yes, margin) and label sets' log-likelihoods in one
-        device-to-host copy, as Scores in request order."""
+    def _read_back(self, rows: _Rows, done: _Queued, n: int, choices: list[ChoiceIds],
+                   prompts: list[Prompt]) -> list[Score]:
+        """The rows' and the queued batches' (p_yes, margin) and label sets'
+        log-likelihoods in one device-to-host copy, as Scores in request order."""
         results: list[Score | None] = [None] * n
-        if not done:
+        if not done and not rows:
             return results  # type: ignore[return-value]
-        # per batch its [B, 2] flattened, then its [M]: the call's one wait
-        host = iter(torch.cat([t for _, (s, _, lp) in done for t in (s.flatten(), lp)
-                               if t is not None]).tolist())
+        # each step's [Q, 2], then per batch its [B, 2] flattened and its [M]: the one wait
+        host = iter(torch.cat([s.flatten() for _, s in rows]
+                              + [t for _, (s, _, lp) in done for t in (s.flatten(), lp)
+                                 if t is not None]).tolist())
+        for members, _ in rows:
+            for i in members:
+                prompt = prompts[i]
+                results[i] = Score(next(host), next(host), prompt.image_len, None,
+                                   len(prompt.ids))
         for batch, (_, texts, lp) in done:
             pairs = [(next(host), next(host)) for _ in batch]
             for j, (p, (p_yes, margin)) in enumerate(zip(batch, pairs)):
@@ -239,12 +329,14 @@ class TorchEngine(Engine):
 
 
 def build_torch(model_cfg: ModelConfig, engine_cfg: EngineConfig,
-                threads: int | None = None) -> TorchEngine:
-    """Our engine on ``model_cfg``'s checkpoint and device, on ``threads`` torch threads."""
+                threads: int | None = None, fuse: bool = True) -> TorchEngine:
+    """Our engine on ``model_cfg``'s checkpoint and device, on ``threads`` torch threads;
+    its projections fused at load (``load_model``'s ``fuse``; off for calibration, which
+    reads the linears by name)."""
     if threads:
         torch.set_num_threads(threads)
     model = load_model(model_cfg.path, model_cfg.device, torch_dtype(model_cfg.dtype),
-                       model_cfg.llm_quant, model_cfg.quant)
+                       model_cfg.llm_quant, model_cfg.quant, fuse)
     plan = image_plan_for(model.family, model.spec, model_cfg)
     # stream-ordered: the engine reads the embeddings on the stream that made them, so the graph
     # pool's host wait per call would only stall the host (16% of a profiled round at

@@ -166,6 +166,19 @@ class Decoder(nn.Module, ABC):
         """One token per row: embeds [B, 1, D], positions [B] long, kv per layer [B, K, S, d],
         key_valid [B, S] bool -> (logits [B, V] float32, per layer (k, v) [B, K, 1, d])."""
 
+    def prefill_segments(self, embeds: torch.Tensor, positions: torch.Tensor,
+                         segments: torch.Tensor, at: torch.Tensor,
+                         past: list[KV] | None = None, past_lengths: torch.Tensor | None = None,
+                         *, deepstack: DeepStack | None = None,
+                         seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, list[KV]]:
+        """Prompts that share a prefix, one row per group: the shared tokens, then each
+        prompt's own (``segments`` [B, T]: 0 shared, k >= 1 prompt k, -1 padding), each
+        token seeing the past, the shared tokens and its own segment causally; positions
+        each token's in its own prompt. Returns (logits [Q, V] float32 at the flat
+        positions ``at`` [Q], per layer (k, v) [B, K, T, d])."""
+        raise NotImplementedError(f"{type(self).__name__} cannot prefill several prompts "
+                                  "in one row")
+
     def extend(self, embeds: torch.Tensor, positions: torch.Tensor, kv: list[KV],
                key_valid: torch.Tensor, new_mask: torch.Tensor,
                branches: Branches | None = None) -> tuple[torch.Tensor, list[KV]]:

@@ -96,6 +96,7 @@ from vlmbatch.models.layers import (
     FusedRMSNorm,
     RMSNorm,
     activation,
+    fuse_into,
     inverse_frequencies,
     rope,
     rope_tables,
@@ -224,6 +225,8 @@ def make_norm(s: TextSpec, dim: int) -> RMSNorm:
 
 class Attention(nn.Module):
     q_width = 1  # q_proj's output per query head channel (GatedAttention: query and gate)
+    fused = False  # q_proj, k_proj, v_proj as one ``qkv_proj`` (``fuse_projections``)
+    qkv_proj: nn.Module  # once fused
 
     def __init__(self, s: TextSpec) -> None:
         super().__init__()
@@ -233,6 +236,10 @@ class Attention(nn.Module):
         if s.qk_norm:
             self.q_norm = make_norm(s, s.head_dim)
             self.k_norm = make_norm(s, s.head_dim)
+        # q and k turned by one rotary call (``rotated``): the plain fused layout only
+        self.joint = not s.qk_norm and self.q_width == 1 and s.qkv_layout == "separate"
+        self.widths = [self.q_width * s.heads * s.head_dim, s.kv_heads * s.head_dim,
+                       s.kv_heads * s.head_dim]
 
     def projections(self, s: TextSpec) -> None:
         """The linears ``project`` reads: q_proj (with the gate: ``q_width``), k_proj,
@@ -241,31 +248,61 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.qkv_bias)
         self.v_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=s.qkv_bias)
 
+    def fuse_projections(self, apply: bool = True) -> bool:
+        """q_proj, k_proj, v_proj as one linear ``qkv_proj`` (``layers.fuse_into``): one
+        GEMM where there were three, the same numbers in the same order."""
+        return fuse_into(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"), apply)
+
+    def linear_parts(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h [B, T, D] -> q_proj's, k_proj's and v_proj's outputs (views of one when
+        fused)."""
+        if self.fused:
+            q, k, v = self.qkv_proj(h).split(self.widths, -1)
+            return q, k, v
+        return self.q_proj(h), self.k_proj(h), self.v_proj(h)
+
     def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h [B, T, D] -> q [B, T, H, d], k and v [B, T, K, d] (before norm and rotary)."""
         b, t, _ = h.shape
         s = self.s
-        return (self.q_proj(h).view(b, t, s.heads, s.head_dim),
-                self.k_proj(h).view(b, t, s.kv_heads, s.head_dim),
-                self.v_proj(h).view(b, t, s.kv_heads, s.head_dim))
+        q, k, v = self.linear_parts(h)
+        return (q.view(b, t, s.heads, s.head_dim), k.view(b, t, s.kv_heads, s.head_dim),
+                v.view(b, t, s.kv_heads, s.head_dim))
 
     def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                  torch.Tensor | None]:
         """h [B, T, D] -> q, k, v as ``qkv`` and the output gate [B, T, H * d] (None: none)."""
         return (*self.qkv(h), None)
 
+    def rotated(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused plain layout (``joint``): h [B, T, D] -> q [B, H, T, d] and k [B, K, T,
+        d] with rotary (one call for both heads' kinds: it acts on each head alone), v
+        [B, K, T, d]. The same numbers as ``project`` then rotary on each."""
+        b, t, _ = h.shape
+        s = self.s
+        qkv = self.qkv_proj(h).view(b, t, s.heads + 2 * s.kv_heads, s.head_dim).transpose(1, 2)
+        qk, v = qkv.split([s.heads + s.kv_heads, s.kv_heads], 1)
+        q, k = apply_rotary(qk, cos, sin).split([s.heads, s.kv_heads], 1)
+        return q, k, v
+
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 past: KV | None) -> tuple[torch.Tensor, KV]:
         # h: [B, T, D]; cos/sin: [B, 1, T, r]; mask: [B, 1, T, P + T] bool, True = may attend;
         # past: k, v [B, K, P, d] (rotary applied). Returns the output and the new k, v.
         b, t, _ = h.shape
-        q, k, v, gate = self.project(h)
-        if self.s.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        # (one pass over torch.cat([q, k], 1) measured 7x slower on the CPU: a strided cat)
-        q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, d]
-        k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, K, T, d]
-        v = v.transpose(1, 2)
+        gate = None
+        if self.fused and self.joint:
+            q, k, v = self.rotated(h, cos, sin)
+        else:
+            q, k, v, gate = self.project(h)
+            if self.s.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            # (one pass over torch.cat([q, k], 1) measured 7x slower on the CPU: a strided
+            # cat; ``rotated`` turns a view of one tensor instead)
+            q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, T, d]
+            k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, K, T, d]
+            v = v.transpose(1, 2)
         k_all, v_all = (k, v) if past is None else (torch.cat([past[0], k], 2),
                                                     torch.cat([past[1], v], 2))
         heads = self.s.heads
@@ -287,9 +324,10 @@ class GatedAttention(Attention):
                                                  torch.Tensor | None]:
         b, t, _ = h.shape
         s = self.s
-        q, gate = self.q_proj(h).view(b, t, s.heads, 2 * s.head_dim).chunk(2, dim=-1)
-        return (q, self.k_proj(h).view(b, t, s.kv_heads, s.head_dim),
-                self.v_proj(h).view(b, t, s.kv_heads, s.head_dim), gate.reshape(b, t, -1))
+        qg, k, v = self.linear_parts(h)
+        q, gate = qg.view(b, t, s.heads, 2 * s.head_dim).chunk(2, dim=-1)
+        return (q, k.view(b, t, s.kv_heads, s.head_dim), v.view(b, t, s.kv_heads, s.head_dim),
+                gate.reshape(b, t, -1))
 
 
 class GroupedQKVAttention(Attention):
@@ -300,6 +338,9 @@ class GroupedQKVAttention(Attention):
     def projections(self, s: TextSpec) -> None:
         self.wqkv = nn.Linear(s.hidden, (s.heads + 2 * s.kv_heads) * s.head_dim,
                               bias=s.qkv_bias)
+
+    def fuse_projections(self, apply: bool = True) -> bool:
+        return False  # one projection already
 
     def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, t, _ = h.shape
@@ -315,6 +356,9 @@ QKV_LAYOUTS: dict[str, type[Attention]] = {"separate": Attention,
 
 
 class MLP(nn.Module):
+    fused = False  # gate_proj and up_proj as one ``gate_up_proj`` (``fuse_projections``)
+    gate_up_proj: nn.Module  # once fused
+
     def __init__(self, s: TextSpec) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(s.hidden, s.intermediate, bias=False)
@@ -322,7 +366,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(s.intermediate, s.hidden, bias=False)
         self.act = activation(s.act)
 
+    def fuse_projections(self, apply: bool = True) -> bool:
+        """gate_proj and up_proj as one linear ``gate_up_proj`` (``layers.fuse_into``)."""
+        return fuse_into(self, "gate_up_proj", ("gate_proj", "up_proj"), apply)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            gate, up = self.gate_up_proj(x).chunk(2, -1)
+            return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -512,6 +563,40 @@ class TextDecoder(Decoder):
         x, new_kv = self._layers(embeds, pos, mask, kv, seq_lens=seq_lens)
         return self.lm_head(self.norm(x[:, 0])).float(), new_kv
 
+    def prefill_segments(self, embeds: torch.Tensor, positions: torch.Tensor,
+                         segments: torch.Tensor, at: torch.Tensor,
+                         past: list[KV] | None = None, past_lengths: torch.Tensor | None = None,
+                         *, deepstack: DeepStack | None = None,
+                         seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, list[KV]]:
+        """Several prompts sharing a prefix, one row each group (``engine/packing.py``):
+        the shared tokens not cached, then each prompt's own tokens.
+
+        embeds: [B, T, D]; positions: each token's in its own prompt, [B, T] (1-D) or
+        [3, B, T] (M-RoPE); segments: [B, T] long, 0 for a shared token, k >= 1 for the
+        row's k-th prompt's own tokens (after every shared one), -1 for padding; past: per
+        layer (k, v) [B, K, P, d], row b's first past_lengths[b] real. A token attends to
+        the row's real past, to the shared tokens and its own segment's tokens up to itself
+        (block-causal); a padding token to the shared ones (and the past), so no row of the
+        mask is empty. seq_lens [B]: each row's longest prompt (dynamic rotary scaling).
+        Returns (logits [Q, V] float32 at the flat positions ``at [Q]`` = row * T + t, per
+        layer (k, v) [B, K, T, d] of the new tokens). Full-attention layers only: a linear
+        layer's one state per row cannot follow several prompts."""
+        if "linear" in self.kinds:
+            raise NotImplementedError("a linear-attention layer keeps one state per row: "
+                                      "its prompts cannot share a row")
+        b, t, _ = embeds.shape
+        idx = torch.arange(t, device=embeds.device)
+        key = segments[:, None, :]  # [B, 1, T]; -1 (padding) equals no query's segment
+        query = segments.clamp(min=0)[:, :, None]  # [B, T, 1]; padding as a shared token
+        mask = (idx[None, :] <= idx[:, None]) & ((key == 0) | (key == query))  # [B, T, T]
+        if past is not None:
+            p = past[0][0].shape[2]
+            seen = torch.arange(p, device=embeds.device)[None, :] < past_lengths[:, None]  # type: ignore[index]
+            mask = torch.cat([seen[:, None, :].expand(b, t, p), mask], dim=2)  # [B, T, P+T]
+        x, new_kv = self._layers(embeds, positions, mask, past, deepstack, seq_lens=seq_lens)
+        logits = self.lm_head(self.norm(x.flatten(0, 1).index_select(0, at)))  # [Q, V]
+        return logits if logits.dtype == torch.float32 else logits.float(), new_kv
+
     def extend(self, embeds: torch.Tensor, positions: torch.Tensor, kv: list[KV],
                key_valid: torch.Tensor, new_mask: torch.Tensor,
                branches: Branches | None = None) -> tuple[torch.Tensor, list[KV]]:
@@ -570,9 +655,9 @@ class TextDecoder(Decoder):
         if len(feats) > len(self.layers):
             raise ValueError(f"{len(feats)} DeepStack features for {len(self.layers)} layers")
         new_kv = []
+        mask = mask[:, None]  # [B, 1, T, P+T]: heads broadcast
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, cos, sin, mask[:, None], None if past is None else past[i],
-                          layout)
+            x, kv = layer(x, cos, sin, mask, None if past is None else past[i], layout)
             new_kv.append(kv)
             if i < len(feats):
                 assert deepstack is not None

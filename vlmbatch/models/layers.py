@@ -11,7 +11,9 @@ concatenation were two.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -50,9 +52,12 @@ class RMSNorm(nn.Module):
 class FusedRMSNorm(RMSNorm):
     """The same maths through torch's ``rms_norm``: one op where the written-out form
     dispatches six (the decoder's hot path; float32 statistics, weight applied in the
-    model's dtype, as Qwen2's RMSNorm)."""
+    model's dtype, as Qwen2's RMSNorm). In float32 the weight goes into the same op (no
+    casts to make; bitwise the same: tests/models/test_fusion.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
@@ -71,10 +76,114 @@ class CenteredRMSNorm(RMSNorm):
         return y.to(x.dtype)
 
 
+def cat_linears(parts: Sequence[nn.Module]) -> nn.Module | None:
+    """One linear computing ``parts`` side by side (their outputs concatenated, in order):
+    plain ``nn.Linear`` weights and biases concatenated once (each output the same dot
+    product as before); a quantised kind (``quant/``) through its own ``cat`` classmethod,
+    where it has one that is exact (row-wise scales). None when the parts cannot be
+    joined (mixed kinds, torch's dynamic int8 linears whose one scale per tensor differs)."""
+    if not joinable(parts):
+        return None
+    kind = type(parts[0])
+    if kind is nn.Linear:
+        linears = [cast(nn.Linear, p) for p in parts]
+        w = linears[0].weight
+        out = nn.Linear(w.shape[1], sum([p.out_features for p in linears]),
+                        bias=linears[0].bias is not None, device="meta")
+        with torch.no_grad():
+            out.weight = nn.Parameter(torch.cat([p.weight for p in linears]), w.requires_grad)
+            if linears[0].bias is not None:
+                out.bias = nn.Parameter(torch.cat([cast(torch.Tensor, p.bias) for p in linears]),
+                                        w.requires_grad)
+        return out
+    cat = getattr(kind, "cat", None)
+    return cat(parts) if cat is not None else None
+
+
+def joinable(parts: Sequence[nn.Module]) -> bool:
+    """Whether ``cat_linears`` can join ``parts``: one kind, plain linears (all with a bias
+    or none) or a kind with a ``cat``."""
+    kind = type(parts[0])
+    if any(type(p) is not kind for p in parts):
+        return False
+    if kind is not nn.Linear:
+        return callable(getattr(kind, "cat", None))
+    return len({p.bias is None for p in parts}) == 1
+
+
+def fuse_into(module: nn.Module, name: str, parts: tuple[str, ...], apply: bool = True) -> bool:
+    """Replace ``module``'s linears ``parts`` by one (``cat_linears``) named ``name``;
+    ``module.fused`` becomes True and ``module.fusions[name]`` records each part's name and
+    rows (what ``quant.runtime`` maps a checkpoint's per-part tensors by, and ``unfuse``
+    undoes). False (nothing changed) if already fused or if the parts cannot be joined.
+    ``apply`` False: only whether it would fuse."""
+    if getattr(module, "fused", False):
+        return False
+    linears = [getattr(module, p) for p in parts]
+    if not apply:
+        return joinable(linears)
+    joined = cat_linears(linears)
+    if joined is None:
+        return False
+    for p in parts:
+        delattr(module, p)
+    setattr(module, name, joined)
+    setattr(module, "fused", True)  # noqa: B010  (a plain attribute of any module)
+    setattr(module, "fusions", {**getattr(module, "fusions", {}),  # noqa: B010
+                                name: tuple((p, lin.out_features)
+                                            for p, lin in zip(parts, linears))})
+    return True
+
+
+def unfuse(module: nn.Module, name: str) -> None:
+    """``fuse_into``'s inverse for a plain fused ``nn.Linear``: the parts back, each its rows
+    of the fused weight and bias (a copy)."""
+    joined = getattr(module, name)
+    fusions: dict[str, tuple[tuple[str, int], ...]] = getattr(module, "fusions")  # noqa: B009
+    parts = fusions.pop(name)
+    at = 0
+    for part, rows in parts:
+        lin = nn.Linear(joined.in_features, rows, bias=joined.bias is not None, device="meta")
+        with torch.no_grad():
+            lin.weight = nn.Parameter(joined.weight[at: at + rows].clone())
+            if joined.bias is not None:
+                lin.bias = nn.Parameter(joined.bias[at: at + rows].clone())
+        setattr(module, part, lin)
+        at += rows
+    delattr(module, name)
+    setattr(module, "fused", bool(fusions))  # noqa: B010
+
+
+def fuse_projections(root: nn.Module, apply: bool = True) -> int:
+    """Fuse every submodule of ``root`` that can (``fuse_projections()`` methods: the
+    decoder's q/k/v and gate/up, the vision towers' likewise): done once, at load, so a
+    layer runs one GEMM per input where it ran two or three. Returns how many fused.
+    Idempotent; parameter names and ``state_dict`` keys change (``qkv_proj``,
+    ``gate_up_proj``), which is why it runs after loading and quantising a checkpoint's
+    linears by name and never before calibration. ``apply`` False: how many would fuse,
+    nothing changed."""
+    fusers = [f for m in list(root.modules())
+              if callable(f := getattr(m, "fuse_projections", None))]
+    return sum([bool(f(apply)) for f in fusers])
+
+
 def inverse_frequencies(dim: int, theta: float, device: torch.device | None = None
                         ) -> torch.Tensor:
-    """``1 / theta^(2i / dim)`` for i < dim/2, float32 ``[dim/2]``."""
-    return 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+    """``1 / theta^(2i / dim)`` for i < dim/2, float32 ``[dim/2]``: made once per device
+    (``_frequencies``) and shared, so never change it in place."""
+    return _frequencies(dim, theta, device if device is not None else _CPU)
+
+
+_CPU = torch.device("cpu")
+
+
+@functools.lru_cache(maxsize=64)
+def _frequencies(dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """The table, computed on ``device`` (the same numbers as computing it there per call;
+    four ops fewer per forward); a normal tensor, usable outside inference mode."""
+    with torch.inference_mode(False):
+        return 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device)
+                               / dim)
 
 
 def scaled_inverse_frequencies(dim: int, theta: float, scaling: str, factor: float,
@@ -99,7 +208,8 @@ def rope_tables(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
     """Angles ``[..., d/2]`` (float32) -> ``(cos, sin)`` each ``[..., d]`` in ``dtype``, the sign
     of ``rotate_half`` folded into ``sin`` (module docstring)."""
     cos, sin = freqs.cos(), freqs.sin()
-    return torch.cat([cos, cos], -1).to(dtype), torch.cat([-sin, sin], -1).to(dtype)
+    cos, sin = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+    return (cos, sin) if dtype == torch.float32 else (cos.to(dtype), sin.to(dtype))
 
 
 def rotary(positions: torch.Tensor, head_dim: int, theta: float,

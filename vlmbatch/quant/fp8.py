@@ -34,7 +34,7 @@ Paths (``Fp8Linear.backend``):
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -136,6 +136,33 @@ class Fp8Linear(nn.Module):
     @classmethod
     def from_linear(cls, lin: nn.Linear, backend: str | None = None) -> Fp8Linear:
         return cls(lin.weight, lin.bias, backend)
+
+    @classmethod
+    def cat(cls, parts: Sequence[Fp8Linear]) -> Fp8Linear | None:
+        """One layer computing ``parts`` side by side (``models.layers.cat_linears``): the
+        weight scales are per output row, so each row keeps its bits and scale and the
+        joined layer is the parts exactly (activations are quantised per token, the same
+        for every part). None for parts of different backends or inputs."""
+        first = parts[0]
+        bias = [p.bias for p in parts]
+        if (len({(p.backend, p.in_features) for p in parts}) != 1
+                or (any(b is None for b in bias) and not all(b is None for b in bias))):
+            return None
+        rows = sum(p.out_features for p in parts)
+        bits = torch.cat([p.weight_bits[: p.out_features] for p in parts])
+        scales = torch.cat([p.scale_bits[: p.out_features] for p in parts])
+        if first.backend == "scaled_mm":  # padded rows as the constructor pads: zeros
+            pad = _round16(rows) - rows
+            bits = F.pad(bits, (0, 0, 0, pad))
+            tiny = torch.full((pad,), _TINY / FP8_MAX, device=scales.device)
+            scales = torch.cat([scales, tiny.view(torch.int32)])
+        out = cls.__new__(cls)
+        nn.Module.__init__(out)
+        out.out_features, out.in_features, out.backend = rows, first.in_features, first.backend
+        out.register_buffer("weight_bits", bits.contiguous())
+        out.register_buffer("scale_bits", scales.contiguous())
+        out.register_buffer("bias", None if bias[0] is None else torch.cat(bias))  # type: ignore[arg-type]
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlmbatch.models.layers import RMSNorm, activation
+from vlmbatch.models.layers import RMSNorm, activation, fuse_into
 
 
 @dataclass(frozen=True)
@@ -60,9 +60,14 @@ def _norm(spec: VisionSpec, dim: int) -> nn.Module:
 
 
 class VisionLayer(nn.Module):
+    fused = False  # q_proj, k_proj, v_proj as one ``qkv_proj`` (``fuse_projections``)
+    qkv_proj: nn.Module  # once fused
+    scaled = False  # ls1, ls2 folded into o_proj's and fc2's rows (``fuse_projections``)
+
     def __init__(self, s: VisionSpec) -> None:
         super().__init__()
         self.heads = s.heads
+        self.qk_norm = s.qk_norm
         self.q_proj = nn.Linear(s.hidden, s.hidden)
         self.k_proj = nn.Linear(s.hidden, s.hidden)
         self.v_proj = nn.Linear(s.hidden, s.hidden)
@@ -77,16 +82,44 @@ class VisionLayer(nn.Module):
         self.ls2 = nn.Parameter(torch.ones(s.hidden))
         self.act = activation(s.act)
 
+    def fuse_projections(self, apply: bool = True) -> bool:
+        """q_proj, k_proj, v_proj as one linear ``qkv_proj`` (``layers.fuse_into``); and
+        the layer scales into the rows of the linears they scale (``ls1 * o_proj(a)`` =
+        ``o_proj'(a)`` with o_proj's weight rows and bias times ls1; fc2 likewise): two ops
+        fewer a layer, each output the same up to the last bit of rounding."""
+        done = fuse_into(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"), apply)
+        if done and apply and type(self.o_proj) is nn.Linear and type(self.fc2) is nn.Linear:
+            with torch.no_grad():
+                for lin, ls in ((self.o_proj, self.ls1), (self.fc2, self.ls2)):
+                    lin.weight.mul_(ls[:, None])
+                    if lin.bias is not None:
+                        lin.bias.mul_(ls)
+            self.scaled = True
+        return done
+
+    def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h [N, L, C] -> q, k, v [N, H, L, d] (q and k normed over C where the spec says)."""
+        n, L, c = h.shape
+        if not self.fused:
+            q, k, v = self.q_norm(self.q_proj(h)), self.k_norm(self.k_proj(h)), self.v_proj(h)
+        elif not self.qk_norm:  # one view for the three: [N, L, 3, H, d] -> [3, N, H, L, d]
+            q, k, v = self.qkv_proj(h).view(n, L, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+            return q, k, v
+        else:
+            q, k, v = self.qkv_proj(h).chunk(3, -1)
+            q, k = self.q_norm(q), self.k_norm(k)
+        return tuple(t.view(n, L, self.heads, -1).transpose(1, 2)  # type: ignore[return-value]
+                     for t in (q, k, v))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [N, L, C]
         n, L, c = x.shape
-        h = self.norm1(x)
-        q = self.q_norm(self.q_proj(h)).view(n, L, self.heads, -1).transpose(1, 2)
-        k = self.k_norm(self.k_proj(h)).view(n, L, self.heads, -1).transpose(1, 2)
-        v = self.v_proj(h).view(n, L, self.heads, -1).transpose(1, 2)
+        q, k, v = self.qkv(self.norm1(x))
         a = F.scaled_dot_product_attention(q, k, v)  # [N, H, L, d]
-        x = x + self.ls1 * self.o_proj(a.transpose(1, 2).reshape(n, L, c))
-        return x + self.ls2 * self.fc2(self.act(self.fc1(self.norm2(x))))
+        a = self.o_proj(a.transpose(1, 2).reshape(n, L, c))
+        x = x + (a if self.scaled else self.ls1 * a)
+        m = self.fc2(self.act(self.fc1(self.norm2(x))))
+        return x + (m if self.scaled else self.ls2 * m)
 
 
 class VisionEncoder(nn.Module):
@@ -152,7 +185,8 @@ class VisionEncoder(nn.Module):
         dtype = self.patch_embed.weight.dtype  # normalise in fp32 (as the reference), then cast
         scale, shift = self.affine(tiles.device)
         # cast first: TensorRT takes a uint8 input only straight into a Cast (ONNX: Cast, Transpose)
-        x = (tiles.float().permute(0, 3, 1, 2) * scale + shift).to(dtype)
+        x = tiles.float().permute(0, 3, 1, 2) * scale + shift
+        x = x if dtype == torch.float32 else x.to(dtype)  # (a no-op cast is still an op)
         x = self.patch_embed(x)  # [N, C, gh, gw]
         n, c, gh, gw = x.shape
         x = x.flatten(2).transpose(1, 2)  # [N, gh*gw, C]

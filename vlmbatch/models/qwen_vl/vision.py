@@ -31,6 +31,7 @@ from vlmbatch.models.base import VisionOutput
 from vlmbatch.models.layers import (
     RMSNorm,  # written out op by op: exports to ONNX (the fused op does not)
     activation,
+    fuse_into,
     inverse_frequencies,
     rope_tables,
 )
@@ -70,6 +71,8 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """fc1 -> act -> fc2 (Qwen2-VL, Qwen3-VL), or gated SwiGLU with biases (Qwen2.5-VL)."""
+    fused = False  # the gated form's gate_proj and up_proj as one ``gate_up_proj``
+    gate_up_proj: nn.Module  # once fused
 
     def __init__(self, s: VisionSpec) -> None:
         super().__init__()
@@ -83,7 +86,15 @@ class MLP(nn.Module):
             self.fc1 = nn.Linear(s.hidden, s.intermediate)
             self.fc2 = nn.Linear(s.intermediate, s.hidden)
 
+    def fuse_projections(self, apply: bool = True) -> bool:
+        """The gated form's gate_proj and up_proj as one ``gate_up_proj``
+        (``layers.fuse_into``)."""
+        return self.gated and fuse_into(self, "gate_up_proj", ("gate_proj", "up_proj"), apply)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated and self.fused:
+            gate, up = self.gate_up_proj(x).chunk(2, -1)
+            return self.down_proj(self.act(gate) * up)
         if self.gated:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
         return self.fc2(self.act(self.fc1(x)))
