@@ -46,16 +46,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = ("builtin", "internvl3-1b-narrow")
 
-# InternVL3-1B's topology (models/internvl/random.py INTERNVL3_1B) at narrow widths
-NARROW = dict(
-    tile=448, patch=14, max_tiles=12,
-    vision=dict(hidden_size=64, num_hidden_layers=24, num_attention_heads=4,
-                intermediate_size=128, norm_type="layer_norm", use_qk_norm=False,
-                use_mean_pooling=True, layer_scale_init_value=0.1),
-    text=dict(hidden_size=64, num_hidden_layers=24, num_attention_heads=4,
-              num_key_value_heads=2, intermediate_size=128, max_position_embeddings=32768,
-              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
-)
+# InternVL3-1B's topology (models/internvl/random.py INTERNVL3_1B: its layer counts, tile,
+# patch and heads' grouping) at narrow widths
+NARROW_WIDTHS = dict(vision=dict(hidden_size=64, num_attention_heads=4, intermediate_size=128),
+                     text=dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                               intermediate_size=128))
 
 
 # --- the worker (runs in the tree under test) ---------------------------------------------
@@ -202,9 +197,11 @@ def run_tree(tree: Path, model: Path | None, args: argparse.Namespace) -> dict:
 def narrow_model(folder: Path) -> Path:
     """InternVL3-1B's topology at narrow widths, random weights (module docstring)."""
     sys.path.insert(0, str(ROOT))
-    from vlmbatch.models.internvl.random import save_random_internvl
+    from vlmbatch.models.internvl.random import INTERNVL3_1B, save_random_internvl
 
-    return save_random_internvl(folder / "internvl3-1b-narrow", **NARROW)  # type: ignore[arg-type]
+    shape = {**INTERNVL3_1B, **{part: {**INTERNVL3_1B[part], **widths}  # type: ignore[dict-item]
+                                for part, widths in NARROW_WIDTHS.items()}}
+    return save_random_internvl(folder / "internvl3-1b-narrow", **shape)  # type: ignore[arg-type]
 
 
 def report(shape: str, images: int, rows: list[tuple[str, dict]]) -> None:
