@@ -175,17 +175,21 @@ class _Scheduler:
         self._done: Done | None = None  # the oldest group's results, once fetched
 
     def cancel(self) -> None:
-        """Stop preparing: the prepare tasks in flight are dropped, not killed (each ends
-        within its decode deadline, or with its owner when the driver exits); groups at the
-        model are left to finish unrecorded.
+        """Stop preparing: the prepare tasks in flight are dropped, not killed, except those
+        already past their deadline (hung: no reply is coming); groups at the model are left
+        to finish unrecorded. A dropped task ends on its own, or with its owner when the
+        driver exits; one that hangs later, in a driver that lives on (the server's Ray
+        batches), holds its CPU until then.
 
-        Not ``ray.cancel``: a task cancelled just as its reply arrives crashes the driver's
-        core worker (Ray 2.60: "Check failed: it != submissible_tasks_.end() Tried to
-        complete task that was not pending", ray-project/ray#54527's race), so a SIGTERM or
-        a cancel during a run exited 1 instead of 143 (seen in
-        tests/jobs/test_ray_executor.py::test_sigterm_on_ray_ends_the_run_as_ctrl_c_does).
-        A task past its deadline is still killed (``collect_prepared``): it is not about to
-        reply."""
+        Not ``ray.cancel`` on the others: a task cancelled just as its reply arrives crashes
+        the driver's core worker (Ray 2.60: "Check failed: it != submissible_tasks_.end()
+        Tried to complete task that was not pending", ray-project/ray#54527's race), so a
+        SIGTERM or a cancel during a run exited 1 instead of 143 (seen in
+        tests/jobs/test_ray_executor.py::test_sigterm_on_ray_ends_the_run_as_ctrl_c_does)."""
+        now = time.monotonic()
+        for ref, (_, deadline, _) in self.preparing.items():
+            if now >= deadline:
+                self.ray.cancel(ref, force=True)
         self.preparing.clear()
         self.retry.clear()
         self.again.clear()
