@@ -142,3 +142,63 @@ def test_several_images_numbered_in_the_original_layout() -> None:
     one, _ = parts_text(ims[:1], "\n", True, 2, ("<img>", "<C>", "</img>"))
     assert two == "Image-1: <img><C><C></img>\nImage-2: <img><C><C></img>\n"
     assert one == "<img><C><C></img>\n"
+
+
+def margin_of(logits: torch.Tensor, engine) -> float:  # noqa: ANN001
+    yes, no = list(engine.answers.yes_ids), list(engine.answers.no_ids)
+    return float(logits[yes].logsumexp(-1) - logits[no].logsumexp(-1))
+
+
+def test_engine_matches_transformers(models) -> None:  # noqa: ANN001
+    """HF-native: ``TorchEngine.score`` on ``MediaItem``s (a clip; two images; an image and a
+    clip), two questions each, against transformers' margins (1e-4)."""
+    from vlmbatch.engine.config import EngineConfig
+    from vlmbatch.engine.records import MediaItem, Request
+    from vlmbatch.engine.torch_engine import TorchEngine
+
+    ours, ref = models
+    items = [MediaItem(tuple(parts)) for parts in layouts(ours).values()]
+    engine = TorchEngine(ours, EngineConfig())
+    requests = [Request(i, q) for i in range(len(items)) for q in (QUESTION, "Any circle?")]
+    for r, s in zip(requests, engine.score(items, requests)):  # type: ignore[arg-type]
+        parts = items[r.image].parts
+        prompt = ours.prompts.build_parts(r.question, parts)
+        tiles = np.concatenate([p.rows for p in parts])
+        assert abs(s.margin - margin_of(reference_logits(ref, prompt, tiles), engine)) <= TOL
+
+
+@pytest.mark.parametrize("name", ["internvl2_5_qwen2", "internvl3_5_qwen3"])
+def test_original_layout_matches_the_model_cards_prompt(tmp_path, name: str) -> None:  # noqa: ANN001
+    """An original-layout checkpoint (InternVL2.5 on Qwen2; InternVL3.5 on Qwen3): the ids are
+    the model card's (``Frame{i}: <image>\\n`` per frame, ``Image-{k}: <image>\\n`` per image,
+    then the question, in the conversation template), and the engine's margins equal
+    transformers' on the HF-native twin (1e-4)."""
+    from tests.models.internvl_original_helpers import KINDS, make_pair
+    from tests.models.test_internvl_original import PUBLISHED
+    from vlmbatch.engine.config import EngineConfig
+    from vlmbatch.engine.records import MediaItem, Request
+    from vlmbatch.engine.torch_engine import TorchEngine
+
+    hf, original = make_pair(tmp_path, name)
+    ours = load_model(original)
+    ref = InternVLForConditionalGeneration.from_pretrained(str(hf)).eval()
+    n = ours.spec.tokens_per_tile  # type: ignore[attr-defined]
+    clip_, ims = a_clip(ours, 3, 0), [an_image(ours, 56, 56, 1), an_image(ours, 56, 56, 2)]
+
+    def tag(k: int) -> str:
+        return "<img>" + "<IMG_CONTEXT>" * n * k + "</img>"
+
+    written = {"clip": "\n".join(f"Frame{i + 1}: {tag(1)}" for i in range(3)),
+               "images": f"Image-1: {tag(1)}\nImage-2: {tag(1)}"}
+    items = {"clip": MediaItem((clip_,)), "images": MediaItem(tuple(ims))}
+    engine = TorchEngine(ours, EngineConfig())
+    keys = sorted(items)
+    scores = engine.score([items[k] for k in keys],  # type: ignore[misc]
+                          [Request(i, QUESTION) for i in range(len(keys))])
+    for key, s in zip(keys, scores):
+        text = PUBLISHED[KINDS[name].template].format(image=written[key], q=QUESTION)
+        ids = ours.tokenizer(text)["input_ids"]
+        prompt = ours.prompts.build_parts(QUESTION, items[key].parts)
+        assert list(prompt.ids) == ids
+        tiles = np.concatenate([p.rows for p in items[key].parts])
+        assert abs(s.margin - margin_of(reference_logits(ref, prompt, tiles), engine)) <= TOL
