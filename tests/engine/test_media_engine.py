@@ -156,5 +156,6 @@ def test_frame_groups_are_encoded_once(models: Models) -> None:
     engine.score([MediaItem((first,)), MediaItem((second,))],  # type: ignore[list-item]
                  [Request(0, QUESTIONS[0]), Request(1, QUESTIONS[0])])
     assert engine.runner.features.encoded == 6
+    assert engine.runner.features.hits == 2  # the shared groups
     engine.score([MediaItem((second,))], [Request(0, QUESTIONS[1])])  # type: ignore[list-item]
     assert engine.runner.features.encoded == 6

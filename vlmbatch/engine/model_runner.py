@@ -35,7 +35,7 @@ import torch
 from vlmbatch.engine import packing
 from vlmbatch.engine.base import EngineStats
 from vlmbatch.engine.choices import AfterPrefill, choice_logprobs
-from vlmbatch.engine.features import FeatureCache, Features, group_image, group_key
+from vlmbatch.engine.features import FeatureCache, Features, span_embeddings
 from vlmbatch.engine.packing import Row
 from vlmbatch.engine.planner import Plan
 from vlmbatch.engine.prefix_cache import BlockKey, PrefixCache
@@ -51,7 +51,6 @@ from vlmbatch.engine.state_snapshots import (
     take_snapshots,
 )
 from vlmbatch.models.base import KV, DeepStack, LoadedModel, Prompt
-from vlmbatch.preprocessing.media import MediaPart, PreparedVideo
 from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.vit_trt.base import VitRunner
 
@@ -155,49 +154,12 @@ class ModelRunner:
         return [ImageEmbeds(im.cache_key, part) for im, part in zip(images, parts)]
 
     def encode_item(self, item: MediaItem) -> ImageEmbeds:
-        """A ``MediaItem``'s embeddings over its whole span (``Prompt.parts``: from its first
-        visual token through its last): each part's features at its runs, the text between
-        runs (markers, times, frame labels: the same for every question) as its token
-        embeddings, so the runner writes the span as it writes one image's; DeepStack rows
-        are 0 at the text (the decoder adds them: x + 0 is x)."""
-        prompt = self.model.prompts.build_parts("", item.parts)
-        lo, n = prompt.image_start, prompt.image_len
-        feats = [self._part_features(p) for p in item.parts]
-        dest = torch.tensor([s - lo + i for runs in prompt.parts for s, m in runs
-                             for i in range(m)], device=self.device)
-        ids = torch.tensor(prompt.ids[lo: lo + n], device=self.device)
-        x = self.model.llm.embed_tokens(ids).clone()  # [n, D]
-        x[dest] = torch.cat([e for e, _ in feats]).to(x.dtype)
-        deep = []
-        for layer in zip(*[d for _, d in feats]):
-            full = torch.zeros_like(x)
-            full[dest] = torch.cat(layer).to(x.dtype)
-            deep.append(full)
-        return ImageEmbeds(item.cache_key, x, tuple(deep))
+        """A ``MediaItem``'s embeddings over its whole span (``features.span_embeddings``)."""
+        def encode(images: list[PreparedImage]) -> list[Features]:
+            return [(e.embeds, e.deepstack) for e in self.encode_images(images)]
 
-    def _part_features(self, part: MediaPart) -> Features:
-        if isinstance(part, PreparedImage):
-            e = self.encode_images([part])[0]
-            return e.embeds, e.deepstack
-        keys = [group_key(part, g) for g in range(len(part.group_hashes))]
-        need = {k: g for g, k in enumerate(keys) if self.features.get(k) is None}
-        groups = [group_image(part, g) for g in need.values()]
-        for key, e in zip(need, self.encode_images(groups)):
-            self.features.put(key, (e.embeds, e.deepstack))
-        self.features.encoded += len(need)
-        got = [self._feature(k, part, g) for g, k in enumerate(keys)]
-        return (torch.cat([e for e, _ in got]),
-                tuple(torch.cat(layer) for layer in zip(*[d for _, d in got])))
-
-    def _feature(self, key: str, part: PreparedVideo, g: int) -> Features:
-        """A group's features: cached (just now, at the latest), or encoded again where the
-        cache's budget could not keep them."""
-        got = self.features.get(key)
-        if got is None:
-            e = self.encode_images([group_image(part, g)])[0]
-            self.features.encoded += 1
-            got = (e.embeds, e.deepstack)
-        return got
+        embeds, deep = span_embeddings(item, self.model, encode, self.features, self.device)
+        return ImageEmbeds(item.cache_key, embeds, deep)
 
     def _encode_packed(self, images: list[PreparedImage]) -> list[ImageEmbeds]:
         """Packed images in calls of whole images; each image's share of the call's tokens
