@@ -30,7 +30,7 @@ from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.preprocessing.qwen_vl import prepare_qwen_vl
 
 TOL = 1e-4
-KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 QUESTION = "Is there a cat in the video?"
 
 
@@ -180,7 +180,7 @@ def test_fault_frames_out_of_order_is_caught(setups: dict[str, Setup], kind: str
             - reference_logits(s, prompt, [good])).abs().max() > 100 * TOL
 
 
-@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_fault_wrong_time_is_caught(setups: dict[str, Setup], kind: str) -> None:
     """Qwen2.5-VL: our prompt made as if sampled at 2 fps (second_per_grid_t 1, the old
     silent default) against the reference at the clip's 0.5 fps; Qwen3-VL: the frame times
