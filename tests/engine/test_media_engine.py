@@ -24,7 +24,7 @@ from vlmbatch.preprocessing.media import MediaPart, PreparedVideo
 from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.preprocessing.qwen_vl import prepare_qwen_vl
 
-KINDS = ("qwen2_5_vl", "qwen3_vl")
+KINDS = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
 QUESTIONS = ["Is there a cat?", "Is it raining?", "Is the sky blue?", "Any dogs?"]
 
 
@@ -140,6 +140,9 @@ def test_items_sharing_the_first_part_share_only_what_precedes_the_second(
     prompt = m.ours.prompts.build_parts(QUESTIONS[0], b.parts)
     second = prompt.parts[1][0][0]  # the second image's first token
     reused = len(prompt.ids) - (engine.stats.prefill_tokens - before)
+    if m.ours.spec.model_type == "qwen3_5":  # linear layers resume only at a whole cached
+        assert reused == 0  # prefix's state snapshot (docs/hybrid_cache.md)
+        return
     assert second // 4 * 4 - 4 <= reused <= second  # the blocks before the second image
 
 
