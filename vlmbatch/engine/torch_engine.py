@@ -2,6 +2,11 @@
 image-aware prefix KV cache, and read what the call asks for: P(yes) at the first generated
 position (``score``) or pooled hidden states (``embed``).
 
+An item is one still image, or a ``MediaItem`` (several images, a clip: ``records.py``):
+its prompt is the family's ``build_parts``, its embeddings cover its whole span
+(``features.py``: a clip's frame groups encoded once by content), and the prefix cache keys
+each of its parts (``planner.key_spans``); the flow below is the same for both.
+
 Flow of one ``score`` call::
 
     Request[] --prompts--> Prompt[]     the family's chat template (a system turn, when
