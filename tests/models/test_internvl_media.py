@@ -106,9 +106,11 @@ def test_prompt_is_the_processors(models, layout: str) -> None:  # noqa: ANN001
 def test_one_image_as_parts_is_build(models) -> None:  # noqa: ANN001
     ours, _ = models
     im = an_image(ours, 200, 90, 5)
-    one, many = ours.prompts.build(QUESTION, im), ours.prompts.build_parts(QUESTION, [im])
-    assert (one.ids, one.image_start, one.prefix_len) == (many.ids, many.image_start,
-                                                          many.prefix_len)
+    for system in (None, "Answer yes or no."):
+        one = ours.prompts.build(QUESTION, im, system)
+        many = ours.prompts.build_parts(QUESTION, [im], system)
+        assert (one.ids, one.image_start, one.prefix_len) == (many.ids, many.image_start,
+                                                              many.prefix_len)
 
 
 @pytest.mark.parametrize("layout", ["video", "images", "image-video"])

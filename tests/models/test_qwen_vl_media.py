@@ -138,10 +138,12 @@ def test_rows_follow_the_video_processors_layout() -> None:
 
 def test_one_image_as_parts_is_build(setup: Setup) -> None:
     im = an_image(setup, 200, 90, 3)
-    one, many = setup.prompts.build(QUESTION, im), setup.prompts.build_parts(QUESTION, [im])
-    assert one.ids == many.ids and one.prefix_len == many.prefix_len
-    assert one.rope_delta == many.rope_delta
-    assert torch.equal(one.positions, many.positions)
+    for system in (None, "Answer yes or no."):
+        one = setup.prompts.build(QUESTION, im, system)
+        many = setup.prompts.build_parts(QUESTION, [im], system)
+        assert one.ids == many.ids and one.prefix_len == many.prefix_len
+        assert one.rope_delta == many.rope_delta
+        assert torch.equal(one.positions, many.positions)
 
 
 @pytest.mark.parametrize("layout", ["video", "images", "image-video-image"])
