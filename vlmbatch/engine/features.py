@@ -111,10 +111,10 @@ def part_features(part: MediaPart, encode: Encode, cache: FeatureCache) -> Featu
     cache.hits += len(keys) - len(need)
     got = []
     for g, key in enumerate(keys):
-        f = cache.get(key)
-        if f is None:  # over the cache's budget: encoded again
-            f = encode([group_image(part, g)])[0]
+        found = cache.get(key)
+        if found is None:  # over the cache's budget: encoded again
+            found = encode([group_image(part, g)])[0]
             cache.encoded += 1
-        got.append(f)
+        got.append(found)
     return (torch.cat([e for e, _ in got]),
             tuple(torch.cat(layer) for layer in zip(*[d for _, d in got])))
