@@ -74,7 +74,7 @@ from bench.flops import workload_flops  # noqa: E402
 from bench.hf_baseline import Batched, Work, load_reference, per_question  # noqa: E402
 from bench.hf_qwen import QwenBatched, load_qwen_reference, qwen_per_question  # noqa: E402
 from bench.scenes import parse_sizes, scene_set  # noqa: E402
-from vlmbatch.app.evaluate import easy_vqa_set  # noqa: E402
+from vlmbatch.cli.evaluate import easy_vqa_set  # noqa: E402
 from vlmbatch.engine.config import DEFAULT_MODEL, DTYPES, EngineConfig  # noqa: E402
 from vlmbatch.engine.loading import load_model, torch_dtype, vision_model  # noqa: E402
 from vlmbatch.engine.scoring import AnswerTokens  # noqa: E402

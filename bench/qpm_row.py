@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from vlmbatch.app.evaluate import easy_vqa_set
+from vlmbatch.cli.evaluate import easy_vqa_set
 from vlmbatch.engine.config import EngineConfig
 from vlmbatch.engine.loading import load_model, torch_dtype, vision_model
 from vlmbatch.engine.torch_engine import TorchEngine

@@ -12,7 +12,7 @@ import cv2
 import numpy as np
 
 from scripts.shapes import make_questions, make_scene
-from vlmbatch.app.evaluate import EvalSet
+from vlmbatch.cli.evaluate import EvalSet
 from vlmbatch.pipeline.records import ImageItem, Question
 
 

@@ -29,7 +29,7 @@ at its end (by wall clock, so a slow machine gets the same schedule in fewer ste
 saved folder is the built-in model's checkpoint with the trained weights and jina's
 declarations in config.json (``single_vector_pool_strategy: "mean"``, ``matryoshka_dims``),
 so ``vlmbatch embed`` knows it is an embedding model; its log holds the command, the losses
-and the retrieval figures before and after (``app/embed_eval.py``). ``docs/models.md``, "The
+and the retrieval figures before and after (``cli/embed_eval.py``). ``docs/models.md``, "The
 built-in embedding model".
 """
 
@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.shapes import make_scene  # noqa: E402
 from scripts.train_default_model import seeded  # noqa: E402
-from vlmbatch.app.embed_eval import caption, evaluate_retrieval, labels  # noqa: E402
+from vlmbatch.cli.embed_eval import caption, evaluate_retrieval, labels  # noqa: E402
 from vlmbatch.engine.build import build_engine  # noqa: E402
 from vlmbatch.engine.config import DEFAULT_MODEL, EmbedConfig, EngineConfig, ModelConfig  # noqa: E402
 from vlmbatch.engine.embed import EmbedHandle  # noqa: E402

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_layers import LAYERS, OPTIONAL
-from vlmbatch.app.cli import main
+from vlmbatch.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

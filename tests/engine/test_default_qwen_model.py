@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import vlmbatch
-from vlmbatch.app.evaluate import evaluate
+from vlmbatch.cli.evaluate import evaluate_easy_vqa
 from vlmbatch.engine.config import DEFAULT_QWEN_MODEL, EngineConfig, ModelConfig
 
 # The committed model measures 0.9983 (7,124 of 7,136 right: docs/models.md, `vlmbatch eval --model
@@ -28,7 +28,7 @@ def test_default_qwen_model_is_hf_qwen2_5_vl() -> None:
 
 
 def test_easy_vqa_test_accuracy() -> None:
-    r = evaluate(ModelConfig(path=DEFAULT_QWEN_MODEL), EngineConfig(), split="test",
+    r = evaluate_easy_vqa(ModelConfig(path=DEFAULT_QWEN_MODEL), EngineConfig(), split="test",
                  progress=False)
     assert r.questions == 7136
     assert r.accuracy >= FLOOR, f"accuracy {r.accuracy:.4f} ({r.correct} right)"

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.jobs.interrupting import assert_each_once, resume, stop, stop_at, wait_recorded
-from vlmbatch.app.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from vlmbatch.cli.main import EXIT_BAD_INPUT, EXIT_OK, main
 from vlmbatch.jobs.config import ExecutorConfig
 from vlmbatch.jobs.folder import STORE_FILE
 from vlmbatch.jobs.job import status

@@ -23,7 +23,7 @@ from tests.jobs.interrupting import recorded, resume, stop, stop_at, wait_record
 from tests.jobs.ray_head import RayHead, free_port, ray_client_lock
 from tests.jobs.test_job import ROOT, cli, make_manifest, submit_job
 from tests.waiting import wait_until
-from vlmbatch.app.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from vlmbatch.cli.main import EXIT_BAD_INPUT, EXIT_OK, main
 from vlmbatch.jobs.folder import STORE_FILE
 from vlmbatch.jobs.job import cancel, status
 from vlmbatch.jobs.store import JobStore
@@ -223,7 +223,7 @@ def test_sigterm_on_a_ray_run_of_a_manifest_keeps_the_lines_answered(
 def test_a_sigterm_while_ray_starts_is_ours_not_rays(monkeypatch) -> None:  # noqa: ANN001
     """ray.init's own handler turns a SIGTERM into SystemExit(15) while it starts Ray;
     init_ray hands it to the CLI's handler instead (exit 143, 'terminated')."""
-    from vlmbatch.app.cli import SIGTERMS, Terminated, _sigterm_as_interrupt
+    from vlmbatch.cli.main import SIGTERMS, Terminated, _sigterm_as_interrupt
     from vlmbatch.jobs.config import RayOptions
     from vlmbatch.jobs.ray_cluster import init_ray
 

@@ -23,7 +23,7 @@ from tests.jobs.interrupting import assert_each_once, stop_at
 from tests.jobs.ray_head import RayHead, free_port, wait_listening
 from tests.jobs.test_job import ROOT, cli, submit_job
 from tests.waiting import wait_until
-from vlmbatch.app.cli import EXIT_OK, main
+from vlmbatch.cli.main import EXIT_OK, main
 from vlmbatch.jobs.job import status
 
 pytest.importorskip("ray")

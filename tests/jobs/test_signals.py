@@ -14,7 +14,7 @@ import pytest
 from tests.jobs.interrupting import stop
 from tests.jobs.test_job import cli, make_manifest, submit_job
 from tests.waiting import wait_until
-from vlmbatch.app.cli import EXIT_OK, main
+from vlmbatch.cli.main import EXIT_OK, main
 from vlmbatch.jobs.job import status
 
 RC = {signal.SIGINT: 130, signal.SIGTERM: 143}

@@ -21,8 +21,8 @@ import pytest
 import sentencepiece as spm
 
 from tests.models.internvl_original_helpers import make_pair
+from tests.models.random_original import save_sentencepiece_tokenizer
 from vlmbatch.engine.loading import load_model
-from vlmbatch.models.internvl.random_original import save_sentencepiece_tokenizer
 from vlmbatch.models.internvl.templates import TEMPLATES
 from vlmbatch.models.io import ModelError
 from vlmbatch.models.tokenizer import SentencePieceTokenizer, load_tokenizer

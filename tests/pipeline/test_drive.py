@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import vlmbatch.pipeline.preparers
-from vlmbatch.app.cli import main
+from vlmbatch.cli.main import main
 from vlmbatch.pipeline.config import PrepareOptions
 from vlmbatch.pipeline.drive import prepare_group, prepare_item, prepared_groups
 from vlmbatch.pipeline.records import ImageItem, Question

@@ -20,7 +20,7 @@ from tests.loopback import LoopbackServer
 from tests.pipeline.test_drive import assert_same, groups_of
 from tests.waiting import wait_until
 from vlmbatch.pipeline.config import PrepareOptions
-from vlmbatch.pipeline.drive import Preparer, prepare_group, prepared_groups, preparer
+from vlmbatch.pipeline.drive import PrepareWorkers, prepare_group, prepared_groups, preparer
 from vlmbatch.pipeline.hooks import FaultHooks
 from vlmbatch.pipeline.records import ImageItem, Question
 from vlmbatch.pipeline.task import AnswerTask, ImageRef, Prepared
@@ -127,7 +127,7 @@ class Recording:
     """A caller's long-lived workers (a server's, the Python API's), recording the fetches
     the look-ahead asks of them."""
 
-    def __init__(self, inner: Preparer) -> None:
+    def __init__(self, inner: PrepareWorkers) -> None:
         self.inner, self.fetches = inner, []
 
     def fetch(self, ref: ImageRef) -> Future:

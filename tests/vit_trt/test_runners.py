@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from vlmbatch.app.cli import EXIT_OK, main
+from vlmbatch.cli.main import EXIT_OK, main
 from vlmbatch.common.registry import UnknownName
 from vlmbatch.engine.config import EngineConfig
 from vlmbatch.engine.loading import load_model, vision_model

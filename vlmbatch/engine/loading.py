@@ -100,7 +100,7 @@ def load_model(path: Path | None = None, device: str = "cpu",
     converts the fused linear whole: a W4A16 checkpoint's parts' int4 rows concatenated
     (``quant.runtime.convert_for_runtime``), FP8 on the fused weight (row-wise scales: the
     same layer). Not with ``int8-dynamic``: torch's dynamic int8 linears keep one scale per
-    tensor, which a fused weight would change. The engine fuses (``build_torch``); off by
+    tensor, which a fused weight would change. The engine fuses (``build_torch_engine``); off by
     default so that the modules keep transformers' layout for whoever reads them by name
     (calibration, the reference tests)."""
     path = Path(path) if path is not None else DEFAULT_MODEL

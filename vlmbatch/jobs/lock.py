@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from vlmbatch.jobs.errors import ManifestError
+from vlmbatch.inputs.errors import ManifestError
 from vlmbatch.jobs.store import JobStore
 
 LOCK_FILE = "run.lock"

@@ -12,7 +12,7 @@ record per kind of message (``channel.Link`` pickles them; nothing else goes ove
 A chat question is the drive's ``Question`` from the HTTP request to the engine thread,
 which makes the engine's ``Request`` of it as offline runs do (``pipeline.records.
 request_of``). Images travel as ``channel.Packed`` (their arrays in the shared arena). A
-request's answer is an ``Answer``: its result, or a ``Failure`` (an exception as plain
+request's answer is a ``Reply``: its result, or a ``Failure`` (an exception as plain
 fields: ``APIError`` and ``EmbedRefused`` do not pickle with their fields).
 """
 
@@ -132,7 +132,7 @@ def failure_of(e: BaseException) -> Failure:
 
 
 @dataclass(frozen=True)
-class Answer:
+class Reply:
     rid: int
     result: Any = None  # a Score (chat) or each item's embeddings (embed)
     failure: Failure | None = None
@@ -152,7 +152,7 @@ class Counters:
 @dataclass(frozen=True)
 class Settled:
     """The answers of one engine-thread turn, with the counters after it."""
-    answers: tuple[Answer, ...]
+    answers: tuple[Reply, ...]
     stats: Counters = field(default_factory=Counters)
 
 

@@ -59,6 +59,6 @@ class TorchRunner(VitRunner):
         return out
 
 
-def build_torch(vision: VisionModel, opts: RunnerOptions) -> TorchRunner:
+def build_torch_runner(vision: VisionModel, opts: RunnerOptions) -> TorchRunner:
     return TorchRunner(vision, cuda_graphs=opts.cuda_graphs, max_batch=opts.max_batch,
                        stream_ordered=opts.stream_ordered, max_budget=opts.max_budget)
