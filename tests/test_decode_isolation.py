@@ -19,7 +19,8 @@ import pytest
 
 from tests.faults import hooks_from
 from tests.server.serving import Server, batch_lines, chat_body, data_url, wait_batch
-from vlmbatch.cli.main import EXIT_ITEM_ERRORS, EXIT_OK, main
+from vlmbatch.cli.commands import EXIT_ITEM_ERRORS, EXIT_OK
+from vlmbatch.cli.main import main
 from vlmbatch.pipeline.records import ErrorKind
 
 

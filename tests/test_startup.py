@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from vlmbatch.common.registry import Registry
-from vlmbatch.engine.build import ENGINES
-from vlmbatch.models import FAMILIES
+from vlmbatch.engine.config import ENGINES
+from vlmbatch.models.registry import FAMILIES
 from vlmbatch.vit_trt import RUNNERS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,7 +28,7 @@ _LAZY = {
     "EmbedItem": "vlmbatch.pipeline.records:EmbedItem",
     "ErrorKind": "vlmbatch.pipeline.records:ErrorKind",
     "ImageItem": "vlmbatch.pipeline.records:ImageItem",
-    "Question": "vlmbatch.pipeline.records:Question",
+    "Question": "vlmbatch.pipeline.questions:Question",
     "MODEL": "vlmbatch.models.paths:DEFAULT_MODEL",
     "EMBED_MODEL": "vlmbatch.models.paths:DEFAULT_EMBED_MODEL",
     "QWEN_MODEL": "vlmbatch.models.paths:DEFAULT_QWEN_MODEL",
@@ -43,14 +43,8 @@ if TYPE_CHECKING:
     from vlmbatch.models.paths import DEFAULT_EMBED_MODEL as EMBED_MODEL
     from vlmbatch.models.paths import DEFAULT_MODEL as MODEL
     from vlmbatch.models.paths import DEFAULT_QWEN_MODEL as QWEN_MODEL
-    from vlmbatch.pipeline.records import (
-        Answer,
-        Embedding,
-        EmbedItem,
-        ErrorKind,
-        ImageItem,
-        Question,
-    )
+    from vlmbatch.pipeline.questions import Question
+    from vlmbatch.pipeline.records import Answer, Embedding, EmbedItem, ErrorKind, ImageItem
 
 
 def __getattr__(name: str) -> Any:

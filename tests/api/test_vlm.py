@@ -13,10 +13,11 @@ import pytest
 from PIL import Image
 
 import vlmbatch
-from vlmbatch.cli.main import EXIT_OK, main
+from vlmbatch.cli.commands import EXIT_OK
+from vlmbatch.cli.main import main
 from vlmbatch.engine.config import ChoiceError
-from vlmbatch.inputs.errors import ManifestError
 from vlmbatch.inputs.manifest import read_manifest, read_policy
+from vlmbatch.pipeline.questions import ManifestError
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFEST, POLICY = ROOT / "examples" / "manifest.jsonl", ROOT / "examples" / "policy.yaml"

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from tests.waiting import wait_until
-from vlmbatch.cli.main import EXIT_BAD_INPUT, EXIT_ITEM_ERRORS, EXIT_OK, main
+from vlmbatch.cli.commands import EXIT_BAD_INPUT, EXIT_ITEM_ERRORS, EXIT_OK
+from vlmbatch.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -167,8 +168,9 @@ def test_help_lists_commands() -> None:
 
 
 def test_engine_failure_fails_its_group_only(job: Path) -> None:
-    from vlmbatch.inputs.manifest import Question, read_manifest
+    from vlmbatch.inputs.manifest import read_manifest
     from vlmbatch.pipeline.drive import answer_group
+    from vlmbatch.pipeline.questions import Question
     from vlmbatch.pipeline.records import ErrorKind
     from vlmbatch.preprocessing.prepare import TilingConfig
 

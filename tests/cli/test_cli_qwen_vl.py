@@ -15,10 +15,11 @@ import torch
 import vlmbatch
 from tests.jobs.test_job import make_manifest
 from tests.models.qwen_vl_helpers import KINDS, reference_pixels, save_engine_checkpoint
-from vlmbatch.cli.main import EXIT_BAD_INPUT, EXIT_OK, main
+from vlmbatch.cli.commands import EXIT_BAD_INPUT, EXIT_OK
+from vlmbatch.cli.main import main
 from vlmbatch.engine.build import build_engine
 from vlmbatch.engine.config import EngineConfig, ModelConfig
-from vlmbatch.jobs.job import status
+from vlmbatch.jobs.folder import status
 from vlmbatch.preprocessing.decode import decode
 
 

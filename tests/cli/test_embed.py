@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import vlmbatch
-from vlmbatch.cli.main import EXIT_BAD_INPUT, EXIT_ITEM_ERRORS, EXIT_OK, main
+from vlmbatch.cli.commands import EXIT_BAD_INPUT, EXIT_ITEM_ERRORS, EXIT_OK
+from vlmbatch.cli.main import main
 
 
 def lines(text: str) -> list[dict]:

@@ -8,8 +8,9 @@ from collections import Counter
 
 import numpy as np
 
+from vlmbatch.cli.commands import EXIT_OK
 from vlmbatch.cli.embed_eval import COLOURS, SHAPES, labels, retrieval
-from vlmbatch.cli.main import EXIT_OK, main
+from vlmbatch.cli.main import main
 
 
 def test_labels_cover_every_caption() -> None:

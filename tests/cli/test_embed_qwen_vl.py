@@ -16,7 +16,8 @@ import pytest
 import vlmbatch
 from tests.jobs.test_embed_job import embed_manifest
 from tests.models.qwen_vl_helpers import save_colqwen2_checkpoint, save_engine_checkpoint
-from vlmbatch.cli.main import EXIT_BAD_INPUT, EXIT_ITEM_ERRORS, EXIT_OK, main
+from vlmbatch.cli.commands import EXIT_BAD_INPUT, EXIT_ITEM_ERRORS, EXIT_OK
+from vlmbatch.cli.main import main
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from vlmbatch.cli.commands import EXIT_BAD_INPUT, EXIT_OK
 from vlmbatch.cli.evaluate import evaluate_labelled, policy_note
-from vlmbatch.cli.main import EXIT_BAD_INPUT, EXIT_OK, main
+from vlmbatch.cli.main import main
 from vlmbatch.inputs.manifest import read_policy
 from vlmbatch.jobs.config import RunConfig
 from vlmbatch.labels.evaluation import evaluate, join

@@ -19,18 +19,14 @@ from typing import Any
 import pytest
 
 from vlmbatch.cli.args import BY_NAME, COMMANDS, Command, CommandLine, build_parser, parse
+from vlmbatch.cli.commands import EXIT_BAD_INPUT
 from vlmbatch.cli.config import ResumeConfig
-from vlmbatch.cli.main import EXIT_BAD_INPUT, main
+from vlmbatch.cli.main import main
 from vlmbatch.cli.model_commands import typed_run_config
 from vlmbatch.common.options import Declared, build, declared, opt
-from vlmbatch.engine.config import (
-    DEFAULT_MODEL,
-    ConfigError,
-    EmbedConfig,
-    EngineConfig,
-    ModelConfig,
-)
+from vlmbatch.engine.config import ConfigError, EmbedConfig, EngineConfig, ModelConfig
 from vlmbatch.jobs.config import ExecutorConfig, RayOptions, RunConfig
+from vlmbatch.models.paths import DEFAULT_MODEL
 from vlmbatch.pipeline.config import PrepareConfig
 from vlmbatch.server.config import ServerConfig, server_config
 

@@ -20,7 +20,8 @@ import vlmbatch
 from tests.api.test_vlm import same_line
 from tests.models.qwen_vl_helpers import save_engine_checkpoint
 from tests.server.serving import IMAGES, Server, chat_body, data_url
-from vlmbatch.cli.main import EXIT_BAD_INPUT, EXIT_OK, main
+from vlmbatch.cli.commands import EXIT_BAD_INPUT, EXIT_OK
+from vlmbatch.cli.main import main
 from vlmbatch.inputs.manifest import read_manifest, read_policy
 
 ROOT = Path(__file__).resolve().parents[2]

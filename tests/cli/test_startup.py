@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from vlmbatch.cli.main import EXIT_BAD_INPUT, EXIT_OK, main
+from vlmbatch.cli.commands import EXIT_BAD_INPUT, EXIT_OK
+from vlmbatch.cli.main import main
 from vlmbatch.pipeline.records import Answer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlmbatch.cli.main import EXIT_OK, main
+from vlmbatch.cli.commands import EXIT_OK
+from vlmbatch.cli.main import main
 from vlmbatch.cli.run import load_items
 from vlmbatch.engine.build import build_engine
 from vlmbatch.engine.config import EngineConfig, ModelConfig

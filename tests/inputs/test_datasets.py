@@ -23,11 +23,11 @@ from tests.jobs.datasets_helpers import (
     write_shards,
 )
 from tests.loopback import LoopbackServer
-from vlmbatch.cli.main import EXIT_BAD_INPUT, EXIT_OK, main
+from vlmbatch.cli.commands import EXIT_BAD_INPUT, EXIT_OK
+from vlmbatch.cli.main import main
 from vlmbatch.inputs.datasets import expand_braces, input_kind, iter_dataset
-from vlmbatch.inputs.errors import ManifestError
 from vlmbatch.jobs.store import image_item_from_json, image_item_to_json
-from vlmbatch.pipeline.records import Question
+from vlmbatch.pipeline.questions import ManifestError, Question
 from vlmbatch.preprocessing.sources import MemberRef, RowRef
 
 pa = pytest.importorskip("pyarrow")

@@ -18,16 +18,14 @@ from hypothesis import strategies as st
 
 import vlmbatch
 from tests.inputs.test_fuzz_readers import fuzz
-from vlmbatch.cli.main import EXIT_BAD_INPUT, EXIT_OK, main
-from vlmbatch.inputs.errors import ManifestError
-from vlmbatch.inputs.openai_embeddings import (
-    EmbedRequestItem,
-    iter_embed_requests,
-    limited,
-    to_embed_output,
-)
+from vlmbatch.cli.commands import EXIT_BAD_INPUT, EXIT_OK
+from vlmbatch.cli.main import main
+from vlmbatch.inputs.openai_embeddings import EmbedRequestItem, iter_embed_requests
 from vlmbatch.jobs.folder import STORE_FILE
 from vlmbatch.jobs.store import JobStore
+from vlmbatch.jobs.tasks import limited
+from vlmbatch.outputs.lines import to_embed_output
+from vlmbatch.pipeline.questions import ManifestError
 from vlmbatch.pipeline.records import Embedding, ErrorKind
 
 

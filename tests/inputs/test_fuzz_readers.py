@@ -35,15 +35,10 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from vlmbatch.inputs.manifest import (
-    ImageItem,
-    ManifestError,
-    Question,
-    manifest_format,
-    read_manifest,
-    read_policy,
-)
+from vlmbatch.inputs.manifest import manifest_format, read_manifest, read_policy
 from vlmbatch.inputs.openai_batch import BODY_KEYS
+from vlmbatch.pipeline.questions import ManifestError, Question
+from vlmbatch.pipeline.records import ImageItem
 
 MAX_MESSAGE = 2000  # characters: a refusal names the value, it does not echo megabytes
 

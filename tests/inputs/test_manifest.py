@@ -8,13 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from vlmbatch.inputs.manifest import (
-    ManifestError,
-    Question,
-    items_from_folder,
-    read_manifest,
-    read_policy,
-)
+from vlmbatch.inputs.manifest import items_from_folder, read_manifest, read_policy
+from vlmbatch.pipeline.questions import ManifestError, Question
 from vlmbatch.preprocessing.sources import SourceError, read_bytes
 
 

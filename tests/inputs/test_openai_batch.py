@@ -10,8 +10,10 @@ import cv2
 import numpy as np
 import pytest
 
-from vlmbatch.cli.main import EXIT_ITEM_ERRORS, main
-from vlmbatch.inputs.manifest import ManifestError, Question, manifest_format, read_manifest
+from vlmbatch.cli.commands import EXIT_ITEM_ERRORS
+from vlmbatch.cli.main import main
+from vlmbatch.inputs.manifest import manifest_format, read_manifest
+from vlmbatch.pipeline.questions import ManifestError, Question
 
 
 def request(cid: str, url: str, text: str = "Is there a red shape?") -> dict:

@@ -22,9 +22,9 @@ import pytest
 
 from tests.jobs.interrupting import assert_each_once, resume
 from tests.jobs.test_job import make_manifest, submit_job
-from vlmbatch.cli.main import EXIT_CRASH, EXIT_OK, main
-from vlmbatch.jobs.folder import STORE_FILE
-from vlmbatch.jobs.job import status
+from vlmbatch.cli.commands import EXIT_CRASH, EXIT_OK
+from vlmbatch.cli.main import main
+from vlmbatch.jobs.folder import STORE_FILE, status
 from vlmbatch.jobs.store import JobStore
 
 FULL = "disk full (database or disk is full); nothing recorded is lost: free space, then " \

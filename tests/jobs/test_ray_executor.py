@@ -23,9 +23,9 @@ from tests.jobs.interrupting import recorded, resume, stop, stop_at, wait_record
 from tests.jobs.ray_head import RayHead, free_port, ray_client_lock
 from tests.jobs.test_job import ROOT, cli, make_manifest, submit_job
 from tests.waiting import wait_until
-from vlmbatch.cli.main import EXIT_BAD_INPUT, EXIT_OK, main
-from vlmbatch.jobs.folder import STORE_FILE
-from vlmbatch.jobs.job import cancel, status
+from vlmbatch.cli.commands import EXIT_BAD_INPUT, EXIT_OK
+from vlmbatch.cli.main import main
+from vlmbatch.jobs.folder import STORE_FILE, cancel, status
 from vlmbatch.jobs.store import JobStore
 from vlmbatch.pipeline.records import Answer
 

@@ -23,8 +23,9 @@ from tests.jobs.interrupting import assert_each_once, stop_at
 from tests.jobs.ray_head import RayHead, free_port, wait_listening
 from tests.jobs.test_job import ROOT, cli, submit_job
 from tests.waiting import wait_until
-from vlmbatch.cli.main import EXIT_OK, main
-from vlmbatch.jobs.job import status
+from vlmbatch.cli.commands import EXIT_OK
+from vlmbatch.cli.main import main
+from vlmbatch.jobs.folder import status
 
 pytest.importorskip("ray")
 

@@ -22,7 +22,8 @@ from tests.jobs.ray_head import RayHead
 from tests.jobs.test_embed_job import stored, submit
 from tests.jobs.test_job import ROOT, cli, make_manifest
 from tests.models.qwen_vl_helpers import save_engine_checkpoint
-from vlmbatch.cli.main import EXIT_ITEM_ERRORS, EXIT_OK, main
+from vlmbatch.cli.commands import EXIT_ITEM_ERRORS, EXIT_OK
+from vlmbatch.cli.main import main
 from vlmbatch.jobs.folder import status
 
 pytest.importorskip("ray")

@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 
 from tests.jobs.test_job import submit_job
-from vlmbatch.cli.main import EXIT_BAD_INPUT, EXIT_ITEM_ERRORS, EXIT_OK, main
+from vlmbatch.cli.commands import EXIT_BAD_INPUT, EXIT_ITEM_ERRORS, EXIT_OK
+from vlmbatch.cli.main import main
 from vlmbatch.jobs.folder import STORE_FILE
 from vlmbatch.jobs.store import JobStore
 from vlmbatch.jobs.store_schema import STORE_VERSION
-from vlmbatch.pipeline.records import Answer, ImageItem, Question
+from vlmbatch.pipeline.questions import Question
+from vlmbatch.pipeline.records import Answer, ImageItem
 
 
 class InterruptedAfterFirst(dict):

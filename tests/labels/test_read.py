@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from vlmbatch.inputs.errors import ManifestError
-from vlmbatch.inputs.manifest import check_expected, read_manifest, read_policy
+from vlmbatch.inputs.manifest import read_manifest, read_policy
 from vlmbatch.jobs.store import image_item_from_json, image_item_to_json
 from vlmbatch.labels.read import labelled_manifest, read_labels, read_results
+from vlmbatch.pipeline.questions import ManifestError, check_expected
 
 
 def write(path: Path, lines: list) -> Path:

@@ -109,7 +109,7 @@ def test_every_message_kind_crosses_a_link_as_itself() -> None:
     from pathlib import Path
 
     from vlmbatch.pipeline.hooks import NO_HOOKS
-    from vlmbatch.pipeline.records import Question
+    from vlmbatch.pipeline.questions import Question
     from vlmbatch.server.config import ServerConfig
     from vlmbatch.serving import messages as m
     from vlmbatch.serving.channel import Link

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.serving import IMAGES, Server, chat_body, data_url
 from vlmbatch.pipeline.config import PrepareConfig
-from vlmbatch.pipeline.drive import prepare_now
+from vlmbatch.pipeline.preparers import prepare_now
 from vlmbatch.pipeline.task import ImageRef
 from vlmbatch.preprocessing.prepare import TilingConfig
 from vlmbatch.server.media_cache import MediaCache

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.server.serving import IMAGES, Server, batch_lines, wait_batch
-from vlmbatch.cli.main import EXIT_ITEM_ERRORS, main
+from vlmbatch.cli.commands import EXIT_ITEM_ERRORS
+from vlmbatch.cli.main import main
 
 pytest.importorskip("ray")
 

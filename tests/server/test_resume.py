@@ -26,7 +26,8 @@ from tests.server.serving import (
     resume,
     wait_batch,
 )
-from vlmbatch.cli.main import EXIT_OK, main
+from vlmbatch.cli.commands import EXIT_OK
+from vlmbatch.cli.main import main
 from vlmbatch.jobs.folder import STORE_FILE
 from vlmbatch.jobs.store import JobStore
 

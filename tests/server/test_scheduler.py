@@ -15,8 +15,9 @@ import pytest
 from tests.server.fakes import FakeEngine, picture
 from tests.waiting import wait_until
 from vlmbatch.engine.config import EngineConfig
-from vlmbatch.jobs.job import status, submit
-from vlmbatch.pipeline.records import Question
+from vlmbatch.jobs.folder import status
+from vlmbatch.jobs.job import submit
+from vlmbatch.pipeline.questions import Question
 from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.server.batch_worker import BookEvents, batch_run_config
 from vlmbatch.server.batches import BatchBook

@@ -35,7 +35,8 @@ from tests.server.serving import (
     wait_batch,
 )
 from tests.waiting import wait_until
-from vlmbatch.cli.main import EXIT_ITEM_ERRORS, main
+from vlmbatch.cli.commands import EXIT_ITEM_ERRORS
+from vlmbatch.cli.main import main
 
 RED = "Is there a red shape?"
 WEB = (b"pydantic_core", b"httptools", b"uvloop")  # shared objects of the web stack

@@ -25,7 +25,8 @@ from tests.server.serving import (
     engine_pids,
     wait_batch,
 )
-from vlmbatch.cli.main import EXIT_OK, main
+from vlmbatch.cli.commands import EXIT_OK
+from vlmbatch.cli.main import main
 from vlmbatch.engine.config import EngineConfig
 from vlmbatch.jobs.job import submit
 from vlmbatch.server.batch_worker import batch_run_config

@@ -50,12 +50,12 @@ from vlmbatch.api.vlm import VLM, QuestionLike
 from vlmbatch.engine.config import EmbedConfig, ModelConfig
 from vlmbatch.engine.loading import image_plan_for, read_spec
 from vlmbatch.inputs.datasets import own_questions
-from vlmbatch.inputs.errors import check_id
 from vlmbatch.inputs.manifest import policy_questions, read_policy, with_policy
 from vlmbatch.models.paths import DEFAULT_EMBED_MODEL
 from vlmbatch.pipeline.config import PrepareConfig
-from vlmbatch.pipeline.drive import prepared_groups, preparer, run_group
-from vlmbatch.pipeline.questions import questions_of
+from vlmbatch.pipeline.drive import prepared_groups, run_group
+from vlmbatch.pipeline.preparers import preparer
+from vlmbatch.pipeline.questions import check_id, questions_of
 from vlmbatch.pipeline.records import (
     Answer,
     EmbedItem,

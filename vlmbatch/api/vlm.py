@@ -57,17 +57,11 @@ from vlmbatch.engine.config import EMBED_GROUP, EmbedConfig, EngineConfig, Model
 from vlmbatch.engine.embed import EmbedHandle, build_embedder
 from vlmbatch.jobs.config import RunConfig
 from vlmbatch.pipeline.config import PrepareConfig
-from vlmbatch.pipeline.drive import PrepareWorkers, drive, groups_of, preparer
+from vlmbatch.pipeline.drive import drive, groups_of
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
-from vlmbatch.pipeline.questions import questions_of
-from vlmbatch.pipeline.records import (
-    Answer,
-    Embedding,
-    EmbedItem,
-    ImageItem,
-    Question,
-    image_source,
-)
+from vlmbatch.pipeline.preparers import PrepareWorkers, preparer
+from vlmbatch.pipeline.questions import Question, questions_of
+from vlmbatch.pipeline.records import Answer, Embedding, EmbedItem, ImageItem, image_source
 from vlmbatch.pipeline.task import AnswerTask, EmbedTask, Task
 
 ImageLike = str | Path | bytes | np.ndarray | Image.Image

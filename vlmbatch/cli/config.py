@@ -36,15 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vlmbatch.common.options import COUNT, N, Unit, opt, probability, reuse
-from vlmbatch.engine.config import (
-    DEFAULT_EMBED_MODEL,
-    EMBED_GROUP,
-    ConfigError,
-    EmbedConfig,
-    EngineConfig,
-    ModelConfig,
-)
+from vlmbatch.engine.config import EMBED_GROUP, ConfigError, EmbedConfig, EngineConfig, ModelConfig
 from vlmbatch.jobs.config import ExecutorConfig, RunConfig, check_ray_threads
+from vlmbatch.models.paths import DEFAULT_EMBED_MODEL
 from vlmbatch.outputs.export import PARQUET_ROWS_PER_FILE
 from vlmbatch.pipeline.config import PrepareConfig, check_threads
 from vlmbatch.quant import GROUP_SIZE, METHODS, SAMPLES

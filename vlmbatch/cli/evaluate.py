@@ -34,7 +34,8 @@ from vlmbatch.labels.read import labelled_manifest, scored
 from vlmbatch.pipeline.config import PrepareOptions
 from vlmbatch.pipeline.drive import drive, groups_of
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
-from vlmbatch.pipeline.records import ImageItem, Question
+from vlmbatch.pipeline.questions import Question
+from vlmbatch.pipeline.records import ImageItem
 from vlmbatch.pipeline.task import AnswerTask
 
 

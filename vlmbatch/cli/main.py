@@ -28,20 +28,16 @@ from vlmbatch.cli.commands import (
     EXIT_BAD_INPUT,
     EXIT_CRASH,
     EXIT_INTERRUPTED,
-    EXIT_ITEM_ERRORS,
     EXIT_OK,
     EXIT_TERMINATED,
     HANDLERS,
     typed_job,
 )
 from vlmbatch.engine.config import AnswerWordsError, ConfigError
-from vlmbatch.inputs.errors import ManifestError
 from vlmbatch.jobs.folder import is_job
 from vlmbatch.models.config_io import ModelError
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
-
-__all__ = ["EXIT_BAD_INPUT", "EXIT_CRASH", "EXIT_INTERRUPTED", "EXIT_ITEM_ERRORS", "EXIT_OK",
-           "EXIT_TERMINATED", "main"]
+from vlmbatch.pipeline.questions import ManifestError
 
 # OSErrors reported as a message even without a file name (disk full, quota, read-only...)
 USER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}

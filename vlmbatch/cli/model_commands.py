@@ -35,7 +35,7 @@ from vlmbatch.cli.evaluate import evaluate_easy_vqa, evaluate_labelled, policy_n
 from vlmbatch.cli.quantize import quantize_model
 from vlmbatch.cli.run import run
 from vlmbatch.common.options import build, declared
-from vlmbatch.engine.config import DEFAULT_EMBED_MODEL, EMBED_GROUP, ConfigError, ModelConfig
+from vlmbatch.engine.config import EMBED_GROUP, ConfigError, ModelConfig
 from vlmbatch.engine.embed import embedding_checkpoint
 from vlmbatch.engine.loading import load_model, vision_model
 from vlmbatch.inputs.datasets import input_kind
@@ -43,6 +43,7 @@ from vlmbatch.inputs.manifest import read_manifest, read_policy
 from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.job import run_job, submit
 from vlmbatch.labels.evaluation import report_text
+from vlmbatch.models.paths import DEFAULT_EMBED_MODEL
 from vlmbatch.outputs.sinks import check_writable, format_of
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.vit_trt.export import export_onnx

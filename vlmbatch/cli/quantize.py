@@ -15,10 +15,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from vlmbatch.common.atomic import replaced_on_success
-from vlmbatch.engine.config import DEFAULT_MODEL, ConfigError, EngineConfig, ModelConfig
+from vlmbatch.engine.config import ConfigError, EngineConfig, ModelConfig
 from vlmbatch.engine.loading import read_spec
 from vlmbatch.engine.torch_engine import TorchEngine, build_torch_engine
-from vlmbatch.models.io import ModelError, read_config
+from vlmbatch.models.config_io import ModelError, read_config
+from vlmbatch.models.paths import DEFAULT_MODEL
 from vlmbatch.pipeline.drive import answer_group
 from vlmbatch.pipeline.records import ErrorKind, ImageItem
 from vlmbatch.quant import GROUP_SIZE, METHODS, SAMPLES

@@ -21,7 +21,6 @@ from vlmbatch.engine.base import EngineSummary
 from vlmbatch.engine.build import build_engine
 from vlmbatch.engine.loading import check_label_sets
 from vlmbatch.inputs.datasets import iter_dataset
-from vlmbatch.inputs.errors import ManifestError
 from vlmbatch.inputs.manifest import (
     items_from_folder,
     label_sets,
@@ -33,6 +32,7 @@ from vlmbatch.jobs.config import RunConfig
 from vlmbatch.outputs.sinks import GroupWriter, format_of
 from vlmbatch.pipeline.drive import drive, groups_of
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
+from vlmbatch.pipeline.questions import ManifestError
 from vlmbatch.pipeline.records import ImageItem
 from vlmbatch.pipeline.task import AnswerTask
 

@@ -25,11 +25,7 @@ from typing import Any, ClassVar
 from vlmbatch.common.options import COUNT, MIB, WORDS, N, opt
 from vlmbatch.common.registry import Registry
 from vlmbatch.models.embedding import POOLINGS, EmbeddingSpec
-
-# re-exported: where the built-in checkpoints live (models/paths.py)
-from vlmbatch.models.paths import DEFAULT_EMBED_MODEL as DEFAULT_EMBED_MODEL
-from vlmbatch.models.paths import DEFAULT_MODEL as DEFAULT_MODEL
-from vlmbatch.models.paths import DEFAULT_QWEN_MODEL as DEFAULT_QWEN_MODEL
+from vlmbatch.models.paths import DEFAULT_EMBED_MODEL, DEFAULT_MODEL
 from vlmbatch.preprocessing.tiling import TILING_MODES
 from vlmbatch.vit_trt import RUNNERS
 

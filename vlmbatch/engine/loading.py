@@ -13,12 +13,14 @@ from pathlib import Path
 
 import torch
 
-from vlmbatch.engine.config import DEFAULT_MODEL, ConfigError, EngineConfig, ModelConfig
+from vlmbatch.engine.config import ConfigError, EngineConfig, ModelConfig
 from vlmbatch.engine.scoring import choice_ids
-from vlmbatch.models import family_for
 from vlmbatch.models.base import ImageOptions, LoadedModel, ModelFamily, ModelSpec
-from vlmbatch.models.io import ModelError, raw_state_dict
+from vlmbatch.models.config_io import ModelError
+from vlmbatch.models.io import raw_state_dict
 from vlmbatch.models.layers import fuse_projections
+from vlmbatch.models.paths import DEFAULT_MODEL
+from vlmbatch.models.registry import family_for
 from vlmbatch.preprocessing.prepare import ImagePlan
 from vlmbatch.quant.checkpoint import check_config, int4_weights
 from vlmbatch.quant.fp8 import Fp8Unavailable, convert_linears_fp8, require_fp8

@@ -33,10 +33,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from vlmbatch.inputs.errors import ManifestError, brief, check_id, check_unicode
-from vlmbatch.inputs.manifest import parse_question, with_policy
-from vlmbatch.pipeline.questions import QUESTION_KEYS, check_keys
-from vlmbatch.pipeline.records import ImageItem, Question
+from vlmbatch.inputs.errors import check_unicode
+from vlmbatch.inputs.manifest import with_policy
+from vlmbatch.pipeline.questions import (
+    QUESTION_KEYS,
+    ManifestError,
+    Question,
+    brief,
+    check_id,
+    check_keys,
+    parse_question,
+)
+from vlmbatch.pipeline.records import ImageItem
 from vlmbatch.preprocessing.fetch import Fetcher
 from vlmbatch.preprocessing.limits import FetchOptions
 from vlmbatch.preprocessing.sources import MemberRef, RowRef, SourceError, is_remote

@@ -15,9 +15,9 @@ import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from vlmbatch.inputs.errors import ManifestError, brief, check_id, check_unicode
+from vlmbatch.inputs.errors import check_unicode
 from vlmbatch.inputs.manifest import IMAGE_SUFFIXES
-from vlmbatch.pipeline.questions import check_keys
+from vlmbatch.pipeline.questions import ManifestError, brief, check_id, check_keys
 from vlmbatch.pipeline.records import EmbedItem
 
 EMBED_KEYS = {"id", "image", "text"}

@@ -1,14 +1,13 @@
-"""Errors of the job layer, and the small checks of the input readers that raise them
-(the question parser's own, ``ManifestError`` included, live with ``Question`` in
-``pipeline/questions.py``, which every way in shares; re-exported here)."""
+"""The input readers' own checks (``check_unicode``). The error they raise, ``ManifestError``,
+and the question parser's checks (``brief``, ``check_id``, ``parse_choices``) live with
+``Question`` in ``pipeline/questions.py``, which every way in shares: import them from
+there."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from vlmbatch.pipeline.questions import ManifestError, brief, check_id, parse_choices
-
-__all__ = ["ManifestError", "brief", "check_id", "check_unicode", "parse_choices"]
+from vlmbatch.pipeline.questions import ManifestError, brief
 
 
 def check_unicode(texts: Iterable[str], where: str) -> None:

@@ -40,21 +40,18 @@ from typing import Any
 
 import yaml
 
-from vlmbatch.inputs.errors import ManifestError, brief, check_id, check_unicode, parse_choices
+from vlmbatch.inputs.errors import check_unicode
 from vlmbatch.inputs.openai_batch import is_openai_request, parse_request
 from vlmbatch.pipeline.questions import (
     QUESTION_KEYS,
-    YES_NO,
-    check_expected,
+    ManifestError,
+    Question,
+    brief,
+    check_id,
     check_keys,
     parse_question,
 )
-from vlmbatch.pipeline.records import ImageItem, Question
-
-__all__ = ["QUESTION_KEYS", "YES_NO", "ImageItem", "ManifestError", "Question", "check_expected",
-           "first_line", "items_from_folder", "iter_manifest", "manifest_format",
-           "merged", "parse_choices", "parse_question", "read_manifest", "read_policy",
-           "with_policy"]
+from vlmbatch.pipeline.records import ImageItem
 
 LINE_KEYS = frozenset({"id", "image", "questions"})
 POLICY_KEYS = frozenset({"questions", "system"})

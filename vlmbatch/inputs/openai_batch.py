@@ -28,9 +28,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlmbatch.inputs.errors import ManifestError, brief, check_id, parse_choices
-from vlmbatch.pipeline.questions import check_keys
-from vlmbatch.pipeline.records import ImageItem, Question
+from vlmbatch.pipeline.questions import (
+    ManifestError,
+    Question,
+    brief,
+    check_id,
+    check_keys,
+    parse_choices,
+)
+from vlmbatch.pipeline.records import ImageItem
 
 REQUEST_KEYS = frozenset({"custom_id", "method", "url", "body"})
 # the request body parameters of OpenAI's chat completions (read: model, messages, the token

@@ -35,7 +35,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlmbatch.inputs.errors import ManifestError, brief, check_id, check_unicode
+from vlmbatch.inputs.errors import check_unicode
+from vlmbatch.pipeline.questions import ManifestError, brief, check_id
 from vlmbatch.pipeline.records import EmbedItem
 
 URL = "/v1/embeddings"

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vlmbatch.engine.config import ConfigError
-from vlmbatch.inputs.errors import ManifestError
 from vlmbatch.jobs.config import RunConfig, from_json, to_json
 from vlmbatch.jobs.lock import recorded_runner, run_alive, runner_of, who
 from vlmbatch.jobs.store import JobStore
+from vlmbatch.pipeline.questions import ManifestError
 
 JOB_FILE, STORE_FILE = "job.json", "store.sqlite"
 

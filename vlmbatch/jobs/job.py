@@ -31,14 +31,11 @@ from vlmbatch.engine.base import Engine
 from vlmbatch.engine.build import build_engine
 from vlmbatch.engine.config import ConfigError
 from vlmbatch.engine.loading import check_label_sets, read_spec
-from vlmbatch.inputs.errors import ManifestError
 from vlmbatch.inputs.manifest import label_sets, manifest_format
 from vlmbatch.jobs.config import ExecutorConfig, RunConfig
-from vlmbatch.jobs.folder import (  # cancel, status: re-exported
+from vlmbatch.jobs.folder import (
     STORE_FILE,
     JobStatus,
-    cancel,
-    is_job,
     job_format,
     load_config,
     require_job,
@@ -49,12 +46,12 @@ from vlmbatch.jobs.lock import host_id, run_lock
 from vlmbatch.jobs.ray_executor import ray_stages
 from vlmbatch.jobs.store import JobStore
 from vlmbatch.jobs.tasks import JobTask, job_task
-from vlmbatch.pipeline.drive import Drive, GroupResults, LocalStages, PrepareOptions, Stages
+from vlmbatch.pipeline.config import PrepareOptions
+from vlmbatch.pipeline.drive import Drive, GroupResults, LocalStages, Stages
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
+from vlmbatch.pipeline.questions import ManifestError
 from vlmbatch.pipeline.task import Task
 from vlmbatch.preprocessing.sources import is_remote
-
-__all__ = ["JobRun", "cancel", "is_job", "run_job", "status", "submit"]
 
 
 def _absolute(cfg: RunConfig) -> RunConfig:

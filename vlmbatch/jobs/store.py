@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import quote
 
-from vlmbatch.inputs.errors import ManifestError
 from vlmbatch.jobs.store_schema import StoreDamaged, create, store_error, upgrade
-from vlmbatch.pipeline.records import Answer, ImageItem, Question
+from vlmbatch.pipeline.questions import ManifestError, Question
+from vlmbatch.pipeline.records import Answer, ImageItem
 from vlmbatch.preprocessing.sources import MemberRef, RowRef
 
 

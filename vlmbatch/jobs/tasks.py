@@ -27,7 +27,6 @@ from vlmbatch.engine.embed import check_embed_config
 from vlmbatch.engine.records import EmbedRequest
 from vlmbatch.inputs import embed_input
 from vlmbatch.inputs.datasets import iter_dataset
-from vlmbatch.inputs.errors import ManifestError
 from vlmbatch.inputs.manifest import first_line, items_from_folder, iter_manifest, read_policy
 from vlmbatch.inputs.openai_embeddings import (
     MAX_INPUT_TOKENS,
@@ -38,6 +37,7 @@ from vlmbatch.inputs.openai_embeddings import (
 from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.store import image_item_from_json, image_item_to_json
 from vlmbatch.pipeline.hooks import Named
+from vlmbatch.pipeline.questions import ManifestError
 from vlmbatch.pipeline.records import Answer, Embedding, EmbedItem, ErrorKind, ImageItem, ItemError
 from vlmbatch.pipeline.task import AnswerTask, EmbedTask, Prepared, Task
 

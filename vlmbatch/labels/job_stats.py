@@ -25,10 +25,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vlmbatch.inputs.manifest import ManifestError
 from vlmbatch.jobs.folder import STORE_FILE, JobStatus, job_task_name, load_config, status
 from vlmbatch.jobs.store import JobStore, image_item_from_json
 from vlmbatch.labels.read import Scored, scored
+from vlmbatch.pipeline.questions import ManifestError
 from vlmbatch.pipeline.records import ImageItem
 
 LOGITS = 12  # the histogram spans log-odds [-LOGITS, LOGITS]

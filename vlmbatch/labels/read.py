@@ -28,10 +28,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlmbatch.inputs.errors import ManifestError, brief, check_id
 from vlmbatch.inputs.manifest import iter_manifest, read_policy
 from vlmbatch.jobs.folder import STORE_FILE, is_job, require_job
 from vlmbatch.jobs.store import JobStore
+from vlmbatch.pipeline.questions import ManifestError, brief, check_id
 from vlmbatch.pipeline.records import ImageItem
 
 Key = tuple[str, str]  # (image id, question id)

@@ -44,17 +44,18 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from vlmbatch.pipeline.config import PrepareOptions
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks, Named
-
-# re-exported: stage 1's workers (pipeline/preparers.py)
-from vlmbatch.pipeline.preparers import PrepareWorkers, item_error, outcome, prepare_hooked
-from vlmbatch.pipeline.preparers import prepare_item as prepare_item
-from vlmbatch.pipeline.preparers import prepare_now as prepare_now
-from vlmbatch.pipeline.preparers import preparer as preparer
+from vlmbatch.pipeline.preparers import (
+    PrepareWorkers,
+    item_error,
+    outcome,
+    prepare_hooked,
+    preparer,
+)
 from vlmbatch.pipeline.records import Answer, ErrorKind, ImageItem, ItemError
 from vlmbatch.pipeline.task import AnswerTask, ImageRef, Prepared, Task
-from vlmbatch.preprocessing.decode import DEFAULT_MAX_PIXELS, ImageError
+from vlmbatch.preprocessing.decode import ImageError
 from vlmbatch.preprocessing.fetch import Fetcher
-from vlmbatch.preprocessing.limits import FetchOptions
+from vlmbatch.preprocessing.limits import DEFAULT_MAX_PIXELS, FetchOptions
 from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
 from vlmbatch.preprocessing.sources import SourceError, is_remote
 

@@ -1,5 +1,5 @@
 """Stage 1's workers: where each image of a group is read, decoded and prepared, for the
-drive loop (``drive.py``; re-exported there).
+drive loop (``drive.py``; import them from here).
 
     preparer(plan, opts)   the workers ``PrepareOptions`` asks for, behind ``PrepareWorkers``:
         _Fetching              the fetch stage (``preprocessing/fetch.py``: remote images,
@@ -27,9 +27,10 @@ from vlmbatch.pipeline.config import PrepareOptions
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.pipeline.records import ErrorKind, ItemError
 from vlmbatch.pipeline.task import ImageRef
-from vlmbatch.preprocessing.decode import DEFAULT_MAX_PIXELS, ImageError, ImageTooLarge
+from vlmbatch.preprocessing.decode import ImageError, ImageTooLarge
 from vlmbatch.preprocessing.fetch import DaemonPool, Fetcher
 from vlmbatch.preprocessing.isolated import DecoderCrashed, DecoderPool, DecodeTimeout
+from vlmbatch.preprocessing.limits import DEFAULT_MAX_PIXELS
 from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage, prepare_bytes
 from vlmbatch.preprocessing.sources import SourceError, is_remote, read_bytes
 

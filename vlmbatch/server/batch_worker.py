@@ -32,7 +32,6 @@ from pathlib import Path
 
 from vlmbatch.engine.config import ConfigError, EmbedConfig
 from vlmbatch.engine.embed import check_embed_config
-from vlmbatch.inputs.errors import ManifestError
 from vlmbatch.inputs.manifest import iter_manifest, manifest_format
 from vlmbatch.inputs.openai_embeddings import iter_embed_requests
 from vlmbatch.jobs.config import RunConfig
@@ -41,6 +40,7 @@ from vlmbatch.jobs.job import submit
 from vlmbatch.jobs.store import JobStore
 from vlmbatch.outputs.export import embed_request_lines
 from vlmbatch.outputs.lines import to_output
+from vlmbatch.pipeline.questions import ManifestError
 from vlmbatch.server.batches import (
     CHAT,
     EMBEDDINGS,
@@ -49,9 +49,9 @@ from vlmbatch.server.batches import (
     job_counts,
 )
 from vlmbatch.server.config import ServerConfig
-from vlmbatch.server.errors import APIError
 from vlmbatch.server.files import FileStore
 from vlmbatch.server.media import MediaRefused, check_image_url
+from vlmbatch.serving.errors import APIError
 
 log = logging.getLogger("vlmbatch.server")
 MAX_ERRORS = 100

@@ -41,8 +41,9 @@ from pydantic import BaseModel, Field
 
 from vlmbatch.jobs.folder import STORE_FILE, is_job
 from vlmbatch.jobs.store import JobStore
-from vlmbatch.server.errors import STRICT, APIError, bad_request
+from vlmbatch.server.errors import STRICT, bad_request
 from vlmbatch.server.files import FileStore
+from vlmbatch.serving.errors import APIError
 
 CHAT, EMBEDDINGS = "/v1/chat/completions", "/v1/embeddings"  # the endpoints batches run
 

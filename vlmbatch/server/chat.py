@@ -49,15 +49,16 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from vlmbatch.engine.config import ConfigError
 from vlmbatch.engine.loading import label_set_checker
 from vlmbatch.engine.records import Score
-from vlmbatch.inputs.errors import ManifestError
 from vlmbatch.inputs.openai_batch import parse_request
 from vlmbatch.outputs.lines import vlmbatch_fields
+from vlmbatch.pipeline.questions import ManifestError
 from vlmbatch.pipeline.records import Answer, ImageItem
 from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.server.config import ServerConfig
-from vlmbatch.server.errors import STRICT, APIError, bad_request, error_body, log, parsed
+from vlmbatch.server.errors import STRICT, bad_request, error_body, log, parsed
 from vlmbatch.server.media_cache import MediaCache
 from vlmbatch.serving.engines import Engines
+from vlmbatch.serving.errors import APIError
 
 CHAT_PATH = "/v1/chat/completions"
 ROOT_DIR = Path("/")  # base folder of a request's image: unused (bare paths are refused)

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from vlmbatch.common.options import COUNT, MIB, MS, build, opt, reuse
-from vlmbatch.engine.config import DEFAULT_EMBED_MODEL, ConfigError, EngineConfig, ModelConfig
+from vlmbatch.engine.config import ConfigError, EngineConfig, ModelConfig
 from vlmbatch.jobs.config import ExecutorConfig, RunConfig
+from vlmbatch.models.paths import DEFAULT_EMBED_MODEL
 from vlmbatch.pipeline.config import PrepareConfig, PrepareOptions, check_threads
 from vlmbatch.preprocessing.limits import MediaGuard
 from vlmbatch.serving.config import ServingConfig

@@ -38,7 +38,7 @@ from starlette.concurrency import run_in_threadpool
 from vlmbatch.preprocessing.sources import SourceError, read_bytes
 from vlmbatch.server.chat import ImagePart, Message, TextPart, require_model
 from vlmbatch.server.config import ServerConfig
-from vlmbatch.server.errors import STRICT, APIError, bad_request, parsed
+from vlmbatch.server.errors import STRICT, bad_request, parsed
 from vlmbatch.server.media import MediaRefused, check_image_url
 from vlmbatch.serving.embed import (
     MAX_INPUT_TOKENS,
@@ -48,7 +48,7 @@ from vlmbatch.serving.embed import (
     EmbedInput,
     EmbedOptions,
 )
-from vlmbatch.serving.errors import EmbedRefused
+from vlmbatch.serving.errors import APIError, EmbedRefused
 
 
 class EmbeddingRequest(BaseModel):

@@ -26,8 +26,6 @@ from vlmbatch.serving.errors import APIError, error_type
 
 log = logging.getLogger("vlmbatch.server")
 M = TypeVar("M", bound=BaseModel)
-__all__ = ["APIError", "STRICT", "bad_request", "error_body", "install", "parsed"]
-
 # request bodies: types as declared (no coercion), unknown fields ignored (OpenAI's clients
 # send fields of newer API versions)
 STRICT = ConfigDict(strict=True, extra="ignore")

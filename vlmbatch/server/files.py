@@ -32,7 +32,8 @@ from typing import IO
 from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.responses import FileResponse, JSONResponse
 
-from vlmbatch.server.errors import APIError, bad_request
+from vlmbatch.server.errors import bad_request
+from vlmbatch.serving.errors import APIError
 
 FILE_ID = re.compile(r"^file-[0-9a-f]{32}(-output|-errors)?$")
 PURPOSES = ("batch", "batch_output")

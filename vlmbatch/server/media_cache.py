@@ -34,7 +34,7 @@ from pathlib import Path
 import xxhash
 
 from vlmbatch.pipeline.config import PrepareOptions
-from vlmbatch.pipeline.drive import PrepareWorkers, prepare_now
+from vlmbatch.pipeline.preparers import PrepareWorkers, prepare_now
 from vlmbatch.pipeline.task import ImageRef
 from vlmbatch.preprocessing.decode import ImageError, ImageTooLarge
 from vlmbatch.preprocessing.fetch import Fetcher

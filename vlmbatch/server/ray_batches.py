@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 from vlmbatch.engine.config import ConfigError
-from vlmbatch.inputs.errors import ManifestError
 from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.folder import STORE_FILE, job_format, load_config
 from vlmbatch.jobs.job import drive_job
@@ -39,6 +38,7 @@ from vlmbatch.jobs.ray_executor import RayStages, model_workers, require_ray
 from vlmbatch.jobs.store import JobStore
 from vlmbatch.jobs.tasks import job_task
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
+from vlmbatch.pipeline.questions import ManifestError
 from vlmbatch.pipeline.task import Task
 from vlmbatch.preprocessing.prepare import ImagePlan
 from vlmbatch.server.batches import BatchBook

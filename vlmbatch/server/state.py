@@ -18,8 +18,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from vlmbatch.pipeline.drive import PrepareWorkers, preparer
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
+from vlmbatch.pipeline.preparers import PrepareWorkers, preparer
 from vlmbatch.server.batch_worker import BatchWorker, BookEvents
 from vlmbatch.server.batches import ACTIVE, BatchBook
 from vlmbatch.server.chat import Chat

@@ -25,7 +25,8 @@ import numpy as np
 from vlmbatch.engine.base import Engine
 from vlmbatch.engine.config import ConfigError, EmbedConfig
 from vlmbatch.pipeline.config import PrepareOptions
-from vlmbatch.pipeline.drive import PrepareWorkers, prepared_groups, run_group
+from vlmbatch.pipeline.drive import prepared_groups, run_group
+from vlmbatch.pipeline.preparers import PrepareWorkers
 from vlmbatch.pipeline.records import Embedding, EmbedItem
 from vlmbatch.pipeline.task import EmbedTask, Prepared
 from vlmbatch.preprocessing.prepare import ImagePlan

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from vlmbatch.pipeline.hooks import FaultHooks
-from vlmbatch.pipeline.records import EmbedItem, Question
+from vlmbatch.pipeline.questions import Question
+from vlmbatch.pipeline.records import EmbedItem
 from vlmbatch.pipeline.task import Prepared
 from vlmbatch.preprocessing.prepare import ImagePlan
 from vlmbatch.serving.config import ServingConfig

@@ -39,7 +39,8 @@ from pathlib import Path
 from vlmbatch.common.children import child_env, python_module
 from vlmbatch.engine.records import Score
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
-from vlmbatch.pipeline.records import Embedding, EmbedItem, Question
+from vlmbatch.pipeline.questions import Question
+from vlmbatch.pipeline.records import Embedding, EmbedItem
 from vlmbatch.pipeline.task import Prepared
 from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.serving.channel import Arena, Arriving, Link, Residents

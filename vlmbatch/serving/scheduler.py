@@ -49,12 +49,12 @@ from typing import Protocol
 from vlmbatch.engine.base import Engine
 from vlmbatch.engine.config import ConfigError
 from vlmbatch.engine.records import Score
-from vlmbatch.inputs.errors import ManifestError
 from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.folder import load_config
 from vlmbatch.jobs.job import JobRun
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
-from vlmbatch.pipeline.records import Question, request_of
+from vlmbatch.pipeline.questions import ManifestError, Question
+from vlmbatch.pipeline.records import request_of
 from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.serving.config import ServingConfig, absolute
 from vlmbatch.serving.errors import APIError, queue_full, shutting_down

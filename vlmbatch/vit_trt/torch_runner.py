@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
-from vlmbatch.cudagraph_pool import BudgetPool, GraphPool, default_budgets
+from vlmbatch.cudagraph_pool.budget import BudgetPool, default_budgets
+from vlmbatch.cudagraph_pool.pool import GraphPool
 from vlmbatch.models.base import VisionOutput
 from vlmbatch.vit_trt.base import RunnerOptions, VisionModel, VitRunner
 
