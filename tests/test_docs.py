@@ -240,7 +240,7 @@ def test_the_readme_links_every_doc() -> None:
 # --- docs/structure.md against the layer test ------------------------------------------
 
 def table_layers(text: str) -> list[set[str]]:
-    """The packages of each numbered row of the layer table (``app/`` -> ``vlmbatch.app``;
+    """The packages of each numbered row of the layer table (``cli/`` -> ``vlmbatch.cli``;
     ``__init__.py`` -> ``vlmbatch``), in row order."""
     rows = re.findall(r"^\| (\d+) \| ([^|]+) \|", text, flags=re.M)
     out = []

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs.datasets_helpers import (
+from tests.inputs.datasets_helpers import (
     QUESTIONS,
     answers,
     make_images,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs.datasets_helpers import (
+from tests.inputs.datasets_helpers import (
     answers,
     make_images,
     same,

@@ -24,6 +24,6 @@ job's results in its store).
                        back, the backend that runs the drive loop's two stages
 
 Named ``serving`` (the engine side of serving) rather than ``server``: it is not a
-server, and ``app/server`` (the HTTP side, a row above it) imports it, never the reverse.
+server, and ``server/`` (the HTTP side, a row above it) imports it, never the reverse.
 ``docs/server.md`` has the design.
 """
