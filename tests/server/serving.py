@@ -26,7 +26,7 @@ from tests.waiting import wait_until
 from vlmbatch.jobs.folder import STORE_FILE
 from vlmbatch.jobs.store import JobStore
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 IMAGES = ROOT / "examples" / "images"
 KEY = "test-key-123"
 DONE = ("completed", "failed", "cancelled")
