@@ -1,7 +1,9 @@
-"""Random InternVL checkpoints in the original ``InternVLChatModel`` layout, for tests and
-benchmarks: an HF-native random checkpoint (``random.py``) written out by the inverse of the
-key map ``original.py`` reads (transformers' conversion script's, run backwards), so the two
-hold the same model and the HF-native one has transformers as its reference.
+"""Random InternVL checkpoints in the original ``InternVLChatModel`` layout, for the tests (a
+test-only module, so it lives here, not in the package): an HF-native random checkpoint
+(``vlmbatch/models/internvl/random.py``) written out by the inverse of the key map
+``vlmbatch/models/internvl/original.py`` reads (transformers' conversion script's, run
+backwards), so the two hold the same model and the HF-native one has transformers as its
+reference.
 
 - ``save_original(hf, out, template=..., arch=...)``: ``hf``'s weights under the original
   names (vision ``attn.qkv`` fused, ``ls1``/``ls2``, ``mlp1.{0,1,3}``, ``language_model.
