@@ -13,8 +13,9 @@ import numpy as np
 import openai
 import pytest
 
+from tests.loopback import free_port
 from tests.server.fakes import FakeEmbedBackend, fake_server
-from tests.server.serving import IMAGES, data_url, free_port
+from tests.server.serving import IMAGES, data_url
 from vlmbatch.server.config import ServerConfig
 
 

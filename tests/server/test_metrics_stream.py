@@ -13,8 +13,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.loopback import free_port
 from tests.server.fakes import fake_server
-from tests.server.serving import IMAGES, chat_body, data_url, free_port
+from tests.server.serving import IMAGES, chat_body, data_url
 from vlmbatch.server.config import ServerConfig
 
 Q = "Is there a red shape?"
