@@ -277,7 +277,7 @@ def test_structure_md_lists_the_optional_imports_the_layer_test_allows() -> None
 # --- figures stated once ----------------------------------------------------------------
 
 FIGURES = ROOT / "docs" / "figures.md"
-FUZZ_TESTS = ROOT / "tests" / "jobs" / "test_fuzz_readers.py"
+FUZZ_TESTS = ROOT / "tests" / "inputs" / "test_fuzz_readers.py"
 
 
 def figure_refs_in_code() -> dict[str, set[str]]:
