@@ -1,4 +1,5 @@
-"""Image preprocessing: bytes to the uint8 rows a vision module takes. Never touches models.
+"""Image and clip preprocessing: bytes to the uint8 rows a vision module takes. Never touches
+models.
 
 - ``sources.py``: an image's bytes from a path, ``file://`` or ``data:`` URL (``SourceError``),
   and which sources the fetch stage reads; ``fetch.py``: the fetch stage (http(s) through one
@@ -14,8 +15,14 @@
   content hash; ``media.py``: the records of a sampled clip (``PreparedVideo``) and of an
   item's visual parts; ``qwen_vl.py``: Qwen-VL's smart resize and patch rows (``qwen2vl.py``: its
   resize grid);
-- ``isolated.py`` and ``decoder_process.py``: decoder processes, each image under a
-  deadline, a crash that image's error; ``children.py``: how every child interpreter is
+- clips: ``video.py`` (PyAV: a clip's metadata from its packets, frames decoded as sampled,
+  the display matrix applied, ``VideoError`` with a reason), ``video_sampling.py`` (the frame
+  indices of transformers' Qwen2-VL, Qwen3-VL and InternVL video processors),
+  ``video_rows.py`` (frames -> Qwen-VL patch rows / InternVL tiles, a ``PreparedVideo``),
+  ``video_plan.py`` (a family's ``VideoPlan``, read from a checkpoint as transformers reads
+  it; ``VideoSource``: a clip for the decoder processes);
+- ``isolated.py`` and ``decoder_process.py``: decoder processes, each image (or clip) under
+  a deadline, a crash that item's error; ``children.py``: how every child interpreter is
   started (decoder and engine processes, Ray's workers) so that it imports this
   ``vlmbatch`` whatever the working directory;
 - ``reference.py``: the Pillow reference pipeline of InternVL's model card (benchmarks and

@@ -169,7 +169,7 @@ def open_clip(data: bytes, max_pixels: int, max_seconds: float = DEFAULT_MAX_VID
 def _opened(container: av.container.InputContainer, max_pixels: int,
             max_seconds: float) -> Clip:
     if not container.streams.video:
-        kinds = sorted({s.type for s in container.streams}) or ["none"]
+        kinds: list[str] = sorted({str(s.type) for s in container.streams}) or ["none"]
         raise VideoError(f"the file has no video stream (streams: {', '.join(kinds)})",
                          "no_video_stream")
     stream = container.streams.video[0]
