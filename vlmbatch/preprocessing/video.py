@@ -106,14 +106,20 @@ class Clip:
             raise ValueError(f"frame indices {idx[:8]} not within the clip's "
                              f"{self.info.total_frames} frames")
         wanted = sorted(set(idx))
-        got: dict[int, np.ndarray] = {}
+        where: dict[int, list[int]] = {}
+        for pos, k in enumerate(idx):
+            where.setdefault(k, []).append(pos)
+        out: np.ndarray | None = None  # allocated at the first frame: no second full copy
         size = (0, 0)
         for k, frame in zip(wanted, self._decode_at([int(self.index.pts[k]) for k in wanted])):
             rgb = _oriented(frame)
             size = rgb.shape[1], rgb.shape[0]
-            got[k] = fit(rgb) if fit is not None else rgb
-        pixels = np.stack([got[k] for k in idx])
-        return DecodedFrames(pixels, tuple(self.index.seconds(k) for k in idx), *size)
+            fitted = fit(rgb) if fit is not None else rgb
+            if out is None:
+                out = np.empty((len(idx), *fitted.shape), np.uint8)
+            out[where[k]] = fitted
+        assert out is not None  # idx is not empty
+        return DecodedFrames(out, tuple(self.index.seconds(k) for k in idx), *size)
 
     def _decode_at(self, targets: list[int]) -> Iterator[av.VideoFrame]:
         """The frame at each pts of ``targets`` (ascending), seeking only where decoding on

@@ -106,20 +106,30 @@ def _hash(parts: list[np.ndarray], meta: tuple[int, ...]) -> str:
 
 def qwen_rows(frames: np.ndarray, layout: QwenVideoLayout) -> np.ndarray:
     """Resized ``[F, h, w, 3]`` uint8 -> patch rows ``[t*gh*gw, 3*T*P*P]`` (module
-    docstring), the last frame repeated up to a multiple of ``T``."""
+    docstring), the last frame repeated up to a multiple of ``T``; one copy (the rows),
+    written one temporal group at a time."""
     q = layout.qwen
     f, h, w, c = frames.shape
     p, m, t = q.patch, q.merge, q.temporal
     if c != 3 or h % q.factor or w % q.factor:
         raise ValueError(f"need [F, h, w, 3] with h, w multiples of {q.factor}; got "
                          f"{frames.shape}")
-    if pad := -f % t:
-        frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
-    gt, gh, gw = frames.shape[0] // t, h // p, w // p
-    x = frames.reshape(gt, t, gh // m, m, p, gw // m, m, p, c)
-    # [gt, T, wy, my, py, wx, mx, px, c] -> [gt, wy, wx, my, mx, c, T, py, px]
-    x = x.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)
-    return np.ascontiguousarray(x).reshape(gt * gh * gw, c * t * p * p)
+    gt, gh, gw = -(-f // t), h // p, w // p
+    rows = np.empty((gt * gh * gw, c * t * p * p), np.uint8)
+    for g, group in enumerate(_groups(frames, t)):
+        x = group.reshape(t, gh // m, m, p, gw // m, m, p, c)
+        # [T, wy, my, py, wx, mx, px, c] -> [wy, wx, my, mx, c, T, py, px]
+        rows[g * gh * gw: (g + 1) * gh * gw] = x.transpose(1, 4, 2, 5, 7, 0, 3, 6).reshape(
+            gh * gw, -1)
+    return rows
+
+
+def _groups(frames: np.ndarray, t: int) -> list[np.ndarray]:
+    """The temporal groups of ``t`` frames, the last one padded with the last frame."""
+    out = [frames[i: i + t] for i in range(0, len(frames), t)]
+    if pad := t - len(out[-1]):
+        out[-1] = np.concatenate([out[-1], np.repeat(frames[-1:], pad, axis=0)])
+    return out
 
 
 def prepare_qwen_video(decoded: DecodedFrames, indices: np.ndarray, fps: float,
@@ -127,14 +137,11 @@ def prepare_qwen_video(decoded: DecodedFrames, indices: np.ndarray, fps: float,
     """Frames already resized to ``layout.target_size`` (``fit_for``) -> ``PreparedVideo``."""
     q = layout.qwen
     rows = qwen_rows(decoded.pixels, layout)
-    f, h, w = decoded.pixels.shape[:3]
-    t = -(-f // q.temporal)
-    grid = PatchGrid(t, h // q.patch, w // q.patch, q.merge)
-    padded = np.concatenate([decoded.pixels, np.repeat(decoded.pixels[-1:], t * q.temporal - f,
-                                                       axis=0)])
-    groups = tuple(_hash([padded[i * q.temporal: (i + 1) * q.temporal]], (q.patch,))
-                   for i in range(t))
-    return _record(rows, grid, groups, decoded, indices, fps)
+    h, w = decoded.pixels.shape[1:3]
+    groups = _groups(decoded.pixels, q.temporal)
+    grid = PatchGrid(len(groups), h // q.patch, w // q.patch, q.merge)
+    hashes = tuple(_hash([g], (q.patch,)) for g in groups)
+    return _record(rows, grid, hashes, decoded, indices, fps)
 
 
 def prepare_internvl_video(decoded: DecodedFrames, indices: np.ndarray, fps: float,
