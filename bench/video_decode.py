@@ -2,12 +2,13 @@
 process, and the memory a long clip costs.
 
 Speed: a generated 1080p H.264 clip (``--seconds`` at 30 fps, a key frame every 2 s, as
-phones and encoders' defaults make them), sampled as Qwen2-VL samples it at 2 fps; the
-sampled frames decoded three ways: seek-as-sampled (``Clip.frames``), decode everything
-then index (every frame converted to RGB, as transformers' and vLLM's PyAV readers do), and
-decode everything but convert only the sampled frames (the cheapest decode-all). Each
-``--repeats`` times, alternating; the median wall time, sampled frames per second of each,
-and the ratio.
+phones and encoders' defaults make them), sampled as Qwen2-VL samples it at 2 fps (4 frames
+in each key-frame interval: seeking can skip little) and as InternVL samples 8 frames
+(sparse: most of each interval skipped); the sampled frames decoded three ways: seek-as-
+sampled (``Clip.frames``), decode everything then index (every frame converted to RGB, as
+transformers' and vLLM's PyAV readers do), and decode everything but convert only the
+sampled frames (the cheapest decode-all). Each ``--repeats`` times, alternating; the median
+wall time, sampled frames per second of each, and the ratio.
 
 Memory: a ``--long-seconds`` 1080p clip at ``--long-fps`` prepared whole by a Qwen2-VL
 ``VideoPlan`` (``--long-frames`` sampled frames, rows at its default pixel bound), in a
@@ -85,9 +86,17 @@ def speed(seconds: float, repeats: int) -> None:
         data = path.read_bytes()
     with open_clip(data, 10**9) as clip:
         info = clip.info
-    idx = VideoSampling("qwen2_vl", fps=2.0).indices(info)
     print(f"clip: {W}x{H}, {info.total_frames} frames at {info.fps:g} fps, "
-          f"{len(data) / 1e6:.1f} MB; sampled {len(idx)} frames (Qwen2-VL, 2 fps)")
+          f"{len(data) / 1e6:.1f} MB")
+    for name, sampling in (("Qwen2-VL, 2 fps", VideoSampling("qwen2_vl", fps=2.0)),
+                           ("InternVL, 8 frames", VideoSampling("internvl", fps=None,
+                                                                num_frames=8))):
+        idx = sampling.indices(info)
+        print(f" sampled {len(idx)} frames ({name})")
+        compare(data, idx, repeats)
+
+
+def compare(data: bytes, idx: np.ndarray, repeats: int) -> None:
     ways = {"seek as sampled": lambda: seek(data, idx),
             "decode all, convert all": lambda: decode_all(data, idx, True),
             "decode all, convert sampled": lambda: decode_all(data, idx, False)}

@@ -21,9 +21,10 @@ from vlmbatch.preprocessing.decode import ImageError, ImageTooLarge
 from vlmbatch.preprocessing.isolated import DecoderPool, DecodeTimeout
 from vlmbatch.preprocessing.prepare import TilingConfig
 from vlmbatch.preprocessing.video import Clip, VideoError, VideoTooLarge, open_clip
-from vlmbatch.preprocessing.video_plan import VideoPlan, VideoSource
+from vlmbatch.preprocessing.video_plan import VideoPlan
 from vlmbatch.preprocessing.video_rows import FrameTiles
 from vlmbatch.preprocessing.video_sampling import VideoSampling
+from vlmbatch.preprocessing.video_source import VideoSource
 
 MPEG4_BF = ("mp4", "mpeg4", "yuv420p", {"bf": "2", "g": "12"})  # lossy, B-frames reordered
 X264_GOP = ("mp4", "libx264rgb", "rgb24",

@@ -8,7 +8,7 @@ models.
   guard (a server's remote media: every connection's addresses checked, then pinned);
 - ``decode.py``: bytes -> RGB pixels as Pillow's ``convert("RGB")`` gives them (EXIF, alpha,
   gray, 16-bit, CMYK), large JPEGs decoded reduced in the DCT domain, the decompression-bomb
-  guard (``limits.py``: the default pixel limit, light);
+  guard (``limits.py``: the default pixel and clip-length limits, light);
 - ``resize.py``: the resize policy (INTER_AREA when shrinking, INTER_CUBIC when enlarging);
 - ``tiling.py``: InternVL's tile grids (the reference ``dynamic_preprocess`` and the reduced
   one); ``prepare.py``: the ``PreparedImage`` record, image plans (``TilingConfig``) and the
@@ -20,7 +20,7 @@ models.
   indices of transformers' Qwen2-VL, Qwen3-VL and InternVL video processors),
   ``video_rows.py`` (frames -> Qwen-VL patch rows / InternVL tiles, a ``PreparedVideo``),
   ``video_plan.py`` (a family's ``VideoPlan``, read from a checkpoint as transformers reads
-  it; ``VideoSource``: a clip for the decoder processes);
+  it); ``video_source.py`` (``VideoSource``: a clip for the decoder processes, light);
 - ``isolated.py`` and ``decoder_process.py``: decoder processes, each image (or clip) under
   a deadline, a crash that item's error; ``children.py``: how every child interpreter is
   started (decoder and engine processes, Ray's workers) so that it imports this

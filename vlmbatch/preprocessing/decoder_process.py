@@ -44,7 +44,7 @@ from vlmbatch.preprocessing.decode import ImageError
 from vlmbatch.preprocessing.media import MediaPart
 from vlmbatch.preprocessing.prepare import ImagePlan, prepare_bytes
 from vlmbatch.preprocessing.sources import SourceError, read_bytes
-from vlmbatch.preprocessing.video_plan import VideoSource
+from vlmbatch.preprocessing.video_source import VideoSource
 
 ALIGN = 64  # bytes; each array starts on a cache line of the slot
 PR_SET_PDEATHSIG = 1

@@ -37,7 +37,7 @@ from vlmbatch.preprocessing.decode import ImageError
 from vlmbatch.preprocessing.decoder_process import unpack
 from vlmbatch.preprocessing.media import MediaPart
 from vlmbatch.preprocessing.prepare import ImagePlan
-from vlmbatch.preprocessing.video_plan import VideoSource
+from vlmbatch.preprocessing.video_source import VideoSource
 
 SLOT_BYTES = 64 << 20  # per slot, two a worker, sparse: pages are allocated as written
 DEPTH = 2  # items in a worker's pipe at once: it starts the next while this process copies

@@ -33,11 +33,11 @@ import av
 import numpy as np
 
 from vlmbatch.preprocessing.decode import ImageError, ImageTooLarge
+from vlmbatch.preprocessing.limits import DEFAULT_MAX_VIDEO_SECONDS as DEFAULT_MAX_VIDEO_SECONDS
 from vlmbatch.preprocessing.video_sampling import ClipInfo
 
 REASONS = ("not_a_video", "no_video_stream", "no_frames", "truncated", "unsupported_codec",
            "too_many_pixels", "too_long", "too_short")
-DEFAULT_MAX_VIDEO_SECONDS = 3600.0  # a clip longer than an hour is refused unread
 
 
 class VideoError(ImageError):

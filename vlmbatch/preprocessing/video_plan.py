@@ -98,14 +98,6 @@ class VideoPlan:
         return n * info.fps / info.total_frames
 
 
-@dataclass(frozen=True)
-class VideoSource:
-    """A clip to prepare in a decoder process (``DecoderPool.submit``): where its bytes are
-    (a path or URL the worker reads, or the bytes) and its plan (sampling keys included)."""
-    source: str | bytes
-    plan: VideoPlan
-
-
 def read_video_config(checkpoint: Path) -> dict[str, Any]:
     """The video processor's dict, from the file transformers would read (module
     docstring); {} when the checkpoint has none of them."""
