@@ -74,9 +74,14 @@ def decode_all(data: bytes, idx: np.ndarray, convert_all: bool) -> np.ndarray:
     return np.stack([got[int(i)] for i in idx])
 
 
+DECODED: list[int] = []  # frames the seeking decoder output, per call
+
+
 def seek(data: bytes, idx: np.ndarray) -> np.ndarray:
     with open_clip(data, 10**9) as clip:
-        return clip.frames(idx).pixels
+        pixels = clip.frames(idx).pixels
+        DECODED.append(clip.decoded)
+        return pixels
 
 
 def speed(seconds: float, repeats: int) -> None:
@@ -101,6 +106,8 @@ def compare(data: bytes, idx: np.ndarray, repeats: int) -> None:
             "decode all, convert all": lambda: decode_all(data, idx, True),
             "decode all, convert sampled": lambda: decode_all(data, idx, False)}
     ref = seek(data, idx)
+    print(f"  seek decodes {DECODED[-1]} frames of the clip's {len(ref) and _total(data)} "
+          "(decode-all: every one)")
     times: dict[str, list[float]] = {k: [] for k in ways}
     for _ in range(repeats):
         for name, fn in ways.items():
@@ -113,6 +120,11 @@ def compare(data: bytes, idx: np.ndarray, repeats: int) -> None:
         m = statistics.median(ts)
         print(f"  {name:28s} {m:7.3f} s  {len(idx) / m:7.1f} sampled frames/s  "
               f"x{m / base:.2f} of seek")
+
+
+def _total(data: bytes) -> int:
+    with open_clip(data, 10**9) as clip:
+        return clip.info.total_frames
 
 
 CHILD = """

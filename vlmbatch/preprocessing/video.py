@@ -87,6 +87,7 @@ class Clip:
     def __init__(self, container: av.container.InputContainer, stream: av.VideoStream,
                  index: ClipIndex, info: ClipInfo) -> None:
         self.container, self.stream, self.index, self.info = container, stream, index, info
+        self.decoded = 0  # frames the decoder has output so far (what seeking saved: bench)
 
     def __enter__(self) -> Clip:
         return self
@@ -142,7 +143,9 @@ class Clip:
 
     def _decode(self) -> Iterator[av.VideoFrame]:
         try:
-            yield from self.container.decode(self.stream)
+            for frame in self.container.decode(self.stream):
+                self.decoded += 1
+                yield frame
         except av.FFmpegError as e:
             raise VideoError(f"cannot decode the clip ({e}): truncated or corrupt",
                              "truncated") from None
