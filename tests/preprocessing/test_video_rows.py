@@ -162,3 +162,14 @@ def test_an_odd_clip_repeats_its_last_frame_and_internvl_tiles_one_per_frame() -
     assert tiles.frame_indices == (1, 4, 7) and tiles.rows.shape == (3, 32, 32, 3)
     assert np.array_equal(tiles.rows, np.stack([resize(px[i], 32, 32) for i in (1, 4, 7)]))
     assert len(set(tiles.group_hashes)) == 3
+
+
+def test_fps_is_transformers_sampled_fps_not_the_fps_asked() -> None:
+    from transformers.video_utils import VideoMetadata
+
+    data = make_clip(frames(31, 56, 56), FFV1_MKV)  # 1.24 s at 25 fps
+    plan = VideoPlan(VideoSampling("qwen2_vl", fps=2.0), LAYOUTS["qwen2_vl"])
+    got = plan.prepare(data, 10**9)  # 2 fps gives 2.48 frames: min_frames 4 wins
+    want = VideoMetadata(total_num_frames=31, fps=25.0,
+                         frames_indices=list(got.frame_indices)).sampled_fps
+    assert len(got.frame_indices) == 4 and got.fps == pytest.approx(want) == 100 / 31

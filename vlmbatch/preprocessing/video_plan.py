@@ -92,10 +92,11 @@ class VideoPlan:
         return prepare_qwen_video(decoded, indices, fps, self.layout)
 
     def _fps(self, info: ClipInfo, n: int) -> float:
-        """The sampling rate: ``fps`` as asked, else sampled frames per source second."""
-        if self.sampling.fps is not None:
-            return float(self.sampling.fps)
-        return n * info.fps / info.total_frames
+        """The sampling rate as transformers states it (``VideoMetadata.sampled_fps``, which
+        Qwen2.5-VL's ``second_per_grid_ts`` divides by): sampled frames per source second,
+        not the ``fps`` asked (flooring to whole temporal patches and the frame bounds move
+        it)."""
+        return n / info.total_frames * info.fps
 
 
 def read_video_config(checkpoint: Path) -> dict[str, Any]:
