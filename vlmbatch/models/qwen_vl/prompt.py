@@ -31,7 +31,7 @@ import torch
 
 from vlmbatch.models.base import Prompt
 from vlmbatch.models.chat import chat_layout
-from vlmbatch.models.io import ModelError
+from vlmbatch.models.config_io import ModelError
 from vlmbatch.models.qwen_vl.parts import Markers, VideoRule, part_tokens
 from vlmbatch.models.qwen_vl.positions import Grid, image_prompt_positions, parts_prompt_positions
 from vlmbatch.preprocessing.media import MediaPart
