@@ -15,10 +15,10 @@ import torch
 
 from vlmbatch.engine.config import DEFAULT_MODEL, ConfigError, EngineConfig, ModelConfig
 from vlmbatch.engine.scoring import choice_ids
-from vlmbatch.models import family_for
 from vlmbatch.models.base import ImageOptions, LoadedModel, ModelFamily, ModelSpec
 from vlmbatch.models.io import ModelError, raw_state_dict
 from vlmbatch.models.layers import fuse_projections
+from vlmbatch.models.registry import family_for, spec_of
 from vlmbatch.preprocessing.prepare import ImagePlan
 from vlmbatch.quant.checkpoint import check_config, int4_weights
 from vlmbatch.quant.fp8 import Fp8Unavailable, convert_linears_fp8, require_fp8
@@ -54,7 +54,7 @@ def read_spec(path: Path | None = None) -> tuple[ModelFamily, ModelSpec]:
     cannot be served)."""
     path = Path(path) if path is not None else DEFAULT_MODEL
     family, cfg = family_for(path)
-    return family, family.read_spec(path, cfg)
+    return family, spec_of(family, path, cfg)
 
 
 def check_label_sets(path: Path | None, cfg: EngineConfig,
@@ -107,7 +107,7 @@ def load_model(path: Path | None = None, device: str = "cpu",
     check_device(device)
     backend = _fp8_backend(device, quant)
     family, cfg = family_for(path)
-    spec = family.read_spec(path, cfg)
+    spec = spec_of(family, path, cfg)
     sd = {family.normalise_key(k): t for k, t in raw_state_dict(path).items()}
     int4, group_size = {}, 0
     if (qcfg := cfg.get("quantization_config")) is not None:

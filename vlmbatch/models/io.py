@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from vlmbatch.models.config_io import ModelError as ModelError
 from vlmbatch.models.config_io import read_config as read_config
 from vlmbatch.models.config_io import read_json as read_json
+from vlmbatch.models.config_io import unreadable_weights
 
 
 def raw_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -34,8 +35,7 @@ def raw_state_dict(path: Path) -> dict[str, torch.Tensor]:
         try:
             sd.update(load_file(str(path / f)))
         except SafetensorError as e:
-            raise ModelError(f"{path / f} cannot be read ({e}): the file is truncated or "
-                             "corrupt; copy or download it again") from e
+            raise unreadable_weights(path / f, e) from e
     return sd
 
 
