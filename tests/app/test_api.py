@@ -131,6 +131,21 @@ def test_a_bad_image_is_its_answers_error(vlm: vlmbatch.VLM, tmp_path: Path) -> 
     assert "missing.png" in answers[2].error
 
 
+def test_what_is_no_image_at_all_is_its_answers_error(vlm: vlmbatch.VLM) -> None:
+    """``None`` or ``42`` among the images is that item's ``source`` error (as the module
+    docstring promises), in ``ask`` as in ``ask_many``, never a TypeError for the call."""
+    good = ROOT / "examples" / "images" / "scene_00.png"
+    answers = list(vlm.ask([good, None, 42, good], ["Red?"]))  # type: ignore[list-item]
+    kinds = [a.error_kind.value if a.error_kind else None for a in answers]
+    assert kinds == [None, "source", "source", None]
+    assert "not NoneType" in answers[1].error and "not int" in answers[2].error
+    (alone,) = vlm.ask(None, ["Red?"])  # type: ignore[arg-type]
+    assert alone.error_kind is not None and alone.error_kind.value == "source"
+    many = list(vlm.ask_many([("s1", 42, ["Red?"]), ("s2", good, ["Red?"])]))  # type: ignore[list-item]
+    assert [(a.image_id, a.error_kind is None) for a in many] == [("s1", False), ("s2", True)]
+    assert many[1].p_yes == answers[0].p_yes
+
+
 def test_bad_questions_and_options_fail_before_any_work(vlm: vlmbatch.VLM) -> None:
     with pytest.raises(ManifestError, match="threshold"):
         vlm.ask(["x.png"], [{"text": "Red?", "threshold": 2}])

@@ -69,6 +69,7 @@ from vlmbatch.pipeline.records import (
     image_source,
 )
 from vlmbatch.pipeline.task import AnswerTask, EmbedTask, Task
+from vlmbatch.preprocessing.sources import NotAnImage
 
 ImageLike = str | Path | bytes | np.ndarray | Image.Image
 QuestionLike = str | dict | Question
@@ -118,13 +119,14 @@ class VLM:
     def ask(self, images: ImageLike | Sequence[ImageLike],
             questions: Sequence[QuestionLike]) -> Iterator[Answer]:
         """Every question about every image; image ids are their positions ("0", "1", ...)."""
-        if isinstance(images, (str, Path, bytes, np.ndarray, Image.Image)):
+        if isinstance(images, (str, Path, bytes, np.ndarray, Image.Image)) \
+                or not isinstance(images, Iterable):
             images = [images]
         qs = questions_of(questions)
         for q in qs:  # a label set the engine cannot score fails here, before any work
             if q.choices:
                 self.engine.check_choices(q.choices)
-        return self.ask_many(ImageItem(str(i), im, qs) for i, im in enumerate(images))
+        return self.ask_many(_image_item(str(i), im, qs) for i, im in enumerate(images))
 
     def ask_many(self, items: Iterable[ItemLike]) -> Iterator[Answer]:
         """Answers for a stream of items, each an ``ImageItem`` (``ImageItem(id, image,
@@ -187,7 +189,13 @@ class VLM:
         yield from self._results(EmbedTask(cfg), groups)
 
     def embedder(self, cfg: EmbedConfig) -> EmbedHandle:
-        """The embedder for ``cfg`` on this VLM's engine (built once per config)."""
+        """The embedder for ``cfg`` on this VLM's engine (built once per config). ``VLM()``
+        (the built-in yes/no model) refuses, naming the built-in embedding model that
+        ``vlmbatch embed`` uses by default."""
+        if self.model_config.path is None:
+            raise ValueError("VLM() is the built-in yes/no model, not trained for "
+                             "embeddings; `vlmbatch embed` uses the built-in embedding model: "
+                             "vlmbatch.VLM(vlmbatch.EMBED_MODEL).embed(...)")
         if cfg not in self._embedders:
             self._embedders[cfg] = build_embedder(self.engine, cfg)
         return self._embedders[cfg]
@@ -232,7 +240,17 @@ def _item(i: int, x: ItemLike) -> ImageItem:
         raise TypeError(f"item {i}: an ImageItem, (id, image, questions) or (image, "
                         f"questions), not {type(x).__name__}")
     item_id, image, questions = x if len(x) == 3 else (str(i), *x)
-    return ImageItem(item_id, image, questions)
+    return _image_item(item_id, image, questions)
+
+
+def _image_item(item_id: str | int, image: object, questions: Any) -> ImageItem:
+    """An item of ``image``; one that is no kind of image (``None``, ``42``) is the item's
+    ``source`` error when it is read, as a bad file is, not an exception for the call."""
+    try:
+        source = image_source(image)  # type: ignore[arg-type]
+    except TypeError as e:
+        source = NotAnImage(str(e))
+    return ImageItem(item_id, source, questions)
 
 
 def _distinct(group: list[ImageItem], renamed: dict[str, str]) -> list[ImageItem]:
