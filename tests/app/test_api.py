@@ -146,6 +146,16 @@ def test_what_is_no_image_at_all_is_its_answers_error(vlm: vlmbatch.VLM) -> None
     assert many[1].p_yes == answers[0].p_yes
 
 
+def test_vlm_embed_names_the_model_vlmbatch_embed_uses(vlm: vlmbatch.VLM) -> None:
+    """``VLM()`` is the built-in yes/no model; ``vlmbatch embed``'s default is the built-in
+    embedding model: the call refuses, saying how to get the CLI's vectors, rather than
+    embedding with another model than the CLI's."""
+    for call in (lambda: vlm.embed(texts=["a red circle"]),
+                 lambda: list(vlm.embed_many(["a red circle"]))):
+        with pytest.raises(ValueError, match=r"vlmbatch\.VLM\(vlmbatch\.EMBED_MODEL\)"):
+            call()
+
+
 def test_bad_questions_and_options_fail_before_any_work(vlm: vlmbatch.VLM) -> None:
     with pytest.raises(ManifestError, match="threshold"):
         vlm.ask(["x.png"], [{"text": "Red?", "threshold": 2}])

@@ -143,6 +143,9 @@ def test_report_command(labelled: tuple[Path, Path, Path], tmp_path: Path,
     assert "Nothing is near the threshold" in page  # the built-in model is sure of most
     assert main(["report", str(job), "-o", str(tmp_path / "r.txt")]) == EXIT_BAD_INPUT
     assert "give an .html file" in capsys.readouterr().err
+    for args in (["status"], ["report", "-o", str(out)]):  # no job: said so, by both
+        assert main([*args, str(tmp_path)]) == EXIT_BAD_INPUT
+        assert f"{tmp_path} is not a vlmbatch job folder" in capsys.readouterr().err
 
 
 def _half(tmp: Path, name: str, lines: list[str]) -> Path:

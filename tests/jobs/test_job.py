@@ -406,6 +406,11 @@ def test_results_and_run_as_csv(tmp_path: Path, random_model_dir: Path, capsys) 
                  "--no-progress"]) == 3
     with open(direct, newline="") as f:
         assert f.read() == from_file
+    capsys.readouterr()  # .npy holds an embedding job's vectors: refused, not JSONL in x.npy
+    npy = tmp_path / "x.npy"
+    assert main(["results", str(job), "-o", str(npy)]) == EXIT_BAD_INPUT
+    assert f"--out {npy}: a yes/no job's results are lines" in capsys.readouterr().err
+    assert not npy.exists()
 
 
 def _export(job: Path, capsys, args: list[str]) -> str:  # noqa: ANN001
