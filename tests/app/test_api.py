@@ -156,6 +156,19 @@ def test_vlm_embed_names_the_model_vlmbatch_embed_uses(vlm: vlmbatch.VLM) -> Non
             call()
 
 
+def test_a_question_over_a_length_limit_is_a_value_error_naming_it(vlm: vlmbatch.VLM) -> None:
+    """Over ``max_prompt_chars`` (16,384 by default) or the model's 4,096-token context:
+    a ``ValueError`` naming the question, before any work, in ``ask`` and ``ask_many``."""
+    image = ROOT / "examples" / "images" / "scene_00.png"
+    with pytest.raises(ValueError, match=r"questions\[1\]: question 'q1' is 16,385 characters"):
+        vlm.ask([image], ["Red?", "y" * 16_385])
+    with pytest.raises(ValueError, match=r"question 'long' is 4,\d+ tokens before its image's, "
+                                         r"over the model's context of 4,096"):
+        vlm.ask([image], [{"id": "long", "text": "Is there a red shape? " * 700}])
+    with pytest.raises(ValueError, match=r"item 's2': question 'q0' is 4 characters"):
+        next(vlmbatch.VLM(max_prompt_chars=3).ask_many([("s2", image, ["Red?"])]))
+
+
 def test_bad_questions_and_options_fail_before_any_work(vlm: vlmbatch.VLM) -> None:
     with pytest.raises(ManifestError, match="threshold"):
         vlm.ask(["x.png"], [{"text": "Red?", "threshold": 2}])

@@ -55,11 +55,12 @@ from PIL import Image
 from vlmbatch.engine.build import build_engine
 from vlmbatch.engine.config import EMBED_GROUP, EmbedConfig, EngineConfig, ModelConfig, default_of
 from vlmbatch.engine.embed import EmbedHandle, build_embedder
+from vlmbatch.engine.loading import text_tokens
 from vlmbatch.jobs.config import RunConfig
 from vlmbatch.pipeline.config import PrepareConfig
 from vlmbatch.pipeline.drive import Preparer, drive, groups_of, preparer
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
-from vlmbatch.pipeline.questions import questions_of
+from vlmbatch.pipeline.questions import MAX_PROMPT_CHARS, PromptLimits, questions_of
 from vlmbatch.pipeline.records import (
     Answer,
     Embedding,
@@ -87,14 +88,17 @@ class VLM:
     """A loaded model and engine; ``options`` are ``ModelConfig``/``EngineConfig`` fields
     (``tiling``, ``max_tiles``, ``prefix_cache``, ``max_new_tokens``, ``vit_backend``, ...,
     with the CLI's defaults). ``decode_timeout``: seconds an image may take to read and
-    decode (0: decode on threads of this process, no deadline). ``hooks``: fault injection
-    for tests."""
+    decode (0: decode on threads of this process, no deadline). ``max_prompt_chars``: the
+    longest question (text, prompt and system; ``--max-prompt-chars``); a longer one, or one
+    longer than the model's context in tokens, raises ``ManifestError`` (a ValueError)
+    naming it, before any work. ``hooks``: fault injection for tests."""
 
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu",
                  dtype: str = "float32", images_per_batch: int | None = None,
                  max_pixels: int | None = None, threads: int | None = None,
                  preprocess_threads: int | None = None, decode_timeout: float | None = None,
-                 hooks: FaultHooks = NO_HOOKS, **options: Any) -> None:
+                 max_prompt_chars: int = MAX_PROMPT_CHARS, hooks: FaultHooks = NO_HOOKS,
+                 **options: Any) -> None:
         unknown = sorted(set(options) - _MODEL_FIELDS - _ENGINE_FIELDS)
         if unknown:
             raise TypeError(f"unknown VLM option(s) {unknown}; model options: "
@@ -111,6 +115,8 @@ class VLM:
             max_pixels or p.max_pixels, preprocess_threads,
             p.decode_timeout if decode_timeout is None else decode_timeout).options(device)
         self.hooks = hooks
+        count, context = text_tokens(self.model_config.path)
+        self.limits = PromptLimits(max_prompt_chars, context, count)
         self.engine = build_engine(self.model_config, self.engine_config, threads)
         self._embedders: dict[EmbedConfig, EmbedHandle] = {}
         self._workers: Preparer | None = None
@@ -123,7 +129,8 @@ class VLM:
                 or not isinstance(images, Iterable):
             images = [images]
         qs = questions_of(questions)
-        for q in qs:  # a label set the engine cannot score fails here, before any work
+        for i, q in enumerate(qs):  # a label set the engine cannot score, a question over
+            self.limits.check(q, f"questions[{i}]")  # the limits: here, before any work
             if q.choices:
                 self.engine.check_choices(q.choices)
         return self.ask_many(_image_item(str(i), im, qs) for i, im in enumerate(images))
@@ -145,9 +152,11 @@ class VLM:
                 yield from answers
 
     def _checked(self, items: Iterable[ImageItem]) -> Iterator[ImageItem]:
-        """``items``, each label set checked against the engine (``Engine.check_choices``)."""
+        """``items``, each label set checked against the engine (``Engine.check_choices``),
+        each question's length against the limits."""
         for it in items:
             for q in it.questions:
+                self.limits.check(q, f"item {it.id!r}")
                 if q.choices:
                     self.engine.check_choices(q.choices)
             yield it

@@ -8,6 +8,7 @@ builds it (``models/``), then the runtime conversions of ``quant/`` are applied 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -85,6 +86,20 @@ def label_set_checker(path: Path | None, cfg: EngineConfig
     def check(choices: tuple[str, ...]) -> None:
         choice_ids(prompts.answer_ids, choices, first)
     return check
+
+
+def text_tokens(path: Path | None) -> tuple[Callable[[str], int], int]:
+    """(the checkpoint's token count of a text, its context in tokens: config.json's
+    ``max_position_embeddings``, 0 where it states none), from the tokenizer and config
+    alone: what a question's length is checked against before any work. Counts are cached
+    by text (a million lines asking one question tokenize it once)."""
+    family, spec = read_spec(path)
+    tok = family.load_tokenizer(Path(path) if path is not None else DEFAULT_MODEL)
+
+    @functools.lru_cache(maxsize=4096)
+    def count(text: str) -> int:
+        return len(tok.encode(text, add_special_tokens=False, verbose=False))
+    return count, int(getattr(spec.text, "max_positions", 0) or 0)
 
 
 def load_model(path: Path | None = None, device: str = "cpu",

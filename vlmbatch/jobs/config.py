@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 from vlmbatch.common.options import COUNT, N, non_default, opt
 from vlmbatch.engine.config import ConfigError, EmbedConfig, EngineConfig, ModelConfig
 from vlmbatch.pipeline.config import PrepareConfig, PrepareOptions, check_threads
+from vlmbatch.pipeline.questions import MAX_PROMPT_CHARS
 
 EXECUTORS = ("local", "ray")
 # the fetch stage's settings a run of a job may change (PrepareConfig fields; the size cap is
@@ -128,6 +129,10 @@ class RunConfig:
     images_per_batch: int = field(default=16, metadata=opt(  # preprocessed, scored together
         "--images-per-batch", unit=COUNT, help="images preprocessed and scored together "
         "(embed: inputs per call) (default %(default)s)"))
+    max_prompt_chars: int = field(default=MAX_PROMPT_CHARS, metadata=opt(
+        "--max-prompt-chars", unit=COUNT, metavar="CHARS", help="longest question (text, "
+        "prompt and system together): a longer one, or one longer than the model's context "
+        "in tokens, is refused before any work (default %(default)s)"))
     threads: int | None = field(default=None, metadata=opt(  # None: torch's default
         "--threads", unit=N, show=lambda v: "torch's, one per core" if v is None else str(v),
         help="torch CPU threads (default: %(default)s)"))
@@ -151,6 +156,8 @@ class RunConfig:
                               "WebDataset shards, or --images DIR" +
                               (" with --policy" if self.task == "answer" else ""))
         self._check_dataset()
+        if self.max_prompt_chars < 1:
+            raise ConfigError(f"--max-prompt-chars must be >= 1, got {self.max_prompt_chars}")
         if self.task == "embed" and self.policy is not None:
             raise ConfigError("--policy asks questions: it does not apply to --task embed")
         if self.task != "embed" and (given := non_default(self.embed)):

@@ -300,6 +300,13 @@ def test_invalid_batches(client: openai.OpenAI, server: Server) -> None:
         completion_window="24h").id,
         timeout=60)
     assert b.status == "failed" and [e.line for e in b.errors.data] == [2]
+    url = data_url(IMAGES / "scene_00.png")  # what chat refuses, a batch line refuses too
+    for long in ("x" * 20_000, "Is there a red shape? " * 700):  # chars; 4,096 tokens
+        b = wait_batch(client, client.batches.create(
+            input_file_id=upload(client, batch_lines([("a", url, RED), ("b", url, long)])).id,
+            endpoint="/v1/chat/completions", completion_window="24h").id, timeout=60)
+        assert b.status == "failed" and [(e.line, e.code) for e in b.errors.data] == [
+            (2, "context_length_exceeded")], b.errors
     ok = upload(client, batch_lines([("x", data_url(IMAGES / "scene_00.png"), RED)])).id
     with server.client() as c:
         for body, status in [

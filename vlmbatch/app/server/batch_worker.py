@@ -43,6 +43,7 @@ from vlmbatch.app.server.files import FileStore
 from vlmbatch.app.server.media import MediaRefused, check_image_url
 from vlmbatch.engine.config import ConfigError, EmbedConfig
 from vlmbatch.engine.embed import check_embed_config
+from vlmbatch.engine.loading import text_tokens
 from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.export import embed_request_lines
@@ -52,6 +53,7 @@ from vlmbatch.jobs.manifest import iter_manifest, manifest_format
 from vlmbatch.jobs.openai_batch import to_output
 from vlmbatch.jobs.openai_embeddings import iter_embed_requests
 from vlmbatch.jobs.store import JobStore
+from vlmbatch.pipeline.questions import PromptLimits, PromptTooLong
 
 log = logging.getLogger("vlmbatch.app.server")
 MAX_ERRORS = 100
@@ -68,8 +70,10 @@ def input_errors(path: Path, cfg: ServerConfig) -> list[dict]:
                            "custom_id, method, url and body", 1)]
     errors: list[dict] = []
     where = re.compile(re.escape(str(path)) + r":(\d+): ")
+    count, context = text_tokens(cfg.model.path)  # a line's question: as chat's, and the model's
+    limits = PromptLimits(cfg.max_prompt_chars, context, count)  # context, the line's error
     try:
-        for lineno, item in iter_manifest(path):
+        for lineno, item in iter_manifest(path, limits=limits):
             try:
                 # an http(s) host is checked when the line is fetched: that line's error
                 check_image_url(str(item.image), cfg.allowed_local_media_path,
@@ -82,7 +86,9 @@ def input_errors(path: Path, cfg: ServerConfig) -> list[dict]:
         text = str(e)
         m = where.match(text)
         errors.append(line_error(text[m.end():] if m else text.replace(str(path), "input file"),
-                                 int(m.group(1)) if m else None))
+                                 int(m.group(1)) if m else None,
+                                 "context_length_exceeded" if isinstance(e, PromptTooLong)
+                                 else "invalid_request"))
     return errors
 
 
@@ -117,7 +123,7 @@ def run_config(path: Path, cfg: ServerConfig, endpoint: str = CHAT) -> RunConfig
     model: task ``embed``), its group size, pixel limit and decode deadline."""
     embed = endpoint == EMBEDDINGS
     return RunConfig(manifest=path, images_per_batch=cfg.images_per_batch,
-                     prepare=cfg.prepare, progress=False,
+                     prepare=cfg.prepare, progress=False, max_prompt_chars=cfg.max_prompt_chars,
                      model=cfg.embed_model_config if embed else cfg.model,
                      engine=cfg.engine, task="embed" if embed else "answer",
                      # one pooled vector per string, as /v1/embeddings (not a multi-vector

@@ -138,10 +138,10 @@ def question_of(req: ChatRequest, max_prompt_chars: int, max_tokens: int) -> Ima
     except ManifestError as e:
         raise bad_request(str(e).removeprefix("request: ").replace("body.", ""),
                           "messages", "invalid_value") from None
-    if len(item.questions[0].text) > max_prompt_chars:
-        raise bad_request(f"the question is {len(item.questions[0].text):,} characters, over "
-                          f"this server's limit of {max_prompt_chars:,} (--max-prompt-chars)",
-                          "messages", "context_length_exceeded")
+    if (n := item.questions[0].prompt_chars) > max_prompt_chars:  # as a batch line's check
+        raise bad_request(f"the question is {n:,} characters, over this server's limit of "
+                          f"{max_prompt_chars:,} (--max-prompt-chars)", "messages",
+                          "context_length_exceeded")
     return item
 
 
