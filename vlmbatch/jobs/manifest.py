@@ -168,8 +168,9 @@ def iter_manifest(path: Path, policy: tuple[Question, ...] = (), merge: bool = F
             item = _item(rec, where, lineno, base_dir, policy, merge)
             asked = [t for q in item.questions for t in _texts(q)]
             check_unicode([item.id, item.source, *asked], where)  # item.image: a string here
-            for q in item.questions if limits is not None else ():
-                limits.check(q, where)
+            if limits is not None:
+                for q in item.questions:
+                    limits.check(q, where)
             if (kind := "openai" if is_openai_request(rec) else "vlmbatch") != fmt.setdefault(
                     "kind", kind):
                 raise ManifestError(f"{where}: mixes OpenAI batch requests and vlmbatch lines")

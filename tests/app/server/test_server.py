@@ -162,6 +162,8 @@ def test_limits(server: Server) -> None:
         cases = [
             (chat_body(url, RED), 400, "image_too_large"),
             (chat_body(small, "x" * 20_000), 400, "context_length_exceeded"),
+            # 15,400 characters, ~4,400 tokens: past the built-in model's 4,096-token context
+            (chat_body(small, "Is there a red shape? " * 700), 400, "context_length_exceeded"),
             (chat_body(small, RED, max_tokens=100_000), 400, "invalid_value"),
             (chat_body(small, RED, n=2), 400, "unsupported_parameter"),
             ({**chat_body(small, RED), "model": "gpt-4o"}, 404, "model_not_found"),

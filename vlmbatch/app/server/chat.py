@@ -50,10 +50,11 @@ from vlmbatch.app.server.config import ServerConfig
 from vlmbatch.app.server.errors import STRICT, APIError, bad_request, error_body, log, parsed
 from vlmbatch.app.server.media_cache import MediaCache
 from vlmbatch.engine.config import ConfigError
-from vlmbatch.engine.loading import label_set_checker
+from vlmbatch.engine.loading import label_set_checker, text_tokens
 from vlmbatch.engine.records import Score
 from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.openai_batch import parse_request, vlmbatch_fields
+from vlmbatch.pipeline.questions import PromptLimits, PromptTooLong, Question
 from vlmbatch.pipeline.records import Answer, ImageItem
 from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.serving.engines import Engines
@@ -240,9 +241,22 @@ class Chat:
         # how logprobs name the two classes
         self.words = (cfg.engine.yes_words[0], cfg.engine.no_words[0])
         self._choices: Callable[[tuple[str, ...]], None] | None = None
+        self._limits: PromptLimits | None = None  # made on the first request
         # data: images being decoded, by content hash (their bytes, the decode): the event
         # loop's own, so requests that wait for one hop to no thread
         self._decoding: dict[bytes, tuple[bytes, asyncio.Future[PreparedImage]]] = {}
+
+    def check_context(self, q: Question) -> None:
+        """A 400 ``context_length_exceeded`` for a question longer than the model's context
+        in tokens (as a batch line's check; the tokenizer is read on the first request)."""
+        if self._limits is None:
+            count, context = text_tokens(self.cfg.model.path)
+            self._limits = PromptLimits(self.cfg.max_prompt_chars, context, count)
+        try:
+            self._limits.check(q, "request")
+        except PromptTooLong as e:
+            raise bad_request(str(e).removeprefix("request: "), "messages",
+                              "context_length_exceeded") from None
 
     def check_choices(self, choices: tuple[str, ...]) -> None:
         """A 400 for a label set the engines would not score (checked here, before its
@@ -263,6 +277,7 @@ class Chat:
             req = parsed(ChatRequest, body)
             require_model(req.model, cfg.served_model_name)
             item = question_of(req, cfg.max_prompt_chars, cfg.max_completion_tokens)
+            self.check_context(item.questions[0])
             if choices := item.questions[0].choices:
                 self.check_choices(choices)
             image = await self.image(item.source)
