@@ -63,7 +63,7 @@ def vision_kwargs(kind: str) -> dict:
         return dict(v, embed_dim=32, hidden_size=64, mlp_ratio=2)
     if kind == "qwen2_5_vl":
         return dict(v, hidden_size=32, intermediate_size=48, out_hidden_size=64, window_size=56,
-                    fullatt_block_indexes=[1])
+                    fullatt_block_indexes=[1], tokens_per_second=3)  # not the default 2 or 4
     if kind == "qwen3_5":  # Qwen3-VL's tower without DeepStack
         return dict(v, hidden_size=32, intermediate_size=48, out_hidden_size=64,
                     num_position_embeddings=16)

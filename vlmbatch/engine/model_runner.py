@@ -26,6 +26,7 @@ head dim, D hidden.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,9 +35,11 @@ import torch
 from vlmbatch.engine import packing
 from vlmbatch.engine.base import EngineStats
 from vlmbatch.engine.choices import AfterPrefill, choice_logprobs
+from vlmbatch.engine.features import FeatureCache, Features, span_embeddings
 from vlmbatch.engine.packing import Row
 from vlmbatch.engine.planner import Plan
 from vlmbatch.engine.prefix_cache import BlockKey, PrefixCache
+from vlmbatch.engine.records import Item, MediaItem
 from vlmbatch.engine.scoring import AnswerTokens, ChoiceIds, yes_no
 from vlmbatch.engine.state_snapshots import (
     StateCodec,
@@ -92,6 +95,7 @@ class ModelRunner:
         self.answers = answers
         self.stats = stats
         self.max_batch_tiles = max_batch_tiles
+        self.features = FeatureCache()  # clips' frame groups by content (``features.py``)
         self.ignore_eos = ignore_eos
         self.device = next(model.llm.parameters()).device
         self._dynamic = getattr(model.llm.spec, "rope_scaling", "none") == "dynamic"
@@ -118,7 +122,18 @@ class ModelRunner:
         return t.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def encode(self, images: list[PreparedImage]) -> list[ImageEmbeds]:
+    def encode(self, items: Sequence[Item]) -> list[ImageEmbeds]:
+        """One ``ImageEmbeds`` per item, in order: still images through ``encode_images``
+        (as before), a ``MediaItem`` through ``encode_item``."""
+        if all(isinstance(it, PreparedImage) for it in items):
+            return self.encode_images(items)  # type: ignore[arg-type]
+        images = [it for it in items if isinstance(it, PreparedImage)]
+        done = iter(self.encode_images(images))
+        return [next(done) if isinstance(it, PreparedImage) else self.encode_item(it)
+                for it in items]
+
+    @torch.inference_mode()
+    def encode_images(self, images: list[PreparedImage]) -> list[ImageEmbeds]:
         """Run the vision encoder over all images' rows; one ``ImageEmbeds`` per image, its
         tokens in order. Tiles go at most ``max_batch_tiles`` per forward, cut anywhere;
         packed images about ``max_batch_tiles * PATCHES_PER_TILE`` rows, cut between
@@ -137,6 +152,14 @@ class ModelRunner:
         per = feats.shape[0] // len(tiles)  # tokens per tile
         parts = feats.split([len(im.rows) * per for im in images])  # one op for all
         return [ImageEmbeds(im.cache_key, part) for im, part in zip(images, parts)]
+
+    def encode_item(self, item: MediaItem) -> ImageEmbeds:
+        """A ``MediaItem``'s embeddings over its whole span (``features.span_embeddings``)."""
+        def encode(images: list[PreparedImage]) -> list[Features]:
+            return [(e.embeds, e.deepstack) for e in self.encode_images(images)]
+
+        embeds, deep = span_embeddings(item, self.model, encode, self.features, self.device)
+        return ImageEmbeds(item.cache_key, embeds, deep)
 
     def _encode_packed(self, images: list[PreparedImage]) -> list[ImageEmbeds]:
         """Packed images in calls of whole images; each image's share of the call's tokens

@@ -29,15 +29,15 @@ dynamic rotary's trained length (its base depends on its own length, one per row
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from vlmbatch.engine.planner import Plan, Planner, Prefix, groups
 from vlmbatch.engine.prefix_cache import BlockId
-from vlmbatch.engine.records import Request
+from vlmbatch.engine.records import Item, Request
 from vlmbatch.models.base import Prompt
-from vlmbatch.preprocessing.prepare import PreparedImage
 
 
 @dataclass
@@ -95,7 +95,7 @@ def steps(rows: list[Row], max_batch_tokens: int) -> list[list[Row]]:
 
 
 def make_rows(planner: Planner, requests: list[Request], prompts: list[Prompt],
-              images: list[PreparedImage], shared: list[int],
+              images: Sequence[Item], shared: list[int],
               prefixes: dict[Prefix, list[BlockId]], packable: list[bool]
               ) -> tuple[list[Row], list[int]]:
     """One row per group (``planner.groups``: an image and what its prompts say before

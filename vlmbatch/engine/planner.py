@@ -39,9 +39,8 @@ from vlmbatch.engine.prefix_cache import (
     block_ids,
     state_key,
 )
-from vlmbatch.engine.records import Request
+from vlmbatch.engine.records import Item, MediaItem, Request
 from vlmbatch.models.base import Prompt
-from vlmbatch.preprocessing.prepare import PreparedImage
 
 # a shared prefix, as the planner memoises its blocks within a call: the image's cache key,
 # the ids before the image, the ids after it through the end of the shared prefix
@@ -134,7 +133,7 @@ class Planner:
             used += need
         return chunks
 
-    def plan(self, req: int, prompt: Prompt, image: PreparedImage | None,
+    def plan(self, req: int, prompt: Prompt, image: Item | None,
              prefixes: dict[Prefix, list[BlockId]], reuse_limit: int | None = None,
              shared: int | None = None) -> Plan:
         """Find the cached part of the prompt's shared prefix (its first ``shared`` tokens,
@@ -159,8 +158,8 @@ class Planner:
         key = (image.cache_key, prompt.ids[: prompt.image_start], prompt.ids[end:limit])
         blocks = prefixes.get(key)
         if blocks is None:  # same for every question of the group
-            blocks = block_ids(prompt.ids, [span], self.cache.block_size, limit=limit,
-                               tail=True)
+            blocks = block_ids(prompt.ids, key_spans(prompt, image, span),
+                               self.cache.block_size, limit=limit, tail=True)
             prefixes[key] = blocks
         plan.chain = [b.key for b in blocks]
         usable = blocks if reuse_limit is None else _ending_by(blocks, reuse_limit)
@@ -175,16 +174,16 @@ class Planner:
         if limit > prompt.prefix_len and prompt.prefix_len % bs and start >= plan.past_len:
             # also the block that ends at the image's end marker: a later call's prompt
             # alone shares only through there, and finds its whole image cached
-            plan.blocks.append((start, self._image_end(prompt, span, prefixes, key)))
+            plan.blocks.append((start, self._image_end(prompt, span, prefixes, key, image)))
         if self.state_bytes:  # nothing found (``_resume``): snapshots in this forward
             plan.snapshots = [(limit, blocks[-1])]
             if limit > prompt.prefix_len:  # and where a prompt alone resumes
                 plan.snapshots.insert(0, (prompt.prefix_len,
-                                          self._image_end(prompt, span, prefixes, key)))
+                                          self._image_end(prompt, span, prefixes, key, image)))
         return plan
 
     def _image_end(self, prompt: Prompt, span: ImageSpan, prefixes: dict[Prefix, list[BlockId]],
-                   key: Prefix) -> BlockId:
+                   key: Prefix, item: Item) -> BlockId:
         """The last block of the chain through the image's end marker (memoised): the
         full blocks before it are the shared chain's (``prefixes[key]``)."""
         end = prompt.image_start + prompt.image_len
@@ -192,7 +191,8 @@ class Planner:
         if own not in prefixes:
             assert self.cache is not None
             full = prompt.prefix_len // self.cache.block_size
-            prefixes[own] = block_ids(prompt.ids, [span], self.cache.block_size,
+            prefixes[own] = block_ids(prompt.ids, key_spans(prompt, item, span),
+                                      self.cache.block_size,
                                       limit=prompt.prefix_len, tail=True,
                                       head=prefixes[key][:full])
         return prefixes[own][-1]
@@ -242,6 +242,16 @@ class Planner:
                 assert p.state_tail is not None
                 self.cache.unpin([state_key(p.state_tail)])
                 p.state_slots = []
+
+
+def key_spans(prompt: Prompt, item: Item, span: ImageSpan) -> list[ImageSpan]:
+    """The spans a prompt's block keys carry: its one image's, or each part's of a
+    ``MediaItem`` (first run through last, keyed by the part's content), so two items
+    sharing their first part share the blocks before the second."""
+    if not isinstance(item, MediaItem):
+        return [span]
+    return [ImageSpan(runs[0][0], runs[-1][0] + runs[-1][1] - runs[0][0], part.cache_key)
+            for runs, part in zip(prompt.parts, item.parts)]
 
 
 def groups(requests: list[Request], prompts: list[Prompt]

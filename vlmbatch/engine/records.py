@@ -10,10 +10,35 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vlmbatch.preprocessing.media import MediaPart
+from vlmbatch.preprocessing.prepare import PreparedImage
+
+
+@dataclass(frozen=True, eq=False)
+class MediaItem:
+    """An item holding several visual parts in prompt order (images, clips), where
+    ``Engine.score`` takes an image: the family writes them into one prompt
+    (``PromptBuilder.build_parts``), the prefix cache keys each part by its content
+    (``planner.py``), a clip's frame groups are encoded once each (``engine/features.py``)."""
+    parts: tuple[MediaPart, ...]
+
+    def __post_init__(self) -> None:
+        if not self.parts:
+            raise ValueError("a media item needs at least one image or clip")
+
+    @property
+    def cache_key(self) -> str:
+        return "parts:" + "|".join(p.cache_key for p in self.parts)
+
+
+# what ``Engine.score`` takes per item: one still image (bit-identical to before), or several
+# parts
+Item = PreparedImage | MediaItem
+
 
 @dataclass(frozen=True)
 class Request:
-    image: int  # index into the images passed to ``Engine.score``
+    image: int  # index into the items (images or ``MediaItem``s) passed to ``Engine.score``
     question: str  # the user turn's text (``Question.user_text``)
     max_new_tokens: int | None = None  # answer tokens to generate; None: the engine's
     choices: tuple[str, ...] = ()  # a label set to score (``Score.logprobs``)

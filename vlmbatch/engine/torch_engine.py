@@ -2,6 +2,11 @@
 image-aware prefix KV cache, and read what the call asks for: P(yes) at the first generated
 position (``score``) or pooled hidden states (``embed``).
 
+An item is one still image, or a ``MediaItem`` (several images, a clip: ``records.py``):
+its prompt is the family's ``build_parts``, its embeddings cover its whole span
+(``features.py``: a clip's frame groups encoded once by content), and the prefix cache keys
+each of its parts (``planner.key_spans``); the flow below is the same for both.
+
 Flow of one ``score`` call::
 
     Request[] --prompts--> Prompt[]     the family's chat template (a system turn, when
@@ -53,7 +58,7 @@ from vlmbatch.engine.model_runner import Generated, ImageEmbeds, ModelRunner, St
 from vlmbatch.engine.packing import Row
 from vlmbatch.engine.planner import Plan, Planner, Prefix
 from vlmbatch.engine.prefix_cache import BlockId, PrefixCache
-from vlmbatch.engine.records import EmbedRequest, Request, Score, Vector
+from vlmbatch.engine.records import EmbedRequest, Item, MediaItem, Request, Score, Vector
 from vlmbatch.engine.scoring import AnswerTokens, ChoiceIds, choice_ids
 from vlmbatch.models.base import LoadedModel, Prompt
 from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
@@ -142,10 +147,9 @@ class TorchEngine(Engine):
         return ids
 
     @torch.inference_mode()
-    def score(self, images: list[PreparedImage], requests: list[Request]) -> list[Score]:
+    def score(self, images: list[Item], requests: list[Request]) -> list[Score]:  # type: ignore[override]
         choices = [self.choice_ids(r.choices) if r.choices else () for r in requests]
-        prompts = [self.model.prompts.build(r.question, images[r.image], r.system)
-                   for r in requests]
+        prompts = [self._prompt(r, images[r.image]) for r in requests]
         self.stats.prompt_tokens += sum([len(p.ids) for p in prompts])  # what was asked
         image_of: list[int | None] = [r.image for r in requests]
         embeds: dict[int, ImageEmbeds] = {}
@@ -171,7 +175,13 @@ class TorchEngine(Engine):
                                 shared=shared)
         return self._read_back(rows, done, len(requests), choices, prompts)
 
-    def _rows(self, images: list[PreparedImage], requests: list[Request],
+    def _prompt(self, r: Request, item: Item) -> Prompt:
+        """``r``'s prompt: about one image (``build``), or an item's parts (``build_parts``)."""
+        if isinstance(item, MediaItem):
+            return self.model.prompts.build_parts(r.question, item.parts, r.system)
+        return self.model.prompts.build(r.question, item, r.system)
+
+    def _rows(self, images: list[Item], requests: list[Request],
               prompts: list[Prompt], shared: list[int], embeds: dict[int, ImageEmbeds],
               prefixes: dict[Prefix, list[BlockId]]) -> tuple[_Rows, list[int]]:
         """The questions that want only P(yes) in rows (``engine/packing.py``: an image's
@@ -262,7 +272,7 @@ class TorchEngine(Engine):
         return self._heads[cfg]
 
     def _phase(self, phase: Sequence[int], prompts: list[Prompt], image_of: list[int | None],
-               images: list[PreparedImage], embeds: dict[int, ImageEmbeds],
+               images: Sequence[Item], embeds: dict[int, ImageEmbeds],
                prefixes: dict[Prefix, list[BlockId]], forward: Forward[Out],
                reuse: list[int] | None = None, shared: list[int] | None = None
                ) -> list[tuple[list[Plan], Out]]:

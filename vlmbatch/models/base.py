@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from vlmbatch.models.linear_attention import Branches
+from vlmbatch.preprocessing.media import MediaPart
 from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
 
 KV = tuple[torch.Tensor, torch.Tensor]  # (k, v), each [B, K, T, d], rotary applied
@@ -84,12 +85,20 @@ class Prompt:
     ``positions`` [3, L] long: M-RoPE positions (Qwen-VL), or None where the position is the
     sequence index (InternVL). They do not depend on what follows a token, so a prefill that
     continues after a cached prefix of k tokens uses ``positions[:, k:]``. A generated token
-    at sequence index i >= L has position ``i + rope_delta`` on every axis."""
+    at sequence index i >= L has position ``i + rope_delta`` on every axis.
+
+    Several visual parts (``PromptBuilder.build_parts``): ``parts`` holds each part's token
+    runs ``(start, length)`` in prompt order (a clip may have several: Qwen3-VL's temporal
+    patches, InternVL's frames, with text between); part k's embeddings, in the vision
+    module's output order, fill its runs one after another. ``image_start`` is then the first
+    run's start and ``image_len`` reaches the last run's end (text between included), so
+    ``prefix_len`` still ends after the last part's end marker. Empty for one image."""
     ids: tuple[int, ...]
     image_start: int
     image_len: int
     positions: torch.Tensor | None = field(default=None, compare=False)
     rope_delta: int = 0
+    parts: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     @property
     def prefix_len(self) -> int:
@@ -215,6 +224,12 @@ class PromptBuilder(Protocol):
         """A question about an image (the user turn's text), after ``system``'s turn when
         given, ending where the answer starts. A system turn comes before the image, so it is
         part of the shared prefix (``Prompt.prefix_len``)."""
+
+    def build_parts(self, question: str, parts: Sequence[MediaPart],
+                    system: str | None = None) -> Prompt:
+        """A question about several visual parts in order (images, clips: ``MediaPart``),
+        written as the family's reference processor writes them; ``Prompt.parts`` says where
+        each part's embeddings go. One still image gives ``build``'s ids."""
 
     def answer_ids(self, text: str) -> tuple[int, ...]:
         """``text``'s token ids as the assistant's answer right after ``build``'s prompt

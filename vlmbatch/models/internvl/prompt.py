@@ -38,12 +38,15 @@ The ``Prompt`` record and its invariant are in ``models/base.py``.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from vlmbatch.models.base import Prompt
 from vlmbatch.models.chat import ANSWER, QUESTION, SYSTEM, ChatLayout, chat_layout
+from vlmbatch.models.internvl.parts import context_runs, parts_text
 from vlmbatch.models.internvl.templates import Template
+from vlmbatch.preprocessing.media import MediaPart
 from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.preprocessing.tiling import TileGrid
 
@@ -57,6 +60,7 @@ class ChatFormat:
     context: str
     end: str
     source: str  # what renders it, for messages
+    numbered: bool = False  # several images as ``Image-k: `` lines (original checkpoints)
 
 
 def chat_template_format(tok: Any) -> ChatFormat:
@@ -93,7 +97,7 @@ def template_format(template: Template, system: str | None) -> ChatFormat:
     user_end = template.question(message, system, open_answer=False).split(QUESTION)[1]
     return ChatFormat(ChatLayout(head, between, tail, lead, system_head), user_end,
                       "<img>", "<IMG_CONTEXT>", "</img>",
-                      f"conversation template {template.name!r}")
+                      f"conversation template {template.name!r}", numbered=True)
 
 
 def special_prefix(tok: Any) -> list[int]:
@@ -153,6 +157,26 @@ class InternVLPrompts:
         head = self._head if system is None else self._heads(system)
         ids = (*head, *[self.image_token_id] * n, *self._end, *self._question(question))
         return Prompt(ids, len(head), n)
+
+    def build_parts(self, question: str, parts: Sequence[MediaPart],
+                    system: str | None = None) -> Prompt:
+        """``PromptBuilder.build_parts`` (``parts.py``); the whole text tokenized at once."""
+        if not parts:
+            raise ValueError("an item needs at least one image or clip")
+        self._head_ids(system)  # the system turn's check
+        body, counts = parts_text(parts, self.layout.between, self.chat.numbered,
+                                  self.tokens_per_tile,
+                                  (self.chat.start, self.chat.context, self.chat.end))
+        text = self.layout.head_with(system) + body + question + self.layout.tail
+        ids = (*self._prefix, *self._encode(text))
+        runs = context_runs(ids, self.image_token_id)
+        if len(runs) != sum(counts):
+            raise ValueError(f"the prompt holds {len(runs)} image runs for {sum(counts)} "
+                             "images and frames: does the question hold an image token?")
+        cuts = [sum(counts[:k]) for k in range(len(counts) + 1)]
+        by_part = tuple(tuple(runs[a:b]) for a, b in zip(cuts, cuts[1:]))
+        first, last = runs[0], runs[-1]
+        return Prompt(ids, first[0], last[0] + last[1] - first[0], parts=by_part)
 
     def embed(self, text: str, image: PreparedImage | None) -> Prompt:
         """An embedding input (see the module docstring); ``image_len`` 0 without an image."""

@@ -37,6 +37,7 @@ from vlmbatch.models.base import BudgetForward, ImageOptions, ModelFamily, Model
 from vlmbatch.models.config_io import ModelError, read_json
 from vlmbatch.models.decoder import TextDecoder, TextSpec
 from vlmbatch.models.io import load_weights
+from vlmbatch.models.qwen_vl.parts import video_rule
 from vlmbatch.models.qwen_vl.prompt import COLQWEN2, JINA, EmbedTemplate, QwenVLPrompts
 from vlmbatch.models.qwen_vl.spec import SpecError, VisionSpec, spec_from_config
 from vlmbatch.models.qwen_vl.vision import VisionTower
@@ -57,6 +58,8 @@ class QwenVLModelSpec(ModelSpec):
     preprocess: QwenVLPreprocess  # the checkpoint's own (preprocessor_config.json)
     vision_start_id: int
     vision_end_id: int
+    video_token_id: int = 151656  # <|video_pad|>
+    tokens_per_second: float = 4  # Qwen2.5-VL's video time positions (spec.py)
 
 
 class QwenVL(ModelFamily):
@@ -69,7 +72,8 @@ class QwenVL(ModelFamily):
         except (SpecError, KeyError) as e:  # KeyError: a size config.json lacks
             raise ModelError(f"{path / 'config.json'}: {e}") from e
         return QwenVLModelSpec(path, s.model_type, s.text, s.image_token_id, s.vision,
-                               s.preprocess, s.vision_start_id, s.vision_end_id)
+                               s.preprocess, s.vision_start_id, s.vision_end_id,
+                               s.video_token_id, s.tokens_per_second)
 
     def normalise_key(self, key: str) -> str:
         for theirs, ours in _PREFIXES:
@@ -100,8 +104,11 @@ class QwenVL(ModelFamily):
                              f"{ids}, config.json says {want}; tokenizer and config must come "
                              "from the same checkpoint")
         chat = {"enable_thinking": False} if spec.model_type == "qwen3_5" else None
+        rule = video_rule(spec.model_type, spec.video_token_id, spec.vision.temporal,
+                          spec.tokens_per_second)
         return QwenVLPrompts(tokenizer, spec.image_token_id, spec.vision_start_id,
-                             spec.vision_end_id, spec.vision.merge, self.embed_template, chat)
+                             spec.vision_end_id, spec.vision.merge, self.embed_template, chat,
+                             rule)
 
     def image_plan(self, spec: ModelSpec, options: ImageOptions) -> QwenVLPreprocess:
         """The checkpoint's smart resize, with ``--max-image-tokens`` lowering max_pixels.

@@ -86,3 +86,48 @@ def batch_positions(rows: Sequence[torch.Tensor], length: int | None = None) -> 
     for b, r in enumerate(rows):
         out[:, b, : r.shape[1]] = r
     return out
+
+
+# One visual block of a prompt holding several (``parts_prompt_positions``): where its tokens
+# start in the ids, its grid (t, h, w) in patches, and the temporal step per grid step
+# (transformers' ``time_interval``: 1, or Qwen2.5-VL's video ``tokens_per_second *
+# second_per_grid_t`` as a float32 0-d tensor, the reference's dtype).
+Block = tuple[int, Grid, float | torch.Tensor]
+
+
+def block_positions(start: int, grid_thw: Grid, merge: int,
+                    interval: float | torch.Tensor = 1) -> torch.Tensor:
+    """[3, t*gh*gw] positions of one image or video block whose first position is ``start``:
+    t = floor(step * interval) + start, h/w = start + unit row/column (transformers 5's
+    ``get_vision_position_ids``; the multiply happens before the offset, in the interval's
+    dtype, then truncates)."""
+    t, h, w = grid_thw
+    if h % merge or w % merge:
+        raise ValueError(f"grid_thw {grid_thw}: h and w must be multiples of {merge}")
+    gh, gw = h // merge, w // merge
+    steps = (torch.arange(t) * interval).long()
+    tt, hh, ww = torch.meshgrid(steps, torch.arange(gh), torch.arange(gw), indexing="ij")
+    return start + torch.stack([tt, hh, ww]).reshape(3, -1)
+
+
+def parts_prompt_positions(blocks: Sequence[Block], merge: int,
+                           length: int) -> tuple[torch.Tensor, int]:
+    """(positions [3, length], delta) of a prompt holding several visual blocks, in order
+    (transformers 5's ``get_rope_index``): text runs count on from the last position; after
+    a block the next text starts at the block's start + max(gh, gw) (whatever its temporal
+    span), and ``delta`` = largest position + 1 - length."""
+    pieces, pos, at = [], 0, 0
+    for start, grid_thw, interval in blocks:
+        if start < at:
+            raise ValueError(f"visual blocks overlap or are out of order at {start}")
+        pieces.append(pos + torch.arange(start - at).expand(3, -1))
+        pos += start - at
+        block = block_positions(pos, grid_thw, merge, interval)
+        pieces.append(block)
+        at = start + block.shape[1]
+        pos += max(grid_thw[1], grid_thw[2]) // merge
+    if at > length:
+        raise ValueError(f"visual blocks end at {at}, past a prompt of {length}")
+    pieces.append(pos + torch.arange(length - at).expand(3, -1))
+    out = torch.cat(pieces, dim=1)
+    return out, int(out.max()) + 1 - length

@@ -23,6 +23,7 @@ alone is one M-RoPE position per token on all three axes (transformers' text-onl
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,9 @@ import torch
 from vlmbatch.models.base import Prompt
 from vlmbatch.models.chat import chat_layout
 from vlmbatch.models.config_io import ModelError
-from vlmbatch.models.qwen_vl.positions import Grid, image_prompt_positions
+from vlmbatch.models.qwen_vl.parts import Markers, VideoRule, part_tokens
+from vlmbatch.models.qwen_vl.positions import Grid, image_prompt_positions, parts_prompt_positions
+from vlmbatch.preprocessing.media import MediaPart
 from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.preprocessing.qwen_vl import PatchGrid
 
@@ -57,8 +60,11 @@ COLQWEN2 = EmbedTemplate(image_tail="<|im_end|><|endoftext|>", query_before="Que
 class QwenVLPrompts:
     def __init__(self, tokenizer: Any, image_token_id: int, vision_start_id: int,
                  vision_end_id: int, merge: int, embed_template: EmbedTemplate = JINA,
-                 chat_kwargs: dict[str, Any] | None = None) -> None:
+                 chat_kwargs: dict[str, Any] | None = None,
+                 video: VideoRule | None = None) -> None:
         self.tok = tokenizer
+        self.video = video  # how clips are written (``parts.py``); None: no clips
+        self.markers = Markers(image_token_id, vision_start_id, vision_end_id, merge)
         self.image_token_id = image_token_id
         self.merge = merge
         pad = tokenizer.convert_ids_to_tokens(image_token_id)
@@ -124,6 +130,25 @@ class QwenVLPrompts:
                *self._tail)
         positions, delta = self._positions(len(head), grid.thw, len(ids))  # [3, L], read-only
         return Prompt(ids, len(head), n, positions, delta)
+
+    def build_parts(self, question: str, parts: Sequence[MediaPart],
+                    system: str | None = None) -> Prompt:
+        """``PromptBuilder.build_parts``: the parts as ``parts.py`` writes them, after the
+        head without its ``<|vision_start|>`` (each part brings its own)."""
+        if not parts:
+            raise ValueError("an item needs at least one image or clip")
+        ids = list((self._head if system is None else self._heads(system))[:-1])
+        blocks, runs = [], []
+        for part in parts:
+            more, b, r = part_tokens(part, len(ids), self.markers, self.video, self._encode)
+            ids += more
+            blocks += b
+            runs.append(r)
+        end = len(ids)
+        ids += [*self._question(question), *self._tail]
+        positions, delta = parts_prompt_positions(blocks, self.merge, len(ids))
+        first = runs[0][0][0]
+        return Prompt(tuple(ids), first, end - 1 - first, positions, delta, tuple(runs))
 
     def _embed_positions_of(self, grid_thw: Grid, length: int) -> tuple[torch.Tensor, int]:
         return image_prompt_positions(len(self._embed_head), grid_thw, self.merge, length)

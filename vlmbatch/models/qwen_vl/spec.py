@@ -80,6 +80,10 @@ class QwenVLSpec:
     image_token_id: int
     vision_start_id: int
     vision_end_id: int
+    video_token_id: int = 151656  # <|video_pad|>
+    # Qwen2.5-VL: temporal positions per second of video (vision_config; transformers'
+    # config default where absent); unused by the other kinds
+    tokens_per_second: float = 4
 
 
 def read_qwen_vl_spec(path: Path) -> QwenVLSpec:
@@ -103,7 +107,9 @@ def spec_from_config(cfg: dict[str, Any], pre: dict[str, Any] | None = None) -> 
     return QwenVLSpec(kind, vision, text, _preprocess(kind, vision, pre or {}),
                       int(cfg.get("image_token_id", 151655)),
                       int(cfg.get("vision_start_token_id", 151652)),
-                      int(cfg.get("vision_end_token_id", 151653)))
+                      int(cfg.get("vision_end_token_id", 151653)),
+                      int(cfg.get("video_token_id", 151656)),
+                      (cfg.get("vision_config") or {}).get("tokens_per_second", 4))
 
 
 def _vision_spec(model_type: str, v: dict[str, Any], pre: dict[str, Any]) -> VisionSpec:
