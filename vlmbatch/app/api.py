@@ -90,7 +90,7 @@ class VLM:
     for tests."""
 
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu",
-                 dtype: str = "float32", images_per_batch: int | None = None,
+                 dtype: str = "auto", images_per_batch: int | None = None,
                  max_pixels: int | None = None, threads: int | None = None,
                  preprocess_threads: int | None = None, decode_timeout: float | None = None,
                  hooks: FaultHooks = NO_HOOKS, **options: Any) -> None:
