@@ -27,7 +27,8 @@ LIGHT = ["vlmbatch.common.registry", "vlmbatch.pipeline.config", "vlmbatch.engin
          "vlmbatch.models", "vlmbatch.vit_trt", "vlmbatch.jobs.config", "vlmbatch.jobs.folder",
          "vlmbatch.jobs.store", "vlmbatch.jobs.lock", "vlmbatch.jobs.export",
          "vlmbatch.jobs.sinks", "vlmbatch.jobs.manifest", "vlmbatch.jobs.errors",
-         "vlmbatch.jobs.openai_embeddings", "vlmbatch.jobs.embed_sinks"]
+         "vlmbatch.jobs.openai_embeddings", "vlmbatch.jobs.embed_sinks",
+         "vlmbatch.app.bench.config"]
 # each registry and the package its entries must come from
 REGISTRIES: list[tuple[Registry, str]] = [(ENGINES, "vlmbatch.engine"),
                                           (RUNNERS, "vlmbatch.vit_trt"),

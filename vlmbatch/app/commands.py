@@ -157,4 +157,4 @@ COMMANDS: Registry[Command] = Registry("command", {
     "eval": f"{_MODEL}:cmd_eval", "calibrate": f"{_LABELS}:cmd_calibrate",
     "report": f"{_LABELS}:cmd_report", "quantize": f"{_MODEL}:cmd_quantize",
     "export-vit": f"{_MODEL}:cmd_export_vit", "embed": f"{_MODEL}:cmd_embed",
-    "serve": f"{_MODEL}:cmd_serve"})
+    "serve": f"{_MODEL}:cmd_serve", "bench": "vlmbatch.app.bench.command:cmd_bench"})
