@@ -79,12 +79,15 @@ SKYLAKE = frozenset({"avx2", "avx512f", "avx512bw"})  # no bf16 unit
     (frozenset(), "cuda:1", "none", "bfloat16"),
 ])
 def test_auto_dtype_resolves_by_device_and_cpu_flags(flags: frozenset[str], device: str,
-                                                     llm_quant: str, want: str) -> None:
+                                                     llm_quant: str, want: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(engine_config.AUTO_DTYPE_ENV)  # the suite's pin (tests/conftest.py)
     assert resolve_dtype("auto", device, llm_quant, flags) == want
 
 
 def test_auto_reads_this_cpus_flags_and_a_named_dtype_stays(monkeypatch: pytest.MonkeyPatch
                                                             ) -> None:
+    monkeypatch.delenv(engine_config.AUTO_DTYPE_ENV)
     for flags, want in ((COOPER, "bfloat16"), (SKYLAKE, "float32")):
         monkeypatch.setattr(engine_config, "cpu_flags", lambda flags=flags: flags)
         assert ModelConfig().dtype == "auto"  # the default
@@ -101,3 +104,10 @@ def test_cpu_flags_read_from_proc_cpuinfo() -> None:
         assert flags == frozenset()
         return
     assert "fpu" in flags and all(f in text for f in flags)
+
+
+def test_the_suite_pins_auto_to_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert ModelConfig().resolved_dtype == "float32"  # tests/conftest.py
+    monkeypatch.setenv(engine_config.AUTO_DTYPE_ENV, "float64")
+    with pytest.raises(ConfigError, match=r"VLMBATCH_AUTO_DTYPE='float64' is not one of"):
+        resolve_dtype("auto", "cpu")

@@ -18,6 +18,7 @@ dtype and the device are names, checked here as strings (``DTYPES``; ``cpu``, ``
 from __future__ import annotations
 
 import functools
+import os
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -72,6 +73,9 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 # With one, bf16 answered 1.3-2.1x the QPM of float32 on both built-in models and the
 # InternVL3-1B topology, agreeing with float32 on easy-vqa within 0.2 points (docs/figures.md)
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+# set, what "auto" resolves to on this machine whatever its device and CPU (the test suite
+# sets float32: results then do not depend on the CPU the suite runs on)
+AUTO_DTYPE_ENV = "VLMBATCH_AUTO_DTYPE"
 # the device strings torch.device reads as a CPU or CUDA device: cpu, cuda, cuda:N (and
 # cpu:N), N a decimal index without leading zeros that torch's int32 parse accepts
 _DEVICE = re.compile(r"(cpu|cuda)(?::(0|[1-9][0-9]*))?")
@@ -197,9 +201,15 @@ def resolve_dtype(dtype: str, device: str, llm_quant: str = "none",
     """The one place ``--dtype auto`` is decided: bfloat16 on CUDA, and on a CPU with a bf16
     matrix unit (``BF16_CPU_FLAGS`` among ``flags``, by default this CPU's) where it was
     measured faster; float32 elsewhere, and with ``--llm-quant int8-dynamic`` (float32
-    linears). Any other name is returned as it is."""
+    linears); ``$VLMBATCH_AUTO_DTYPE`` where set. Any other name is returned as it is."""
     if dtype != "auto":
         return dtype
+    pinned = os.environ.get(AUTO_DTYPE_ENV)
+    if pinned:
+        if pinned not in DTYPES:
+            raise ConfigError(f"${AUTO_DTYPE_ENV}={pinned!r} is not one of {list(DTYPES)}; "
+                              "unset it or name a dtype")
+        return pinned
     if device.startswith("cuda"):
         return "bfloat16"
     if llm_quant != "none":
