@@ -11,7 +11,8 @@
 - ``resize.py``: the resize policy (INTER_AREA when shrinking, INTER_CUBIC when enlarging);
 - ``tiling.py``: InternVL's tile grids (the reference ``dynamic_preprocess`` and the reduced
   one); ``prepare.py``: the ``PreparedImage`` record, image plans (``TilingConfig``) and the
-  content hash; ``qwen_vl.py``: Qwen-VL's smart resize and patch rows (``qwen2vl.py``: its
+  content hash; ``media.py``: the records of a sampled clip (``PreparedVideo``) and of an
+  item's visual parts; ``qwen_vl.py``: Qwen-VL's smart resize and patch rows (``qwen2vl.py``: its
   resize grid);
 - ``isolated.py`` and ``decoder_process.py``: decoder processes, each image under a
   deadline, a crash that image's error; ``children.py``: how every child interpreter is
