@@ -70,8 +70,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # what --dtype takes: a name, or "auto" (``resolve_dtype``: the fastest safe one here)
 DTYPE_CHOICES = ("auto", *DTYPES)
 # CPU flags (/proc/cpuinfo) of a bf16 matrix unit: AVX512-BF16's dot products or AMX tiles.
-# With one, bf16 answered 1.3-2.1x the QPM of float32 on both built-in models and the
-# InternVL3-1B topology, agreeing with float32 on easy-vqa within 0.2 points (docs/figures.md)
+# bf16 vs float32 there, and its easy-vqa accuracy: docs/figures.md#dtype-on-the-cpu
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 # set, what "auto" resolves to on this machine whatever its device and CPU (the test suite
 # sets float32: results then do not depend on the CPU the suite runs on)
