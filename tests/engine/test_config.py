@@ -111,3 +111,21 @@ def test_the_suite_pins_auto_to_float32(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv(engine_config.AUTO_DTYPE_ENV, "float64")
     with pytest.raises(ConfigError, match=r"VLMBATCH_AUTO_DTYPE='float64' is not one of"):
         resolve_dtype("auto", "cpu")
+
+
+@pytest.mark.parametrize("model_type, device, want", [
+    ("internvl", "cpu", "bfloat16"), (None, "cpu", "bfloat16"),
+    ("qwen2_5_vl", "cpu", "float32"), ("qwen3_vl", "cpu", "float32"),  # bf16 measured slower
+    ("qwen2_5_vl", "cuda", "bfloat16"),
+])
+def test_auto_keeps_models_measured_slower_in_bf16_in_float32_on_the_cpu(
+        model_type: str | None, device: str, want: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(engine_config.AUTO_DTYPE_ENV)
+    assert resolve_dtype("auto", device, flags=SAPPHIRE, model_type=model_type) == want
+
+
+def test_auto_reads_the_checkpoints_model_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(engine_config.AUTO_DTYPE_ENV)
+    monkeypatch.setattr(engine_config, "cpu_flags", lambda: SAPPHIRE)
+    assert ModelConfig().resolved_dtype == "bfloat16"  # the built-in InternVL
+    assert ModelConfig(engine_config.DEFAULT_QWEN_MODEL).resolved_dtype == "float32"
