@@ -7,7 +7,7 @@ transformers peer, side by side in one process, on InternVL (the built-in model 
 - transformers (what a competent user writes, SDPA): every prompt + choice as one full
   sequence, ``--batch`` sequences per forward, left-padded with positions from the mask, the
   image's features computed once per image and reused for all its choices
-  (``mm_encoder_outputs``, as ``app/bench/baseline.py``'s ``Batched``), the logits kept only
+  (``mm_encoder_outputs``, as ``cli/bench/baseline.py``'s ``Batched``), the logits kept only
   for the choices' positions; log P(choice) = the sum of its tokens' log-softmax.
 
 Rows: 2, 4 and 8 choices, single-token (colour words, each one token) and multi-token
@@ -34,13 +34,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.checks import Checks  # noqa: E402
-from vlmbatch.app.bench.baseline import can_pass_features, load_reference  # noqa: E402
-from vlmbatch.app.embed_eval import COLOURS  # noqa: E402
-from vlmbatch.app.evaluate import easy_vqa_items  # noqa: E402
-from vlmbatch.engine.config import DEFAULT_MODEL, DTYPES, EngineConfig, ModelConfig  # noqa: E402
+from vlmbatch.cli.bench.baseline import can_pass_features, load_reference  # noqa: E402
+from vlmbatch.cli.embed_eval import COLOURS  # noqa: E402
+from vlmbatch.cli.evaluate import easy_vqa_items  # noqa: E402
+from vlmbatch.engine.config import DTYPES, EngineConfig, ModelConfig  # noqa: E402
 from vlmbatch.engine.loading import image_plan_for, load_model, torch_dtype  # noqa: E402
 from vlmbatch.engine.records import Request  # noqa: E402
 from vlmbatch.engine.torch_engine import TorchEngine  # noqa: E402
+from vlmbatch.models.paths import DEFAULT_MODEL  # noqa: E402
 from vlmbatch.preprocessing.decode import decode  # noqa: E402
 from vlmbatch.preprocessing.prepare import PreparedImage  # noqa: E402
 from vlmbatch.preprocessing.reference import pixel_values  # noqa: E402

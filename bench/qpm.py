@@ -1,7 +1,7 @@
 """QPM benchmark: transformers baselines vs vlmbatch, same questions, one process.
 
 (a) batched transformers (the headline ratio, "x batched"), what a competent transformers user
-    writes (``vlmbatch/app/bench/baseline.py``, as ``vlmbatch bench --baseline transformers``):
+    writes (``vlmbatch/cli/bench/baseline.py``, as ``vlmbatch bench --baseline transformers``):
     ``InternVLForConditionalGeneration`` on SDPA, Pillow tiles made once per image (the model card's
     path), ``--baseline-batch`` prompts per forward, left-padded, P(yes) from each row's last real
     token; each image's features computed once and passed back for all its questions
@@ -12,7 +12,7 @@
 (a') per-question transformers ("x per-q"), the naive loop: per question, Pillow decode +
     ``dynamic_preprocess`` + ToTensor/Normalize, then one forward on that single prompt.
 
-The vlmbatch rows are ``vlmbatch bench``'s (``app/bench/measure.py``: ``EngineRow``,
+The vlmbatch rows are ``vlmbatch bench``'s (``cli/bench/measure.py``: ``EngineRow``,
 ``timed_rounds``), with their prefill calls recorded for the FLOP table:
 
 (b) vlmbatch without the prefix cache: ``pipeline.drive.answer_group`` (OpenCV preprocessing,
@@ -30,7 +30,7 @@ The vlmbatch rows are ``vlmbatch bench``'s (``app/bench/measure.py``: ``EngineRo
 
 A Qwen-VL model (``--model DIR``, or ``--random-shape qwen2.5-vl-3b|qwen3-vl-2b``: random
 weights at those checkpoints' sizes, ``models/qwen_vl/random.py``) gets the same rows but
-(d), with the baselines of ``vlmbatch/app/bench/baseline_qwen.py`` (image processor pixels,
+(d), with the baselines of ``vlmbatch/cli/bench/baseline_qwen.py`` (image processor pixels,
 the tower run per prompt in the batched one) and no FLOP table.
 
 FLOPs (``bench/flops.py``): per row, the model FLOPs of what that path computed (vision tiles
@@ -74,17 +74,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.checks import Checks  # noqa: E402
 from bench.flops import workload_flops  # noqa: E402
-from vlmbatch.app.bench.baseline import Batched, Work, load_reference, per_question  # noqa: E402
-from vlmbatch.app.bench.baseline_qwen import QwenBatched, load_qwen_reference, qwen_per_question  # noqa: E402
-from vlmbatch.app.bench.config import parse_sizes  # noqa: E402
-from vlmbatch.app.bench.measure import EngineRow, peak_rss_mib, timed_rounds  # noqa: E402
-from vlmbatch.app.bench.scenes import scene_set  # noqa: E402
-from vlmbatch.app.evaluate import easy_vqa_set  # noqa: E402
-from vlmbatch.engine.config import DEFAULT_MODEL, DTYPES, EngineConfig, ModelConfig  # noqa: E402
+from vlmbatch.cli.bench.baseline import Batched, Work, load_reference, per_question  # noqa: E402
+from vlmbatch.cli.bench.baseline_qwen import QwenBatched, load_qwen_reference, qwen_per_question  # noqa: E402
+from vlmbatch.cli.bench.config import parse_sizes  # noqa: E402
+from vlmbatch.cli.bench.measure import EngineRow, peak_rss_mib, timed_rounds  # noqa: E402
+from vlmbatch.cli.bench.scenes import scene_set  # noqa: E402
+from vlmbatch.cli.evaluate import easy_vqa_set  # noqa: E402
+from vlmbatch.engine.config import DTYPES, EngineConfig, ModelConfig  # noqa: E402
 from vlmbatch.engine.loading import load_model, torch_dtype  # noqa: E402
 from vlmbatch.engine.scoring import AnswerTokens  # noqa: E402
 from vlmbatch.engine.torch_engine import TorchEngine, load_configured  # noqa: E402
 from vlmbatch.models.internvl.random import SHAPES, save_random_internvl  # noqa: E402
+from vlmbatch.models.paths import DEFAULT_MODEL  # noqa: E402
 from vlmbatch.models.qwen_vl.random import SHAPES as QWEN_SHAPES  # noqa: E402
 from vlmbatch.models.qwen_vl.random import save_random_qwen_vl  # noqa: E402
 
@@ -119,7 +120,7 @@ def _work(engine: TorchEngine, calls: list) -> Work:
 
 
 class VlmbatchPath(EngineRow):
-    """One vlmbatch row: ``vlmbatch bench``'s row (``app/bench/measure.py``: warmed up at
+    """One vlmbatch row: ``vlmbatch bench``'s row (``cli/bench/measure.py``: warmed up at
     construction, ``round()`` with a fresh engine) on its own load of the model, whose
     prefill calls are recorded for the round's work (FLOPs)."""
 

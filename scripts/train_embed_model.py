@@ -3,7 +3,7 @@ built-in model, on CPU (fixed seed, <= 30 minutes on 2 cores).
 
 Data: easy-vqa's *train* images whose questions settle their colour and shape (3,542 of
 4,000; never its test split), captioned from those labels ("a red circle"), and our own shape
-scenes (``vlmbatch/app/bench/shapes.py``: 1-3 shapes, many sizes and aspect ratios, 1-7 tiles),
+scenes (``vlmbatch/cli/bench/shapes.py``: 1-3 shapes, many sizes and aspect ratios, 1-7 tiles),
 captioned from theirs ("a blue triangle and a red circle"). Images are tiled by the serving
 plan (reduced tiling), prompts built and pooled by the serving code
 (``InternVLPrompts.embed``, ``engine.pooling.pool_range``) and run through the serving
@@ -29,7 +29,7 @@ at its end (by wall clock, so a slow machine gets the same schedule in fewer ste
 saved folder is the built-in model's checkpoint with the trained weights and jina's
 declarations in config.json (``single_vector_pool_strategy: "mean"``, ``matryoshka_dims``),
 so ``vlmbatch embed`` knows it is an embedding model; its log holds the command, the losses
-and the retrieval figures before and after (``app/embed_eval.py``). ``docs/models.md``, "The
+and the retrieval figures before and after (``cli/embed_eval.py``). ``docs/models.md``, "The
 built-in embedding model".
 """
 
@@ -49,15 +49,16 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.train_default_model import seeded  # noqa: E402
-from vlmbatch.app.bench.shapes import make_scene  # noqa: E402
-from vlmbatch.app.embed_eval import caption, evaluate_retrieval, labels  # noqa: E402
+from vlmbatch.cli.bench.shapes import make_scene  # noqa: E402
+from vlmbatch.cli.embed_eval import caption, evaluate_retrieval, labels  # noqa: E402
 from vlmbatch.engine.build import build_engine  # noqa: E402
-from vlmbatch.engine.config import DEFAULT_MODEL, EmbedConfig, EngineConfig, ModelConfig  # noqa: E402
+from vlmbatch.engine.config import EmbedConfig, EngineConfig, ModelConfig  # noqa: E402
 from vlmbatch.engine.embed import EmbedHandle  # noqa: E402
 from vlmbatch.engine.loading import image_plan_for, load_model  # noqa: E402
 from vlmbatch.engine.pooling import pool_range  # noqa: E402
 from vlmbatch.models.base import weight_key  # noqa: E402
 from vlmbatch.models.decoder import TextDecoder  # noqa: E402
+from vlmbatch.models.paths import DEFAULT_MODEL  # noqa: E402
 from vlmbatch.preprocessing.decode import decode  # noqa: E402
 
 Example = tuple[torch.Tensor, tuple[int, int], str]  # (hidden [T, D] below the trained

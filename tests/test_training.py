@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from scripts.train_default_model import AUX, TILING, Batcher, model_config, scene_target, train_step
-from vlmbatch.app.bench.shapes import make_questions, make_scene
-from vlmbatch.engine.config import DEFAULT_MODEL
+from vlmbatch.cli.bench.shapes import make_questions, make_scene
+from vlmbatch.models.paths import DEFAULT_MODEL
 from vlmbatch.preprocessing.prepare import prepare
 
 

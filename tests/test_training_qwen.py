@@ -21,7 +21,7 @@ from scripts.train_qwen_model import (
     save,
     train_step,
 )
-from vlmbatch.app.bench.shapes import make_questions, make_scene
+from vlmbatch.cli.bench.shapes import make_questions, make_scene
 from vlmbatch.engine.config import EngineConfig
 from vlmbatch.engine.loading import load_model
 from vlmbatch.engine.records import Request
