@@ -80,7 +80,7 @@ class EngineRow:
         self.runner = vision_runner(model, model_cfg, engine_cfg)
         self.plan = image_plan_for(model.family, model.spec, model_cfg)
         self.times: list[float] = []
-        self.p_yes: list[float] = []
+        self.p_yes: list[float | None] = []
         self.gpu_mib: float | None = None
         self.answer(self.engine(), warm[:images_per_batch])
         self.rss = peak_rss_mib()
@@ -88,8 +88,9 @@ class EngineRow:
     def engine(self) -> TorchEngine:
         return TorchEngine(self.model, self.cfg, self.runner, self.plan)
 
-    def answer(self, engine: TorchEngine, items: list[ImageItem]) -> list[float]:
-        out: list[float] = []
+    def answer(self, engine: TorchEngine, items: list[ImageItem]) -> list[float | None]:
+        """P(yes) of every question (None for a label set's)."""
+        out: list[float | None] = []
         for g in range(0, len(items), self.images_per_batch):
             out += [a.p_yes for a in answer_group(engine, items[g: g + self.images_per_batch])]
         return out
