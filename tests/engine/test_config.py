@@ -13,6 +13,7 @@ import torch
 from vlmbatch.engine import config as engine_config
 from vlmbatch.engine.config import DTYPES, ConfigError, ModelConfig, device_ok, resolve_dtype
 from vlmbatch.engine.loading import TORCH_DTYPES, torch_dtype
+from vlmbatch.models.paths import DEFAULT_QWEN_MODEL
 
 CASES = ["cpu", "cuda", "cuda:0", "cuda:7", "cuda:12", "cpu:0", "cpu:3", "CUDA", "Cpu", "cuda:",
          "cpu:", "cuda:-1", "cuda:+1", "cuda:01", "cuda:00", "cuda: 0", " cuda", "cuda ",
@@ -128,4 +129,4 @@ def test_auto_reads_the_checkpoints_model_type(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.delenv(engine_config.AUTO_DTYPE_ENV)
     monkeypatch.setattr(engine_config, "cpu_flags", lambda: SAPPHIRE)
     assert ModelConfig().resolved_dtype == "bfloat16"  # the built-in InternVL
-    assert ModelConfig(engine_config.DEFAULT_QWEN_MODEL).resolved_dtype == "float32"
+    assert ModelConfig(DEFAULT_QWEN_MODEL).resolved_dtype == "float32"
