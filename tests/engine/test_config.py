@@ -13,7 +13,6 @@ import torch
 from vlmbatch.engine import config as engine_config
 from vlmbatch.engine.config import DTYPES, ConfigError, ModelConfig, device_ok, resolve_dtype
 from vlmbatch.engine.loading import TORCH_DTYPES, torch_dtype
-from vlmbatch.models.paths import DEFAULT_QWEN_MODEL
 
 CASES = ["cpu", "cuda", "cuda:0", "cuda:7", "cuda:12", "cpu:0", "cpu:3", "CUDA", "Cpu", "cuda:",
          "cpu:", "cuda:-1", "cuda:+1", "cuda:01", "cuda:00", "cuda: 0", " cuda", "cuda ",
@@ -112,21 +111,3 @@ def test_the_suite_pins_auto_to_float32(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv(engine_config.AUTO_DTYPE_ENV, "float64")
     with pytest.raises(ConfigError, match=r"VLMBATCH_AUTO_DTYPE='float64' is not one of"):
         resolve_dtype("auto", "cpu")
-
-
-@pytest.mark.parametrize("model_type, device, want", [
-    ("internvl", "cpu", "bfloat16"), (None, "cpu", "bfloat16"),
-    ("qwen2_5_vl", "cpu", "float32"), ("qwen3_vl", "cpu", "float32"),  # bf16 measured slower
-    ("qwen2_5_vl", "cuda", "bfloat16"),
-])
-def test_auto_keeps_models_measured_slower_in_bf16_in_float32_on_the_cpu(
-        model_type: str | None, device: str, want: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(engine_config.AUTO_DTYPE_ENV)
-    assert resolve_dtype("auto", device, flags=SAPPHIRE, model_type=model_type) == want
-
-
-def test_auto_reads_the_checkpoints_model_type(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(engine_config.AUTO_DTYPE_ENV)
-    monkeypatch.setattr(engine_config, "cpu_flags", lambda: SAPPHIRE)
-    assert ModelConfig().resolved_dtype == "bfloat16"  # the built-in InternVL
-    assert ModelConfig(DEFAULT_QWEN_MODEL).resolved_dtype == "float32"

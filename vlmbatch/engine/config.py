@@ -26,7 +26,6 @@ from typing import Any, ClassVar
 
 from vlmbatch.common.options import COUNT, MIB, WORDS, N, opt
 from vlmbatch.common.registry import Registry
-from vlmbatch.models.config_io import ModelError, read_config
 from vlmbatch.models.embedding import POOLINGS, EmbeddingSpec
 from vlmbatch.models.paths import DEFAULT_EMBED_MODEL, DEFAULT_MODEL
 from vlmbatch.preprocessing.tiling import TILING_MODES
@@ -69,9 +68,6 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 # CPU flags (/proc/cpuinfo) of a bf16 matrix unit: AVX512-BF16's dot products or AMX tiles.
 # bf16 vs float32 there, and its easy-vqa accuracy: docs/figures.md#dtype-on-the-cpu
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
-# model_type prefixes whose bf16 was measured slower than float32 on such a CPU (the built-in
-# Qwen2.5-VL: 0.49-0.99x, cause not found yet): "auto" keeps them in float32 on the CPU
-BF16_CPU_SLOWER = ("qwen",)
 # set, what "auto" resolves to on this machine whatever its device and CPU (the test suite
 # sets float32: results then do not depend on the CPU the suite runs on)
 AUTO_DTYPE_ENV = "VLMBATCH_AUTO_DTYPE"
@@ -176,14 +172,7 @@ class ModelConfig:
     @property
     def resolved_dtype(self) -> str:
         """The dtype the model loads in: ``dtype``, with "auto" resolved for this machine."""
-        if self.dtype != "auto":
-            return self.dtype
-        try:
-            model_type = read_config(self.model_dir).get("model_type")
-        except (ModelError, OSError, ValueError):
-            model_type = None  # loading will say what is wrong with the folder
-        return resolve_dtype(self.dtype, self.device, self.llm_quant,
-                             model_type=model_type if isinstance(model_type, str) else None)
+        return resolve_dtype(self.dtype, self.device, self.llm_quant)
 
     def dtype_note(self) -> str:
         """What a run summary says of the dtype: ``dtype bfloat16 (auto)``."""
@@ -203,10 +192,10 @@ def cpu_flags() -> frozenset[str]:
 
 
 def resolve_dtype(dtype: str, device: str, llm_quant: str = "none",
-                  flags: frozenset[str] | None = None, model_type: str | None = None) -> str:
+                  flags: frozenset[str] | None = None) -> str:
     """The one place ``--dtype auto`` is decided: bfloat16 on CUDA, and on a CPU with a bf16
-    matrix unit (``BF16_CPU_FLAGS`` among ``flags``, by default this CPU's) for a model whose
-    bf16 was measured faster there (not ``BF16_CPU_SLOWER``); float32 elsewhere, and with
+    matrix unit (``BF16_CPU_FLAGS`` among ``flags``, by default this CPU's) (measured faster
+    there for both built-in models and the InternVL3-1B topology); float32 elsewhere, and with
     ``--llm-quant int8-dynamic`` (float32 linears); ``$VLMBATCH_AUTO_DTYPE`` where set. Any
     other name is returned as it is."""
     if dtype != "auto":
@@ -219,7 +208,7 @@ def resolve_dtype(dtype: str, device: str, llm_quant: str = "none",
         return pinned
     if device.startswith("cuda"):
         return "bfloat16"
-    if llm_quant != "none" or (model_type or "").startswith(BF16_CPU_SLOWER):
+    if llm_quant != "none":
         return "float32"
     has_unit = (cpu_flags() if flags is None else flags) & BF16_CPU_FLAGS
     return "bfloat16" if has_unit else "float32"
