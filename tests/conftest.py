@@ -10,6 +10,7 @@ dropped bias or a wrong head order (``tests/models/test_internvl_reference.py``)
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,11 @@ import torch
 
 from tests.jobs.ray_head import RayHead
 from vlmbatch.models.internvl.random import save_random_internvl
+
+# `--dtype auto` (the default) is float32 throughout the suite, in its subprocesses too:
+# the parity tests compare against transformers' float32, and a result must not depend on
+# whether the CPU running the suite has a bf16 unit. The rule itself: tests/engine/test_config.py
+os.environ.setdefault("VLMBATCH_AUTO_DTYPE", "float32")
 
 
 def make_model_dir(path: Path, *, tile: int = 56, patch: int = 14, vision_layers: int = 2,

@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from vlmbatch.cli.bench.config import BenchConfig
 from vlmbatch.cli.config import (
     CalibrateConfig,
     EmbedCommandConfig,
@@ -151,6 +152,15 @@ COMMANDS: tuple[Command, ...] = (
             "files (--images) or a JSONL manifest of {\"id\", \"image\"?, \"text\"?} "
             "(--manifest); default model: the built-in embedding model. docs/embeddings.md.",
             (EmbedCommandConfig,), (*ANSWER_ONLY, *SERVE_ONLY)),
+    Command("bench", "QPM of your model on your device and images, over a sweep of engine "
+            "options (docs/bench.md)",
+            "Time the engine answering yes/no questions (generated shape scenes, or a "
+            "manifest or folder of your images, K questions each): one row per combination "
+            "of --sweep values, each warmed up untimed, then timed --rounds times (rows "
+            "interleaved, best kept); prints QPM, images/s, LLM tokens prefilled per "
+            "question, the prefix cache's hit rate and peak memory; --baseline transformers "
+            "adds the batched transformers row, --json FILE the machine, versions and "
+            "options.", (BenchConfig,)),
 )
 BY_NAME = {c.name: c for c in COMMANDS}
 
@@ -230,6 +240,8 @@ def _add(container: Any, d: Declared) -> None:
         kw["action"] = f"store_{o.action}"
     elif o.action == "both":
         kw["action"] = argparse.BooleanOptionalAction
+    elif o.action == "append":  # repeated: each value parsed, the list stored
+        kw.update(action="append", type=o.parse, metavar=o.metavar)
     else:
         kw.update(type=o.parse, choices=o.choices, nargs=o.nargs, metavar=o.metavar)
         if o.exclusive is None:

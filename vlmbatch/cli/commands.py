@@ -159,4 +159,4 @@ HANDLERS: Registry[Handler] = Registry("command", {
     "eval": f"{_MODEL}:cmd_eval", "calibrate": f"{_LABELS}:cmd_calibrate",
     "report": f"{_LABELS}:cmd_report", "quantize": f"{_MODEL}:cmd_quantize",
     "export-vit": f"{_MODEL}:cmd_export_vit", "embed": f"{_MODEL}:cmd_embed",
-    "serve": f"{_SERVE}:cmd_serve"})
+    "serve": f"{_SERVE}:cmd_serve", "bench": "vlmbatch.cli.bench.command:cmd_bench"})

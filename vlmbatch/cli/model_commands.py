@@ -124,7 +124,7 @@ def cmd_run(line: CommandLine, hooks: FaultHooks = NO_HOOKS) -> int:
     if cfg.executor.kind == "ray":
         return _run_on_ray(cfg, hooks)
     summary = run(cfg, hooks=hooks)
-    print(f"vlmbatch: {summary.text()}", file=sys.stderr)
+    print(f"vlmbatch: {summary.text()}; {cfg.model.dtype_note()}", file=sys.stderr)
     if out:
         print(f"vlmbatch: results in {out}", file=sys.stderr)
     return EXIT_ITEM_ERRORS if summary.failed_images else EXIT_OK
@@ -179,7 +179,8 @@ def cmd_eval(line: CommandLine, hooks: FaultHooks = NO_HOOKS) -> int:
                  cfg.open_questions)
     kind = f"open (label sets, {cfg.engine.choice_scoring})" if cfg.open_questions else "yes/no"
     print(f"easy-vqa {cfg.split} {kind} accuracy: {r.accuracy:.4f} ({r.correct}/"
-          f"{r.questions}) in {r.seconds:.1f}s ({60 * r.questions / r.seconds:.0f} QPM)")
+          f"{r.questions}) in {r.seconds:.1f}s ({60 * r.questions / r.seconds:.0f} QPM; "
+          f"{cfg.model.dtype_note()})")
     return EXIT_OK
 
 
@@ -190,7 +191,7 @@ def _eval_labelled(cfg: EvalConfig, hooks: FaultHooks) -> int:
                         progress=cfg.progress, model=cfg.model, engine=cfg.engine,
                         prepare=cfg.prepare)
     summary, report = evaluate_labelled(run_cfg, hooks)
-    print(f"vlmbatch: {summary.text()}", file=sys.stderr)
+    print(f"vlmbatch: {summary.text()}; {cfg.model.dtype_note()}", file=sys.stderr)
     if cfg.policy is not None:
         print(f"vlmbatch: {policy_note(cfg.policy, report)}", file=sys.stderr)
     print(json.dumps(report.as_json()) if cfg.json else report_text(report))

@@ -49,6 +49,9 @@ def write_job_file(job: Path, cfg: RunConfig, fmt: str) -> None:
     the fetch stage's settings and ``engine.choice_scoring``, all with defaults that read a
     version-5 file as it was;
     ``load_config`` reads every earlier version)."""
+    # ``--dtype auto`` resolved here, so job.json says what the job runs in, wherever it runs
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
+                                                          dtype=cfg.model.resolved_dtype))
     d = {"version": RunConfig.VERSION, "format": fmt, "config": to_json(cfg)}
     (Path(job) / JOB_FILE).write_text(json.dumps(d, indent=2) + "\n")
 
