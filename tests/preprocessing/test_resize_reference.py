@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 from io import BytesIO
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,8 +28,6 @@ from vlmbatch.preprocessing.prepare import TilingConfig, prepare
 from vlmbatch.preprocessing.qwen_vl import QwenVLPreprocess, prepare_qwen_vl
 from vlmbatch.preprocessing.reference import pillow_tiles, pixel_values
 from vlmbatch.preprocessing.resize import KERNELS, resize
-
-
 
 # transformers' torchvision-backend processors import torchvision at module level: these
 # tests run where it imports (tests/conftest.py: a CUDA env, or our CPU env with PyPI's
@@ -149,8 +148,8 @@ def test_internvl_chat_reference_equals_the_model_card(w: int, h: int) -> None:
 
 def test_equal_size_is_left_alone_and_kernels_are_checked() -> None:
     img = random_image(28, 56, seed=1)
-    assert all(resize(img, 28, 56, k) is img for k in KERNELS.names())
-    with pytest.raises(KeyError, match="unknown resize kernel 'lanczos'; one of: opencv"):
+    assert all(resize(img, 28, 56, k) is img for k in KERNELS)
+    with pytest.raises(ValueError, match="resize kernel 'lanczos' not one of"):
         resize(img, 10, 10, "lanczos")
     with pytest.raises(ValueError, match="resize kernel"):
         QwenVLPreprocess(resize="bilinear")
@@ -220,3 +219,18 @@ def test_torchvision_kernel_equals_the_processors_recorded_pixels(w: int, h: int
 @pytest.mark.parametrize("w,h", list(PROCESSOR_HASHES))
 def test_recorded_pixels_are_the_live_processors(w: int, h: int) -> None:
     assert xxh(processor_pixels(w, h)) == PROCESSOR_HASHES[(w, h)]
+
+
+def test_each_family_names_its_processors_kernel(tmp_path: Path) -> None:
+    """--resize reaches each family's plan: reference is torchvision's resize for Qwen-VL and
+    HF-layout InternVL, Pillow's for the original layout; opencv stays ours."""
+    from tests.models.internvl_original_helpers import make_pair
+    from vlmbatch.engine.config import DEFAULT_QWEN_MODEL, ModelConfig
+    from vlmbatch.engine.loading import image_plan_for, read_spec
+
+    hf, original = make_pair(tmp_path, "internvl2_5_qwen2")
+    want = {DEFAULT_QWEN_MODEL: "torchvision", hf: "torchvision", original: "pillow"}
+    for path, kernel in want.items():
+        for mode, expected in (("reference", kernel), ("opencv", "opencv")):
+            plan = image_plan_for(*read_spec(path), ModelConfig(path=path, resize=mode))
+            assert plan.resize == expected, (path, mode)  # type: ignore[attr-defined]

@@ -10,7 +10,8 @@
   guard (``limits.py``: the default pixel limit, light);
 - ``resize.py``: the resize kernels, one function for images and frames: our OpenCV policy
   (INTER_AREA when shrinking, INTER_CUBIC when enlarging) and, under ``--resize reference``,
-  the family's transformers processor's (torchvision's or Pillow's bicubic);
+  the family's transformers processor's (torchvision's or Pillow's bicubic;
+  ``resize_torch.py``: torchvision's, through torch, imported only when used);
 - ``tiling.py``: InternVL's tile grids (the reference ``dynamic_preprocess`` and the reduced
   one); ``prepare.py``: the ``PreparedImage`` record, image plans (``TilingConfig``) and the
   content hash; ``media.py``: the records of a sampled clip (``PreparedVideo``) and of an

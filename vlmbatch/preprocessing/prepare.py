@@ -57,7 +57,7 @@ class TilingConfig:
         if self.upscale_limit <= 0:
             raise ValueError(f"upscale_limit must be > 0, got {self.upscale_limit}")
         if self.resize not in KERNELS:
-            raise ValueError(f"resize kernel {self.resize!r} not one of {KERNELS.names()}")
+            raise ValueError(f"resize kernel {self.resize!r} not one of {tuple(KERNELS)}")
 
     def need(self, width: int, height: int) -> tuple[int, int]:
         """Most pixels (width, height) of a ``width x height`` image the tiles can use: the

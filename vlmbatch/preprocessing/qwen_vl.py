@@ -61,7 +61,7 @@ class QwenVLPreprocess:
         if not 0 < self.min_pixels <= self.max_pixels:
             raise ValueError(f"need 0 < min_pixels <= max_pixels: {self}")
         if self.resize not in KERNELS:
-            raise ValueError(f"resize kernel {self.resize!r} not one of {KERNELS.names()}")
+            raise ValueError(f"resize kernel {self.resize!r} not one of {tuple(KERNELS)}")
 
     @property
     def factor(self) -> int:

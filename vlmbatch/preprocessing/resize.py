@@ -18,7 +18,7 @@ vLLM) pipeline uses, so that its P(yes) is reproduced exactly (``docs/preprocess
 - ``pillow``: Pillow's bicubic, the model card's ``dynamic_preprocess`` of the original InternVL
   checkpoints (``internvl_chat``) and transformers' ``pil`` backend processors.
 
-Kernels are a registry of ``"module:attr"`` names, so a decoder process imports torch only
+Kernels are named by ``"module:attr"`` (``KERNELS``), so a decoder process imports torch only
 when the ``torchvision`` kernel is used. A family's image plan names its kernel
 (``reference_kernel``); the modes' names are in ``tiling.py`` (light, for the configs). Arrays
 are ``[H, W, C]`` uint8 RGB throughout.
@@ -26,20 +26,31 @@ are ``[H, W, C]`` uint8 RGB throughout.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
+from typing import cast
 
 import cv2
 import numpy as np
 from PIL import Image
 
-from vlmbatch.common.registry import Registry
-
 Kernel = Callable[[np.ndarray, int, int], np.ndarray]  # (img, width, height) -> resized
-KERNELS: Registry[Kernel] = Registry("resize kernel", {
+# name -> "module:attr", imported on first use as common/registry.py's registries do (that
+# class sits on this package's own row, so it is not imported here)
+KERNELS = {
     "opencv": "vlmbatch.preprocessing.resize:resize_opencv",
     "torchvision": "vlmbatch.preprocessing.resize_torch:resize_torchvision",
     "pillow": "vlmbatch.preprocessing.resize:resize_pillow",
-})
+}
+
+
+def kernel_of(name: str) -> Kernel:
+    """The kernel ``name`` (its module imported on first use); ValueError naming the kernels
+    for an unknown one."""
+    if name not in KERNELS:
+        raise ValueError(f"resize kernel {name!r} not one of {tuple(KERNELS)}")
+    module, _, attr = KERNELS[name].partition(":")
+    return cast(Kernel, getattr(importlib.import_module(module), attr))
 
 
 def reference_kernel(mode: str, processor_kernel: str) -> str:
@@ -49,9 +60,9 @@ def reference_kernel(mode: str, processor_kernel: str) -> str:
 
 
 def resize(img: np.ndarray, width: int, height: int, kernel: str = "opencv") -> np.ndarray:
-    """``img`` [H, W, 3] uint8 RGB resized to ``width`` x ``height`` with ``kernel``;
-    ``UnknownName`` (a KeyError) for a kernel not in ``KERNELS``."""
-    resize_with = KERNELS.get(kernel)
+    """``img`` [H, W, 3] uint8 RGB resized to ``width`` x ``height`` with ``kernel`` (one of
+    ``KERNELS``)."""
+    resize_with = kernel_of(kernel)
     h, w = img.shape[:2]
     if (w, h) == (width, height):
         return img  # every kernel leaves an equal size alone (torchvision returns it as is)

@@ -111,7 +111,8 @@ class QwenVL(ModelFamily):
             raise ValueError("--max-tiles applies to tiled models (InternVL); Qwen-VL resizes "
                              "whole images: cap them with --max-image-tokens")
         # --resize reference: Qwen2VLImageProcessor's torchvision bicubic (resize.py)
-        plan = dataclasses.replace(spec.preprocess, resize=reference_kernel(options.resize, "torchvision"))
+        kernel = reference_kernel(options.resize, "torchvision")
+        plan = dataclasses.replace(spec.preprocess, resize=kernel)
         return plan if options.max_image_tokens is None else plan.with_max_tokens(
             options.max_image_tokens)
 
