@@ -7,7 +7,9 @@ Qwen2.5-VL model (``--model``). easy-vqa's 64 px images are upscaled to 112 px b
 differ most. Prints, over the questions: median, p99 and max |dP(yes)| between the modes, the
 answers that flip, each mode's accuracy; then the question moved most, with P(yes) from
 transformers itself (``AutoModelForImageTextToText`` on the pixels of
-``Qwen2VLImageProcessor``, its torchvision backend), which ``reference`` should equal.
+``Qwen2VLImageProcessor``, its torchvision backend, which ``reference`` should equal; and on
+those of its ``pil`` backend, what transformers gives without torchvision, which
+``--resize pillow`` gives).
 Counts and probabilities, not timings: the figures do not depend on the machine's load.
 
     pip install --no-deps --target /tmp/tv torchvision==0.28.*   # not beside our CPU torch
@@ -61,13 +63,22 @@ def answer_all(engine: Engine, data: EvalSet) -> dict[Key, tuple[float, bool]]:
     return out
 
 
-def transformers_p_yes(model_dir: Path, engine: Engine, image: str, question: str) -> float:
-    """P(yes) of one question from transformers' own model and image processor."""
-    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+def transformers_p_yes(model_dir: Path, engine: Engine, image: str, question: str,
+                       backend: str) -> float:
+    """P(yes) of one question from transformers' own model and image processor, its
+    ``torchvision`` backend (``Qwen2VLImageProcessor``) or its ``pil`` one."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
 
+    if backend == "torchvision":
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import (
+            Qwen2VLImageProcessor,
+        )
     loaded = engine.model  # type: ignore[attr-defined]
     spec, p = loaded.spec, loaded.spec.preprocess
-    proc = Qwen2VLImageProcessor(patch_size=p.patch, merge_size=p.merge,
+    cls = Qwen2VLImageProcessor if backend == "torchvision" else Qwen2VLImageProcessorPil
+    proc = cls(patch_size=p.patch, merge_size=p.merge,
                                  temporal_patch_size=p.temporal, min_pixels=p.min_pixels,
                                  max_pixels=p.max_pixels, image_mean=list(spec.vision.mean),
                                  image_std=list(spec.vision.std))
@@ -111,9 +122,11 @@ def main() -> None:
     worst = keys[int(d.argmax())]
     item = next(i for i in data.items if i.id == worst[0])
     q = next(q for q in item.questions if q.id == worst[1])
-    hf = transformers_p_yes(args.model, engines["reference"], str(item.image), q.text)
-    print(f"moved most: image {worst[0]} {q.text!r}: P(yes) transformers {hf:.4f}, "
-          f"reference {runs['reference'][worst][0]:.4f}, opencv {runs['opencv'][worst][0]:.4f}")
+    hf = {b: transformers_p_yes(args.model, engines["reference"], str(item.image), q.text, b)
+          for b in ("torchvision", "pil")}
+    print(f"moved most: image {worst[0]} {q.text!r}: P(yes) transformers {hf['torchvision']:.4f} "
+          f"(its pil backend {hf['pil']:.4f}), reference {runs['reference'][worst][0]:.4f}, "
+          f"opencv {runs['opencv'][worst][0]:.4f}")
 
 
 if __name__ == "__main__":

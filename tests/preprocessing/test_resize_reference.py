@@ -106,14 +106,24 @@ def test_opencv_mode_misses_the_bound(name: str) -> None:
     assert min(errors) > 100 * TOL, errors
 
 
-def internvl_error(kernel: str, w: int, h: int, tile: int = 96, max_tiles: int = 6) -> float:
-    """Ours (reference tiling, ``kernel``) vs GotOcr2ImageProcessor's crop_to_patches."""
-    from transformers.models.got_ocr2.image_processing_got_ocr2 import GotOcr2ImageProcessor
+def internvl_error(kernel: str, w: int, h: int, backend: str = "torchvision", tile: int = 96,
+                   max_tiles: int = 6) -> float:
+    """Ours (reference tiling, ``kernel``) vs GotOcr2ImageProcessor's crop_to_patches (its
+    ``torchvision`` or ``pil`` backend)."""
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import (
+        GotOcr2ImageProcessorPil,
+    )
 
+    cls: type = GotOcr2ImageProcessorPil
+    if backend == "torchvision":
+        from transformers.models.got_ocr2.image_processing_got_ocr2 import (
+            GotOcr2ImageProcessor,
+        )
+        cls = GotOcr2ImageProcessor
     img = random_image(w, h, seed=w + 3 * h)
-    proc = GotOcr2ImageProcessor(size={"height": tile, "width": tile}, crop_to_patches=True,
-                                 min_patches=1, max_patches=max_tiles,
-                                 image_mean=list(IMAGENET[0]), image_std=list(IMAGENET[1]))
+    proc = cls(size={"height": tile, "width": tile}, crop_to_patches=True,
+               min_patches=1, max_patches=max_tiles,
+               image_mean=list(IMAGENET[0]), image_std=list(IMAGENET[1]))
     want = proc(images=[img], return_tensors="pt",
                 input_data_format="channels_last")["pixel_values"]
     cfg = TilingConfig(tile, 1, max_tiles, True, mode="reference", resize=kernel)
@@ -127,6 +137,12 @@ def internvl_error(kernel: str, w: int, h: int, tile: int = 96, max_tiles: int =
 @pytest.mark.parametrize("w,h", SIZES)
 def test_internvl_reference_equals_got_ocr2_processor(w: int, h: int) -> None:
     assert internvl_error("torchvision", w, h) <= TOL
+
+
+@pytest.mark.parametrize("w,h", SIZES)
+def test_pillow_kernel_equals_got_ocr2_pil_backend(w: int, h: int) -> None:
+    """HF InternVL under --resize pillow: transformers' processor without torchvision."""
+    assert internvl_error("pillow", w, h, backend="pil") <= TOL
 
 
 @needs_tv
@@ -223,7 +239,7 @@ def test_recorded_pixels_are_the_live_processors(w: int, h: int) -> None:
 
 def test_each_family_names_its_processors_kernel(tmp_path: Path) -> None:
     """--resize reaches each family's plan: reference is torchvision's resize for Qwen-VL and
-    HF-layout InternVL, Pillow's for the original layout; opencv stays ours."""
+    HF-layout InternVL, Pillow's for the original layout; opencv and pillow are theirs."""
     from tests.models.internvl_original_helpers import make_pair
     from vlmbatch.engine.config import DEFAULT_QWEN_MODEL, ModelConfig
     from vlmbatch.engine.loading import image_plan_for, read_spec
@@ -231,6 +247,7 @@ def test_each_family_names_its_processors_kernel(tmp_path: Path) -> None:
     hf, original = make_pair(tmp_path, "internvl2_5_qwen2")
     want = {DEFAULT_QWEN_MODEL: "torchvision", hf: "torchvision", original: "pillow"}
     for path, kernel in want.items():
-        for mode, expected in (("reference", kernel), ("opencv", "opencv")):
+        for mode, expected in (("reference", kernel), ("opencv", "opencv"),
+                               ("pillow", "pillow")):
             plan = image_plan_for(*read_spec(path), ModelConfig(path=path, resize=mode))
             assert plan.resize == expected, (path, mode)  # type: ignore[attr-defined]

@@ -121,12 +121,14 @@ class ModelConfig:
         "image's resolution, letterboxed (docs/preprocessing.md); reference: InternVL's "
         "dynamic_preprocess, for parity with the model card"))
     # "opencv" (our INTER_AREA/INTER_CUBIC policy) | "reference" (the pixels of the family's
-    # transformers image processor, for parity with a transformers or vLLM pipeline)
+    # transformers image processor, for parity with a transformers or vLLM pipeline) |
+    # "pillow" (transformers' pil-backend processors, its choice without torchvision)
     resize: str = field(default="opencv", metadata=opt(
         "--resize", choices=RESIZE_MODES, help="opencv (default): INTER_AREA when shrinking, "
         "INTER_CUBIC when enlarging; reference: the pixels of the family's transformers image "
-        "processor (torchvision or Pillow bicubic, as it uses), to reproduce a transformers or "
-        "vLLM pipeline's P(yes) exactly (docs/preprocessing.md#resize-modes)"))
+        "processor (torchvision's or Pillow's bicubic, as it uses; vLLM's), to reproduce a "
+        "transformers or vLLM pipeline's P(yes) exactly; pillow: Pillow's bicubic, as "
+        "transformers' processors without torchvision (docs/preprocessing.md#resize-modes)"))
     upscale_limit: float = field(default=1.0, metadata=opt(
         "--upscale-limit", parse=float, metavar="FACTOR", help="reduced tiling: most a tile "
         "count may enlarge an image (default %(default)s)"))

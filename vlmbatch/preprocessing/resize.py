@@ -16,7 +16,9 @@ vLLM) pipeline uses, so that its P(yes) is reproduced exactly (``docs/preprocess
   on the CPU, torch's own antialiased bicubic on uint8, which ``resize_torch.py`` calls as
   torchvision does (torchvision itself is not needed).
 - ``pillow``: Pillow's bicubic, the model card's ``dynamic_preprocess`` of the original InternVL
-  checkpoints (``internvl_chat``) and transformers' ``pil`` backend processors.
+  checkpoints (``internvl_chat``) and transformers' ``pil`` backend processors (what
+  ``AutoImageProcessor`` gives without torchvision); ``--resize pillow`` picks it for every
+  family.
 
 Kernels are named by ``"module:attr"`` (``KERNELS``), so a decoder process imports torch only
 when the ``torchvision`` kernel is used. A family's image plan names its kernel
@@ -55,8 +57,9 @@ def kernel_of(name: str) -> Kernel:
 
 def reference_kernel(mode: str, processor_kernel: str) -> str:
     """The kernel of a ``--resize`` mode for a family whose processor uses
-    ``processor_kernel``: ``opencv`` stays ours, ``reference`` is the processor's."""
-    return "opencv" if mode == "opencv" else processor_kernel
+    ``processor_kernel``: ``reference`` is the processor's; ``opencv`` and ``pillow`` are
+    those kernels whatever the family."""
+    return processor_kernel if mode == "reference" else mode
 
 
 def resize(img: np.ndarray, width: int, height: int, kernel: str = "opencv") -> np.ndarray:
