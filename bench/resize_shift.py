@@ -38,11 +38,12 @@ if importlib.util.find_spec("torchvision") is not None:
 
 from bench.hf_baseline import _p_yes  # noqa: E402
 from bench.hf_qwen import load_qwen_reference  # noqa: E402
-from vlmbatch.app.evaluate import EvalSet, easy_vqa_set  # noqa: E402
+from vlmbatch.cli.evaluate import EvalSet, easy_vqa_set  # noqa: E402
 from vlmbatch.engine.base import Engine  # noqa: E402
 from vlmbatch.engine.build import build_engine  # noqa: E402
-from vlmbatch.engine.config import DEFAULT_QWEN_MODEL, EngineConfig, ModelConfig  # noqa: E402
+from vlmbatch.engine.config import EngineConfig, ModelConfig  # noqa: E402
 from vlmbatch.engine.scoring import AnswerTokens  # noqa: E402
+from vlmbatch.models.paths import DEFAULT_QWEN_MODEL  # noqa: E402
 from vlmbatch.pipeline.config import PrepareOptions  # noqa: E402
 from vlmbatch.pipeline.drive import drive, groups_of  # noqa: E402
 from vlmbatch.pipeline.task import AnswerTask  # noqa: E402

@@ -241,8 +241,9 @@ def test_each_family_names_its_processors_kernel(tmp_path: Path) -> None:
     """--resize reaches each family's plan: reference is torchvision's resize for Qwen-VL and
     HF-layout InternVL, Pillow's for the original layout; opencv and pillow are theirs."""
     from tests.models.internvl_original_helpers import make_pair
-    from vlmbatch.engine.config import DEFAULT_QWEN_MODEL, ModelConfig
+    from vlmbatch.engine.config import ModelConfig
     from vlmbatch.engine.loading import image_plan_for, read_spec
+    from vlmbatch.models.paths import DEFAULT_QWEN_MODEL
 
     hf, original = make_pair(tmp_path, "internvl2_5_qwen2")
     want = {DEFAULT_QWEN_MODEL: "torchvision", hf: "torchvision", original: "pillow"}
