@@ -331,8 +331,8 @@ def test_resize_mode_is_stored_and_older_job_files_read_the_default(tmp_path: Pa
     the option (no "resize" key) reads back with today's behaviour, opencv."""
     from vlmbatch.jobs.config import from_json, to_json
 
-    cfg = run_config(parse(["submit", "m.jsonl", "--job", str(tmp_path), "--resize",
-                            "reference"]))
+    cfg = typed_run_config(parse(["submit", "m.jsonl", "--job", str(tmp_path), "--resize",
+                                  "reference"]))
     assert cfg.model.resize == "reference"
     assert from_json(RunConfig, json.loads(json.dumps(to_json(cfg)))) == cfg
     older = json.loads(JOB_JSON)
