@@ -292,13 +292,15 @@ def test_a_hub_id_as_model_says_nothing_is_downloaded(argv: list[str],
 
 # what main's code (before the command layer) serialised for RunConfig(manifest="m.jsonl",
 # engine=EngineConfig(cache_bytes=3 << 20, yes_words=("si", "oui")),
-# prepare=PrepareConfig(max_image_bytes=2 << 20)): job.json's config, version 6
+# prepare=PrepareConfig(max_image_bytes=2 << 20)): job.json's config, version 6 (with
+# --resize's "resize" since; a file without it reads back with the default)
 JOB_JSON = (
     '{"manifest": "m.jsonl", "images": null, "dataset": null, "image_column": "image", '
     '"id_column": null, "questions_column": null, "policy": null, "out": null, '
     '"images_per_batch": 16, "threads": null, "progress": true, "model": {"path": null, '
     '"device": "cpu", "dtype": "float32", "max_tiles": null, "tiling": "reduced", '
-    '"upscale_limit": 1.0, "max_image_tokens": null, "llm_quant": "none", "quant": "none"}, '
+    '"resize": "opencv", "upscale_limit": 1.0, "max_image_tokens": null, "llm_quant": "none", '
+    '"quant": "none"}, '
     '"engine": {"engine": "torch", "vit_backend": "auto", "cuda_graphs": true, '
     '"max_batch_tokens": 8192, "max_batch_tiles": 64, "vit_max_batch": 32, "compile_llm": '
     'false, "prefix_cache": true, "block_size": 16, "cache_bytes": 3145728, '
@@ -322,3 +324,19 @@ def test_a_job_json_reads_and_writes_as_before(tmp_path: Path) -> None:
                             "--yes", "si,oui", "--max-image-mib", "2"]))
     assert json.dumps(to_json(cfg)) == JOB_JSON
     assert from_json(RunConfig, json.loads(JOB_JSON)) == cfg and RunConfig.VERSION == 6
+
+
+def test_resize_mode_is_stored_and_older_job_files_read_the_default(tmp_path: Path) -> None:
+    """--resize lands in job.json's model config and reads back; a job.json written before
+    the option (no "resize" key) reads back with today's behaviour, opencv."""
+    from vlmbatch.jobs.config import from_json, to_json
+
+    cfg = typed_run_config(parse(["submit", "m.jsonl", "--job", str(tmp_path), "--resize",
+                                  "reference"]))
+    assert cfg.model.resize == "reference"
+    assert from_json(RunConfig, json.loads(json.dumps(to_json(cfg)))) == cfg
+    older = json.loads(JOB_JSON)
+    del older["model"]["resize"]
+    assert from_json(RunConfig, older).model.resize == "opencv"
+    with pytest.raises(SystemExit):
+        parse(["run", "m.jsonl", "--resize", "lanczos"])

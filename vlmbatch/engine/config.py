@@ -28,7 +28,7 @@ from vlmbatch.common.options import COUNT, MIB, WORDS, N, opt
 from vlmbatch.common.registry import Registry
 from vlmbatch.models.embedding import POOLINGS, EmbeddingSpec
 from vlmbatch.models.paths import DEFAULT_EMBED_MODEL, DEFAULT_MODEL
-from vlmbatch.preprocessing.tiling import TILING_MODES
+from vlmbatch.preprocessing.tiling import RESIZE_MODES, TILING_MODES
 from vlmbatch.vit_trt import RUNNERS
 
 # the engines by name, each builder as "module:attr" (engine/build.py builds them): listing
@@ -128,6 +128,15 @@ class ModelConfig:
         "--tiling", choices=TILING_MODES, help="reduced (default): fewest tiles that keep the "
         "image's resolution, letterboxed (docs/preprocessing.md); reference: InternVL's "
         "dynamic_preprocess, for parity with the model card"))
+    # "opencv" (our INTER_AREA/INTER_CUBIC policy) | "reference" (the pixels of the family's
+    # transformers image processor, for parity with a transformers or vLLM pipeline) |
+    # "pillow" (transformers' pil-backend processors, its choice without torchvision)
+    resize: str = field(default="opencv", metadata=opt(
+        "--resize", choices=RESIZE_MODES, help="opencv (default): INTER_AREA when shrinking, "
+        "INTER_CUBIC when enlarging; reference: the pixels of the family's transformers image "
+        "processor (torchvision's or Pillow's bicubic, as it uses; vLLM's), to reproduce a "
+        "transformers or vLLM pipeline's P(yes) exactly; pillow: Pillow's bicubic, as "
+        "transformers' processors without torchvision (docs/preprocessing.md#resize-modes)"))
     upscale_limit: float = field(default=1.0, metadata=opt(
         "--upscale-limit", parse=float, metavar="FACTOR", help="reduced tiling: most a tile "
         "count may enlarge an image (default %(default)s)"))
@@ -160,6 +169,8 @@ class ModelConfig:
             raise ConfigError(f"max_tiles must be >= 1, got {self.max_tiles}")
         if self.tiling not in TILING_MODES:
             raise ConfigError(f"tiling {self.tiling!r} not one of {TILING_MODES}")
+        if self.resize not in RESIZE_MODES:
+            raise ConfigError(f"resize {self.resize!r} not one of {RESIZE_MODES}")
         if self.max_image_tokens is not None and self.max_image_tokens < 1:
             raise ConfigError(f"max_image_tokens must be >= 1, got {self.max_image_tokens}")
         if not self.upscale_limit > 0:
