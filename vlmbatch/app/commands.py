@@ -149,12 +149,13 @@ Command = Callable[[CommandLine, FaultHooks], int]
 
 _MODEL = "vlmbatch.app.model_commands"  # the commands that load or run a model
 _LIGHT = "vlmbatch.app.commands"  # this module
-_LABELS = "vlmbatch.app.label_commands"  # calibrate and report: no model
+_LABELS = "vlmbatch.app.label_commands"  # calibrate, report, review: no model
 COMMANDS: Registry[Command] = Registry("command", {
     "run": f"{_MODEL}:cmd_run", "submit": f"{_MODEL}:cmd_submit",
     "status": f"{_LIGHT}:cmd_status", "cancel": f"{_LIGHT}:cmd_cancel",
     "resume": f"{_MODEL}:cmd_resume", "results": f"{_LIGHT}:cmd_results",
     "eval": f"{_MODEL}:cmd_eval", "calibrate": f"{_LABELS}:cmd_calibrate",
-    "report": f"{_LABELS}:cmd_report", "quantize": f"{_MODEL}:cmd_quantize",
+    "report": f"{_LABELS}:cmd_report", "review": f"{_LABELS}:cmd_review",
+    "quantize": f"{_MODEL}:cmd_quantize",
     "export-vit": f"{_MODEL}:cmd_export_vit", "embed": f"{_MODEL}:cmd_embed",
     "serve": f"{_MODEL}:cmd_serve"})
