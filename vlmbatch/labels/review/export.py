@@ -11,7 +11,8 @@ One task per image (``build_tasks``)::
   those itself, an object store through a cloud storage connected to the project); a local
   file as a URL of Label Studio's local-files storage, ``/data/local-files/?d=PATH`` with
   PATH relative to ``LOCAL_FILES_DOCUMENT_ROOT`` (``document_root``; docs/labels.md says how
-  to start Label Studio so that it serves them). A table's row or a shard's member has no
+  to start Label Studio so that it serves them: it serves a file only from a folder that a
+  project's local-files storage names, which ``studio.py`` connects with ``--url``). A table's row or a shard's member has no
   URL: such images are skipped, and counted.
 - one prediction: the model's choice for every question asked of the image (a yes/no
   question: a Choices control of ``yes``/``no``; a label set: one over its labels), the
@@ -34,7 +35,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote, urlparse
 from xml.sax.saxutils import quoteattr
 
 from vlmbatch.common.atomic import replaced_on_success
@@ -75,6 +76,7 @@ class Exported:
     controls: list[Control]
     model_version: str
     skipped: dict[str, int] = field(default_factory=dict)
+    folders: set[Path] = field(default_factory=set)  # where the local images exported are
 
 
 def job_fingerprint(job: Path) -> str:
@@ -93,17 +95,26 @@ def job_fingerprint(job: Path) -> str:
     return fingerprint(m.model_dir, m.dtype, quant)
 
 
-def image_url(item: ImageItem, document_root: Path) -> str | None:
-    """The URL Label Studio shows ``item``'s image from; None for an image with none (a
-    table's row, a shard's member, a data: URL) or a local file outside ``document_root``."""
+def local_path(item: ImageItem) -> Path | None:
+    """Where ``item``'s image is on this machine (absolute); None when it is not a file."""
     src = item.image
     if not isinstance(src, str) or src.startswith("data:"):
         return None
     s = scheme(src)
-    if s in URL_SCHEMES:
-        return src
-    path = Path(src[len("file://"):]) if s == "file" else Path(src)
-    path = (item.base_dir / path).resolve()
+    if s not in ("", "file"):
+        return None
+    path = Path(unquote(urlparse(src).path)) if s == "file" else Path(src)
+    return (item.base_dir / path).resolve()
+
+
+def image_url(item: ImageItem, document_root: Path) -> str | None:
+    """The URL Label Studio shows ``item``'s image from; None for an image with none (a
+    table's row, a shard's member, a data: URL) or a local file outside ``document_root``."""
+    if isinstance(item.image, str) and scheme(item.image) in URL_SCHEMES:
+        return item.image
+    path = local_path(item)
+    if path is None:
+        return None
     try:
         rel = path.relative_to(Path(document_root).resolve())
     except ValueError:
@@ -151,6 +162,7 @@ def build_tasks(job: Path, document_root: Path = Path("/"), questions: Sequence[
     scored_tasks: list[tuple[float, int, dict[str, Any]]] = []
     controls: dict[str, Control] = {}
     skipped: dict[str, int] = {}
+    folders: set[Path] = set()
     for n, (item, lines) in enumerate(_answered(job, questions)):
         if not lines:
             skipped["no answer"] = skipped.get("no answer", 0) + 1
@@ -159,6 +171,8 @@ def build_tasks(job: Path, document_root: Path = Path("/"), questions: Sequence[
         if url is None:
             skipped["no URL"] = skipped.get("no URL", 0) + 1
             continue
+        if url.startswith(LOCAL_FILES):
+            folders.add(Path(str(local_path(item))).parent)
         for s in lines:
             if s.question_id in RESERVED:
                 raise ManifestError(f"{job}: question id {s.question_id!r} is a name Label "
@@ -176,7 +190,7 @@ def build_tasks(job: Path, document_root: Path = Path("/"), questions: Sequence[
         raise ManifestError(f"{job}: no task to export" + (
             f" within log-odds {borderline} of a threshold" if borderline is not None else "")
             + (f" ({', '.join(f'{v} {k}' for k, v in skipped.items())})" if skipped else ""))
-    return Exported(tasks, list(controls.values()), version, skipped)
+    return Exported(tasks, list(controls.values()), version, skipped, folders)
 
 
 def _check_named(questions: Sequence[str], controls: dict[str, Control], job: Path) -> None:

@@ -37,7 +37,7 @@ def export_tasks(job: Path, out: Path | None, config_out: Path | None,
          f"{ex.model_version}{skipped}")
     if studio is not None:
         project, title = push_tasks(studio, studio.project or Path(job).resolve().name, xml,
-                                    ex.tasks)
+                                    ex.tasks, ex.folders)
         _say(f"imported {len(ex.tasks)} tasks into project {project} ({title!r}) at "
              f"{studio.url}")
     return len(ex.tasks)

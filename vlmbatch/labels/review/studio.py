@@ -16,7 +16,9 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -79,18 +81,41 @@ class Api:
             page += 1
 
 
-def push_tasks(studio: Studio, title: str, config: str, tasks: list[dict[str, Any]]
-               ) -> tuple[int, str]:
+def push_tasks(studio: Studio, title: str, config: str, tasks: list[dict[str, Any]],
+               folders: Iterable[Path] = ()) -> tuple[int, str]:
     """Import ``tasks`` into the project ``title`` (created with ``config`` when there is
-    none of that title, its configuration replaced by ``config`` otherwise); (id, title)."""
+    none of that title, its configuration replaced by ``config`` otherwise), ``folders``
+    (of local images) connected to it as local-files storages; (id, title)."""
     api = Api(studio)
     p = api.find(title)
     if p is None:
         p = api.call("POST", "/api/projects", {"title": title, "label_config": config})
     elif (p.get("label_config") or "").strip() != config.strip():
         api.call("PATCH", f"/api/projects/{p['id']}", {"label_config": config})
+    _connect(api, int(p["id"]), folders)
     api.call("POST", f"/api/projects/{p['id']}/import", tasks)
     return int(p["id"]), str(p["title"])
+
+
+def outermost(folders: Iterable[Path]) -> list[Path]:
+    """The folders not inside another of them, sorted."""
+    out: list[Path] = []
+    for f in sorted(set(folders)):
+        if not any(o == f or o in f.parents for o in out):
+            out.append(f)
+    return out
+
+
+def _connect(api: Api, project: int, folders: Iterable[Path]) -> None:
+    """A local-files storage per folder (not synced: it only lets Label Studio serve the
+    files under it to this project's users), unless one already covers it."""
+    have = [Path(s["path"]) for s in api.call("GET", f"/api/storages/localfiles?project="
+                                              f"{project}")]
+    for f in outermost(folders):
+        if not any(h == f or h in f.parents for h in have):
+            api.call("POST", "/api/storages/localfiles", {
+                "project": project, "path": str(f), "use_blob_urls": False,
+                "title": f"vlmbatch {f.name}"})
 
 
 def pull_export(studio: Studio) -> list[dict[str, Any]]:
