@@ -32,8 +32,8 @@ from vlmbatch.app.config import (
     QuantizeConfig,
     ReportConfig,
     ResultsConfig,
-    ReviewConfig,
     ResumeConfig,
+    ReviewConfig,
     SubmitConfig,
 )
 from vlmbatch.app.server.config import ServerConfig

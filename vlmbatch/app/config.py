@@ -36,7 +36,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vlmbatch.common.options import COUNT, N, WORDS, Unit, opt, probability, reuse
+from vlmbatch.common.options import COUNT, WORDS, N, Unit, opt, probability, reuse
 from vlmbatch.engine.config import (
     DEFAULT_EMBED_MODEL,
     EMBED_GROUP,

@@ -29,7 +29,6 @@ from vlmbatch.jobs.errors import ManifestError, brief
 from vlmbatch.labels.review.export import IMAGE_ID, RESERVED
 
 
-
 @dataclass(frozen=True)
 class Decision:
     """One annotator's answer to one question of one task."""

@@ -12,8 +12,8 @@ One task per image (``build_tasks``)::
   file as a URL of Label Studio's local-files storage, ``/data/local-files/?d=PATH`` with
   PATH relative to ``LOCAL_FILES_DOCUMENT_ROOT`` (``document_root``; docs/labels.md says how
   to start Label Studio so that it serves them: it serves a file only from a folder that a
-  project's local-files storage names, which ``studio.py`` connects with ``--url``). A table's row or a shard's member has no
-  URL: such images are skipped, and counted.
+  project's local-files storage names, which ``studio.py`` connects with ``--url``). A
+  table's row or a shard's member has no URL: such images are skipped, and counted.
 - one prediction: the model's choice for every question asked of the image (a yes/no
   question: a Choices control of ``yes``/``no``; a label set: one over its labels), the
   control named by the question's id (``label_config``);
