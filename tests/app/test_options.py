@@ -44,7 +44,7 @@ VALUES = {"N": "5", "TOKENS": "7", "MIB": "3", "MS": "2", "SECONDS": "5", "PIXEL
           "COLUMN": "c", "WORD,WORD": "si,oui", "HOST,HOST": "a.com", "P": "0.5", "R": "0.5",
           "F": "0.5", "FILE": "f.jsonl", "P.yaml": "p.yaml", "PATH": "o.jsonl",
           "IMAGE": "a.png", "D": "1.5", "URL": "http://127.0.0.1:9", "TOKEN": "t",
-          "TITLE|ID": "p"}
+          "TITLE|ID": "p", "OLD_JOB": "old"}
 POSITIONAL = {"manifest": ["m.jsonl"], "results": ["r.jsonl"], "texts": ["hello"]}
 # what each command needs typed to be valid: (option key -> tokens)
 BASE: dict[str, dict[str, list[str]]] = {

@@ -94,6 +94,12 @@ class ResumeConfig:
     fetch_timeout: float | None = reuse(PrepareConfig, "fetch_timeout", None, shown=AS_SUBMITTED)
     fetch_retries: int | None = reuse(PrepareConfig, "fetch_retries", None, shown=AS_SUBMITTED)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    reuse: Path | None = field(default=None, metadata=opt(  # jobs/reuse.py
+        "--reuse", parse=Path, metavar="OLD_JOB", help="copy the answers of an earlier job "
+        "where the image's content, the question (text, choices, instruction, system turn) "
+        "and the model (fingerprint, tiling, answer settings) are the same, re-deciding a "
+        "changed threshold from its P(yes); compute only the rest (submit: kept for the "
+        "job's runs)"))
 
     def __post_init__(self) -> None:
         check_threads(self.threads, self.preprocess_threads)
@@ -113,6 +119,7 @@ class SubmitConfig:
         "--job", parse=Path, metavar="DIR", help="the job folder to create"))
     wait: bool = field(default=False, metadata=opt(
         "--wait", action="true", help="run the job now"))
+    reuse: Path | None = reuse(ResumeConfig, "reuse", None)
 
     def __post_init__(self) -> None:
         if self.job is None:
