@@ -144,3 +144,23 @@ def test_reuse_follows_content_not_path(jobs: dict[str, Path], tmp_path: Path) -
     assert r2.of(ImageItem("z", str(IMAGES[3]), q))["r"]["p_yes"] == \
         _lines(jobs["old"])[IMAGES[3].stem, "red"]["p_yes"]
     assert sum(len(v) for v in r2.answers.values()) == 5 * 4  # image 2's four answers dropped
+
+
+def test_the_command_line_says_what_was_reused(jobs: dict[str, Path],
+                                               capsys: pytest.CaptureFixture) -> None:
+    """`run MANIFEST --reuse OLD_JOB` (a job kept in a temporary folder) prints the same lines
+    as the job submitted with --reuse, and says how many answers it copied."""
+    from vlmbatch.app.cli import main
+    tmp = jobs["tmp"]
+    out = tmp / "cli.jsonl"
+    capsys.readouterr()
+    assert main(["run", str(tmp / "full.jsonl"), "--policy", str(tmp / "full.yaml"),
+                 "--reuse", str(jobs["old"]), "-o", str(out), "--threads", "2",
+                 "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "18 answers reused from" in err and "(18 reused, 12 computed)" in err, err
+    got = {(d["id"], d["question_id"]): d for d in map(json.loads, out.read_text().splitlines())}
+    want = _lines(jobs["reused"])
+    assert got.keys() == want.keys()
+    for k in got:  # a results line is the stored line less its token counts
+        assert got[k] == {f: want[k][f] for f in got[k]}, (k, got[k], want[k])
