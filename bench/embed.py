@@ -24,7 +24,7 @@ Rows, each timed over ``--rounds`` interleaved rounds, best kept:
 
 Printed: embeddings/s per row and set, each row's ratio to transformers, the agreement, and
 the process's peak RSS after each row's set-up. The agreement is checked: a minimum cosine
-under ``--check-cos`` (0.999; measured 0.9997-0.9998, ``docs/embeddings.md``) exits 1 after
+under ``--check-cos`` (0.999; what it measured: ``docs/embeddings.md``) exits 1 after
 the tables, naming the set on stderr. Same torch threads for all (``--threads``).
 Not a test: timings on shared machines are noisy, so compare rows of one run.
 """

@@ -28,6 +28,7 @@ from a process of its own (``serve``).
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import threading
 import time
@@ -38,6 +39,14 @@ from urllib.parse import unquote
 
 CHUNK = 64 << 10
 HOLD_S = 30.0  # the longest a /hold/ request waits for the gate
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now (the tests' one home for it:
+    another process may take it before the caller binds, so bind soon after)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class LoopbackServer:

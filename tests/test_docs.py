@@ -10,14 +10,19 @@
   there.
 - ``docs/structure.md``'s layer table and its list of optional imports are the ones
   ``tests/test_layers.py`` enforces.
+- Figures are stated once, in ``docs/figures.md``: each ``figures.md#row`` a page or a
+  docstring of ``vlmbatch/``, ``bench/``, ``scripts/`` cites is a named row there, and the
+  readers' fuzz count there (and per test in ``docs/reliability.md``) is what
+  ``tests/jobs/test_fuzz_readers.py``'s ``fuzz(N)`` settings run.
 
 Each check is a function of the text, and the last tests show each one failing on a broken
 input (an unknown option, a misspelt subcommand, a dead link, a missing anchor, a stale path,
-a long README).
+a long README, a fuzz count that is not the tests').
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import io
@@ -166,8 +171,9 @@ def slug(heading: str) -> str:
 
 
 def anchors(text: str) -> set[str]:
-    """Every heading's anchor (a repeated heading's ``-1``, ``-2``, ... too)."""
-    out: set[str] = set()
+    """Every heading's anchor (a repeated heading's ``-1``, ``-2``, ... too), and every
+    ``<a id="NAME">`` (a named table row)."""
+    out: set[str] = set(re.findall(r'<a id="([\w-]+)">', text))
     for h in re.findall(r"^#{1,6} (.+)$", re.sub(r"^```.*?^```", "", text, flags=re.M | re.S),
                         flags=re.M):
         s = slug(h)
@@ -268,6 +274,66 @@ def test_structure_md_lists_the_optional_imports_the_layer_test_allows() -> None
     assert optional_named(text) == OPTIONAL
 
 
+# --- figures stated once ----------------------------------------------------------------
+
+FIGURES = ROOT / "docs" / "figures.md"
+FUZZ_TESTS = ROOT / "tests" / "jobs" / "test_fuzz_readers.py"
+
+
+def figure_refs_in_code() -> dict[str, set[str]]:
+    """``figures.md#ROW`` cited by each ``.py`` of ``vlmbatch/``, ``bench/``, ``scripts/``."""
+    out = {}
+    for top in ("vlmbatch", "bench", "scripts"):
+        for f in sorted((ROOT / top).rglob("*.py")):
+            if refs := set(re.findall(r"figures\.md#([\w-]+)", f.read_text())):
+                out[rel(f)] = refs
+    return out
+
+
+def fuzz_settings(source: str) -> dict[str, int]:
+    """Each test function's ``N``: the ``@fuzz(N)`` decorating a function inside it."""
+    out = {}
+    for test in ast.parse(source).body:
+        if isinstance(test, ast.FunctionDef) and test.name.startswith("test_"):
+            for d in (d for node in ast.walk(test) if isinstance(node, ast.FunctionDef)
+                      for d in node.decorator_list):
+                if isinstance(d, ast.Call) and getattr(d.func, "id", "") == "fuzz":
+                    out[test.name] = out.get(test.name, 0) + ast.literal_eval(d.args[0])
+    return out
+
+
+def fuzz_stated(figures: str, reliability: str) -> tuple[int, dict[str, int]]:
+    """The total the ``reader-fuzz`` row of figures.md states (``**N** generated``), and the
+    cases reliability.md's table gives each test (``| N ... | `test_x` |``)."""
+    row = next(ln for ln in figures.splitlines() if '<a id="reader-fuzz">' in ln)
+    found = re.search(r"\*\*([\d,]+)\*\* generated", row)
+    per = re.findall(r"^\|[^|]+\| ([\d,]+)[^|]*\|[^|]+\| `(test_\w+)` \|$", reliability,
+                     flags=re.M)
+    return (int(found.group(1).replace(",", "")) if found else -1,
+            {name: int(n.replace(",", "")) for n, name in per})
+
+
+def fuzz_problems(source: str, figures: str, reliability: str) -> list[str]:
+    run = fuzz_settings(source)
+    total, per = fuzz_stated(figures, reliability)
+    problems = [] if total == sum(run.values()) else [
+        f"docs/figures.md#reader-fuzz: {total:,} generated, the tests run {sum(run.values()):,}"]
+    return problems + [f"docs/reliability.md: {name} {per.get(name)}, the test runs {n:,}"
+                       for name, n in sorted(run.items()) if per.get(name) != n]
+
+
+def test_each_figure_cited_from_code_is_a_row_of_figures_md() -> None:
+    rows = anchors(FIGURES.read_text())
+    missing = {f: sorted(refs - rows) for f, refs in figure_refs_in_code().items()
+               if refs - rows}
+    assert not missing, f"figures.md rows cited but not there: {missing}"
+
+
+def test_the_fuzz_counts_stated_are_the_tests_settings() -> None:
+    assert fuzz_problems(FUZZ_TESTS.read_text(), FIGURES.read_text(),
+                         (ROOT / "docs" / "reliability.md").read_text()) == []
+
+
 # --- each check fails on a broken input ------------------------------------------------
 
 def test_the_command_check_catches_an_unknown_option_and_subcommand() -> None:
@@ -307,3 +373,14 @@ def test_the_structure_checks_read_a_table_and_a_list() -> None:
         {"vlmbatch"}, {"vlmbatch.app", "vlmbatch.jobs"}]
     assert optional_named("a function imports only an optional\ndependency (ray, onnx: the"
                           ) == {"ray", "onnx"}
+
+
+def test_the_fuzz_check_catches_a_changed_setting() -> None:
+    source = FUZZ_TESTS.read_text()
+    figures, reliability = FIGURES.read_text(), (ROOT / "docs" / "reliability.md").read_text()
+    total = sum(fuzz_settings(source).values())
+    assert fuzz_settings(source)["test_whole_files"] == 800
+    changed = source.replace("@fuzz(800)", "@fuzz(900)")
+    assert fuzz_problems(changed, figures, reliability) == [
+        f"docs/figures.md#reader-fuzz: {total:,} generated, the tests run {total + 100:,}",
+        "docs/reliability.md: test_whole_files 800, the test runs 900"]

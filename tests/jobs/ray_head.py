@@ -45,6 +45,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tests.loopback import free_port
 from tests.waiting import wait_until
 from vlmbatch.jobs.ray_cluster import CLIENT_WAIT_ENV
 
@@ -53,12 +54,6 @@ CLIENT_WAIT_S = 120  # measured: the server process listened 0.6-2.2 s after its
 # the head's environment for Ray Client (both documented in docs/jobs.md)
 HEAD_ENV = {CLIENT_WAIT_ENV: str(CLIENT_WAIT_S), "GRPC_ENABLE_FORK_SUPPORT": "0"}
 LOCK = Path(tempfile.gettempdir()) / "vlmbatch-tests-ray-client.lock"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_listening(*ports: int, timeout_s: float = 60) -> None:

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from tests.jobs.interrupting import recorded, resume, stop, stop_at, wait_recorded
-from tests.jobs.ray_head import RayHead, free_port, ray_client_lock
+from tests.jobs.ray_head import RayHead, ray_client_lock
 from tests.jobs.test_job import ROOT, cli, make_manifest, submit_job
+from tests.loopback import free_port
 from tests.waiting import wait_until
 from vlmbatch.app.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from vlmbatch.jobs.folder import STORE_FILE

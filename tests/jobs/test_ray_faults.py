@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from tests.jobs.interrupting import assert_each_once, stop_at
-from tests.jobs.ray_head import RayHead, free_port, wait_listening
+from tests.jobs.ray_head import RayHead, wait_listening
 from tests.jobs.test_job import ROOT, cli, submit_job
+from tests.loopback import free_port
 from tests.waiting import wait_until
 from vlmbatch.app.cli import EXIT_OK, main
 from vlmbatch.jobs.job import status

@@ -111,13 +111,12 @@ HARMLESS = ("rotary_emb.inv_freq",)  # name endings of checkpoint weights that a
 
 # Repeat K/V per query head instead of SDPA's ``enable_gqa``? No, on both devices, measured
 # with ``bench/attention.py`` at Qwen2-0.5B's layout:
-# - CPU: ``enable_gqa`` level for a long prefill, 2-4x faster for short prompts after a cached
-#   prefix, ~20x at decode (docs/engine.md);
+# - CPU: ``enable_gqa`` level for a long prefill, faster for short prompts after a cached
+#   prefix and at decode (the figures: docs/engine.md);
 # - CUDA (H200, bf16, bench/gpu_check.sh, 2026-11-30): ``enable_gqa`` takes the math kernel
 #   (flash takes no mask, memory-efficient no GQA) and expanded K/V the memory-efficient one,
-#   yet ``enable_gqa`` is still faster: expanding costs 0.61x (16 prompts of 32 after 512
-#   cached), 0.79x (4 x 1024) and 0.21x (decode, 64 rows after 600), because the
-#   ``repeat_interleave`` copy costs more than the kernel saves at these sizes.
+#   yet ``enable_gqa`` is still faster in each case measured (docs/figures.md#gpu-gqa),
+#   because the ``repeat_interleave`` copy costs more than the kernel saves at these sizes.
 # Kept as a switch so that tests check both forms agree.
 EXPAND_KV = False
 

@@ -136,7 +136,7 @@ def check_threads(threads: int | None, preprocess_threads: int | None) -> None:
 
 def preprocess_threads_for(given: int | None, device: str) -> int:
     """``given``, or by default 2 on CPU (where the model's torch threads want the cores:
-    bench/prefetch.py on 2 cores, 1.10x for large JPEGs, 1.00x for small images) and up to 8
+    bench/prefetch.py on 2 cores: docs/figures.md#prefetch) and up to 8
     on CUDA (the model leaves the CPU free, so decoding can take every core)."""
     if given is not None:
         return given

@@ -287,8 +287,7 @@ class Scheduler:
         that cohort's answers, parsing its next questions) and this thread took turns
         instead of working at once. Taking what has come lets the clients fall into cohorts
         that overlap: one answered here while the HTTP process handles another
-        (``bench/serve.py``, 32 clients: 0.59-0.69x offline QPM against 0.45-0.58x, p99
-        41-46 ms against 64-181 ms; docs/server.md)."""
+        (``bench/serve.py`` at 32 clients, before and after: docs/figures.md#serve-clients)."""
         try:
             first = self.chat.get(timeout=0.05) if block else self.chat.get_nowait()
         except queue.Empty:

@@ -17,8 +17,8 @@ a factory named in ``RUNNERS`` (the package's ``__init__``) and defined in its m
 
 ``default_backend`` says what ``auto`` means: ``torch`` on the CPU (end to end level with
 onnxruntime and no extra dependency: docs/vision.md), ``tensorrt`` on CUDA when it imports
-(never measured: it has not run anywhere), else ``torch`` (with the graph pool: 1.85x eager
-at batch 1 for the InternViT-300M shape on an H200, docs/gpu.md).
+(never measured: it has not run anywhere), else ``torch`` (with the graph pool, faster than
+eager at small batches on an H200: docs/figures.md#gpu-vit-graph-pool).
 """
 
 from __future__ import annotations

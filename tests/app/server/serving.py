@@ -12,7 +12,6 @@ import base64
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -21,7 +20,9 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from tests.loopback import free_port
 from tests.waiting import wait_until
 from vlmbatch.jobs.folder import STORE_FILE
 from vlmbatch.jobs.store import JobStore
@@ -31,12 +32,6 @@ IMAGES = ROOT / "examples" / "images"
 KEY = "test-key-123"
 DONE = ("completed", "failed", "cancelled")
 BATCH_S = 300.0  # the longest any batch of these tests may take (a hang fails, not a slow row)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def data_url(path: Path) -> str:
@@ -153,8 +148,18 @@ def wait_batch(client: Any, batch_id: str, done: int | None = None,
                       + ("finished" if done is None else f"with {done} requests done"))
 
 
-def upload(client: Any, text: str):  # noqa: ANN201
-    return client.files.create(file=("in.jsonl", text.encode()), purpose="batch")
+def in_engines(server: Server) -> int:
+    """Chat requests sent to the server's engine processes and not answered yet (its
+    ``/metrics``, ``vlmbatch_queue_depth{queue="interactive"}`` summed over engines)."""
+    page = httpx.get(server.url + "/metrics", headers=server.headers, timeout=30).text
+    return int(sum(s.value for fam in text_string_to_metric_families(page)
+                   for s in fam.samples if s.name == "vlmbatch_queue_depth"
+                   and s.labels.get("queue") == "interactive"))
+
+
+def upload(client: Any, text: str, **extra: object):  # noqa: ANN201
+    """``text`` as a batch input file (``extra``: ``files.create``'s other arguments)."""
+    return client.files.create(file=("in.jsonl", text.encode()), purpose="batch", **extra)
 
 
 def create_batch(client: Any, text: str, endpoint: str = "/v1/chat/completions"):  # noqa: ANN201

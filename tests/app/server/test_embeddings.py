@@ -14,7 +14,8 @@ import openai
 import pytest
 
 from tests.app.server.fakes import FakeEmbedBackend, fake_server
-from tests.app.server.serving import IMAGES, data_url, free_port
+from tests.app.server.serving import IMAGES, data_url
+from tests.loopback import free_port
 from vlmbatch.app.server.config import ServerConfig
 
 

@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import threading
-import time
 
 import httpx
 import openai
@@ -31,9 +30,11 @@ from tests.app.server.serving import (
     create_batch,
     data_url,
     engine_pids,
+    in_engines,
     server_fixture,
     wait_batch,
 )
+from tests.waiting import wait_until
 
 QS = ("Is there a red shape?", "Is there a circle?")
 server = server_fixture("--engines", "2", "--images-per-batch", "2",
@@ -111,7 +112,13 @@ def test_engines_killed_requests_503_then_retried_batch_once(server: Server,
         threads = [threading.Thread(target=send, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
-        time.sleep(0.2)  # in the engines (each call slowed by 0.3 s)
+
+        def all_in() -> bool:  # each in an engine or answered, one at least still in
+            answered = len(answers)  # read first: one answered meanwhile is not counted twice
+            inside = in_engines(server)
+            return inside > 0 and answered + inside == len(threads)
+
+        wait_until(all_in, 30, "the 4 requests in the engines (each call slowed by 0.3 s)")
         pids = engine_pids(server)
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
@@ -124,6 +131,7 @@ def test_engines_killed_requests_503_then_retried_batch_once(server: Server,
         if r.status_code == 503:
             assert int(r.headers["retry-after"]) >= 1
             assert r.json()["error"]["code"] in ("engine_restarting",)
+            assert "died" in r.json()["error"]["message"]  # it was in the engine killed
     retrying = server.openai().with_options(max_retries=30)
     r = retrying.chat.completions.create(  # 503s until the engines are back, then answered
         model="vlmbatch", max_tokens=1,

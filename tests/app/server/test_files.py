@@ -15,7 +15,8 @@ import openai
 import pytest
 
 from tests.app.server.fakes import fake_server
-from tests.app.server.serving import IMAGES, batch_lines, data_url, free_port, wait_batch
+from tests.app.server.serving import IMAGES, batch_lines, data_url, upload, wait_batch
+from tests.loopback import free_port
 from vlmbatch.app.server.config import ServerConfig
 
 HELD = "Is the batch held?"
@@ -33,11 +34,6 @@ def served(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
 @pytest.fixture(scope="module")
 def client(served) -> openai.OpenAI:  # noqa: ANN001
     return openai.OpenAI(api_key="none", base_url=served[0] + "/v1", max_retries=0)
-
-
-def upload(client: openai.OpenAI, text: str, **extra: object):  # noqa: ANN201
-    return client.files.create(file=("in.jsonl", text.encode()), purpose="batch",
-                               **extra)  # type: ignore[arg-type]
 
 
 def line(cid: str, q: str = "Is there a red shape?") -> str:

@@ -14,7 +14,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.app.server.fakes import fake_server
-from tests.app.server.serving import IMAGES, chat_body, data_url, free_port
+from tests.app.server.serving import IMAGES, chat_body, data_url
+from tests.loopback import free_port
 from vlmbatch.app.server.config import ServerConfig
 
 Q = "Is there a red shape?"

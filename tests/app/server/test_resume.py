@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -20,19 +19,21 @@ from tests.app.server.serving import (
     chat_body,
     create_batch,
     data_url,
+    in_engines,
     kill_mid_batch,
     pending,
     recorded,
     resume,
     wait_batch,
 )
+from tests.waiting import wait_until
 from vlmbatch.app.cli import EXIT_OK, main
 from vlmbatch.jobs.folder import STORE_FILE
 from vlmbatch.jobs.store import JobStore
 
 N = 30
 SLOW = {"group_delay": 0.25}  # each batch group of 2 then takes >= 0.25 s
-# and each chat engine call 1 s more: a request sent 0.3 s before SIGTERM is still in flight
+# and each chat engine call 1 s more: a request seen in the engine at SIGTERM is in flight
 SLOWER = {**SLOW, "slow_score": 1.0}
 QS = ("Is there a red shape?", "Is there a circle?")
 
@@ -43,8 +44,8 @@ def requests(n: int, images: int) -> list[tuple[str, str, str]]:
 
 
 def in_flight(server: Server) -> tuple[threading.Thread, list[httpx.Response]]:
-    """A chat request sent 0.3 s ago, still in the engine (its call slowed by 1 s): the
-    thread that waits for its answer, and where the answer goes."""
+    """A chat request in the engine (its call slowed by 1 s; waited for until the server
+    counts it there): the thread that waits for its answer, and where the answer goes."""
     got: list[httpx.Response] = []
     body = chat_body(data_url(IMAGES / "scene_07.png"), QS[0])
 
@@ -54,7 +55,8 @@ def in_flight(server: Server) -> tuple[threading.Thread, list[httpx.Response]]:
 
     t = threading.Thread(target=send)
     t.start()
-    time.sleep(0.3)
+    wait_until(lambda: got or in_engines(server) > 0, 30, "the chat request in the engine")
+    assert not got, got  # answered before it was seen in the engine: the call is not slowed
     return t, got
 
 
