@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tests.loopback import free_port
 from tests.waiting import wait_until
 
 VERSION = "1.23.2"
@@ -56,12 +56,6 @@ class LabelStudio:
         return json.loads(data) if data and data.lstrip()[:1] in (b"[", b"{") else data
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _healthy(url: str) -> bool:
     with urllib.request.urlopen(url + "/health", timeout=5) as r:
         return r.status == 200
@@ -71,7 +65,7 @@ def _healthy(url: str) -> bool:
 def label_studio(data_dir: Path, document_root: Path) -> Iterator[LabelStudio]:
     """Label Studio serving ``data_dir``'s database on a free loopback port, local files
     from under ``document_root``."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "LABEL_STUDIO_USERNAME": "reviewer@example.com",
            "LABEL_STUDIO_PASSWORD": "a-long-test-password", "LABEL_STUDIO_USER_TOKEN": TOKEN,
            "LABEL_STUDIO_ENABLE_LEGACY_API_TOKEN": "true",
