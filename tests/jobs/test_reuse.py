@@ -6,6 +6,7 @@ computed a full run's, and nothing crosses a model or a preprocessing change."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -139,8 +140,13 @@ def test_reuse_follows_content_not_path(jobs: dict[str, Path], tmp_path: Path) -
     assert r.of(ImageItem("y", str(IMAGES[1]), [{"id": "r", "text": "Is it red?"}])) == {}
     # an earlier job's image changed after that job was submitted: its answers are not trusted
     changed = tmp / "images" / IMAGES[2].name
+    before, times = changed.read_bytes(), changed.stat()
     changed.write_bytes(IMAGES[3].read_bytes())
-    r2 = Reuse.open(jobs["old"], cfg)
+    try:
+        r2 = Reuse.open(jobs["old"], cfg)
+    finally:  # as it was, for the other tests of the module
+        changed.write_bytes(before)
+        os.utime(changed, ns=(times.st_atime_ns, times.st_mtime_ns))
     assert r2.of(ImageItem("z", str(IMAGES[3]), q))["r"]["p_yes"] == \
         _lines(jobs["old"])[IMAGES[3].stem, "red"]["p_yes"]
     assert sum(len(v) for v in r2.answers.values()) == 5 * 4  # image 2's four answers dropped
