@@ -174,3 +174,20 @@ def test_export_writes_tasks_and_config(job: tuple[Path, dict], tmp_path: Path) 
     scores = [t["predictions"][0]["score"] for t in tasks]
     assert scores == sorted(scores)
     ET.parse(tmp_path / "c.xml")
+
+
+def test_report_counts_what_was_reviewed(job: tuple[Path, dict[str, list[dict]]],
+                                         tmp_path: Path) -> None:
+    from vlmbatch.labels.report import write_report
+    path, recorded = job
+    reds = {k: v[0] for k, v in recorded.items() if not v[0]["error"]}
+    chosen = sorted(reds)[:7]
+    # the reviewer keeps the model's answer on the first 4, changes it on the other 3
+    lines = [{"id": k, "question_id": "red", "expected": reds[k]["answer"] if n < 4 else
+              ("no" if reds[k]["answer"] == "yes" else "yes")} for n, k in enumerate(chosen)]
+    (tmp_path / "l.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    write_report(path, tmp_path / "r.html", labels=tmp_path / "l.jsonl")
+    page = (tmp_path / "r.html").read_text()
+    assert "vlmbatch review export" in page and "7 answers reviewed." in page
+    assert ('<tr><td>red</td><td class="num">7</td><td class="num">4</td>'
+            '<td class="num">3</td></tr>') in page
