@@ -35,12 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.checks import Checks  # noqa: E402
 from bench.hf_baseline import can_pass_features, load_reference  # noqa: E402
-from vlmbatch.app.embed_eval import COLOURS  # noqa: E402
-from vlmbatch.app.evaluate import easy_vqa_items  # noqa: E402
-from vlmbatch.engine.config import DEFAULT_MODEL, DTYPES, EngineConfig, ModelConfig  # noqa: E402
+from vlmbatch.cli.embed_eval import COLOURS  # noqa: E402
+from vlmbatch.cli.evaluate import easy_vqa_items  # noqa: E402
+from vlmbatch.engine.config import DTYPES, EngineConfig, ModelConfig  # noqa: E402
 from vlmbatch.engine.loading import image_plan_for, load_model, torch_dtype  # noqa: E402
 from vlmbatch.engine.records import Request  # noqa: E402
 from vlmbatch.engine.torch_engine import TorchEngine  # noqa: E402
+from vlmbatch.models.paths import DEFAULT_MODEL  # noqa: E402
 from vlmbatch.preprocessing.decode import decode  # noqa: E402
 from vlmbatch.preprocessing.prepare import PreparedImage  # noqa: E402
 from vlmbatch.preprocessing.reference import pixel_values  # noqa: E402

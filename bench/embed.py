@@ -51,9 +51,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.checks import Checks  # noqa: E402
 from scripts.shapes import make_scene  # noqa: E402
 from vlmbatch import VLM  # noqa: E402
-from vlmbatch.app.embed_eval import COLOURS, SHAPES, caption  # noqa: E402
-from vlmbatch.engine.config import DEFAULT_EMBED_MODEL  # noqa: E402
+from vlmbatch.cli.embed_eval import COLOURS, SHAPES, caption  # noqa: E402
 from vlmbatch.engine.pooling import pool_range  # noqa: E402
+from vlmbatch.models.paths import DEFAULT_EMBED_MODEL  # noqa: E402
 from vlmbatch.preprocessing.reference import pillow_tiles, pixel_values  # noqa: E402
 
 

@@ -52,9 +52,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.checks import Checks  # noqa: E402
 from bench.thread_cpu import CpuSplit, ThreadCpu, process_cpu  # noqa: E402
+from vlmbatch.cli.run import run  # noqa: E402
 from vlmbatch.engine.config import ModelConfig  # noqa: E402
 from vlmbatch.jobs.config import RunConfig  # noqa: E402
-from vlmbatch.jobs.runner import run  # noqa: E402
 from vlmbatch.pipeline.config import PrepareConfig  # noqa: E402
 
 QUESTIONS = ["Is there a red shape?", "Is there a circle?"]

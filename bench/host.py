@@ -137,8 +137,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from vlmbatch.app.api import VLM
-    from vlmbatch.app.evaluate import easy_vqa_set
+    from vlmbatch.api.vlm import VLM
+    from vlmbatch.cli.evaluate import easy_vqa_set
 
     torch.set_num_threads(args.threads)
     import dataclasses

@@ -129,7 +129,8 @@ def one_row(args: argparse.Namespace, manifest: Path, key: str,
 
     from vlmbatch.engine.config import EngineConfig, ModelConfig
     from vlmbatch.jobs.config import RunConfig
-    from vlmbatch.jobs.job import status, submit
+    from vlmbatch.jobs.folder import status
+    from vlmbatch.jobs.job import submit
 
     job = args.work / f"job{args.items}_{key}"
     if job.exists():

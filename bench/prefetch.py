@@ -30,9 +30,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.checks import Checks  # noqa: E402
+from vlmbatch.cli.run import run  # noqa: E402
 from vlmbatch.engine.config import EngineConfig, ModelConfig
 from vlmbatch.jobs.config import RunConfig  # noqa: E402
-from vlmbatch.jobs.runner import run  # noqa: E402
 from vlmbatch.pipeline.config import PrepareConfig  # noqa: E402
 
 

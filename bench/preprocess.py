@@ -39,7 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vlmbatch.preprocessing.decode import DEFAULT_MAX_PIXELS, decode  # noqa: E402
+from vlmbatch.preprocessing.decode import decode  # noqa: E402
+from vlmbatch.preprocessing.limits import DEFAULT_MAX_PIXELS  # noqa: E402
 from vlmbatch.preprocessing.prepare import TilingConfig, prepare, prepare_bytes  # noqa: E402
 from vlmbatch.preprocessing.reference import pillow_tiles, pixel_values  # noqa: E402
 

@@ -74,16 +74,17 @@ from bench.flops import workload_flops  # noqa: E402
 from bench.hf_baseline import Batched, Work, load_reference, per_question  # noqa: E402
 from bench.hf_qwen import QwenBatched, load_qwen_reference, qwen_per_question  # noqa: E402
 from bench.scenes import parse_sizes, scene_set  # noqa: E402
-from vlmbatch.app.evaluate import easy_vqa_set  # noqa: E402
-from vlmbatch.engine.config import DEFAULT_MODEL, DTYPES, EngineConfig  # noqa: E402
+from vlmbatch.cli.evaluate import easy_vqa_set  # noqa: E402
+from vlmbatch.engine.config import DTYPES, EngineConfig  # noqa: E402
 from vlmbatch.engine.loading import load_model, torch_dtype, vision_model  # noqa: E402
 from vlmbatch.engine.scoring import AnswerTokens  # noqa: E402
 from vlmbatch.engine.torch_engine import TorchEngine  # noqa: E402
 from vlmbatch.models.internvl.random import SHAPES, save_random_internvl  # noqa: E402
+from vlmbatch.models.paths import DEFAULT_MODEL  # noqa: E402
 from vlmbatch.models.qwen_vl.random import SHAPES as QWEN_SHAPES  # noqa: E402
 from vlmbatch.models.qwen_vl.random import save_random_qwen_vl  # noqa: E402
 from vlmbatch.pipeline.drive import answer_group  # noqa: E402
-from vlmbatch.vit_trt import RunnerOptions, make_runner  # noqa: E402
+from vlmbatch.vit_trt.base import RunnerOptions, make_runner  # noqa: E402
 
 
 def _record_prefills(model) -> list:  # noqa: ANN001

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from vlmbatch.app.evaluate import easy_vqa_set
+from vlmbatch.cli.evaluate import easy_vqa_set
 from vlmbatch.engine.config import EngineConfig
 from vlmbatch.engine.loading import load_model, torch_dtype, vision_model
 from vlmbatch.engine.torch_engine import TorchEngine
 from vlmbatch.pipeline.drive import answer_group
-from vlmbatch.vit_trt import RunnerOptions, make_runner
+from vlmbatch.vit_trt.base import RunnerOptions, make_runner
 
 
 def main() -> None:

@@ -38,10 +38,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vlmbatch.app.evaluate import easy_vqa_set  # noqa: E402
-from vlmbatch.app.quantize import quantize_model  # noqa: E402
+from vlmbatch.cli.evaluate import easy_vqa_set  # noqa: E402
+from vlmbatch.cli.quantize import quantize_model  # noqa: E402
 from vlmbatch.engine.build import build_engine  # noqa: E402
-from vlmbatch.engine.config import DEFAULT_MODEL, EngineConfig, ModelConfig  # noqa: E402
+from vlmbatch.engine.config import EngineConfig, ModelConfig  # noqa: E402
+from vlmbatch.models.paths import DEFAULT_MODEL  # noqa: E402
 from vlmbatch.pipeline.drive import answer_group  # noqa: E402
 from vlmbatch.quant.int4 import Int4Linear  # noqa: E402
 

@@ -12,8 +12,9 @@ import cv2
 import numpy as np
 
 from scripts.shapes import make_questions, make_scene
-from vlmbatch.app.evaluate import EvalSet
-from vlmbatch.pipeline.records import ImageItem, Question
+from vlmbatch.cli.evaluate import EvalSet
+from vlmbatch.pipeline.questions import Question
+from vlmbatch.pipeline.records import ImageItem
 
 
 def parse_sizes(text: str) -> list[tuple[int, int]]:

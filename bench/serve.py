@@ -60,8 +60,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import vlmbatch  # noqa: E402
 from bench.checks import Checks  # noqa: E402
-from tests.app.server.serving import Server, chat_body, engine_pids  # noqa: E402
-from vlmbatch.app.evaluate import easy_vqa_set  # noqa: E402
+from tests.server.serving import Server, chat_body, engine_pids  # noqa: E402
+from vlmbatch.cli.evaluate import easy_vqa_set  # noqa: E402
 
 PROFILING = Path(__file__).resolve().parent / "profiling"  # its sitecustomize.py
 

@@ -32,7 +32,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.checks import Checks  # noqa: E402
-from tests.app.server.serving import IMAGES, Server, batch_lines, chat_body  # noqa: E402
+from tests.server.serving import IMAGES, Server, batch_lines, chat_body  # noqa: E402
 from tests.waiting import NeverHappened, wait_until  # noqa: E402
 
 QS = ("Is there a red shape?", "Is there a circle?")

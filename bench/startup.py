@@ -3,8 +3,8 @@ beside ``python -c "import torch"`` and an empty interpreter, each a fresh proce
 round-robin (so the machine's load falls on every row alike), median and fastest of
 ``--rounds``, with the median peak RSS.
 
-The light commands import no torch, transformers, fastapi or OpenCV (``tests/app/
-test_startup.py`` checks that; ``vlmbatch/app/commands.py`` says how). Target: ``--help``
+The light commands import no torch, transformers, fastapi or OpenCV (``tests/cli/
+test_startup.py`` checks that; ``vlmbatch/cli/commands.py`` says how). Target: ``--help``
 under 0.5 s; the bench exits 1 when the median misses ``--target-s`` (after the table).
 ``--before DIR`` adds the same commands run from another source tree of vlmbatch (first on
 ``PYTHONPATH``), e.g. the commit before the lazy CLI, in the same rounds.

@@ -24,11 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.checks import Checks  # noqa: E402
 from scripts.shapes import make_questions, make_scene  # noqa: E402
-from vlmbatch.app.evaluate import EvalSet, easy_vqa_set  # noqa: E402
+from vlmbatch.cli.evaluate import EvalSet, easy_vqa_set  # noqa: E402
 from vlmbatch.engine.build import build_engine  # noqa: E402
-from vlmbatch.engine.config import DEFAULT_MODEL, EngineConfig, ModelConfig  # noqa: E402
+from vlmbatch.engine.config import EngineConfig, ModelConfig  # noqa: E402
+from vlmbatch.models.paths import DEFAULT_MODEL  # noqa: E402
 from vlmbatch.pipeline.drive import answer_group  # noqa: E402
-from vlmbatch.pipeline.records import ImageItem, Question  # noqa: E402
+from vlmbatch.pipeline.questions import Question  # noqa: E402
+from vlmbatch.pipeline.records import ImageItem  # noqa: E402
 
 HELD_OUT_SEED = 987_654  # training draws scenes from seed 0
 

@@ -27,10 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vlmbatch.engine.config import DEFAULT_MODEL  # noqa: E402
 from vlmbatch.engine.loading import load_model, vision_model  # noqa: E402
 from vlmbatch.models.internvl.vision import VisionEncoder, VisionSpec  # noqa: E402
-from vlmbatch.vit_trt import VisionModel  # noqa: E402
+from vlmbatch.models.paths import DEFAULT_MODEL  # noqa: E402
+from vlmbatch.vit_trt.base import VisionModel  # noqa: E402
 from vlmbatch.vit_trt.compile_runner import CompiledRunner  # noqa: E402
 from vlmbatch.vit_trt.export import export_onnx  # noqa: E402
 from vlmbatch.vit_trt.onnx_runner import OnnxRuntimeRunner  # noqa: E402
@@ -92,7 +92,7 @@ def gpu_rows(name: str, model_dir: Path, batches: list[int], reps: int, rounds: 
              compiled: bool) -> None:
     import copy
 
-    from vlmbatch.cudagraph_pool import GraphPool
+    from vlmbatch.cudagraph_pool.pool import GraphPool
 
     vision, tile = encoder(name, model_dir)
     fp16 = copy.deepcopy(vision).to("cuda", torch.float16)

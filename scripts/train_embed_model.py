@@ -29,7 +29,7 @@ at its end (by wall clock, so a slow machine gets the same schedule in fewer ste
 saved folder is the built-in model's checkpoint with the trained weights and jina's
 declarations in config.json (``single_vector_pool_strategy: "mean"``, ``matryoshka_dims``),
 so ``vlmbatch embed`` knows it is an embedding model; its log holds the command, the losses
-and the retrieval figures before and after (``app/embed_eval.py``). ``docs/models.md``, "The
+and the retrieval figures before and after (``cli/embed_eval.py``). ``docs/models.md``, "The
 built-in embedding model".
 """
 
@@ -50,14 +50,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.shapes import make_scene  # noqa: E402
 from scripts.train_default_model import seeded  # noqa: E402
-from vlmbatch.app.embed_eval import caption, evaluate_retrieval, labels  # noqa: E402
+from vlmbatch.cli.embed_eval import caption, evaluate_retrieval, labels  # noqa: E402
 from vlmbatch.engine.build import build_engine  # noqa: E402
-from vlmbatch.engine.config import DEFAULT_MODEL, EmbedConfig, EngineConfig, ModelConfig  # noqa: E402
+from vlmbatch.engine.config import EmbedConfig, EngineConfig, ModelConfig  # noqa: E402
 from vlmbatch.engine.embed import EmbedHandle  # noqa: E402
 from vlmbatch.engine.loading import image_plan_for, load_model  # noqa: E402
 from vlmbatch.engine.pooling import pool_range  # noqa: E402
 from vlmbatch.models.base import weight_key  # noqa: E402
 from vlmbatch.models.decoder import TextDecoder  # noqa: E402
+from vlmbatch.models.paths import DEFAULT_MODEL  # noqa: E402
 from vlmbatch.preprocessing.decode import decode  # noqa: E402
 
 Example = tuple[torch.Tensor, tuple[int, int], str]  # (hidden [T, D] below the trained

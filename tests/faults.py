@@ -49,7 +49,7 @@ def hooks_from(spec: dict) -> FaultHooks:
 
 
 if __name__ == "__main__":
-    from vlmbatch.app.cli import main
+    from vlmbatch.cli.main import main
 
     spec, sep, *argv = sys.argv[1:]
     assert sep == "--", "usage: python -m tests.faults SPEC -- ARGS..."

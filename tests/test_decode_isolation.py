@@ -17,9 +17,10 @@ import easy_vqa
 import numpy as np
 import pytest
 
-from tests.app.server.serving import Server, batch_lines, chat_body, data_url, wait_batch
 from tests.faults import hooks_from
-from vlmbatch.app.cli import EXIT_ITEM_ERRORS, EXIT_OK, main
+from tests.server.serving import Server, batch_lines, chat_body, data_url, wait_batch
+from vlmbatch.cli.commands import EXIT_ITEM_ERRORS, EXIT_OK
+from vlmbatch.cli.main import main
 from vlmbatch.pipeline.records import ErrorKind
 
 

@@ -13,7 +13,7 @@
 - Figures are stated once, in ``docs/figures.md``: each ``figures.md#row`` a page or a
   docstring of ``vlmbatch/``, ``bench/``, ``scripts/`` cites is a named row there, and the
   readers' fuzz count there (and per test in ``docs/reliability.md``) is what
-  ``tests/jobs/test_fuzz_readers.py``'s ``fuzz(N)`` settings run.
+  ``tests/inputs/test_fuzz_readers.py``'s ``fuzz(N)`` settings run.
 
 Each check is a function of the text, and the last tests show each one failing on a broken
 input (an unknown option, a misspelt subcommand, a dead link, a missing anchor, a stale path,
@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_layers import LAYERS, OPTIONAL
-from vlmbatch.app.cli import main
+from vlmbatch.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -246,7 +246,7 @@ def test_the_readme_links_every_doc() -> None:
 # --- docs/structure.md against the layer test ------------------------------------------
 
 def table_layers(text: str) -> list[set[str]]:
-    """The packages of each numbered row of the layer table (``app/`` -> ``vlmbatch.app``;
+    """The packages of each numbered row of the layer table (``cli/`` -> ``vlmbatch.cli``;
     ``__init__.py`` -> ``vlmbatch``), in row order."""
     rows = re.findall(r"^\| (\d+) \| ([^|]+) \|", text, flags=re.M)
     out = []
@@ -277,7 +277,7 @@ def test_structure_md_lists_the_optional_imports_the_layer_test_allows() -> None
 # --- figures stated once ----------------------------------------------------------------
 
 FIGURES = ROOT / "docs" / "figures.md"
-FUZZ_TESTS = ROOT / "tests" / "jobs" / "test_fuzz_readers.py"
+FUZZ_TESTS = ROOT / "tests" / "inputs" / "test_fuzz_readers.py"
 
 
 def figure_refs_in_code() -> dict[str, set[str]]:

@@ -23,14 +23,18 @@ ROOT = Path(__file__).resolve().parents[1]
 # is the import root itself (``vlmbatch/__init__.py``: lazy names; ``__main__.py``)
 LAYERS: list[tuple[str, ...]] = [
     ("vlmbatch",),
-    ("vlmbatch.app",),
+    ("vlmbatch.cli",),
+    ("vlmbatch.api", "vlmbatch.server"),
     ("vlmbatch.labels", "vlmbatch.serving"),
+    ("vlmbatch.outputs",),
     ("vlmbatch.jobs",),
+    ("vlmbatch.inputs",),
     ("vlmbatch.pipeline",),
     ("vlmbatch.engine",),
     ("vlmbatch.vit_trt", "vlmbatch.quant"),
     ("vlmbatch.models",),
-    ("vlmbatch.preprocessing", "vlmbatch.cudagraph_pool", "vlmbatch.common"),
+    ("vlmbatch.preprocessing", "vlmbatch.cudagraph_pool"),
+    ("vlmbatch.common",),
 ]
 ROW = {pkg: i for i, row in enumerate(LAYERS) for pkg in row}
 # the only modules a function may import (extras or a separate env), each with a comment
@@ -181,16 +185,16 @@ def _append(path: Path, text: str) -> None:
 
 def test_an_upward_import_fails(tree: Path) -> None:
     _append(tree / "vlmbatch" / "models" / "config_io.py",
-            "\nfrom vlmbatch.app.cli import main  # noqa\n")
-    upward, cycle = violations(tree)  # vlmbatch.app.cli imports models.config_io: a cycle too
+            "\nfrom vlmbatch.cli.main import main  # noqa\n")
+    upward, cycle = violations(tree)  # vlmbatch.cli.main imports models.config_io: a cycle too
     assert upward.startswith("vlmbatch/models/config_io.py:")
-    assert "imports vlmbatch.app.cli (row 2)" in upward
+    assert "imports vlmbatch.cli.main (row 2)" in upward
     assert cycle.startswith("import cycle: ") and "vlmbatch.models.config_io" in cycle
 
 
 def test_a_sibling_import_fails(tree: Path) -> None:
     _append(tree / "vlmbatch" / "quant" / "int4.py", "\nimport vlmbatch.vit_trt.base  # noqa\n")
-    assert any("vlmbatch.quant (row 7) imports vlmbatch.vit_trt.base (row 7)" in b
+    assert any("vlmbatch.quant (row 10) imports vlmbatch.vit_trt.base (row 10)" in b
                for b in violations(tree))
 
 
@@ -213,10 +217,10 @@ def test_a_type_only_cycle_fails(tree: Path) -> None:
 
 
 def test_a_type_only_upward_import_fails(tree: Path) -> None:
-    _append(tree / "vlmbatch" / "jobs" / "sinks.py",
+    _append(tree / "vlmbatch" / "outputs" / "sinks.py",
             "\nfrom typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
             "    from vlmbatch.labels.read import Scored  # noqa\n")
-    assert any("vlmbatch.jobs (row 4) imports vlmbatch.labels.read (row 3)" in b
+    assert any("vlmbatch.outputs (row 5) imports vlmbatch.labels.read (row 4)" in b
                for b in violations(tree))
 
 
@@ -228,14 +232,14 @@ def test_the_engine_side_importing_the_web_stack_fails(tree: Path, web: str) -> 
 
 
 def test_a_hidden_function_level_import_fails(tree: Path) -> None:
-    sinks = tree / "vlmbatch" / "jobs" / "sinks.py"
+    sinks = tree / "vlmbatch" / "outputs" / "sinks.py"
     _append(sinks, "\n\ndef f() -> None:\n    import yaml  # noqa\n")
     (bad,) = violations(tree)
-    assert "vlmbatch/jobs/sinks.py" in bad and "function-level import of yaml" in bad
+    assert "vlmbatch/outputs/sinks.py" in bad and "function-level import of yaml" in bad
 
 
 def test_an_optional_import_needs_its_comment(tree: Path) -> None:
-    sinks = tree / "vlmbatch" / "jobs" / "sinks.py"
+    sinks = tree / "vlmbatch" / "outputs" / "sinks.py"
     _append(sinks, "\n\ndef f() -> None:\n    import pyarrow\n")
     assert len(violations(tree)) == 1
     _append(sinks, "\n\ndef g() -> None:\n    import ray  # optional: ray\n")

@@ -3,7 +3,7 @@
 OpenCV), and listing a registry's names imports none of its implementations.
 
 Each check imports in a fresh interpreter, which prints the names in ``sys.modules`` at its
-end; ``tests/app/test_startup.py`` runs the CLI itself that way.
+end; ``tests/cli/test_startup.py`` runs the CLI itself that way.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from vlmbatch.common.registry import Registry
-from vlmbatch.engine.build import ENGINES
-from vlmbatch.models import FAMILIES
+from vlmbatch.engine.config import ENGINES
+from vlmbatch.models.registry import FAMILIES
 from vlmbatch.vit_trt import RUNNERS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,9 +25,9 @@ HEAVY = ("torch", "transformers", "fastapi", "cv2")
 LIGHT = ["vlmbatch.common.registry", "vlmbatch.pipeline.config", "vlmbatch.engine.config",
          "vlmbatch.engine.build",
          "vlmbatch.models", "vlmbatch.vit_trt", "vlmbatch.jobs.config", "vlmbatch.jobs.folder",
-         "vlmbatch.jobs.store", "vlmbatch.jobs.lock", "vlmbatch.jobs.export",
-         "vlmbatch.jobs.sinks", "vlmbatch.jobs.manifest", "vlmbatch.jobs.errors",
-         "vlmbatch.jobs.openai_embeddings", "vlmbatch.jobs.embed_sinks"]
+         "vlmbatch.jobs.store", "vlmbatch.jobs.lock", "vlmbatch.outputs.export",
+         "vlmbatch.outputs.sinks", "vlmbatch.inputs.manifest", "vlmbatch.inputs.errors",
+         "vlmbatch.inputs.openai_embeddings", "vlmbatch.outputs.embed_sinks"]
 # each registry and the package its entries must come from
 REGISTRIES: list[tuple[Registry, str]] = [(ENGINES, "vlmbatch.engine"),
                                           (RUNNERS, "vlmbatch.vit_trt"),
@@ -102,11 +102,11 @@ def test_the_entries_are_the_implementations_they_name() -> None:
     from vlmbatch.models.qwen_vl.spec import KINDS
     from vlmbatch.vit_trt import compile_runner, onnx_runner, tensorrt_runner, torch_runner
 
-    assert ENGINES.get("torch") is torch_engine.build_torch
+    assert ENGINES.get("torch") is torch_engine.build_torch_engine
     assert ENGINES.get("lmdeploy") is lmdeploy_engine.build_lmdeploy
     assert [RUNNERS.get(n) for n in ("torch", "compile", "onnxruntime", "onnxruntime-int8",
                                      "tensorrt")] == [
-        torch_runner.build_torch, compile_runner.build_compiled, onnx_runner.build_ort,
+        torch_runner.build_torch_runner, compile_runner.build_compiled, onnx_runner.build_ort,
         onnx_runner.build_ort_int8, tensorrt_runner.build_tensorrt]
     assert FAMILIES.get("internvl") is INTERNVL and isinstance(INTERNVL, InternVL)
     assert set(KINDS) < set(FAMILIES.names())

@@ -9,11 +9,12 @@ import torch.nn.functional as F
 
 from scripts.shapes import make_scene
 from scripts.train_embed_model import frozen_states, losses, pooled, scene_caption
-from vlmbatch.engine.config import DEFAULT_MODEL, EmbedConfig, EngineConfig, ModelConfig
+from vlmbatch.engine.config import EmbedConfig, EngineConfig, ModelConfig
 from vlmbatch.engine.embed import EmbedHandle
 from vlmbatch.engine.loading import image_plan_for, load_model
 from vlmbatch.engine.records import EmbedRequest
 from vlmbatch.engine.torch_engine import TorchEngine
+from vlmbatch.models.paths import DEFAULT_MODEL
 
 
 def test_training_vectors_are_the_served_vectors() -> None:

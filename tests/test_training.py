@@ -15,7 +15,7 @@ import torch
 
 from scripts.shapes import make_questions, make_scene
 from scripts.train_default_model import AUX, TILING, Batcher, model_config, scene_target, train_step
-from vlmbatch.engine.config import DEFAULT_MODEL
+from vlmbatch.models.paths import DEFAULT_MODEL
 from vlmbatch.preprocessing.prepare import prepare
 
 

@@ -2,11 +2,12 @@
 images and texts into embeddings.
 
 One import root: every package lives under ``vlmbatch/`` (the layers of docs/structure.md,
-top to bottom: ``app`` (the CLI, the Python API, the server's HTTP side), ``labels``
-(labelled evaluation, calibration, the report) and ``serving`` (the server's engine side),
-``jobs``, ``pipeline`` (the drive loop), ``engine``
-(the model behind one interface), ``vit_trt`` and ``quant``, ``models``,
-``preprocessing``/``cudagraph_pool``/``common``).
+top to bottom: ``cli`` (the command line and its drivers), ``api`` (the Python API and its
+Ray Data stages) and ``server`` (the server's HTTP side), ``labels`` (labelled evaluation,
+calibration, the report) and ``serving`` (the server's engine side), ``outputs`` (writing
+results), ``jobs`` (the job store and the executors), ``inputs`` (reading inputs),
+``pipeline`` (the drive loop), ``engine`` (the model behind one interface), ``vit_trt`` and
+``quant``, ``models``, ``preprocessing``/``cudagraph_pool``, ``common``).
 
 ``import vlmbatch`` imports nothing heavy: the public names below resolve to their modules
 on first use (module ``__getattr__``), so a process that only prepares images, or the CLI's
@@ -20,14 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 # public name -> "module:attribute", imported on first use
 _LAZY = {
-    "VLM": "vlmbatch.app.api:VLM",
+    "VLM": "vlmbatch.api.vlm:VLM",
     "maxsim": "vlmbatch.engine.pooling:maxsim",
     "Answer": "vlmbatch.pipeline.records:Answer",
     "Embedding": "vlmbatch.pipeline.records:Embedding",
     "EmbedItem": "vlmbatch.pipeline.records:EmbedItem",
     "ErrorKind": "vlmbatch.pipeline.records:ErrorKind",
     "ImageItem": "vlmbatch.pipeline.records:ImageItem",
-    "Question": "vlmbatch.pipeline.records:Question",
+    "Question": "vlmbatch.pipeline.questions:Question",
     "MODEL": "vlmbatch.models.paths:DEFAULT_MODEL",
     "EMBED_MODEL": "vlmbatch.models.paths:DEFAULT_EMBED_MODEL",
     "QWEN_MODEL": "vlmbatch.models.paths:DEFAULT_QWEN_MODEL",
@@ -37,19 +38,13 @@ __all__ = ["EMBED_MODEL", "MODEL", "QWEN_MODEL", "VLM", "Answer", "EmbedItem", "
            "ErrorKind", "ImageItem", "Question", "maxsim"]  # = _LAZY's keys (tested)
 
 if TYPE_CHECKING:
-    from vlmbatch.app.api import VLM
+    from vlmbatch.api.vlm import VLM
     from vlmbatch.engine.pooling import maxsim
     from vlmbatch.models.paths import DEFAULT_EMBED_MODEL as EMBED_MODEL
     from vlmbatch.models.paths import DEFAULT_MODEL as MODEL
     from vlmbatch.models.paths import DEFAULT_QWEN_MODEL as QWEN_MODEL
-    from vlmbatch.pipeline.records import (
-        Answer,
-        Embedding,
-        EmbedItem,
-        ErrorKind,
-        ImageItem,
-        Question,
-    )
+    from vlmbatch.pipeline.questions import Question
+    from vlmbatch.pipeline.records import Answer, Embedding, EmbedItem, ErrorKind, ImageItem
 
 
 def __getattr__(name: str) -> Any:

@@ -2,6 +2,6 @@
 
 import sys
 
-from vlmbatch.app.cli import main
+from vlmbatch.cli.main import main
 
 sys.exit(main())

@@ -1,6 +1,6 @@
 """Profiling of every thread of every process of a run, for ``bench/serve.py --profile DIR``:
 this folder is put first on ``PYTHONPATH``, so each interpreter started with it (the server,
-its engine processes: they inherit the path, ``preprocessing/children.py``) imports this
+its engine processes: they inherit the path, ``common/children.py``) imports this
 module at start-up. With ``VLMBATCH_BENCH_PROFILE=DIR`` set, every thread runs under its own
 ``cProfile.Profile`` (the main thread's from now, the others' from their start), and at exit
 the process writes them merged to ``DIR/<pid>.prof`` (``pstats``), with its command line in

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from vlmbatch.cudagraph_pool import BudgetPool, default_budgets, pack
+from vlmbatch.cudagraph_pool.budget import BudgetPool, default_budgets, pack
 
 
 def test_default_budgets() -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import make_model_dir
-from vlmbatch.cudagraph_pool import capture_hazards
+from vlmbatch.cudagraph_pool.hazards import capture_hazards
 from vlmbatch.engine.loading import load_model
 from vlmbatch.models.internvl.vision import VisionEncoder
 

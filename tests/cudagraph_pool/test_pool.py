@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlmbatch.cudagraph_pool import GraphPool, default_buckets
+from vlmbatch.cudagraph_pool.pool import GraphPool, default_buckets
 
 CUDA = torch.cuda.is_available()
 

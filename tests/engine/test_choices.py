@@ -29,7 +29,8 @@ from vlmbatch.engine.loading import load_model
 from vlmbatch.engine.records import Request
 from vlmbatch.engine.torch_engine import TorchEngine
 from vlmbatch.models.base import ImageOptions, LoadedModel
-from vlmbatch.pipeline.records import Answer, Question, request_of
+from vlmbatch.pipeline.questions import Question
+from vlmbatch.pipeline.records import Answer, request_of
 from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.preprocessing.qwen_vl import PatchGrid
 

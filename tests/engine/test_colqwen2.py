@@ -33,8 +33,8 @@ from vlmbatch.engine.pooling import maxsim
 from vlmbatch.engine.records import EmbedRequest
 from vlmbatch.engine.torch_engine import TorchEngine
 from vlmbatch.models.base import ImageOptions, LoadedModel
+from vlmbatch.models.config_io import read_config
 from vlmbatch.models.embedding import read_embedding_spec
-from vlmbatch.models.io import read_config
 from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.preprocessing.qwen_vl import PatchGrid
 

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlmbatch.app.cli import EXIT_OK, main
+from vlmbatch.cli.commands import EXIT_OK
+from vlmbatch.cli.main import main
+from vlmbatch.cli.run import load_items
 from vlmbatch.engine.build import build_engine
 from vlmbatch.engine.config import EngineConfig, ModelConfig
 from vlmbatch.jobs.config import RunConfig
-from vlmbatch.jobs.runner import load_items
 from vlmbatch.pipeline.drive import answer_group
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,9 +10,10 @@ import json
 
 import pytest
 
-from vlmbatch.app.evaluate import evaluate
-from vlmbatch.engine.config import DEFAULT_MODEL, EngineConfig, ModelConfig
+from vlmbatch.cli.evaluate import evaluate_easy_vqa
+from vlmbatch.engine.config import EngineConfig, ModelConfig
 from vlmbatch.engine.loading import load_model
+from vlmbatch.models.paths import DEFAULT_MODEL
 
 # The committed model measures 0.9985 (7,125 of 7,136 right: docs/models.md, `vlmbatch eval`); the
 # floor is that figure less 3 questions (>= 7,122 right), so a change that costs the model a
@@ -37,7 +38,7 @@ def test_default_model_is_hf_internvl() -> None:
 
 
 def test_easy_vqa_test_accuracy() -> None:
-    r = evaluate(ModelConfig(), EngineConfig(), split="test", progress=False)
+    r = evaluate_easy_vqa(ModelConfig(), EngineConfig(), split="test", progress=False)
     assert r.questions == 7136
     assert r.accuracy >= FLOOR, f"accuracy {r.accuracy:.4f} ({r.correct} right)"
 
@@ -45,8 +46,8 @@ def test_easy_vqa_test_accuracy() -> None:
 def test_easy_vqa_open_questions_are_label_sets() -> None:
     """``eval --open``'s set: easy-vqa's 2,537 open test questions, each asked over the 3
     shapes or the 8 colours, the expected answer among its choices."""
-    from vlmbatch.app.embed_eval import COLOURS, SHAPES
-    from vlmbatch.app.evaluate import easy_vqa_set
+    from vlmbatch.cli.embed_eval import COLOURS, SHAPES
+    from vlmbatch.cli.evaluate import easy_vqa_set
 
     data = easy_vqa_set("test", open_questions=True)
     qs = {(it.id, q.id): q for it in data.items for q in it.questions}
@@ -60,7 +61,7 @@ def test_easy_vqa_open_accuracy(limit: int | None) -> None:
     """``vlmbatch eval --open`` (label sets, exact scoring): docs/models.md's figure is
     0.9976 on all 2,537; the floor is OPEN_FLOOR (the first 200 in CI, all with
     --run-slow)."""
-    r = evaluate(ModelConfig(), EngineConfig(), split="test", limit=limit, progress=False,
+    r = evaluate_easy_vqa(ModelConfig(), EngineConfig(), split="test", limit=limit, progress=False,
                  open_questions=True)
     assert r.questions == (limit or 2537)
     assert r.accuracy >= OPEN_FLOOR, f"accuracy {r.accuracy:.4f} ({r.correct} right)"
@@ -104,6 +105,6 @@ def test_answers_agree_with_pillow_reference_preprocessing() -> None:
 
 
 def evaluate_items():  # noqa: ANN201
-    from vlmbatch.app.evaluate import easy_vqa_items
+    from vlmbatch.cli.evaluate import easy_vqa_items
 
     return easy_vqa_items("test")

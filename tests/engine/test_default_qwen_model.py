@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 
 import vlmbatch
-from vlmbatch.app.evaluate import evaluate
-from vlmbatch.engine.config import DEFAULT_QWEN_MODEL, EngineConfig, ModelConfig
+from vlmbatch.cli.evaluate import evaluate_easy_vqa
+from vlmbatch.engine.config import EngineConfig, ModelConfig
+from vlmbatch.models.paths import DEFAULT_QWEN_MODEL
 
 # The committed model measures 0.9983 (7,124 of 7,136 right: docs/models.md, `vlmbatch eval --model
 # vlmbatch/models/default_qwen_model`); the floor is that figure less 2 questions (>= 7,122
@@ -28,7 +29,7 @@ def test_default_qwen_model_is_hf_qwen2_5_vl() -> None:
 
 
 def test_easy_vqa_test_accuracy() -> None:
-    r = evaluate(ModelConfig(path=DEFAULT_QWEN_MODEL), EngineConfig(), split="test",
+    r = evaluate_easy_vqa(ModelConfig(path=DEFAULT_QWEN_MODEL), EngineConfig(), split="test",
                  progress=False)
     assert r.questions == 7136
     assert r.accuracy >= FLOOR, f"accuracy {r.accuracy:.4f} ({r.correct} right)"

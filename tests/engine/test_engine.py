@@ -12,7 +12,7 @@ from vlmbatch.engine.loading import load_model
 from vlmbatch.engine.records import Request
 from vlmbatch.engine.scoring import AnswerTokens
 from vlmbatch.engine.torch_engine import TorchEngine
-from vlmbatch.models.io import ModelError
+from vlmbatch.models.config_io import ModelError
 from vlmbatch.preprocessing.prepare import prepare
 
 

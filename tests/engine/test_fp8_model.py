@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlmbatch.app.evaluate import easy_vqa_items
+from vlmbatch.cli.evaluate import easy_vqa_items
 from vlmbatch.engine.config import ConfigError, EngineConfig, ModelConfig
 from vlmbatch.engine.loading import load_model
 from vlmbatch.engine.records import Request

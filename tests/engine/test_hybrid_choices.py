@@ -33,7 +33,8 @@ from vlmbatch.engine.config import EngineConfig
 from vlmbatch.engine.loading import load_model
 from vlmbatch.engine.records import Request, Score
 from vlmbatch.models.linear_attention import Branches, GatedDeltaNet
-from vlmbatch.pipeline.records import Answer, Question, request_of
+from vlmbatch.pipeline.questions import Question
+from vlmbatch.pipeline.records import Answer, request_of
 
 TOL = 1e-4
 LABELS = ("a red circle", "hate speech", "no", "blue")  # 7, 9, 1 and 4 tokens here

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from vlmbatch.app.cli import EXIT_BAD_INPUT, main
+from vlmbatch.cli.commands import EXIT_BAD_INPUT
+from vlmbatch.cli.main import main
 from vlmbatch.engine.lmdeploy_engine import (
     LMDeployConfig,
     build_messages,

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from vlmbatch.app.cli import main
-from vlmbatch.app.quantize import quantize_model
-from vlmbatch.engine.config import DEFAULT_MODEL, ConfigError
+from vlmbatch.cli.main import main
+from vlmbatch.cli.quantize import quantize_model
+from vlmbatch.engine.config import ConfigError
 from vlmbatch.engine.loading import load_model
-from vlmbatch.jobs.manifest import read_manifest
-from vlmbatch.models.io import ModelError
+from vlmbatch.inputs.manifest import read_manifest
+from vlmbatch.models.config_io import ModelError
+from vlmbatch.models.paths import DEFAULT_MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = ROOT / "examples/manifest.jsonl"

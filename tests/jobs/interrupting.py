@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from tests.waiting import wait_until
-from vlmbatch.app.cli import EXIT_OK, main
+from vlmbatch.cli.commands import EXIT_OK
+from vlmbatch.cli.main import main
 from vlmbatch.jobs.folder import STORE_FILE, is_job, status
 from vlmbatch.jobs.store import JobStore
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs.datasets_helpers import (
+from tests.inputs.datasets_helpers import (
     answers,
     make_images,
     same,
@@ -23,9 +23,9 @@ from tests.jobs.interrupting import assert_each_once, resume, stop_at
 from tests.jobs.test_job import cli
 from tests.loopback import LoopbackServer
 from tests.s3_server import s3_server
-from vlmbatch.app.cli import EXIT_ITEM_ERRORS, EXIT_OK, main
-from vlmbatch.jobs.folder import STORE_FILE
-from vlmbatch.jobs.job import status
+from vlmbatch.cli.commands import EXIT_ITEM_ERRORS, EXIT_OK
+from vlmbatch.cli.main import main
+from vlmbatch.jobs.folder import STORE_FILE, status
 from vlmbatch.jobs.store import JobStore
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,9 +15,9 @@ from tests.faults import hooks_from
 from tests.jobs.interrupting import resume, stop, wait_recorded
 from tests.jobs.test_job import cli, make_manifest, submit_job
 from tests.waiting import wait_until
-from vlmbatch.app.cli import EXIT_ITEM_ERRORS, EXIT_OK, main
-from vlmbatch.jobs.folder import STORE_FILE
-from vlmbatch.jobs.job import status
+from vlmbatch.cli.commands import EXIT_ITEM_ERRORS, EXIT_OK
+from vlmbatch.cli.main import main
+from vlmbatch.jobs.folder import STORE_FILE, status
 from vlmbatch.jobs.store import JobStore
 from vlmbatch.pipeline.records import ErrorKind
 

@@ -22,9 +22,9 @@ import pytest
 
 from tests.jobs.interrupting import assert_each_once, resume
 from tests.jobs.test_job import make_manifest, submit_job
-from vlmbatch.app.cli import EXIT_CRASH, EXIT_OK, main
-from vlmbatch.jobs.folder import STORE_FILE
-from vlmbatch.jobs.job import status
+from vlmbatch.cli.commands import EXIT_CRASH, EXIT_OK
+from vlmbatch.cli.main import main
+from vlmbatch.jobs.folder import STORE_FILE, status
 from vlmbatch.jobs.store import JobStore
 
 FULL = "disk full (database or disk is full); nothing recorded is lost: free space, then " \
@@ -239,7 +239,7 @@ def _no_work(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(*_: object) -> None:
         raise AssertionError("work started")
 
-    monkeypatch.setattr("vlmbatch.jobs.runner.build_engine", fail)
+    monkeypatch.setattr("vlmbatch.cli.run.build_engine", fail)
     monkeypatch.setattr(JobStore, "answers", fail)
 
 

@@ -13,7 +13,8 @@ import pytest
 
 from tests.jobs.interrupting import assert_each_once, resume, stop_at
 from tests.jobs.test_job import cli, make_manifest
-from vlmbatch.app.cli import EXIT_BAD_INPUT, EXIT_ITEM_ERRORS, EXIT_OK, main
+from vlmbatch.cli.commands import EXIT_BAD_INPUT, EXIT_ITEM_ERRORS, EXIT_OK
+from vlmbatch.cli.main import main
 from vlmbatch.jobs.folder import JOB_FILE, STORE_FILE, status
 from vlmbatch.jobs.store import JobStore
 from vlmbatch.pipeline.records import Embedding

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from tests.jobs.interrupting import assert_each_once, resume, stop, stop_at, wait_recorded
-from vlmbatch.app.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from vlmbatch.cli.commands import EXIT_BAD_INPUT, EXIT_OK
+from vlmbatch.cli.main import main
 from vlmbatch.jobs.config import ExecutorConfig
-from vlmbatch.jobs.folder import STORE_FILE
-from vlmbatch.jobs.job import status
+from vlmbatch.jobs.folder import STORE_FILE, status
 from vlmbatch.jobs.store import JobStore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -261,7 +261,7 @@ def test_damaged_job_folder_is_named(tmp_path: Path, random_model_dir: Path, cap
 def test_cancel_reaches_a_run_that_looks_interrupted(tmp_path: Path,
                                                      random_model_dir: Path) -> None:
     """A run in another pid namespace looks dead from here; cancel still sets the flag."""
-    from vlmbatch.jobs.job import cancel
+    from vlmbatch.jobs.folder import cancel
 
     _, job = submit_job(tmp_path, random_model_dir, 1)
     store = JobStore(job / STORE_FILE)

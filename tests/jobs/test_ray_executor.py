@@ -24,9 +24,9 @@ from tests.jobs.ray_head import RayHead, ray_client_lock
 from tests.jobs.test_job import ROOT, cli, make_manifest, submit_job
 from tests.loopback import free_port
 from tests.waiting import wait_until
-from vlmbatch.app.cli import EXIT_BAD_INPUT, EXIT_OK, main
-from vlmbatch.jobs.folder import STORE_FILE
-from vlmbatch.jobs.job import cancel, status
+from vlmbatch.cli.commands import EXIT_BAD_INPUT, EXIT_OK
+from vlmbatch.cli.main import main
+from vlmbatch.jobs.folder import STORE_FILE, cancel, status
 from vlmbatch.jobs.store import JobStore
 from vlmbatch.pipeline.records import Answer
 
@@ -224,7 +224,7 @@ def test_sigterm_on_a_ray_run_of_a_manifest_keeps_the_lines_answered(
 def test_a_sigterm_while_ray_starts_is_ours_not_rays(monkeypatch) -> None:  # noqa: ANN001
     """ray.init's own handler turns a SIGTERM into SystemExit(15) while it starts Ray;
     init_ray hands it to the CLI's handler instead (exit 143, 'terminated')."""
-    from vlmbatch.app.cli import SIGTERMS, Terminated, _sigterm_as_interrupt
+    from vlmbatch.cli.main import SIGTERMS, Terminated, _sigterm_as_interrupt
     from vlmbatch.jobs.config import RayOptions
     from vlmbatch.jobs.ray_cluster import init_ray
 

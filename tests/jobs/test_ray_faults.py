@@ -24,8 +24,9 @@ from tests.jobs.ray_head import RayHead, wait_listening
 from tests.jobs.test_job import ROOT, cli, submit_job
 from tests.loopback import free_port
 from tests.waiting import wait_until
-from vlmbatch.app.cli import EXIT_OK, main
-from vlmbatch.jobs.job import status
+from vlmbatch.cli.commands import EXIT_OK
+from vlmbatch.cli.main import main
+from vlmbatch.jobs.folder import status
 
 pytest.importorskip("ray")
 

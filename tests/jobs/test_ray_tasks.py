@@ -1,5 +1,5 @@
 """Other models and tasks on Ray, trimmed for CI from the slow tests that check them
-(``tests/app/test_cli_qwen_vl.py::test_ray_gives_the_run_lines``,
+(``tests/cli/test_cli_qwen_vl.py::test_ray_gives_the_run_lines``,
 ``tests/jobs/test_embed_job.py::test_embed_job_on_ray`` and
 ``::test_kill_minus_9_then_resume_embeds_each_item_once``): a Qwen-VL checkpoint answered on
 Ray, and an embedding job on Ray whose driver is killed with -9, then resumed. Each run is a
@@ -16,13 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.app.test_cli_qwen_vl import run_lines
+from tests.cli.test_cli_qwen_vl import run_lines
 from tests.jobs.interrupting import assert_each_once, resume, stop_at
 from tests.jobs.ray_head import RayHead
 from tests.jobs.test_embed_job import stored, submit
 from tests.jobs.test_job import ROOT, cli, make_manifest
 from tests.models.qwen_vl_helpers import save_engine_checkpoint
-from vlmbatch.app.cli import EXIT_ITEM_ERRORS, EXIT_OK, main
+from vlmbatch.cli.commands import EXIT_ITEM_ERRORS, EXIT_OK
+from vlmbatch.cli.main import main
 from vlmbatch.jobs.folder import status
 
 pytest.importorskip("ray")

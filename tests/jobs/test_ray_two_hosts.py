@@ -32,9 +32,9 @@ from tests.jobs import netns
 from tests.jobs.interrupting import wait_recorded
 from tests.jobs.netns import ADDRESSES, Hosts, netns_pair
 from tests.jobs.test_job import ROOT, make_manifest
-from vlmbatch.app.cli import EXIT_OK, main
-from vlmbatch.jobs.folder import STORE_FILE
-from vlmbatch.jobs.job import status
+from vlmbatch.cli.commands import EXIT_OK
+from vlmbatch.cli.main import main
+from vlmbatch.jobs.folder import STORE_FILE, status
 from vlmbatch.jobs.store import JobStore
 
 pytest.importorskip("ray")

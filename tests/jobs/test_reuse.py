@@ -156,7 +156,7 @@ def test_the_command_line_says_what_was_reused(jobs: dict[str, Path],
                                                capsys: pytest.CaptureFixture) -> None:
     """`run MANIFEST --reuse OLD_JOB` (a job kept in a temporary folder) prints the same lines
     as the job submitted with --reuse, and says how many answers it copied."""
-    from vlmbatch.app.cli import main
+    from vlmbatch.cli.main import main
     tmp = jobs["tmp"]
     out = tmp / "cli.jsonl"
     capsys.readouterr()

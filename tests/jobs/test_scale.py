@@ -22,8 +22,7 @@ import pytest
 
 from bench.rss import tree_rss_mib
 from tests.jobs.test_job import ROOT
-from vlmbatch.jobs.folder import STORE_FILE
-from vlmbatch.jobs.job import status
+from vlmbatch.jobs.folder import STORE_FILE, status
 from vlmbatch.jobs.store import JobStore
 
 N = 1_000_000

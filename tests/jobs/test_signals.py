@@ -14,8 +14,9 @@ import pytest
 from tests.jobs.interrupting import stop
 from tests.jobs.test_job import cli, make_manifest, submit_job
 from tests.waiting import wait_until
-from vlmbatch.app.cli import EXIT_OK, main
-from vlmbatch.jobs.job import status
+from vlmbatch.cli.commands import EXIT_OK
+from vlmbatch.cli.main import main
+from vlmbatch.jobs.folder import status
 
 RC = {signal.SIGINT: 130, signal.SIGTERM: 143}
 SAYS = {signal.SIGINT: "vlmbatch: interrupted", signal.SIGTERM: "vlmbatch: terminated (SIGTERM)"}

@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 
 from tests.jobs.test_job import submit_job
-from vlmbatch.app.cli import EXIT_BAD_INPUT, EXIT_ITEM_ERRORS, EXIT_OK, main
+from vlmbatch.cli.commands import EXIT_BAD_INPUT, EXIT_ITEM_ERRORS, EXIT_OK
+from vlmbatch.cli.main import main
 from vlmbatch.jobs.folder import STORE_FILE
 from vlmbatch.jobs.store import JobStore
 from vlmbatch.jobs.store_schema import STORE_VERSION
-from vlmbatch.pipeline.records import Answer, ImageItem, Question
+from vlmbatch.pipeline.questions import Question
+from vlmbatch.pipeline.records import Answer, ImageItem
 
 
 class InterruptedAfterFirst(dict):
@@ -139,15 +141,15 @@ def test_labels_are_kept_and_a_version_2_store_is_upgraded(tmp_path: Path) -> No
     it reads as it was and says version 3; read-only (an archive), it is read unchanged."""
     import sqlite3
 
-    from vlmbatch.jobs.store import item_from_json, item_to_json
+    from vlmbatch.jobs.store import image_item_from_json, image_item_to_json
     from vlmbatch.jobs.store_schema import upgrade, version_of
 
     qs = (Question("red", "Red?", 0.3, expected="no"), Question("q1", "Blue?"),
           Question("c", "Colour?", choices=("a", "b"), expected="b"))
     item = ImageItem("i", "a.png", qs, tmp_path)
-    assert item_from_json(item_to_json(item)) == item
-    assert '"expected": "no"' in item_to_json(item) and '["q1", "Blue?", 0.5]' in \
-        item_to_json(item)  # an unlabelled question keeps its short form
+    assert image_item_from_json(image_item_to_json(item)) == item
+    assert '"expected": "no"' in image_item_to_json(item) and '["q1", "Blue?", 0.5]' in \
+        image_item_to_json(item)  # an unlabelled question keeps its short form
     path = tmp_path / "store.sqlite"
     store = store_of(path, 3)
     store.set("schema", "2")  # what a version-2 vlmbatch wrote

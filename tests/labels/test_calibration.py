@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from vlmbatch.engine.config import ConfigError
-from vlmbatch.jobs.manifest import read_policy
+from vlmbatch.inputs.manifest import read_policy
 from vlmbatch.labels.calibration import Target, calibrate, choose, curve, write_policy
 from vlmbatch.labels.read import scored
 

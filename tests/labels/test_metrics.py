@@ -11,10 +11,10 @@ import itertools
 import numpy as np
 import pytest
 
-from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.labels.evaluation import evaluate, join, report_text
 from vlmbatch.labels.metrics import auroc, average_ranks, confusion, ece, precision_recall_f1
 from vlmbatch.labels.read import Label, Scored, scored
+from vlmbatch.pipeline.questions import ManifestError
 
 TOL = 1e-12
 

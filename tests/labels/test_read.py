@@ -1,5 +1,5 @@
 """Labels and result lines read back (``labels/read.py``), and ``expected`` on manifest and
-policy questions (``jobs/manifest.py``): what is accepted, and each refusal naming its line."""
+policy questions (``inputs/manifest.py``): what is accepted, and each refusal naming its line."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from vlmbatch.jobs.errors import ManifestError
-from vlmbatch.jobs.manifest import check_expected, read_manifest, read_policy
-from vlmbatch.jobs.store import item_from_json, item_to_json
+from vlmbatch.inputs.manifest import read_manifest, read_policy
+from vlmbatch.jobs.store import image_item_from_json, image_item_to_json
 from vlmbatch.labels.read import labelled_manifest, read_labels, read_results
+from vlmbatch.pipeline.questions import ManifestError, check_expected
 
 
 def write(path: Path, lines: list) -> Path:
@@ -34,7 +34,7 @@ def test_expected_is_read_and_a_job_keeps_it(tmp_path: Path) -> None:
                                       "questions": [q("red", "yes"), q("big")]}])
     (item,) = read_manifest(m)
     assert [x.expected for x in item.questions] == ["yes", None]
-    stored = item_from_json(item_to_json(item))
+    stored = image_item_from_json(image_item_to_json(item))
     assert stored == item and [x.expected for x in stored.questions] == ["yes", None]
 
 

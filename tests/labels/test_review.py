@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from tests.labels.report_job import CHOICES, make_job
-from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.labels.read import read_labels
 from vlmbatch.labels.review import export_tasks, import_labels
 from vlmbatch.labels.review.annotations import decisions, keep_latest
 from vlmbatch.labels.review.export import build_tasks, image_url, label_config
+from vlmbatch.pipeline.questions import ManifestError
 from vlmbatch.pipeline.records import ImageItem
 
 THRESHOLDS = {"red": 0.3, "odd": 0.5, "far": 0.5}

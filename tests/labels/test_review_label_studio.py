@@ -19,7 +19,7 @@ import pytest
 
 from tests.label_studio import LabelStudio, label_studio
 from tests.labels.report_job import ROOT, make_job
-from vlmbatch.app.cli import EXIT_OK, main
+from vlmbatch.cli.main import EXIT_OK, main
 from vlmbatch.labels.read import read_labels
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]

@@ -1,5 +1,5 @@
 """Random InternVL checkpoints in the original layout beside their HF-native twins, built by
-the tests (``models/internvl/random_original.py``: the twin's weights under the original
+the tests (``tests/models/random_original.py``: the twin's weights under the original
 names), and the modules of a checkpoint without its tokenizer."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from tests.conftest import TEXT_MODELS, make_model_dir
+from tests.models.random_original import save_original, save_sentencepiece_tokenizer
 from vlmbatch.models.internvl.random import save_random_internvl
-from vlmbatch.models.internvl.random_original import save_original, save_sentencepiece_tokenizer
 from vlmbatch.models.io import raw_state_dict
 from vlmbatch.models.registry import family_for
 

@@ -16,8 +16,9 @@ from safetensors.torch import load_file, save_file
 
 from vlmbatch.engine.loading import load_model, read_spec
 from vlmbatch.models.base import weight_key
+from vlmbatch.models.config_io import ModelError
 from vlmbatch.models.decoder import TextDecoder, TextSpec
-from vlmbatch.models.io import ModelError, raw_state_dict
+from vlmbatch.models.io import raw_state_dict
 from vlmbatch.models.paths import DEFAULT_MODEL, DEFAULT_QWEN_MODEL
 from vlmbatch.models.registry import family_for
 

@@ -13,13 +13,14 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from vlmbatch.engine.config import DEFAULT_EMBED_MODEL, DEFAULT_MODEL, EmbedConfig, EngineConfig
+from vlmbatch.engine.config import EmbedConfig, EngineConfig
 from vlmbatch.engine.embed import EmbedHandle, embedding_checkpoint
 from vlmbatch.engine.loading import load_model
 from vlmbatch.engine.records import EmbedRequest
 from vlmbatch.engine.torch_engine import TorchEngine
+from vlmbatch.models.config_io import ModelError
 from vlmbatch.models.embedding import read_embedding_spec
-from vlmbatch.models.io import ModelError
+from vlmbatch.models.paths import DEFAULT_EMBED_MODEL, DEFAULT_MODEL
 
 
 def test_declarations(tmp_path: Path) -> None:

@@ -26,9 +26,9 @@ from vlmbatch.engine.config import EngineConfig
 from vlmbatch.engine.loading import load_model, read_spec
 from vlmbatch.engine.records import Request
 from vlmbatch.engine.torch_engine import TorchEngine
+from vlmbatch.models.config_io import ModelError
 from vlmbatch.models.internvl.prompt import InternVLPrompts, template_format
 from vlmbatch.models.internvl.templates import TEMPLATES
-from vlmbatch.models.io import ModelError
 from vlmbatch.preprocessing.prepare import prepare
 
 TOL = 1e-6  # original vs HF-native, ours both

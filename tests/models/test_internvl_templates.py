@@ -21,10 +21,10 @@ import pytest
 import sentencepiece as spm
 
 from tests.models.internvl_original_helpers import make_pair
+from tests.models.random_original import save_sentencepiece_tokenizer
 from vlmbatch.engine.loading import load_model
-from vlmbatch.models.internvl.random_original import save_sentencepiece_tokenizer
+from vlmbatch.models.config_io import ModelError
 from vlmbatch.models.internvl.templates import TEMPLATES
-from vlmbatch.models.io import ModelError
 from vlmbatch.models.tokenizer import SentencePieceTokenizer, load_tokenizer
 
 SYS2 = ("你是由上海人工智能实验室联合商汤科技开发的书生多模态大模型，英文名叫InternVL, "

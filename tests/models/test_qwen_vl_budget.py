@@ -12,9 +12,10 @@ import torch
 
 from tests.models.conftest import Pair
 from tests.models.qwen_vl_helpers import rel_err
-from vlmbatch.cudagraph_pool import BudgetPool, capture_hazards
+from vlmbatch.cudagraph_pool.budget import BudgetPool
+from vlmbatch.cudagraph_pool.hazards import capture_hazards
 from vlmbatch.models.base import BudgetForward
-from vlmbatch.models.io import ModelError
+from vlmbatch.models.config_io import ModelError
 from vlmbatch.models.qwen_vl.vision_static import budget_forward, budget_meta
 from vlmbatch.vit_trt.base import VisionModel
 from vlmbatch.vit_trt.export import export_onnx

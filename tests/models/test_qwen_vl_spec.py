@@ -9,7 +9,7 @@ import pytest
 
 from tests.models.conftest import Pair
 from tests.models.qwen_vl_helpers import END, IMAGE, PIXELS, START
-from vlmbatch.models.qwen_vl.spec import SpecError, read_spec, spec_from_config
+from vlmbatch.models.qwen_vl.spec import SpecError, read_qwen_vl_spec, spec_from_config
 
 # Abridged from the hub's Qwen2-VL-2B-Instruct config.json: flat text settings, "mrope"
 HUB_QWEN2_VL = {
@@ -31,7 +31,7 @@ HUB_QWEN2_VL_PRE = {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14
 
 
 def test_saved_config(pair: Pair) -> None:
-    spec = read_spec(pair.path)
+    spec = read_qwen_vl_spec(pair.path)
     cfg = pair.ref.config
     v, t = cfg.vision_config, cfg.text_config
     assert spec.model_type == cfg.model_type
@@ -57,7 +57,7 @@ def test_saved_config(pair: Pair) -> None:
 def test_hub_layout_qwen2_vl(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(HUB_QWEN2_VL))
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(HUB_QWEN2_VL_PRE))
-    spec = read_spec(tmp_path)
+    spec = read_qwen_vl_spec(tmp_path)
     assert spec.vision.hidden == 1280 and spec.vision.intermediate == 5120
     assert spec.vision.out_hidden == spec.text.hidden == 1536
     assert spec.vision.act == "quick_gelu"

@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 
 import vlmbatch.pipeline.preparers
-from vlmbatch.app.cli import main
+from vlmbatch.cli.main import main
 from vlmbatch.pipeline.config import PrepareOptions
-from vlmbatch.pipeline.drive import prepare_group, prepare_item, prepared_groups
-from vlmbatch.pipeline.records import ImageItem, Question
+from vlmbatch.pipeline.drive import prepare_group, prepared_groups
+from vlmbatch.pipeline.preparers import prepare_item
+from vlmbatch.pipeline.questions import Question
+from vlmbatch.pipeline.records import ImageItem
 from vlmbatch.pipeline.task import AnswerTask, ImageRef, Prepared
 from vlmbatch.preprocessing.prepare import PreparedImage, TilingConfig
 

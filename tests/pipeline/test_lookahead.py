@@ -20,9 +20,11 @@ from tests.loopback import LoopbackServer
 from tests.pipeline.test_drive import assert_same, groups_of
 from tests.waiting import wait_until
 from vlmbatch.pipeline.config import PrepareOptions
-from vlmbatch.pipeline.drive import Preparer, prepare_group, prepared_groups, preparer
+from vlmbatch.pipeline.drive import prepare_group, prepared_groups
 from vlmbatch.pipeline.hooks import FaultHooks
-from vlmbatch.pipeline.records import ImageItem, Question
+from vlmbatch.pipeline.preparers import PrepareWorkers, preparer
+from vlmbatch.pipeline.questions import Question
+from vlmbatch.pipeline.records import ImageItem
 from vlmbatch.pipeline.task import AnswerTask, ImageRef, Prepared
 from vlmbatch.preprocessing.limits import FetchOptions
 from vlmbatch.preprocessing.prepare import TilingConfig
@@ -127,7 +129,7 @@ class Recording:
     """A caller's long-lived workers (a server's, the Python API's), recording the fetches
     the look-ahead asks of them."""
 
-    def __init__(self, inner: Preparer) -> None:
+    def __init__(self, inner: PrepareWorkers) -> None:
         self.inner, self.fetches = inner, []
 
     def fetch(self, ref: ImageRef) -> Future:

@@ -10,9 +10,10 @@ import json
 import math
 
 from vlmbatch.engine.records import Score
-from vlmbatch.jobs.openai_batch import to_output
-from vlmbatch.jobs.sinks import RESULT_COLUMNS, line_writer
-from vlmbatch.pipeline.records import Answer, ErrorKind, ItemError, Question
+from vlmbatch.outputs.lines import to_output
+from vlmbatch.outputs.sinks import RESULT_COLUMNS, line_writer
+from vlmbatch.pipeline.questions import Question
+from vlmbatch.pipeline.records import Answer, ErrorKind, ItemError
 
 YES_NO = Question("red", "Is there a red shape?", 0.5)
 LABELS = Question("cat", "Which category?", choices=("safe", "violence", "hate"))

@@ -15,7 +15,7 @@ from torch import nn
 
 from tests.models.qwen_vl_helpers import rel_err
 from tests.quant.test_quantize import EXAMPLES
-from vlmbatch.app.quantize import quantize_model
+from vlmbatch.cli.quantize import quantize_model
 from vlmbatch.engine.loading import load_model
 from vlmbatch.models.base import LoadedModel
 from vlmbatch.models.io import raw_state_dict

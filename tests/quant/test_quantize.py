@@ -9,12 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vlmbatch.app.cli import main
-from vlmbatch.app.quantize import quantize_model
+from vlmbatch.cli.main import main
+from vlmbatch.cli.quantize import quantize_model
 from vlmbatch.engine.build import build_engine
 from vlmbatch.engine.config import EngineConfig, ModelConfig
 from vlmbatch.engine.loading import load_model
-from vlmbatch.jobs.manifest import read_manifest, read_policy
+from vlmbatch.inputs.manifest import read_manifest, read_policy
 from vlmbatch.models.decoder import DecoderLayer, TextSpec
 from vlmbatch.pipeline.drive import answer_group
 from vlmbatch.quant.calibrate import apply_scale, layer_groups, layer_linear
@@ -121,7 +121,7 @@ def test_an_interrupted_quantize_leaves_no_checkpoint(random_model_dir: Path, tm
     """Killed while saving (here: after the weights, before config.json gets its
     quantization_config), --out must not hold a checkpoint that looks whole: it is written
     beside, then renamed; a second try into the same --out works."""
-    import vlmbatch.app.quantize as qmod
+    import vlmbatch.cli.quantize as qmod
 
     real = qmod.save_quantized
 
@@ -144,7 +144,7 @@ def test_an_interrupted_quantize_leaves_no_checkpoint(random_model_dir: Path, tm
 def test_int8_dynamic_refuses_a_half_precision_model(capsys) -> None:  # noqa: ANN001
     """torch's dynamic int8 linears take float32 activations: bf16 failed every batch with
     "expected scalar type Float"; now it is refused before any work, naming the fix."""
-    from vlmbatch.models.io import ModelError
+    from vlmbatch.models.config_io import ModelError
 
     with pytest.raises(ModelError, match="float32 activations.*not bfloat16"):
         load_model(None, "cpu", torch.bfloat16, llm_quant="int8-dynamic")
@@ -156,7 +156,7 @@ def test_int8_dynamic_refuses_a_half_precision_model(capsys) -> None:  # noqa: A
 def test_int8_vit_runner_close_to_torch() -> None:
     pytest.importorskip("onnxruntime")
     from vlmbatch.engine.loading import vision_model
-    from vlmbatch.vit_trt import RunnerOptions, make_runner
+    from vlmbatch.vit_trt.base import RunnerOptions, make_runner
 
     model = load_model()
     tiles = torch.randint(0, 256, (6, 112, 112, 3), dtype=torch.uint8,

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from tests.models.internvl_original_helpers import make_pair
 from tests.quant.test_quantize_qwen_vl import EXAMPLES, agreement, answers
-from vlmbatch.app.quantize import quantize_model
+from vlmbatch.cli.quantize import quantize_model
 from vlmbatch.engine.loading import load_model
 from vlmbatch.models.decoder import DecoderLayer, TextSpec
 from vlmbatch.models.layers import rotary

@@ -17,11 +17,11 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.models.qwen_vl_helpers import save_engine_checkpoint
-from vlmbatch.app.quantize import quantize_model
+from vlmbatch.cli.quantize import quantize_model
 from vlmbatch.engine.build import build_engine
 from vlmbatch.engine.config import EngineConfig, ModelConfig
 from vlmbatch.engine.loading import load_model
-from vlmbatch.jobs.manifest import read_manifest, read_policy
+from vlmbatch.inputs.manifest import read_manifest, read_policy
 from vlmbatch.pipeline.drive import answer_group
 from vlmbatch.quant.int4 import Int4Linear
 

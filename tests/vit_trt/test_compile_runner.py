@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from vlmbatch.engine.loading import load_model, vision_model
-from vlmbatch.vit_trt import RUNNERS, RunnerOptions, make_runner
+from vlmbatch.vit_trt import RUNNERS
+from vlmbatch.vit_trt.base import RunnerOptions, make_runner
 from vlmbatch.vit_trt.compile_runner import CompiledRunner
 
 

@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from vlmbatch.app.cli import EXIT_OK, main
+from vlmbatch.cli.commands import EXIT_OK
+from vlmbatch.cli.main import main
 from vlmbatch.common.registry import UnknownName
 from vlmbatch.engine.config import EngineConfig
 from vlmbatch.engine.loading import load_model, vision_model
 from vlmbatch.engine.records import Request
 from vlmbatch.engine.torch_engine import TorchEngine
 from vlmbatch.preprocessing.prepare import prepare
-from vlmbatch.vit_trt import RunnerOptions, make_runner
+from vlmbatch.vit_trt.base import RunnerOptions, make_runner
 from vlmbatch.vit_trt.export import export_onnx
 from vlmbatch.vit_trt.onnx_runner import OnnxRuntimeRunner
 from vlmbatch.vit_trt.torch_runner import TorchRunner

@@ -2,8 +2,8 @@
 beside its destination and renamed onto it only when complete, so an interrupted command
 (Ctrl-C, SIGTERM, a full disk, an error) leaves the destination as it was.
 
-Used by what can simply be run again: ``vlmbatch results -o`` (``jobs/export.py``),
-``quantize`` (``app/quantize.py``) and ``export-vit`` (``vit_trt/export.py``). Not by
+Used by what can simply be run again: ``vlmbatch results -o`` (``outputs/export.py``),
+``quantize`` (``cli/quantize.py``) and ``export-vit`` (``vit_trt/export.py``). Not by
 ``run``'s streamed output, whose lines written so far are the point of streaming.
 """
 

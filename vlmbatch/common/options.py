@@ -5,7 +5,7 @@ A field of a frozen config dataclass carries its option in its metadata::
     cache_bytes: int = field(default=1 << 30, metadata=opt(
         "--cache-mib", unit=MIB, help="KV cache budget in MiB ... (default %(default)s)"))
 
-``app/args.py`` derives each command's parser from its config roots: every declared field
+``cli/args.py`` derives each command's parser from its config roots: every declared field
 of a root and of its sub-configs (walked recursively) is one argument, and ``build`` makes
 the root from what the command line typed. An option is declared once: a field of another
 root that takes the same option says so with ``reuse(Cls, "field", default)`` (the same

@@ -16,8 +16,6 @@ from vlmbatch.engine.config import ENGINES, ConfigError, EngineConfig, ModelConf
 if TYPE_CHECKING:
     from vlmbatch.engine.base import Engine
 
-__all__ = ["ENGINES", "build_engine"]
-
 
 def build_engine(model_cfg: ModelConfig, engine_cfg: EngineConfig,
                  threads: int | None = None) -> Engine:

@@ -6,7 +6,7 @@ and executor; every command's root holds the ones it uses.
 Validation lives in ``__post_init__`` so a bad value fails before any model is loaded. Each
 field a user sets from the command line declares its option in its metadata
 (``common/options.py``: flags, help, metavar, how the text becomes the value); the parsers
-of every command are derived from those declarations (``app/args.py``), so an option, its
+of every command are derived from those declarations (``cli/args.py``), so an option, its
 default and its choices are written once, here.
 
 Light by design (``--help`` and ``status`` import it): no torch, no model or runner code. The
@@ -25,11 +25,7 @@ from typing import Any, ClassVar
 from vlmbatch.common.options import COUNT, MIB, WORDS, N, opt
 from vlmbatch.common.registry import Registry
 from vlmbatch.models.embedding import POOLINGS, EmbeddingSpec
-
-# re-exported: where the built-in checkpoints live (models/paths.py)
-from vlmbatch.models.paths import DEFAULT_EMBED_MODEL as DEFAULT_EMBED_MODEL
-from vlmbatch.models.paths import DEFAULT_MODEL as DEFAULT_MODEL
-from vlmbatch.models.paths import DEFAULT_QWEN_MODEL as DEFAULT_QWEN_MODEL
+from vlmbatch.models.paths import DEFAULT_EMBED_MODEL, DEFAULT_MODEL
 from vlmbatch.preprocessing.tiling import TILING_MODES
 from vlmbatch.vit_trt import RUNNERS
 
@@ -37,7 +33,7 @@ from vlmbatch.vit_trt import RUNNERS
 # the names (``--engine``'s choices) imports none of them. A builder takes
 # (ModelConfig, EngineConfig, threads) and returns an ``engine.base.Engine``.
 ENGINES: Registry[Any] = Registry("engine", {
-    "torch": "vlmbatch.engine.torch_engine:build_torch",  # ours: CPU and CUDA
+    "torch": "vlmbatch.engine.torch_engine:build_torch_engine",  # ours: CPU and CUDA
     "lmdeploy": "vlmbatch.engine.lmdeploy_engine:build_lmdeploy",  # TurboMind, GPU env only
 })
 

@@ -39,8 +39,8 @@ from vlmbatch.engine.planner import Plan
 from vlmbatch.engine.pooling import PoolRange, mean_rows, pool_range, unit
 from vlmbatch.engine.records import EmbedRequest, Vector
 from vlmbatch.models.base import LoadedModel, Prompt
+from vlmbatch.models.config_io import read_config
 from vlmbatch.models.embedding import read_embedding_spec, read_projection
-from vlmbatch.models.io import read_config
 from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
 
 if TYPE_CHECKING:

@@ -37,8 +37,8 @@ from vlmbatch.engine.config import ConfigError, EngineConfig, ModelConfig
 from vlmbatch.engine.loading import image_plan_for, read_spec
 from vlmbatch.engine.records import Request, Score
 from vlmbatch.engine.scoring import AnswerTokens, yes_no
+from vlmbatch.models.config_io import ModelError
 from vlmbatch.models.internvl.family import InternVLSpec
-from vlmbatch.models.io import ModelError
 from vlmbatch.preprocessing.prepare import PreparedImage, TilingConfig
 
 

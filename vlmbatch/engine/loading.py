@@ -13,12 +13,14 @@ from pathlib import Path
 
 import torch
 
-from vlmbatch.engine.config import DEFAULT_MODEL, ConfigError, EngineConfig, ModelConfig
+from vlmbatch.engine.config import ConfigError, EngineConfig, ModelConfig
 from vlmbatch.engine.scoring import choice_ids
-from vlmbatch.models import family_for
 from vlmbatch.models.base import ImageOptions, LoadedModel, ModelFamily, ModelSpec
-from vlmbatch.models.io import ModelError, raw_state_dict
+from vlmbatch.models.config_io import ModelError
+from vlmbatch.models.io import raw_state_dict
 from vlmbatch.models.layers import fuse_projections
+from vlmbatch.models.paths import DEFAULT_MODEL
+from vlmbatch.models.registry import family_for
 from vlmbatch.preprocessing.prepare import ImagePlan
 from vlmbatch.quant.checkpoint import check_config, int4_weights
 from vlmbatch.quant.fp8 import Fp8Unavailable, convert_linears_fp8, require_fp8
@@ -100,7 +102,7 @@ def load_model(path: Path | None = None, device: str = "cpu",
     converts the fused linear whole: a W4A16 checkpoint's parts' int4 rows concatenated
     (``quant.runtime.convert_for_runtime``), FP8 on the fused weight (row-wise scales: the
     same layer). Not with ``int8-dynamic``: torch's dynamic int8 linears keep one scale per
-    tensor, which a fused weight would change. The engine fuses (``build_torch``); off by
+    tensor, which a fused weight would change. The engine fuses (``build_torch_engine``); off by
     default so that the modules keep transformers' layout for whoever reads them by name
     (calibration, the reference tests)."""
     path = Path(path) if path is not None else DEFAULT_MODEL

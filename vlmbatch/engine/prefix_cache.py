@@ -66,7 +66,7 @@ class BlockId(NamedTuple):
 
 
 @dataclass
-class CacheStats:
+class PrefixCacheStats:
     hits: int = 0  # blocks found
     misses: int = 0  # blocks looked up and not found (the first miss ends a lookup)
     inserts: int = 0
@@ -133,7 +133,7 @@ class PrefixCache:
             raise ValueError("block_size must be >= 1 and budget_bytes >= 0")
         self.block_size = block_size
         self.budget_bytes = budget_bytes
-        self.stats = CacheStats()
+        self.stats = PrefixCacheStats()
         self._entries: OrderedDict[BlockKey, _Entry] = OrderedDict()
         self._pool: torch.Tensor | None = None  # [slots, L, 2, K, block_size, d]
         self._arena: torch.Tensor | None = None  # the same memory, [slots, slot_bytes] uint8

@@ -20,9 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-# re-exported: defined with the configs (a light module: the CLI catches it)
-from vlmbatch.engine.config import AnswerWordsError as AnswerWordsError
-from vlmbatch.engine.config import ChoiceError
+from vlmbatch.engine.config import AnswerWordsError, ChoiceError
 
 ChoiceIds = tuple[tuple[int, ...], ...]  # per choice, its answer token ids (at least one)
 

@@ -74,7 +74,7 @@ _Rows = list[tuple[list[int], torch.Tensor]]
 class TorchEngine(Engine):
     def __init__(self, model: LoadedModel, cfg: EngineConfig, vision: VitRunner | None = None,
                  image_plan: ImagePlan | None = None) -> None:
-        self.model = model  # as loaded: fused by ``build_torch`` (``load_model(fuse=True)``)
+        self.model = model  # as loaded: fused by ``build_torch_engine`` (``load_model(fuse=True)``)
         self.cfg = cfg
         # the run's plan; by default the checkpoint's under a default ModelConfig
         self.image_plan = image_plan or image_plan_for(model.family, model.spec, ModelConfig())
@@ -328,7 +328,7 @@ class TorchEngine(Engine):
         return results  # type: ignore[return-value]
 
 
-def build_torch(model_cfg: ModelConfig, engine_cfg: EngineConfig,
+def build_torch_engine(model_cfg: ModelConfig, engine_cfg: EngineConfig,
                 threads: int | None = None, fuse: bool = True) -> TorchEngine:
     """Our engine on ``model_cfg``'s checkpoint and device, on ``threads`` torch threads;
     its projections fused at load (``load_model``'s ``fuse``; off for calibration, which

@@ -1,9 +1,9 @@
 """The config root of a run and of a job: ``RunConfig`` (input, output, batching, threads)
 holds the shared sub-configs ``ModelConfig``, ``EngineConfig`` and ``PrepareConfig``
-(``pipeline/config.py``: the same records the other commands' roots hold, ``app/config.py``,
-``app/server/config.py``) and ``ExecutorConfig`` (where the run's stages execute, with the Ray
+(``pipeline/config.py``: the same records the other commands' roots hold, ``cli/config.py``,
+``server/config.py``) and ``ExecutorConfig`` (where the run's stages execute, with the Ray
 options). Each field a command line sets declares its option (``common/options.py``); the
-CLI's parsers are derived from those declarations (``app/args.py``). A job stores it
+CLI's parsers are derived from those declarations (``cli/args.py``). A job stores it
 serialised (``to_json``/``from_json``, with ``RunConfig.VERSION``) and each run may change only
 what does not change an answer: thread counts, the decode deadline and the executor
 (``for_run``).
@@ -106,7 +106,7 @@ class RunConfig:
         "--images", parse=Path, metavar="DIR", help="a folder of images instead of a "
         "manifest"))
     # Parquet (a file, folder or glob), an HF dataset's save_to_disk folder, or WebDataset
-    # shards (a brace pattern of .tar paths or URLs), as typed (jobs/datasets.py)
+    # shards (a brace pattern of .tar paths or URLs), as typed (inputs/datasets.py)
     dataset: str | None = None
     # a table's column of bytes, {bytes, path} or paths/URLs
     image_column: str = field(default="image", metadata=opt(

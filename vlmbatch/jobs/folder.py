@@ -22,9 +22,9 @@ from pathlib import Path
 
 from vlmbatch.engine.config import ConfigError
 from vlmbatch.jobs.config import RunConfig, from_json, to_json
-from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.lock import recorded_runner, run_alive, runner_of, who
 from vlmbatch.jobs.store import JobStore
+from vlmbatch.pipeline.questions import ManifestError
 
 JOB_FILE, STORE_FILE = "job.json", "store.sqlite"
 
@@ -65,7 +65,7 @@ def read_job_file(job: Path) -> dict:
     return d
 
 
-def job_task(job: Path) -> str:
+def job_task_name(job: Path) -> str:
     """The job's task ("answer" for jobs from before embeddings), read off job.json."""
     body = read_job_file(job).get("config", {})
     return str(body.get("task", "answer")) if isinstance(body, dict) else "answer"
@@ -188,7 +188,7 @@ def status(job: Path) -> JobStatus:
         st = state(store)
         runner = (runner_of(Path(job)) or recorded_runner(store)) if st == "running" else None
         return JobStatus(st, c.total, c.done, c.failed, c.pending, q, qpm, eta, runner=runner,
-                         task=job_task(Path(job)),
+                         task=job_task_name(Path(job)),
                          reused=int(store.get("reused_answers") or 0))
     finally:
         store.close()

@@ -31,13 +31,11 @@ from vlmbatch.engine.base import Engine
 from vlmbatch.engine.build import build_engine
 from vlmbatch.engine.config import ConfigError
 from vlmbatch.engine.loading import check_label_sets, read_spec
+from vlmbatch.inputs.manifest import label_sets, manifest_format
 from vlmbatch.jobs.config import ExecutorConfig, RunConfig
-from vlmbatch.jobs.errors import ManifestError
-from vlmbatch.jobs.folder import (  # cancel, status: re-exported
+from vlmbatch.jobs.folder import (
     STORE_FILE,
     JobStatus,
-    cancel,
-    is_job,
     job_format,
     load_config,
     require_job,
@@ -45,18 +43,16 @@ from vlmbatch.jobs.folder import (  # cancel, status: re-exported
     write_job_file,
 )
 from vlmbatch.jobs.lock import host_id, run_lock
-from vlmbatch.jobs.manifest import manifest_format
 from vlmbatch.jobs.ray_executor import ray_stages
 from vlmbatch.jobs.reuse import Pass, Reuse, count_reused, reuse_pass
-from vlmbatch.jobs.runner import label_sets
 from vlmbatch.jobs.store import JobStore
 from vlmbatch.jobs.tasks import JobTask, job_task
-from vlmbatch.pipeline.drive import Done, Drive, LocalStages, PrepareOptions, Stages
+from vlmbatch.pipeline.config import PrepareOptions
+from vlmbatch.pipeline.drive import Drive, GroupResults, LocalStages, Stages
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
+from vlmbatch.pipeline.questions import ManifestError
 from vlmbatch.pipeline.task import Task
 from vlmbatch.preprocessing.sources import is_remote
-
-__all__ = ["JobRun", "cancel", "is_job", "run_job", "status", "submit"]
 
 
 def _absolute(cfg: RunConfig) -> RunConfig:
@@ -183,7 +179,7 @@ class StoreSink:
 
 def drive_job(store: JobStore, cfg: RunConfig, jt: JobTask, stages: Stages,
               hooks: FaultHooks = NO_HOOKS, reused: Pass | None = None
-              ) -> Generator[Done, None, None]:
+              ) -> Generator[GroupResults, None, None]:
     """One run of a job's pending items through ``stages`` (this process, Ray) into its
     store, a group at a time: the store's run marks (``status`` reads them), ``cancel``
     checked before each group, the run's end recorded however it ends (``interrupted`` on an
@@ -229,7 +225,7 @@ class JobRun:
         """Stop before the next group (as ``vlmbatch cancel`` does: the store's flag)."""
         self.store.set("cancel", "1")
 
-    def step(self) -> Done | None:
+    def step(self) -> GroupResults | None:
         """Run and record the next group: its items and results; None when none is left (or
         the job is cancelled): the run has ended, and ``close`` only lets go."""
         return next(self._steps, None)

@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.store import JobStore
+from vlmbatch.pipeline.questions import ManifestError
 
 LOCK_FILE = "run.lock"
 

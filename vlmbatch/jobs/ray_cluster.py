@@ -16,9 +16,9 @@ import socket
 import threading
 from typing import Any
 
+from vlmbatch.common.children import RAY_SETUP_HOOK, search_path
 from vlmbatch.engine.config import ConfigError
 from vlmbatch.jobs.config import RayOptions
-from vlmbatch.preprocessing.children import RAY_SETUP_HOOK, search_path
 
 
 def init_ray(ray: Any, opts: RayOptions) -> None:
@@ -28,7 +28,7 @@ def init_ray(ray: Any, opts: RayOptions) -> None:
     is a ``ConfigError`` naming the address, not a traceback."""
     cpus = opts.preprocess_workers + opts.model_workers * opts.model_cpus
     # the workers import this vlmbatch, not one in the driver's working directory (which Ray
-    # puts first on their sys.path): preprocessing/children.py
+    # puts first on their sys.path): common/children.py
     runtime_env = {"env_vars": {"PYTHONPATH": search_path()},
                    "worker_process_setup_hook": RAY_SETUP_HOOK}
     address = opts.address or os.environ.get("RAY_ADDRESS") or None

@@ -53,7 +53,7 @@ from vlmbatch.engine.build import build_engine
 from vlmbatch.engine.loading import read_spec
 from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.ray_cluster import init_ray
-from vlmbatch.pipeline.drive import Done, prepare_task, run_group
+from vlmbatch.pipeline.drive import GroupResults, prepare_task, run_group
 from vlmbatch.pipeline.hooks import FaultHooks, Named
 from vlmbatch.pipeline.records import ErrorKind, ItemError
 from vlmbatch.pipeline.task import Prepared, Task
@@ -132,7 +132,7 @@ class RayStages:
         self.ray, self.cfg, self.task, self.workers = ray, cfg, task, workers
         self.plan, self.hooks = plan, hooks
 
-    def results(self, groups: Iterable[list]) -> Generator[Done, None, None]:
+    def results(self, groups: Iterable[list]) -> Generator[GroupResults, None, None]:
         s = _Scheduler(self.ray, self.cfg, self.task, self.workers, self.plan, self.hooks,
                        iter(groups))
         try:
@@ -172,7 +172,7 @@ class _Scheduler:
         self.scoring: deque = deque()  # (ref, group)
         self.next_worker = 0
         self.exhausted = False
-        self._done: Done | None = None  # the oldest group's results, once fetched
+        self._done: GroupResults | None = None  # the oldest group's results, once fetched
 
     def cancel(self) -> None:
         """Stop preparing: the prepare tasks in flight are dropped, not killed, except those
@@ -274,7 +274,7 @@ class _Scheduler:
         return ItemError(ErrorKind.DECODER_CRASHED,
                          f"{item.source}: preprocessing worker died ({type(e).__name__})")
 
-    def finished(self) -> Done | None:
+    def finished(self) -> GroupResults | None:
         """The oldest group at the model, with its results, once its call has returned (a
         group whose images were lost with their node is prepared again instead)."""
         while self._done is None and self.scoring and _is_ready(self.ray, self.scoring[0][0]):

@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from vlmbatch.jobs.config import RunConfig
-from vlmbatch.jobs.errors import ManifestError
-from vlmbatch.jobs.folder import STORE_FILE, job_task, load_config, require_job
-from vlmbatch.jobs.store import JobStore, item_from_json
+from vlmbatch.jobs.folder import STORE_FILE, job_task_name, load_config, require_job
+from vlmbatch.jobs.store import JobStore, image_item_from_json
 from vlmbatch.models.fingerprint import fingerprint
+from vlmbatch.pipeline.questions import ManifestError
 from vlmbatch.pipeline.records import ImageItem, Question
 from vlmbatch.preprocessing.sources import SourceError, read_bytes, scheme
 
@@ -98,7 +98,7 @@ class Reuse:
     @classmethod
     def open(cls, old: Path, cfg: RunConfig) -> Reuse:
         require_job(old)
-        if job_task(old) != "answer":
+        if job_task_name(old) != "answer":
             raise ManifestError(f"--reuse {old}: an embedding job has no answers to reuse")
         mine, theirs = identity(cfg), identity(load_config(old))
         if mine != theirs:
@@ -125,7 +125,7 @@ def _index(old: Path) -> dict[str, dict[QuestionKey, dict[str, Any]]]:
     try:
         created = float(store.get("created") or 0.0) or None
         out: dict[str, dict[QuestionKey, dict[str, Any]]] = {}
-        for item, lines in store.recorded_items(item_from_json):
+        for item, lines in store.recorded_items(image_item_from_json):
             by_id = {q.id: q for q in item.questions}
             answered = [d for d in lines if d.get("error") is None and d["question_id"] in by_id]
             h = content_hash(item, created) if answered else None

@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import quote
 
-from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.store_schema import StoreDamaged, create, store_error, upgrade
-from vlmbatch.pipeline.records import Answer, ImageItem, Question
+from vlmbatch.pipeline.questions import ManifestError, Question
+from vlmbatch.pipeline.records import Answer, ImageItem
 from vlmbatch.preprocessing.sources import MemberRef, RowRef
 
 
@@ -71,7 +71,7 @@ def by_item(answers: list[Answer]) -> dict[str, list[Answer]]:
     return out
 
 
-def item_to_json(item: ImageItem) -> str:
+def image_item_to_json(item: ImageItem) -> str:
     """An item as the store keeps it: its image as the path or URL, or as the reference of
     a table's row (``{"row": {file, row, column}}``) or a shard's member (``{"member":
     {shard, name, offset, size}}``): where the image is, never its bytes."""
@@ -107,7 +107,7 @@ def _question(q: list | dict) -> Question:
     return Question(**{**q, "choices": tuple(q.get("choices", ()))})
 
 
-def item_from_json(text: str) -> ImageItem:
+def image_item_from_json(text: str) -> ImageItem:
     d = json.loads(text)
     image = d["image"]
     if isinstance(image, dict):
@@ -185,7 +185,7 @@ class JobStore:
 
     def add_items(self, items: Iterable[tuple[str, Any]],
                   first: Callable[[str], str] | None = None,
-                  to_json: Callable[[Any], str] = item_to_json,
+                  to_json: Callable[[Any], str] = image_item_to_json,
                   key: Callable[[Any], str] = lambda item: item.id) -> int:
         """Insert (where, item) pairs in one transaction: all or nothing. A repeated id raises
         ManifestError naming ``where`` (e.g. ``manifest.jsonl:12``) and ``first(id)``, where
@@ -205,7 +205,7 @@ class JobStore:
             self.db.execute("UPDATE totals SET items = items + ? WHERE state = 'pending'", (n,))
         return n
 
-    def pending(self, batch: int, from_json: Callable[[str], Any] = item_from_json
+    def pending(self, batch: int, from_json: Callable[[str], Any] = image_item_from_json
                 ) -> Iterator[list[Any]]:
         """Pending items in manifest order, ``batch`` at a time (re-queried each time, so
         items recorded meanwhile are never handed out again); ``from_json`` reads a stored

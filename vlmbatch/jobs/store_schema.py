@@ -24,7 +24,7 @@ import errno
 import sqlite3
 from pathlib import Path
 
-from vlmbatch.jobs.errors import ManifestError
+from vlmbatch.pipeline.questions import ManifestError
 
 STORE_VERSION = 3
 

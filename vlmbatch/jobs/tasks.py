@@ -7,7 +7,7 @@ job side of those items: where they come from (``items``), what is checked at su
                                                       Parquet/HF datasets, WebDataset shards
     EmbedJob     EmbedItem -> one Embedding           embedding manifests, folders
     RequestJob   EmbedRequestItem -> one per string   OpenAI /v1/embeddings batch lines
-                                                      (``openai_embeddings.RequestTask``)
+                                                      (``RequestTask`` below)
 
 ``job_task(cfg, fmt)`` picks one from the run's task (``RunConfig.task``) and the input's
 format (``"openai"`` or ``"vlmbatch"``: a job's ``job.json`` keeps it, so a job runs from its
@@ -19,20 +19,31 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from vlmbatch.engine.config import ConfigError
 from vlmbatch.engine.embed import check_embed_config
-from vlmbatch.jobs import embed_input
+from vlmbatch.engine.records import EmbedRequest
+from vlmbatch.inputs import embed_input
+from vlmbatch.inputs.datasets import iter_dataset
+from vlmbatch.inputs.manifest import first_line, items_from_folder, iter_manifest, read_policy
+from vlmbatch.inputs.openai_embeddings import (
+    MAX_INPUT_TOKENS,
+    MAX_REQUEST_TOKENS,
+    EmbedRequestItem,
+    iter_embed_requests,
+)
 from vlmbatch.jobs.config import RunConfig
-from vlmbatch.jobs.datasets import iter_dataset
-from vlmbatch.jobs.errors import ManifestError
-from vlmbatch.jobs.manifest import first_line, items_from_folder, iter_manifest, read_policy
-from vlmbatch.jobs.openai_embeddings import EmbedRequestItem, RequestTask, iter_embed_requests
-from vlmbatch.jobs.store import item_from_json, item_to_json
+from vlmbatch.jobs.store import image_item_from_json, image_item_to_json
 from vlmbatch.pipeline.hooks import Named
-from vlmbatch.pipeline.records import Answer, Embedding, EmbedItem, ImageItem
-from vlmbatch.pipeline.task import AnswerTask, EmbedTask, Task
+from vlmbatch.pipeline.questions import ManifestError
+from vlmbatch.pipeline.records import Answer, Embedding, EmbedItem, ErrorKind, ImageItem, ItemError
+from vlmbatch.pipeline.task import AnswerTask, EmbedTask, Prepared, Task
+
+if TYPE_CHECKING:
+    from vlmbatch.engine.base import Engine
+    from vlmbatch.engine.config import EmbedConfig
 
 I = TypeVar("I", bound=Named)  # noqa: E741  (an item)
 R = TypeVar("R")  # a result
@@ -81,10 +92,10 @@ class AnswerJob(JobTask[ImageItem, Answer]):
         return ((str(cfg.images), it) for it in items_from_folder(cfg.images, policy)), None
 
     def to_json(self, item: ImageItem) -> str:
-        return item_to_json(item)
+        return image_item_to_json(item)
 
     def from_json(self, text: str) -> ImageItem:
-        return item_from_json(text)
+        return image_item_from_json(text)
 
 
 class EmbedJob(JobTask[EmbedItem, Embedding]):
@@ -109,15 +120,15 @@ class EmbedJob(JobTask[EmbedItem, Embedding]):
         check_embed_config(cfg.model.path, cfg.embed)
 
     def to_json(self, item: EmbedItem) -> str:
-        return embed_input.item_to_json(item)
+        return embed_input.embed_item_to_json(item)
 
     def from_json(self, text: str) -> EmbedItem:
-        return embed_input.item_from_json(text)
+        return embed_input.embed_item_from_json(text)
 
 
 class RequestJob(JobTask[EmbedRequestItem, Embedding]):
     """An OpenAI batch file of ``/v1/embeddings`` requests: one item per request holding its
-    strings (``jobs/openai_embeddings.py``), one pooled vector per string, whatever the
+    strings (``inputs/openai_embeddings.py``), one pooled vector per string, whatever the
     checkpoint's default (a ColQwen2 one is multi-vector)."""
 
     def __init__(self, cfg: RunConfig) -> None:
@@ -160,7 +171,57 @@ class RequestJob(JobTask[EmbedRequestItem, Embedding]):
 
 def job_task(cfg: RunConfig, fmt: str) -> JobTask:
     """The job task of a run (``cfg.task``) over an input in format ``fmt`` (``"openai"``
-    or ``"vlmbatch"``, ``jobs.manifest.manifest_format``)."""
+    or ``"vlmbatch"``, ``inputs.manifest.manifest_format``)."""
     if cfg.task == "answer":
         return AnswerJob()
     return RequestJob(cfg) if fmt == "openai" else EmbedJob(cfg)
+
+
+# --- a job of OpenAI /v1/embeddings requests (inputs/openai_embeddings.py) ---
+
+def limited(results: list[Embedding]) -> list[Embedding]:
+    """One request's results, the first input over ``MAX_INPUT_TOKENS`` (else the one that
+    takes the request over ``MAX_REQUEST_TOKENS``) failed (``too_large``): the limits
+    ``/v1/embeddings`` refuses a request over."""
+    total = 0
+    for k, e in enumerate(results):
+        tokens = e.tokens or 0
+        total += tokens
+        if tokens > MAX_INPUT_TOKENS:
+            why = f"{tokens:,} tokens, over the limit of {MAX_INPUT_TOKENS:,} per input"
+        elif total > MAX_REQUEST_TOKENS:
+            why = f"the request's inputs reach {total:,} tokens here, over the limit of " \
+                  f"{MAX_REQUEST_TOKENS:,} per request"
+        else:
+            continue
+        failed = Embedding(e.index, e.id, e.tokens, None, why, ErrorKind.TOO_LARGE)
+        return [*results[:k], failed, *results[k + 1:]]
+    return results
+
+
+@dataclass(frozen=True)
+class RequestTask(Task[EmbedRequestItem, Embedding]):
+    """Each request's strings embedded together, one pooled vector per string whatever the
+    checkpoint's default (``cfg.multi_vector`` False, as ``/v1/embeddings``): results are one
+    ``Embedding`` per string (``id`` the request's ``custom_id``, ``index`` the string's place
+    in its ``input``); a request over the token limits fails (``limited``). Texts need no
+    stage 1, so a request whose prepare task was lost (a Ray worker that died) is embedded
+    all the same."""
+    cfg: EmbedConfig
+    name = "embed"
+
+    def key(self, item: EmbedRequestItem) -> str:
+        return item.custom_id
+
+    def image(self, item: EmbedRequestItem) -> None:
+        return None
+
+    def run(self, engine: Engine, p: Prepared[EmbedRequestItem]) -> list[list[Embedding]]:
+        vectors = iter(engine.embed([], [EmbedRequest(None, t) for r in p.items
+                                         for t in r.texts], self.cfg))
+        return [limited([Embedding(i, r.custom_id, v.tokens, v.values)
+                         for i, v in zip(range(len(r.texts)), vectors)]) for r in p.items]
+
+    def failed(self, item: EmbedRequestItem, err: ItemError) -> list[Embedding]:
+        return [Embedding(i, item.custom_id, None, None, err.message, err.kind)
+                for i in range(len(item.texts))]

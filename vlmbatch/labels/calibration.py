@@ -207,7 +207,7 @@ def table(ops: list[Operating], target: Target) -> str:
 
 def write_policy(path: Path, ops: list[Operating], target: Target, texts: dict[str, set[str]]
                  ) -> int:
-    """A policy (``jobs/manifest.py``'s format) asking each calibrated question with its
+    """A policy (``inputs/manifest.py``'s format) asking each calibrated question with its
     threshold, written whole or not at all; returns how many questions it holds.
     ``texts``: each question id's texts among the results (a policy asks one text of every
     image, so an id asked in several wordings is refused)."""

@@ -20,10 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from vlmbatch.jobs.errors import ManifestError
-from vlmbatch.jobs.manifest import YES_NO
 from vlmbatch.labels.metrics import auroc, confusion, ece, precision_recall_f1
 from vlmbatch.labels.read import Key, Label, Scored
+from vlmbatch.pipeline.questions import YES_NO, ManifestError
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vlmbatch.jobs.folder import STORE_FILE, JobStatus, job_task, load_config, status
-from vlmbatch.jobs.manifest import ManifestError
-from vlmbatch.jobs.store import JobStore, item_from_json
+from vlmbatch.jobs.folder import STORE_FILE, JobStatus, job_task_name, load_config, status
+from vlmbatch.jobs.store import JobStore, image_item_from_json
 from vlmbatch.labels.read import Scored, scored
+from vlmbatch.pipeline.questions import ManifestError
 from vlmbatch.pipeline.records import ImageItem
 
 LOGITS = 12  # the histogram spans log-odds [-LOGITS, LOGITS]
@@ -153,7 +153,7 @@ class JobReport:
 
 def gather(job: Path, borderline: int = 8) -> JobReport:
     """One pass over the job's store."""
-    if job_task(job) != "answer":
+    if job_task_name(job) != "answer":
         raise ManifestError(f"{job} is an embedding job: a report covers jobs that answer "
                             "questions")
     st, cfg = status(job), load_config(job)
@@ -162,7 +162,7 @@ def gather(job: Path, borderline: int = 8) -> JobReport:
     example: dict[str, str] = {}
     store = JobStore(Path(job) / STORE_FILE)
     try:
-        for n, (item, lines) in enumerate(store.recorded_items(item_from_json)):
+        for n, (item, lines) in enumerate(store.recorded_items(image_item_from_json)):
             _add_item(item, lines, per_q, borderline, n)
             failed = next((d for d in lines if d.get("error")), None)
             if failed is not None:

@@ -12,7 +12,7 @@ Labels (``--labels``) come in either of two files, told apart by their first lin
 - a labels file: one JSON line per (image id, question id), ``{"id": "a1",
   "question_id": "red", "expected": "yes"}`` (other keys are ignored: an annotator's name,
   a note);
-- a manifest whose questions carry ``"expected"`` (``jobs/manifest.py``), a policy's
+- a manifest whose questions carry ``"expected"`` (``inputs/manifest.py``), a policy's
   questions too when one is given: a policy's label holds for every image, and a policy
   question with the id of a line's is that question, at the policy's threshold.
 
@@ -28,10 +28,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlmbatch.jobs.errors import ManifestError, brief, check_id
+from vlmbatch.inputs.manifest import iter_manifest, read_policy
 from vlmbatch.jobs.folder import STORE_FILE, is_job, require_job
-from vlmbatch.jobs.manifest import iter_manifest, read_policy
 from vlmbatch.jobs.store import JobStore
+from vlmbatch.pipeline.questions import ManifestError, brief, check_id
 from vlmbatch.pipeline.records import ImageItem
 
 Key = tuple[str, str]  # (image id, question id)
@@ -206,7 +206,7 @@ def labelled_manifest(path: Path, policy: Path | None = None
     """A manifest's items asked only their labelled questions (items with none left out),
     and those labels: what ``vlmbatch eval MANIFEST`` runs and scores. A ``policy``
     question with the id of a line's question is that question, asked at the policy's
-    threshold (``jobs/manifest.py`` ``merged``: how a calibration is checked on another
+    threshold (``inputs/manifest.py`` ``merged``: how a calibration is checked on another
     labelled set); the policy's other questions are asked of every image."""
     qs = read_policy(policy) if policy is not None else ()
     by_id = {q.id: q for q in qs}

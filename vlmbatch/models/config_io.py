@@ -1,7 +1,7 @@
 """A checkpoint folder's JSON files and the error for a folder that is missing, incomplete or
 of an unsupported kind (``ModelError``). No torch and no weights, so that naming the families
 (``models/registry.py``: ``family_for``), reading the embedding declarations and the CLI's
-error handling stay light; ``io.py`` reads the weights and re-exports these.
+error handling stay light; ``io.py`` reads the weights.
 """
 
 from __future__ import annotations

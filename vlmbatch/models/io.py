@@ -1,4 +1,4 @@
-"""Reading a checkpoint folder: its JSON files (``config_io.py``, re-exported here) and
+"""Reading a checkpoint folder: its JSON files (``config_io.py``) and
 safetensors weights, with errors that say what to do. Every model family loads through here,
 so a truncated file or a config that does not fit its weights reads the same whatever the
 family.
@@ -13,10 +13,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-# re-exported: the JSON half and ModelError live in a light module (no torch)
-from vlmbatch.models.config_io import ModelError as ModelError
-from vlmbatch.models.config_io import read_config as read_config
-from vlmbatch.models.config_io import read_json as read_json
+from vlmbatch.models.config_io import ModelError, read_json
 
 
 def raw_state_dict(path: Path) -> dict[str, torch.Tensor]:

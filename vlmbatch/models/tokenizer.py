@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers.tokenization_utils_sentencepiece import SentencePieceBackend
 
-from vlmbatch.models.io import ModelError, read_json
+from vlmbatch.models.config_io import ModelError, read_json
 
 # tokenizer_config.json classes that are remote code over a SentencePiece tokenizer.model,
 # read here by SentencePieceTokenizer instead

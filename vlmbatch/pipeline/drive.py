@@ -44,18 +44,18 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from vlmbatch.pipeline.config import PrepareOptions
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks, Named
-
-# re-exported: stage 1's workers (pipeline/preparers.py)
-from vlmbatch.pipeline.preparers import Preparer as Preparer
-from vlmbatch.pipeline.preparers import item_error, outcome, prepare_hooked
-from vlmbatch.pipeline.preparers import prepare_item as prepare_item
-from vlmbatch.pipeline.preparers import prepare_now as prepare_now
-from vlmbatch.pipeline.preparers import preparer as preparer
+from vlmbatch.pipeline.preparers import (
+    PrepareWorkers,
+    item_error,
+    outcome,
+    prepare_hooked,
+    preparer,
+)
 from vlmbatch.pipeline.records import Answer, ErrorKind, ImageItem, ItemError
 from vlmbatch.pipeline.task import AnswerTask, ImageRef, Prepared, Task
-from vlmbatch.preprocessing.decode import DEFAULT_MAX_PIXELS, ImageError
+from vlmbatch.preprocessing.decode import ImageError
 from vlmbatch.preprocessing.fetch import Fetcher
-from vlmbatch.preprocessing.limits import FetchOptions
+from vlmbatch.preprocessing.limits import DEFAULT_MAX_PIXELS, FetchOptions
 from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
 from vlmbatch.preprocessing.sources import SourceError, is_remote
 
@@ -64,7 +64,7 @@ if TYPE_CHECKING:
 
 I = TypeVar("I", bound=Named)  # noqa: E741  (an item)
 R = TypeVar("R")  # a result
-Done = tuple[list[I], list[list[R]]]  # a group's items and each item's results
+GroupResults = tuple[list[I], list[list[R]]]  # a group's items and each item's results
 
 
 # --- stage 1 -------------------------------------------------------------------------------
@@ -114,9 +114,9 @@ def prepare_task(task: Task[I, R], items: list[I], plan: ImagePlan, max_pixels: 
 
 def prepared_groups(task: Task[I, R], groups: Iterable[list[I]], plan: ImagePlan,
                     opts: PrepareOptions = PrepareOptions(), hooks: FaultHooks = NO_HOOKS,
-                    workers: Preparer | None = None) -> Generator[Prepared[I], None, None]:
+                    workers: PrepareWorkers | None = None) -> Generator[Prepared[I], None, None]:
     """``groups`` prepared, in order (``PrepareOptions`` says where and how far ahead:
-    ``Lookahead``). ``workers``: a caller's long-lived ``Preparer`` (made by ``preparer`` for
+    ``Lookahead``). ``workers``: a caller's long-lived ``PrepareWorkers`` (made by ``preparer`` for
     the same plan and options: a Python API object, a server), used and left running; else
     one is made here and stopped at the end.
 
@@ -168,7 +168,7 @@ class Lookahead(Generic[I]):
     items and one group more (each image at most ``fetch.max_bytes``: a larger one is
     refused unread)."""
 
-    def __init__(self, task: Task[I, R], pool: Preparer, opts: PrepareOptions) -> None:
+    def __init__(self, task: Task[I, R], pool: PrepareWorkers, opts: PrepareOptions) -> None:
         self.task, self.pool = task, pool
         self.decoding = (opts.ahead if opts.threads else 0) + 1
         self.fetching = opts.fetch.concurrency
@@ -226,7 +226,7 @@ class Stages(Protocol[I, R]):
     """Where the two stages run: each group's (items, results), in the groups' order.
     Closing the generator stops the work in flight."""
 
-    def results(self, groups: Iterable[list[I]]) -> Generator[Done[I, R], None, None]: ...
+    def results(self, groups: Iterable[list[I]]) -> Generator[GroupResults[I, R], None, None]: ...
 
 
 class Sink(Protocol[I, R]):
@@ -239,11 +239,11 @@ class LocalStages(Generic[I, R]):
     this process."""
 
     def __init__(self, task: Task[I, R], engine: Engine, opts: PrepareOptions,
-                 hooks: FaultHooks = NO_HOOKS, workers: Preparer | None = None) -> None:
+                 hooks: FaultHooks = NO_HOOKS, workers: PrepareWorkers | None = None) -> None:
         self.task, self.engine, self.opts, self.hooks = task, engine, opts, hooks
         self.workers = workers
 
-    def results(self, groups: Iterable[list[I]]) -> Generator[Done[I, R], None, None]:
+    def results(self, groups: Iterable[list[I]]) -> Generator[GroupResults[I, R], None, None]:
         prepared = prepared_groups(self.task, groups, self.engine.image_plan, self.opts,
                                    self.hooks, self.workers)
         try:
@@ -265,7 +265,7 @@ class Drive(Generic[I, R]):
         self.cancelled = cancelled or (lambda: False)
         self.final = "interrupted"  # until the loop ends by itself
 
-    def __iter__(self) -> Iterator[Done[I, R]]:
+    def __iter__(self) -> Iterator[GroupResults[I, R]]:
         results = self.stages.results(self.groups)
         try:
             while not self.cancelled():  # before each group's model work
@@ -285,7 +285,7 @@ class Drive(Generic[I, R]):
 def drive(task: Task[I, R], engine: Engine, groups: Iterable[list[I]],
           opts: PrepareOptions = PrepareOptions(), sink: Sink[I, R] | None = None,
           cancelled: Callable[[], bool] | None = None, hooks: FaultHooks = NO_HOOKS,
-          workers: Preparer | None = None) -> Drive[I, R]:
+          workers: PrepareWorkers | None = None) -> Drive[I, R]:
     """The loop with both stages on this machine (``LocalStages``)."""
     return Drive(LocalStages(task, engine, opts, hooks, workers), groups, sink, cancelled,
                  hooks)

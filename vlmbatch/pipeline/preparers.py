@@ -1,7 +1,7 @@
 """Stage 1's workers: where each image of a group is read, decoded and prepared, for the
-drive loop (``drive.py``; re-exported there).
+drive loop (``drive.py``; import them from here).
 
-    preparer(plan, opts)   the workers ``PrepareOptions`` asks for, behind ``Preparer``:
+    preparer(plan, opts)   the workers ``PrepareOptions`` asks for, behind ``PrepareWorkers``:
         _Fetching              the fetch stage (``preprocessing/fetch.py``: remote images,
                                table rows and shard members read ``opts.fetch.concurrency``
                                at once) handing bytes to
@@ -27,9 +27,10 @@ from vlmbatch.pipeline.config import PrepareOptions
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.pipeline.records import ErrorKind, ItemError
 from vlmbatch.pipeline.task import ImageRef
-from vlmbatch.preprocessing.decode import DEFAULT_MAX_PIXELS, ImageError, ImageTooLarge
+from vlmbatch.preprocessing.decode import ImageError, ImageTooLarge
 from vlmbatch.preprocessing.fetch import DaemonPool, Fetcher
 from vlmbatch.preprocessing.isolated import DecoderCrashed, DecoderPool, DecodeTimeout
+from vlmbatch.preprocessing.limits import DEFAULT_MAX_PIXELS
 from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage, prepare_bytes
 from vlmbatch.preprocessing.sources import SourceError, is_remote, read_bytes
 
@@ -75,7 +76,7 @@ def prepare_hooked(ref: ImageRef, plan: ImagePlan, max_pixels: int,
 
 
 def preparer(plan: ImagePlan, opts: PrepareOptions,
-             hooks: FaultHooks = NO_HOOKS) -> Preparer | None:
+             hooks: FaultHooks = NO_HOOKS) -> PrepareWorkers | None:
     """The workers ``opts`` asks for: decoder processes (``decode_timeout > 0``), threads,
     or None (``threads == 0`` and no deadline: each group prepared in the caller's thread).
     Each starts its processes with the first image; ``stop`` ends them. Remote images go
@@ -92,7 +93,7 @@ def preparer(plan: ImagePlan, opts: PrepareOptions,
 
 
 def prepare_now(ref: ImageRef, plan: ImagePlan, opts: PrepareOptions,
-                workers: Preparer | None) -> PreparedImage:
+                workers: PrepareWorkers | None) -> PreparedImage:
     """One image prepared on ``workers`` (a decoder process: under the deadline), else in
     this thread; raises ``SourceError``/``ImageError`` (``DecodeTimeout``,
     ``DecoderCrashed`` included) with the reason."""
@@ -109,7 +110,7 @@ def outcome(ref: ImageRef, f: Future) -> PreparedImage | ItemError:
         return item_error(ref, e)
 
 
-class Preparer(Protocol):
+class PrepareWorkers(Protocol):
     """Stage-1 workers: ``submit`` an image, get its ``PreparedImage`` in a future (or its
     ``SourceError``/``ImageError``); ``fetch`` a remote image's bytes ahead of that (the
     drive's look-ahead, ``drive.prepared_groups``); thread-safe."""

@@ -3,7 +3,7 @@ one parser every way in shares (manifest lines, policies, table rows, shard samp
 rows, the Python API), with the small checks of input readers and the error they raise.
 
 A question is a string or ``{"id", "text", "threshold"?, "max_new_tokens"?, "choices"?,
-"prompt"?, "system"?, "expected"?}`` (``jobs/manifest.py`` documents each field); any other
+"prompt"?, "system"?, "expected"?}`` (``inputs/manifest.py`` documents each field); any other
 key is refused (``check_keys``: the key, the keys allowed, a close match suggested), so a
 misspelt ``threshold`` cannot silently fall back to 0.5; the readers refuse unknown keys at
 every other level of what they read the same way.

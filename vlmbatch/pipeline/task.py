@@ -14,7 +14,7 @@ model computes for a group and what a failed item's results are. Tasks are small
 records: a Ray prepare task or model actor receives them pickled, and this module (which
 imports no torch, no decoder: a job folder's readers load it too) is all a prepare worker
 loads of them. ``jobs/`` adds its own task (OpenAI
-``/v1/embeddings`` requests, ``jobs/openai_embeddings.py``) and how each kind of item is stored.
+``/v1/embeddings`` requests, ``inputs/openai_embeddings.py``) and how each kind of item is stored.
 
 Invariant: ``run`` and ``failed`` give, for each item, its results (``Answer`` per question,
 one ``Embedding``, ...), each failed result carrying ``error`` and ``error_kind``; a job

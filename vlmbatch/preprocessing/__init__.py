@@ -15,9 +15,9 @@
   item's visual parts; ``qwen_vl.py``: Qwen-VL's smart resize and patch rows (``qwen2vl.py``: its
   resize grid);
 - ``isolated.py`` and ``decoder_process.py``: decoder processes, each image under a
-  deadline, a crash that image's error; ``children.py``: how every child interpreter is
-  started (decoder and engine processes, Ray's workers) so that it imports this
-  ``vlmbatch`` whatever the working directory;
+  deadline, a crash that image's error (started as ``common/children.py`` starts every
+  child interpreter);
 - ``reference.py``: the Pillow reference pipeline of InternVL's model card (benchmarks and
-  tests only).
+  tests today; kept in the package because issue 44 makes it a run mode, ``--resize
+  reference``).
 """

@@ -25,8 +25,7 @@ import cv2
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-# re-exported: the guard's default lives in a light module (limits.py), for the configs
-from vlmbatch.preprocessing.limits import DEFAULT_MAX_PIXELS as DEFAULT_MAX_PIXELS
+from vlmbatch.preprocessing.limits import DEFAULT_MAX_PIXELS
 
 # Pillow's own decompression-bomb warning: our max_pixels decides. Set once, here, because
 # warnings.catch_warnings() is not thread-safe and headers are checked in preprocessing

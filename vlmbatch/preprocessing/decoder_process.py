@@ -44,7 +44,7 @@ ALIGN = 64  # bytes; each array starts on a cache line of the slot
 PR_SET_PDEATHSIG = 1
 
 
-def pack(image: PreparedImage, slot: mmap.mmap, base: int, size: int) -> tuple:
+def pack_image(image: PreparedImage, slot: mmap.mmap, base: int, size: int) -> tuple:
     """``image``'s arrays copied into the ``size`` bytes of ``slot`` from ``base`` (a
     ``("slot", ...)`` answer), or the whole image pickled when they do not fit."""
     arrays = [(f.name, v) for f in dataclasses.fields(image)
@@ -61,7 +61,7 @@ def pack(image: PreparedImage, slot: mmap.mmap, base: int, size: int) -> tuple:
     return ("slot", dataclasses.replace(image, **empty), layout)
 
 
-def unpack(answer: tuple, slot: mmap.mmap, base: int = 0) -> PreparedImage:
+def unpack_image(answer: tuple, slot: mmap.mmap, base: int = 0) -> PreparedImage:
     """The ``PreparedImage`` of a ``slot`` or ``object`` answer, its arrays copied out of
     ``slot`` (which a later item overwrites; the offsets in the answer include ``base``)."""
     if answer[0] == "object":
@@ -83,7 +83,7 @@ def answer(source: str | bytes, base_dir: str, plan: ImagePlan, max_pixels: int,
             before(source if isinstance(source, str) else "<bytes>")
         data = source if isinstance(source, bytes) else read_bytes(source, Path(base_dir))
         image = prepare_bytes(data, plan, max_pixels)
-        return pack(image, slot, base, len(slot) - base if size is None else size)
+        return pack_image(image, slot, base, len(slot) - base if size is None else size)
     except (SourceError, ImageError) as e:
         return ("error", e)
     except Exception as e:  # noqa: BLE001  (a bug: the pool raises it in the caller)

@@ -13,7 +13,7 @@ Workers are started by exec, not fork: the parent holds torch's and OpenCV's thr
 our own threads and perhaps a CUDA context, none of which a forked child may safely touch,
 and a fresh interpreter that imports only ``preprocessing`` costs ~0.25 s and ~50 MB once
 per worker (``bench/isolation.py`` compares fork and forkserver). They import this process's
-``vlmbatch`` whatever the working directory (``preprocessing/children.py``).
+``vlmbatch`` whatever the working directory (``common/children.py``).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from queue import Empty, SimpleQueue
 
-from vlmbatch.preprocessing.children import child_env, python_module
+from vlmbatch.common.children import child_env, python_module
 from vlmbatch.preprocessing.decode import ImageError
-from vlmbatch.preprocessing.decoder_process import unpack
+from vlmbatch.preprocessing.decoder_process import unpack_image
 from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
 
 SLOT_BYTES = 64 << 20  # per slot, two a worker, sparse: pages are allocated as written
@@ -124,7 +124,7 @@ class _Worker:
             raise _Died(self.exit_reason()) from None
         if answer[0] in ("error", "raise"):
             raise answer[1]
-        return unpack(answer, self.slots, offset)
+        return unpack_image(answer, self.slots, offset)
 
     def exit_reason(self) -> str:
         try:

@@ -27,8 +27,13 @@ import xxhash
 
 from vlmbatch.preprocessing.decode import decode_for
 from vlmbatch.preprocessing.resize import resize
-from vlmbatch.preprocessing.tiling import TILING_MODES as TILING_MODES  # re-exported
-from vlmbatch.preprocessing.tiling import TileGrid, fit_scale, plan_reduced, plan_reference
+from vlmbatch.preprocessing.tiling import (
+    TILING_MODES,
+    TileGrid,
+    fit_scale,
+    plan_reduced,
+    plan_reference,
+)
 
 PAD_RGB = (124, 116, 104)  # ImageNet mean x 255: padding normalises to ~0
 

@@ -7,7 +7,9 @@ torchvision does not install beside our CPU torch build, so ToTensor/Normalize a
 (``/255`` then ``(x - mean) / std``); on PIL images torchvision's Resize is Pillow's resize,
 and the tiles are already tile-sized, so it is the identity here.
 
-Uses Pillow (a core dependency). Never used on the serving path.
+Uses Pillow (a core dependency). Never used on the serving path. Used by benchmarks and tests
+today, and kept in the package (not in tests/) because issue 44 makes it a run mode
+(``--resize reference``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Offline quantisation (``vlmbatch quantize``, driven by ``app/quantize.py``) and the
+"""Offline quantisation (``vlmbatch quantize``, driven by ``cli/quantize.py``) and the
 runtime modules its checkpoints load into.
 
 Modules, in data-flow order:

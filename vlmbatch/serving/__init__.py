@@ -1,7 +1,7 @@
 """The engine side of ``vlmbatch serve``: everything that runs the model for the server and
 nothing of the web (no FastAPI, Starlette, pydantic or uvicorn: ``tests/test_layers.py``
 checks it), so an engine process loads only what answering needs. The HTTP side
-(``app/server/``) parses requests and renders answers; this package takes a prepared
+(``server/``) parses requests and renders answers; this package takes a prepared
 image and a ``Question`` (or a batch's job folder) and gives back a ``Score`` (or the
 job's results in its store).
 
@@ -24,6 +24,6 @@ job's results in its store).
                        back, the backend that runs the drive loop's two stages
 
 Named ``serving`` (the engine side of serving) rather than ``server``: it is not a
-server, and ``app/server`` (the HTTP side, a row above it) imports it, never the reverse.
+server, and ``server/`` (the HTTP side, a row above it) imports it, never the reverse.
 ``docs/server.md`` has the design.
 """

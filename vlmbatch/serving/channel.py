@@ -6,7 +6,7 @@ HTTP side, ``engine_process.py`` the other), carrying ``messages.py``'s records.
     Link.send(Ask(rid, question, packed)) ───────────┴─> reader thread: Arena.view (no copy)
                                                          -> the engine thread's queue
     reader thread: futures settled, regions freed  <──── one message per engine-thread turn:
-                                                         Settled([Answer(rid, Score)], stats)
+                                                         Settled([Reply(rid, Score)], stats)
 
 Two pipes carry small pickled records (``Link``: ``multiprocessing.connection`` framing, the
 write side locked, both pipes enlarged to 1 MiB so a burst of requests never blocks the

@@ -1,5 +1,5 @@
 """``ServingConfig``: what the engine side of ``vlmbatch serve`` is started with, the part
-of the server's config root (``app/server/config.py`` ``ServerConfig.serving``) an engine
+of the server's config root (``server/config.py`` ``ServerConfig.serving``) an engine
 process needs: which models, how the engine thread batches requests, how it runs batch
 jobs. Names and numbers only (it is pickled to each engine process); no option parsing.
 """

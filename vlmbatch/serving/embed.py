@@ -25,7 +25,8 @@ import numpy as np
 from vlmbatch.engine.base import Engine
 from vlmbatch.engine.config import ConfigError, EmbedConfig
 from vlmbatch.pipeline.config import PrepareOptions
-from vlmbatch.pipeline.drive import Preparer, prepared_groups, run_group
+from vlmbatch.pipeline.drive import prepared_groups, run_group
+from vlmbatch.pipeline.preparers import PrepareWorkers
 from vlmbatch.pipeline.records import Embedding, EmbedItem
 from vlmbatch.pipeline.task import EmbedTask, Prepared
 from vlmbatch.preprocessing.prepare import ImagePlan
@@ -91,7 +92,7 @@ class EngineEmbedBackend:
     thread (``embed``)."""
 
     def __init__(self, embed: EmbedCall, dimensions: int, plan: ImagePlan,
-                 opts: PrepareOptions, workers: Preparer | None) -> None:
+                 opts: PrepareOptions, workers: PrepareWorkers | None) -> None:
         self.embed, self.dimensions = embed, dimensions
         self.plan, self.opts, self.workers = plan, opts, workers
 

@@ -1,7 +1,7 @@
 """The engine process (``python -P -m vlmbatch.serving.engine_process ...``): the server's
 model and its engine thread (``scheduler.py``), apart from the HTTP process and its GIL, as
 vLLM v1 keeps its EngineCore apart from its API server. It imports no web framework
-(``tests/test_layers.py`` checks the sources; ``tests/app/server/test_engines.py`` the
+(``tests/test_layers.py`` checks the sources; ``tests/server/test_engines.py`` the
 running process).
 
 Started by the HTTP process (``processes.EngineProcess``, by exec, never fork: the parent
@@ -37,7 +37,6 @@ from vlmbatch.serving.config import ServingConfig
 from vlmbatch.serving.embed import embed_dims, embed_prepared
 from vlmbatch.serving.errors import APIError
 from vlmbatch.serving.messages import (
-    Answer,
     Ask,
     BatchDrained,
     BatchFailed,
@@ -47,6 +46,7 @@ from vlmbatch.serving.messages import (
     Embed,
     EngineInfo,
     Ready,
+    Reply,
     RunBatch,
     Settled,
     Start,
@@ -56,7 +56,7 @@ from vlmbatch.serving.messages import (
 )
 from vlmbatch.serving.scheduler import Scheduler
 
-log = logging.getLogger("vlmbatch.app.server")
+log = logging.getLogger("vlmbatch.server")
 
 
 def build_engines(cfg: ServingConfig) -> tuple[Engine, Engine | None]:
@@ -81,7 +81,7 @@ class Outbox:
 
     def __init__(self, link: Link, stats: Callable[[], Counters]) -> None:
         self.link, self.stats = link, stats
-        self.answers: list[Answer] = []
+        self.answers: list[Reply] = []
         self.lock = threading.Lock()
         self.sent_stats: Counters | None = None
 
@@ -90,7 +90,7 @@ class Outbox:
         self.answered(rid, None if e is not None else f.result(), e)
 
     def answered(self, rid: int, result: object, error: BaseException | None) -> None:
-        a = Answer(rid, result) if error is None else Answer(rid, failure=failure_of(error))
+        a = Reply(rid, result) if error is None else Reply(rid, failure=failure_of(error))
         with self.lock:
             self.answers.append(a)
 
@@ -162,7 +162,7 @@ class EngineServer:
                     self._embed(msg).add_done_callback(
                         functools.partial(self.outbox.settled, msg.rid))
             except APIError as e:  # the queue is full, or the engine is stopping
-                self.link.send(Settled((Answer(msg.rid, failure=failure_of(e)),),
+                self.link.send(Settled((Reply(msg.rid, failure=failure_of(e)),),
                                        self.scheduler.counters()))
         else:
             log.error("engine process: unknown message %s", type(msg).__name__)

@@ -23,7 +23,8 @@ from pathlib import Path
 from vlmbatch.engine.base import Engine
 from vlmbatch.engine.records import Score
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
-from vlmbatch.pipeline.records import Embedding, EmbedItem, Question
+from vlmbatch.pipeline.questions import Question
+from vlmbatch.pipeline.records import Embedding, EmbedItem
 from vlmbatch.pipeline.task import Prepared
 from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
 from vlmbatch.serving.config import ServingConfig

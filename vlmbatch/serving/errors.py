@@ -3,7 +3,7 @@ status with OpenAI's error fields: what the engine side raises for a full queue,
 shutting down or an engine failure, and what every route raises) and ``EmbedRefused`` (an
 embedding input the engine will not take: a 400 naming the input).
 
-Plain exceptions, no web framework: the HTTP side (``app/server/errors.py``) turns them
+Plain exceptions, no web framework: the HTTP side (``server/errors.py``) turns them
 into OpenAI's error bodies. Across the channel they travel as ``messages.Failure``
 (``failure_of`` / ``Failure.exception``): an exception's own pickle would call ``__init__``
 with the message alone.

@@ -12,7 +12,7 @@ record per kind of message (``channel.Link`` pickles them; nothing else goes ove
 A chat question is the drive's ``Question`` from the HTTP request to the engine thread,
 which makes the engine's ``Request`` of it as offline runs do (``pipeline.records.
 request_of``). Images travel as ``channel.Packed`` (their arrays in the shared arena). A
-request's answer is an ``Answer``: its result, or a ``Failure`` (an exception as plain
+request's answer is a ``Reply``: its result, or a ``Failure`` (an exception as plain
 fields: ``APIError`` and ``EmbedRefused`` do not pickle with their fields).
 """
 
@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from vlmbatch.pipeline.hooks import FaultHooks
-from vlmbatch.pipeline.records import EmbedItem, Question
+from vlmbatch.pipeline.questions import Question
+from vlmbatch.pipeline.records import EmbedItem
 from vlmbatch.pipeline.task import Prepared
 from vlmbatch.preprocessing.prepare import ImagePlan
 from vlmbatch.serving.config import ServingConfig
@@ -132,7 +133,7 @@ def failure_of(e: BaseException) -> Failure:
 
 
 @dataclass(frozen=True)
-class Answer:
+class Reply:
     rid: int
     result: Any = None  # a Score (chat) or each item's embeddings (embed)
     failure: Failure | None = None
@@ -152,7 +153,7 @@ class Counters:
 @dataclass(frozen=True)
 class Settled:
     """The answers of one engine-thread turn, with the counters after it."""
-    answers: tuple[Answer, ...]
+    answers: tuple[Reply, ...]
     stats: Counters = field(default_factory=Counters)
 
 

@@ -17,7 +17,7 @@ go on with the items still pending, so every item is recorded once (``jobs/store
 While no engine is up, requests are 503 too.
 
 Engine processes are started as ``python -P -m vlmbatch.serving.engine_process`` with this
-process's ``vlmbatch`` first on their path (``preprocessing/children.py``), whatever the working
+process's ``vlmbatch`` first on their path (``common/children.py``), whatever the working
 directory.
 """
 
@@ -36,18 +36,18 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 
+from vlmbatch.common.children import child_env, python_module
 from vlmbatch.engine.records import Score
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
-from vlmbatch.pipeline.records import Embedding, EmbedItem, Question
+from vlmbatch.pipeline.questions import Question
+from vlmbatch.pipeline.records import Embedding, EmbedItem
 from vlmbatch.pipeline.task import Prepared
-from vlmbatch.preprocessing.children import child_env, python_module
 from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.serving.channel import Arena, Arriving, Link, Residents
 from vlmbatch.serving.config import ServingConfig
 from vlmbatch.serving.engines import Engines, EngineView
 from vlmbatch.serving.errors import APIError, queue_full, shutting_down
 from vlmbatch.serving.messages import (
-    Answer,
     Ask,
     BatchDrained,
     BatchEvent,
@@ -58,6 +58,7 @@ from vlmbatch.serving.messages import (
     EngineInfo,
     Packed,
     Ready,
+    Reply,
     RunBatch,
     Settled,
     Start,
@@ -66,7 +67,7 @@ from vlmbatch.serving.messages import (
 )
 from vlmbatch.serving.scheduler import BatchEvents, settle
 
-log = logging.getLogger("vlmbatch.app.server")
+log = logging.getLogger("vlmbatch.server")
 
 SPREAD = 8  # outstanding requests an engine may have over the least loaded one
 START_TIMEOUT_S = 600.0  # an engine process's start: an interpreter, imports, the model
@@ -183,7 +184,7 @@ class EngineProcess:
         except OSError:  # it died just now: the reader answers the future
             pass
 
-    def _answered(self, answers: tuple[Answer, ...]) -> None:
+    def _answered(self, answers: tuple[Reply, ...]) -> None:
         on_loop: list[tuple[asyncio.Future, object, BaseException | None]] = []
         for a in answers:
             with self.lock:

@@ -50,17 +50,17 @@ from vlmbatch.engine.base import Engine
 from vlmbatch.engine.config import ConfigError
 from vlmbatch.engine.records import Score
 from vlmbatch.jobs.config import RunConfig
-from vlmbatch.jobs.errors import ManifestError
 from vlmbatch.jobs.folder import load_config
 from vlmbatch.jobs.job import JobRun
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
-from vlmbatch.pipeline.records import Question, request_of
+from vlmbatch.pipeline.questions import ManifestError, Question
+from vlmbatch.pipeline.records import request_of
 from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.serving.config import ServingConfig, absolute
 from vlmbatch.serving.errors import APIError, queue_full, shutting_down
 from vlmbatch.serving.messages import Counters
 
-log = logging.getLogger("vlmbatch.app.server")
+log = logging.getLogger("vlmbatch.server")
 # how often the engine thread looks again while requests are on their way
 POLL_S = 0.002
 
@@ -86,14 +86,14 @@ class _Batch:
 
 
 # how a question's answer is handed back: (score, None) or (None, the error)
-Done = Callable[[Score | None, BaseException | None], None]
+ScoreCallback = Callable[[Score | None, BaseException | None], None]
 
 
 @dataclass
 class ChatWork:
     question: Question
     image: PreparedImage
-    done: Done  # called once, on the engine thread
+    done: ScoreCallback  # called once, on the engine thread
     future: Future[Score] | None = None  # ``submit``'s (a client gone: cancelled)
 
     def cancelled(self) -> bool:
@@ -186,7 +186,7 @@ class Scheduler:
         self.ask(question, image, lambda s, e: settle(f, s, e), f)
         return f
 
-    def ask(self, question: Question, image: PreparedImage, done: Done,
+    def ask(self, question: Question, image: PreparedImage, done: ScoreCallback,
             future: Future[Score] | None = None) -> None:
         """``question`` about ``image``, answered by calling ``done`` on the engine thread
         (the engine process hands answers on so, with no future per question)."""

@@ -27,7 +27,7 @@ RUNNERS: Registry[Callable[..., Any]] = Registry("vision backend", {
     "onnxruntime": "vlmbatch.vit_trt.onnx_runner:build_ort",
     "onnxruntime-int8": "vlmbatch.vit_trt.onnx_runner:build_ort_int8",
     "tensorrt": "vlmbatch.vit_trt.tensorrt_runner:build_tensorrt",
-    "torch": "vlmbatch.vit_trt.torch_runner:build_torch",
+    "torch": "vlmbatch.vit_trt.torch_runner:build_torch_runner",
 })
 OPSET = 17  # export.py's default ONNX opset (SDPA exports as plain ops in 17-20)
 _BASE = ("RunnerOptions", "VisionModel", "VitRunner", "make_runner")  # from base.py, lazily

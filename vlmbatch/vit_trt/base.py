@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vlmbatch.cudagraph_pool import BudgetPool, GraphPool
+from vlmbatch.cudagraph_pool.budget import BudgetPool
+from vlmbatch.cudagraph_pool.pool import GraphPool
 from vlmbatch.models.base import BudgetForward, VisionOutput
 from vlmbatch.vit_trt import RUNNERS
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from vlmbatch.cudagraph_pool import GraphPool
+from vlmbatch.cudagraph_pool.pool import GraphPool
 from vlmbatch.vit_trt.base import RunnerOptions, VisionModel, VitRunner
 
 

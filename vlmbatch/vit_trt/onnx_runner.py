@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from vlmbatch.models.io import ModelError
+from vlmbatch.models.config_io import ModelError
 from vlmbatch.vit_trt.base import RunnerOptions, VisionModel, VitRunner
 from vlmbatch.vit_trt.export import INPUT, OUTPUT, export_onnx, quantize_int8
 

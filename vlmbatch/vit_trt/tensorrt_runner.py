@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from vlmbatch.common.atomic import replaced_on_success
-from vlmbatch.cudagraph_pool import GraphPool, default_buckets
-from vlmbatch.models.io import ModelError
+from vlmbatch.cudagraph_pool.pool import GraphPool, default_buckets
+from vlmbatch.models.config_io import ModelError
 from vlmbatch.vit_trt.base import RunnerOptions, VisionModel, VitRunner
 from vlmbatch.vit_trt.export import export_onnx, model_hash
 from vlmbatch.vit_trt.onnx_runner import PACKED

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
-from vlmbatch.cudagraph_pool import BudgetPool, GraphPool, default_budgets
+from vlmbatch.cudagraph_pool.budget import BudgetPool, default_budgets
+from vlmbatch.cudagraph_pool.pool import GraphPool
 from vlmbatch.models.base import VisionOutput
 from vlmbatch.vit_trt.base import RunnerOptions, VisionModel, VitRunner
 
@@ -59,6 +60,6 @@ class TorchRunner(VitRunner):
         return out
 
 
-def build_torch(vision: VisionModel, opts: RunnerOptions) -> TorchRunner:
+def build_torch_runner(vision: VisionModel, opts: RunnerOptions) -> TorchRunner:
     return TorchRunner(vision, cuda_graphs=opts.cuda_graphs, max_batch=opts.max_batch,
                        stream_ordered=opts.stream_ordered, max_budget=opts.max_budget)

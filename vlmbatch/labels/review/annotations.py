@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlmbatch.jobs.errors import ManifestError, brief
 from vlmbatch.labels.review.export import IMAGE_ID, RESERVED
+from vlmbatch.pipeline.questions import ManifestError, brief
 
 
 @dataclass(frozen=True)

@@ -39,12 +39,12 @@ from urllib.parse import quote, unquote, urlparse
 from xml.sax.saxutils import quoteattr
 
 from vlmbatch.common.atomic import replaced_on_success
-from vlmbatch.jobs.errors import ManifestError
-from vlmbatch.jobs.folder import STORE_FILE, job_task, load_config, require_job
-from vlmbatch.jobs.store import JobStore, item_from_json
+from vlmbatch.jobs.folder import STORE_FILE, job_task_name, load_config, require_job
+from vlmbatch.jobs.store import JobStore, image_item_from_json
 from vlmbatch.labels.job_stats import distance
 from vlmbatch.labels.read import Scored, scored
 from vlmbatch.models.fingerprint import fingerprint
+from vlmbatch.pipeline.questions import ManifestError
 from vlmbatch.pipeline.records import ImageItem
 from vlmbatch.preprocessing.sources import scheme
 
@@ -142,7 +142,7 @@ def _answered(job: Path, questions: Sequence[str]) -> Iterator[tuple[ImageItem, 
     """Each recorded item with its answered lines (of ``questions``, if any named)."""
     store = JobStore(Path(job) / STORE_FILE)
     try:
-        for item, lines in store.recorded_items(item_from_json):
+        for item, lines in store.recorded_items(image_item_from_json):
             got = [scored(d, f"{job}: item {item.id!r}") for d in lines]
             yield item, [s for s in got if s.error is None and s.answer is not None
                          and (not questions or s.question_id in questions)]
@@ -155,7 +155,7 @@ def build_tasks(job: Path, document_root: Path = Path("/"), questions: Sequence[
     """The job's tasks, lowest score (most borderline) first, filtered; ManifestError for an
     embedding job, a question named that the job never asked, or no task left."""
     require_job(job)
-    if job_task(job) != "answer":
+    if job_task_name(job) != "answer":
         raise ManifestError(f"{job} is an embedding job: review covers jobs that answer "
                             "questions")
     version = job_fingerprint(job)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from vlmbatch.jobs.errors import ManifestError
+from vlmbatch.pipeline.questions import ManifestError
 
 TIMEOUT = 120.0  # seconds per request: an import of many tasks is one request
 

@@ -5,5 +5,5 @@ text models' decoder specs (``text.py``: Qwen2, Qwen3, Llama, InternLM2), the HF
 family's spec, loader and image plan (``family.py``, registered as ``internvl``), the
 original ``InternVLChatModel`` layout (``original.py``, registered as ``internvl_chat``),
 the built-in model's tokenizer (``tokenizer.py``) and random-weight checkpoints for tests
-and benchmarks (``random.py``; ``random_original.py``: the original layout written from an
-HF-native one, and an InternLM2-style SentencePiece tokenizer)."""
+and benchmarks (``random.py``; the original layout written from one of them is the tests'
+``tests/models/random_original.py``)."""

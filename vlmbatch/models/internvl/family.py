@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from vlmbatch.models.base import ImageOptions, ModelFamily, ModelSpec
+from vlmbatch.models.config_io import ModelError, read_json
 from vlmbatch.models.decoder import TextDecoder, TextSpec
 from vlmbatch.models.internvl.prompt import InternVLPrompts
 from vlmbatch.models.internvl.text import check_kind, text_spec
 from vlmbatch.models.internvl.vision import VisionEncoder, VisionSpec
-from vlmbatch.models.io import ModelError, load_weights, read_json
+from vlmbatch.models.io import load_weights
 from vlmbatch.models.tokenizer import check_tokenizer, load_tokenizer
 from vlmbatch.preprocessing.prepare import TilingConfig
 

@@ -80,7 +80,7 @@ def save_random_internvl(path: Path, *, vision: dict, text: dict, tile: int, pat
                          ) -> Path:
     """Save a seeded random InternVL with ``vision``/``text`` config keywords into ``path``
     (weights: module docstring); ``tokenizer``: one with ``<IMG_CONTEXT>`` instead of ours
-    (``random_original.save_sentencepiece_tokenizer``'s)."""
+    (the tests' ``tests/models/random_original.py`` ``save_sentencepiece_tokenizer``'s)."""
     tok = tokenizer or build_tokenizer(CORPUS, vocab_size=vocab_size)
     cfg = InternVLConfig(
         vision_config=dict(image_size=tile, patch_size=patch,

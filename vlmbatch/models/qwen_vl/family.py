@@ -34,8 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from vlmbatch.models.base import BudgetForward, ImageOptions, ModelFamily, ModelSpec
+from vlmbatch.models.config_io import ModelError, read_json
 from vlmbatch.models.decoder import TextDecoder, TextSpec
-from vlmbatch.models.io import ModelError, load_weights, read_json
+from vlmbatch.models.io import load_weights
 from vlmbatch.models.qwen_vl.prompt import COLQWEN2, JINA, EmbedTemplate, QwenVLPrompts
 from vlmbatch.models.qwen_vl.spec import SpecError, VisionSpec, spec_from_config
 from vlmbatch.models.qwen_vl.vision import VisionTower

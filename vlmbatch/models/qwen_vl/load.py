@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from vlmbatch.models.decoder import TextDecoder
 from vlmbatch.models.qwen_vl.family import QwenVL
-from vlmbatch.models.qwen_vl.spec import QwenVLSpec, SpecError, read_spec
+from vlmbatch.models.qwen_vl.spec import QwenVLSpec, SpecError, read_qwen_vl_spec
 from vlmbatch.models.qwen_vl.vision import VisionTower
 
 
@@ -47,7 +47,7 @@ def load_qwen_vl(path: Path | str, device: str = "cpu",
                  dtype: torch.dtype = torch.float32) -> QwenVLModel:
     """Spec, vision tower and decoder of the checkpoint at ``path``, in eval mode."""
     path = Path(path)
-    spec = read_spec(path)
+    spec = read_qwen_vl_spec(path)
     sd = state_dict(path)
     vision, text = VisionTower(spec.vision), TextDecoder(spec.text)
     vision.load_hf(sd)

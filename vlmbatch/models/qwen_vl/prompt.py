@@ -30,7 +30,7 @@ import torch
 
 from vlmbatch.models.base import Prompt
 from vlmbatch.models.chat import chat_layout
-from vlmbatch.models.io import ModelError
+from vlmbatch.models.config_io import ModelError
 from vlmbatch.models.qwen_vl.positions import Grid, image_prompt_positions
 from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.preprocessing.qwen_vl import PatchGrid

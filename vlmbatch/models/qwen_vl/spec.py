@@ -82,7 +82,7 @@ class QwenVLSpec:
     vision_end_id: int
 
 
-def read_spec(path: Path) -> QwenVLSpec:
+def read_qwen_vl_spec(path: Path) -> QwenVLSpec:
     """The spec of the checkpoint directory ``path``."""
     cfg = _read_json(Path(path) / "config.json", required=True)
     return spec_from_config(cfg, _read_json(Path(path) / "preprocessor_config.json"))

@@ -1,0 +1,6 @@
+"""The Python API: ``VLM`` (``vlm.py``: ``ask``, ``ask_batch``, ``embed``, ``label``; the
+same drive loop as ``vlmbatch run``, so its answers are the run's lines), and the Ray Data
+stages over it (``ray_data.py``: ``Answerer``, ``Preparer``, ``Embedder`` for
+``Dataset.map_batches``; ``docs/python.md``). ``vlmbatch.VLM`` resolves here on first use;
+the package itself imports nothing.
+"""
