@@ -1,4 +1,5 @@
-"""Image preprocessing: bytes to the uint8 rows a vision module takes. Never touches models.
+"""Image and clip preprocessing: bytes to the uint8 rows a vision module takes. Never touches
+models.
 
 - ``sources.py``: an image's bytes from a path, ``file://`` or ``data:`` URL (``SourceError``),
   and which sources the fetch stage reads; ``fetch.py``: the fetch stage (http(s) through one
@@ -7,16 +8,22 @@
   guard (a server's remote media: every connection's addresses checked, then pinned);
 - ``decode.py``: bytes -> RGB pixels as Pillow's ``convert("RGB")`` gives them (EXIF, alpha,
   gray, 16-bit, CMYK), large JPEGs decoded reduced in the DCT domain, the decompression-bomb
-  guard (``limits.py``: the default pixel limit, light);
+  guard (``limits.py``: the default pixel and clip-length limits, light);
 - ``resize.py``: the resize policy (INTER_AREA when shrinking, INTER_CUBIC when enlarging);
 - ``tiling.py``: InternVL's tile grids (the reference ``dynamic_preprocess`` and the reduced
   one); ``prepare.py``: the ``PreparedImage`` record, image plans (``TilingConfig``) and the
   content hash; ``media.py``: the records of a sampled clip (``PreparedVideo``) and of an
   item's visual parts; ``qwen_vl.py``: Qwen-VL's smart resize and patch rows (``qwen2vl.py``: its
   resize grid);
-- ``isolated.py`` and ``decoder_process.py``: decoder processes, each image under a
-  deadline, a crash that image's error (started as ``common/children.py`` starts every
-  child interpreter);
+- clips: ``video.py`` (PyAV: a clip's metadata from its packets, frames decoded as sampled,
+  the display matrix applied, ``VideoError`` with a reason), ``video_sampling.py`` (the frame
+  indices of transformers' Qwen2-VL, Qwen3-VL and InternVL video processors),
+  ``video_rows.py`` (frames -> Qwen-VL patch rows / InternVL tiles, a ``PreparedVideo``),
+  ``video_plan.py`` (a family's ``VideoPlan``, read from a checkpoint as transformers reads
+  it); ``video_source.py`` (``VideoSource``: a clip for the decoder processes, light);
+- ``isolated.py`` and ``decoder_process.py``: decoder processes, each image (or clip) under
+  a deadline, a crash that item's error (started as ``common/children.py``
+  starts every child interpreter);
 - ``reference.py``: the Pillow reference pipeline of InternVL's model card (benchmarks and
   tests today; kept in the package because issue 44 makes it a run mode, ``--resize
   reference``).

@@ -9,7 +9,11 @@ pid)``; then each ``(source, base_dir, slot offset)`` is answered, in order, by 
     ("slot", image, layout)  the PreparedImage with its arrays replaced by empty ones, and
                              (field, offset, shape, dtype) of each array in the shared slot
     ("object", image)        the whole PreparedImage, pickled (it did not fit the slot)
-    ("error", exc)           SourceError or ImageError: the item's error
+    ("error", exc)           SourceError or ImageError (VideoError too): the item's error
+
+A ``VideoSource`` as the source is a clip: read like an image's bytes, prepared by its own
+``VideoPlan`` (sampled, decoded as sampled, laid out as rows), and answered the same way
+with a ``PreparedVideo``; the pool's image plan is not used for it.
     ("raise", exc)           anything else (a bug): raised in the caller
 
 The two slots are one memfd both processes map; the pool copies an item's arrays out
@@ -37,14 +41,16 @@ import cv2
 import numpy as np
 
 from vlmbatch.preprocessing.decode import ImageError
-from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage, prepare_bytes
+from vlmbatch.preprocessing.media import MediaPart
+from vlmbatch.preprocessing.prepare import ImagePlan, prepare_bytes
 from vlmbatch.preprocessing.sources import SourceError, read_bytes
+from vlmbatch.preprocessing.video_source import VideoSource
 
 ALIGN = 64  # bytes; each array starts on a cache line of the slot
 PR_SET_PDEATHSIG = 1
 
 
-def pack_image(image: PreparedImage, slot: mmap.mmap, base: int, size: int) -> tuple:
+def pack_media(image: MediaPart, slot: mmap.mmap, base: int, size: int) -> tuple:
     """``image``'s arrays copied into the ``size`` bytes of ``slot`` from ``base`` (a
     ``("slot", ...)`` answer), or the whole image pickled when they do not fit."""
     arrays = [(f.name, v) for f in dataclasses.fields(image)
@@ -61,9 +67,10 @@ def pack_image(image: PreparedImage, slot: mmap.mmap, base: int, size: int) -> t
     return ("slot", dataclasses.replace(image, **empty), layout)
 
 
-def unpack_image(answer: tuple, slot: mmap.mmap, base: int = 0) -> PreparedImage:
-    """The ``PreparedImage`` of a ``slot`` or ``object`` answer, its arrays copied out of
-    ``slot`` (which a later item overwrites; the offsets in the answer include ``base``)."""
+def unpack_media(answer: tuple, slot: mmap.mmap, base: int = 0) -> MediaPart:
+    """The ``PreparedImage`` (or ``PreparedVideo``) of a ``slot`` or ``object`` answer, its
+    arrays copied out of ``slot`` (which a later item overwrites; the offsets in the answer
+    include ``base``)."""
     if answer[0] == "object":
         return answer[1]
     _, image, layout = answer
@@ -73,17 +80,19 @@ def unpack_image(answer: tuple, slot: mmap.mmap, base: int = 0) -> PreparedImage
     return dataclasses.replace(image, **arrays)
 
 
-def answer(source: str | bytes, base_dir: str, plan: ImagePlan, max_pixels: int,
+def answer(source: str | bytes | VideoSource, base_dir: str, plan: ImagePlan, max_pixels: int,
            before: Callable[[str], None] | None, slot: mmap.mmap, base: int = 0,
            size: int | None = None) -> tuple:
     """One item's answer, its arrays in ``slot[base: base + size]`` (see the module
     docstring)."""
     try:
+        where = source.source if isinstance(source, VideoSource) else source
         if before is not None:  # fault injection (tests): hang or crash here
-            before(source if isinstance(source, str) else "<bytes>")
-        data = source if isinstance(source, bytes) else read_bytes(source, Path(base_dir))
-        image = prepare_bytes(data, plan, max_pixels)
-        return pack_image(image, slot, base, len(slot) - base if size is None else size)
+            before(where if isinstance(where, str) else "<bytes>")
+        data = where if isinstance(where, bytes) else read_bytes(where, Path(base_dir))
+        image = (source.plan.prepare(data, max_pixels) if isinstance(source, VideoSource)
+                 else prepare_bytes(data, plan, max_pixels))
+        return pack_media(image, slot, base, len(slot) - base if size is None else size)
     except (SourceError, ImageError) as e:
         return ("error", e)
     except Exception as e:  # noqa: BLE001  (a bug: the pool raises it in the caller)

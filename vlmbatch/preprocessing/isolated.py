@@ -34,8 +34,10 @@ from queue import Empty, SimpleQueue
 
 from vlmbatch.common.children import child_env, python_module
 from vlmbatch.preprocessing.decode import ImageError
-from vlmbatch.preprocessing.decoder_process import unpack_image
-from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
+from vlmbatch.preprocessing.decoder_process import unpack_media
+from vlmbatch.preprocessing.media import MediaPart
+from vlmbatch.preprocessing.prepare import ImagePlan
+from vlmbatch.preprocessing.video_source import VideoSource
 
 SLOT_BYTES = 64 << 20  # per slot, two a worker, sparse: pages are allocated as written
 DEPTH = 2  # items in a worker's pipe at once: it starts the next while this process copies
@@ -57,7 +59,7 @@ class _Hung(Exception):
 @dataclass
 class _Job:
     future: Future
-    source: str | bytes
+    source: str | bytes | VideoSource
     base_dir: Path
     offset: int | None = None  # its slot, once sent to a worker
     since: float | None = None  # when that worker reached it
@@ -103,7 +105,7 @@ class _Worker:
             raise RuntimeError(f"could not start a decoder process ({self.exit_reason()}); "
                                "see its message above") from None
 
-    def send(self, source: str | bytes, base_dir: Path) -> int:
+    def send(self, source: str | bytes | VideoSource, base_dir: Path) -> int:
         """Queue an item in the worker's pipe; returns the offset of its slot."""
         offset = (self.sent % 2) * self.slot_bytes
         self.sent += 1
@@ -113,7 +115,7 @@ class _Worker:
             raise _Died(self.exit_reason()) from None
         return offset
 
-    def receive(self, timeout_s: float, offset: int) -> PreparedImage:
+    def receive(self, timeout_s: float, offset: int) -> MediaPart:
         """The answer for the oldest item sent; raises _Hung past ``timeout_s`` and _Died
         when the worker dies (the caller then kills or drops it)."""
         try:
@@ -124,7 +126,7 @@ class _Worker:
             raise _Died(self.exit_reason()) from None
         if answer[0] in ("error", "raise"):
             raise answer[1]
-        return unpack_image(answer, self.slots, offset)
+        return unpack_media(answer, self.slots, offset)
 
     def exit_reason(self) -> str:
         try:
@@ -148,10 +150,11 @@ class _Worker:
 
 class DecoderPool:
     """``workers`` decoder processes preparing submitted items with ``plan``, FIFO; each
-    item's ``Future`` holds its ``PreparedImage`` or raises ``SourceError``/``ImageError``
-    (``DecodeTimeout``, ``DecoderCrashed`` included). ``before`` (fault injection, tests
-    only) is called in the worker with the item's source before it is read. Workers start
-    with the first item; ``stop`` kills them at once, whatever they are doing."""
+    item's ``Future`` holds its ``PreparedImage`` (a clip's: ``PreparedVideo``) or raises
+    ``SourceError``/``ImageError`` (``DecodeTimeout``, ``DecoderCrashed`` included).
+    ``before`` (fault injection, tests only) is called in the worker with the item's source
+    before it is read. Workers start with the first item; ``stop`` kills them at once,
+    whatever they are doing."""
 
     def __init__(self, workers: int, plan: ImagePlan, max_pixels: int, timeout_s: float,
                  before: Callable[[str], None] | None = None,
@@ -169,7 +172,9 @@ class DecoderPool:
             threading.Thread(target=self._serve, name=f"vlmbatch-decoder-{i}",
                              daemon=True).start()
 
-    def submit(self, source: str | bytes, base_dir: Path) -> Future:
+    def submit(self, source: str | bytes | VideoSource, base_dir: Path) -> Future:
+        """Prepare ``source`` (an image's path, URL or bytes; a ``VideoSource``: a clip,
+        whose future holds a ``PreparedVideo``) in a worker, under the deadline."""
         f: Future = Future()
         self.jobs.put(_Job(f, source, base_dir))
         return f

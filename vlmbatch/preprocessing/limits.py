@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_MAX_PIXELS = 100_000_000  # 100 MP: a 10000 x 10000 image
+DEFAULT_MAX_VIDEO_SECONDS = 3600.0  # a clip longer than an hour is refused before decoding
 DEFAULT_MAX_IMAGE_BYTES = 64 << 20  # an encoded image larger than this is refused unread
 MAX_REDIRECTS = 5  # an http(s) fetch follows at most this many redirects
 MAX_RETRY_AFTER_S = 60.0  # a Retry-After asking for longer fails the fetch at once
