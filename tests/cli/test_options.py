@@ -39,7 +39,8 @@ VALUES = {"N": "5", "TOKENS": "7", "MIB": "3", "MS": "2", "SECONDS": "5", "PIXEL
           "HOST": "0.0.0.0", "PORT": "9", "KEY": "k", "NAME": "m", "CHARS": "9", "TEXT": "Q: ",
           "COLUMN": "c", "WORD,WORD": "si,oui", "HOST,HOST": "a.com", "P": "0.5", "R": "0.5",
           "F": "0.5", "FILE": "f.jsonl", "P.yaml": "p.yaml", "PATH": "o.jsonl",
-          "IMAGE": "a.png"}
+          "IMAGE": "a.png", "D": "1.5", "URL": "http://127.0.0.1:9", "TOKEN": "t",
+          "TITLE|ID": "p", "OLD_JOB": "old"}
 POSITIONAL = {"manifest": ["m.jsonl"], "results": ["r.jsonl"], "texts": ["hello"]}
 # what each command needs typed to be valid: (option key -> tokens)
 BASE: dict[str, dict[str, list[str]]] = {
@@ -50,6 +51,7 @@ BASE: dict[str, dict[str, list[str]]] = {
     "quantize": {"method": ["--method", "rtn"], "calib": ["--calib", "c.jsonl"],
                  "out": ["--out", "{dir}"]},
     "export-vit": {"out": ["--out", "{dir}"]},
+    "review": {"action": ["export"], "source": ["{dir}"]},
     **{c: {"job": ["{dir}"]} for c in ("status", "cancel", "resume", "results")},
 }
 RAY = {"executor": ["--executor", "ray"]}
@@ -68,6 +70,8 @@ BESIDE: dict[str, dict[str, list[str] | None]] = {
     "precision": {"f1": None}, "recall": {"f1": None}, "max_fpr": {"f1": None},
     "policy": {"manifest": ["m.jsonl"]}, "json": {"manifest": ["m.jsonl"]},
     "limit": {"eval": ["--eval"]},
+    "token": {"url": ["--url", "http://127.0.0.1:9"]},
+    "project": {"url": ["--url", "http://127.0.0.1:9"]},
     "allowed_media_domains": {"allow_remote_media": ["--allow-remote-media"]},
 }
 
@@ -121,6 +125,10 @@ def argvs(cmd: Command, d: Declared, tmp: Path) -> tuple[list[str], list[str]]:
     mine = parts.pop(d.option.key, None)  # needed anyway: typed as BASE has it
     rest = [t.format(dir=tmp) for tokens in parts.values() for t in tokens]
     own = sample(d, tmp) if mine is None else [t.format(dir=tmp) for t in mine]
+    if mine is not None and d.option.positional:  # positionals keep their order (review)
+        at = list(BASE[cmd.name]).index(d.option.key)
+        ahead = [t for tokens in list(parts.values())[:at] for t in tokens]
+        return [cmd.name, *ahead, *own, *rest[len(ahead):]], [cmd.name, *rest]
     return [cmd.name, *rest, *own], [cmd.name, *rest]
 
 

@@ -34,6 +34,7 @@ from vlmbatch.cli.config import (
     ReportConfig,
     ResultsConfig,
     ResumeConfig,
+    ReviewConfig,
     SubmitConfig,
 )
 from vlmbatch.common.options import Declared, Option, declared
@@ -129,6 +130,16 @@ COMMANDS: tuple[Command, ...] = (
             "answer shown marked right or wrong, the counts of each and a sheet of the most "
             "confident wrong answers.",
             (ReportConfig,)),
+    Command("review", "people in the loop: a job's answers as Label Studio tasks (export), "
+            "their decisions as labels (import)",
+            "export JOB: one Label Studio task per image with the model's answers as "
+            "predictions (model_version: the model's fingerprint; score: the log-odds distance "
+            "to the nearest threshold, so Label Studio's lowest-first order shows the most "
+            "borderline first) and, with --config-out, the labelling configuration; --url "
+            "imports them into a project. import EXPORT: a JSON or JSON_MIN export (or --url) "
+            "as the labels file `calibrate --labels` and `eval` read: cancelled annotations "
+            "skipped, the latest per image and question kept, disagreements reported. "
+            "docs/labels.md.", (ReviewConfig,)),
     Command("quantize", "write a W4A16 (AWQ/GPTQ) copy of a model, calibrated on your images",
             "Quantise the language model's decoder linears to 4-bit weights (symmetric, per "
             "group) with AWQ or GPTQ, calibrated on the questions of a manifest, and write a "

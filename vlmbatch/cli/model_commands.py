@@ -88,7 +88,8 @@ def _job_exit(cfg: ResumeConfig, hooks: FaultHooks) -> int:
     """Run a job folder (after re-queueing its failed items with --retry-failed)."""
     st = run_job(cfg.job, cfg.progress, cfg.executor, retry_failed=cfg.retry_failed,
                  threads=cfg.threads, preprocess_threads=cfg.preprocess_threads,
-                 decode_timeout=cfg.decode_timeout, hooks=hooks, fetch=cfg.fetch)
+                 decode_timeout=cfg.decode_timeout, hooks=hooks, fetch=cfg.fetch,
+                 reuse=cfg.reuse)
     if cfg.retry_failed:
         print(f"vlmbatch: job {cfg.job}: {st.requeued} failed images were queued again",
               file=sys.stderr)
@@ -121,8 +122,9 @@ def cmd_run(line: CommandLine, hooks: FaultHooks = NO_HOOKS) -> int:
                           "-o FILE.parquet`")
     if out is not None:
         check_writable(out)  # a read-only --out fails here, before any work
-    if cfg.executor.kind == "ray":
-        return _run_on_ray(cfg, hooks)
+    reuse = line.typed.get("reuse")
+    if cfg.executor.kind == "ray" or reuse is not None:
+        return _run_on_ray(cfg, hooks, reuse)
     summary = run(cfg, hooks=hooks)
     print(f"vlmbatch: {summary.text()}; {cfg.model.dtype_note()}", file=sys.stderr)
     if out:
@@ -130,11 +132,12 @@ def cmd_run(line: CommandLine, hooks: FaultHooks = NO_HOOKS) -> int:
     return EXIT_ITEM_ERRORS if summary.failed_images else EXIT_OK
 
 
-def _run_on_ray(cfg: RunConfig, hooks: FaultHooks) -> int:
-    """`run MANIFEST --executor ray`: a job in a temporary folder, run on Ray, exported."""
+def _run_on_ray(cfg: RunConfig, hooks: FaultHooks, reuse: Path | None = None) -> int:
+    """`run MANIFEST --executor ray` (or `--reuse OLD_JOB`): a job in a temporary folder, run
+    on Ray (or here, copying what it can from OLD_JOB), exported."""
     with tempfile.TemporaryDirectory(prefix="vlmbatch-job-") as tmp:
         job = Path(tmp) / "job"
-        submit(dataclasses.replace(cfg, out=None), job)
+        submit(dataclasses.replace(cfg, out=None), job, reuse=reuse)
         try:
             rc = _job_exit(ResumeConfig(job, progress=cfg.progress, executor=cfg.executor),
                            hooks)
@@ -152,7 +155,7 @@ def cmd_submit(line: CommandLine, hooks: FaultHooks = NO_HOOKS) -> int:
     job = sub.job
     assert job is not None  # SubmitConfig refuses a submit without --job
     cfg = typed_run_config(line)
-    n = submit(cfg, job, hooks)
+    n = submit(cfg, job, hooks, reuse=sub.reuse)
     what = "inputs" if cfg.task == "embed" else "images"
     print(f"vlmbatch: job {job}: {n} {what} submitted; run it with `vlmbatch run {job}`",
           file=sys.stderr)

@@ -148,6 +148,7 @@ class JobStatus:
     runner: tuple[int, str] | None = None  # (pid, host) running the job, when running
     task: str = "answer"  # what the job does (jobs.config.TASKS); "embed": questions and
     # qpm count embeddings
+    reused: int = 0  # answers copied from an earlier job (jobs/reuse.py), of ``questions``
 
     def text(self) -> str:
         per, unit = ("embeddings/min", "embeddings") if self.task == "embed" else (
@@ -156,9 +157,11 @@ class JobStatus:
         eta = (f", ETA {self.eta_s:.0f}s" if self.eta_s is not None and self.pending
                and self.status == "running" else "")
         what = "items" if self.task == "embed" else "images"
+        reused = (f" ({self.reused} reused, {self.questions - self.reused} computed)"
+                  if self.reused else "")
         return (f"{self.status}{who(self.runner)}: {self.done + self.failed}/{self.items} "
                 f"{what} ({self.failed} failed, {self.pending} pending), {self.questions} "
-                f"{unit}, {rate}{eta}")
+                f"{unit}{reused}, {rate}{eta}")
 
     def as_json(self) -> dict:
         """``status --json``: these fields, ``runner`` as {"pid", "host"} or null, and
@@ -188,7 +191,8 @@ def status(job: Path) -> JobStatus:
         st = state(store)
         runner = (runner_of(Path(job)) or recorded_runner(store)) if st == "running" else None
         return JobStatus(st, c.total, c.done, c.failed, c.pending, q, qpm, eta, runner=runner,
-                         task=job_task_name(Path(job)))
+                         task=job_task_name(Path(job)),
+                         reused=int(store.get("reused_answers") or 0))
     finally:
         store.close()
 
