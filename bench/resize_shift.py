@@ -38,6 +38,7 @@ if importlib.util.find_spec("torchvision") is not None:
 
 from bench.hf_baseline import _p_yes  # noqa: E402
 from bench.hf_qwen import load_qwen_reference  # noqa: E402
+
 from vlmbatch.cli.evaluate import EvalSet, easy_vqa_set  # noqa: E402
 from vlmbatch.engine.base import Engine  # noqa: E402
 from vlmbatch.engine.build import build_engine  # noqa: E402

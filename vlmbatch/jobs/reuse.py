@@ -62,7 +62,7 @@ def question_key(q: Question) -> QuestionKey:
     return (q.text, tuple(q.choices), q.system, q.prompt, q.max_new_tokens)
 
 
-def content_hash(item: ImageItem, not_after: float | None = None) -> str | None:
+def bytes_hash(item: ImageItem, not_after: float | None = None) -> str | None:
     """SHA-256 of the item's image bytes; None for an image not read from this machine, one
     unreadable, or (``not_after``) a file modified after that time."""
     src = item.image
@@ -112,7 +112,7 @@ class Reuse:
         """Question id -> the reused line, for the item's questions found."""
         if not self.answers:
             return {}
-        found = self.answers.get(content_hash(item) or "")
+        found = self.answers.get(bytes_hash(item) or "")
         if not found:
             return {}
         return {q.id: redecided(found[k], q, item.id) for q in item.questions
@@ -128,7 +128,7 @@ def _index(old: Path) -> dict[str, dict[QuestionKey, dict[str, Any]]]:
         for item, lines in store.recorded_items(image_item_from_json):
             by_id = {q.id: q for q in item.questions}
             answered = [d for d in lines if d.get("error") is None and d["question_id"] in by_id]
-            h = content_hash(item, created) if answered else None
+            h = bytes_hash(item, created) if answered else None
             if h is not None:
                 slot = out.setdefault(h, {})
                 for d in answered:

@@ -116,7 +116,7 @@ def _left_pad(rows: list[tuple[int, ...]], pad: int) -> tuple[torch.Tensor, torc
     return ids, mask
 
 
-class Timed:
+class TimedBaseline:
     """A baseline timed in rounds: ``round()`` answers ``self.items`` afresh (``_answer``),
     keeping its time, P(yes) and work; ``result()`` the best round."""
 
@@ -142,7 +142,7 @@ class Timed:
         return BaselineRun(self.p_yes, min(self.times), self.work, self.vision)
 
 
-class Batched(Timed):
+class Batched(TimedBaseline):
     """The batched baseline, warmed up at construction; ``round()`` times one round (a fresh
     pass over ``items``: tiles and features are made again each round)."""
 

@@ -25,7 +25,14 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from vlmbatch.cli.bench.baseline import BaselineRun, Timed, Work, _left_pad, _p_yes, time_once
+from vlmbatch.cli.bench.baseline import (
+    BaselineRun,
+    TimedBaseline,
+    Work,
+    _left_pad,
+    _p_yes,
+    time_once,
+)
 from vlmbatch.preprocessing.qwen_vl import PatchGrid
 
 
@@ -77,7 +84,7 @@ def qwen_per_question(ref: Any, spec: Any, prompts: Any, answers: Any, items: li
     return time_once(answer, items, warm)
 
 
-class QwenBatched(Timed):
+class QwenBatched(TimedBaseline):
     """The batched baseline (module docstring), warmed up at construction; ``round()``
     times one round."""
 

@@ -22,7 +22,7 @@ from vlmbatch.cli.bench.measure import (
     engine_rows,
     timed_rounds,
 )
-from vlmbatch.cli.bench.report import Row, report_json, table
+from vlmbatch.cli.bench.report import BenchRow, bench_table, report_json
 from vlmbatch.cli.bench.workload import Workload, workload
 from vlmbatch.common.atomic import replaced_on_success
 from vlmbatch.common.options import build
@@ -38,11 +38,11 @@ def cmd_bench(line: CommandLine, hooks: FaultHooks = NO_HOOKS) -> int:
     print(f"vlmbatch bench: {work.source}, {work.questions} questions, "
           f"{torch.get_num_threads()} threads, device {cfg.model.device}; best of "
           f"{cfg.rounds} rounds")
-    print(table(rows))
+    print(bench_table(rows))
     return EXIT_OK
 
 
-def run_bench(cfg: BenchConfig) -> tuple[list[Row], Workload]:
+def run_bench(cfg: BenchConfig) -> tuple[list[BenchRow], Workload]:
     """Every row measured (``--json``: written too); the workload they answered."""
     load = os.getloadavg()
     check_device(cfg.model.device)
@@ -66,14 +66,14 @@ def run_bench(cfg: BenchConfig) -> tuple[list[Row], Workload]:
     return rows, work
 
 
-def _row(r: EngineRow | BaselineRow, work: Workload, cfg: BenchConfig) -> Row:
+def _row(r: EngineRow | BaselineRow, work: Workload, cfg: BenchConfig) -> BenchRow:
     n = work.questions
     if isinstance(r, BaselineRow):
         prefill = sum(t for t, _ in r.inner.work.prefills) / n
-        return Row(r.name, {}, r.dtype, min(r.times), n, len(work.items), prefill, None,
+        return BenchRow(r.name, {}, r.dtype, min(r.times), n, len(work.items), prefill, None,
                    r.rss, None)
     eng = r.last_engine
     hit = eng.cache.stats.hit_rate() if eng.cache is not None else None
     swept = {k: v for k, v in next(v.swept for v in cfg.variants() if v.name == r.name)}
-    return Row(r.name, swept, r.dtype, min(r.times), n, len(work.items),
+    return BenchRow(r.name, swept, r.dtype, min(r.times), n, len(work.items),
                eng.stats.prefill_tokens / n, hit, r.rss, r.gpu_mib)

@@ -36,7 +36,7 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-class Timed(Protocol):
+class RoundRunner(Protocol):
     name: str
     times: list[float]
 

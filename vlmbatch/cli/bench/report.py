@@ -19,7 +19,7 @@ from vlmbatch.jobs.config import to_json
 
 
 @dataclass(frozen=True)
-class Row:
+class BenchRow:
     """One measured row (the best of its rounds)."""
     name: str
     swept: dict[str, Any]
@@ -48,7 +48,7 @@ class Row:
                 "peak_gpu_mib": self.peak_gpu_mib}
 
 
-def table(rows: list[Row]) -> str:
+def bench_table(rows: list[BenchRow]) -> str:
     """The rows as a text table; ``x first`` is each row's QPM over the first row's."""
     w = max(12, *(len(r.name) for r in rows)) + 2
     gpu = any(r.peak_gpu_mib is not None for r in rows)
@@ -96,7 +96,7 @@ def machine(device: str, load_before: tuple[float, ...]) -> dict[str, Any]:
     return out
 
 
-def report_json(cfg: BenchConfig, rows: list[Row], source: str,
+def report_json(cfg: BenchConfig, rows: list[BenchRow], source: str,
                 load_before: tuple[float, ...]) -> dict[str, Any]:
     return {"machine": machine(cfg.model.device, load_before),
             "versions": {"vlmbatch": _version("vlmbatch"), "torch": torch.__version__,
