@@ -76,6 +76,11 @@ def test_eval_refusals(labelled: tuple[Path, Path, Path], tmp_path: Path,
     bad.write_text(json.dumps({"id": "a", "image": first["image"], "questions": ["Red?"]}))
     assert main(["eval", str(bad), "--no-progress"]) == EXIT_BAD_INPUT
     assert "no question carries 'expected'" in capsys.readouterr().err
+    long = {"id": "a", "image": first["image"],
+            "questions": [{"id": "q", "text": "Red? " + "x" * 17_000, "expected": "yes"}]}
+    bad.write_text(json.dumps(long) + "\n")  # over --max-prompt-chars: refused before any work
+    assert main(["eval", str(bad), "--no-progress"]) == EXIT_BAD_INPUT
+    assert "question 'q' is 17,005 characters" in capsys.readouterr().err
 
 
 def test_calibrate_on_results_and_on_a_job(labelled: tuple[Path, Path, Path], tmp_path: Path,

@@ -40,7 +40,8 @@ VALUES = {"N": "5", "TOKENS": "7", "MIB": "3", "MS": "2", "SECONDS": "5", "PIXEL
           "COLUMN": "c", "WORD,WORD": "si,oui", "HOST,HOST": "a.com", "P": "0.5", "R": "0.5",
           "F": "0.5", "FILE": "f.jsonl", "P.yaml": "p.yaml", "PATH": "o.jsonl",
           "IMAGE": "a.png", "D": "1.5", "URL": "http://127.0.0.1:9", "TOKEN": "t",
-          "TITLE|ID": "p", "OLD_JOB": "old"}
+          "TITLE|ID": "p", "OLD_JOB": "old", "K": "3", "WxH,...": "96x96",
+          "FIELD=V,V": "prefix_cache=on,off"}
 POSITIONAL = {"manifest": ["m.jsonl"], "results": ["r.jsonl"], "texts": ["hello"]}
 # what each command needs typed to be valid: (option key -> tokens)
 BASE: dict[str, dict[str, list[str]]] = {
@@ -101,8 +102,8 @@ def sample(d: Declared, tmp: Path) -> list[str]:
     """``d`` typed with a value unlike its default."""
     o = d.option
     if o.positional:
-        return [str(tmp)] if o.key == "job" else POSITIONAL[o.key]
-    if o.action != "store":
+        return [str(tmp)] if o.key in ("job", "images") else POSITIONAL[o.key]  # images: bench
+    if o.action not in ("store", "append"):  # append: bench --sweep, typed once here
         return [o.flags[0]]
     if o.key == "model":
         return [o.flags[0], str(DEFAULT_MODEL)]  # read when a run is configured
@@ -301,12 +302,13 @@ def test_a_hub_id_as_model_says_nothing_is_downloaded(argv: list[str],
 # what main's code (before the command layer) serialised for RunConfig(manifest="m.jsonl",
 # engine=EngineConfig(cache_bytes=3 << 20, yes_words=("si", "oui")),
 # prepare=PrepareConfig(max_image_bytes=2 << 20)): job.json's config, version 6 (with
-# --resize's "resize" since; a file without it reads back with the default)
+# --resize's "resize" since; a file without it reads back with the default; "dtype" "auto" is
+# the default since round 4: the job folder stores what it resolved to, jobs/folder.py)
 JOB_JSON = (
     '{"manifest": "m.jsonl", "images": null, "dataset": null, "image_column": "image", '
     '"id_column": null, "questions_column": null, "policy": null, "out": null, '
     '"images_per_batch": 16, "threads": null, "progress": true, "model": {"path": null, '
-    '"device": "cpu", "dtype": "float32", "max_tiles": null, "tiling": "reduced", '
+    '"device": "cpu", "dtype": "auto", "max_tiles": null, "tiling": "reduced", '
     '"resize": "opencv", "upscale_limit": 1.0, "max_image_tokens": null, "llm_quant": "none", '
     '"quant": "none"}, '
     '"engine": {"engine": "torch", "vit_backend": "auto", "cuda_graphs": true, '

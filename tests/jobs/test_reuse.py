@@ -123,7 +123,7 @@ def test_a_different_model_fingerprint_reuses_nothing(jobs: dict[str, Path]) -> 
 def test_a_preprocessing_change_reuses_nothing(jobs: dict[str, Path]) -> None:
     tmp = jobs["tmp"]
     for model in (ModelConfig(max_tiles=1), ModelConfig(tiling="reference"),
-                  ModelConfig(dtype="bfloat16")):
+                  ModelConfig(dtype="bfloat16"), ModelConfig(resize="reference")):
         r = Reuse.open(jobs["old"], RunConfig(manifest=tmp / "old.jsonl", model=model))
         assert r.why_not is not None and not r.answers, model
 

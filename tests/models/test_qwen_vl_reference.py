@@ -161,6 +161,12 @@ def test_controls_positions_and_deepstack_matter(pair: Pair) -> None:
             assert (right - bare).abs().max() > 100 * TOL
 
 
+# batched = alone up to float32 summation order: padding moves Qwen3.5's linear-attention
+# chunk boundaries; 1.58e-5 measured on an AMX CPU (2026-12-06), 1e-5 held on AVX-512 ones. A
+# row that reads another's tokens or state is off by O(0.1) or more.
+BATCH_TOL = 5e-5
+
+
 def test_batch_equals_each_alone(pair: Pair) -> None:
     a, b = image(pair, 300, 200, 1), image(pair, 30, 170, 2)
     rows = [(prompt_ids(3, grid(a).tokens, 4, seed=1), a),
@@ -172,11 +178,11 @@ def test_batch_equals_each_alone(pair: Pair) -> None:
         for b, row in enumerate(rows):
             x1, l1, p1, d1, _ = our_inputs(pair, [row])
             alone, kv1 = pair.ours.text.prefill(x1, l1, positions=p1, deepstack=d1)
-            assert (both[b] - alone[0]).abs().max() <= 1e-5
+            assert (both[b] - alone[0]).abs().max() <= BATCH_TOL
             n = len(row[0])
             for (k, v), (k1, v1) in zip(kv, kv1):
-                assert (k[b, :, :n] - k1[0]).abs().max() <= 1e-5
-                assert (v[b, :, :n] - v1[0]).abs().max() <= 1e-5
+                assert (k[b, :, :n] - k1[0]).abs().max() <= BATCH_TOL
+                assert (v[b, :, :n] - v1[0]).abs().max() <= BATCH_TOL
 
 
 def one_shot_and_split(pair: Pair, ids: list[int], im: PreparedImage,

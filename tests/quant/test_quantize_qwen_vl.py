@@ -66,12 +66,13 @@ def test_quantised_qwen_vl_loads_and_answers_like_float(method: str, qwen_dir: P
 
 def test_awq_and_gptq_on_a_qwen2_5_vl_checkpoint(tmp_path: Path) -> None:
     """The slow test above, trimmed for CI (~5 s on 2 cores): one checkpoint (Qwen2.5-VL),
-    calibration on 16 questions instead of 40, both methods. Measured agreement: AWQ 0.983,
-    GPTQ 1.0 (with 8 questions AWQ fell to 0.70: 16 is the least that holds)."""
+    calibration on 24 questions instead of 40, both methods. Measured agreement with 16: AWQ
+    0.983, GPTQ 1.0 on an AVX-512 CPU, but AWQ 0.917 on an AMX one (2026-12-06: oneDNN's
+    kernels change the calibration's sums); with 8 AWQ fell to 0.70. 24 holds on both."""
     model = save_engine_checkpoint("qwen2_5_vl", tmp_path / "float")
     src, want = load_file(str(model / "model.safetensors")), answers(model)
     for method in ("awq", "gptq"):
-        out = quantize_model(model, tmp_path / method, method, EXAMPLES, samples=16,
+        out = quantize_model(model, tmp_path / method, method, EXAMPLES, samples=24,
                              group_size=16, progress=False).out
         packed = [k for k in load_file(str(out / "model.safetensors"))
                   if k.endswith("weight_packed")]

@@ -28,6 +28,7 @@ from vlmbatch.engine.build import build_engine
 from vlmbatch.engine.config import EngineConfig, ModelConfig
 from vlmbatch.inputs.manifest import read_policy
 from vlmbatch.jobs.config import RunConfig
+from vlmbatch.jobs.tasks import prompt_limits
 from vlmbatch.labels.evaluation import EvalReport, join
 from vlmbatch.labels.evaluation import evaluate as evaluate_lines
 from vlmbatch.labels.read import labelled_manifest, scored
@@ -127,6 +128,10 @@ def evaluate_labelled(cfg: RunConfig, hooks: FaultHooks = NO_HOOKS
     checked on another labelled set: ``labels/read.py`` ``labelled_manifest``)."""
     assert cfg.manifest is not None
     items, labels = labelled_manifest(cfg.manifest, cfg.policy)
+    limits = prompt_limits(cfg)  # each question's length, as `run` checks it: before any work
+    for it in items:
+        for q in it.questions:
+            limits.check(q, f"{cfg.manifest}: image {it.id!r}")
     buf = io.StringIO()
     summary = run(cfg, buf, hooks, items)
     lines = (scored(json.loads(text), f"result line {n}")

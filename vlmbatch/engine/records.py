@@ -7,11 +7,13 @@ built from these; the engine never sees them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 
-from vlmbatch.preprocessing.media import MediaPart
-from vlmbatch.preprocessing.prepare import PreparedImage
+if TYPE_CHECKING:  # types only: importing them loads OpenCV, which light modules must not
+    from vlmbatch.preprocessing.media import MediaPart
+    from vlmbatch.preprocessing.prepare import PreparedImage
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,7 +35,7 @@ class MediaItem:
 
 # what ``Engine.score`` takes per item: one still image (bit-identical to before), or several
 # parts
-Item = PreparedImage | MediaItem
+Item: TypeAlias = "PreparedImage | MediaItem"
 
 
 @dataclass(frozen=True)

@@ -47,9 +47,9 @@ def identity(cfg: RunConfig) -> dict[str, Any]:
     and the settings that change what the model sees or how it answers)."""
     m, e = cfg.model, cfg.engine
     quant = m.quant if m.quant != "none" else m.llm_quant
-    return {"model": fingerprint(m.model_dir, m.dtype, quant),
+    return {"model": fingerprint(m.model_dir, m.resolved_dtype, quant),
             "preprocessing": {"max_tiles": m.max_tiles, "tiling": m.tiling,
-                              "upscale_limit": m.upscale_limit,
+                              "upscale_limit": m.upscale_limit, "resize": m.resize,
                               "max_image_tokens": m.max_image_tokens,
                               "max_pixels": cfg.prepare.max_pixels},
             "answer": {"engine": e.engine, "vit_backend": e.vit_backend,
@@ -159,6 +159,8 @@ class Pass:
 
     def strip(self, item: ImageItem) -> ImageItem:
         """The item with only the questions left to compute."""
+        if not self.partial:  # nothing reused (an embedding job's items have no questions)
+            return item
         kept = self.partial.get(item.id)
         if not kept:
             return item

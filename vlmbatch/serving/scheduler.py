@@ -118,7 +118,9 @@ def mismatch(run: RunConfig, cfg: ServingConfig) -> str | None:
     if want is None:
         return (f"its job has task {run.task!r}, which this server does not run (started "
                 "with --no-embeddings?); start it with embeddings to finish the batch")
-    got, have = absolute(run.model), absolute(want)
+    # dtypes compared as resolved: a job stores what `auto` resolved to when it was submitted
+    got, have = (dataclasses.replace(absolute(m), dtype=m.resolved_dtype)
+                 for m in (run.model, want))
     diff = [f"model.{f.name} {getattr(got, f.name)!r} (this server: "
             f"{getattr(have, f.name)!r})" for f in dataclasses.fields(got)
             if getattr(got, f.name) != getattr(have, f.name)]

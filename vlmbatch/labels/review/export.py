@@ -92,7 +92,7 @@ def job_fingerprint(job: Path) -> str:
         return recorded
     m = load_config(job).model
     quant = m.quant if m.quant != "none" else m.llm_quant
-    return fingerprint(m.model_dir, m.dtype, quant)
+    return fingerprint(m.model_dir, m.resolved_dtype, quant)
 
 
 def local_path(item: ImageItem) -> Path | None:
