@@ -22,6 +22,7 @@ from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
 if TYPE_CHECKING:
     from vlmbatch.engine.config import EmbedConfig, Resolved
     from vlmbatch.models.base import Prompt
+    from vlmbatch.preprocessing.video_plan import VideoPlan
 
 
 @dataclass
@@ -45,6 +46,9 @@ class EngineSummary:
 class Engine(ABC):
     stats: EngineStats
     image_plan: ImagePlan  # how images must be prepared for this engine
+    # how clips must be prepared for it (the checkpoint's video processor); None: it takes
+    # none (an item with a clip is that item's error)
+    video_plan: VideoPlan | None = None
 
     @abstractmethod
     def score(self, images: list[PreparedImage], requests: list[Request]) -> list[Score]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +27,9 @@ from vlmbatch.quant.checkpoint import check_config, int4_weights
 from vlmbatch.quant.fp8 import Fp8Unavailable, convert_linears_fp8, require_fp8
 from vlmbatch.quant.runtime import QuantError, convert_for_runtime, int8_dynamic
 from vlmbatch.vit_trt.base import VisionModel
+
+if TYPE_CHECKING:
+    from vlmbatch.preprocessing.video_plan import VideoPlan
 
 # ModelConfig.dtype's names (the keys are engine.config.DTYPES: tested) -> torch dtypes
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -176,6 +180,22 @@ def image_plan_for(family: ModelFamily, spec: ModelSpec, cfg: ModelConfig) -> Im
                                                     cfg.upscale_limit, cfg.max_image_tokens))
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+# model_type -> the video processor family whose sampling and rows it uses
+_VIDEO_FAMILY = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_vl", "qwen3_vl": "qwen3_vl",
+                 "qwen3_5": "qwen3_vl", "internvl": "internvl", "internvl_chat": "internvl"}
+
+
+def video_plan_for(spec: ModelSpec) -> VideoPlan | None:
+    """The checkpoint's clip plan (``preprocessing/video_plan.py``, read as transformers
+    reads its video processor), None for a family that takes no clips."""
+    family = _VIDEO_FAMILY.get(getattr(spec, "model_type", ""))
+    if family is None:
+        return None
+    from vlmbatch.preprocessing.video_plan import checkpoint_video  # imports PyAV
+
+    return checkpoint_video(spec.path, family)
 
 
 def vision_model(model: LoadedModel) -> VisionModel:
