@@ -27,7 +27,7 @@ from vlmbatch.jobs.store import image_item_from_json, image_item_to_json
 from vlmbatch.models.paths import DEFAULT_MODEL, DEFAULT_QWEN_MODEL
 from vlmbatch.pipeline.media_inputs import MAX_IMAGES, ImageList, SamplingKeys, VideoInput
 from vlmbatch.pipeline.questions import ManifestError
-from vlmbatch.pipeline.records import ErrorKind, ImageItem
+from vlmbatch.pipeline.records import ImageItem
 from vlmbatch.preprocessing.decode import decode
 from vlmbatch.preprocessing.video_plan import checkpoint_video
 
@@ -133,7 +133,7 @@ def test_submit_and_resume_keep_clips_and_lists(folder: Path, tmp_path: Path) ->
 def test_the_api_takes_lists_and_clips(folder: Path) -> None:
     import vlmbatch
 
-    with vlmbatch.VLM(vlmbatch.QWEN_MODEL) as vlm:
+    with vlmbatch.VLM(vlmbatch.QWEN_MODEL, decode_timeout=0) as vlm:  # threads, not processes
         got = list(vlm.ask([[folder / "a.png", folder / "b.png"],
                             vlmbatch.video(folder / "clip.mkv", num_frames=4),
                             str(folder / "a.png")], [Q]))

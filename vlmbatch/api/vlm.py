@@ -22,7 +22,8 @@ bytes, PIL images or uint8 RGB arrays ``[H, W, 3]`` (gray ``[H, W]`` and RGBA ``
 are converted as Pillow's ``convert("RGB")`` would). Where an image goes, a list of images
 is one prompt holding them in order, and ``vlmbatch.video("clip.mp4", fps=2)`` a clip::
 
-    vlm.ask([["front.jpg", "back.jpg"], vlmbatch.video("clip.mkv", num_frames=8)], ["Red?"]) Questions are strings or objects as in
+    vlm.ask([["front.jpg", "back.jpg"], vlmbatch.video("clip.mkv", num_frames=8)],
+            ["Red?"]) Questions are strings or objects as in
 a manifest (``id``, ``text``, ``threshold``, ``max_new_tokens``, ``choices``, ``prompt``,
 ``system``); a malformed one raises ``ManifestError`` before any work. A label-set question
 (``choices``) gives ``Answer``s with ``label``, ``probs`` and ``logprobs``::

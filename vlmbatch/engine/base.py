@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vlmbatch.engine.config import ConfigError
-from vlmbatch.engine.records import EmbedRequest, Request, Score, Vector
+from vlmbatch.engine.records import EmbedRequest, Item, Request, Score, Vector
 from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
 
 if TYPE_CHECKING:
@@ -51,8 +51,9 @@ class Engine(ABC):
     video_plan: VideoPlan | None = None
 
     @abstractmethod
-    def score(self, images: list[PreparedImage], requests: list[Request]) -> list[Score]:
-        """One score per request, in order; ``Request.image`` indexes ``images``. A request
+    def score(self, images: list[Item], requests: list[Request]) -> list[Score]:
+        """One score per request, in order; ``Request.image`` indexes ``images`` (one still
+        image, or a ``MediaItem``: several images or a clip, where the engine takes them). A request
         with a label set gets its choices' log-likelihoods (``Score.logprobs``)."""
 
     def check_choices(self, choices: tuple[str, ...]) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,13 +22,11 @@ from vlmbatch.models.layers import fuse_projections
 from vlmbatch.models.paths import DEFAULT_MODEL
 from vlmbatch.models.registry import family_for
 from vlmbatch.preprocessing.prepare import ImagePlan
+from vlmbatch.preprocessing.video_plan import VideoPlan, checkpoint_video
 from vlmbatch.quant.checkpoint import check_config, int4_weights
 from vlmbatch.quant.fp8 import Fp8Unavailable, convert_linears_fp8, require_fp8
 from vlmbatch.quant.runtime import QuantError, convert_for_runtime, int8_dynamic
 from vlmbatch.vit_trt.base import VisionModel
-
-if TYPE_CHECKING:
-    from vlmbatch.preprocessing.video_plan import VideoPlan
 
 # ModelConfig.dtype's names (the keys are engine.config.DTYPES: tested) -> torch dtypes
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -193,8 +190,6 @@ def video_plan_for(spec: ModelSpec) -> VideoPlan | None:
     family = _VIDEO_FAMILY.get(getattr(spec, "model_type", ""))
     if family is None:
         return None
-    from vlmbatch.preprocessing.video_plan import checkpoint_video  # imports PyAV
-
     return checkpoint_video(spec.path, family)
 
 

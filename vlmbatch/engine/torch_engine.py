@@ -154,7 +154,7 @@ class TorchEngine(Engine):
         return ids
 
     @torch.inference_mode()
-    def score(self, images: list[Item], requests: list[Request]) -> list[Score]:  # type: ignore[override]
+    def score(self, images: list[Item], requests: list[Request]) -> list[Score]:
         choices = [self.choice_ids(r.choices) if r.choices else () for r in requests]
         prompts = [self._prompt(r, images[r.image]) for r in requests]
         self.stats.prompt_tokens += sum([len(p.ids) for p in prompts])  # what was asked

@@ -46,6 +46,13 @@ import yaml
 
 from vlmbatch.inputs.errors import check_unicode
 from vlmbatch.inputs.openai_batch import is_openai_request, parse_request
+from vlmbatch.pipeline.media_inputs import (
+    SAMPLING_KEYS,
+    ImageList,
+    VideoInput,
+    check_images,
+    check_sampling,
+)
 from vlmbatch.pipeline.questions import (
     QUESTION_KEYS,
     ManifestError,
@@ -54,13 +61,6 @@ from vlmbatch.pipeline.questions import (
     check_id,
     check_keys,
     parse_question,
-)
-from vlmbatch.pipeline.media_inputs import (
-    SAMPLING_KEYS,
-    ImageList,
-    VideoInput,
-    check_images,
-    check_sampling,
 )
 from vlmbatch.pipeline.records import ImageItem, ItemMedia
 

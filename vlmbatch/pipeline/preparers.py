@@ -10,6 +10,12 @@ drive loop (``drive.py``; import them from here).
             _ThreadPreparer    threads of this process (``decode_timeout`` 0)
     prepare_item(ref, plan)    one image in this thread (the serial path, a Ray prepare task)
 
+An item of several images (``ImageList``) is each image submitted so, joined into one
+``MediaItem`` once all are prepared (the first failure, in order, its error); a clip
+(``VideoSource``, its plan bound by ``AnswerTask``) goes to a decoder process like an image,
+under the same deadline (a remote one's bytes fetched first), and comes back as its
+``MediaItem``.
+
 A failure is a ``SourceError`` (kind ``source``) or an ``ImageError`` (``decode``,
 ``too_large``, ``decode_timeout``, ``decoder_crashed``): ``item_error`` makes it that item's
 ``ItemError``. Light (no torch): a Ray prepare worker imports it.
@@ -36,7 +42,7 @@ from vlmbatch.preprocessing.fetch import DaemonPool, Fetcher
 from vlmbatch.preprocessing.isolated import DecoderCrashed, DecoderPool, DecodeTimeout
 from vlmbatch.preprocessing.limits import DEFAULT_MAX_PIXELS
 from vlmbatch.preprocessing.media import MediaPart, PreparedVideo
-from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage, prepare_bytes
+from vlmbatch.preprocessing.prepare import ImagePlan, prepare_bytes
 from vlmbatch.preprocessing.sources import SourceError, is_remote, read_bytes
 from vlmbatch.preprocessing.video_source import VideoSource
 
@@ -97,12 +103,6 @@ def prepare_hooked(ref: ImageRef, plan: ImagePlan, max_pixels: int,
                    hooks: FaultHooks) -> Item:
     hooks.prepare(ref)
     return prepare_item(ref, plan, max_pixels)
-
-
-def _part_hooked(ref: ImageRef, plan: ImagePlan, max_pixels: int,
-                 hooks: FaultHooks) -> MediaPart:
-    hooks.prepare(ref)
-    return prepare_part(ref, plan, max_pixels)
 
 
 def preparer(plan: ImagePlan, opts: PrepareOptions,
@@ -226,8 +226,8 @@ def _mapped(f: Future, fn: Callable[[Any], Any]) -> Future:
 
 
 def _joined(parts: list[Future]) -> Future:
-    """A future of the ``MediaItem`` of ``parts``' results in order, once all are done; the
-    first failure (in order) if any fails, and cancelling it cancels them all."""
+    """A future of the ``MediaItem`` of ``parts``' results (``_parts``) in order, once all
+    are done; the first failure (in order) if any fails; cancelling it cancels them all."""
     out: Future = Future()
     out.add_done_callback(lambda o: o.cancelled() and [p.cancel() for p in parts])
     left = [len(parts)]
@@ -242,13 +242,19 @@ def _joined(parts: list[Future]) -> Future:
         if bad is not None:
             return _settle(out, bad)
         try:
-            out.set_result(MediaItem(tuple(p.result() for p in parts)))
+            out.set_result(MediaItem(tuple(x for p in parts for x in _parts(p.result()))))
         except InvalidStateError:
             pass  # cancelled by its caller
 
     for p in parts:
         p.add_done_callback(done)
     return out
+
+
+def _parts(prepared: MediaPart | MediaItem) -> list[MediaPart]:
+    """A worker's result as parts: a clip prepared in this process comes as its
+    ``MediaItem`` (``prepare_item``), one from a decoder process as the clip."""
+    return list(prepared.parts) if isinstance(prepared, MediaItem) else [prepared]
 
 
 def _settle(out: Future, f: Future) -> None:
@@ -271,7 +277,7 @@ class _ThreadPreparer:
         self.args = plan, max_pixels, hooks
 
     def submit(self, ref: ImageRef) -> Future:
-        return self.pool.submit(_part_hooked, ref, *self.args)
+        return self.pool.submit(prepare_hooked, ref, *self.args)
 
     def start(self) -> None:
         pass  # threads: started already
@@ -295,7 +301,7 @@ class _ProcessPreparer:
             return self.pool.submit(ref.image, ref.base_dir)
         f: Future = Future()
         try:
-            f.set_result(prepare_part(ref, self.plan, self.max_pixels))
+            f.set_result(prepare_item(ref, self.plan, self.max_pixels))
         except (SourceError, ImageError) as e:
             f.set_exception(e)
         return f

@@ -83,7 +83,7 @@ class ImageItem:
     base_dir: Path  # relative paths resolve against this
 
     def __init__(self, id: str | int,  # noqa: A002
-                 image: ImageLike | ImageList | VideoInput | list[ImageLike],
+                 image: ImageLike | ImageList | VideoInput | Sequence[ImageLike],
                  questions: QuestionsLike, base_dir: str | Path | None = None) -> None:
         qs = questions
         if type(qs) is not tuple or not all(type(q) is Question for q in qs):
@@ -108,14 +108,14 @@ class ImageItem:
         return self.image if isinstance(self.image, str) else f"image {self.id}"
 
 
-def item_media(image: ImageLike | ImageList | VideoInput | list[ImageLike],
+def item_media(image: ImageLike | ImageList | VideoInput | Sequence[ImageLike],
                where: str) -> ItemMedia:
     """What an item keeps: a list of images as an ``ImageList`` of kept sources
     (``image_source``; ManifestError naming ``where`` when empty or over ``MAX_IMAGES``), an
     ``ImageList`` or ``VideoInput`` as given, one image as ``image_source`` keeps it."""
     if isinstance(image, (ImageList, VideoInput)):
         return image
-    if isinstance(image, (list, tuple)):
+    if isinstance(image, Sequence) and not isinstance(image, (str, bytes)):
         try:
             check_images(image, where)
         except ValueError as e:

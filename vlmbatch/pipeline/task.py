@@ -40,6 +40,7 @@ from vlmbatch.pipeline.records import (
     ItemMedia,
     request_of,
 )
+from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.preprocessing.video_source import VideoSource
 
 if TYPE_CHECKING:
@@ -113,6 +114,14 @@ def with_images(task: Task[I, R], p: Prepared[I]) -> tuple[list[Item], dict[str,
     return images, index
 
 
+def stills(images: list[Item]) -> list[PreparedImage]:
+    """``images``, each a still image (an embedding input's: its records hold one image)."""
+    out = [im for im in images if isinstance(im, PreparedImage)]
+    if len(out) != len(images):
+        raise TypeError("an embedding input holds one image, not several or a clip")
+    return out
+
+
 @dataclass(frozen=True)
 class AnswerTask(Task[ImageItem, Answer]):
     """Every question of every item (``vlmbatch run``/``submit``, the API's ``ask``, eval):
@@ -143,7 +152,8 @@ class AnswerTask(Task[ImageItem, Answer]):
                     for q in it.questions]
         scores = iter(engine.score(images, requests))
         return [[Answer.scored(it.id, q, next(scores)).seen(images[index[it.id]])
-                 for q in it.questions] if it.id in index else self.failed(it, p.errors[it.id]) for it in p.items]
+                 for q in it.questions] if it.id in index
+                else self.failed(it, p.errors[it.id]) for it in p.items]
 
     def failed(self, item: ImageItem, err: ItemError) -> list[Answer]:
         return [Answer.failed(item.id, q, err) for q in item.questions]
@@ -167,7 +177,8 @@ class EmbedTask(Task[EmbedItem, Embedding]):
         todo = [it for it in p.items if it.image is None or it.key in index]
         requests = [EmbedRequest(None if it.image is None else index[it.key], it.text)
                     for it in todo]
-        vectors = dict(zip((it.key for it in todo), engine.embed(images, requests, self.cfg)))
+        vectors = dict(zip((it.key for it in todo),
+                           engine.embed(stills(images), requests, self.cfg)))
         return [[Embedding.of(it, vectors[it.key])] if it.key in vectors
                 else self.failed(it, p.errors[it.key]) for it in p.items]
 
