@@ -10,6 +10,13 @@
   there.
 - ``docs/structure.md``'s layer table and its list of optional imports are the ones
   ``tests/test_layers.py`` enforces.
+- Every YAML, TOML and JSON block of README.md and ``docs/*.md`` is read by the reader a
+  user's file of its kind goes through: a policy by the policy reader, manifest lines and
+  OpenAI batch requests by the manifest reader, result lines by ``calibrate``'s reader
+  (any other JSON, a server's response shown, by ``json``), so an example a user copies
+  parses.
+- What the README's commands write in a clone (``-o``, ``--job``, ``--write-policy``, the
+  server's data folder) is ignored by git: a newcomer's ``git status`` stays clean.
 - Figures are stated once, in ``docs/figures.md``: each ``figures.md#row`` a page or a
   docstring of ``vlmbatch/``, ``bench/``, ``scripts/`` cites is a named row there, and the
   readers' fuzz count there (and per test in ``docs/reliability.md``) is what
@@ -24,17 +31,23 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import functools
 import io
+import json
 import os
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.test_layers import LAYERS, OPTIONAL
 from vlmbatch.cli.main import main
+from vlmbatch.inputs.manifest import read_manifest, read_policy
+from vlmbatch.labels.read import read_results
+from vlmbatch.server.config import ServerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -274,6 +287,73 @@ def test_structure_md_lists_the_optional_imports_the_layer_test_allows() -> None
     assert optional_named(text) == OPTIONAL
 
 
+# --- data blocks and what the commands write ---------------------------------------------
+
+DATA = {"yaml", "yml", "toml", "json", "jsonl"}
+
+
+def read_block(lang: str, body: str, folder: Path) -> None:
+    """Read ``body`` as a user's file of its kind (module docstring); raises what the
+    reader raises."""
+    if lang in ("yaml", "yml", "toml"):
+        path = folder / ("policy.toml" if lang == "toml" else "policy.yaml")
+        path.write_text(body)
+        if re.search(r"^questions", body, flags=re.M):
+            read_policy(path)
+        return
+    try:
+        recs = [json.loads(x) for x in body.splitlines() if x.strip()]
+    except ValueError:
+        json.loads(body)  # one JSON document over several lines (a response shown)
+        return
+    path = folder / "lines.jsonl"
+    path.write_text(body)
+    if all("question_id" in r for r in recs):
+        list(read_results(path))
+    elif all("image" in r or "custom_id" in r for r in recs):
+        read_manifest(path)
+
+
+def data_block_problems(text: str, folder: Path) -> list[str]:
+    problems = []
+    blocks = re.findall(r"^```(\w*)\n(.*?)^```", text, flags=re.M | re.S)
+    for n, (lang, body) in enumerate(b for b in blocks if b[0] in DATA):
+        try:
+            read_block(lang, body, folder)
+        except Exception as e:  # noqa: BLE001  (whatever the reader says is the problem)
+            problems.append(f"{lang} block {n}: {type(e).__name__}: {e}")
+    return problems
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=rel)
+def test_every_data_block_reads_as_a_user_s_file(doc: Path, tmp_path: Path) -> None:
+    assert data_block_problems(doc.read_text(), tmp_path) == []
+
+
+def written_by(text: str) -> set[str]:
+    """What the text's ``vlmbatch`` commands write: the values of ``-o``/``--out``,
+    ``--job``, ``--write-policy``, and ``serve``'s data folder."""
+    out = set()
+    for words in commands(text):
+        for flag, value in zip(words, words[1:]):
+            if flag in ("-o", "--out", "--job", "--write-policy", "--data-dir"):
+                out.add(value)
+        if words[:1] == ["serve"] and "--data-dir" not in words:
+            out.add(str(next(f.default for f in dataclasses.fields(ServerConfig)
+                             if f.name == "data_dir")))
+    return out
+
+
+def test_the_readme_s_commands_leave_the_clone_clean() -> None:
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git clone")
+    written = written_by((ROOT / "README.md").read_text())
+    assert {"results.csv", "runs/j1", "calibrated.yaml", "vlmbatch-server"} <= written
+    kept = [p for p in sorted(written) if subprocess.run(
+        ["git", "check-ignore", "-q", "--no-index", p], cwd=ROOT).returncode != 0]
+    assert kept == [], f"not in .gitignore: {kept}"
+
+
 # --- figures stated once ----------------------------------------------------------------
 
 FIGURES = ROOT / "docs" / "figures.md"
@@ -373,6 +453,17 @@ def test_the_structure_checks_read_a_table_and_a_list() -> None:
         {"vlmbatch"}, {"vlmbatch.app", "vlmbatch.jobs"}]
     assert optional_named("a function imports only an optional\ndependency (ray, onnx: the"
                           ) == {"ray", "onnx"}
+
+
+def test_the_data_block_check_catches_the_policy_that_did_not_parse(tmp_path: Path) -> None:
+    good = '```yaml\nquestions:\n  - {id: red, text: "Is there a red shape?"}\n```\n'
+    assert data_block_problems(good, tmp_path) == []
+    bad = ("```yaml\nquestions:\n  - {id: red, text: Is there a red shape?}\n```\n"
+           '```json\n{"id": "a", "image": "a.png", "questions": [{"text": "Red?", '
+           '"treshold": 0.2}]}\n```\n')
+    problems = data_block_problems(bad, tmp_path)
+    assert [p.split(":")[0] for p in problems] == ["yaml block 0", "json block 1"], problems
+    assert "cannot parse policy" in problems[0] and "did you mean 'threshold'" in problems[1]
 
 
 def test_the_fuzz_check_catches_a_changed_setting() -> None:

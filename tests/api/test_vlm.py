@@ -132,6 +132,44 @@ def test_a_bad_image_is_its_answers_error(vlm: vlmbatch.VLM, tmp_path: Path) -> 
     assert "missing.png" in answers[2].error
 
 
+def test_what_is_no_image_at_all_is_its_answers_error(vlm: vlmbatch.VLM) -> None:
+    """``None`` or ``42`` among the images is that item's ``source`` error (as the module
+    docstring promises), in ``ask`` as in ``ask_many``, never a TypeError for the call."""
+    good = ROOT / "examples" / "images" / "scene_00.png"
+    answers = list(vlm.ask([good, None, 42, good], ["Red?"]))  # type: ignore[list-item]
+    kinds = [a.error_kind.value if a.error_kind else None for a in answers]
+    assert kinds == [None, "source", "source", None]
+    assert "not NoneType" in answers[1].error and "not int" in answers[2].error
+    (alone,) = vlm.ask(None, ["Red?"])  # type: ignore[arg-type]
+    assert alone.error_kind is not None and alone.error_kind.value == "source"
+    many = list(vlm.ask_many([("s1", 42, ["Red?"]), ("s2", good, ["Red?"])]))  # type: ignore[list-item]
+    assert [(a.image_id, a.error_kind is None) for a in many] == [("s1", False), ("s2", True)]
+    assert many[1].p_yes == answers[0].p_yes
+
+
+def test_vlm_embed_names_the_model_vlmbatch_embed_uses(vlm: vlmbatch.VLM) -> None:
+    """``VLM()`` is the built-in yes/no model; ``vlmbatch embed``'s default is the built-in
+    embedding model: the call refuses, saying how to get the CLI's vectors, rather than
+    embedding with another model than the CLI's."""
+    for call in (lambda: vlm.embed(texts=["a red circle"]),
+                 lambda: list(vlm.embed_many(["a red circle"]))):
+        with pytest.raises(ValueError, match=r"vlmbatch\.VLM\(vlmbatch\.EMBED_MODEL\)"):
+            call()
+
+
+def test_a_question_over_a_length_limit_is_a_value_error_naming_it(vlm: vlmbatch.VLM) -> None:
+    """Over ``max_prompt_chars`` (16,384 by default) or the model's 4,096-token context:
+    a ``ValueError`` naming the question, before any work, in ``ask`` and ``ask_many``."""
+    image = ROOT / "examples" / "images" / "scene_00.png"
+    with pytest.raises(ValueError, match=r"questions\[1\]: question 'q1' is 16,385 characters"):
+        vlm.ask([image], ["Red?", "y" * 16_385])
+    with pytest.raises(ValueError, match=r"question 'long' is 4,\d+ tokens before its image's, "
+                                         r"over the model's context of 4,096"):
+        vlm.ask([image], [{"id": "long", "text": "Is there a red shape? " * 700}])
+    with pytest.raises(ValueError, match=r"item 's2': question 'q0' is 4 characters"):
+        next(vlmbatch.VLM(max_prompt_chars=3).ask_many([("s2", image, ["Red?"])]))
+
+
 def test_bad_questions_and_options_fail_before_any_work(vlm: vlmbatch.VLM) -> None:
     with pytest.raises(ManifestError, match="threshold"):
         vlm.ask(["x.png"], [{"text": "Red?", "threshold": 2}])

@@ -144,6 +144,9 @@ def test_report_command(labelled: tuple[Path, Path, Path], tmp_path: Path,
     assert "Nothing is near the threshold" in page  # the built-in model is sure of most
     assert main(["report", str(job), "-o", str(tmp_path / "r.txt")]) == EXIT_BAD_INPUT
     assert "give an .html file" in capsys.readouterr().err
+    for args in (["status"], ["report", "-o", str(out)]):  # no job: said so, by both
+        assert main([*args, str(tmp_path)]) == EXIT_BAD_INPUT
+        assert f"{tmp_path} is not a vlmbatch job folder" in capsys.readouterr().err
 
 
 def _half(tmp: Path, name: str, lines: list[str]) -> Path:
@@ -222,3 +225,40 @@ def test_eval_with_a_policy_through_the_api_and_its_refusals(
         assert main(["eval", str(m), "--policy", str(policy), "--no-progress"]) == \
             EXIT_BAD_INPUT
         assert f"{m}:1: {says}" in capsys.readouterr().err
+
+
+def test_calibrate_carries_label_sets_over_and_refuses_labels_of_other_results(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``--write-policy`` keeps each label-set question as it was asked (id, text, choices),
+    uncalibrated and said so in a comment, beside the calibrated yes/no ones; labels none of
+    which names a result line are exit 2 saying so, not an empty table."""
+    results = tmp_path / "r.jsonl"
+    assert main(["run", str(ROOT / "examples" / "labels.jsonl"), "--policy",
+                 str(ROOT / "examples" / "labels.yaml"), "-o", str(results),
+                 "--no-progress"]) == EXIT_OK
+    rows = [json.loads(x) for x in results.read_text().splitlines()]
+    labels = tmp_path / "labels.jsonl"
+    labels.write_text("".join(json.dumps({"id": d["id"], "question_id": d["question_id"],
+                                          "expected": d["answer"]}) + "\n" for d in rows))
+    sets = {d["question_id"]: (d["question"], list(d["probs"])) for d in rows if d.get("probs")}
+    yes_no = {d["question_id"] for d in rows if not d.get("probs") and d["answer"] == "yes"}
+    assert sets and yes_no  # the example asks both kinds
+    policy = tmp_path / "cal.yaml"
+    capsys.readouterr()
+    assert main(["calibrate", str(results), "--labels", str(labels), "--f1",
+                 "--write-policy", str(policy)]) == EXIT_OK
+    err = capsys.readouterr().err
+    assert "of them label sets carried over uncalibrated" in err and f"{len(sets)}" in err
+    got = {q.id: q for q in read_policy(policy)}
+    assert set(got) == yes_no | set(sets)
+    for qid, (text, choices) in sets.items():
+        assert (got[qid].text, list(got[qid].choices)) == (text, choices)
+        assert f"# {qid}: a label set, carried over as asked and not calibrated" in \
+            policy.read_text()
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"id": "nobody", "question_id": "red", "expected": "yes"}) + "\n")
+    for extra in ([], ["--write-policy", str(tmp_path / "none.yaml")]):
+        assert main(["calibrate", str(results), "--labels", str(other), "--f1",
+                     *extra]) == EXIT_BAD_INPUT
+        assert "none of its 1 label(s) matches a result line" in capsys.readouterr().err
+    assert not (tmp_path / "none.yaml").exists()

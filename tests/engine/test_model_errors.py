@@ -4,6 +4,7 @@ traceback: each test breaks a copy of the built-in model one way."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -89,3 +90,46 @@ def test_quantize_bad_group_size(tmp_path: Path, group_size: int) -> None:
                        "multiple of 8"):
         quantize_model(None, tmp_path / "q", "rtn", items, samples=2, group_size=group_size,
                        progress=False)
+
+
+def _truncate(m: Path) -> Path:
+    w = m / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:6])  # shorter than the 8-byte header length
+    return w
+
+
+def _drop_field(m: Path) -> Path:
+    cfg = json.loads((m / "config.json").read_text())
+    del cfg["text_config"]["num_attention_heads"]
+    (m / "config.json").write_text(json.dumps(cfg))
+    return m / "config.json"
+
+
+COMMANDS = {
+    "run": ["run", str(MANIFEST), "--no-progress"],
+    "eval": ["eval", str(ROOT / "examples/labelled/manifest.jsonl"), "--no-progress"],
+    "embed": ["embed", "a red circle"],
+    "submit": ["submit", str(MANIFEST), "--job", "JOB", "--wait", "--no-progress"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+@pytest.mark.parametrize(("breakage", "message"), [
+    (_truncate, r"model\.safetensors cannot be read \(.*\): the file is truncated or corrupt; "
+                r"copy or download it again"),
+    (_drop_field, r"config\.json: no field 'num_attention_heads', which a 'internvl' checkpoint "
+                  r"needs: the file is incomplete; restore the checkpoint's original "
+                  r"config\.json")])
+def test_every_command_that_loads_a_model_says_which_file_and_what_to_do(
+        tmp_path: Path, capsys: pytest.CaptureFixture, command: str,
+        breakage: object, message: str) -> None:
+    """One loading path: a cut weights file and a config.json missing a field read the same
+    in every command (one ``vlmbatch: error:`` line naming the file, exit 2), never a
+    safetensors or KeyError traceback."""
+    m = model_copy(tmp_path)
+    bad = breakage(m)  # type: ignore[operator]
+    args = [a.replace("JOB", str(tmp_path / "job")) for a in COMMANDS[command]]
+    assert main([*args, "--model", str(m)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"vlmbatch: error: {bad}"), err
+    assert re.search(message, err[0]), err[0]

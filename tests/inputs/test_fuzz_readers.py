@@ -37,7 +37,9 @@ from hypothesis import strategies as st
 
 from vlmbatch.inputs.manifest import manifest_format, read_manifest, read_policy
 from vlmbatch.inputs.openai_batch import BODY_KEYS
-from vlmbatch.pipeline.questions import ManifestError, Question
+from vlmbatch.models.internvl.family import INTERNVL as DEFAULT_FAMILY
+from vlmbatch.models.paths import DEFAULT_MODEL
+from vlmbatch.pipeline.questions import ManifestError, PromptLimits, Question
 from vlmbatch.pipeline.records import ImageItem
 
 MAX_MESSAGE = 2000  # characters: a refusal names the value, it does not echo megabytes
@@ -315,6 +317,70 @@ def test_valid_lines_are_accepted_as_written(tmp_path: Path) -> None:
 
     prop()
     check_counts(counts, 1000, "openai", "vlmbatch")
+
+
+@st.composite
+def long_questions(draw: Callable) -> dict:
+    """A question object near a limit: text, and maybe an instruction and a system turn,
+    each 0-30 pieces: letters, words, odd characters (so tokens and characters differ)."""
+    words = st.lists(st.sampled_from([*"ab ?é中\n", "red ", "shape "]),
+                     max_size=30).map("".join)
+    q: dict[str, Any] = {"text": "Q" + draw(words)}
+    for key in ("prompt", "system"):
+        if draw(st.booleans()):
+            q[key] = "P" + draw(words)
+    return q
+
+
+def test_a_question_over_a_length_limit_is_refused_naming_its_line(tmp_path: Path) -> None:
+    """``--max-prompt-chars`` and the model's context: a file of lines whose questions are
+    near a limit (drawn 1-80 characters, or 1-40 tokens of the built-in model's tokenizer)
+    is accepted exactly when every question's text, instruction and system turn together
+    fit (counted here: ``len`` of each, the tokenizer's own ``encode``), else refused naming
+    the first line over it."""
+    tok = DEFAULT_FAMILY.load_tokenizer(DEFAULT_MODEL)
+
+    def tokens(s: str) -> int:
+        return len(tok.encode(s, add_special_tokens=False))
+
+    def size(q: dict, in_tokens: bool) -> int:
+        user = q["text"] if "prompt" not in q else f"{q['prompt']}\n{q['text']}"
+        if in_tokens:
+            return tokens(user) + (tokens(q["system"]) if "system" in q else 0)
+        return len(user) + len(q.get("system", ""))
+
+    m = tmp_path / "m.jsonl"
+    counts: Counter = Counter()
+
+    @fuzz(600)
+    @given(st.lists(st.lists(long_questions(), min_size=1, max_size=3), min_size=1, max_size=4),
+           st.booleans(), st.integers(1, 80))
+    def prop(lines: list[list[dict]], in_tokens: bool, limit: int) -> None:
+        cap = max(1, limit // 2) if in_tokens else limit  # tokens: 1-40 (0: unchecked)
+        limits = PromptLimits(10**6, cap, tokens) if in_tokens else PromptLimits(cap)
+        for i, qs in enumerate(lines):
+            for j, q in enumerate(qs):
+                q["id"] = f"q{j}"
+        m.write_text("".join(json.dumps({"id": i, "image": "a.png", "questions": qs}) + "\n"
+                             for i, qs in enumerate(lines)), encoding="utf-8")
+        over = [i + 1 for i, qs in enumerate(lines)
+                if any(size(q, in_tokens) > cap for q in qs)]
+        with time_limit():
+            try:
+                got: object = read_manifest(m, limits=limits)
+            except ManifestError as e:
+                got = e
+        if not over:
+            assert not isinstance(got, ManifestError), got
+        else:
+            assert isinstance(got, ManifestError) and error_line(m, got) == over[0], got
+            assert ("tokens before its image's" if in_tokens else "(--max-prompt-chars)") in \
+                str(got)
+        counts[("tokens" if in_tokens else "chars", outcome(got))] += 1
+
+    prop()
+    check_counts(counts, 600, ("chars", "accepted"), ("chars", "refused"),
+                 ("tokens", "accepted"), ("tokens", "refused"))
 
 
 def test_a_wrong_value_at_any_key(tmp_path: Path) -> None:

@@ -131,6 +131,45 @@ def test_s3_images_answer_as_local_files(tmp_path: Path, random_model_dir: Path,
     assert all("not found" in v[2] for k, v in got.items() if k[0] == "none")
 
 
+NO_CREDENTIALS = {"AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent",
+                  "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+def test_an_object_store_without_credentials_fails_its_item_not_the_job(
+        tmp_path: Path, random_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """botocore's ``NoCredentialsError`` (no AWS credentials anywhere) is the s3 item's
+    ``source`` error, the local items answered and the job done (exit 3); with the
+    credentials back, ``resume --retry-failed`` answers it."""
+    pytest.importorskip("s3fs")
+    images = make_images(tmp_path / "img", 3)
+    job = tmp_path / "job"
+    with s3_server(monkeypatch, {"x/0.png": images[0].read_bytes()}):
+        m = write_manifest(tmp_path, images, ["s3", "a", "b"],
+                           ["s3://images/x/0.png", str(images[1]), str(images[2])])
+        with monkeypatch.context() as bare:
+            for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+                bare.delenv(k)
+            for k, v in NO_CREDENTIALS.items():
+                bare.setenv(k, v)
+            assert main(["submit", str(m), "--job", str(job), "--wait",
+                         *model_opts(tmp_path, random_model_dir)]) == EXIT_ITEM_ERRORS
+            st = status(job)
+            assert (st.status, st.done, st.failed, st.pending) == ("done", 2, 1, 0), st
+            out = tmp_path / "r.jsonl"
+            assert main(["results", str(job), "-o", str(out)]) == EXIT_OK
+            lines = [json.loads(x) for x in out.read_text().splitlines()]
+            bad = [d for d in lines if d["id"] == "s3"]
+            assert bad and all(d["error_kind"] == "source" and "NoCredentialsError" in d["error"]
+                               for d in bad), bad
+            assert all(d["error"] is None for d in lines if d["id"] != "s3")
+            direct = tmp_path / "direct.jsonl"  # a plain run: the same lines, exit 3
+            assert main(["run", str(m), "-o", str(direct),
+                         *model_opts(tmp_path, random_model_dir)]) == EXIT_ITEM_ERRORS
+            assert answers(direct) == answers(out)
+        assert main(["resume", str(job), "--retry-failed", "--no-progress"]) == EXIT_OK
+    assert (status(job).done, status(job).failed) == (3, 0)
+
+
 def test_the_drive_loop_keeps_many_fetches_in_flight(tmp_path: Path,
                                                      random_model_dir: Path) -> None:
     """64 images that each take 200 ms to arrive, in groups of 4: with 32-way fetching the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -406,6 +407,11 @@ def test_results_and_run_as_csv(tmp_path: Path, random_model_dir: Path, capsys) 
                  "--no-progress"]) == 3
     with open(direct, newline="") as f:
         assert f.read() == from_file
+    capsys.readouterr()  # .npy holds an embedding job's vectors: refused, not JSONL in x.npy
+    npy = tmp_path / "x.npy"
+    assert main(["results", str(job), "-o", str(npy)]) == EXIT_BAD_INPUT
+    assert f"--out {npy}: a yes/no job's results are lines" in capsys.readouterr().err
+    assert not npy.exists()
 
 
 def _export(job: Path, capsys, args: list[str]) -> str:  # noqa: ANN001
@@ -516,3 +522,34 @@ def test_a_questions_max_new_tokens_survives_the_store(tmp_path: Path, random_mo
     got = [json.loads(x) for x in _export(job, capsys, []).splitlines()]
     assert [("text" in ln) for ln in got] == [True, False, True, False]
     assert all(isinstance(ln["text"], str) for ln in got if ln["question_id"] == "why")
+
+
+def test_a_question_over_a_length_limit_is_refused_before_any_work(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`run` and `submit`: a question over --max-prompt-chars (16,384 by default), or longer
+    than the built-in model's 4,096-token context, is exit 2 naming its line (a policy's:
+    the policy file) before the model loads; nothing written, no job made."""
+    image = ROOT / "examples" / "images" / "scene_00.png"
+    m, p = tmp_path / "m.jsonl", tmp_path / "p.yaml"
+    out, job = tmp_path / "out.jsonl", tmp_path / "job"
+    cases = [  # (line 2's question, extra options, what the error says)
+        ("y" * 16_385, [], r"question 'q0' is 16,385 characters \(text, prompt and system\), "
+                           r"over the limit of 16,384 \(--max-prompt-chars\)"),
+        ("Is there a red shape in the image? " * 460, [],  # 16,100 characters
+         r"question 'q0' is 4,\d\d\d tokens before its image's, over the model's context of "
+         r"4,096 \(config.json max_position_embeddings\)"),
+        ("Red?", ["--max-prompt-chars", "3"], r"question 'q0' is 4 characters"),
+    ]
+    for text, extra, says in cases:
+        m.write_text("".join(json.dumps({"id": i, "image": str(image), "questions": [q]}) + "\n"
+                             for i, q in ((1, "Red"), (2, text))))
+        for cmd in (["run", str(m), "-o", str(out)], ["submit", str(m), "--job", str(job)]):
+            capsys.readouterr()
+            assert main([*cmd, *extra, "--no-progress"]) == EXIT_BAD_INPUT, (cmd, text[:20])
+            err = capsys.readouterr().err
+            assert re.search(re.escape(f"{m}:2: ") + says, err), err
+            assert not out.exists() and not job.exists()
+    p.write_text(f"questions:\n  - {{id: long, text: '{'z' * 16_400}'}}\n")
+    m.write_text(json.dumps({"id": 1, "image": str(image)}) + "\n")
+    assert main(["run", str(m), "--policy", str(p), "--no-progress"]) == EXIT_BAD_INPUT
+    assert f"{p}: question 'long' is 16,400 characters" in capsys.readouterr().err

@@ -93,6 +93,22 @@ def test_the_histogram_puts_a_small_threshold_between_its_neighbours() -> None:
     assert len(bars) == 2 and bars[0] < float(line) < bars[1] - 2
 
 
+def test_each_bar_s_tooltip_names_its_own_range() -> None:
+    """Each bar's tooltip is its bin's P(yes) range, ends told apart (the bins near 1 read
+    ``0.999955-0.999983``, where two significant digits said ``1-1``), each bin starting
+    where the one before it ends, from 0 to 1; and the P(yes) of a line lands in the bin
+    whose tooltip range holds it."""
+    svg = _histogram(list(range(BINS)), 0.5)
+    ranges = re.findall(r"<title>P\(yes\) ([^<:]+)-([^<:]+): (\d+)</title>", svg)
+    assert [int(n) for _, _, n in ranges] == list(range(BINS))
+    assert ranges[0][0] == "0" and ranges[-1][1] == "1"
+    for (lo_, hi, _), (nxt, _, _) in zip(ranges, ranges[1:]):
+        assert float(lo_) < float(hi) and hi == nxt, (lo_, hi, nxt)
+    for p in (1e-6, 0.003, 0.2, 0.5, 0.93, 0.99991, 0.99999, 1.0):
+        a, b, _ = ranges[bin_of(p)]
+        assert float(a) <= p <= float(b) + 1e-6, (p, a, b)  # tooltips round to 2 digits
+
+
 class Page(HTMLParser):
     def __init__(self) -> None:
         super().__init__()

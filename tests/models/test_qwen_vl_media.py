@@ -228,3 +228,13 @@ def test_qwen3_vl_prompt_is_the_processors(setups: dict[str, Setup]) -> None:
     want = tok.encode(text.replace(wrapper, expansion), add_special_tokens=False)
     assert "<1.0 seconds>" in expansion and "<8.0 seconds>" in expansion  # (8 + 8) / 2
     assert list(s.prompts.build_parts(QUESTION, [video]).ids) == want
+
+
+def test_the_decoding_sides_rows_are_these(setups: dict[str, Setup]) -> None:
+    """``preprocessing/video_rows.qwen_rows`` (what decoded clips become) lays frames out as
+    the rows these tests feed both sides (and the processor's reshape, above)."""
+    from vlmbatch.preprocessing.video_rows import QwenVideoLayout, qwen_rows
+
+    frames = random_frames(4, 56, 84, 2)
+    pre = setups["qwen2_5_vl"].ours.spec.preprocess
+    assert np.array_equal(qwen_rows(frames, QwenVideoLayout(pre)), video_rows(frames, 14, 2, 2))

@@ -21,7 +21,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server.serving import IMAGES, KEY, Server, chat_body, data_url
+from tests.server.serving import IMAGES, KEY, Server, batch_lines, chat_body, data_url
+from vlmbatch.server.batch_worker import input_errors
+from vlmbatch.server.config import ServerConfig
 
 MIN_CASES = 1000  # docs/server.md and docs/status.md: about 1,000 a run (1,033 measured)
 SEEN: list[int] = []  # status of every fuzzed response
@@ -202,6 +204,27 @@ def test_ids_and_queries(http: httpx.Client, ident: str, limit: str | None,
     check(http.post(f"/v1/batches/{ident}/cancel"))
     params = {k: v for k, v in (("limit", limit), ("after", after)) if v is not None}
     check(http.get("/v1/batches", params=params))
+
+
+@settings(FUZZ, max_examples=150)
+@given(st.lists(st.integers(1, 120), min_size=1, max_size=4), st.integers(1, 100),
+       st.sampled_from(["x", "Is there a red shape? ", "é中 "]))
+def test_a_batch_line_over_the_prompt_limit_is_that_line_s_error(
+        tmp_path_factory: pytest.TempPathFactory, sizes: list[int], limit: int,
+        piece: str) -> None:
+    """The batch's input check (``batch_worker.input_errors``, what ``/v1/batches`` runs
+    before the batch): lines whose questions are ``sizes`` characters long, under
+    ``--max-prompt-chars limit``: an error for exactly the first line over it (the check
+    stops at a line's refusal), ``context_length_exceeded``, else none. Not counted in
+    ``SEEN`` (no request)."""
+    path = tmp_path_factory.getbasetemp() / "limit.jsonl"
+    url = data_url(IMAGES / "scene_00.png")
+    texts = [(piece * n)[:n] for n in sizes]
+    path.write_text(batch_lines([(f"c{i}", url, t) for i, t in enumerate(texts)]))
+    got = input_errors(path, ServerConfig(max_prompt_chars=limit))
+    over = [i + 1 for i, t in enumerate(texts) if len(t) > limit]
+    assert [(e["line"], e["code"]) for e in got] == [(line, "context_length_exceeded")
+                                                     for line in over[:1]], got
 
 
 def test_huge_and_empty_inputs(http: httpx.Client) -> None:

@@ -163,6 +163,8 @@ def test_limits(server: Server) -> None:
         cases = [
             (chat_body(url, RED), 400, "image_too_large"),
             (chat_body(small, "x" * 20_000), 400, "context_length_exceeded"),
+            # 15,400 characters, ~4,400 tokens: past the built-in model's 4,096-token context
+            (chat_body(small, "Is there a red shape? " * 700), 400, "context_length_exceeded"),
             (chat_body(small, RED, max_tokens=100_000), 400, "invalid_value"),
             (chat_body(small, RED, n=2), 400, "unsupported_parameter"),
             ({**chat_body(small, RED), "model": "gpt-4o"}, 404, "model_not_found"),
@@ -301,6 +303,13 @@ def test_invalid_batches(client: openai.OpenAI, server: Server) -> None:
         completion_window="24h").id,
         timeout=60)
     assert b.status == "failed" and [e.line for e in b.errors.data] == [2]
+    url = data_url(IMAGES / "scene_00.png")  # what chat refuses, a batch line refuses too
+    for long in ("x" * 20_000, "Is there a red shape? " * 700):  # chars; 4,096 tokens
+        b = wait_batch(client, client.batches.create(
+            input_file_id=upload(client, batch_lines([("a", url, RED), ("b", url, long)])).id,
+            endpoint="/v1/chat/completions", completion_window="24h").id, timeout=60)
+        assert b.status == "failed" and [(e.line, e.code) for e in b.errors.data] == [
+            (2, "context_length_exceeded")], b.errors
     ok = upload(client, batch_lines([("x", data_url(IMAGES / "scene_00.png"), RED)])).id
     with server.client() as c:
         for body, status in [

@@ -59,15 +59,24 @@ from PIL import Image
 from vlmbatch.engine.build import build_engine
 from vlmbatch.engine.config import EMBED_GROUP, EmbedConfig, EngineConfig, ModelConfig, default_of
 from vlmbatch.engine.embed import EmbedHandle, build_embedder
+from vlmbatch.engine.loading import text_tokens
 from vlmbatch.jobs.config import RunConfig
 from vlmbatch.pipeline.config import PrepareConfig
 from vlmbatch.pipeline.drive import drive, groups_of
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.pipeline.media_inputs import VideoInput
 from vlmbatch.pipeline.preparers import PrepareWorkers, preparer
-from vlmbatch.pipeline.questions import Question, questions_of
-from vlmbatch.pipeline.records import Answer, Embedding, EmbedItem, ImageItem, image_source
+from vlmbatch.pipeline.questions import MAX_PROMPT_CHARS, PromptLimits, Question, questions_of
+from vlmbatch.pipeline.records import (
+    Answer,
+    Embedding,
+    EmbedItem,
+    ImageItem,
+    image_source,
+    item_media,
+)
 from vlmbatch.pipeline.task import AnswerTask, EmbedTask, Task
+from vlmbatch.preprocessing.sources import NotAnImage
 
 ImageLike = str | Path | bytes | np.ndarray | Image.Image
 # an item's visual input beyond one image: several in one prompt, or a clip
@@ -88,14 +97,17 @@ class VLM:
     """A loaded model and engine; ``options`` are ``ModelConfig``/``EngineConfig`` fields
     (``tiling``, ``max_tiles``, ``prefix_cache``, ``max_new_tokens``, ``vit_backend``, ...,
     with the CLI's defaults). ``decode_timeout``: seconds an image may take to read and
-    decode (0: decode on threads of this process, no deadline). ``hooks``: fault injection
-    for tests."""
+    decode (0: decode on threads of this process, no deadline). ``max_prompt_chars``: the
+    longest question (text, prompt and system; ``--max-prompt-chars``); a longer one, or one
+    longer than the model's context in tokens, raises ``ManifestError`` (a ValueError)
+    naming it, before any work. ``hooks``: fault injection for tests."""
 
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu",
                  dtype: str = "float32", images_per_batch: int | None = None,
                  max_pixels: int | None = None, threads: int | None = None,
                  preprocess_threads: int | None = None, decode_timeout: float | None = None,
-                 hooks: FaultHooks = NO_HOOKS, **options: Any) -> None:
+                 max_prompt_chars: int = MAX_PROMPT_CHARS, hooks: FaultHooks = NO_HOOKS,
+                 **options: Any) -> None:
         unknown = sorted(set(options) - _MODEL_FIELDS - _ENGINE_FIELDS)
         if unknown:
             raise TypeError(f"unknown VLM option(s) {unknown}; model options: "
@@ -112,6 +124,8 @@ class VLM:
             max_pixels or p.max_pixels, preprocess_threads,
             p.decode_timeout if decode_timeout is None else decode_timeout).options(device)
         self.hooks = hooks
+        count, context = text_tokens(self.model_config.path)
+        self.limits = PromptLimits(max_prompt_chars, context, count)
         self.engine = build_engine(self.model_config, self.engine_config, threads)
         self._embedders: dict[EmbedConfig, EmbedHandle] = {}
         self._workers: PrepareWorkers | None = None
@@ -123,13 +137,15 @@ class VLM:
         An entry may be a list of images (one item: one prompt holding them in order) or a
         clip (``vlmbatch.video(path, fps=...)``), whose answers say which frames the model
         saw (``Answer.frames``, ``seconds``)."""
-        if isinstance(images, (str, Path, bytes, np.ndarray, Image.Image, VideoInput)):
+        if isinstance(images, (str, Path, bytes, np.ndarray, Image.Image, VideoInput)) \
+                or not isinstance(images, Iterable):
             images = [images]
         qs = questions_of(questions)
-        for q in qs:  # a label set the engine cannot score fails here, before any work
+        for i, q in enumerate(qs):  # a label set the engine cannot score, a question over
+            self.limits.check(q, f"questions[{i}]")  # the limits: here, before any work
             if q.choices:
                 self.engine.check_choices(q.choices)
-        return self.ask_many(ImageItem(str(i), im, qs) for i, im in enumerate(images))
+        return self.ask_many(_image_item(str(i), im, qs) for i, im in enumerate(images))
 
     def ask_many(self, items: Iterable[ItemLike]) -> Iterator[Answer]:
         """Answers for a stream of items, each an ``ImageItem`` (``ImageItem(id, image,
@@ -148,9 +164,11 @@ class VLM:
                 yield from answers
 
     def _checked(self, items: Iterable[ImageItem]) -> Iterator[ImageItem]:
-        """``items``, each label set checked against the engine (``Engine.check_choices``)."""
+        """``items``, each label set checked against the engine (``Engine.check_choices``),
+        each question's length against the limits."""
         for it in items:
             for q in it.questions:
+                self.limits.check(q, f"item {it.id!r}")
                 if q.choices:
                     self.engine.check_choices(q.choices)
             yield it
@@ -192,7 +210,13 @@ class VLM:
         yield from self._results(EmbedTask(cfg), groups)
 
     def embedder(self, cfg: EmbedConfig) -> EmbedHandle:
-        """The embedder for ``cfg`` on this VLM's engine (built once per config)."""
+        """The embedder for ``cfg`` on this VLM's engine (built once per config). ``VLM()``
+        (the built-in yes/no model) refuses, naming the built-in embedding model that
+        ``vlmbatch embed`` uses by default."""
+        if self.model_config.path is None:
+            raise ValueError("VLM() is the built-in yes/no model, not trained for "
+                             "embeddings; `vlmbatch embed` uses the built-in embedding model: "
+                             "vlmbatch.VLM(vlmbatch.EMBED_MODEL).embed(...)")
         if cfg not in self._embedders:
             self._embedders[cfg] = build_embedder(self.engine, cfg)
         return self._embedders[cfg]
@@ -237,7 +261,17 @@ def _item(i: int, x: ItemLike) -> ImageItem:
         raise TypeError(f"item {i}: an ImageItem, (id, image, questions) or (image, "
                         f"questions), not {type(x).__name__}")
     item_id, image, questions = x if len(x) == 3 else (str(i), *x)
-    return ImageItem(item_id, image, questions)
+    return _image_item(item_id, image, questions)
+
+
+def _image_item(item_id: str | int, image: object, questions: Any) -> ImageItem:
+    """An item of ``image``; one that is no kind of image (``None``, ``42``) is the item's
+    ``source`` error when it is read, as a bad file is, not an exception for the call."""
+    try:
+        source = item_media(image, f"item {item_id!r}")  # type: ignore[arg-type]
+    except TypeError as e:
+        source = NotAnImage(str(e))
+    return ImageItem(item_id, source, questions)
 
 
 def _distinct(group: list[ImageItem], renamed: dict[str, str]) -> list[ImageItem]:

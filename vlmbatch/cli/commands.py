@@ -67,9 +67,10 @@ def cmd_results(line: CommandLine, hooks: FaultHooks = NO_HOOKS) -> int:
     fmt = cfg.format or format_of(out)
     if job_task_name(job) == "embed":
         return embed_results(cfg)
-    if fmt == "npy":
-        raise ConfigError("--format npy: a yes/no job's results are lines (JSONL, CSV, "
-                          "Parquet); .npy holds an embedding job's vectors")
+    if fmt == "npy" or embed_format_of(out) == "npy":  # -o x.npy: not JSONL under that name
+        asked = "--format npy" if fmt == "npy" else f"--out {out}"
+        raise ConfigError(f"{asked}: a yes/no job's results are lines (JSONL, CSV, Parquet); "
+                          ".npy holds an embedding job's vectors")
     if fmt == "parquet" and out is None:
         raise ConfigError("--format parquet needs --out FILE.parquet")
     if out is None:

@@ -19,12 +19,17 @@ from vlmbatch.labels.plots import curve_plots
 from vlmbatch.labels.read import read_labels, read_results
 from vlmbatch.labels.report import write_report
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
+from vlmbatch.pipeline.questions import ManifestError
 
 
 def cmd_calibrate(line: CommandLine, hooks: FaultHooks = NO_HOOKS) -> int:
     cfg = build(CalibrateConfig, line.typed)
     target = Target(*cfg.target)
     joined = join(read_results(cfg.results), read_labels(cfg.labels))
+    if not joined.pairs:
+        raise ManifestError(f"{cfg.labels}: none of its {joined.missing} label(s) matches a "
+                            f"result line of {cfg.results} ({joined.unlabelled} lines) by image id "
+                            "and question id: were the labels written for these results?")
     chosen = calibrate(joined.pairs, target)
     ops = [o for o, _ in chosen]
     if cfg.json:
@@ -41,10 +46,15 @@ def cmd_calibrate(line: CommandLine, hooks: FaultHooks = NO_HOOKS) -> int:
         print(f"vlmbatch: wrote {', '.join(map(str, paths))}", file=sys.stderr)
     if cfg.write_policy is not None:
         texts: dict[str, set[str]] = {}
+        label_sets: dict[str, tuple[str, tuple[str, ...]]] = {}
         for s, _ in joined.pairs:
             texts.setdefault(s.question_id, set()).add(s.question)
-        n = write_policy(cfg.write_policy, ops, target, texts)
-        print(f"vlmbatch: wrote {cfg.write_policy} ({n} questions)", file=sys.stderr)
+            if s.is_label_set:
+                label_sets.setdefault(s.question_id, (s.question, s.choices))
+        n = write_policy(cfg.write_policy, ops, target, texts, label_sets)
+        carried = f", {len(label_sets)} of them label sets carried over uncalibrated" \
+            if label_sets else ""
+        print(f"vlmbatch: wrote {cfg.write_policy} ({n} questions{carried})", file=sys.stderr)
     return EXIT_OK
 
 

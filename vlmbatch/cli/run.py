@@ -29,6 +29,7 @@ from vlmbatch.inputs.manifest import (
     read_policy,
 )
 from vlmbatch.jobs.config import RunConfig
+from vlmbatch.jobs.tasks import checked, prompt_limits
 from vlmbatch.outputs.sinks import GroupWriter, format_of
 from vlmbatch.pipeline.drive import drive, groups_of
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
@@ -68,13 +69,15 @@ def load_items(cfg: RunConfig) -> list[ImageItem]:
     """Every input item, validated (a table's or shard's items are references: their images
     are read when prepared)."""
     policy = read_policy(cfg.policy) if cfg.policy else ()
+    limits = prompt_limits(cfg, policy)  # each question's length, before any work
     if cfg.manifest is not None:
-        return read_manifest(cfg.manifest, policy)
+        return read_manifest(cfg.manifest, policy, limits)
     if cfg.dataset is not None:
         items: list[ImageItem] = []
         seen: dict[str, str] = {}
-        for where, it in iter_dataset(cfg.dataset, cfg.image_column, cfg.id_column,
-                                      cfg.questions_column, policy, cfg.prepare.fetch):
+        for where, it in checked(iter_dataset(cfg.dataset, cfg.image_column, cfg.id_column,
+                                              cfg.questions_column, policy, cfg.prepare.fetch),
+                                 limits):
             if (first := seen.setdefault(it.id, where)) != where:
                 raise ManifestError(f"{where}: id {it.id!r} appears twice (first at {first})")
             items.append(it)

@@ -8,6 +8,7 @@ builds it (``models/``), then the runtime conversions of ``quant/`` are applied 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from vlmbatch.models.config_io import ModelError
 from vlmbatch.models.io import raw_state_dict
 from vlmbatch.models.layers import fuse_projections
 from vlmbatch.models.paths import DEFAULT_MODEL
-from vlmbatch.models.registry import family_for
+from vlmbatch.models.registry import family_for, spec_of
 from vlmbatch.preprocessing.prepare import ImagePlan
 from vlmbatch.preprocessing.video_plan import VideoPlan, checkpoint_video
 from vlmbatch.quant.checkpoint import check_config, int4_weights
@@ -57,7 +58,7 @@ def read_spec(path: Path | None = None) -> tuple[ModelFamily, ModelSpec]:
     cannot be served)."""
     path = Path(path) if path is not None else DEFAULT_MODEL
     family, cfg = family_for(path)
-    return family, family.read_spec(path, cfg)
+    return family, spec_of(family, path, cfg)
 
 
 def check_label_sets(path: Path | None, cfg: EngineConfig,
@@ -90,6 +91,20 @@ def label_set_checker(path: Path | None, cfg: EngineConfig
     return check
 
 
+def text_tokens(path: Path | None) -> tuple[Callable[[str], int], int]:
+    """(the checkpoint's token count of a text, its context in tokens: config.json's
+    ``max_position_embeddings``, 0 where it states none), from the tokenizer and config
+    alone: what a question's length is checked against before any work. Counts are cached
+    by text (a million lines asking one question tokenize it once)."""
+    family, spec = read_spec(path)
+    tok = family.load_tokenizer(Path(path) if path is not None else DEFAULT_MODEL)
+
+    @functools.lru_cache(maxsize=4096)
+    def count(text: str) -> int:
+        return len(tok.encode(text, add_special_tokens=False, verbose=False))
+    return count, int(getattr(spec.text, "max_positions", 0) or 0)
+
+
 def load_model(path: Path | None = None, device: str = "cpu",
                dtype: torch.dtype = torch.float32, llm_quant: str = "none",
                quant: str = "none", fuse: bool = False) -> LoadedModel:
@@ -110,7 +125,7 @@ def load_model(path: Path | None = None, device: str = "cpu",
     check_device(device)
     backend = _fp8_backend(device, quant)
     family, cfg = family_for(path)
-    spec = family.read_spec(path, cfg)
+    spec = spec_of(family, path, cfg)
     sd = {family.normalise_key(k): t for k, t in raw_state_dict(path).items()}
     int4, group_size = {}, 0
     if (qcfg := cfg.get("quantization_config")) is not None:

@@ -56,6 +56,7 @@ from vlmbatch.pipeline.media_inputs import (
 from vlmbatch.pipeline.questions import (
     QUESTION_KEYS,
     ManifestError,
+    PromptLimits,
     Question,
     brief,
     check_id,
@@ -125,11 +126,12 @@ def _texts(q: Question) -> list[str]:
     return [q.id, q.text, *q.choices, *(t for t in (q.system, q.prompt) if t is not None)]
 
 
-def read_manifest(path: Path, policy: tuple[Question, ...] = ()) -> list[ImageItem]:
+def read_manifest(path: Path, policy: tuple[Question, ...] = (),
+                  limits: PromptLimits | None = None) -> list[ImageItem]:
     """Parse and validate every line; policy questions follow each line's own questions."""
     items: list[ImageItem] = []
     seen: dict[str, int] = {}  # id -> line
-    for lineno, item in iter_manifest(path, policy):
+    for lineno, item in iter_manifest(path, policy, limits=limits):
         if (first := seen.setdefault(item.id, lineno)) != lineno:
             raise ManifestError(f"{path}:{lineno}: id {brief(item.id)} appears twice (first "
                                 f"on line {first})")
@@ -137,12 +139,13 @@ def read_manifest(path: Path, policy: tuple[Question, ...] = ()) -> list[ImageIt
     return items
 
 
-def iter_manifest(path: Path, policy: tuple[Question, ...] = (), merge: bool = False
-                  ) -> Iterator[tuple[int, ImageItem]]:
+def iter_manifest(path: Path, policy: tuple[Question, ...] = (), merge: bool = False,
+                  limits: PromptLimits | None = None) -> Iterator[tuple[int, ImageItem]]:
     """(line number, item) for each line, validated as read, in bounded memory. Duplicate
     ids are the caller's check (``read_manifest`` keeps a set; the job store a UNIQUE key).
     ``merge``: a policy question with the id of a line's is that question (``with_policy``),
-    as ``vlmbatch eval`` reads it."""
+    as ``vlmbatch eval`` reads it. ``limits``: each question's length checked, the error
+    naming the line."""
     path = Path(path)
     if path.is_dir():
         raise ManifestError(f"{path} is a folder, not a manifest (nor a job folder): for a "
@@ -173,6 +176,9 @@ def iter_manifest(path: Path, policy: tuple[Question, ...] = (), merge: bool = F
             item = _item(rec, where, lineno, base_dir, policy, merge)
             asked = [t for q in item.questions for t in _texts(q)]
             check_unicode([item.id, *_paths(item.image), *asked], where)
+            if limits is not None:
+                for q in item.questions:
+                    limits.check(q, where)
             if (kind := "openai" if is_openai_request(rec) else "vlmbatch") != fmt.setdefault(
                     "kind", kind):
                 raise ManifestError(f"{where}: mixes OpenAI batch requests and vlmbatch lines")

@@ -21,6 +21,11 @@ from typing import Any, ClassVar
 from vlmbatch.common.options import COUNT, N, non_default, opt
 from vlmbatch.engine.config import ConfigError, EmbedConfig, EngineConfig, ModelConfig
 from vlmbatch.pipeline.config import PrepareConfig, PrepareOptions, check_threads
+from vlmbatch.pipeline.questions import MAX_PROMPT_CHARS
+
+# a field's metadata key: a setting used before the job exists, left out of job.json (which
+# then reads as it did before the setting existed, in this version and earlier ones)
+NOT_STORED = "not_stored"
 
 EXECUTORS = ("local", "ray")
 # the fetch stage's settings a run of a job may change (PrepareConfig fields; the size cap is
@@ -128,6 +133,11 @@ class RunConfig:
     images_per_batch: int = field(default=16, metadata=opt(  # preprocessed, scored together
         "--images-per-batch", unit=COUNT, help="images preprocessed and scored together "
         "(embed: inputs per call) (default %(default)s)"))
+    # checked as the items are read (at submit for a job), so not kept in job.json (NOT_STORED)
+    max_prompt_chars: int = field(default=MAX_PROMPT_CHARS, metadata={**opt(
+        "--max-prompt-chars", unit=COUNT, metavar="CHARS", help="longest question (text, "
+        "prompt and system together): a longer one, or one longer than the model's context "
+        "in tokens, is refused before any work (default %(default)s)"), NOT_STORED: True})
     threads: int | None = field(default=None, metadata=opt(  # None: torch's default
         "--threads", unit=N, show=lambda v: "torch's, one per core" if v is None else str(v),
         help="torch CPU threads (default: %(default)s)"))
@@ -151,6 +161,8 @@ class RunConfig:
                               "WebDataset shards, or --images DIR" +
                               (" with --policy" if self.task == "answer" else ""))
         self._check_dataset()
+        if self.max_prompt_chars < 1:
+            raise ConfigError(f"--max-prompt-chars must be >= 1, got {self.max_prompt_chars}")
         if self.task == "embed" and self.policy is not None:
             raise ConfigError("--policy asks questions: it does not apply to --task embed")
         if self.task != "embed" and (given := non_default(self.embed)):
@@ -225,7 +237,8 @@ class RunConfig:
 def to_json(obj: Any) -> Any:
     """A config dataclass as plain JSON values (paths as strings, tuples as lists)."""
     if is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_json(getattr(obj, f.name)) for f in fields(obj)}
+        return {f.name: to_json(getattr(obj, f.name)) for f in fields(obj)
+                if not f.metadata.get(NOT_STORED)}
     if isinstance(obj, Path):
         return str(obj)
     if isinstance(obj, tuple):

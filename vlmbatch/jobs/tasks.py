@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from vlmbatch.engine.config import ConfigError
 from vlmbatch.engine.embed import check_embed_config
+from vlmbatch.engine.loading import text_tokens
 from vlmbatch.engine.records import EmbedRequest
 from vlmbatch.inputs import embed_input
 from vlmbatch.inputs.datasets import iter_dataset
@@ -37,7 +38,7 @@ from vlmbatch.inputs.openai_embeddings import (
 from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.store import image_item_from_json, image_item_to_json
 from vlmbatch.pipeline.hooks import Named
-from vlmbatch.pipeline.questions import ManifestError
+from vlmbatch.pipeline.questions import ManifestError, PromptLimits, Question
 from vlmbatch.pipeline.records import Answer, Embedding, EmbedItem, ErrorKind, ImageItem, ItemError
 from vlmbatch.pipeline.task import AnswerTask, EmbedTask, Prepared, Task
 
@@ -78,17 +79,19 @@ class AnswerJob(JobTask[ImageItem, Answer]):
 
     def items(self, cfg: RunConfig) -> Items[ImageItem]:
         policy = read_policy(cfg.policy) if cfg.policy else ()
+        limits = prompt_limits(cfg, policy)
         if cfg.dataset is not None:
-            return iter_dataset(cfg.dataset, cfg.image_column, cfg.id_column,
-                                cfg.questions_column, policy, cfg.prepare.fetch), None
+            return checked(iter_dataset(cfg.dataset, cfg.image_column, cfg.id_column,
+                                        cfg.questions_column, policy, cfg.prepare.fetch),
+                           limits), None
         manifest = cfg.manifest
         if manifest is not None:
             def first(item_id: str) -> str:
                 return f"line {first_line(manifest, item_id, policy)}"
 
-            return ((f"{manifest}:{ln}", it) for ln, it in iter_manifest(manifest, policy)), \
-                first
-        assert cfg.images is not None
+            return ((f"{manifest}:{ln}", it)
+                    for ln, it in iter_manifest(manifest, policy, limits=limits)), first
+        assert cfg.images is not None  # a folder's questions: the policy's, checked already
         return ((str(cfg.images), it) for it in items_from_folder(cfg.images, policy)), None
 
     def to_json(self, item: ImageItem) -> str:
@@ -96,6 +99,26 @@ class AnswerJob(JobTask[ImageItem, Answer]):
 
     def from_json(self, text: str) -> ImageItem:
         return image_item_from_json(text)
+
+
+def prompt_limits(cfg: RunConfig, policy: tuple[Question, ...] = ()) -> PromptLimits:
+    """The run's question limits (``--max-prompt-chars``, the model's context: its tokenizer
+    and config read, not its weights), the policy's questions checked with them now, the
+    error naming the policy file."""
+    count, context = text_tokens(cfg.model.path)
+    limits = PromptLimits(cfg.max_prompt_chars, context, count)
+    for q in policy:
+        limits.check(q, str(cfg.policy))
+    return limits
+
+
+def checked(items: Iterable[tuple[str, ImageItem]], limits: PromptLimits
+            ) -> Iterator[tuple[str, ImageItem]]:
+    """``items`` (where each was read, the item), each question's length checked."""
+    for where, it in items:
+        for q in it.questions:
+            limits.check(q, where)
+        yield where, it
 
 
 class EmbedJob(JobTask[EmbedItem, Embedding]):

@@ -22,7 +22,7 @@ threshold (``None``) and is left out of a written policy.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -205,12 +205,15 @@ def table(ops: list[Operating], target: Target) -> str:
     return "\n".join(lines)
 
 
-def write_policy(path: Path, ops: list[Operating], target: Target, texts: dict[str, set[str]]
-                 ) -> int:
+def write_policy(path: Path, ops: list[Operating], target: Target, texts: dict[str, set[str]],
+                 label_sets: Mapping[str, tuple[str, tuple[str, ...]]] | None = None) -> int:
     """A policy (``inputs/manifest.py``'s format) asking each calibrated question with its
-    threshold, written whole or not at all; returns how many questions it holds.
+    threshold, then each label-set question of ``label_sets`` (id -> (text, choices)) as it
+    was asked, uncalibrated (a comment says so: its answer is its most probable choice, no
+    threshold applies), written whole or not at all; returns how many questions it holds.
     ``texts``: each question id's texts among the results (a policy asks one text of every
     image, so an id asked in several wordings is refused)."""
+    label_sets = label_sets or {}
     several = sorted(q for q, t in texts.items() if len(t) > 1)
     if several:
         raise ConfigError(f"--write-policy: question(s) {several} were asked in several "
@@ -225,9 +228,14 @@ def write_policy(path: Path, ops: list[Operating], target: Target, texts: dict[s
              for o in kept if not o.reachable]
     head += [f"# {o.question_id}: left out (no 'yes' label to calibrate on)"
              for o in ops if o.threshold is None]
-    body = yaml.safe_dump({"questions": [{"id": o.question_id, "text": o.question,
-                                          "threshold": o.threshold} for o in kept]},
-                          sort_keys=False, allow_unicode=True, width=100)
+    head += [f"# {q}: a label set, carried over as asked and not calibrated (its answer is "
+             "its most probable choice; no threshold applies)" for q in label_sets]
+    questions: list[dict[str, Any]] = [
+        {"id": o.question_id, "text": o.question, "threshold": o.threshold} for o in kept]
+    questions += [{"id": q, "text": text, "choices": list(choices)}
+                  for q, (text, choices) in label_sets.items()]
+    body = yaml.safe_dump({"questions": questions}, sort_keys=False, allow_unicode=True,
+                          width=100)
     with replaced_on_success(Path(path)) as part:
         Path(part).write_text("\n".join(head) + "\n" + body, encoding="utf-8")
-    return len(kept)
+    return len(questions)

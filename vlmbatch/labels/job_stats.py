@@ -25,7 +25,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vlmbatch.jobs.folder import STORE_FILE, JobStatus, job_task_name, load_config, status
+from vlmbatch.jobs.folder import (
+    STORE_FILE,
+    JobStatus,
+    job_task_name,
+    load_config,
+    require_job,
+    status,
+)
 from vlmbatch.jobs.store import JobStore, image_item_from_json
 from vlmbatch.labels.read import Scored, scored
 from vlmbatch.pipeline.questions import ManifestError
@@ -153,6 +160,7 @@ class JobReport:
 
 def gather(job: Path, borderline: int = 8) -> JobReport:
     """One pass over the job's store."""
+    require_job(job)  # a folder that is no job is said so, as `status` says it
     if job_task_name(job) != "answer":
         raise ManifestError(f"{job} is an embedding job: a report covers jobs that answer "
                             "questions")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -192,7 +193,7 @@ def _histogram(hist: list[int], threshold: float, w: int = 480, h: int = 130) ->
     bars = "".join(
         f'<rect x="{i * bw + 1:.1f}" y="{h - 32 - (h - 42) * n / top:.1f}" '
         f'width="{bw - 2:.1f}" height="{(h - 42) * n / top:.1f}" fill="#4a78c2">'
-        f"<title>P(yes) {sigmoid(i - LOGITS):.2g}-{sigmoid(i + 1 - LOGITS):.2g}: {n}</title>"
+        f"<title>P(yes) {_bin_range(i, len(hist))}: {n}</title>"
         "</rect>" for i, n in enumerate(hist))
     ticks = "".join(f'<line x1="{x(p):.1f}" y1="{h - 32}" x2="{x(p):.1f}" y2="{h - 28}" '
                     f'stroke="#667085"/><text x="{x(p):.1f}" y="{h - 17}" font-size="10" '
@@ -206,6 +207,23 @@ def _histogram(hist: list[int], threshold: float, w: int = 480, h: int = 130) ->
             f'stroke-width="2"><title>threshold {threshold:g}</title></line>')
     return (f'<svg width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img" '
             f'aria-label="P(yes) histogram">{bars}{axis}{mark}</svg>')
+
+
+def _bin_range(i: int, bins: int) -> str:
+    """Bin ``i``'s P(yes) range as its tooltip says it, ``0.953-0.982``: each end in two
+    significant digits of its distance to 0 or 1, whichever is nearer (so the bins near 1
+    read ``0.999955-0.999983``, not ``1-1``); the end bins run to 0 and to 1 (``bin_of``
+    clamps)."""
+    lo = "0" if i == 0 else _prob(sigmoid(i - LOGITS))
+    hi = "1" if i == bins - 1 else _prob(sigmoid(i + 1 - LOGITS))
+    return f"{lo}-{hi}"
+
+
+def _prob(p: float) -> str:
+    """``p`` in decimals (never ``1e-05``, whose minus would read as a range), to two
+    significant digits of its distance to the nearer of 0 and 1."""
+    decimals = max(1, 1 - math.floor(math.log10(min(p, 1.0 - p))))
+    return f"{p:.{decimals}f}"
 
 
 def _label_bars(labels: Counter[str], w: int = 480) -> str:

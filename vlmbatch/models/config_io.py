@@ -18,6 +18,13 @@ class ModelError(RuntimeError):
     """The model directory is missing, incomplete or of an unsupported kind."""
 
 
+def unreadable_weights(file: Path, e: Exception) -> ModelError:
+    """The one error for a weights file safetensors cannot read (its header, or a tensor past
+    the end of a cut file), whichever family or command reads it."""
+    return ModelError(f"{file} cannot be read ({e}): the file is truncated or corrupt; copy "
+                      "or download it again")
+
+
 def read_json(p: Path) -> dict:
     """``p`` as a dict, ``{}`` if absent; ModelError naming the file if it is not a JSON object."""
     if not p.is_file():

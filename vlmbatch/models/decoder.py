@@ -119,6 +119,23 @@ HARMLESS = ("rotary_emb.inv_freq",)  # name endings of checkpoint weights that a
 #   because the ``repeat_interleave`` copy costs more than the kernel saves at these sizes.
 # Kept as a switch so that tests check both forms agree.
 EXPAND_KV = False
+# queries per attention call in a long prefill: the math kernels (the CPU's with a mask, CUDA's
+# with enable_gqa) materialise [B, H, T, P + T] scores, quadratic in the prompt; cut into
+# slices of this many queries, a prompt of S tokens holds [B, H, QUERY_CHUNK, S] at a time
+# (exact: each query's softmax is its own row). Prompts up to this long: one call, as before.
+QUERY_CHUNK = 1024
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+              gqa: bool) -> torch.Tensor:
+    """SDPA of q [B, H, T, d] over k, v [B, K, S, d] under mask [B, 1, T, S], QUERY_CHUNK
+    queries at a time."""
+    t = q.shape[2]
+    if t <= QUERY_CHUNK:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return torch.cat([F.scaled_dot_product_attention(
+        q[:, :, i:i + QUERY_CHUNK], k, v, attn_mask=mask[:, :, i:i + QUERY_CHUNK],
+        enable_gqa=gqa) for i in range(0, t, QUERY_CHUNK)], 2)
 
 
 @dataclass(frozen=True)
@@ -308,8 +325,7 @@ class Attention(nn.Module):
         if heads != k_all.shape[1] and EXPAND_KV:
             g = heads // k_all.shape[1]  # [B, K, S, d] -> [B, H, S, d]
             k_all, v_all = k_all.repeat_interleave(g, 1), v_all.repeat_interleave(g, 1)
-        a = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
-                                           enable_gqa=heads != k_all.shape[1])
+        a = attention(q, k_all, v_all, mask, heads != k_all.shape[1])
         a = a.transpose(1, 2).reshape(b, t, -1)  # [B, T, H * d]
         return self.o_proj(a if gate is None else a * torch.sigmoid(gate)), (k, v)
 

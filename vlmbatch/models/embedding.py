@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from vlmbatch.models.config_io import ModelError, read_json
+from vlmbatch.models.config_io import ModelError, read_json, unreadable_weights
 
 if TYPE_CHECKING:
     import torch
@@ -120,8 +120,11 @@ def weight_names(path: Path) -> set[str]:
         return set(read_json(index).get("weight_map", {}))
     names: set[str] = set()
     for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            names.update(st.keys())
+        try:
+            with safe_open(str(f), "pt") as st:
+                names.update(st.keys())
+        except SafetensorError as e:
+            raise unreadable_weights(f, e) from e
     return names
 
 
@@ -130,9 +133,12 @@ def read_projection(path: Path, name: str) -> tuple[torch.Tensor, torch.Tensor |
     wanted = {f"{name}.weight", f"{name}.bias"}
     found: dict[str, torch.Tensor] = {}
     for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            for key in wanted & set(st.keys()):
-                found[key] = st.get_tensor(key)
+        try:
+            with safe_open(str(f), "pt") as st:
+                for key in wanted & set(st.keys()):
+                    found[key] = st.get_tensor(key)
+        except SafetensorError as e:
+            raise unreadable_weights(f, e) from e
     if f"{name}.weight" not in found:
         raise ModelError(f"{path}: no {name}.weight in the checkpoint's safetensors files")
     return found[f"{name}.weight"], found.get(f"{name}.bias")

@@ -13,7 +13,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from vlmbatch.models.config_io import ModelError, read_json
+from vlmbatch.models.config_io import ModelError, read_json, unreadable_weights
 
 
 def raw_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -31,8 +31,7 @@ def raw_state_dict(path: Path) -> dict[str, torch.Tensor]:
         try:
             sd.update(load_file(str(path / f)))
         except SafetensorError as e:
-            raise ModelError(f"{path / f} cannot be read ({e}): the file is truncated or "
-                             "corrupt; copy or download it again") from e
+            raise unreadable_weights(path / f, e) from e
     return sd
 
 

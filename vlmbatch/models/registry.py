@@ -15,7 +15,7 @@ from vlmbatch.common.registry import Registry
 from vlmbatch.models.config_io import ModelError, read_config
 
 if TYPE_CHECKING:
-    from vlmbatch.models.base import ModelFamily
+    from vlmbatch.models.base import ModelFamily, ModelSpec
 
 _QWEN_VL = "vlmbatch.models.qwen_vl.family:QWEN_VL"  # one family object for the three kinds
 FAMILIES: Registry[ModelFamily] = Registry("model type", {
@@ -49,3 +49,19 @@ def family_for(path: Path) -> tuple[ModelFamily, dict]:
                          "3.5 in their original or '-hf' layout, Qwen2-VL, Qwen2.5-VL, "
                          "Qwen3-VL, Qwen3.5)")
     return FAMILIES.get(model_type), cfg
+
+
+def spec_of(family: ModelFamily, path: Path, cfg: dict) -> ModelSpec:
+    """``family``'s sizes of the checkpoint at ``path`` (``cfg``: its config.json); a field
+    the family needs and the file lacks, or holds as another kind of value, is a ModelError
+    naming the file and the field, the same for every family and every command."""
+    cfg_file = path / "config.json"
+    try:
+        return family.read_spec(path, cfg)
+    except KeyError as e:
+        raise ModelError(f"{cfg_file}: no field {e.args[0]!r}, which a {cfg.get('model_type')!r} "
+                         "checkpoint needs: the file is incomplete; restore the checkpoint's "
+                         "original config.json") from None
+    except TypeError as e:  # e.g. int(None): a field present with the wrong kind of value
+        raise ModelError(f"{cfg_file}: a field holds a value of the wrong kind ({e}); restore "
+                         "the checkpoint's original config.json") from None

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import numpy as np
 
-    from vlmbatch.preprocessing.sources import MemberRef, RowRef
+    from vlmbatch.preprocessing.sources import MemberRef, NotAnImage, RowRef
 
 # the most images one item may hold: each is its own vision tokens in one prompt, so a
 # larger list is refused naming the item, as vLLM's ``limit_mm_per_prompt`` refuses one
@@ -27,7 +27,7 @@ SAMPLING_KEYS = ("fps", "num_frames", "max_frames")
 @dataclass(frozen=True)
 class ImageList:
     """Several images asked about in one prompt, in order (``"images": [...]``)."""
-    images: tuple[str | bytes | np.ndarray | RowRef | MemberRef, ...]  # records.ImageSource
+    images: tuple[str | bytes | np.ndarray | RowRef | MemberRef | NotAnImage, ...]  # ImageSource
 
     def describe(self) -> str:
         """How messages name the list: its first images' paths or URLs."""

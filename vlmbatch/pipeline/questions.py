@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import difflib
 import reprlib
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 _BRIEF = reprlib.Repr()
@@ -28,6 +28,10 @@ MAX_CHOICES = 64
 QUESTION_KEYS = frozenset({"id", "text", "threshold", "max_new_tokens", "choices", "prompt",
                            "system", "expected"})
 YES_NO = ("yes", "no")
+# characters a question may hold (its text, instruction and system turn together) unless a
+# run says otherwise (--max-prompt-chars): the server's chat limit, and ~2-4x the built-in
+# model's 4,096-token context, which the model's own check then bounds
+MAX_PROMPT_CHARS = 16_384
 
 
 class ManifestError(ValueError):
@@ -57,6 +61,40 @@ class Question:
     def user_text(self) -> str:
         """The user turn's text: the instruction, a newline, then the question."""
         return self.text if self.prompt is None else f"{self.prompt}\n{self.text}"
+
+    @property
+    def prompt_chars(self) -> int:
+        """The characters the user wrote into the prompt: text, instruction, system turn."""
+        return len(self.user_text) + len(self.system or "")
+
+
+class PromptTooLong(ManifestError):
+    """A question over ``PromptLimits`` (the server's code: ``context_length_exceeded``)."""
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    """How long a question may be, checked before any work (``check``): ``chars``
+    characters (``Question.prompt_chars``), and, with ``tokens`` (the model's token count of
+    a text, from its tokenizer alone) and ``context`` (the model's context in tokens,
+    config.json's ``max_position_embeddings``; 0: none stated), its system turn and user
+    text at most ``context`` tokens. The image's tokens come on top of those."""
+    chars: int = MAX_PROMPT_CHARS
+    context: int = 0
+    tokens: Callable[[str], int] | None = None
+
+    def check(self, q: Question, where: str) -> None:
+        """PromptTooLong naming ``where`` and the question if it is over a limit."""
+        if (n := q.prompt_chars) > self.chars:
+            raise PromptTooLong(f"{where}: question {q.id!r} is {n:,} characters (text, prompt "
+                                f"and system), over the limit of {self.chars:,} "
+                                "(--max-prompt-chars)")
+        if self.tokens is not None and self.context > 0:
+            t = self.tokens(q.user_text) + (self.tokens(q.system) if q.system else 0)
+            if t > self.context:
+                raise PromptTooLong(f"{where}: question {q.id!r} is {t:,} tokens before its "
+                                    f"image's, over the model's context of {self.context:,} "
+                                    "(config.json max_position_embeddings)")
 
 
 def brief(value: object) -> str:

@@ -38,7 +38,7 @@ from vlmbatch.engine.records import Request, Score, Vector
 from vlmbatch.pipeline.media_inputs import ImageList, VideoInput, check_images
 from vlmbatch.pipeline.questions import ManifestError, Question, check_id, questions_of
 from vlmbatch.preprocessing.media import PreparedVideo
-from vlmbatch.preprocessing.sources import MemberRef, RowRef
+from vlmbatch.preprocessing.sources import MemberRef, NotAnImage, RowRef
 
 if TYPE_CHECKING:
     import PIL.Image
@@ -47,7 +47,8 @@ if TYPE_CHECKING:
 # http(s):// or s3/gs/az URL (strings: what a manifest or a job store holds), a table's row or
 # a shard's member (``preprocessing/sources.py``: what a job over a Parquet file or WebDataset
 # shards stores), encoded bytes, or decoded uint8 RGB pixels [H, W, 3] (the Python API)
-ImageSource = str | bytes | np.ndarray | RowRef | MemberRef
+# (or, from the Python API only, ``NotAnImage``: what it was given instead, the item's error)
+ImageSource = str | bytes | np.ndarray | RowRef | MemberRef | NotAnImage
 # what ImageItem takes: those, a Path, or a PIL image (converted: image_source)
 ImageLike = Union[ImageSource, Path, "PIL.Image.Image"]
 # what an item asks about: one image, several in one prompt, or a clip (``media_inputs.py``)
@@ -129,7 +130,7 @@ def image_source(image: ImageLike) -> ImageSource:
     PIL image as its upright RGB pixels (uint8 ``[H, W, 3]``), a gray ``[H, W]`` or RGBA
     ``[H, W, 4]`` uint8 array as RGB; the other sources as they are. TypeError for anything
     else."""
-    if isinstance(image, (str, bytes, RowRef, MemberRef)):
+    if isinstance(image, (str, bytes, RowRef, MemberRef, NotAnImage)):
         return image
     if isinstance(image, Path):
         return str(image)

@@ -52,6 +52,7 @@ from vlmbatch.preprocessing.limits import MAX_REDIRECTS, MAX_RETRY_AFTER_S, Fetc
 from vlmbatch.preprocessing.sources import (
     HTTP,
     MemberRef,
+    NotAnImage,
     RowRef,
     SourceError,
     is_remote,
@@ -141,11 +142,24 @@ class Fetcher:
             client.close()
 
     def fetch(self, source: object, base_dir: Path) -> bytes:
-        """The bytes of ``source``, in this thread."""
+        """The bytes of ``source``, in this thread. Any failure is a ``SourceError``: what the
+        SDKs raise beyond the cases named here (botocore's ``NoCredentialsError``, an SDK's
+        own DNS, TLS or timeout error, a store's extra missing a dependency) is reported with
+        its type and message, as that item's error, never the run's."""
+        try:
+            return self._fetch(source, base_dir)
+        except SourceError:
+            raise
+        except Exception as e:  # noqa: BLE001  (one item's bytes: its error, whatever the SDK)
+            raise SourceError(f"{type(e).__name__}: {e}", unexpected_reason(e)) from None
+
+    def _fetch(self, source: object, base_dir: Path) -> bytes:
         if isinstance(source, RowRef):
             return self._row(source)
         if isinstance(source, MemberRef):
             return self._range(source)
+        if isinstance(source, NotAnImage):
+            raise SourceError(source.why)
         if not isinstance(source, str):
             raise SourceError(f"not an image source: {type(source).__name__}")
         if not is_remote(source):
@@ -388,6 +402,21 @@ def retry_after(value: str | None) -> float | None:
     except (TypeError, ValueError):
         return None
     return max(0.0, when.timestamp() - time.time())
+
+
+def unexpected_reason(e: Exception) -> str:
+    """The reason of a failure the fetch stage did not name itself: a credentials or
+    permission error (botocore's ``NoCredentialsError``, ``ClientError`` AccessDenied, ...) is
+    ``access_denied``, a timeout ``timeout``, a network error ``connection``."""
+    name = type(e).__name__.lower()
+    text = str(e).lower()
+    if "credential" in name or "accessdenied" in text.replace(" ", "") or "forbidden" in text:
+        return "access_denied"
+    if "timeout" in name or isinstance(e, TimeoutError):
+        return "timeout"
+    if isinstance(e, (ConnectionError, OSError)) or "connect" in name or "ssl" in name:
+        return "connection"
+    return "unreadable"
 
 
 def status_error(r: httpx.Response) -> SourceError:

@@ -7,6 +7,8 @@ An image source (``pipeline/records.py`` ``ImageSource``) that names bytes to re
       ``az://``/``abfs://`` URL              of the decoders, many at once
     ``RowRef`` (a table's row)               a Parquet or Arrow file's image cell, read by
     ``MemberRef`` (a tar shard's member)     the fetch stage from the file by that identity
+    ``NotAnImage``                           what the Python API was given instead of an
+                                             image (``None``, ``42``): its ``source`` error
 
 so a job stores where each image is (a path, a URL, a file and a row, a shard and a member),
 never the image. Failures raise ``SourceError`` (an item error, kind ``source``), whose
@@ -66,6 +68,13 @@ class MemberRef:
     @property
     def source(self) -> str:
         return f"{self.shard}:{self.name}"
+
+
+@dataclass(frozen=True)
+class NotAnImage:
+    """An item whose image is none of the kinds above (the Python API given ``None`` or
+    ``42`` in a list of images): reading it fails with ``why``, that item's error."""
+    why: str
 
 
 def scheme(source: str) -> str:

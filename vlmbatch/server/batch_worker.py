@@ -32,6 +32,7 @@ from pathlib import Path
 
 from vlmbatch.engine.config import ConfigError, EmbedConfig
 from vlmbatch.engine.embed import check_embed_config
+from vlmbatch.engine.loading import text_tokens
 from vlmbatch.inputs.manifest import iter_manifest, manifest_format
 from vlmbatch.inputs.openai_embeddings import iter_embed_requests
 from vlmbatch.jobs.config import RunConfig
@@ -40,7 +41,7 @@ from vlmbatch.jobs.job import submit
 from vlmbatch.jobs.store import JobStore
 from vlmbatch.outputs.export import embed_request_lines
 from vlmbatch.outputs.lines import to_output
-from vlmbatch.pipeline.questions import ManifestError
+from vlmbatch.pipeline.questions import ManifestError, PromptLimits, PromptTooLong
 from vlmbatch.server.batches import (
     CHAT,
     EMBEDDINGS,
@@ -68,8 +69,10 @@ def input_errors(path: Path, cfg: ServerConfig) -> list[dict]:
                            "custom_id, method, url and body", 1)]
     errors: list[dict] = []
     where = re.compile(re.escape(str(path)) + r":(\d+): ")
+    count, context = text_tokens(cfg.model.path)  # a line's question: as chat's, and the model's
+    limits = PromptLimits(cfg.max_prompt_chars, context, count)  # context, the line's error
     try:
-        for lineno, item in iter_manifest(path):
+        for lineno, item in iter_manifest(path, limits=limits):
             try:
                 # an http(s) host is checked when the line is fetched: that line's error
                 check_image_url(str(item.image), cfg.allowed_local_media_path,
@@ -82,7 +85,9 @@ def input_errors(path: Path, cfg: ServerConfig) -> list[dict]:
         text = str(e)
         m = where.match(text)
         errors.append(line_error(text[m.end():] if m else text.replace(str(path), "input file"),
-                                 int(m.group(1)) if m else None))
+                                 int(m.group(1)) if m else None,
+                                 "context_length_exceeded" if isinstance(e, PromptTooLong)
+                                 else "invalid_request"))
     return errors
 
 
@@ -117,7 +122,7 @@ def batch_run_config(path: Path, cfg: ServerConfig, endpoint: str = CHAT) -> Run
     model: task ``embed``), its group size, pixel limit and decode deadline."""
     embed = endpoint == EMBEDDINGS
     return RunConfig(manifest=path, images_per_batch=cfg.images_per_batch,
-                     prepare=cfg.prepare, progress=False,
+                     prepare=cfg.prepare, progress=False, max_prompt_chars=cfg.max_prompt_chars,
                      model=cfg.embed_model_config if embed else cfg.model,
                      engine=cfg.engine, task="embed" if embed else "answer",
                      # one pooled vector per string, as /v1/embeddings (not a multi-vector

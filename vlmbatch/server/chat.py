@@ -47,11 +47,11 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vlmbatch.engine.config import ConfigError
-from vlmbatch.engine.loading import label_set_checker
+from vlmbatch.engine.loading import label_set_checker, text_tokens
 from vlmbatch.engine.records import Score
 from vlmbatch.inputs.openai_batch import parse_request
 from vlmbatch.outputs.lines import vlmbatch_fields
-from vlmbatch.pipeline.questions import ManifestError
+from vlmbatch.pipeline.questions import ManifestError, PromptLimits, PromptTooLong, Question
 from vlmbatch.pipeline.records import Answer, ImageItem
 from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.server.config import ServerConfig
@@ -140,10 +140,10 @@ def question_of(req: ChatRequest, max_prompt_chars: int, max_tokens: int) -> Ima
     except ManifestError as e:
         raise bad_request(str(e).removeprefix("request: ").replace("body.", ""),
                           "messages", "invalid_value") from None
-    if len(item.questions[0].text) > max_prompt_chars:
-        raise bad_request(f"the question is {len(item.questions[0].text):,} characters, over "
-                          f"this server's limit of {max_prompt_chars:,} (--max-prompt-chars)",
-                          "messages", "context_length_exceeded")
+    if (n := item.questions[0].prompt_chars) > max_prompt_chars:  # as a batch line's check
+        raise bad_request(f"the question is {n:,} characters, over this server's limit of "
+                          f"{max_prompt_chars:,} (--max-prompt-chars)", "messages",
+                          "context_length_exceeded")
     return item
 
 
@@ -242,9 +242,22 @@ class Chat:
         # how logprobs name the two classes
         self.words = (cfg.engine.yes_words[0], cfg.engine.no_words[0])
         self._choices: Callable[[tuple[str, ...]], None] | None = None
+        self._limits: PromptLimits | None = None  # made on the first request
         # data: images being decoded, by content hash (their bytes, the decode): the event
         # loop's own, so requests that wait for one hop to no thread
         self._decoding: dict[bytes, tuple[bytes, asyncio.Future[PreparedImage]]] = {}
+
+    def check_context(self, q: Question) -> None:
+        """A 400 ``context_length_exceeded`` for a question longer than the model's context
+        in tokens (as a batch line's check; the tokenizer is read on the first request)."""
+        if self._limits is None:
+            count, context = text_tokens(self.cfg.model.path)
+            self._limits = PromptLimits(self.cfg.max_prompt_chars, context, count)
+        try:
+            self._limits.check(q, "request")
+        except PromptTooLong as e:
+            raise bad_request(str(e).removeprefix("request: "), "messages",
+                              "context_length_exceeded") from None
 
     def check_choices(self, choices: tuple[str, ...]) -> None:
         """A 400 for a label set the engines would not score (checked here, before its
@@ -265,6 +278,7 @@ class Chat:
             req = parsed(ChatRequest, body)
             require_model(req.model, cfg.served_model_name)
             item = question_of(req, cfg.max_prompt_chars, cfg.max_completion_tokens)
+            self.check_context(item.questions[0])
             if choices := item.questions[0].choices:
                 self.check_choices(choices)
             image = await self.image(item.source)

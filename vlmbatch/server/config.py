@@ -22,6 +22,7 @@ from vlmbatch.engine.config import ConfigError, EngineConfig, ModelConfig
 from vlmbatch.jobs.config import ExecutorConfig, RunConfig
 from vlmbatch.models.paths import DEFAULT_EMBED_MODEL
 from vlmbatch.pipeline.config import PrepareConfig, PrepareOptions, check_threads
+from vlmbatch.pipeline.questions import MAX_PROMPT_CHARS
 from vlmbatch.preprocessing.limits import MediaGuard
 from vlmbatch.serving.config import ServingConfig
 
@@ -64,7 +65,7 @@ class ServerConfig:
     max_body_bytes: int = field(default=64 << 20, metadata=opt(
         "--max-body-mib", unit=MIB, help="largest request body, uploads included; 413 beyond "
         "(default %(default)s)"))
-    max_prompt_chars: int = field(default=16_384, metadata=opt(  # 400 beyond
+    max_prompt_chars: int = field(default=MAX_PROMPT_CHARS, metadata=opt(  # 400 beyond
         "--max-prompt-chars", unit=COUNT, metavar="CHARS", help="longest question text; 400 "
         "beyond (default %(default)s)"))
     # largest max_tokens a request may ask for (400 beyond)

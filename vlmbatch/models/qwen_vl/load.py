@@ -8,16 +8,15 @@ reads normalised keys, ``TextDecoder.load_hf``).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from vlmbatch.models.decoder import TextDecoder
+from vlmbatch.models.io import raw_state_dict
 from vlmbatch.models.qwen_vl.family import QwenVL
-from vlmbatch.models.qwen_vl.spec import QwenVLSpec, SpecError, read_qwen_vl_spec
+from vlmbatch.models.qwen_vl.spec import QwenVLSpec, read_qwen_vl_spec
 from vlmbatch.models.qwen_vl.vision import VisionTower
 
 
@@ -28,27 +27,12 @@ class QwenVLModel:
     text: TextDecoder
 
 
-def state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint, keys as its files spell them."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = [p.name for p in sorted(path.glob("*.safetensors"))]
-    if not files:
-        raise SpecError(f"no *.safetensors weights in {path}")
-    sd: dict[str, torch.Tensor] = {}
-    for f in files:
-        sd.update(load_file(str(path / f)))
-    return sd
-
-
 def load_qwen_vl(path: Path | str, device: str = "cpu",
                  dtype: torch.dtype = torch.float32) -> QwenVLModel:
     """Spec, vision tower and decoder of the checkpoint at ``path``, in eval mode."""
     path = Path(path)
     spec = read_qwen_vl_spec(path)
-    sd = state_dict(path)
+    sd = raw_state_dict(path)  # the one reader of weights (models/io.py)
     vision, text = VisionTower(spec.vision), TextDecoder(spec.text)
     vision.load_hf(sd)
     text.load_hf({QwenVL().normalise_key(k): t for k, t in sd.items()})

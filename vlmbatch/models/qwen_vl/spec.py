@@ -177,7 +177,8 @@ def _text_spec(kind: str, cfg: dict[str, Any]) -> TextSpec:
             rotary_dim=None if rotary == head_dim else rotary,
             qk_norm=qwen3, qkv_bias=bool(t.get("attention_bias", False)) if qwen3 else True,
             o_bias=bool(t.get("attention_bias", False)) if qwen3 else False,
-            act=t.get("hidden_act", "silu"), tie_embeddings=bool(tie), **hybrid)
+            act=t.get("hidden_act", "silu"), tie_embeddings=bool(tie),
+            max_positions=int(t.get("max_position_embeddings") or 0), **hybrid)
     except ValueError as e:  # a decoder TextSpec cannot build
         raise SpecError(f"{kind}: text config: {e}") from e
 
