@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from tests.preprocessing.video_clips import FFV1_MKV, frames, make_clip
-from vlmbatch.cli.commands import EXIT_ITEM_ERRORS
+from vlmbatch.cli.commands import EXIT_BAD_INPUT, EXIT_ITEM_ERRORS
 from vlmbatch.cli.main import main
 from vlmbatch.engine.records import MediaItem, Request
 from vlmbatch.inputs.manifest import read_manifest
@@ -114,6 +114,12 @@ def test_run_options_sample_where_a_line_gives_none(folder: Path, tmp_path: Path
     assert got["c"]["seconds"] == [0.0, 0.4]  # arange(0, 20, 10)
     # the line's fps wins: 20 frames / 25 fps * 5 = 4 frames, arange(0, 20, 5)
     assert got["d"]["seconds"] == [0.0, 0.2, 0.4, 0.6]
+    job = tmp_path / "job"  # a job keeps the run's keys (in its items) for a later run
+    assert main(["submit", str(m), "--model", str(DEFAULT_QWEN_MODEL), "--job", str(job),
+                 "--num-frames", "2"]) == 0
+    assert main(["run", str(job), "--no-progress"]) == 0
+    assert main(["results", str(job), "--out", str(tmp_path / "r.jsonl")]) == 0
+    assert lines_of(tmp_path / "r.jsonl") == got
 
 
 def test_submit_and_resume_keep_clips_and_lists(folder: Path, tmp_path: Path) -> None:
@@ -171,6 +177,12 @@ def test_manifest_lines_with_lists_and_clips(tmp_path: Path) -> None:
             ({}, "missing 'image'")):
         with pytest.raises(ManifestError, match=message):
             read(line)
+    assert main(["run", str(tmp_path / "m.jsonl"), "--out", str(tmp_path / "o.jsonl")]) \
+        == EXIT_BAD_INPUT  # the last line read: through run, before any work
+    m = tmp_path / "m.jsonl"
+    m.write_text(json.dumps({"id": "e", "images": [], "questions": [Q]}) + "\n")
+    assert main(["run", str(m), "--out", str(tmp_path / "o.jsonl")]) == EXIT_BAD_INPUT
+    assert not (tmp_path / "o.jsonl").exists()
 
 
 def test_a_job_store_keeps_lists_and_clips(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from vlmbatch.common.options import COUNT, MIB, N0, SECONDS, BadValue, N, opt
+from vlmbatch.common.options import COUNT, MIB, N0, NOT_STORED, SECONDS, BadValue, N, opt
 from vlmbatch.engine.config import ConfigError
 from vlmbatch.pipeline.media_inputs import SamplingKeys, check_sampling
 from vlmbatch.preprocessing.limits import (
@@ -102,16 +102,19 @@ class PrepareConfig:
         help="serve --allow-remote-media: hosts the SSRF guard lets through whatever they "
         "resolve to (exact names or addresses; .b.org for b.org's subdomains)"))
 
-    # clips: the run's sampling keys (an item's own win); None: the checkpoint's
-    fps: float | None = field(default=None, metadata=opt(
-        "--fps", unit=SECONDS, metavar="FPS", group="video", help="frames per second sampled "
-        "from each clip (default: the checkpoint's video processor's; a line's 'fps' wins)"))
-    num_frames: int | None = field(default=None, metadata=opt(
+    # clips: the run's sampling keys (an item's own win); None: the checkpoint's. A job folds
+    # them into its items at submit (``jobs/tasks.py``), so job.json does not keep them
+    fps: float | None = field(default=None, metadata={**opt(
+        "--fps", parse=float, metavar="FACTOR", group="video", help="frames per second "
+        "sampled from each clip (default: the checkpoint's video processor's; a line's 'fps' "
+        "wins)"),
+        NOT_STORED: True})
+    num_frames: int | None = field(default=None, metadata={**opt(
         "--num-frames", unit=N, group="video", help="frames sampled from each clip, evenly "
-        "(instead of --fps; a line's 'num_frames' wins)"))
-    max_frames: int | None = field(default=None, metadata=opt(
+        "(instead of --fps; a line's 'num_frames' wins)"), NOT_STORED: True})
+    max_frames: int | None = field(default=None, metadata={**opt(
         "--max-frames", unit=N, group="video", help="at most this many frames per clip (a "
-        "line's 'max_frames' wins)"))
+        "line's 'max_frames' wins)"), NOT_STORED: True})
 
     def __post_init__(self) -> None:
         try:
