@@ -7,7 +7,7 @@ transformers peer, side by side in one process, on InternVL (the built-in model 
 - transformers (what a competent user writes, SDPA): every prompt + choice as one full
   sequence, ``--batch`` sequences per forward, left-padded with positions from the mask, the
   image's features computed once per image and reused for all its choices
-  (``mm_encoder_outputs``, as ``bench/hf_baseline.py``'s ``Batched``), the logits kept only
+  (``mm_encoder_outputs``, as ``cli/bench/baseline.py``'s ``Batched``), the logits kept only
   for the choices' positions; log P(choice) = the sum of its tokens' log-softmax.
 
 Rows: 2, 4 and 8 choices, single-token (colour words, each one token) and multi-token
@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.checks import Checks  # noqa: E402
-from bench.hf_baseline import can_pass_features, load_reference  # noqa: E402
+from vlmbatch.cli.bench.baseline import can_pass_features, load_reference  # noqa: E402
 from vlmbatch.cli.embed_eval import COLOURS  # noqa: E402
 from vlmbatch.cli.evaluate import easy_vqa_items  # noqa: E402
 from vlmbatch.engine.config import DTYPES, EngineConfig, ModelConfig  # noqa: E402

@@ -3,7 +3,7 @@
 Two image sets, each image alone (an image-only input), and texts:
 
 - ``easy-vqa``: the first ``--images`` easy-vqa test images (64 x 64 px: one tile either way);
-- ``scenes``: ``--images`` shape scenes (``scripts/shapes.py``, seed 0; 48-400 px, aspect
+- ``scenes``: ``--images`` shape scenes (``vlmbatch/cli/bench/shapes.py``, seed 0; 48-400 px, aspect
   ratios up to 1:4), written as PNG files: InternVL's reference tiling gives them 1-7 tiles,
   our default (reduced) tiling fewer (``docs/preprocessing.md``);
 - texts: the 24 captions "a {colour} {shape}", repeated to ``--texts``.
@@ -49,8 +49,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.checks import Checks  # noqa: E402
-from scripts.shapes import make_scene  # noqa: E402
 from vlmbatch import VLM  # noqa: E402
+from vlmbatch.cli.bench.shapes import make_scene  # noqa: E402
 from vlmbatch.cli.embed_eval import COLOURS, SHAPES, caption  # noqa: E402
 from vlmbatch.engine.pooling import pool_range  # noqa: E402
 from vlmbatch.models.paths import DEFAULT_EMBED_MODEL  # noqa: E402

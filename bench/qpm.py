@@ -1,16 +1,20 @@
 """QPM benchmark: transformers baselines vs vlmbatch, same questions, one process.
 
 (a) batched transformers (the headline ratio, "x batched"), what a competent transformers user
-    writes (``bench/hf_baseline.py``): ``InternVLForConditionalGeneration`` on SDPA, Pillow
-    tiles made once per image (the model card's path), ``--baseline-batch`` prompts per
-    forward, left-padded, P(yes) from each row's last real token; each image's features
-    computed once and passed back for all its questions (``mm_encoder_outputs``, a forward
-    argument of transformers 5), or with ``--baseline-vit per-prompt`` its pixel values
-    passed per prompt (the vision tower run per question). The bench checks that its P(yes)
-    equals (a')'s within ``--check-tol`` (1e-4) in fp32, prints the check, and exits 1 after
-    the tables when it fails (the reason on stderr);
+    writes (``vlmbatch/cli/bench/baseline.py``, as ``vlmbatch bench --baseline transformers``):
+    ``InternVLForConditionalGeneration`` on SDPA, Pillow tiles made once per image (the model card's
+    path), ``--baseline-batch`` prompts per forward, left-padded, P(yes) from each row's last real
+    token; each image's features computed once and passed back for all its questions
+    (``mm_encoder_outputs``, a forward argument of transformers 5), or with ``--baseline-vit
+    per-prompt`` its pixel values passed per prompt (the vision tower run per question). The bench
+    checks that its P(yes) equals (a')'s within ``--check-tol`` (1e-4) in fp32, prints the check,
+    and exits 1 after the tables when it fails (the reason on stderr);
 (a') per-question transformers ("x per-q"), the naive loop: per question, Pillow decode +
-    ``dynamic_preprocess`` + ToTensor/Normalize, then one forward on that single prompt;
+    ``dynamic_preprocess`` + ToTensor/Normalize, then one forward on that single prompt.
+
+The vlmbatch rows are ``vlmbatch bench``'s (``cli/bench/measure.py``: ``EngineRow``,
+``timed_rounds``), with their prefill calls recorded for the FLOP table:
+
 (b) vlmbatch without the prefix cache: ``pipeline.drive.answer_group`` (OpenCV preprocessing,
     each image encoded once, batched prefill), the same path as ``vlmbatch run``;
 (c) vlmbatch with the image-aware prefix cache (the default): an image's prefix is prefilled
@@ -26,8 +30,8 @@
 
 A Qwen-VL model (``--model DIR``, or ``--random-shape qwen2.5-vl-3b|qwen3-vl-2b``: random
 weights at those checkpoints' sizes, ``models/qwen_vl/random.py``) gets the same rows but
-(d), with the baselines of ``bench/hf_qwen.py`` (image processor pixels, the tower run per
-prompt in the batched one) and no FLOP table.
+(d), with the baselines of ``vlmbatch/cli/bench/baseline_qwen.py`` (image processor pixels,
+the tower run per prompt in the batched one) and no FLOP table.
 
 FLOPs (``bench/flops.py``): per row, the model FLOPs of what that path computed (vision tiles
 it encoded, LLM tokens it prefilled after what it had cached; padding not counted, causal
@@ -59,7 +63,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import resource
 import sys
 import tempfile
 import time
@@ -71,20 +74,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.checks import Checks  # noqa: E402
 from bench.flops import workload_flops  # noqa: E402
-from bench.hf_baseline import Batched, Work, load_reference, per_question  # noqa: E402
-from bench.hf_qwen import QwenBatched, load_qwen_reference, qwen_per_question  # noqa: E402
-from bench.scenes import parse_sizes, scene_set  # noqa: E402
+from vlmbatch.cli.bench.baseline import Batched, Work, load_reference, per_question  # noqa: E402
+from vlmbatch.cli.bench.baseline_qwen import QwenBatched, load_qwen_reference, qwen_per_question  # noqa: E402
+from vlmbatch.cli.bench.config import parse_sizes  # noqa: E402
+from vlmbatch.cli.bench.measure import EngineRow, peak_rss_mib, timed_rounds  # noqa: E402
+from vlmbatch.cli.bench.scenes import scene_set  # noqa: E402
 from vlmbatch.cli.evaluate import easy_vqa_set  # noqa: E402
-from vlmbatch.engine.config import DTYPES, EngineConfig  # noqa: E402
-from vlmbatch.engine.loading import load_model, torch_dtype, vision_model  # noqa: E402
+from vlmbatch.engine.config import DTYPES, EngineConfig, ModelConfig  # noqa: E402
+from vlmbatch.engine.loading import load_model, torch_dtype  # noqa: E402
 from vlmbatch.engine.scoring import AnswerTokens  # noqa: E402
-from vlmbatch.engine.torch_engine import TorchEngine  # noqa: E402
+from vlmbatch.engine.torch_engine import TorchEngine, load_configured  # noqa: E402
 from vlmbatch.models.internvl.random import SHAPES, save_random_internvl  # noqa: E402
 from vlmbatch.models.paths import DEFAULT_MODEL  # noqa: E402
 from vlmbatch.models.qwen_vl.random import SHAPES as QWEN_SHAPES  # noqa: E402
 from vlmbatch.models.qwen_vl.random import save_random_qwen_vl  # noqa: E402
-from vlmbatch.pipeline.drive import answer_group  # noqa: E402
-from vlmbatch.vit_trt.base import RunnerOptions, make_runner  # noqa: E402
 
 
 def _record_prefills(model) -> list:  # noqa: ANN001
@@ -116,47 +119,29 @@ def _work(engine: TorchEngine, calls: list) -> Work:
     return Work(engine.stats.vision_tiles, prefills)
 
 
-class VlmbatchPath:
-    """One vlmbatch row: its model, vision runner and engine config, warmed up at construction
-    on ``warm`` (graph capture, allocator, kernel choice at the timed shapes, in groups of the
-    timed size); ``round()`` times one round over ``items`` with a fresh engine (empty cache,
-    zeroed counters) and keeps its P(yes), engine and work."""
+class VlmbatchPath(EngineRow):
+    """One vlmbatch row: ``vlmbatch bench``'s row (``cli/bench/measure.py``: warmed up at
+    construction, ``round()`` with a fresh engine) on its own load of the model, whose
+    prefill calls are recorded for the round's work (FLOPs)."""
 
     def __init__(self, name: str, model_dir: Path, items: list, images_per_batch: int,
                  cache: bool, warm: list, vit: str = "torch", device: str = "cpu",
-                 dtype: torch.dtype = torch.float32, graphs: bool = True,
+                 dtype: str = "float32", graphs: bool = True,
                  engine_kw: dict | None = None, quant: str = "none") -> None:
-        self.name, self.items, self.images_per_batch = name, items, images_per_batch
-        self.model = load_model(model_dir, device, dtype, quant=quant, fuse=True)  # as `run`
-        self.runner = make_runner(vit, vision_model(self.model), RunnerOptions(
-            device, graphs, stream_ordered=True))  # as `run`
-        self.cfg = EngineConfig(prefix_cache=cache, cuda_graphs=graphs, **(engine_kw or {}))
-        self.calls = _record_prefills(self.model)
-        self.times: list[float] = []
-        self.p_yes: list = []
-        self._run(self.engine(), warm)
-        self.rss = peak_rss_mib()
-
-    def engine(self) -> TorchEngine:
-        return TorchEngine(self.model, self.cfg, self.runner)
-
-    def _run(self, engine: TorchEngine, its: list) -> list:
-        out = []
-        for g in range(0, len(its), self.images_per_batch):
-            group = its[g: g + self.images_per_batch]
-            out += [a.p_yes for a in answer_group(engine, group)]
-        return out
+        model_cfg = ModelConfig(model_dir, device, dtype, quant=quant)
+        model = load_configured(model_cfg)  # fused, as `run` loads it
+        self.calls = _record_prefills(model)
+        super().__init__(name, model, model_cfg, EngineConfig(
+            prefix_cache=cache, cuda_graphs=graphs, vit_backend=vit, **(engine_kw or {})),
+            items, images_per_batch, warm)
 
     def round(self) -> None:
-        engine = self.engine()
         self.calls.clear()
-        start = time.perf_counter()
-        self.p_yes = self._run(engine, self.items)
-        self.times.append(time.perf_counter() - start)
-        self.last_engine, self.work = engine, _work(engine, self.calls)
+        super().round()
+        self.work = _work(self.last_engine, self.calls)
 
     def profile(self, path: Path) -> None:
-        write_profile(path, lambda: self._run(self.engine(), self.items))
+        write_profile(path, lambda: self.answer(self.engine(), self.items))
 
 
 class TreeRow:
@@ -244,10 +229,6 @@ def ort_cuda() -> bool:
     return "CUDAExecutionProvider" in onnxruntime.get_available_providers()
 
 
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
@@ -300,7 +281,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def vlmbatch_paths(args: argparse.Namespace, items: list, warm: list,
-                   dtype: torch.dtype, packed: bool = False) -> list[VlmbatchPath]:
+                   packed: bool = False) -> list[VlmbatchPath]:
     """The vlmbatch rows; no onnxruntime row for a packed model (Qwen-VL), which only the
     torch runner runs."""
     cuda = args.device.startswith("cuda")
@@ -323,12 +304,12 @@ def vlmbatch_paths(args: argparse.Namespace, items: list, warm: list,
         paths.append(("vlmbatch, cache, compiled LLM", True, "torch", True,
                       {"compile_llm": True}))
     made = [VlmbatchPath(name, args.model, items, args.images_per_batch, cache, warm, vit,
-                         args.device, dtype, graphs, kw)
+                         args.device, args.dtype, graphs, kw)
             for name, cache, vit, graphs, kw in paths]
     if args.fp8:  # W8A8 e4m3 linears; on the CPU the (slow) reference of the GPU's arithmetic
         made.append(VlmbatchPath("vlmbatch, cache, fp8", args.model, items,
                                  args.images_per_batch, True, warm, "torch", args.device,
-                                 dtype, True, {}, quant="fp8"))
+                                 args.dtype, True, {}, quant="fp8"))
     return made
 
 
@@ -344,7 +325,7 @@ def timed_rows(args: argparse.Namespace, items: list, warm: list, dtype: torch.d
     spec, tok, prompts = host.spec, host.tokenizer, host.prompts
     answers = AnswerTokens.from_words(tok, EngineConfig().yes_words, EngineConfig().no_words)
     qwen = host.family.packed_vision
-    ours = vlmbatch_paths(args, items, warm, dtype, qwen)
+    ours = vlmbatch_paths(args, items, warm, qwen)
     ref = (load_qwen_reference if qwen else load_reference)(args.model, args.device, dtype)
     b = (QwenBatched(ref, spec, prompts, answers, items, warm, args.baseline_batch,
                      tok.pad_token_id or 0) if qwen else
@@ -356,9 +337,7 @@ def timed_rows(args: argparse.Namespace, items: list, warm: list, dtype: torch.d
         for name, cache in (("vlmbatch, no prefix cache", False),
                             ("vlmbatch, prefix cache", True))]
     timed: list = [b, *ours, *before]
-    for r in range(args.rounds):
-        for path in timed[r % len(timed):] + timed[: r % len(timed)]:
-            path.round()
+    timed_rounds(timed, args.rounds)
     if args.profile is not None:
         for path in ours:
             slug = "".join(c if c.isalnum() else "-" for c in path.name).strip("-")

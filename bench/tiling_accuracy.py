@@ -2,7 +2,7 @@
 
 Two sets: easy-vqa's test split (yes/no questions; 64x64 images, so both modes give one tile
 and should agree exactly: the script checks that every answer is the same, and exits 1 after
-its table if not) and held-out shape scenes from ``scripts/shapes.py`` with a seed
+its table if not) and held-out shape scenes from ``vlmbatch/cli/bench/shapes.py`` with a seed
 the training never used (many sizes and aspect ratios, 1-7 tiles: where the modes differ).
 
     python bench/tiling_accuracy.py --scenes 400
@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.checks import Checks  # noqa: E402
-from scripts.shapes import make_questions, make_scene  # noqa: E402
+from vlmbatch.cli.bench.shapes import make_questions, make_scene  # noqa: E402
 from vlmbatch.cli.evaluate import EvalSet, easy_vqa_set  # noqa: E402
 from vlmbatch.engine.build import build_engine  # noqa: E402
 from vlmbatch.engine.config import EngineConfig, ModelConfig  # noqa: E402

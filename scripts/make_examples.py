@@ -20,7 +20,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.shapes import Scene, make_questions, make_scene  # noqa: E402
+from vlmbatch.cli.bench.shapes import Scene, make_questions, make_scene  # noqa: E402
 
 POLICY = """\
 # Asked of every image in the manifest (vlmbatch run ... --policy examples/policy.yaml).

@@ -3,7 +3,7 @@
 The model is a small but real InternVL (HF-native ``InternVLForConditionalGeneration``:
 InternViT-style encoder, pixel shuffle + MLP projector, Qwen2 language model) with 112 px
 tiles (16 image tokens per tile). Data: easy-vqa's *train* split (never its test split) and our
-own shape scenes (``scripts/shapes.py``: counts, positions, several tiles per image).
+own shape scenes (``vlmbatch/cli/bench/shapes.py``: counts, positions, several tiles per image).
 
 Training uses the project's own preprocessing (OpenCV decode/resize, InternVL tiling) so
 training and serving see the same pixels. Each step encodes a batch of images once and asks
@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.shapes import COLORS, SHAPES, Scene, make_questions, make_scene  # noqa: E402
+from vlmbatch.cli.bench.shapes import COLORS, SHAPES, Scene, make_questions, make_scene  # noqa: E402
 from vlmbatch.models.internvl.tokenizer import build_tokenizer  # noqa: E402
 from vlmbatch.preprocessing.decode import decode  # noqa: E402
 from vlmbatch.preprocessing.prepare import TilingConfig, prepare  # noqa: E402

@@ -3,7 +3,7 @@ built-in model, on CPU (fixed seed, <= 30 minutes on 2 cores).
 
 Data: easy-vqa's *train* images whose questions settle their colour and shape (3,542 of
 4,000; never its test split), captioned from those labels ("a red circle"), and our own shape
-scenes (``scripts/shapes.py``: 1-3 shapes, many sizes and aspect ratios, 1-7 tiles),
+scenes (``vlmbatch/cli/bench/shapes.py``: 1-3 shapes, many sizes and aspect ratios, 1-7 tiles),
 captioned from theirs ("a blue triangle and a red circle"). Images are tiled by the serving
 plan (reduced tiling), prompts built and pooled by the serving code
 (``InternVLPrompts.embed``, ``engine.pooling.pool_range``) and run through the serving
@@ -48,8 +48,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.shapes import make_scene  # noqa: E402
 from scripts.train_default_model import seeded  # noqa: E402
+from vlmbatch.cli.bench.shapes import make_scene  # noqa: E402
 from vlmbatch.cli.embed_eval import caption, evaluate_retrieval, labels  # noqa: E402
 from vlmbatch.engine.build import build_engine  # noqa: E402
 from vlmbatch.engine.config import EmbedConfig, EngineConfig, ModelConfig  # noqa: E402

@@ -40,7 +40,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.shapes import make_questions, make_scene  # noqa: E402
 from scripts.train_default_model import (  # noqa: E402
     AUX,
     answer_and_match,
@@ -57,6 +56,7 @@ from scripts.train_default_model import (  # noqa: E402
     vision_loop,
     write_training_log,
 )
+from vlmbatch.cli.bench.shapes import make_questions, make_scene  # noqa: E402
 from vlmbatch.models.base import weight_key  # noqa: E402
 from vlmbatch.models.decoder import TextDecoder  # noqa: E402
 from vlmbatch.models.qwen_vl.family import QwenVL  # noqa: E402

@@ -10,14 +10,32 @@ dropped bias or a wrong head order (``tests/models/test_internvl_reference.py``)
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 
-from tests.jobs.ray_head import RayHead
-from vlmbatch.models.internvl.random import save_random_internvl
+# torchvision on the path (PYTHONPATH=DIR, `pip install --no-deps --target DIR
+# torchvision==0.28.*`: tests/preprocessing/test_resize_reference.py): PyPI's Linux build is
+# CUDA's, whose compiled ops cannot load beside our CPU torch, and its import then fails on
+# registering their fake kernels (and so does transformers', which imports it when present).
+# Imported first, with those registrations skipped: the transforms transformers' processors
+# call are Python over torch and never touch those ops. Without torchvision: nothing.
+if importlib.util.find_spec("torchvision") is not None:
+    with mock.patch("torch.library.register_fake", lambda *a, **k: (lambda f: f)):
+        import torchvision  # noqa: F401
+
+from tests.jobs.ray_head import RayHead  # noqa: E402
+from vlmbatch.models.internvl.random import save_random_internvl  # noqa: E402
+
+# `--dtype auto` (the default) is float32 throughout the suite, in its subprocesses too:
+# the parity tests compare against transformers' float32, and a result must not depend on
+# whether the CPU running the suite has a bf16 unit. The rule itself: tests/engine/test_config.py
+os.environ.setdefault("VLMBATCH_AUTO_DTYPE", "float32")
 
 
 def make_model_dir(path: Path, *, tile: int = 56, patch: int = 14, vision_layers: int = 2,

@@ -27,7 +27,8 @@ LIGHT = ["vlmbatch.common.registry", "vlmbatch.pipeline.config", "vlmbatch.engin
          "vlmbatch.models", "vlmbatch.vit_trt", "vlmbatch.jobs.config", "vlmbatch.jobs.folder",
          "vlmbatch.jobs.store", "vlmbatch.jobs.lock", "vlmbatch.outputs.export",
          "vlmbatch.outputs.sinks", "vlmbatch.inputs.manifest", "vlmbatch.inputs.errors",
-         "vlmbatch.inputs.openai_embeddings", "vlmbatch.outputs.embed_sinks"]
+         "vlmbatch.inputs.openai_embeddings", "vlmbatch.outputs.embed_sinks",
+         "vlmbatch.cli.bench.config"]
 # each registry and the package its entries must come from
 REGISTRIES: list[tuple[Registry, str]] = [(ENGINES, "vlmbatch.engine"),
                                           (RUNNERS, "vlmbatch.vit_trt"),

@@ -7,8 +7,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from scripts.shapes import make_scene
 from scripts.train_embed_model import frozen_states, losses, pooled, scene_caption
+from vlmbatch.cli.bench.shapes import make_scene
 from vlmbatch.engine.config import EmbedConfig, EngineConfig, ModelConfig
 from vlmbatch.engine.embed import EmbedHandle
 from vlmbatch.engine.loading import image_plan_for, load_model

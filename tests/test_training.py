@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from scripts.shapes import make_questions, make_scene
 from scripts.train_default_model import AUX, TILING, Batcher, model_config, scene_target, train_step
+from vlmbatch.cli.bench.shapes import make_questions, make_scene
 from vlmbatch.models.paths import DEFAULT_MODEL
 from vlmbatch.preprocessing.prepare import prepare
 

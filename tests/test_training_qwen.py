@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from scripts.shapes import make_questions, make_scene
 from scripts.train_default_model import AUX, scene_target
 from scripts.train_qwen_model import (
     PRE,
@@ -22,6 +21,7 @@ from scripts.train_qwen_model import (
     save,
     train_step,
 )
+from vlmbatch.cli.bench.shapes import make_questions, make_scene
 from vlmbatch.engine.config import EngineConfig
 from vlmbatch.engine.loading import load_model
 from vlmbatch.engine.records import Request

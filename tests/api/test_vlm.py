@@ -204,8 +204,11 @@ def test_ask_many_streams_with_bounded_lookahead(vlm: vlmbatch.VLM) -> None:
 
 
 def test_options_reach_the_engine() -> None:
-    vlm = vlmbatch.VLM(prefix_cache=False, max_new_tokens=3, tiling="reference")
+    vlm = vlmbatch.VLM(prefix_cache=False, max_new_tokens=3, tiling="reference",
+                       resize="reference")
     (a,) = vlm.ask([ROOT / "examples" / "images" / "scene_00.png"], ["Is there a red shape?"])
     assert a.text in ("yes", "no")  # the built-in model answers in one word
     assert vlm.engine.summary().cache_hit_rate is None
     assert vlm.engine.image_plan.mode == "reference"  # type: ignore[attr-defined]
+    # the built-in model is HF-layout InternVL: GotOcr2ImageProcessor's torchvision resize
+    assert vlm.engine.image_plan.resize == "torchvision"  # type: ignore[attr-defined]

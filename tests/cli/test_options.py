@@ -39,7 +39,8 @@ VALUES = {"N": "5", "TOKENS": "7", "MIB": "3", "MS": "2", "SECONDS": "5", "PIXEL
           "HOST": "0.0.0.0", "PORT": "9", "KEY": "k", "NAME": "m", "CHARS": "9", "TEXT": "Q: ",
           "COLUMN": "c", "WORD,WORD": "si,oui", "HOST,HOST": "a.com", "P": "0.5", "R": "0.5",
           "F": "0.5", "FILE": "f.jsonl", "P.yaml": "p.yaml", "PATH": "o.jsonl",
-          "IMAGE": "a.png"}
+          "IMAGE": "a.png", "D": "1.5", "URL": "http://127.0.0.1:9", "TOKEN": "t",
+          "TITLE|ID": "p", "OLD_JOB": "old"}
 POSITIONAL = {"manifest": ["m.jsonl"], "results": ["r.jsonl"], "texts": ["hello"]}
 # what each command needs typed to be valid: (option key -> tokens)
 BASE: dict[str, dict[str, list[str]]] = {
@@ -50,6 +51,7 @@ BASE: dict[str, dict[str, list[str]]] = {
     "quantize": {"method": ["--method", "rtn"], "calib": ["--calib", "c.jsonl"],
                  "out": ["--out", "{dir}"]},
     "export-vit": {"out": ["--out", "{dir}"]},
+    "review": {"action": ["export"], "source": ["{dir}"]},
     **{c: {"job": ["{dir}"]} for c in ("status", "cancel", "resume", "results")},
 }
 RAY = {"executor": ["--executor", "ray"]}
@@ -68,6 +70,8 @@ BESIDE: dict[str, dict[str, list[str] | None]] = {
     "precision": {"f1": None}, "recall": {"f1": None}, "max_fpr": {"f1": None},
     "policy": {"manifest": ["m.jsonl"]}, "json": {"manifest": ["m.jsonl"]},
     "limit": {"eval": ["--eval"]},
+    "token": {"url": ["--url", "http://127.0.0.1:9"]},
+    "project": {"url": ["--url", "http://127.0.0.1:9"]},
     "allowed_media_domains": {"allow_remote_media": ["--allow-remote-media"]},
 }
 
@@ -121,6 +125,10 @@ def argvs(cmd: Command, d: Declared, tmp: Path) -> tuple[list[str], list[str]]:
     mine = parts.pop(d.option.key, None)  # needed anyway: typed as BASE has it
     rest = [t.format(dir=tmp) for tokens in parts.values() for t in tokens]
     own = sample(d, tmp) if mine is None else [t.format(dir=tmp) for t in mine]
+    if mine is not None and d.option.positional:  # positionals keep their order (review)
+        at = list(BASE[cmd.name]).index(d.option.key)
+        ahead = [t for tokens in list(parts.values())[:at] for t in tokens]
+        return [cmd.name, *ahead, *own, *rest[len(ahead):]], [cmd.name, *rest]
     return [cmd.name, *rest, *own], [cmd.name, *rest]
 
 
@@ -292,13 +300,15 @@ def test_a_hub_id_as_model_says_nothing_is_downloaded(argv: list[str],
 
 # what main's code (before the command layer) serialised for RunConfig(manifest="m.jsonl",
 # engine=EngineConfig(cache_bytes=3 << 20, yes_words=("si", "oui")),
-# prepare=PrepareConfig(max_image_bytes=2 << 20)): job.json's config, version 6
+# prepare=PrepareConfig(max_image_bytes=2 << 20)): job.json's config, version 6 (with
+# --resize's "resize" since; a file without it reads back with the default)
 JOB_JSON = (
     '{"manifest": "m.jsonl", "images": null, "dataset": null, "image_column": "image", '
     '"id_column": null, "questions_column": null, "policy": null, "out": null, '
     '"images_per_batch": 16, "threads": null, "progress": true, "model": {"path": null, '
     '"device": "cpu", "dtype": "float32", "max_tiles": null, "tiling": "reduced", '
-    '"upscale_limit": 1.0, "max_image_tokens": null, "llm_quant": "none", "quant": "none"}, '
+    '"resize": "opencv", "upscale_limit": 1.0, "max_image_tokens": null, "llm_quant": "none", '
+    '"quant": "none"}, '
     '"engine": {"engine": "torch", "vit_backend": "auto", "cuda_graphs": true, '
     '"max_batch_tokens": 8192, "max_batch_tiles": 64, "vit_max_batch": 32, "compile_llm": '
     'false, "prefix_cache": true, "block_size": 16, "cache_bytes": 3145728, '
@@ -322,3 +332,19 @@ def test_a_job_json_reads_and_writes_as_before(tmp_path: Path) -> None:
                             "--yes", "si,oui", "--max-image-mib", "2"]))
     assert json.dumps(to_json(cfg)) == JOB_JSON
     assert from_json(RunConfig, json.loads(JOB_JSON)) == cfg and RunConfig.VERSION == 6
+
+
+def test_resize_mode_is_stored_and_older_job_files_read_the_default(tmp_path: Path) -> None:
+    """--resize lands in job.json's model config and reads back; a job.json written before
+    the option (no "resize" key) reads back with today's behaviour, opencv."""
+    from vlmbatch.jobs.config import from_json, to_json
+
+    cfg = typed_run_config(parse(["submit", "m.jsonl", "--job", str(tmp_path), "--resize",
+                                  "reference"]))
+    assert cfg.model.resize == "reference"
+    assert from_json(RunConfig, json.loads(json.dumps(to_json(cfg)))) == cfg
+    older = json.loads(JOB_JSON)
+    del older["model"]["resize"]
+    assert from_json(RunConfig, older).model.resize == "opencv"
+    with pytest.raises(SystemExit):
+        parse(["run", "m.jsonl", "--resize", "lanczos"])

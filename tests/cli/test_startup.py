@@ -28,7 +28,7 @@ from vlmbatch.pipeline.records import Answer
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "transformers", "fastapi", "uvicorn", "cv2", "matplotlib")
 COMMANDS = ["run", "submit", "status", "cancel", "resume", "results", "eval", "calibrate",
-            "report", "quantize", "export-vit", "embed", "serve"]
+            "report", "quantize", "export-vit", "embed", "serve", "bench"]
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """``pipeline/config.py`` holds names, not torch objects: its device check must accept
 exactly the CPU and CUDA device strings ``torch.device`` reads (the reference), and its dtype
-names must be the ones ``engine/loading.py`` resolves to torch dtypes."""
+names must be the ones ``engine/loading.py`` resolves to torch dtypes; ``--dtype auto``
+resolves by device and CPU flags (mocked both ways)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import random
 import pytest
 import torch
 
-from vlmbatch.engine.config import DTYPES, ConfigError, ModelConfig, device_ok
+from vlmbatch.engine import config as engine_config
+from vlmbatch.engine.config import DTYPES, ConfigError, ModelConfig, device_ok, resolve_dtype
 from vlmbatch.engine.loading import TORCH_DTYPES, torch_dtype
 
 CASES = ["cpu", "cuda", "cuda:0", "cuda:7", "cuda:12", "cpu:0", "cpu:3", "CUDA", "Cpu", "cuda:",
@@ -57,5 +59,55 @@ def test_dtype_names_resolve_where_the_model_is_loaded() -> None:
     assert tuple(TORCH_DTYPES) == DTYPES
     assert [torch_dtype(n) for n in ("float32", "bfloat16", "float16")] == [
         torch.float32, torch.bfloat16, torch.float16]
-    with pytest.raises(ConfigError, match=r"dtype 'float64' not one of \['bfloat16', "):
+    with pytest.raises(ConfigError, match=r"dtype 'float64' not one of \['auto', 'float32'"):
         ModelConfig(dtype="float64")
+
+
+SAPPHIRE = frozenset({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})  # bf16 units
+COOPER = frozenset({"avx512f", "avx512_bf16"})  # AVX512-BF16, no AMX
+SKYLAKE = frozenset({"avx2", "avx512f", "avx512bw"})  # no bf16 unit
+
+
+@pytest.mark.parametrize("flags, device, llm_quant, want", [
+    (SAPPHIRE, "cpu", "none", "bfloat16"),
+    (COOPER, "cpu", "none", "bfloat16"),
+    (frozenset({"amx_bf16"}), "cpu", "none", "bfloat16"),
+    (SKYLAKE, "cpu", "none", "float32"),
+    (frozenset(), "cpu", "none", "float32"),  # no /proc/cpuinfo (macOS): float32
+    (SAPPHIRE, "cpu", "int8-dynamic", "float32"),  # dynamic int8 linears are float32's
+    (SKYLAKE, "cuda", "none", "bfloat16"),
+    (frozenset(), "cuda:1", "none", "bfloat16"),
+])
+def test_auto_dtype_resolves_by_device_and_cpu_flags(flags: frozenset[str], device: str,
+                                                     llm_quant: str, want: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(engine_config.AUTO_DTYPE_ENV)  # the suite's pin (tests/conftest.py)
+    assert resolve_dtype("auto", device, llm_quant, flags) == want
+
+
+def test_auto_reads_this_cpus_flags_and_a_named_dtype_stays(monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    monkeypatch.delenv(engine_config.AUTO_DTYPE_ENV)
+    for flags, want in ((COOPER, "bfloat16"), (SKYLAKE, "float32")):
+        monkeypatch.setattr(engine_config, "cpu_flags", lambda flags=flags: flags)
+        assert ModelConfig().dtype == "auto"  # the default
+        assert ModelConfig().resolved_dtype == want
+        assert ModelConfig(dtype="float32").resolved_dtype == "float32"
+        assert ModelConfig(dtype="float16", device="cuda").resolved_dtype == "float16"
+
+
+def test_cpu_flags_read_from_proc_cpuinfo() -> None:
+    flags = engine_config.cpu_flags()
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        assert flags == frozenset()
+        return
+    assert "fpu" in flags and all(f in text for f in flags)
+
+
+def test_the_suite_pins_auto_to_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert ModelConfig().resolved_dtype == "float32"  # tests/conftest.py
+    monkeypatch.setenv(engine_config.AUTO_DTYPE_ENV, "float64")
+    with pytest.raises(ConfigError, match=r"VLMBATCH_AUTO_DTYPE='float64' is not one of"):
+        resolve_dtype("auto", "cpu")

@@ -103,7 +103,7 @@ class VLM:
     naming it, before any work. ``hooks``: fault injection for tests."""
 
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu",
-                 dtype: str = "float32", images_per_batch: int | None = None,
+                 dtype: str = "auto", images_per_batch: int | None = None,
                  max_pixels: int | None = None, threads: int | None = None,
                  preprocess_threads: int | None = None, decode_timeout: float | None = None,
                  max_prompt_chars: int = MAX_PROMPT_CHARS, hooks: FaultHooks = NO_HOOKS,

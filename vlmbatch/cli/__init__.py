@@ -7,6 +7,7 @@ command table and the commands that need no model (``commands.py``: ``HANDLERS``
 imports the HTTP stack), and the command drivers: a plain ``run`` with no job (``run.py``:
 inputs -> the drive loop -> an output file), ``embed`` (``embed.py``), easy-vqa accuracy and a
 labelled manifest's evaluation (``evaluate.py``), easy-vqa retrieval (``embed_eval.py``),
-AWQ/GPTQ calibration on the serving engine (``quantize.py``). The package itself imports
+AWQ/GPTQ calibration on the serving engine (``quantize.py``), and ``bench/`` (``vlmbatch
+bench``: the QPM benchmark, its shape scenes and transformers baselines). The package itself imports
 nothing.
 """

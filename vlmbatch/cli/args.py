@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from vlmbatch.cli.bench.config import BenchConfig
 from vlmbatch.cli.config import (
     CalibrateConfig,
     EmbedCommandConfig,
@@ -33,6 +34,7 @@ from vlmbatch.cli.config import (
     ReportConfig,
     ResultsConfig,
     ResumeConfig,
+    ReviewConfig,
     SubmitConfig,
 )
 from vlmbatch.common.options import Declared, Option, declared
@@ -128,6 +130,16 @@ COMMANDS: tuple[Command, ...] = (
             "answer shown marked right or wrong, the counts of each and a sheet of the most "
             "confident wrong answers.",
             (ReportConfig,)),
+    Command("review", "people in the loop: a job's answers as Label Studio tasks (export), "
+            "their decisions as labels (import)",
+            "export JOB: one Label Studio task per image with the model's answers as "
+            "predictions (model_version: the model's fingerprint; score: the log-odds distance "
+            "to the nearest threshold, so Label Studio's lowest-first order shows the most "
+            "borderline first) and, with --config-out, the labelling configuration; --url "
+            "imports them into a project. import EXPORT: a JSON or JSON_MIN export (or --url) "
+            "as the labels file `calibrate --labels` and `eval` read: cancelled annotations "
+            "skipped, the latest per image and question kept, disagreements reported. "
+            "docs/labels.md.", (ReviewConfig,)),
     Command("quantize", "write a W4A16 (AWQ/GPTQ) copy of a model, calibrated on your images",
             "Quantise the language model's decoder linears to 4-bit weights (symmetric, per "
             "group) with AWQ or GPTQ, calibrated on the questions of a manifest, and write a "
@@ -151,6 +163,15 @@ COMMANDS: tuple[Command, ...] = (
             "files (--images) or a JSONL manifest of {\"id\", \"image\"?, \"text\"?} "
             "(--manifest); default model: the built-in embedding model. docs/embeddings.md.",
             (EmbedCommandConfig,), (*ANSWER_ONLY, *SERVE_ONLY)),
+    Command("bench", "QPM of your model on your device and images, over a sweep of engine "
+            "options (docs/bench.md)",
+            "Time the engine answering yes/no questions (generated shape scenes, or a "
+            "manifest or folder of your images, K questions each): one row per combination "
+            "of --sweep values, each warmed up untimed, then timed --rounds times (rows "
+            "interleaved, best kept); prints QPM, images/s, LLM tokens prefilled per "
+            "question, the prefix cache's hit rate and peak memory; --baseline transformers "
+            "adds the batched transformers row, --json FILE the machine, versions and "
+            "options.", (BenchConfig,)),
 )
 BY_NAME = {c.name: c for c in COMMANDS}
 
@@ -230,6 +251,8 @@ def _add(container: Any, d: Declared) -> None:
         kw["action"] = f"store_{o.action}"
     elif o.action == "both":
         kw["action"] = argparse.BooleanOptionalAction
+    elif o.action == "append":  # repeated: each value parsed, the list stored
+        kw.update(action="append", type=o.parse, metavar=o.metavar)
     else:
         kw.update(type=o.parse, choices=o.choices, nargs=o.nargs, metavar=o.metavar)
         if o.exclusive is None:

@@ -150,13 +150,14 @@ Handler = Callable[[CommandLine, FaultHooks], int]
 
 _MODEL = "vlmbatch.cli.model_commands"  # the commands that load or run a model
 _LIGHT = "vlmbatch.cli.commands"  # this module
-_LABELS = "vlmbatch.cli.label_commands"  # calibrate and report: no model
+_LABELS = "vlmbatch.cli.label_commands"  # calibrate, report, review: no model
 _SERVE = "vlmbatch.cli.serve_command"  # the only one that loads the HTTP stack
 HANDLERS: Registry[Handler] = Registry("command", {
     "run": f"{_MODEL}:cmd_run", "submit": f"{_MODEL}:cmd_submit",
     "status": f"{_LIGHT}:cmd_status", "cancel": f"{_LIGHT}:cmd_cancel",
     "resume": f"{_MODEL}:cmd_resume", "results": f"{_LIGHT}:cmd_results",
     "eval": f"{_MODEL}:cmd_eval", "calibrate": f"{_LABELS}:cmd_calibrate",
-    "report": f"{_LABELS}:cmd_report", "quantize": f"{_MODEL}:cmd_quantize",
+    "report": f"{_LABELS}:cmd_report", "review": f"{_LABELS}:cmd_review",
+    "quantize": f"{_MODEL}:cmd_quantize",
     "export-vit": f"{_MODEL}:cmd_export_vit", "embed": f"{_MODEL}:cmd_embed",
-    "serve": f"{_SERVE}:cmd_serve"})
+    "serve": f"{_SERVE}:cmd_serve", "bench": "vlmbatch.cli.bench.command:cmd_bench"})

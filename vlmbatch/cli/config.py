@@ -16,7 +16,8 @@ sub-configs once each (``engine/config.py``: ``ModelConfig``, ``EngineConfig``,
     eval           EvalConfig                 split, limit (or a labelled manifest); model,
                                               engine, prepare
     calibrate      CalibrateConfig            results, labels, target, outputs
-    report         ReportConfig               job, output, contact sheet size
+    report         ReportConfig               job, output, contact sheet size, labels
+    review         ReviewConfig               export (job, filters) or import (an export)
     quantize       QuantizeConfig             method, calibration, output
     export-vit     ExportVitConfig            output, opset
 
@@ -35,7 +36,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vlmbatch.common.options import COUNT, N, Unit, opt, probability, reuse
+from vlmbatch.common.options import COUNT, WORDS, N, Unit, opt, probability, reuse
 from vlmbatch.engine.config import EMBED_GROUP, ConfigError, EmbedConfig, EngineConfig, ModelConfig
 from vlmbatch.jobs.config import ExecutorConfig, RunConfig, check_ray_threads
 from vlmbatch.models.paths import DEFAULT_EMBED_MODEL
@@ -87,6 +88,12 @@ class ResumeConfig:
     fetch_timeout: float | None = reuse(PrepareConfig, "fetch_timeout", None, shown=AS_SUBMITTED)
     fetch_retries: int | None = reuse(PrepareConfig, "fetch_retries", None, shown=AS_SUBMITTED)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    reuse: Path | None = field(default=None, metadata=opt(  # jobs/reuse.py
+        "--reuse", parse=Path, metavar="OLD_JOB", help="copy the answers of an earlier job "
+        "where the image's content, the question (text, choices, instruction, system turn) "
+        "and the model (fingerprint, tiling, answer settings) are the same, re-deciding a "
+        "changed threshold from its P(yes); compute only the rest (submit: kept for the "
+        "job's runs)"))
 
     def __post_init__(self) -> None:
         check_threads(self.threads, self.preprocess_threads)
@@ -106,6 +113,7 @@ class SubmitConfig:
         "--job", parse=Path, metavar="DIR", help="the job folder to create"))
     wait: bool = field(default=False, metadata=opt(
         "--wait", action="true", help="run the job now"))
+    reuse: Path | None = reuse(ResumeConfig, "reuse", None)
 
     def __post_init__(self) -> None:
         if self.job is None:
@@ -356,9 +364,78 @@ class ReportConfig:
     thumb_size: int = field(default=128, metadata=opt(  # pixels, the longer side
         "--thumb-size", parse=int, metavar="PIXELS", help="thumbnail size in pixels, the longer "
         "side (default %(default)s)"))
+    labels: Path | None = field(default=None, metadata=opt(  # `review import`'s file
+        "--labels", parse=Path, metavar="FILE", help="reviewed labels (`vlmbatch review "
+        "import`): the page counts per question the answers reviewed and how many the "
+        "reviewer changed"))
 
     def __post_init__(self) -> None:
         if self.borderline < 0 or not 16 <= self.thumb_size <= 512:
             raise ConfigError("--borderline must be >= 0 and --thumb-size in 16..512")
         if self.out.suffix.lower() not in (".html", ".htm"):
             raise ConfigError(f"-o {self.out}: give an .html file")
+
+
+REVIEW_ACTIONS = ("export", "import")
+
+
+@dataclass(frozen=True)
+class ReviewConfig:
+    """``vlmbatch review export JOB`` (Label Studio tasks of a job's answers) and ``review
+    import EXPORT`` (what people decided, as a labels file): ``labels/review/``."""
+    action: str = field(metadata=opt(  # one of REVIEW_ACTIONS
+        "action", choices=REVIEW_ACTIONS, help="export: a job's answers as Label Studio tasks; "
+        "import: a Label Studio export as a labels file for `calibrate --labels` and `eval`"))
+    source: Path | None = field(default=None, metadata=opt(  # None: import --url
+        "source", parse=Path, nargs="?", metavar="JOB|EXPORT", help="export: the job folder; "
+        "import: a Label Studio JSON or JSON_MIN export (or --url and --project instead)"))
+    out: Path | None = field(default=None, metadata=opt(  # None: standard output
+        "--out", "-o", parse=Path, metavar="FILE", help="export: the tasks (.json); import: "
+        "the labels (.jsonl) (default: standard output)"))
+    config_out: Path | None = field(default=None, metadata=opt(
+        "--config-out", parse=Path, metavar="FILE", help="export: the labelling configuration "
+        "(XML) to create the project with"))
+    questions: tuple[str, ...] = field(default=(), metadata=opt(
+        "--questions", unit=WORDS, help="export: only these question ids (default: all)"))
+    borderline: float | None = field(default=None, metadata=opt(
+        "--borderline", parse=float, metavar="D", help="export: only images with an answer "
+        "within D of its threshold in log-odds (1: a factor e in odds)"))
+    limit: int | None = field(default=None, metadata=opt(
+        "--limit", unit=N, help="export: at most N images, the most borderline"))
+    document_root: Path = field(default=Path("/"), metadata=opt(
+        "--document-root", parse=Path, metavar="DIR", help="export: Label Studio's "
+        "LOCAL_FILES_DOCUMENT_ROOT; local images become /data/local-files/?d=PATH URLs "
+        "relative to it (default %(default)s)"))
+    url: str | None = field(default=None, metadata=opt(
+        "--url", metavar="URL", help="a running Label Studio: export imports the tasks into "
+        "the project --project (created, or reused by title); import pulls its JSON export"))
+    token: str | None = field(default=None, metadata=opt(  # None: $LABEL_STUDIO_API_KEY
+        "--token", metavar="TOKEN", help="with --url: an access token (default: "
+        "$LABEL_STUDIO_API_KEY)"))
+    project: str | None = field(default=None, metadata=opt(
+        "--project", metavar="TITLE|ID", help="with --url: the project's title (export: "
+        "default the job folder's name) or id"))
+
+    def __post_init__(self) -> None:
+        export = self.action == "export"
+        if self.action not in REVIEW_ACTIONS:
+            raise ConfigError(f"review {self.action!r}: give export or import")
+        if self.source is None and (export or self.url is None):
+            raise ConfigError("review export JOB: give the job folder" if export else
+                              "review import: give an export file, or --url and --project")
+        if self.url is None and (self.token is not None or self.project is not None):
+            raise ConfigError("--token and --project go with --url (a running Label Studio)")
+        if not export and self.url is not None and self.project is None:
+            raise ConfigError("review import --url: give --project (its title or id)")
+        given = [n for n, v in (("--config-out", self.config_out), ("--borderline",
+                 self.borderline), ("--limit", self.limit), ("--questions",
+                 self.questions or None)) if v is not None]
+        if not export and given:
+            raise ConfigError(f"{', '.join(given)} apply to `review export`")
+        if self.borderline is not None and not self.borderline >= 0:
+            raise ConfigError(f"--borderline must be >= 0 (a log-odds distance), got "
+                              f"{self.borderline}")
+
+    @property
+    def api_key(self) -> str | None:
+        return self.token if self.token is not None else os.environ.get("LABEL_STUDIO_API_KEY")

@@ -1,7 +1,8 @@
-"""The commands over labels and recorded results, which load no model: ``calibrate`` and
-``report`` (the command line -> its config root -> ``labels/calibration.py``, ``labels/plots.py``
-or ``labels/report.py``, and the exit code). Imported only when one of them runs
-(``commands.HANDLERS``); ``report`` imports Pillow, ``calibrate --plots`` matplotlib.
+"""The commands over labels and recorded results, which load no model: ``calibrate``,
+``report`` and ``review`` (the command line -> its config root -> ``labels/calibration.py``,
+``labels/plots.py``, ``labels/report.py`` or ``labels/review/``, and the exit code).
+Imported only when one of them runs (``commands.HANDLERS``); ``report`` imports Pillow,
+``calibrate --plots`` matplotlib.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ import sys
 
 from vlmbatch.cli.args import CommandLine
 from vlmbatch.cli.commands import EXIT_OK
-from vlmbatch.cli.config import CalibrateConfig, ReportConfig
+from vlmbatch.cli.config import CalibrateConfig, ReportConfig, ReviewConfig
 from vlmbatch.common.options import build
 from vlmbatch.labels.calibration import Target, calibrate, table, write_policy
 from vlmbatch.labels.evaluation import join
 from vlmbatch.labels.plots import curve_plots
 from vlmbatch.labels.read import read_labels, read_results
 from vlmbatch.labels.report import write_report
+from vlmbatch.labels.review import Studio, export_tasks, import_labels
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.pipeline.questions import ManifestError
 
@@ -60,7 +62,19 @@ def cmd_calibrate(line: CommandLine, hooks: FaultHooks = NO_HOOKS) -> int:
 
 def cmd_report(line: CommandLine, hooks: FaultHooks = NO_HOOKS) -> int:
     cfg = build(ReportConfig, line.typed)
-    r = write_report(cfg.job, cfg.out, cfg.borderline, cfg.thumb_size)
+    r = write_report(cfg.job, cfg.out, cfg.borderline, cfg.thumb_size, cfg.labels)
     print(f"vlmbatch: wrote {cfg.out} ({len(r.questions)} questions, "
           f"{sum(r.errors.values())} failed images)", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_review(line: CommandLine, hooks: FaultHooks = NO_HOOKS) -> int:
+    cfg = build(ReviewConfig, line.typed)
+    studio = None if cfg.url is None else Studio(cfg.url, cfg.api_key, cfg.project)
+    if cfg.action == "export":
+        assert cfg.source is not None  # ReviewConfig's check
+        export_tasks(cfg.source, cfg.out, cfg.config_out, cfg.questions, cfg.borderline,
+                     cfg.limit, cfg.document_root, studio)
+    else:
+        import_labels(cfg.source, cfg.out, studio)
     return EXIT_OK

@@ -88,7 +88,8 @@ def _job_exit(cfg: ResumeConfig, hooks: FaultHooks) -> int:
     """Run a job folder (after re-queueing its failed items with --retry-failed)."""
     st = run_job(cfg.job, cfg.progress, cfg.executor, retry_failed=cfg.retry_failed,
                  threads=cfg.threads, preprocess_threads=cfg.preprocess_threads,
-                 decode_timeout=cfg.decode_timeout, hooks=hooks, fetch=cfg.fetch)
+                 decode_timeout=cfg.decode_timeout, hooks=hooks, fetch=cfg.fetch,
+                 reuse=cfg.reuse)
     if cfg.retry_failed:
         print(f"vlmbatch: job {cfg.job}: {st.requeued} failed images were queued again",
               file=sys.stderr)
@@ -121,20 +122,22 @@ def cmd_run(line: CommandLine, hooks: FaultHooks = NO_HOOKS) -> int:
                           "-o FILE.parquet`")
     if out is not None:
         check_writable(out)  # a read-only --out fails here, before any work
-    if cfg.executor.kind == "ray":
-        return _run_on_ray(cfg, hooks)
+    reuse = line.typed.get("reuse")
+    if cfg.executor.kind == "ray" or reuse is not None:
+        return _run_on_ray(cfg, hooks, reuse)
     summary = run(cfg, hooks=hooks)
-    print(f"vlmbatch: {summary.text()}", file=sys.stderr)
+    print(f"vlmbatch: {summary.text()}; {cfg.model.dtype_note()}", file=sys.stderr)
     if out:
         print(f"vlmbatch: results in {out}", file=sys.stderr)
     return EXIT_ITEM_ERRORS if summary.failed_images else EXIT_OK
 
 
-def _run_on_ray(cfg: RunConfig, hooks: FaultHooks) -> int:
-    """`run MANIFEST --executor ray`: a job in a temporary folder, run on Ray, exported."""
+def _run_on_ray(cfg: RunConfig, hooks: FaultHooks, reuse: Path | None = None) -> int:
+    """`run MANIFEST --executor ray` (or `--reuse OLD_JOB`): a job in a temporary folder, run
+    on Ray (or here, copying what it can from OLD_JOB), exported."""
     with tempfile.TemporaryDirectory(prefix="vlmbatch-job-") as tmp:
         job = Path(tmp) / "job"
-        submit(dataclasses.replace(cfg, out=None), job)
+        submit(dataclasses.replace(cfg, out=None), job, reuse=reuse)
         try:
             rc = _job_exit(ResumeConfig(job, progress=cfg.progress, executor=cfg.executor),
                            hooks)
@@ -152,7 +155,7 @@ def cmd_submit(line: CommandLine, hooks: FaultHooks = NO_HOOKS) -> int:
     job = sub.job
     assert job is not None  # SubmitConfig refuses a submit without --job
     cfg = typed_run_config(line)
-    n = submit(cfg, job, hooks)
+    n = submit(cfg, job, hooks, reuse=sub.reuse)
     what = "inputs" if cfg.task == "embed" else "images"
     print(f"vlmbatch: job {job}: {n} {what} submitted; run it with `vlmbatch run {job}`",
           file=sys.stderr)
@@ -179,7 +182,8 @@ def cmd_eval(line: CommandLine, hooks: FaultHooks = NO_HOOKS) -> int:
                  cfg.open_questions)
     kind = f"open (label sets, {cfg.engine.choice_scoring})" if cfg.open_questions else "yes/no"
     print(f"easy-vqa {cfg.split} {kind} accuracy: {r.accuracy:.4f} ({r.correct}/"
-          f"{r.questions}) in {r.seconds:.1f}s ({60 * r.questions / r.seconds:.0f} QPM)")
+          f"{r.questions}) in {r.seconds:.1f}s ({60 * r.questions / r.seconds:.0f} QPM; "
+          f"{cfg.model.dtype_note()})")
     return EXIT_OK
 
 
@@ -190,7 +194,7 @@ def _eval_labelled(cfg: EvalConfig, hooks: FaultHooks) -> int:
                         progress=cfg.progress, model=cfg.model, engine=cfg.engine,
                         prepare=cfg.prepare)
     summary, report = evaluate_labelled(run_cfg, hooks)
-    print(f"vlmbatch: {summary.text()}", file=sys.stderr)
+    print(f"vlmbatch: {summary.text()}; {cfg.model.dtype_note()}", file=sys.stderr)
     if cfg.policy is not None:
         print(f"vlmbatch: {policy_note(cfg.policy, report)}", file=sys.stderr)
     print(json.dumps(report.as_json()) if cfg.json else report_text(report))

@@ -78,7 +78,7 @@ def quantize_model(model: Path | None, out: Path, method: str, items: list[Image
     calib = calibration_items(items, samples)
     n = sum(len(it.questions) for it in calib)
     # unfused: calibration hooks the linears by name (q_proj, ...) and writes them so
-    engine: TorchEngine = build_torch_engine(ModelConfig(src, device),
+    engine: TorchEngine = build_torch_engine(ModelConfig(src, device, "float32"),
                                       EngineConfig(vit_backend="torch", prefix_cache=False),
                                       threads, fuse=False)
     llm = engine.model.llm

@@ -102,9 +102,10 @@ class Option:
     ``flags``: ``("--out", "-o")``; a positional: its name alone (``("manifest",)``).
     ``help``: ``%(default)s`` in it reads the field's default as ``show`` writes it.
     ``action``: ``store`` (a value), ``true``/``false`` (a switch storing that value: ``--f1``,
-    ``--no-progress``), ``both`` (``--x`` / ``--no-x``). ``group``: the help section (None:
-    the class's ``OPTION_GROUP``, else the command's own options). ``exclusive``: options
-    of one name form a mutually exclusive group (required if any of them is)."""
+    ``--no-progress``), ``both`` (``--x`` / ``--no-x``), ``append`` (repeatable: a tuple of
+    the values parsed). ``group``: the help section (None: the class's ``OPTION_GROUP``,
+    else the command's own options). ``exclusive``: options of one name form a mutually
+    exclusive group (required if any of them is)."""
     flags: tuple[str, ...]
     help: str
     parse: Callable[[str], Any] | None = None

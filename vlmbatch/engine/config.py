@@ -17,6 +17,8 @@ dtype and the device are names, checked here as strings (``DTYPES``; ``cpu``, ``
 
 from __future__ import annotations
 
+import functools
+import os
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -26,7 +28,7 @@ from vlmbatch.common.options import COUNT, MIB, WORDS, N, opt
 from vlmbatch.common.registry import Registry
 from vlmbatch.models.embedding import POOLINGS, EmbeddingSpec
 from vlmbatch.models.paths import DEFAULT_EMBED_MODEL, DEFAULT_MODEL
-from vlmbatch.preprocessing.tiling import TILING_MODES
+from vlmbatch.preprocessing.tiling import RESIZE_MODES, TILING_MODES
 from vlmbatch.vit_trt import RUNNERS
 
 # the engines by name, each builder as "module:attr" (engine/build.py builds them): listing
@@ -61,6 +63,14 @@ QUESTION_ROWS = ("auto", "on", "off")  # EngineConfig.question_rows
 QUANT = ("none", "fp8")  # W8A8 of the decoder's and the vision encoder's linears
 # dtype names; engine/loading.py maps each to its torch dtype where the model is loaded
 DTYPES = ("float32", "bfloat16", "float16")
+# what --dtype takes: a name, or "auto" (``resolve_dtype``: the fastest safe one here)
+DTYPE_CHOICES = ("auto", *DTYPES)
+# CPU flags (/proc/cpuinfo) of a bf16 matrix unit: AVX512-BF16's dot products or AMX tiles.
+# bf16 vs float32 there, and its easy-vqa accuracy: docs/figures.md#dtype-on-the-cpu
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+# set, what "auto" resolves to on this machine whatever its device and CPU (the test suite
+# sets float32: results then do not depend on the CPU the suite runs on)
+AUTO_DTYPE_ENV = "VLMBATCH_AUTO_DTYPE"
 # the device strings torch.device reads as a CPU or CUDA device: cpu, cuda, cuda:N (and
 # cpu:N), N a decimal index without leading zeros that torch's int32 parse accepts
 _DEVICE = re.compile(r"(cpu|cuda)(?::(0|[1-9][0-9]*))?")
@@ -104,9 +114,11 @@ class ModelConfig:
     device: str = field(default="cpu", metadata=opt(
         "--device", metavar="DEVICE", help="torch device: cpu, cuda or cuda:N (default "
         "%(default)s)"))
-    dtype: str = field(default="float32", metadata=opt(  # one of DTYPES (loading.py resolves it)
-        "--dtype", choices=DTYPES, help="weights and activations (default %(default)s; "
-        "bfloat16 on GPUs)"))
+    # one of DTYPE_CHOICES; "auto" resolves where the model loads (``resolved_dtype``)
+    dtype: str = field(default="auto", metadata=opt(
+        "--dtype", choices=DTYPE_CHOICES, help="weights and activations (default %(default)s: "
+        "bfloat16 on CUDA and on CPUs with a bf16 unit (avx512_bf16 or amx_bf16), else "
+        "float32; float32 for results identical to transformers' float32, docs/run.md)"))
     max_tiles: int | None = field(default=None, metadata=opt(  # the checkpoint's cap, overridden
         "--max-tiles", unit=COUNT, help="cap tiles per image (default: the checkpoint's "
         "max_patches)"))
@@ -116,6 +128,15 @@ class ModelConfig:
         "--tiling", choices=TILING_MODES, help="reduced (default): fewest tiles that keep the "
         "image's resolution, letterboxed (docs/preprocessing.md); reference: InternVL's "
         "dynamic_preprocess, for parity with the model card"))
+    # "opencv" (our INTER_AREA/INTER_CUBIC policy) | "reference" (the pixels of the family's
+    # transformers image processor, for parity with a transformers or vLLM pipeline) |
+    # "pillow" (transformers' pil-backend processors, its choice without torchvision)
+    resize: str = field(default="opencv", metadata=opt(
+        "--resize", choices=RESIZE_MODES, help="opencv (default): INTER_AREA when shrinking, "
+        "INTER_CUBIC when enlarging; reference: the pixels of the family's transformers image "
+        "processor (torchvision's or Pillow's bicubic, as it uses; vLLM's), to reproduce a "
+        "transformers or vLLM pipeline's P(yes) exactly; pillow: Pillow's bicubic, as "
+        "transformers' processors without torchvision (docs/preprocessing.md#resize-modes)"))
     upscale_limit: float = field(default=1.0, metadata=opt(
         "--upscale-limit", parse=float, metavar="FACTOR", help="reduced tiling: most a tile "
         "count may enlarge an image (default %(default)s)"))
@@ -142,12 +163,14 @@ class ModelConfig:
         if self.quant != "none" and self.llm_quant != "none":
             raise ConfigError(f"--quant {self.quant} and --llm-quant {self.llm_quant} both "
                               "quantise the decoder's linears; give one")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype {self.dtype!r} not one of {sorted(DTYPES)}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ConfigError(f"dtype {self.dtype!r} not one of {list(DTYPE_CHOICES)}")
         if self.max_tiles is not None and self.max_tiles < 1:
             raise ConfigError(f"max_tiles must be >= 1, got {self.max_tiles}")
         if self.tiling not in TILING_MODES:
             raise ConfigError(f"tiling {self.tiling!r} not one of {TILING_MODES}")
+        if self.resize not in RESIZE_MODES:
+            raise ConfigError(f"resize {self.resize!r} not one of {RESIZE_MODES}")
         if self.max_image_tokens is not None and self.max_image_tokens < 1:
             raise ConfigError(f"max_image_tokens must be >= 1, got {self.max_image_tokens}")
         if not self.upscale_limit > 0:
@@ -156,6 +179,50 @@ class ModelConfig:
     @property
     def model_dir(self) -> Path:
         return self.path if self.path is not None else DEFAULT_MODEL
+
+    @property
+    def resolved_dtype(self) -> str:
+        """The dtype the model loads in: ``dtype``, with "auto" resolved for this machine."""
+        return resolve_dtype(self.dtype, self.device, self.llm_quant)
+
+    def dtype_note(self) -> str:
+        """What a run summary says of the dtype: ``dtype bfloat16 (auto)``."""
+        return f"dtype {self.resolved_dtype}" + (" (auto)" if self.dtype == "auto" else "")
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (the ``flags`` line of /proc/cpuinfo; none where there is
+    no such file, e.g. macOS)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def resolve_dtype(dtype: str, device: str, llm_quant: str = "none",
+                  flags: frozenset[str] | None = None) -> str:
+    """The one place ``--dtype auto`` is decided: bfloat16 on CUDA, and on a CPU with a bf16
+    matrix unit (``BF16_CPU_FLAGS`` among ``flags``, by default this CPU's) (measured faster
+    there for both built-in models and the InternVL3-1B topology); float32 elsewhere, and with
+    ``--llm-quant int8-dynamic`` (float32 linears); ``$VLMBATCH_AUTO_DTYPE`` where set. Any
+    other name is returned as it is."""
+    if dtype != "auto":
+        return dtype
+    pinned = os.environ.get(AUTO_DTYPE_ENV)
+    if pinned:
+        if pinned not in DTYPES:
+            raise ConfigError(f"${AUTO_DTYPE_ENV}={pinned!r} is not one of {list(DTYPES)}; "
+                              "unset it or name a dtype")
+        return pinned
+    if device.startswith("cuda"):
+        return "bfloat16"
+    if llm_quant != "none":
+        return "float32"
+    has_unit = (cpu_flags() if flags is None else flags) & BF16_CPU_FLAGS
+    return "bfloat16" if has_unit else "float32"
 
 
 @dataclass(frozen=True)

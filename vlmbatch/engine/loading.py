@@ -186,10 +186,11 @@ def _check_int8(path: Path, device: str, dtype: torch.dtype, packed: bool) -> No
 
 
 def image_plan_for(family: ModelFamily, spec: ModelSpec, cfg: ModelConfig) -> ImagePlan:
-    """The checkpoint's image plan under the run's ``--tiling``/``--max-tiles``/... options."""
+    """The checkpoint's image plan under the run's ``--tiling``/``--resize``/... options."""
     try:
         return family.image_plan(spec, ImageOptions(cfg.tiling, cfg.max_tiles,
-                                                    cfg.upscale_limit, cfg.max_image_tokens))
+                                                    cfg.upscale_limit, cfg.max_image_tokens,
+                                                    cfg.resize))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

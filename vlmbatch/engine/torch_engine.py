@@ -352,13 +352,24 @@ def build_torch_engine(model_cfg: ModelConfig, engine_cfg: EngineConfig,
     reads the linears by name)."""
     if threads:
         torch.set_num_threads(threads)
-    model = load_model(model_cfg.path, model_cfg.device, torch_dtype(model_cfg.dtype),
-                       model_cfg.llm_quant, model_cfg.quant, fuse)
-    plan = image_plan_for(model.family, model.spec, model_cfg)
+    model = load_configured(model_cfg, fuse)
+    return TorchEngine(model, engine_cfg, vision_runner(model, model_cfg, engine_cfg),
+                       image_plan_for(model.family, model.spec, model_cfg))
+
+
+def load_configured(model_cfg: ModelConfig, fuse: bool = True) -> LoadedModel:
+    """``model_cfg``'s checkpoint on its device, in its dtype (``--dtype auto`` resolved)."""
+    return load_model(model_cfg.path, model_cfg.device, torch_dtype(model_cfg.resolved_dtype),
+                      model_cfg.llm_quant, model_cfg.quant, fuse)
+
+
+def vision_runner(model: LoadedModel, model_cfg: ModelConfig, engine_cfg: EngineConfig
+                  ) -> VitRunner:
+    """The vision encoder's runner as ``engine_cfg`` asks (one per engine, or shared by the
+    engines of a benchmark row)."""
     # stream-ordered: the engine reads the embeddings on the stream that made them, so the graph
     # pool's host wait per call would only stall the host (16% of a profiled round at
     # InternVL3-1B's shape on an H200, docs/gpu.md)
-    vision = make_runner(engine_cfg.vit_backend, vision_model(model), RunnerOptions(
+    return make_runner(engine_cfg.vit_backend, vision_model(model), RunnerOptions(
         model_cfg.device, engine_cfg.cuda_graphs, engine_cfg.vit_max_batch,
         stream_ordered=True))
-    return TorchEngine(model, engine_cfg, vision, plan)

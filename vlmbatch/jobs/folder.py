@@ -49,6 +49,9 @@ def write_job_file(job: Path, cfg: RunConfig, fmt: str) -> None:
     the fetch stage's settings and ``engine.choice_scoring``, all with defaults that read a
     version-5 file as it was;
     ``load_config`` reads every earlier version)."""
+    # ``--dtype auto`` resolved here, so job.json says what the job runs in, wherever it runs
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
+                                                          dtype=cfg.model.resolved_dtype))
     d = {"version": RunConfig.VERSION, "format": fmt, "config": to_json(cfg)}
     (Path(job) / JOB_FILE).write_text(json.dumps(d, indent=2) + "\n")
 
@@ -145,6 +148,7 @@ class JobStatus:
     runner: tuple[int, str] | None = None  # (pid, host) running the job, when running
     task: str = "answer"  # what the job does (jobs.config.TASKS); "embed": questions and
     # qpm count embeddings
+    reused: int = 0  # answers copied from an earlier job (jobs/reuse.py), of ``questions``
 
     def text(self) -> str:
         per, unit = ("embeddings/min", "embeddings") if self.task == "embed" else (
@@ -153,9 +157,11 @@ class JobStatus:
         eta = (f", ETA {self.eta_s:.0f}s" if self.eta_s is not None and self.pending
                and self.status == "running" else "")
         what = "items" if self.task == "embed" else "images"
+        reused = (f" ({self.reused} reused, {self.questions - self.reused} computed)"
+                  if self.reused else "")
         return (f"{self.status}{who(self.runner)}: {self.done + self.failed}/{self.items} "
                 f"{what} ({self.failed} failed, {self.pending} pending), {self.questions} "
-                f"{unit}, {rate}{eta}")
+                f"{unit}{reused}, {rate}{eta}")
 
     def as_json(self) -> dict:
         """``status --json``: these fields, ``runner`` as {"pid", "host"} or null, and
@@ -185,7 +191,8 @@ def status(job: Path) -> JobStatus:
         st = state(store)
         runner = (runner_of(Path(job)) or recorded_runner(store)) if st == "running" else None
         return JobStatus(st, c.total, c.done, c.failed, c.pending, q, qpm, eta, runner=runner,
-                         task=job_task_name(Path(job)))
+                         task=job_task_name(Path(job)),
+                         reused=int(store.get("reused_answers") or 0))
     finally:
         store.close()
 

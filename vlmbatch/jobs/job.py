@@ -44,6 +44,7 @@ from vlmbatch.jobs.folder import (
 )
 from vlmbatch.jobs.lock import host_id, run_lock
 from vlmbatch.jobs.ray_executor import ray_stages
+from vlmbatch.jobs.reuse import Pass, Reuse, count_reused, reuse_pass
 from vlmbatch.jobs.store import JobStore
 from vlmbatch.jobs.tasks import JobTask, job_task
 from vlmbatch.pipeline.config import PrepareOptions
@@ -68,13 +69,17 @@ def _absolute(cfg: RunConfig) -> RunConfig:
                                model=dataclasses.replace(cfg.model, path=ab(cfg.model.path)))
 
 
-def submit(cfg: RunConfig, job: Path, hooks: FaultHooks = NO_HOOKS) -> int:
+def submit(cfg: RunConfig, job: Path, hooks: FaultHooks = NO_HOOKS,
+           reuse: Path | None = None) -> int:
     """Create the job folder; returns the number of items. Fails before writing anything if
     the input or the model folder is invalid, or the folder already holds a job. The device
     is checked when the job runs (it may run on another machine). The folder is built under
     a temporary name beside ``job`` and renamed onto it when complete, so a submit that
-    fails or is interrupted (a bad line, a full disk, Ctrl-C, SIGTERM) leaves no job."""
+    fails or is interrupted (a bad line, a full disk, Ctrl-C, SIGTERM) leaves no job.
+    ``reuse``: an earlier job whose answers the job's runs copy (``jobs/reuse.py``)."""
     job = Path(job)
+    if reuse is not None:
+        require_job(reuse)
     if job.exists() and (not job.is_dir() or any(job.iterdir())):
         raise ManifestError(f"{job} already exists and is not an empty folder; pick a new job "
                             "folder (or `vlmbatch resume` it if it is a job)")
@@ -92,6 +97,8 @@ def submit(cfg: RunConfig, job: Path, hooks: FaultHooks = NO_HOOKS) -> int:
             check_label_sets(cfg.model.path, cfg.engine, sets)  # before the job exists
             store.set("status", "submitted")
             store.set("created", str(time.time()))
+            if reuse is not None:
+                store.set("reuse", str(Path(reuse).resolve()))
         finally:
             store.close()
         write_job_file(part, _absolute(cfg), fmt)
@@ -124,14 +131,17 @@ def _naming_job(job: Path) -> Iterator[None]:
 def run_job(job: Path, progress: bool = True, executor: ExecutorConfig | None = None,
             retry_failed: bool = False, threads: int | None = None,
             preprocess_threads: int | None = None, decode_timeout: float | None = None,
-            hooks: FaultHooks = NO_HOOKS, fetch: dict[str, Any] | None = None) -> JobStatus:
+            hooks: FaultHooks = NO_HOOKS, fetch: dict[str, Any] | None = None,
+            reuse: Path | None = None) -> JobStatus:
     """Answer every pending item (a fresh run or a resume) with the job's stored config, on
     this run's ``executor`` (None: the stored one); with ``retry_failed``, first queue the
     failed items again, under the same lock. In-process, ``threads``/``preprocess_threads``
     replace the stored ones for this run (``decode_timeout`` and ``fetch``, the fetch stage's
     settings of ``jobs.config.RUN_FETCH``, on either executor); on Ray,
     where each model actor runs ``model_cpus``
-    torch threads, the CLI refuses them. Raises ``JobBusy`` if another process is running
+    torch threads, the CLI refuses them. ``reuse``: an earlier job whose answers are copied
+    where image, question and model agree (``jobs/reuse.py``; default: the one given at
+    submit, if any). Raises ``JobBusy`` if another process is running
     the job."""
     require_job(job)
     cfg = load_config(Path(job)).for_run(threads, preprocess_threads, executor, decode_timeout,
@@ -141,7 +151,7 @@ def run_job(job: Path, progress: bool = True, executor: ExecutorConfig | None = 
                           "use model_cpus (--model-cpus) and preprocess_workers")
     with run_lock(Path(job)):
         requeued = _requeue_failed(Path(job)) if retry_failed else 0
-        st = _run(Path(job), progress, cfg, hooks)
+        st = _run(Path(job), progress, cfg, hooks, reuse)
     return dataclasses.replace(st, requeued=requeued)
 
 
@@ -155,24 +165,30 @@ def _requeue_failed(job: Path) -> int:
 
 class StoreSink:
     """A group's results into the job store: each item's results with its state change, in
-    one transaction, only for items still pending (``JobStore.record``)."""
+    one transaction, only for items still pending (``JobStore.record``); an item's reused
+    answers (``jobs/reuse.py``) put back beside the computed ones."""
 
-    def __init__(self, store: JobStore, task: Task) -> None:
-        self.store, self.task = store, task
+    def __init__(self, store: JobStore, task: Task, reused: Pass | None = None) -> None:
+        self.store, self.task, self.reused = store, task, reused or Pass()
 
     def write(self, items: list, results: list[list]) -> None:
-        self.store.record({self.task.key(it): r for it, r in zip(items, results)})
+        keys = [self.task.key(it) for it in items]
+        self.store.record({k: self.reused.merge(k, r) for k, r in zip(keys, results)})
+        count_reused(self.store, sum(len(self.reused.partial.get(k, ())) for k in keys))
 
 
 def drive_job(store: JobStore, cfg: RunConfig, jt: JobTask, stages: Stages,
-              hooks: FaultHooks = NO_HOOKS) -> Generator[GroupResults, None, None]:
+              hooks: FaultHooks = NO_HOOKS, reused: Pass | None = None
+              ) -> Generator[GroupResults, None, None]:
     """One run of a job's pending items through ``stages`` (this process, Ray) into its
     store, a group at a time: the store's run marks (``status`` reads them), ``cancel``
     checked before each group, the run's end recorded however it ends (``interrupted`` on an
-    exception or when the consumer stops early; groups prepared ahead stay pending)."""
+    exception or when the consumer stops early; groups prepared ahead stay pending).
+    ``reused``: the questions already answered (``reuse_pass``) are not asked again."""
     store.begin_run(store.counts(), host_id())
-    d = Drive(stages, store.pending(cfg.images_per_batch, jt.from_json),
-              StoreSink(store, jt.task), lambda: store.get("cancel") == "1", hooks)
+    r = reused or Pass()
+    d = Drive(stages, store.pending(cfg.images_per_batch, lambda s: r.strip(jt.from_json(s))),
+              StoreSink(store, jt.task, r), lambda: store.get("cancel") == "1", hooks)
     try:
         yield from d
     except BaseException:  # the job's state first: a second signal may cut the rest short
@@ -219,9 +235,12 @@ class JobRun:
         self._exit.close()
 
 
-def _run(job: Path, progress: bool, cfg: RunConfig, hooks: FaultHooks) -> JobStatus:
+def _run(job: Path, progress: bool, cfg: RunConfig, hooks: FaultHooks,
+         reuse: Path | None = None) -> JobStatus:
     store = JobStore(job / STORE_FILE)
     try:
+        source = reuse or (Path(s) if (s := store.get("reuse")) else None)
+        reused = _reuse(store, cfg, source) if source is not None else None
         c = store.counts()
         if c.pending == 0:
             store.set("status", "done")
@@ -235,7 +254,7 @@ def _run(job: Path, progress: bool, cfg: RunConfig, hooks: FaultHooks) -> JobSta
                        desc=f"job {job.name}" + (" (ray)" if ray else ""), dynamic_ncols=True)
             start, results = time.perf_counter(), 0
             try:
-                for items, out in drive_job(store, cfg, jt, stages, hooks):
+                for items, out in drive_job(store, cfg, jt, stages, hooks, reused):
                     bar.update(len(items))
                     results += sum(len(r) for r in out)
                     bar.set_postfix(qpm=f"{60 * results / (time.perf_counter() - start):.0f}")
@@ -244,6 +263,18 @@ def _run(job: Path, progress: bool, cfg: RunConfig, hooks: FaultHooks) -> JobSta
     finally:
         store.close()
     return status(job)
+
+
+def _reuse(store: JobStore, cfg: RunConfig, source: Path) -> Pass:
+    """The reuse pass over the pending items (``jobs/reuse.py``), said on stderr."""
+    r = Reuse.open(source, cfg)
+    if r.why_not is not None:
+        print(f"vlmbatch: nothing reused from {source}: {r.why_not}", file=sys.stderr)
+        return Pass()
+    p = reuse_pass(store, r)
+    print(f"vlmbatch: {p.reused} answers reused from {source} ({p.whole} images whole, "
+          f"{len(p.partial)} with questions to compute)", file=sys.stderr)
+    return p
 
 
 @contextlib.contextmanager

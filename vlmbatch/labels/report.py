@@ -35,6 +35,7 @@ from vlmbatch.labels.job_stats import (
     logit,
     sigmoid,
 )
+from vlmbatch.labels.review.loop import export_command, reviewed
 from vlmbatch.preprocessing.sources import SourceError, read_bytes
 
 
@@ -54,10 +55,12 @@ def thumbnail(image: str, base_dir: Path, size: int = 128) -> str | None:
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def write_report(job: Path, out: Path, borderline: int = 8, thumb: int = 128) -> JobReport:
-    """Gather and write the page, whole or not at all (``out``'s folders made)."""
+def write_report(job: Path, out: Path, borderline: int = 8, thumb: int = 128,
+                 labels: Path | None = None) -> JobReport:
+    """Gather and write the page, whole or not at all (``out``'s folders made); ``labels``:
+    reviewed labels (``review import``), counted per question."""
     r = gather(Path(job), borderline)
-    page = render(r, thumb)
+    page = render(r, thumb, None if labels is None else reviewed(Path(job), labels))
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with replaced_on_success(Path(out)) as part:
         Path(part).write_text(page, encoding="utf-8")
@@ -84,8 +87,10 @@ svg{display:block;margin:6px 0}
 e = html.escape
 
 
-def render(r: JobReport, thumb: int = 128) -> str:
-    body = [f"<h1>vlmbatch report: {e(str(r.job))}</h1>", _summary(r), _errors(r)]
+def render(r: JobReport, thumb: int = 128,
+           review: dict[str, tuple[int, int]] | None = None) -> str:
+    body = [f"<h1>vlmbatch report: {e(str(r.job))}</h1>", _summary(r), _errors(r),
+            _review(r, review)]
     if not r.questions:
         body.append('<p class="muted">No answers recorded yet.</p>')
     body += [_question(q, thumb) for q in r.questions]
@@ -114,6 +119,21 @@ def _errors(r: JobReport) -> str:
                    f"{e(r.error_example[k][:200])}</td></tr>" for k, n in r.errors.most_common())
     return ("<h2>Errors by kind</h2><table><tr><th>kind</th><th>images</th><th>example</th>"
             f"</tr>{rows}</table>")
+
+
+def _review(r: JobReport, review: dict[str, tuple[int, int]] | None) -> str:
+    """How to review the borderline answers in Label Studio, and what was reviewed."""
+    how = (f"<h2>Review</h2><p>Borderline answers to review in Label Studio (docs/labels.md): "
+           f"<code>{e(export_command(r.job))}</code></p>")
+    if review is None:
+        return how
+    rows = "".join(f"<tr><td>{e(q.question_id)}</td><td class=\"num\">{n}</td>"
+                   f"<td class=\"num\">{agreed}</td><td class=\"num\">{n - agreed}</td></tr>"
+                   for q in r.questions for n, agreed in [review.get(q.question_id, (0, 0))])
+    total = sum(n for n, _ in review.values())
+    return (how + f"<p>{total} answers reviewed.</p><table><tr><th>question</th>"
+            f"<th>reviewed</th><th>reviewer agreed</th><th>reviewer changed</th></tr>{rows}"
+            "</table>")
 
 
 def _question(q: QuestionStats, thumb: int) -> str:

@@ -3,7 +3,8 @@
 ``family_for`` imports the one a checkpoint needs). Shared layers (``layers.py``), the one
 text decoder every family builds from its spec (``decoder.py``; its Gated DeltaNet
 linear-attention layers in ``linear_attention.py``), checkpoint reading
-(``io.py`` weights, ``config_io.py`` JSON files and ``ModelError``), the chat template cut
+(``io.py`` weights, ``config_io.py`` JSON files and ``ModelError``, ``fingerprint.py`` a
+checkpoint's identity: its files' hash, dtype, quantisation), the chat template cut
 into the pieces a prompt builder tokenizes (``chat.py``: system turn, image, question, the
 assistant answer's lead), our BPE tokenizers
 (``tokenizer.py``) and embedding declarations (``embedding.py``) live here once; each family

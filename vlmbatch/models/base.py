@@ -247,12 +247,13 @@ class PromptBuilder(Protocol):
 
 @dataclass(frozen=True)
 class ImageOptions:
-    """The run's image settings (``--tiling``, ``--max-tiles``, ...), validated by the config
+    """The run's image settings (``--tiling``, ``--resize``, ...), validated by the config
     that carries them; ``None`` means the checkpoint's own value."""
     tiling: str
     max_tiles: int | None
     upscale_limit: float
     max_image_tokens: int | None
+    resize: str = "opencv"  # --resize: "opencv" | "reference" (the processor's kernel)
 
 
 @dataclass

@@ -9,7 +9,10 @@ models.
 - ``decode.py``: bytes -> RGB pixels as Pillow's ``convert("RGB")`` gives them (EXIF, alpha,
   gray, 16-bit, CMYK), large JPEGs decoded reduced in the DCT domain, the decompression-bomb
   guard (``limits.py``: the default pixel and clip-length limits, light);
-- ``resize.py``: the resize policy (INTER_AREA when shrinking, INTER_CUBIC when enlarging);
+- ``resize.py``: the resize kernels, one function for images and frames: our OpenCV policy
+  (INTER_AREA when shrinking, INTER_CUBIC when enlarging) and, under ``--resize reference``,
+  the family's transformers processor's (torchvision's or Pillow's bicubic;
+  ``resize_torch.py``: torchvision's, through torch, imported only when used);
 - ``tiling.py``: InternVL's tile grids (the reference ``dynamic_preprocess`` and the reduced
   one); ``prepare.py``: the ``PreparedImage`` record, image plans (``TilingConfig``) and the
   content hash; ``media.py``: the records of a sampled clip (``PreparedVideo``) and of an

@@ -26,7 +26,7 @@ import numpy as np
 import xxhash
 
 from vlmbatch.preprocessing.decode import decode_for
-from vlmbatch.preprocessing.resize import resize
+from vlmbatch.preprocessing.resize import KERNELS, resize
 from vlmbatch.preprocessing.tiling import (
     TILING_MODES,
     TileGrid,
@@ -49,6 +49,9 @@ class TilingConfig:
     # keep the decoded image in PreparedImage.pixels, for engines that re-tile themselves
     # (lmdeploy); off, a group holds only its tiles
     keep_pixels: bool = False
+    # resize.py's kernel: "opencv" (ours), or the processor's under --resize reference
+    # ("torchvision": transformers' GotOcr2ImageProcessor; "pillow": the model card's)
+    resize: str = "opencv"
 
     def __post_init__(self) -> None:
         if self.tile_size <= 0 or not 1 <= self.min_tiles <= self.max_tiles:
@@ -58,11 +61,16 @@ class TilingConfig:
             raise ValueError(f"tiling mode {self.mode!r} not one of {TILING_MODES}")
         if self.upscale_limit <= 0:
             raise ValueError(f"upscale_limit must be > 0, got {self.upscale_limit}")
+        if self.resize not in KERNELS:
+            raise ValueError(f"resize kernel {self.resize!r} not one of {tuple(KERNELS)}")
 
     def need(self, width: int, height: int) -> tuple[int, int]:
         """Most pixels (width, height) of a ``width x height`` image the tiles can use: the
-        grid's canvas (stretched), or the letterboxed content; never more than the image."""
+        grid's canvas (stretched), or the letterboxed content; never more than the image.
+        A reference kernel needs the full image: the processor resizes from every pixel."""
         g = self.plan(width, height)
+        if self.resize != "opencv":
+            return width, height
         if g.letterbox:
             s = min(1.0, fit_scale(width, height, self.tile_size, g.cols, g.rows))
             return min(width, math.ceil(width * s)), min(height, math.ceil(height * s))
@@ -138,30 +146,32 @@ def content_hash(img: np.ndarray) -> str:
     return h.hexdigest()
 
 
-def _fit(img: np.ndarray, cols: int, rows: int, tile: int, letterbox: bool) -> np.ndarray:
+def _fit(img: np.ndarray, cols: int, rows: int, tile: int, letterbox: bool,
+         kernel: str = "opencv") -> np.ndarray:
     """``img`` on a (rows*tile, cols*tile) canvas: stretched, or scaled and centred."""
     if not letterbox:
-        return resize(img, cols * tile, rows * tile)
+        return resize(img, cols * tile, rows * tile, kernel)
     h, w = img.shape[:2]
     s = fit_scale(w, h, tile, cols, rows)
     cw, ch = min(cols * tile, max(1, round(w * s))), min(rows * tile, max(1, round(h * s)))
     canvas = np.empty((rows * tile, cols * tile, 3), dtype=np.uint8)
     canvas[:] = PAD_RGB
     y, x = (rows * tile - ch) // 2, (cols * tile - cw) // 2
-    canvas[y: y + ch, x: x + cw] = resize(img, cw, ch)
+    canvas[y: y + ch, x: x + cw] = resize(img, cw, ch, kernel)
     return canvas
 
 
-def cut_tiles(img: np.ndarray, grid: TileGrid, tile: int) -> np.ndarray:
-    """Fit ``img`` [H, W, 3] to the grid and cut it; one copy beyond the resizes."""
-    resized = _fit(img, grid.cols, grid.rows, tile, grid.letterbox)
+def cut_tiles(img: np.ndarray, grid: TileGrid, tile: int, kernel: str = "opencv") -> np.ndarray:
+    """Fit ``img`` [H, W, 3] to the grid (resized with ``kernel``) and cut it; one copy
+    beyond the resizes."""
+    resized = _fit(img, grid.cols, grid.rows, tile, grid.letterbox, kernel)
     n = grid.num_tiles
     out = np.empty((n, tile, tile, 3), dtype=np.uint8)
     # [rows*S, cols*S, 3] -> [rows, S, cols, S, 3] -> [rows, cols, S, S, 3]
     view = resized.reshape(grid.rows, tile, grid.cols, tile, 3).transpose(0, 2, 1, 3, 4)
     out[: grid.cols * grid.rows] = view.reshape(-1, tile, tile, 3)
     if grid.thumbnail:
-        out[-1] = _fit(img, 1, 1, tile, grid.letterbox)
+        out[-1] = _fit(img, 1, 1, tile, grid.letterbox, kernel)
     return out
 
 
@@ -175,7 +185,8 @@ def prepare(img: np.ndarray, cfg: TilingConfig,
     h, w = img.shape[:2]
     fw, fh = full_size or (w, h)
     grid = cfg.plan(fw, fh)
-    return PreparedImage(cut_tiles(img, grid, cfg.tile_size), grid, content_hash(img), fw, fh,
+    tiles = cut_tiles(img, grid, cfg.tile_size, cfg.resize)
+    return PreparedImage(tiles, grid, content_hash(img), fw, fh,
                          pixels=img if cfg.keep_pixels else None)
 
 

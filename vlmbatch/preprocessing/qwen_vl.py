@@ -3,7 +3,8 @@
 Qwen-VL cuts no tiles. The whole image is resized so that both sides are multiples of
 ``factor = patch * merge`` (28 for Qwen2/2.5-VL's 14 px patches, 32 for Qwen3-VL's 16 px) and
 the pixel count lies in ``[min_pixels, max_pixels]`` (``smart_resize``, the image processor's
-rule), with INTER_AREA when shrinking and INTER_CUBIC when enlarging (``resize``). The pixels
+rule), with INTER_AREA when shrinking and INTER_CUBIC when enlarging (``resize``; under
+``--resize reference`` the processor's own torchvision bicubic, ``resize.py``). The pixels
 are then laid out as the vision tower's patch rows, in exactly the order of transformers'
 ``Qwen2VLImageProcessor`` (which Qwen3-VL uses too):
 
@@ -33,7 +34,7 @@ import xxhash
 
 from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.preprocessing.qwen2vl import smart_resize
-from vlmbatch.preprocessing.resize import resize
+from vlmbatch.preprocessing.resize import KERNELS, resize
 
 # preprocessor_config.json values of the released checkpoints (Qwen2-VL/2.5-VL: the image
 # processor's own defaults; Qwen3-VL: its "size" shortest_edge / longest_edge)
@@ -50,12 +51,17 @@ class QwenVLPreprocess:
     temporal: int = 2
     min_pixels: int = QWEN2VL_PIXELS[0]
     max_pixels: int = QWEN2VL_PIXELS[1]
+    # resize.py's kernel: "opencv" (ours) or, under --resize reference, "torchvision"
+    # (transformers' Qwen2VLImageProcessor, what AutoImageProcessor gives beside torchvision)
+    resize: str = "opencv"
 
     def __post_init__(self) -> None:
         if min(self.patch, self.merge, self.temporal) <= 0:
             raise ValueError(f"patch, merge and temporal sizes must be positive: {self}")
         if not 0 < self.min_pixels <= self.max_pixels:
             raise ValueError(f"need 0 < min_pixels <= max_pixels: {self}")
+        if self.resize not in KERNELS:
+            raise ValueError(f"resize kernel {self.resize!r} not one of {tuple(KERNELS)}")
 
     @property
     def factor(self) -> int:
@@ -93,7 +99,10 @@ class QwenVLPreprocess:
         return replace(self, max_pixels=min(self.max_pixels, cap))
 
     def need(self, width: int, height: int) -> tuple[int, int]:
-        """``ImagePlan.need``: the resized size, never more than the image (width, height)."""
+        """``ImagePlan.need``: the resized size, never more than the image (width, height);
+        the whole image for a reference kernel, which resizes from every pixel."""
+        if self.resize != "opencv":
+            return width, height
         h, w = self.target_size(height, width)
         return min(width, w), min(height, h)
 
@@ -167,7 +176,7 @@ def prepare_qwen_vl(img: np.ndarray, cfg: QwenVLPreprocess,
         raise ValueError(f"need a [H, W, 3] uint8 RGB image, got {img.shape} {img.dtype}")
     width, height = full_size or (img.shape[1], img.shape[0])
     h, w = cfg.target_size(height, width)
-    resized = resize(img, w, h)
+    resized = resize(img, w, h, cfg.resize)
     grid = PatchGrid(1, h // cfg.patch, w // cfg.patch, cfg.merge)
     return PreparedImage(patchify(resized, cfg), grid, image_hash(resized, grid.thw, cfg.patch),
                          width, height)

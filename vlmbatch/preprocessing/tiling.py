@@ -32,6 +32,10 @@ from functools import lru_cache
 # the two planners below ("reduced": plan_reduced, "reference": plan_reference); a light
 # module, so the configs and the CLI name the modes without importing the decoder
 TILING_MODES = ("reduced", "reference")
+# --resize: "opencv" (our policy) | "reference" (the family's transformers processor's pixels)
+# | "pillow" (Pillow's bicubic, transformers' pil-backend processors: what it gives without
+# torchvision); the kernels are in resize.py, named here for the same light configs
+RESIZE_MODES = ("opencv", "reference", "pillow")
 
 
 @dataclass(frozen=True)

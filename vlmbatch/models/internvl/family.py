@@ -28,6 +28,7 @@ from vlmbatch.models.internvl.vision import VisionEncoder, VisionSpec
 from vlmbatch.models.io import load_weights
 from vlmbatch.models.tokenizer import check_tokenizer, load_tokenizer
 from vlmbatch.preprocessing.prepare import TilingConfig
+from vlmbatch.preprocessing.resize import reference_kernel
 
 HF_TEXT_MODELS = ("qwen2", "qwen3", "llama")  # text_config.model_type (internvl/text.py)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -134,8 +135,12 @@ class InternVL(ModelFamily):
                                  f"tile ({spec.tokens_per_tile} tokens)")
             thumb_from = 3 if options.tiling == "reduced" else 2
             max_tiles = min(max_tiles, budget if budget < thumb_from else budget - 1)
+        # --resize reference: the original layout's model card resizes with Pillow, the HF
+        # layout's processor (GotOcr2ImageProcessor) with torchvision (resize.py)
+        kernel = "pillow" if spec.model_type == "internvl_chat" else "torchvision"
         return TilingConfig(t.tile_size, min(t.min_tiles, max_tiles), max_tiles, t.use_thumbnail,
-                            mode=options.tiling, upscale_limit=options.upscale_limit)
+                            mode=options.tiling, upscale_limit=options.upscale_limit,
+                            resize=reference_kernel(options.resize, kernel))
 
     def vision_input_shape(self, spec: ModelSpec) -> tuple[int, ...]:
         assert isinstance(spec, InternVLSpec)

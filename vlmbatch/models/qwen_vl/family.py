@@ -44,6 +44,7 @@ from vlmbatch.models.qwen_vl.vision import VisionTower
 from vlmbatch.models.qwen_vl.vision_static import budget_forward, budget_meta
 from vlmbatch.models.tokenizer import check_tokenizer, load_tokenizer
 from vlmbatch.preprocessing.qwen_vl import QwenVLPreprocess
+from vlmbatch.preprocessing.resize import reference_kernel
 
 IMAGE_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 # checkpoint key prefix -> normal form, first match wins (module docstring)
@@ -117,7 +118,9 @@ class QwenVL(ModelFamily):
         if options.max_tiles is not None:
             raise ValueError("--max-tiles applies to tiled models (InternVL); Qwen-VL resizes "
                              "whole images: cap them with --max-image-tokens")
-        plan = spec.preprocess
+        # --resize reference: Qwen2VLImageProcessor's torchvision bicubic (resize.py)
+        kernel = reference_kernel(options.resize, "torchvision")
+        plan = dataclasses.replace(spec.preprocess, resize=kernel)
         return plan if options.max_image_tokens is None else plan.with_max_tokens(
             options.max_image_tokens)
 

@@ -1,5 +1,6 @@
-"""transformers baselines for ``bench/qpm.py``: what a transformers user writes from InternVL's
-model card, with ``InternVLForConditionalGeneration`` on SDPA attention.
+"""The transformers baselines of ``vlmbatch bench --baseline transformers`` and
+``bench/qpm.py``: what a transformers user writes from InternVL's model card, with
+``InternVLForConditionalGeneration`` on SDPA attention.
 
 - ``per_question``: one forward per question, the image decoded and tiled again each time
   (the naive loop; the bench's second reference).
@@ -29,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import InternVLForConditionalGeneration
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from vlmbatch.preprocessing.reference import pillow_tiles, pixel_values
 
@@ -51,8 +54,6 @@ class BaselineRun:
 
 
 def load_reference(model_dir: Path, device: str, dtype: torch.dtype) -> Any:
-    from transformers import InternVLForConditionalGeneration
-
     return InternVLForConditionalGeneration.from_pretrained(
         str(model_dir), attn_implementation="sdpa").to(device, dtype).eval()
 
@@ -115,7 +116,7 @@ def _left_pad(rows: list[tuple[int, ...]], pad: int) -> tuple[torch.Tensor, torc
     return ids, mask
 
 
-class Timed:
+class TimedBaseline:
     """A baseline timed in rounds: ``round()`` answers ``self.items`` afresh (``_answer``),
     keeping its time, P(yes) and work; ``result()`` the best round."""
 
@@ -141,7 +142,7 @@ class Timed:
         return BaselineRun(self.p_yes, min(self.times), self.work, self.vision)
 
 
-class Batched(Timed):
+class Batched(TimedBaseline):
     """The batched baseline, warmed up at construction; ``round()`` times one round (a fresh
     pass over ``items``: tiles and features are made again each round)."""
 
@@ -200,8 +201,6 @@ class Batched(Timed):
     def _features(self, chunk: list, images: list[int], pvs: dict, feats: dict,
                   work: Work) -> Any:
         """The chunk's image features, prompt by prompt; new images encoded in one call."""
-        from transformers.modeling_outputs import BaseModelOutputWithPooling
-
         new = [i for i in images if i not in feats]
         if new:
             f = self.ref.get_image_features(

@@ -1,7 +1,7 @@
-"""transformers baselines for ``bench/qpm.py`` on a Qwen-VL checkpoint: what a transformers
-user writes from the Qwen-VL model cards, ``AutoModelForImageTextToText`` on SDPA, pixels from
-the image processor (``Qwen2VLImageProcessorPil``: the default processor needs torchvision,
-absent here), prompts as our builder makes them (the chat template with the image pad
+"""The transformers baselines of ``vlmbatch bench`` and ``bench/qpm.py`` on a Qwen-VL checkpoint:
+what a transformers user writes from the Qwen-VL model cards, ``AutoModelForImageTextToText`` on
+SDPA, pixels from the image processor (``Qwen2VLImageProcessorPil``: the default processor needs
+torchvision, absent here), prompts as our builder makes them (the chat template with the image pad
 expanded, as ``Qwen2VLProcessor`` does).
 
 - ``qwen_per_question``: one forward per question, the image processed again each time.
@@ -10,7 +10,7 @@ expanded, as ``Qwen2VLProcessor`` does).
   ``logits_to_keep=1``; each image processed once per round, but its pixels go through the
   tower once per prompt (``pixel_values`` per prompt: one image per ``<|image_pad|>`` run).
 
-Both return what they computed (``hf_baseline.Work``: vision rows = patch rows, prefilled
+Both return what they computed (``baseline.Work``: vision rows = patch rows, prefilled
 tokens); ``bench/flops.py`` counts InternVL's FLOPs only, so the bench prints no FLOP table
 for Qwen-VL.
 """
@@ -22,23 +22,26 @@ from typing import Any
 
 import torch
 from PIL import Image
+from transformers import AutoModelForImageTextToText
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from bench.hf_baseline import BaselineRun, Timed, Work, _left_pad, _p_yes, time_once
+from vlmbatch.cli.bench.baseline import (
+    BaselineRun,
+    TimedBaseline,
+    Work,
+    _left_pad,
+    _p_yes,
+    time_once,
+)
 from vlmbatch.preprocessing.qwen_vl import PatchGrid
 
 
 def load_qwen_reference(model_dir: Path, device: str, dtype: torch.dtype) -> Any:
-    from transformers import AutoModelForImageTextToText
-
     return AutoModelForImageTextToText.from_pretrained(
         str(model_dir), attn_implementation="sdpa").to(device, dtype).eval()
 
 
 def processor(spec: Any) -> Any:
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
     p = spec.preprocess
     return Qwen2VLImageProcessorPil(patch_size=p.patch, merge_size=p.merge,
                                     temporal_patch_size=p.temporal, min_pixels=p.min_pixels,
@@ -81,7 +84,7 @@ def qwen_per_question(ref: Any, spec: Any, prompts: Any, answers: Any, items: li
     return time_once(answer, items, warm)
 
 
-class QwenBatched(Timed):
+class QwenBatched(TimedBaseline):
     """The batched baseline (module docstring), warmed up at construction; ``round()``
     times one round."""
 

@@ -1,32 +1,24 @@
 """Shape scenes at chosen sizes, with K yes/no questions each and their answers: the
-real-size workload of ``bench/qpm.py --scene-sizes`` (photos of 448-1344 px make 1-12
-tiles, and a moderation policy asks several questions of each image, which is where the
-prefix cache should pay). Drawn by ``scripts/shapes.py`` (easy-vqa's palette), written as
-PNGs so that every path, the Pillow baselines included, reads the same files."""
+default workload of ``vlmbatch bench`` and of ``bench/qpm.py --scene-sizes`` (photos of
+448-1344 px make 1-12 tiles, and a moderation policy asks several questions of each image,
+which is where the prefix cache should pay). Drawn by ``shapes.py`` (easy-vqa's palette),
+written as PNGs so that every path, the Pillow baselines included, reads the same files."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import cv2
 import numpy as np
 
-from scripts.shapes import make_questions, make_scene
+from vlmbatch.cli.bench.shapes import make_questions, make_scene
 from vlmbatch.cli.evaluate import EvalSet
 from vlmbatch.pipeline.questions import Question
 from vlmbatch.pipeline.records import ImageItem
 
 
-def parse_sizes(text: str) -> list[tuple[int, int]]:
-    """``"448x448,1344x896"`` -> [(448, 448), (1344, 896)] (width x height)."""
-    out = []
-    for part in text.split(","):
-        w, _, h = part.strip().lower().partition("x")
-        out.append((int(w), int(h)))
-    return out
-
-
-def scene_set(sizes: list[tuple[int, int]], per_size: int, questions: int, folder: Path,
+def scene_set(sizes: Sequence[tuple[int, int]], per_size: int, questions: int, folder: Path,
               seed: int = 123) -> EvalSet:
     """``per_size`` scenes of each size, ``questions`` questions each, saved under
     ``folder``; ids ``s{i}``, question ids ``0..K-1``."""
