@@ -50,6 +50,29 @@ def main() -> None:
     (out / "manifest.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     (out / "policy.yaml").write_text(POLICY)
     labelled(out / "labelled")
+    video(out)
+
+
+def video(out: Path) -> None:
+    """examples/clip.mkv (the 12 scenes, 2 s each at 1 fps: lossless FFV1) and
+    examples/video.jsonl: a question about the clip and one about two scenes in one prompt."""
+    import av  # the clip's writer; PyAV ships FFmpeg
+
+    frames = [cv2.cvtColor(cv2.imread(str(out / f"images/scene_{i:02d}.png")),
+                           cv2.COLOR_BGR2RGB) for i in range(12)]
+    with av.open(str(out / "clip.mkv"), "w", format="matroska") as c:
+        s = c.add_stream("ffv1", rate=1)
+        s.width, s.height, s.pix_fmt = frames[0].shape[1], frames[0].shape[0], "bgr0"
+        for i, img in enumerate(f for f in frames for _ in range(2)):
+            frame = av.VideoFrame.from_ndarray(img, format="rgb24")
+            frame.pts = i
+            c.mux(s.encode(frame))
+        c.mux(s.encode())
+    lines = [{"id": "clip", "video": "clip.mkv", "num_frames": 4,
+              "questions": ["Is there a red shape?"]},
+             {"id": "pair", "images": ["images/scene_00.png", "images/scene_01.png"],
+              "questions": ["Is there a red shape?"]}]
+    (out / "video.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
 
 
 # the labelled example's questions: id -> (text, the truth of a scene)

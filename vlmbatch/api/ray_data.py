@@ -49,6 +49,7 @@ import numpy as np
 from vlmbatch.api.vlm import VLM, QuestionLike
 from vlmbatch.engine.config import EmbedConfig, ModelConfig
 from vlmbatch.engine.loading import image_plan_for, read_spec
+from vlmbatch.engine.records import Item
 from vlmbatch.inputs.datasets import own_questions
 from vlmbatch.inputs.manifest import policy_questions, read_policy, with_policy
 from vlmbatch.models.paths import DEFAULT_EMBED_MODEL
@@ -65,7 +66,6 @@ from vlmbatch.pipeline.records import (
     image_source,
 )
 from vlmbatch.pipeline.task import AnswerTask, Prepared
-from vlmbatch.preprocessing.prepare import PreparedImage
 
 PREPARED, PREPARE_ERROR, PREPARE_ERROR_KIND = "prepared", "prepare_error", "prepare_error_kind"
 Batch = Mapping[str, Any]  # a dict of numpy arrays (batch_format="numpy") or a DataFrame
@@ -198,7 +198,7 @@ class Answerer:
         n = self.vlm.images_per_batch
         for group in (rows[s: s + n] for s in range(0, len(rows), n)):
             items = [ImageItem(k, k, q, self.base_dir) for k, q, *_ in group]
-            images: list[PreparedImage | None] = []
+            images: list[Item | None] = []
             errors: dict[str, ItemError] = {}
             for k, _, blob, err, kind in group:
                 if blob is None:

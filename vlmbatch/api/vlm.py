@@ -19,7 +19,11 @@
 
 Images are paths (relative to the current folder), ``file://`` or ``data:`` URLs, encoded
 bytes, PIL images or uint8 RGB arrays ``[H, W, 3]`` (gray ``[H, W]`` and RGBA ``[H, W, 4]``
-are converted as Pillow's ``convert("RGB")`` would). Questions are strings or objects as in
+are converted as Pillow's ``convert("RGB")`` would). Where an image goes, a list of images
+is one prompt holding them in order, and ``vlmbatch.video("clip.mp4", fps=2)`` a clip::
+
+    vlm.ask([["front.jpg", "back.jpg"], vlmbatch.video("clip.mkv", num_frames=8)],
+            ["Red?"]) Questions are strings or objects as in
 a manifest (``id``, ``text``, ``threshold``, ``max_new_tokens``, ``choices``, ``prompt``,
 ``system``); a malformed one raises ``ManifestError`` before any work. A label-set question
 (``choices``) gives ``Answer``s with ``label``, ``probs`` and ``logprobs``::
@@ -60,17 +64,28 @@ from vlmbatch.jobs.config import RunConfig
 from vlmbatch.pipeline.config import PrepareConfig
 from vlmbatch.pipeline.drive import drive, groups_of
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
+from vlmbatch.pipeline.media_inputs import VideoInput
 from vlmbatch.pipeline.preparers import PrepareWorkers, preparer
 from vlmbatch.pipeline.questions import MAX_PROMPT_CHARS, PromptLimits, Question, questions_of
-from vlmbatch.pipeline.records import Answer, Embedding, EmbedItem, ImageItem, image_source
+from vlmbatch.pipeline.records import (
+    Answer,
+    Embedding,
+    EmbedItem,
+    ImageItem,
+    image_source,
+    item_media,
+)
 from vlmbatch.pipeline.task import AnswerTask, EmbedTask, Task
 from vlmbatch.preprocessing.sources import NotAnImage
 
 ImageLike = str | Path | bytes | np.ndarray | Image.Image
+# an item's visual input beyond one image: several in one prompt, or a clip
+MediaLike = list[ImageLike] | tuple[ImageLike, ...] | VideoInput
 QuestionLike = str | dict | Question
 # an item of ask_many: an ImageItem, (id, image, questions), or (image, questions)
-ItemLike = (ImageItem | tuple[str | int, ImageLike, Sequence[QuestionLike] | QuestionLike]
-            | tuple[ImageLike, Sequence[QuestionLike] | QuestionLike])
+ItemLike = (ImageItem | tuple[str | int, ImageLike | MediaLike,
+                              Sequence[QuestionLike] | QuestionLike]
+            | tuple[ImageLike | MediaLike, Sequence[QuestionLike] | QuestionLike])
 _MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)} - {"path", "device", "dtype"}
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 # an embedding input: a text (str), an image (not a str), (image, text) in one prompt
@@ -116,10 +131,13 @@ class VLM:
         self._workers: PrepareWorkers | None = None
         self._finalizer: weakref.finalize | None = None
 
-    def ask(self, images: ImageLike | Sequence[ImageLike],
+    def ask(self, images: ImageLike | VideoInput | Sequence[ImageLike | MediaLike],
             questions: Sequence[QuestionLike]) -> Iterator[Answer]:
-        """Every question about every image; image ids are their positions ("0", "1", ...)."""
-        if isinstance(images, (str, Path, bytes, np.ndarray, Image.Image)) \
+        """Every question about every image; image ids are their positions ("0", "1", ...).
+        An entry may be a list of images (one item: one prompt holding them in order) or a
+        clip (``vlmbatch.video(path, fps=...)``), whose answers say which frames the model
+        saw (``Answer.frames``, ``seconds``)."""
+        if isinstance(images, (str, Path, bytes, np.ndarray, Image.Image, VideoInput)) \
                 or not isinstance(images, Iterable):
             images = [images]
         qs = questions_of(questions)
@@ -250,7 +268,7 @@ def _image_item(item_id: str | int, image: object, questions: Any) -> ImageItem:
     """An item of ``image``; one that is no kind of image (``None``, ``42``) is the item's
     ``source`` error when it is read, as a bad file is, not an exception for the call."""
     try:
-        source = image_source(image)  # type: ignore[arg-type]
+        source = item_media(image, f"item {item_id!r}")  # type: ignore[arg-type]
     except TypeError as e:
         source = NotAnImage(str(e))
     return ImageItem(item_id, source, questions)

@@ -31,6 +31,9 @@ from typing import Any, TypeVar
 
 C = TypeVar("C")
 OPTION = "vlmbatch.option"  # a field's metadata key: its Option
+# a field's metadata key: a setting used before the job exists, left out of job.json (which
+# then reads as it did before the setting existed, in this version and earlier ones)
+NOT_STORED = "not_stored"
 SHOWN = "vlmbatch.shown"  # ... how its default reads in the help, where not ``show(default)``
 HIDDEN = "vlmbatch.hidden"  # ... accepted but not listed (kept for old command lines)
 # what a parse function raises for text it refuses: the parser prints the message as it is

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vlmbatch.engine.config import ConfigError
-from vlmbatch.engine.records import EmbedRequest, Request, Score, Vector
+from vlmbatch.engine.records import EmbedRequest, Item, Request, Score, Vector
 from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
 
 if TYPE_CHECKING:
     from vlmbatch.engine.config import EmbedConfig, Resolved
     from vlmbatch.models.base import Prompt
+    from vlmbatch.preprocessing.video_plan import VideoPlan
 
 
 @dataclass
@@ -45,10 +46,14 @@ class EngineSummary:
 class Engine(ABC):
     stats: EngineStats
     image_plan: ImagePlan  # how images must be prepared for this engine
+    # how clips must be prepared for it (the checkpoint's video processor); None: it takes
+    # none (an item with a clip is that item's error)
+    video_plan: VideoPlan | None = None
 
     @abstractmethod
-    def score(self, images: list[PreparedImage], requests: list[Request]) -> list[Score]:
-        """One score per request, in order; ``Request.image`` indexes ``images``. A request
+    def score(self, images: list[Item], requests: list[Request]) -> list[Score]:
+        """One score per request, in order; ``Request.image`` indexes ``images`` (one still
+        image, or a ``MediaItem``: several images or a clip, where the engine takes them). A request
         with a label set gets its choices' log-likelihoods (``Score.logprobs``)."""
 
     def check_choices(self, choices: tuple[str, ...]) -> None:

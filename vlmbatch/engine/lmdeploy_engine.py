@@ -35,7 +35,7 @@ from PIL import Image
 from vlmbatch.engine.base import Engine, EngineStats
 from vlmbatch.engine.config import ConfigError, EngineConfig, ModelConfig
 from vlmbatch.engine.loading import image_plan_for, read_spec
-from vlmbatch.engine.records import Request, Score
+from vlmbatch.engine.records import Item, Request, Score
 from vlmbatch.engine.scoring import AnswerTokens, yes_no
 from vlmbatch.models.config_io import ModelError
 from vlmbatch.models.internvl.family import InternVLSpec
@@ -130,23 +130,26 @@ class LMDeployEngine(Engine):
         self.max_tiles = image_plan.max_tiles
         self.stats = EngineStats()
 
-    def score(self, images: list[PreparedImage], requests: list[Request]) -> list[Score]:
+    def score(self, images: list[Item], requests: list[Request]) -> list[Score]:
         if any(r.choices or r.system is not None for r in requests):
             raise ConfigError("label sets (choices) and system turns are asked by the torch "
                               "engine (--engine torch), not lmdeploy")
-        prompts = []
+        prompts, stills = [], []
         for r in requests:
             im = images[r.image]
+            if not isinstance(im, PreparedImage):
+                raise ConfigError("several images or a clip per item are asked by the torch "
+                                  "engine (--engine torch), not lmdeploy")
             if im.pixels is None:
                 raise ValueError("the lmdeploy engine needs PreparedImage.pixels")
             prompts.append(build_messages(im.pixels, r.question, self.max_tiles))
+            stills.append(im)
         limits = [self.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens
                   for r in requests]
         responses = self.pipe.infer(prompts,
                                     gen_config=gen_configs(self.lmdeploy.GenerationConfig, limits))
-        return [score_response(resp, self.answers,
-                               len(images[r.image].rows) * self.tokens_per_tile, n > 0)
-                for r, resp, n in zip(requests, responses, limits)]
+        return [score_response(resp, self.answers, len(im.rows) * self.tokens_per_tile, n > 0)
+                for im, resp, n in zip(stills, responses, limits)]
 
 
 def build_lmdeploy(model_cfg: ModelConfig, engine_cfg: EngineConfig,

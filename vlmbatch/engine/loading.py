@@ -23,6 +23,7 @@ from vlmbatch.models.layers import fuse_projections
 from vlmbatch.models.paths import DEFAULT_MODEL
 from vlmbatch.models.registry import family_for, spec_of
 from vlmbatch.preprocessing.prepare import ImagePlan
+from vlmbatch.preprocessing.video_plan import VideoPlan, checkpoint_video
 from vlmbatch.quant.checkpoint import check_config, int4_weights
 from vlmbatch.quant.fp8 import Fp8Unavailable, convert_linears_fp8, require_fp8
 from vlmbatch.quant.runtime import QuantError, convert_for_runtime, int8_dynamic
@@ -192,6 +193,20 @@ def image_plan_for(family: ModelFamily, spec: ModelSpec, cfg: ModelConfig) -> Im
                                                     cfg.resize))
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+# model_type -> the video processor family whose sampling and rows it uses
+_VIDEO_FAMILY = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_vl", "qwen3_vl": "qwen3_vl",
+                 "qwen3_5": "qwen3_vl", "internvl": "internvl", "internvl_chat": "internvl"}
+
+
+def video_plan_for(spec: ModelSpec) -> VideoPlan | None:
+    """The checkpoint's clip plan (``preprocessing/video_plan.py``, read as transformers
+    reads its video processor), None for a family that takes no clips."""
+    family = _VIDEO_FAMILY.get(getattr(spec, "model_type", ""))
+    if family is None:
+        return None
+    return checkpoint_video(spec.path, family)
 
 
 def vision_model(model: LoadedModel) -> VisionModel:

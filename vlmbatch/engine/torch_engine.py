@@ -53,7 +53,13 @@ from vlmbatch.engine import packing
 from vlmbatch.engine.base import Engine, EngineStats, EngineSummary
 from vlmbatch.engine.config import ConfigError, EmbedConfig, EngineConfig, ModelConfig, Resolved
 from vlmbatch.engine.embed import EmbedHead, cut
-from vlmbatch.engine.loading import image_plan_for, load_model, torch_dtype, vision_model
+from vlmbatch.engine.loading import (
+    image_plan_for,
+    load_model,
+    torch_dtype,
+    video_plan_for,
+    vision_model,
+)
 from vlmbatch.engine.model_runner import Generated, ImageEmbeds, ModelRunner, StepInputs
 from vlmbatch.engine.packing import Row
 from vlmbatch.engine.planner import Plan, Planner, Prefix
@@ -83,6 +89,7 @@ class TorchEngine(Engine):
         self.cfg = cfg
         # the run's plan; by default the checkpoint's under a default ModelConfig
         self.image_plan = image_plan or image_plan_for(model.family, model.spec, ModelConfig())
+        self.video_plan = video_plan_for(model.spec)
         self.vision = vision or TorchRunner(vision_model(model))
         self.answers = AnswerTokens.from_words(model.tokenizer, cfg.yes_words, cfg.no_words)
         self.cache = PrefixCache(cfg.block_size, cfg.cache_bytes) if cfg.prefix_cache else None
@@ -147,7 +154,7 @@ class TorchEngine(Engine):
         return ids
 
     @torch.inference_mode()
-    def score(self, images: list[Item], requests: list[Request]) -> list[Score]:  # type: ignore[override]
+    def score(self, images: list[Item], requests: list[Request]) -> list[Score]:
         choices = [self.choice_ids(r.choices) if r.choices else () for r in requests]
         prompts = [self._prompt(r, images[r.image]) for r in requests]
         self.stats.prompt_tokens += sum([len(p.ids) for p in prompts])  # what was asked

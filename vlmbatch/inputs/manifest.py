@@ -1,6 +1,10 @@
 """Job inputs: JSONL manifests, policy files (YAML/TOML) and folders of images.
 
-Manifest line: ``{"id": ..., "image": <path | file:// URL | data: URL>, "questions": [...]}``
+Manifest line: ``{"id": ..., "image": <path | file:// URL | data: URL>, "questions": [...]}``;
+instead of ``image``, ``"images": [...]`` (one prompt holding 1 to 64 images in order) or
+``"video": <path | URL>`` with its sampling keys ``fps`` or ``num_frames``, and
+``max_frames`` (``pipeline/media_inputs.py``; the run's ``--fps``... where a line gives
+none);
 where a question is a string or ``{"id", "text", "threshold"?, "max_new_tokens"?,
 "choices"?, "prompt"?, "system"?, "expected"?}`` (``max_new_tokens``: also generate up to that
 many answer tokens for this question, e.g. an explanation for the few questions that need
@@ -42,6 +46,13 @@ import yaml
 
 from vlmbatch.inputs.errors import check_unicode
 from vlmbatch.inputs.openai_batch import is_openai_request, parse_request
+from vlmbatch.pipeline.media_inputs import (
+    SAMPLING_KEYS,
+    ImageList,
+    VideoInput,
+    check_images,
+    check_sampling,
+)
 from vlmbatch.pipeline.questions import (
     QUESTION_KEYS,
     ManifestError,
@@ -52,9 +63,9 @@ from vlmbatch.pipeline.questions import (
     check_keys,
     parse_question,
 )
-from vlmbatch.pipeline.records import ImageItem
+from vlmbatch.pipeline.records import ImageItem, ItemMedia
 
-LINE_KEYS = frozenset({"id", "image", "questions"})
+LINE_KEYS = frozenset({"id", "image", "images", "video", "questions", *SAMPLING_KEYS})
 POLICY_KEYS = frozenset({"questions", "system"})
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 
@@ -164,7 +175,7 @@ def iter_manifest(path: Path, policy: tuple[Question, ...] = (), merge: bool = F
                 raise ManifestError(f"{where}: each line must be a JSON object")
             item = _item(rec, where, lineno, base_dir, policy, merge)
             asked = [t for q in item.questions for t in _texts(q)]
-            check_unicode([item.id, item.source, *asked], where)  # item.image: a string here
+            check_unicode([item.id, *_paths(item.image), *asked], where)
             if limits is not None:
                 for q in item.questions:
                     limits.check(q, where)
@@ -186,11 +197,50 @@ def _item(rec: dict, where: str, lineno: int, base_dir: Path,
         return parse_request(rec, where, base_dir)
     check_keys(rec, LINE_KEYS, where, "a manifest line", inner=("a question object",
                                                                  QUESTION_KEYS))
-    if not isinstance(rec.get("image"), str) or not rec["image"]:
-        raise ManifestError(f"{where}: missing 'image' (a path, file:// or data: URL)")
+    media = _media(rec, where)
     own = _questions(rec.get("questions", []), where)
     qs = with_policy(own, policy, where, "give 'questions' or --policy", "this line", merge)
-    return ImageItem(check_id(rec.get("id", lineno), where, "id"), rec["image"], qs, base_dir)
+    return ImageItem(check_id(rec.get("id", lineno), where, "id"), media, qs, base_dir)
+
+
+def _media(rec: dict, where: str) -> ItemMedia:
+    """A line's ``image``, ``images`` (one prompt holding them in order) or ``video`` (with
+    its sampling keys): exactly one of them, each path or URL a non-empty string."""
+    given = [k for k in ("image", "images", "video") if k in rec]
+    if len(given) != 1:
+        raise ManifestError(f"{where}: " + ("missing 'image' (a path, file:// or data: URL), "
+                            "'images' (a list of them) or 'video' (a clip's)" if not given
+                            else f"give one of {' / '.join(given)}, not several"))
+    key = given[0]
+    keys = [k for k in SAMPLING_KEYS if k in rec]
+    if keys and key != "video":
+        raise ManifestError(f"{where}: {', '.join(keys)} sample a clip: give 'video' with it")
+    try:
+        if key == "images":
+            check_images(rec["images"], where)
+            for k, s in enumerate(rec["images"]):
+                _path(s, f"{where}: images[{k}]")
+            return ImageList(tuple(rec["images"]))
+        _path(rec[key], f"{where}: '{key}'")
+        if key == "video":
+            return VideoInput(rec["video"], check_sampling(rec, where))
+    except ValueError as e:
+        raise ManifestError(str(e)) from None
+    return rec["image"]
+
+
+def _path(value: object, what: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{what} must be a path or URL (a non-empty string), got "
+                         f"{brief(value)}")
+
+
+def _paths(media: ItemMedia) -> list[str]:
+    """A manifest item's paths or URLs (strings, as a line holds them)."""
+    if isinstance(media, ImageList):
+        return [s for s in media.images if isinstance(s, str)]
+    src = media.source if isinstance(media, VideoInput) else media
+    return [src] if isinstance(src, str) else []
 
 
 def with_policy(own: tuple[Question, ...], policy: tuple[Question, ...], where: str,

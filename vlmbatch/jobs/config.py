@@ -18,14 +18,10 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from vlmbatch.common.options import COUNT, N, non_default, opt
+from vlmbatch.common.options import COUNT, NOT_STORED, N, non_default, opt
 from vlmbatch.engine.config import ConfigError, EmbedConfig, EngineConfig, ModelConfig
 from vlmbatch.pipeline.config import PrepareConfig, PrepareOptions, check_threads
 from vlmbatch.pipeline.questions import MAX_PROMPT_CHARS
-
-# a field's metadata key: a setting used before the job exists, left out of job.json (which
-# then reads as it did before the setting existed, in this version and earlier ones)
-NOT_STORED = "not_stored"
 
 EXECUTORS = ("local", "ray")
 # the fetch stage's settings a run of a job may change (PrepareConfig fields; the size cap is

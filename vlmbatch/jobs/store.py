@@ -38,8 +38,9 @@ from typing import Any, Protocol
 from urllib.parse import quote
 
 from vlmbatch.jobs.store_schema import StoreDamaged, create, store_error, upgrade
+from vlmbatch.pipeline.media_inputs import ImageList, SamplingKeys, VideoInput
 from vlmbatch.pipeline.questions import ManifestError, Question
-from vlmbatch.pipeline.records import Answer, ImageItem
+from vlmbatch.pipeline.records import Answer, ImageItem, ImageSource, ItemMedia
 from vlmbatch.preprocessing.sources import MemberRef, RowRef
 
 
@@ -74,17 +75,30 @@ def by_item(answers: list[Answer]) -> dict[str, list[Answer]]:
 def image_item_to_json(item: ImageItem) -> str:
     """An item as the store keeps it: its image as the path or URL, or as the reference of
     a table's row (``{"row": {file, row, column}}``) or a shard's member (``{"member":
-    {shard, name, offset, size}}``): where the image is, never its bytes."""
-    image: object = item.image
-    if isinstance(image, RowRef):
-        image = {"row": dataclasses.asdict(image)}
-    elif isinstance(image, MemberRef):
-        image = {"member": dataclasses.asdict(image)}
-    elif not isinstance(image, str):
-        raise ManifestError(f"item {item.id!r}: a job stores image paths or URLs, not "
-                            f"{type(item.image).__name__}")
-    return json.dumps({"id": item.id, "image": image, "base_dir": str(item.base_dir),
+    {shard, name, offset, size}}``): where the image is, never its bytes. Several images:
+    ``{"images": [each so]}``; a clip: ``{"video": path or URL, "fps", "num_frames",
+    "max_frames"}`` (its sampling keys as given; null: the run's)."""
+    image = item.image
+    if isinstance(image, ImageList):
+        stored: object = {"images": [_image_json(s, item) for s in image.images]}
+    elif isinstance(image, VideoInput):
+        stored = {"video": _image_json(image.source, item),
+                  **dataclasses.asdict(image.sampling)}
+    else:
+        stored = _image_json(image, item)
+    return json.dumps({"id": item.id, "image": stored, "base_dir": str(item.base_dir),
                        "questions": [_question_json(q) for q in item.questions]})
+
+
+def _image_json(image: object, item: ImageItem) -> object:
+    if isinstance(image, RowRef):
+        return {"row": dataclasses.asdict(image)}
+    if isinstance(image, MemberRef):
+        return {"member": dataclasses.asdict(image)}
+    if not isinstance(image, str):
+        raise ManifestError(f"item {item.id!r}: a job stores image paths or URLs, not "
+                            f"{type(image).__name__}")
+    return image
 
 
 def _question_json(q: Question) -> list | dict:
@@ -108,12 +122,25 @@ def _question(q: list | dict) -> Question:
 
 
 def image_item_from_json(text: str) -> ImageItem:
+    """Inverse of ``image_item_to_json`` (stores from before lists and clips read alike)."""
     d = json.loads(text)
     image = d["image"]
-    if isinstance(image, dict):
-        image = RowRef(**image["row"]) if "row" in image else MemberRef(**image["member"])
-    return ImageItem(d["id"], image, tuple(_question(q) for q in d["questions"]),
+    media: ItemMedia
+    if isinstance(image, dict) and "images" in image:
+        media = ImageList(tuple(_image(s) for s in image["images"]))
+    elif isinstance(image, dict) and "video" in image:
+        media = VideoInput(image["video"], SamplingKeys(
+            image.get("fps"), image.get("num_frames"), image.get("max_frames")))
+    else:
+        media = _image(image)
+    return ImageItem(d["id"], media, tuple(_question(q) for q in d["questions"]),
                      Path(d["base_dir"]))
+
+
+def _image(image: str | dict) -> ImageSource:
+    if isinstance(image, dict):
+        return RowRef(**image["row"]) if "row" in image else MemberRef(**image["member"])
+    return image
 
 
 class JobStore:

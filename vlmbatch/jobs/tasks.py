@@ -37,7 +37,9 @@ from vlmbatch.inputs.openai_embeddings import (
 )
 from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.store import image_item_from_json, image_item_to_json
+from vlmbatch.pipeline.config import PrepareConfig
 from vlmbatch.pipeline.hooks import Named
+from vlmbatch.pipeline.media_inputs import SamplingKeys, VideoInput
 from vlmbatch.pipeline.questions import ManifestError, PromptLimits, Question
 from vlmbatch.pipeline.records import Answer, Embedding, EmbedItem, ErrorKind, ImageItem, ItemError
 from vlmbatch.pipeline.task import AnswerTask, EmbedTask, Prepared, Task
@@ -71,6 +73,16 @@ class JobTask(ABC, Generic[I, R]):
     def from_json(self, text: str) -> I: ...
 
 
+def with_sampling(item: ImageItem, prepare: PrepareConfig) -> ImageItem:
+    """``item`` with the run's clip sampling keys (``--fps``...) folded into its own (a line's
+    win), so a job's store keeps them and a resumed run samples as submitted."""
+    if not isinstance(item.image, VideoInput):
+        return item
+    run = SamplingKeys(prepare.fps, prepare.num_frames, prepare.max_frames)
+    clip = VideoInput(item.image.source, item.image.sampling.over(run))
+    return ImageItem(item.id, clip, item.questions, item.base_dir)
+
+
 class AnswerJob(JobTask[ImageItem, Answer]):
     """Yes/no questions about images (``vlmbatch run``/``submit``)."""
 
@@ -89,7 +101,7 @@ class AnswerJob(JobTask[ImageItem, Answer]):
             def first(item_id: str) -> str:
                 return f"line {first_line(manifest, item_id, policy)}"
 
-            return ((f"{manifest}:{ln}", it)
+            return ((f"{manifest}:{ln}", with_sampling(it, cfg.prepare))
                     for ln, it in iter_manifest(manifest, policy, limits=limits)), first
         assert cfg.images is not None  # a folder's questions: the policy's, checked already
         return ((str(cfg.images), it) for it in items_from_folder(cfg.images, policy)), None

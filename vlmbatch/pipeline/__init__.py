@@ -3,6 +3,8 @@
 - ``records.py``: the drive's records (``ImageItem``, ``Answer`` with its ``ErrorKind``,
   ``ItemError``, ``EmbedItem``, ``Embedding``), built from and into the engine's
   (``engine/records.py``: ``Request``, ``Score``, ``EmbedRequest``, ``Vector``);
+- ``media_inputs.py``: what an item holds beyond one image (``ImageList``: several in one
+  prompt; ``VideoInput``: a clip and its ``SamplingKeys``), with their checks;
 - ``questions.py``: ``Question`` and the one parser of questions as users write them
   (manifests, policies, rows, the Python API), with ``ManifestError``;
 - ``config.py``: ``PrepareConfig`` / ``PrepareOptions``, how stage 1 runs (names only, no

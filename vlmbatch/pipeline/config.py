@@ -10,8 +10,9 @@ import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from vlmbatch.common.options import COUNT, MIB, N0, SECONDS, BadValue, N, opt
+from vlmbatch.common.options import COUNT, MIB, N0, NOT_STORED, SECONDS, BadValue, N, opt
 from vlmbatch.engine.config import ConfigError
+from vlmbatch.pipeline.media_inputs import SamplingKeys, check_sampling
 from vlmbatch.preprocessing.limits import (
     DEFAULT_MAX_IMAGE_BYTES,
     DEFAULT_MAX_PIXELS,
@@ -33,6 +34,7 @@ class PrepareOptions:
     decode_timeout: float = 0.0
     ahead: int = 2
     fetch: FetchOptions = FetchOptions()
+    sampling: SamplingKeys = SamplingKeys()  # a clip's, where its item gives none
 
 
 def domain_list(text: str) -> tuple[str, ...]:
@@ -100,7 +102,27 @@ class PrepareConfig:
         help="serve --allow-remote-media: hosts the SSRF guard lets through whatever they "
         "resolve to (exact names or addresses; .b.org for b.org's subdomains)"))
 
+    # clips: the run's sampling keys (an item's own win); None: the checkpoint's. A job folds
+    # them into its items at submit (``jobs/tasks.py``), so job.json does not keep them
+    fps: float | None = field(default=None, metadata={**opt(
+        "--fps", parse=float, metavar="FACTOR", group="video", help="frames per second "
+        "sampled from each clip (default: the checkpoint's video processor's; a line's 'fps' "
+        "wins)"),
+        NOT_STORED: True})
+    num_frames: int | None = field(default=None, metadata={**opt(
+        "--num-frames", unit=N, group="video", help="frames sampled from each clip, evenly "
+        "(instead of --fps; a line's 'num_frames' wins)"), NOT_STORED: True})
+    max_frames: int | None = field(default=None, metadata={**opt(
+        "--max-frames", unit=N, group="video", help="at most this many frames per clip (a "
+        "line's 'max_frames' wins)"), NOT_STORED: True})
+
     def __post_init__(self) -> None:
+        try:
+            check_sampling({"fps": self.fps, "num_frames": self.num_frames,
+                            "max_frames": self.max_frames}, "video sampling")
+        except ValueError as e:
+            raise ConfigError(str(e).replace("video sampling: ", "--").replace(
+                "_", "-")) from None
         if self.max_pixels < 1:
             raise ConfigError(f"max_pixels must be >= 1, got {self.max_pixels}")
         check_threads(None, self.preprocess_threads)
@@ -123,7 +145,8 @@ class PrepareConfig:
         """Resolved for a model on ``device``."""
         return PrepareOptions(self.max_pixels,
                               preprocess_threads_for(self.preprocess_threads, device),
-                              self.decode_timeout, fetch=self.fetch)
+                              self.decode_timeout, fetch=self.fetch,
+                              sampling=SamplingKeys(self.fps, self.num_frames, self.max_frames))
 
 
 def check_threads(threads: int | None, preprocess_threads: int | None) -> None:

@@ -56,11 +56,12 @@ from vlmbatch.pipeline.task import AnswerTask, ImageRef, Prepared, Task
 from vlmbatch.preprocessing.decode import ImageError
 from vlmbatch.preprocessing.fetch import Fetcher
 from vlmbatch.preprocessing.limits import DEFAULT_MAX_PIXELS, FetchOptions
-from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
+from vlmbatch.preprocessing.prepare import ImagePlan
 from vlmbatch.preprocessing.sources import SourceError, is_remote
 
 if TYPE_CHECKING:
     from vlmbatch.engine.base import Engine
+    from vlmbatch.engine.records import Item
 
 I = TypeVar("I", bound=Named)  # noqa: E741  (an item)
 R = TypeVar("R")  # a result
@@ -70,8 +71,8 @@ GroupResults = tuple[list[I], list[list[R]]]  # a group's items and each item's 
 # --- stage 1 -------------------------------------------------------------------------------
 
 def _collect(task: Task[I, R], items: list[I],
-             outcomes: list[PreparedImage | ItemError | None]) -> Prepared[I]:
-    images = [x if isinstance(x, PreparedImage) else None for x in outcomes]
+             outcomes: list[Item | ItemError | None]) -> Prepared[I]:
+    images = [None if isinstance(x, ItemError) else x for x in outcomes]
     errors = {task.key(it): x for it, x in zip(items, outcomes) if isinstance(x, ItemError)}
     return Prepared(items, images, errors)
 
@@ -87,7 +88,7 @@ def prepare_group(task: Task[I, R], items: list[I], plan: ImagePlan,
         fetcher = fetch if isinstance(fetch, Fetcher) else own.enter_context(Fetcher(fetch))
         fetched = {i: fetcher.submit(r.image, r.base_dir) for i, r in enumerate(refs)
                    if r is not None and is_remote(r.image)}
-        outcomes: list[PreparedImage | ItemError | None] = []
+        outcomes: list[Item | ItemError | None] = []
         for i, ref in enumerate(refs):
             try:
                 if ref is not None and i in fetched:
@@ -240,7 +241,8 @@ class LocalStages(Generic[I, R]):
 
     def __init__(self, task: Task[I, R], engine: Engine, opts: PrepareOptions,
                  hooks: FaultHooks = NO_HOOKS, workers: PrepareWorkers | None = None) -> None:
-        self.task, self.engine, self.opts, self.hooks = task, engine, opts, hooks
+        self.task = task.with_video(engine.video_plan, opts.sampling)
+        self.engine, self.opts, self.hooks = engine, opts, hooks
         self.workers = workers
 
     def results(self, groups: Iterable[list[I]]) -> Generator[GroupResults[I, R], None, None]:
@@ -307,6 +309,6 @@ def answer_group(engine: Engine, items: list[ImageItem],
                  max_pixels: int = DEFAULT_MAX_PIXELS) -> list[Answer]:
     """One group's answers, in item then question order, both stages in this thread (a
     calibration pass, a benchmark row)."""
-    task = AnswerTask()
+    task = AnswerTask(engine.video_plan)
     p = prepare_group(task, items, engine.image_plan, max_pixels)
     return [a for answers in run_group(task, engine, p) for a in answers]

@@ -10,6 +10,12 @@ drive loop (``drive.py``; import them from here).
             _ThreadPreparer    threads of this process (``decode_timeout`` 0)
     prepare_item(ref, plan)    one image in this thread (the serial path, a Ray prepare task)
 
+An item of several images (``ImageList``) is each image submitted so, joined into one
+``MediaItem`` once all are prepared (the first failure, in order, its error); a clip
+(``VideoSource``, its plan bound by ``AnswerTask``) goes to a decoder process like an image,
+under the same deadline (a remote one's bytes fetched first), and comes back as its
+``MediaItem``.
+
 A failure is a ``SourceError`` (kind ``source``) or an ``ImageError`` (``decode``,
 ``too_large``, ``decode_timeout``, ``decoder_crashed``): ``item_error`` makes it that item's
 ``ItemError``. Light (no torch): a Ray prepare worker imports it.
@@ -18,28 +24,49 @@ A failure is a ``SourceError`` (kind ``source``) or an ``ImageError`` (``decode`
 from __future__ import annotations
 
 import dataclasses
+import threading
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
+from vlmbatch.engine.records import Item, MediaItem
 from vlmbatch.pipeline.config import PrepareOptions
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
-from vlmbatch.pipeline.records import ErrorKind, ItemError
+from vlmbatch.pipeline.media_inputs import ImageList, VideoInput
+from vlmbatch.pipeline.records import ErrorKind, ImageSource, ItemError
 from vlmbatch.pipeline.task import ImageRef
 from vlmbatch.preprocessing.decode import ImageError, ImageTooLarge
 from vlmbatch.preprocessing.fetch import DaemonPool, Fetcher
 from vlmbatch.preprocessing.isolated import DecoderCrashed, DecoderPool, DecodeTimeout
 from vlmbatch.preprocessing.limits import DEFAULT_MAX_PIXELS
-from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage, prepare_bytes
+from vlmbatch.preprocessing.media import MediaPart, PreparedVideo
+from vlmbatch.preprocessing.prepare import ImagePlan, prepare_bytes
 from vlmbatch.preprocessing.sources import SourceError, is_remote, read_bytes
+from vlmbatch.preprocessing.video_source import VideoSource
 
 
 def prepare_item(ref: ImageRef, plan: ImagePlan, max_pixels: int = DEFAULT_MAX_PIXELS,
-                 fetcher: Fetcher | None = None) -> PreparedImage:
+                 fetcher: Fetcher | None = None) -> Item:
     """Read (a remote image through ``fetcher``, else a fetcher of default options made for
-    it), decode, prepare; raises SourceError or ImageError with the reason."""
+    it), decode, prepare; raises SourceError or ImageError with the reason. Several images or
+    a clip: a ``MediaItem`` of their parts, in order."""
+    if isinstance(ref.image, ImageList):
+        return MediaItem(tuple(prepare_part(dataclasses.replace(ref, image=s), plan, max_pixels,
+                                            fetcher) for s in ref.image.images))
+    part = prepare_part(ref, plan, max_pixels, fetcher)
+    return MediaItem((part,)) if isinstance(part, PreparedVideo) else part
+
+
+def prepare_part(ref: ImageRef, plan: ImagePlan, max_pixels: int = DEFAULT_MAX_PIXELS,
+                 fetcher: Fetcher | None = None) -> MediaPart:
+    """One image (``prepare_item``), or one clip by its ``VideoSource``'s plan."""
     src = ref.image
+    if isinstance(src, VideoInput):
+        raise ImageError("this engine takes no clips (the torch engine does: --engine torch)")
+    if isinstance(src, VideoSource):
+        return src.plan.prepare(_read(src.source, ref, fetcher), max_pixels)
     if isinstance(src, np.ndarray):  # decoded pixels (the Python API)
         if src.ndim != 3 or src.shape[2] != 3 or src.dtype != np.uint8:
             raise ImageError(f"an image array must be uint8 RGB [H, W, 3], got {src.dtype} "
@@ -48,16 +75,19 @@ def prepare_item(ref: ImageRef, plan: ImagePlan, max_pixels: int = DEFAULT_MAX_P
             raise ImageTooLarge(f"image is {src.shape[1]}x{src.shape[0]} pixels, over the "
                                 f"limit of {max_pixels:,} (raise --max-pixels to allow it)")
         return plan.prepare(src)
+    assert not isinstance(src, ImageList)
+    return prepare_bytes(_read(src, ref, fetcher), plan, max_pixels)
+
+
+def _read(src: ImageSource, ref: ImageRef, fetcher: Fetcher | None) -> bytes:
     if isinstance(src, bytes):
-        data = src
-    elif isinstance(src, str) and not is_remote(src):
-        data = read_bytes(src, ref.base_dir)
-    elif fetcher is None:  # a remote image, a table row or a shard member
+        return src
+    if isinstance(src, str) and not is_remote(src):
+        return read_bytes(src, ref.base_dir)
+    if fetcher is None:  # a remote image, a table row or a shard member
         with Fetcher() as own:
-            data = own.fetch(src, ref.base_dir)
-    else:
-        data = fetcher.fetch(src, ref.base_dir)
-    return prepare_bytes(data, plan, max_pixels)
+            return own.fetch(src, ref.base_dir)
+    return fetcher.fetch(src, ref.base_dir)
 
 
 def item_error(ref: ImageRef, e: SourceError | ImageError) -> ItemError:
@@ -70,7 +100,7 @@ def item_error(ref: ImageRef, e: SourceError | ImageError) -> ItemError:
 
 
 def prepare_hooked(ref: ImageRef, plan: ImagePlan, max_pixels: int,
-                    hooks: FaultHooks) -> PreparedImage:
+                   hooks: FaultHooks) -> Item:
     hooks.prepare(ref)
     return prepare_item(ref, plan, max_pixels)
 
@@ -93,7 +123,7 @@ def preparer(plan: ImagePlan, opts: PrepareOptions,
 
 
 def prepare_now(ref: ImageRef, plan: ImagePlan, opts: PrepareOptions,
-                workers: PrepareWorkers | None) -> PreparedImage:
+                workers: PrepareWorkers | None) -> Item:
     """One image prepared on ``workers`` (a decoder process: under the deadline), else in
     this thread; raises ``SourceError``/``ImageError`` (``DecodeTimeout``,
     ``DecoderCrashed`` included) with the reason."""
@@ -103,7 +133,7 @@ def prepare_now(ref: ImageRef, plan: ImagePlan, opts: PrepareOptions,
     return workers.submit(ref).result()
 
 
-def outcome(ref: ImageRef, f: Future) -> PreparedImage | ItemError:
+def outcome(ref: ImageRef, f: Future) -> Item | ItemError:
     try:
         return f.result()
     except (SourceError, ImageError) as e:
@@ -142,11 +172,25 @@ class _Fetching:
 
     def submit(self, ref: ImageRef, fetched: Future | None = None) -> Future:
         """``ref``'s ``PreparedImage``; ``fetched``: its bytes being read already
-        (``fetch``), else a remote image is fetched first."""
+        (``fetch``), else a remote image is fetched first. Several images: each submitted so,
+        their ``MediaItem`` when all are done; a clip: its ``MediaItem``, a remote one's bytes
+        fetched first."""
+        src = ref.image
+        if isinstance(src, ImageList):
+            return _joined([self.submit(dataclasses.replace(ref, image=s)) for s in src.images])
+        if isinstance(src, VideoSource):
+            if not is_remote(src.source):
+                return _joined([self.inner.submit(ref)])
+            data = self.fetch(dataclasses.replace(ref, image=src.source))
+            return _joined([self._after(ref, _mapped(
+                data, lambda b: dataclasses.replace(src, source=b)))])
         if fetched is None:
             if not is_remote(ref.image):
                 return self.inner.submit(ref)
             fetched = self.fetch(ref)
+        return self._after(ref, fetched)
+
+    def _after(self, ref: ImageRef, fetched: Future) -> Future:
         out: Future = Future()
         out.add_done_callback(lambda o: o.cancelled() and fetched.cancel())
         fetched.add_done_callback(lambda f: self._fetched(ref, f, out))
@@ -163,6 +207,54 @@ class _Fetching:
     def stop(self) -> None:
         self.fetcher.stop()
         self.inner.stop()
+
+
+def _mapped(f: Future, fn: Callable[[Any], Any]) -> Future:
+    """A future of ``fn(f.result())`` (``f``'s exception or cancellation as it is)."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        if f.cancelled() or f.exception() is not None:
+            return _settle(out, f)
+        try:
+            out.set_result(fn(f.result()))
+        except InvalidStateError:
+            pass
+
+    f.add_done_callback(done)
+    return out
+
+
+def _joined(parts: list[Future]) -> Future:
+    """A future of the ``MediaItem`` of ``parts``' results (``_parts``) in order, once all
+    are done; the first failure (in order) if any fails; cancelling it cancels them all."""
+    out: Future = Future()
+    out.add_done_callback(lambda o: o.cancelled() and [p.cancel() for p in parts])
+    left = [len(parts)]
+    lock = threading.Lock()
+
+    def done(_: Future) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        bad = next((p for p in parts if p.cancelled() or p.exception() is not None), None)
+        if bad is not None:
+            return _settle(out, bad)
+        try:
+            out.set_result(MediaItem(tuple(x for p in parts for x in _parts(p.result()))))
+        except InvalidStateError:
+            pass  # cancelled by its caller
+
+    for p in parts:
+        p.add_done_callback(done)
+    return out
+
+
+def _parts(prepared: MediaPart | MediaItem) -> list[MediaPart]:
+    """A worker's result as parts: a clip prepared in this process comes as its
+    ``MediaItem`` (``prepare_item``), one from a decoder process as the clip."""
+    return list(prepared.parts) if isinstance(prepared, MediaItem) else [prepared]
 
 
 def _settle(out: Future, f: Future) -> None:
@@ -205,7 +297,7 @@ class _ProcessPreparer:
         self.plan, self.max_pixels = plan, max_pixels
 
     def submit(self, ref: ImageRef) -> Future:
-        if isinstance(ref.image, (str, bytes)):
+        if isinstance(ref.image, (str, bytes, VideoSource)):
             return self.pool.submit(ref.image, ref.base_dir)
         f: Future = Future()
         try:

@@ -23,6 +23,7 @@ Embeddings (``engine/embed.py``)::
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -34,7 +35,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Union
 import numpy as np
 
 from vlmbatch.engine.records import Request, Score, Vector
-from vlmbatch.pipeline.questions import Question, check_id, questions_of
+from vlmbatch.pipeline.media_inputs import ImageList, VideoInput, check_images
+from vlmbatch.pipeline.questions import ManifestError, Question, check_id, questions_of
+from vlmbatch.preprocessing.media import PreparedVideo
 from vlmbatch.preprocessing.sources import MemberRef, NotAnImage, RowRef
 
 if TYPE_CHECKING:
@@ -48,6 +51,8 @@ if TYPE_CHECKING:
 ImageSource = str | bytes | np.ndarray | RowRef | MemberRef | NotAnImage
 # what ImageItem takes: those, a Path, or a PIL image (converted: image_source)
 ImageLike = Union[ImageSource, Path, "PIL.Image.Image"]
+# what an item asks about: one image, several in one prompt, or a clip (``media_inputs.py``)
+ItemMedia = ImageSource | ImageList | VideoInput
 QuestionsLike = Sequence[str | dict | Question] | str | dict | Question
 # PIL's Transpose values (an IntEnum) for each EXIF orientation that is not upright
 _UPRIGHT = {2: 0, 3: 3, 4: 1, 5: 5, 6: 4, 7: 6, 8: 2}
@@ -68,20 +73,25 @@ class ImageItem:
     in a manifest: ``pipeline/questions.py``) or ``Question``s, kept as a tuple of
     ``Question``s (a malformed one: ``ManifestError`` naming the item). ``id``: a string or
     a whole number (kept as text). ``base_dir``: the current folder when not given. The
-    fields hold the kept forms; readers and job stores pass them, at no cost."""
+    fields hold the kept forms; readers and job stores pass them, at no cost.
+
+    ``image`` may also be a list of images (one prompt holding them in order: an
+    ``ImageList``, each converted as above, 1 to ``MAX_IMAGES``) or a ``VideoInput`` (a clip
+    and its sampling keys)."""
     id: str
-    image: ImageSource
+    image: ItemMedia
     questions: tuple[Question, ...]
     base_dir: Path  # relative paths resolve against this
 
-    def __init__(self, id: str | int, image: ImageLike, questions: QuestionsLike,  # noqa: A002
-                 base_dir: str | Path | None = None) -> None:
+    def __init__(self, id: str | int,  # noqa: A002
+                 image: ImageLike | ImageList | VideoInput | Sequence[ImageLike],
+                 questions: QuestionsLike, base_dir: str | Path | None = None) -> None:
         qs = questions
         if type(qs) is not tuple or not all(type(q) is Question for q in qs):
             qs = questions_of(qs, f"item {id!r}")
         put = object.__setattr__  # frozen
         put(self, "id", id if type(id) is str else check_id(id, "item", "id"))
-        put(self, "image", image if type(image) is str else image_source(image))
+        put(self, "image", image if type(image) is str else item_media(image, f"item {id!r}"))
         put(self, "questions", qs)
         put(self, "base_dir", Path.cwd() if base_dir is None else Path(base_dir))
 
@@ -91,7 +101,28 @@ class ImageItem:
         shard's ``SHARD:MEMBER``, else ``image ID``."""
         if isinstance(self.image, (RowRef, MemberRef)):
             return self.image.source
+        if isinstance(self.image, ImageList):
+            return self.image.describe()
+        if isinstance(self.image, VideoInput):
+            v = self.image.source
+            return v if isinstance(v, str) else f"video {self.id}"
         return self.image if isinstance(self.image, str) else f"image {self.id}"
+
+
+def item_media(image: ImageLike | ImageList | VideoInput | Sequence[ImageLike],
+               where: str) -> ItemMedia:
+    """What an item keeps: a list of images as an ``ImageList`` of kept sources
+    (``image_source``; ManifestError naming ``where`` when empty or over ``MAX_IMAGES``), an
+    ``ImageList`` or ``VideoInput`` as given, one image as ``image_source`` keeps it."""
+    if isinstance(image, (ImageList, VideoInput)):
+        return image
+    if isinstance(image, Sequence) and not isinstance(image, (str, bytes)):
+        try:
+            check_images(image, where)
+        except ValueError as e:
+            raise ManifestError(str(e)) from None
+        return ImageList(tuple(s if type(s) is str else image_source(s) for s in image))
+    return image_source(image)
 
 
 def image_source(image: ImageLike) -> ImageSource:
@@ -172,6 +203,10 @@ class Answer:
     # tokens, image ones included, and the answer's (1 for a yes/no); None: unknown
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    # a clip's item: how many frames the model saw and each one's second in the clip (only
+    # on video items' lines, so other lines stay as they were)
+    frames: int | None = None
+    seconds: tuple[float, ...] | None = None
 
     # the result line's fields, in order, with their types (CSV/Parquet columns); ``label``,
     # ``probs`` and ``logprobs`` appear in a JSONL line only for a label-set question (a CSV
@@ -208,7 +243,7 @@ class Answer:
         """The result line: ``{"id", "question_id", "question", "answer", "p_yes", "margin",
         "image_tokens", "error", "error_kind"}``, then ``"label"``, ``"probs"`` and
         ``"logprobs"`` for a label-set question (null when failed), then ``"text"`` when
-        set."""
+        set, then ``"frames"`` and ``"seconds"`` for a clip's item (``seen``)."""
         d: dict[str, Any] = {"id": self.image_id, "question_id": self.question_id,
                              "question": self.question, "answer": self.answer,
                              "p_yes": self.p_yes, "margin": self.margin,
@@ -219,6 +254,9 @@ class Answer:
             d.update(label=self.label, probs=self.probs, logprobs=self.logprobs)
         if self.text is not None:
             d["text"] = self.text
+        if self.frames is not None:
+            d["frames"] = self.frames
+            d["seconds"] = list(self.seconds or ())
         return d
 
     def row(self) -> dict[str, Any]:
@@ -251,7 +289,18 @@ class Answer:
         return cls(d["id"], d["question_id"], d["question"], d["answer"], d["p_yes"],
                    d["margin"], d["image_tokens"], d.get("text"), d.get("error"), error_kind,
                    choices, d.get("label"), d.get("probs"), d.get("logprobs"),
-                   d.get("prompt_tokens"), d.get("completion_tokens"))
+                   d.get("prompt_tokens"), d.get("completion_tokens"), d.get("frames"),
+                   None if d.get("seconds") is None else tuple(d["seconds"]))
+
+    def seen(self, item: object) -> Answer:
+        """This answer saying which frames the model saw, when ``item`` (the prepared item it
+        was asked about) holds clips: their frames counted, their seconds in order (to the
+        millisecond); as it is otherwise."""
+        clips = [p for p in getattr(item, "parts", ()) if isinstance(p, PreparedVideo)]
+        if not clips:
+            return self
+        seconds = tuple(round(s, 3) for v in clips for s in v.seconds)
+        return dataclasses.replace(self, frames=len(seconds), seconds=seconds)
 
 
 @dataclass(frozen=True)

@@ -24,26 +24,30 @@ records an item done iff none of its results has an error.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from vlmbatch.engine.records import EmbedRequest
 from vlmbatch.pipeline.hooks import Named
+from vlmbatch.pipeline.media_inputs import SamplingKeys, VideoInput
 from vlmbatch.pipeline.records import (
     Answer,
     Embedding,
     EmbedItem,
     ImageItem,
-    ImageSource,
     ItemError,
+    ItemMedia,
     request_of,
 )
+from vlmbatch.preprocessing.prepare import PreparedImage
+from vlmbatch.preprocessing.video_source import VideoSource
 
 if TYPE_CHECKING:
     from vlmbatch.engine.base import Engine
     from vlmbatch.engine.config import EmbedConfig
-    from vlmbatch.preprocessing.prepare import PreparedImage
+    from vlmbatch.engine.records import Item
+    from vlmbatch.preprocessing.video_plan import VideoPlan
 
 I = TypeVar("I", bound=Named)  # noqa: E741  (an item)
 R = TypeVar("R")  # a result
@@ -52,18 +56,21 @@ R = TypeVar("R")  # a result
 @dataclass(frozen=True)
 class ImageRef:
     """The image stage 1 reads for an item: a path (relative to ``base_dir``), a ``file://``
-    or ``data:`` URL, encoded bytes, or decoded uint8 RGB pixels ``[H, W, 3]``."""
-    image: ImageSource
+    or ``data:`` URL, encoded bytes, or decoded uint8 RGB pixels ``[H, W, 3]``; or several
+    (``ImageList``), or a clip: a ``VideoSource`` (its plan bound by the task: ``AnswerTask``),
+    a ``VideoInput`` where the engine takes no clips (that item's error)."""
+    image: ItemMedia | VideoSource
     base_dir: Path
     source: str  # how messages name it
 
 
 @dataclass
 class Prepared(Generic[I]):
-    """Stage 1 of a group: ``images[i]`` is item i's prepared image, None when it needs none
-    or when it failed, and then ``errors`` holds why, by ``Task.key``."""
+    """Stage 1 of a group: ``images[i]`` is item i's prepared image (or ``MediaItem``: several
+    images, a clip), None when it needs none or when it failed, and then ``errors`` holds
+    why, by ``Task.key``."""
     items: list[I]
-    images: list[PreparedImage | None]
+    images: list[Item | None]
     errors: dict[str, ItemError] = field(default_factory=dict)
 
 
@@ -90,10 +97,15 @@ class Task(ABC, Generic[I, R]):
     def failed(self, item: I, err: ItemError) -> list[R]:
         """The item's results when it could not be prepared or answered."""
 
+    def with_video(self, plan: VideoPlan | None, run: SamplingKeys) -> Task[I, R]:
+        """This task preparing clips by the engine's ``plan`` under the run's sampling keys
+        (``run``; a line's win); the same task where it takes no clips."""
+        return self
 
-def with_images(task: Task[I, R], p: Prepared[I]) -> tuple[list[PreparedImage], dict[str, int]]:
+
+def with_images(task: Task[I, R], p: Prepared[I]) -> tuple[list[Item], dict[str, int]]:
     """The group's prepared images, each once, and the index of each item's (by key)."""
-    images: list[PreparedImage] = []
+    images: list[Item] = []
     index: dict[str, int] = {}
     for item, im in zip(p.items, p.images):
         if im is not None:
@@ -102,25 +114,46 @@ def with_images(task: Task[I, R], p: Prepared[I]) -> tuple[list[PreparedImage], 
     return images, index
 
 
+def stills(images: list[Item]) -> list[PreparedImage]:
+    """``images``, each a still image (an embedding input's: its records hold one image)."""
+    out = [im for im in images if isinstance(im, PreparedImage)]
+    if len(out) != len(images):
+        raise TypeError("an embedding input holds one image, not several or a clip")
+    return out
+
+
 @dataclass(frozen=True)
 class AnswerTask(Task[ImageItem, Answer]):
     """Every question of every item (``vlmbatch run``/``submit``, the API's ``ask``, eval):
-    one ``Answer`` per question (yes/no, or a label set's), in the item's order."""
+    one ``Answer`` per question (yes/no, or a label set's), in the item's order. ``video``:
+    the engine's clip plan under the run's sampling keys (``with_video``); None: clips are
+    their items' errors."""
+    video: VideoPlan | None = None
+    sampling: SamplingKeys = SamplingKeys()
     name = "answer"
 
     def key(self, item: ImageItem) -> str:
         return item.id
 
     def image(self, item: ImageItem) -> ImageRef:
-        return ImageRef(item.image, item.base_dir, item.source)
+        src: ItemMedia | VideoSource = item.image
+        if isinstance(src, VideoInput) and self.video is not None:
+            keys = src.sampling.over(self.sampling)
+            src = VideoSource(src.source, self.video.with_sampling(
+                keys.fps, keys.num_frames, keys.max_frames))
+        return ImageRef(src, item.base_dir, item.source)
+
+    def with_video(self, plan: VideoPlan | None, run: SamplingKeys) -> AnswerTask:
+        return replace(self, video=plan, sampling=run)
 
     def run(self, engine: Engine, p: Prepared[ImageItem]) -> list[list[Answer]]:
         images, index = with_images(self, p)
         requests = [request_of(index[it.id], q) for it in p.items if it.id in index
                     for q in it.questions]
         scores = iter(engine.score(images, requests))
-        return [[Answer.scored(it.id, q, next(scores)) for q in it.questions]
-                if it.id in index else self.failed(it, p.errors[it.id]) for it in p.items]
+        return [[Answer.scored(it.id, q, next(scores)).seen(images[index[it.id]])
+                 for q in it.questions] if it.id in index
+                else self.failed(it, p.errors[it.id]) for it in p.items]
 
     def failed(self, item: ImageItem, err: ItemError) -> list[Answer]:
         return [Answer.failed(item.id, q, err) for q in item.questions]
@@ -144,7 +177,8 @@ class EmbedTask(Task[EmbedItem, Embedding]):
         todo = [it for it in p.items if it.image is None or it.key in index]
         requests = [EmbedRequest(None if it.image is None else index[it.key], it.text)
                     for it in todo]
-        vectors = dict(zip((it.key for it in todo), engine.embed(images, requests, self.cfg)))
+        vectors = dict(zip((it.key for it in todo),
+                           engine.embed(stills(images), requests, self.cfg)))
         return [[Embedding.of(it, vectors[it.key])] if it.key in vectors
                 else self.failed(it, p.errors[it.key]) for it in p.items]
 

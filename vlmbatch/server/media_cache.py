@@ -35,7 +35,7 @@ import xxhash
 
 from vlmbatch.pipeline.config import PrepareOptions
 from vlmbatch.pipeline.preparers import PrepareWorkers, prepare_now
-from vlmbatch.pipeline.task import ImageRef
+from vlmbatch.pipeline.task import ImageRef, stills
 from vlmbatch.preprocessing.decode import ImageError, ImageTooLarge
 from vlmbatch.preprocessing.fetch import Fetcher
 from vlmbatch.preprocessing.isolated import DecoderCrashed, DecodeTimeout
@@ -190,8 +190,8 @@ class MediaCache:
     def _decode(self, source: str | bytes) -> PreparedImage:
         name = source[:80] if isinstance(source, str) else "the image"
         try:
-            return prepare_now(ImageRef(source, ROOT_DIR, name), self.plan, self.opts,
-                               self.workers)
+            return stills([prepare_now(ImageRef(source, ROOT_DIR, name), self.plan,
+                                       self.opts, self.workers)])[0]
         except SourceError as e:
             raise bad_request(f"the image could not be read: {e}", PARAM,
                               "invalid_image_url") from None

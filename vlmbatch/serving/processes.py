@@ -41,7 +41,7 @@ from vlmbatch.engine.records import Score
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.pipeline.questions import Question
 from vlmbatch.pipeline.records import Embedding, EmbedItem
-from vlmbatch.pipeline.task import Prepared
+from vlmbatch.pipeline.task import Prepared, stills
 from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.serving.channel import Arena, Arriving, Link, Residents
 from vlmbatch.serving.config import ServingConfig
@@ -349,7 +349,8 @@ class EngineProcesses(Engines):
               ) -> Future[list[list[Embedding]]]:
         key = next((im.cache_key for im in prepared.images if im is not None), "0")
         p = self._pick(key)
-        packed = [None if im is None else p.residents.hold(im) for im in prepared.images]
+        packed = [None if im is None else p.residents.hold(stills([im])[0])
+                  for im in prepared.images]
         bare = Prepared(prepared.items, [None] * len(prepared.items), prepared.errors)
         f: Future = Future()
         try:

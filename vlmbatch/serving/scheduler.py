@@ -48,7 +48,7 @@ from typing import Protocol
 
 from vlmbatch.engine.base import Engine
 from vlmbatch.engine.config import ConfigError
-from vlmbatch.engine.records import Score
+from vlmbatch.engine.records import Item, Score
 from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.folder import load_config
 from vlmbatch.jobs.job import JobRun
@@ -318,7 +318,7 @@ class Scheduler:
                                       code="internal_error"))
 
     def _answer(self, works: list[ChatWork]) -> None:
-        images: list[PreparedImage] = []
+        images: list[Item] = []
         index: dict[str, int] = {}
         requests = []
         for w in works:
