@@ -23,10 +23,12 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 
-from vlmbatch.preprocessing.prepare import ImageGrid, PreparedImage
+if TYPE_CHECKING:  # types only: prepare.py loads OpenCV, which light modules must not
+    from vlmbatch.preprocessing.prepare import ImageGrid, PreparedImage
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,4 +51,4 @@ class PreparedVideo:
 
 
 # An item's visual parts in prompt order: one image (today's items), several images, a clip.
-MediaPart = PreparedImage | PreparedVideo
+MediaPart: TypeAlias = "PreparedImage | PreparedVideo"
