@@ -124,8 +124,8 @@ def test_a_misspelt_key_fails_the_run_with_a_policy(job: Path, random_model_dir:
                str(random_model_dir), "-o", str(out), "--no-progress"])
     err = capsys.readouterr().err
     assert rc == EXIT_BAD_INPUT, err
-    assert f"bad.jsonl:2: {says}" in err and "a manifest line has ['id', 'image', " \
-        "'questions']" in err
+    assert f"bad.jsonl:2: {says}" in err and "a manifest line has ['fps', 'id', 'image', " \
+        "'images', 'max_frames', 'num_frames', 'questions', 'video']" in err
     assert not out.exists()
 
 
@@ -176,6 +176,7 @@ def test_engine_failure_fails_its_group_only(job: Path) -> None:
 
     class Broken:
         image_plan = TilingConfig(tile_size=56)
+        video_plan = None  # the Engine interface's default: no clips
 
         def score(self, images, requests):  # noqa: ANN001, ANN202
             raise RuntimeError("CUDA out of memory")

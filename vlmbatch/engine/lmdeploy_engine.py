@@ -35,11 +35,11 @@ from PIL import Image
 from vlmbatch.engine.base import Engine, EngineStats
 from vlmbatch.engine.config import ConfigError, EngineConfig, ModelConfig
 from vlmbatch.engine.loading import image_plan_for, read_spec
-from vlmbatch.engine.records import Item, Request, Score
+from vlmbatch.engine.records import Item, MediaItem, Request, Score
 from vlmbatch.engine.scoring import AnswerTokens, yes_no
 from vlmbatch.models.config_io import ModelError
 from vlmbatch.models.internvl.family import InternVLSpec
-from vlmbatch.preprocessing.prepare import PreparedImage, TilingConfig
+from vlmbatch.preprocessing.prepare import TilingConfig
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ class LMDeployEngine(Engine):
         prompts, stills = [], []
         for r in requests:
             im = images[r.image]
-            if not isinstance(im, PreparedImage):
+            if isinstance(im, MediaItem):
                 raise ConfigError("several images or a clip per item are asked by the torch "
                                   "engine (--engine torch), not lmdeploy")
             if im.pixels is None:
