@@ -36,7 +36,6 @@ from vlmbatch.labels.review.loop import export_command, reviewed
 from vlmbatch.labels.thumbnails import Picture, image_url, item_pictures
 from vlmbatch.pipeline.media_inputs import VideoInput
 
-
 thumbnail = image_url  # an image's thumbnail (``thumbnails.py``: lists and clips too)
 
 

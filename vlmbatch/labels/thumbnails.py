@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import base64
 import bisect
+import importlib
 import io
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -95,12 +97,18 @@ def strip_indices(frame_seconds: Sequence[float], seen: Sequence[float] | None,
     return sorted(out)
 
 
+def _decoder() -> ModuleType:
+    """``preprocessing/video.py``, imported on first use: it loads PyAV and (through
+    ``decode.py``) OpenCV, which a report without clips never needs (as ``resize.py``'s
+    ``kernel_of`` imports a kernel's module)."""
+    return importlib.import_module("vlmbatch.preprocessing.video")
+
+
 def clip_pictures(source: str | bytes, base_dir: Path, size: int,
                   seen: Sequence[float] | None = None) -> list[Picture]:
     """The strip of a clip (``strip_indices``), each frame upright and shrunk; [] when the
     clip cannot be read or decoded."""
-    from vlmbatch.preprocessing.decode import ImageError  # PyAV, OpenCV: only for a clip
-    from vlmbatch.preprocessing.video import open_clip
+    video = _decoder()
 
     def fit(rgb: np.ndarray) -> np.ndarray:
         small = Image.fromarray(rgb)
@@ -109,11 +117,11 @@ def clip_pictures(source: str | bytes, base_dir: Path, size: int,
 
     try:
         data = source if isinstance(source, bytes) else read_bytes(source, base_dir)
-        with open_clip(data, MAX_FRAME_PIXELS, float("inf")) as clip:
+        with video.open_clip(data, MAX_FRAME_PIXELS, float("inf")) as clip:
             times = [clip.index.seconds(k) for k in range(len(clip.index.pts))]
             idx = strip_indices(times, seen)
             got = clip.frames(np.array(idx), fit)
-    except (SourceError, ImageError, OSError, ValueError):
+    except (SourceError, video.VideoError, OSError, ValueError):
         return []
     return [Picture(_jpeg(Image.fromarray(px), size), f"{s:.2f} s")
             for px, s in zip(got.pixels, got.seconds)]

@@ -3,9 +3,10 @@
 
 All stream the store in manifest order, so memory stays bounded whatever the job's size. The
 columns are ``Answer.COLUMNS`` (``pipeline/records.py``), for every format, then ``frames``
-and ``seconds`` when the job holds a clip (``outputs/sinks.py``: ``CLIP_COLUMNS``). An embedding job's
-results go to an ``EmbeddingSink`` instead (``outputs/embed_sinks.py``: JSONL, Parquet, .npy), or,
-for a job of OpenAI embedding requests, as OpenAI batch output lines (``embed_request_lines``).
+and ``seconds`` when the job holds a clip (``outputs/sinks.py``: ``CLIP_COLUMNS``). An
+embedding job's results go to an ``EmbeddingSink`` instead (``outputs/embed_sinks.py``:
+JSONL, Parquet, .npy), or, for a job of OpenAI embedding requests, as OpenAI batch output
+lines (``embed_request_lines``).
 """
 
 from __future__ import annotations
