@@ -14,7 +14,10 @@ results (issue 44), on the built-in model, with clips made here (lossless FFV1,
   column list and the CSV text are written here from the JSONL lines, not by the sinks.
 
 Shown failing once with a fault injected: ``labels/read.py``'s manifest test back to
-``"image" in d`` (eval and calibrate then read the manifest as a labels file, exit 2).
+``"image" in d`` (eval and calibrate then read the manifest as a labels file, exit 2); and
+``JobStore.holds_clips`` finding no clip (a job's CSV export then lacks the two columns).
+The labels make every "red" answer wrong (derived from a first run), so the report shows
+each answered item whatever the built-in model answers.
 """
 
 from __future__ import annotations
@@ -59,13 +62,22 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     rng = np.random.default_rng(3)
     for name in ("a.png", "b.png"):
         Image.fromarray(rng.integers(0, 256, (48, 72, 3), dtype=np.uint8)).save(d / name)
-    lines = [{"id": "clip", "video": "clip.mkv", "num_frames": 4,
-              "questions": questions("yes", "circle")},
-             {"id": "pair", "images": ["a.png", "b.png"], "questions": questions("no", "square")},
-             {"id": "still", "image": "a.png", "questions": questions("yes", "triangle")},
-             {"id": "bad", "video": "text.mp4", "questions": questions("no", "circle")}]
-    (d / "m.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    (d / "plain.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines[1:3]))
+    lines = [{"id": "clip", "video": "clip.mkv", "num_frames": 4},
+             {"id": "pair", "images": ["a.png", "b.png"]},
+             {"id": "still", "image": "a.png"},
+             {"id": "bad", "video": "text.mp4"}]
+    (d / "m0.jsonl").write_text("".join(json.dumps({**x, "questions": questions("no", "circle")})
+                                        + "\n" for x in lines))
+    assert main(["run", str(d / "m0.jsonl"), "-o", str(d / "run0.jsonl"), "--dtype", "float32",
+                 "--no-progress"]) == EXIT_ITEM_ERRORS
+    # labels: every "red" answer wrong (so the report shows every answered item among its
+    # wrong answers, whatever the model answers), shapes in turn
+    red = {d["id"]: "no" if d["answer"] == "yes" else "yes" for d in lines_of(d / "run0.jsonl")
+           if d["question_id"] == "red"}
+    labelled = [{**x, "questions": questions(red[x["id"]], SHAPES[k % 3])}
+                for k, x in enumerate(lines)]
+    (d / "m.jsonl").write_text("".join(json.dumps(x) + "\n" for x in labelled))
+    (d / "plain.jsonl").write_text("".join(json.dumps(x) + "\n" for x in labelled[1:3]))
     assert main(["run", str(d / "m.jsonl"), "-o", str(d / "run.jsonl"), "--dtype", "float32",
                  "--no-progress"]) == EXIT_ITEM_ERRORS
     return d
@@ -85,12 +97,14 @@ def test_eval_scores_clips_and_lists_as_run_does(folder: Path,
     assert got == evaluate(join(read_results(folder / "run.jsonl"),
                                 read_labels(folder / "m.jsonl"))).as_json()
     assert (got["labelled"], got["answered"], got["failed"]) == (8, 6, 2)
-    want = {"red": ["yes", "no", "yes"], "shape": ["circle", "square", "triangle"]}
-    for qid, expected in want.items():  # counted here from run's lines
-        answers = [d["answer"] for d in run if d["question_id"] == qid and not d["error"]]
-        assert got["questions"][qid]["answered"] == 3
+    labels = {(x["id"], q["id"]): q["expected"] for x in lines_of(folder / "m.jsonl")
+              for q in x["questions"]}
+    for qid in ("red", "shape"):  # counted here from run's lines
+        answered = [d for d in run if d["question_id"] == qid and not d["error"]]
+        assert got["questions"][qid]["answered"] == len(answered) == 3
         assert got["questions"][qid]["accuracy"] == pytest.approx(
-            sum(a == e for a, e in zip(answers, expected)) / 3)
+            sum(d["answer"] == labels[(d["id"], qid)] for d in answered) / 3)
+    assert got["questions"]["red"]["accuracy"] == 0.0  # the labels say so
     clip = next(d for d in run if d["id"] == "clip")
     assert clip["frames"] == 4 and clip["seconds"] == [0.08, 0.28, 0.48, 0.68]  # InternVL
 
