@@ -30,7 +30,7 @@ from vlmbatch.inputs.manifest import (
 )
 from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.tasks import checked, prompt_limits
-from vlmbatch.outputs.sinks import GroupWriter, format_of
+from vlmbatch.outputs.sinks import GroupWriter, format_of, has_clips
 from vlmbatch.pipeline.drive import drive, groups_of
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.pipeline.questions import ManifestError
@@ -97,7 +97,7 @@ def run(cfg: RunConfig, out: IO[str] | None = None, hooks: FaultHooks = NO_HOOKS
     hooks.loading()
     engine = build_engine(cfg.model, cfg.engine, cfg.threads)
     n_q = sum(len(it.questions) for it in items)
-    sink = GroupWriter(cfg.out, fmt, openai, out)
+    sink = GroupWriter(cfg.out, fmt, openai, out, has_clips(items))
     failed_images = failed_q = 0
     start = time.perf_counter()
     bar = tqdm(total=n_q, unit="q", disable=not cfg.progress, file=sys.stderr,

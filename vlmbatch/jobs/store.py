@@ -325,6 +325,14 @@ class JobStore:
                                           (idx,)).fetchone()
             yield self._parsed(idx, lambda: (parse_spec(spec), [parse(d) for d in lines]))
 
+    def holds_clips(self) -> bool:
+        """Whether any item is a clip (``{"video": ...}``: ``image_item_to_json``), so its
+        results carry ``frames`` and ``seconds`` columns (``outputs/sinks.py``)."""
+        with self._sql():
+            return self.db.execute(
+                "SELECT 1 FROM items WHERE json_type(spec, '$.image.video') IS NOT NULL "
+                "LIMIT 1").fetchone() is not None
+
     def _parsed(self, idx: int, read: Callable[[], Any]) -> Any:
         try:
             return read()

@@ -35,6 +35,7 @@ from vlmbatch.jobs.folder import (
 )
 from vlmbatch.jobs.store import JobStore, image_item_from_json
 from vlmbatch.labels.read import Scored, scored
+from vlmbatch.pipeline.media_inputs import ImageList, VideoInput
 from vlmbatch.pipeline.questions import ManifestError
 from vlmbatch.pipeline.records import ImageItem
 
@@ -46,10 +47,12 @@ EDGE = 1e-6  # result lines hold P(yes) in 6 decimals: 0 and 1 are this close to
 
 @dataclass(frozen=True)
 class Shown:
-    """An answer the page shows: its line, where its image is, its label (None: none)."""
+    """An answer the page shows: its line, where its image is, its label (None: none), and
+    the item's media when it is a list of images or a clip (``thumbnails.py``)."""
     s: Scored
     image: tuple[str, Path]  # (source, base folder): where the thumbnail is read from
     expected: str | None
+    media: ImageList | VideoInput | None = None
 
 
 Kept = tuple[float, int, Shown]  # a heap entry: (key, -order, answer); orders are distinct
@@ -116,7 +119,7 @@ class QuestionStats:
         return bool(self.labels)
 
     def add(self, s: Scored, expected: str | None, image: tuple[str, Path], keep: int,
-            order: int) -> None:
+            order: int, media: ImageList | VideoInput | None = None) -> None:
         if s.error is not None:
             self.failed += 1
             return
@@ -129,7 +132,7 @@ class QuestionStats:
         d = distance(s, self.threshold)
         if self.closest is None or d < self.closest[0]:
             self.closest = (d, s)
-        shown = Shown(s, image, expected)
+        shown = Shown(s, image, expected, media)
         if d <= NEAR:
             self.near_count += 1
             _keep(self.near, (-d, -order, shown), keep)
@@ -193,4 +196,6 @@ def _add_item(item: ImageItem, lines: list[dict], per_q: dict[str, QuestionStats
         if q is None:
             q = per_q[s.question_id] = QuestionStats(
                 s.question_id, s.question, given.threshold if given else 0.5)
-        q.add(s, given.expected if given else None, (item.source, item.base_dir), keep, order)
+        media = item.image if isinstance(item.image, (ImageList, VideoInput)) else None
+        q.add(s, given.expected if given else None, (item.source, item.base_dir), keep, order,
+              media)

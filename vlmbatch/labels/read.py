@@ -57,6 +57,7 @@ class Scored:
     error: str | None
     error_kind: str | None
     where: str
+    seconds: tuple[float, ...] | None = None  # a clip's line: the frames the model saw
 
     @property
     def is_label_set(self) -> bool:
@@ -103,7 +104,14 @@ def scored(d: object, where: str) -> Scored:
     return Scored(check_id(d["id"], where, "id"), check_id(d["question_id"], where,
                   "question_id"), str(d.get("question", "")), None if error else answer,
                   None if error else p_yes, None if error else pairs, error,
-                  d.get("error_kind"), where)
+                  d.get("error_kind"), where, _seconds(d.get("seconds")))
+
+
+def _seconds(v: object) -> tuple[float, ...] | None:
+    """A clip's line's ``seconds`` (numbers), else None (a line without, or not a list)."""
+    if not isinstance(v, list) or not all(_number(x) for x in v):
+        return None
+    return tuple(float(x) for x in v)
 
 
 def _probs(probs: object, where: str) -> tuple[tuple[str, float], ...]:
@@ -170,7 +178,8 @@ def read_labels(path: Path, policy: Path | None = None) -> dict[Key, Label]:
 
 
 def _is_manifest(path: Path) -> bool:
-    """A manifest line has an "image" (or is an OpenAI request); a labels line has neither."""
+    """A manifest line has an "image", "images" or "video" (or is an OpenAI request); a
+    labels line has none of them."""
     if not path.is_file():
         raise ManifestError(f"labels {path} not found")
     with path.open(encoding="utf-8-sig") as f:
@@ -179,7 +188,8 @@ def _is_manifest(path: Path) -> bool:
         d = json.loads(first)
     except (ValueError, RecursionError):
         return False  # read as labels: the error names the line
-    return isinstance(d, dict) and ("image" in d or "custom_id" in d)
+    return isinstance(d, dict) and any(k in d for k in ("image", "images", "video",
+                                                        "custom_id"))
 
 
 def _label_line(d: object, where: str) -> tuple[Key, Label]:

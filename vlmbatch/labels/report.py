@@ -10,19 +10,16 @@ the borderline rule and the histogram's bins: ``job_stats.py``.
 
 Self-contained: the styles are inline, the charts inline SVG, the thumbnails JPEG ``data:``
 URLs; the page runs no script and loads nothing, so it opens offline, mailed or archived.
-Only the images shown are read again, and shrunk.
+Only the images shown are read again, and shrunk. An item of several images shows them in a
+row; a clip a strip of a few of the frames the model saw (``thumbnails.py``).
 """
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 import math
 from collections import Counter
 from pathlib import Path
-
-from PIL import Image, ImageOps
 
 from vlmbatch.common.atomic import replaced_on_success
 from vlmbatch.labels.job_stats import (
@@ -36,23 +33,10 @@ from vlmbatch.labels.job_stats import (
     sigmoid,
 )
 from vlmbatch.labels.review.loop import export_command, reviewed
-from vlmbatch.preprocessing.sources import SourceError, read_bytes
+from vlmbatch.labels.thumbnails import Picture, image_url, item_pictures
+from vlmbatch.pipeline.media_inputs import VideoInput
 
-
-def thumbnail(image: str, base_dir: Path, size: int = 128) -> str | None:
-    """A JPEG ``data:`` URL of the image shrunk to ``size`` pixels on its longer side (EXIF
-    orientation applied); None when it cannot be read (the page says so)."""
-    try:
-        data = read_bytes(image, base_dir)
-        with Image.open(io.BytesIO(data)) as im:
-            im.draft("RGB", (size, size))  # a JPEG decodes at 1/2..1/8 scale when it can
-            small = ImageOps.exif_transpose(im).convert("RGB")
-        small.thumbnail((size, size))
-        buf = io.BytesIO()
-        small.save(buf, "JPEG", quality=85)
-    except (SourceError, OSError, ValueError, Image.DecompressionBombError):
-        return None
-    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
+thumbnail = image_url  # an image's thumbnail (``thumbnails.py``: lists and clips too)
 
 
 def write_report(job: Path, out: Path, borderline: int = 8, thumb: int = 128,
@@ -82,6 +66,9 @@ figure.right{border:2px solid #2e8540} figure.wrong{border:2px solid #d33}
 .none{width:128px;height:64px;background:#eceff4;display:flex;align-items:center;
 justify-content:center;font-size:11px;color:#667085}
 svg{display:block;margin:6px 0}
+.strip{display:flex;flex-wrap:wrap;gap:2px;justify-content:center;align-items:center}
+.strip img{margin:0} .strip .gap,.strip .more{font-size:11px;
+color:#667085;padding:0 3px}
 """
 
 e = html.escape
@@ -181,9 +168,13 @@ def _sheet(shown: list[Shown], thumb: int) -> str:
 
 def _figure(a: Shown, thumb: int) -> str:
     s = a.s
-    url = thumbnail(a.image[0], a.image[1], thumb)
-    pic = (f'<img src="{url}" alt="{e(s.image_id)}">' if url
-           else '<div class="none">image unreadable</div>')
+    many = item_pictures(a.media, a.image[1], max(thumb // 2, 16), s.seconds)
+    if many is not None:  # a list's images, a clip's strip of frames
+        pic = _strip(*many, s.image_id, "clip" if isinstance(a.media, VideoInput) else "list")
+    else:
+        url = thumbnail(a.image[0], a.image[1], thumb)
+        pic = (f'<img src="{url}" alt="{e(s.image_id)}">' if url
+               else '<div class="none">image unreadable</div>')
     if s.probs is not None:
         what = f"{s.answer} {dict(s.probs).get(str(s.answer), 0.0):.3f}"
     else:
@@ -196,6 +187,18 @@ def _figure(a: Shown, thumb: int) -> str:
         cls = ' class="right"' if right else ' class="wrong"'
     return (f"<figure{cls}>{pic}<figcaption>{e(s.image_id)}<br>{e(what)}{mark}"
             "</figcaption></figure>")
+
+
+def _strip(pictures: list[Picture], more: int, item_id: str, kind: str) -> str:
+    """A row of small pictures (a clip's frames, a list's images), each titled with what it
+    shows ("1.20 s", "image 2"); "+N more" after a list's last shown image."""
+    if not pictures:
+        return f'<div class="none">{"clip" if kind == "clip" else "images"} unreadable</div>'
+    cells = "".join(
+        f'<img src="{p.url}" alt="{e(item_id)} {e(p.title)}" title="{e(p.title)}">' if p.url
+        else f'<span class="gap" title="{e(p.title)}">?</span>' for p in pictures)
+    tail = f'<span class="more">+{more} more</span>' if more else ""
+    return f'<div class="strip {kind}">{cells}{tail}</div>'
 
 
 TICKS = (0.0001, 0.001, 0.01, 0.1, 0.5, 0.9, 0.99, 0.999, 0.9999)  # P(yes) labels

@@ -2,9 +2,11 @@
 (one file, or a dataset of several: a folder of ``part-NNNNN.parquet`` files).
 
 All stream the store in manifest order, so memory stays bounded whatever the job's size. The
-columns are ``Answer.COLUMNS`` (``pipeline/records.py``), for every format. An embedding job's
-results go to an ``EmbeddingSink`` instead (``outputs/embed_sinks.py``: JSONL, Parquet, .npy), or,
-for a job of OpenAI embedding requests, as OpenAI batch output lines (``embed_request_lines``).
+columns are ``Answer.COLUMNS`` (``pipeline/records.py``), for every format, then ``frames``
+and ``seconds`` when the job holds a clip (``outputs/sinks.py``: ``CLIP_COLUMNS``). An
+embedding job's results go to an ``EmbeddingSink`` instead (``outputs/embed_sinks.py``:
+JSONL, Parquet, .npy), or, for a job of OpenAI embedding requests, as OpenAI batch output
+lines (``embed_request_lines``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from vlmbatch.jobs.folder import STORE_FILE, job_format, require_job
 from vlmbatch.jobs.store import JobStore
 from vlmbatch.outputs.embed_sinks import EmbeddingSink
 from vlmbatch.outputs.lines import to_embed_output
-from vlmbatch.outputs.sinks import line_writer
+from vlmbatch.outputs.sinks import clip_row, line_writer
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.pipeline.records import Answer, Embedding
 
@@ -28,9 +30,9 @@ def export_text(job: Path, out: IO[str], fmt: str = "jsonl", hooks: FaultHooks =
     """Every recorded answer to ``out`` as JSONL (OpenAI batch output lines for a job
     submitted in that format) or CSV (our columns for either; ``outputs/sinks.py``)."""
     require_job(job)
-    write = line_writer(out, fmt, job_format(Path(job)) == "openai")
     store = JobStore(Path(job) / STORE_FILE)
     try:
+        write = line_writer(out, fmt, job_format(Path(job)) == "openai", store.holds_clips())
         n = 0
         for a in store.answers():
             write([a])
@@ -55,7 +57,8 @@ def _pyarrow() -> tuple:
 
 def export_parquet(job: Path, path: Path, rows_per_group: int = 65536,
                    hooks: FaultHooks = NO_HOOKS, rows_per_file: int | None = None) -> int:
-    """Every recorded answer as a Parquet row (columns ``Answer.COLUMNS``), written in row
+    """Every recorded answer as a Parquet row (columns ``Answer.COLUMNS``, then ``frames``
+    int64 and ``seconds`` list<double> when the job holds a clip), written in row
     groups: memory stays bounded. ``rows_per_file``: ``path`` is a folder, a Parquet dataset
     of files ``part-00000.parquet``, ... of at most that many rows each, in manifest order
     (``pyarrow.parquet.read_table(path)`` reads them back as one table)."""
@@ -70,9 +73,13 @@ def export_parquet(job: Path, path: Path, rows_per_group: int = 65536,
     store = JobStore(Path(job) / STORE_FILE)
     n, files, writer, in_file = 0, 0, None, 0
     try:
+        clips = store.holds_clips()
+        if clips:
+            schema = schema.append(pa.field("frames", pa.int64())).append(
+                pa.field("seconds", pa.list_(pa.float64())))
         rows: list[dict] = []
         for a in store.answers():
-            rows.append(a.row())
+            rows.append(clip_row(a, seconds_as_text=False) if clips else a.row())
             hooks.exported(n + len(rows))
             if len(rows) == rows_per_group or in_file + len(rows) == per_file:
                 if writer is None:

@@ -6,12 +6,16 @@ Every format is derived from ``pipeline.records.Answer``: a JSONL line is ``Answ
 (``text`` only where the question generates text: its ``max_new_tokens``, else
 --max-new-tokens; ``label``, ``probs`` and ``logprobs`` only for a label-set question); CSV
 has the columns ``RESULT_COLUMNS`` (``Answer.COLUMNS``) in that order (``Answer.row``: the
-two maps as JSON text), a header row, and an empty field for null.
+two maps as JSON text), a header row, and an empty field for null. When the input holds a
+clip, two columns follow (``CLIP_COLUMNS``, ``clip_row``): ``frames`` (how many the model
+saw) and ``seconds`` (their times, as JSON text: ``[0.0, 0.5]``), empty on other items'
+rows; without a clip the file is as it was, byte for byte.
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import os
 import sys
 import tempfile
@@ -21,10 +25,27 @@ from pathlib import Path
 from typing import IO
 
 from vlmbatch.outputs.lines import write_lines
+from vlmbatch.pipeline.media_inputs import VideoInput
 from vlmbatch.pipeline.records import Answer, ImageItem
 
 RESULT_COLUMNS = tuple(name for name, _ in Answer.COLUMNS)
 TEXT_FORMATS = ("jsonl", "csv")
+# after RESULT_COLUMNS when the input holds a clip (CSV here, Parquet: ``outputs/export.py``)
+CLIP_COLUMNS = ("frames", "seconds")
+
+
+def has_clips(items: list[ImageItem]) -> bool:
+    """Whether any item is a clip: its results then carry ``CLIP_COLUMNS``."""
+    return any(isinstance(it.image, VideoInput) for it in items)
+
+
+def clip_row(a: Answer, seconds_as_text: bool = True) -> dict:
+    """``a.row()`` with ``CLIP_COLUMNS``: ``frames`` and ``seconds`` (JSON text, or a list
+    for Parquet), None on a line that has none (an image, a failed clip)."""
+    seconds = None if a.seconds is None else list(a.seconds)
+    return {**a.row(), "frames": a.frames,
+            "seconds": json.dumps(seconds) if seconds_as_text and seconds is not None
+            else seconds}
 
 
 def format_of(path: Path | None) -> str:
@@ -33,17 +54,19 @@ def format_of(path: Path | None) -> str:
     return {".parquet": "parquet", ".csv": "csv"}.get(suffix, "jsonl")
 
 
-def line_writer(out: IO[str], fmt: str, openai: bool = False
+def line_writer(out: IO[str], fmt: str, openai: bool = False, clips: bool = False
                 ) -> Callable[[list[Answer]], None]:
     """A function writing a list of answers to ``out`` in ``fmt`` (one of
     ``TEXT_FORMATS``; CSV writes its header now). For CSV, open ``out`` with ``newline=""``
-    (``open_text``). ``openai``: JSONL as OpenAI batch output lines."""
+    (``open_text``). ``openai``: JSONL as OpenAI batch output lines. ``clips``: the input
+    holds a clip, so CSV has ``CLIP_COLUMNS`` too (JSONL lines carry them anyway)."""
     if fmt == "csv":
-        writer = csv.DictWriter(out, RESULT_COLUMNS, extrasaction="ignore")
+        writer = csv.DictWriter(out, RESULT_COLUMNS + CLIP_COLUMNS if clips else
+                                RESULT_COLUMNS, extrasaction="ignore")
         writer.writeheader()
 
         def rows(answers: list[Answer]) -> None:
-            writer.writerows(a.row() for a in answers)
+            writer.writerows(clip_row(a) if clips else a.row() for a in answers)
 
         return rows
     if fmt != "jsonl":
@@ -93,13 +116,13 @@ class GroupWriter:
     group, so what is kept never ends inside a line."""
 
     def __init__(self, path: Path | None, fmt: str, openai: bool = False,
-                 out: IO[str] | None = None) -> None:
+                 out: IO[str] | None = None, clips: bool = False) -> None:
         self.path = path if out is None else None  # the file we opened, if any
         self.name = path or Path("<stdout>")
         with naming(self.name):
             self.file = open_text(self.path, fmt) if self.path else (out or sys.stdout)
         self.good = 0  # bytes of whole groups in self.path
-        self._write = line_writer(self.file, fmt, openai)  # CSV: the header, not yet flushed
+        self._write = line_writer(self.file, fmt, openai, clips)  # CSV: the header, unflushed
 
     def write(self, items: list[ImageItem], answers: list[list[Answer]]) -> None:
         """One group's answers (each item's, in order): the drive loop's sink."""
