@@ -71,6 +71,12 @@ def p_yes(r: openai.types.chat.ChatCompletion) -> float:
     return math.exp(top["yes"])
 
 
+def margin(r: openai.types.chat.ChatCompletion) -> float:
+    """The logit margin, unrounded: log P(yes) - log P(no) of the two entries."""
+    top = {t.token: t.logprob for t in r.choices[0].logprobs.content[0].top_logprobs}
+    return top["yes"] - top["no"]
+
+
 def ask(client: openai.OpenAI, *media: tuple[str, str], **extra: object):  # noqa: ANN201
     b = body(*media)
     return client.chat.completions.create(
@@ -91,7 +97,8 @@ def test_a_clip_is_answered_as_the_api_answers_it(client: openai.OpenAI, clips: 
     r = ask(client, ("video_url", url), mm_processor_kwargs={"num_frames": 4})
     (want,) = vlm.ask([vlmbatch.video(path, num_frames=4)], [Q])
     assert want.p_yes is not None and want.seconds is not None
-    assert p_yes(r) == pytest.approx(want.p_yes, abs=2e-6)
+    assert p_yes(r) == pytest.approx(want.p_yes, abs=2e-6)  # want: rounded to 1e-6
+    assert margin(r) == pytest.approx(want.margin, abs=1e-4)  # want: rounded to 1e-4
     assert r.choices[0].message.content == want.answer
     seen = r.model_extra["vlmbatch"]
     idx = segment_middles(20, 4)
@@ -110,6 +117,7 @@ def test_sampling_settings_reach_the_frames(client: openai.OpenAI, clips: Path,
     (want,) = vlm.ask([vlmbatch.video(clips / "clip.mkv", fps=10)], [Q])
     assert want.p_yes is not None
     assert p_yes(r) == pytest.approx(want.p_yes, abs=2e-6)
+    assert margin(r) == pytest.approx(want.margin, abs=1e-4)
     r = ask(client, ("video_url", url), mm_processor_kwargs={"num_frames": 2})
     assert r.model_extra["vlmbatch"]["seconds"] == [i / 25 for i in segment_middles(20, 2)]
     r = ask(client, ("video_url", url))  # none given: the checkpoint's 8 (InternVL's card)
@@ -124,6 +132,7 @@ def test_two_images_are_one_prompt_in_order(client: openai.OpenAI, vlm: vlmbatch
     (want,) = vlm.ask([[a, b]], [Q])
     assert want.p_yes is not None
     assert p_yes(ab) == pytest.approx(want.p_yes, abs=2e-6)
+    assert margin(ab) == pytest.approx(want.margin, abs=1e-4)
     assert "frames" not in ab.model_extra["vlmbatch"]
     assert ab.model_extra["vlmbatch"]["image_tokens"] == want.image_tokens
     # the order reaches the model: the swapped pair is another prompt
