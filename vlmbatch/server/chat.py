@@ -53,6 +53,7 @@ from vlmbatch.engine.loading import label_set_checker, text_tokens
 from vlmbatch.engine.records import Item, Score
 from vlmbatch.inputs.openai_batch import parse_request
 from vlmbatch.outputs.lines import vlmbatch_fields
+from vlmbatch.pipeline.media_inputs import ImageList, VideoInput
 from vlmbatch.pipeline.questions import ManifestError, PromptLimits, PromptTooLong, Question
 from vlmbatch.pipeline.records import Answer, ImageItem
 from vlmbatch.preprocessing.prepare import PreparedImage
@@ -288,10 +289,11 @@ class Chat:
             if choices := item.questions[0].choices:
                 self.check_choices(choices)
             media = item.image
+            assert isinstance(media, (str, ImageList, VideoInput))  # parse_request's kinds
             image: Item = await (self.image(media) if isinstance(media, str) else
                                  prepare_media(media, self.image, self.images,
-                                               self.engines.video_plan))  # type: ignore[arg-type]
-            future = self.engines.ask(item.questions[0], image)  # type: ignore[arg-type]
+                                               self.engines.video_plan))
+            future = self.engines.ask(item.questions[0], image)
         score = await future
         return req, completion(req, item, cfg.served_model_name, score, self.words, image)
 
