@@ -13,6 +13,7 @@ import pytest
 from vlmbatch.cli.commands import EXIT_ITEM_ERRORS
 from vlmbatch.cli.main import main
 from vlmbatch.inputs.manifest import manifest_format, read_manifest
+from vlmbatch.pipeline.media_inputs import MAX_IMAGES, ImageList, SamplingKeys, VideoInput
 from vlmbatch.pipeline.questions import ManifestError, Question
 
 
@@ -51,12 +52,43 @@ def test_parse_requests(tmp_path: Path, png_url: str) -> None:
     ({**request("x", "a.png"), "url": "/v1/embeddings"}, "not supported"),
     (request("x", "a.png", text=""), "no text"),
     ({"custom_id": "x", "body": {"messages": [{"role": "user", "content": "no image"}]}},
-     "exactly one image_url"),
+     "needs an image_url or a video_url part"),
 ])
 def test_bad_requests_name_the_line(tmp_path: Path, bad: dict, msg: str) -> None:
     m = write(tmp_path / "b.jsonl", [request("ok", "a.png"), bad])
     with pytest.raises(ManifestError, match=rf"b\.jsonl:2: .*{msg}"):
         read_manifest(m)
+
+
+def test_several_images_and_a_clip_per_line(tmp_path: Path) -> None:
+    """Several ``image_url`` parts are one item (an ``ImageList``, in order); a ``video_url``
+    part a clip sampled by ``mm_processor_kwargs`` (``inputs/chat_media.py``); the
+    limits and bad keys name the line."""
+    def line(cid: str, *media: tuple[str, str], **extra: object) -> dict:
+        r = request(cid, "x.png")
+        r["body"]["messages"][1]["content"] = [{"type": k, k: {"url": u}} for k, u in media] \
+            + [{"type": "text", "text": "Red?"}]
+        r["body"].update(extra)
+        return r
+
+    m = write(tmp_path / "b.jsonl", [
+        line("pair", ("image_url", "b.png"), ("image_url", "a.png")),
+        line("clip", ("video_url", "c.mkv"), mm_processor_kwargs={"fps": 2, "max_frames": 8}),
+        line("bare", ("video_url", "c.mkv"))])
+    pair, clip, bare = read_manifest(m)
+    assert pair.image == ImageList(("b.png", "a.png"))
+    assert clip.image == VideoInput("c.mkv", SamplingKeys(2.0, None, 8))
+    assert bare.image == VideoInput("c.mkv", SamplingKeys())
+    for bad, msg in [
+            (line("x", *[("image_url", "a.png")] * (MAX_IMAGES + 1)), f"limit of {MAX_IMAGES}"),
+            (line("x", ("video_url", "c.mkv"), ("video_url", "d.mkv")), "at most 1 clip"),
+            (line("x", ("video_url", "c.mkv"), ("image_url", "a.png")), "not both"),
+            (line("x", ("video_url", "c.mkv"), mm_processor_kwargs={"num_frames": 0}),
+             "num_frames must be a whole number >= 1"),
+            (line("x", ("image_url", "a.png"), mm_processor_kwargs={"fps": 1}),
+             "needs a video_url part")]:
+        with pytest.raises(ManifestError, match=rf"b\.jsonl:1: .*{msg}"):
+            read_manifest(write(tmp_path / "b.jsonl", [bad]))
 
 
 def test_structured_output_choices(tmp_path: Path, png_url: str) -> None:

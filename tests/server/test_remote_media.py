@@ -8,6 +8,7 @@ image answered as the same image sent as a data: URL, refused URLs a 400
 
 from __future__ import annotations
 
+import base64
 import ipaddress
 import json
 import time
@@ -259,3 +260,33 @@ def test_batch_line_refused_alone(server: Server, remote: LoopbackServer) -> Non
     ps = [out[c]["response"]["body"]["vlmbatch"]["p_yes"] for c in ("ok", "inline")]
     assert ps[0] == pytest.approx(ps[1], abs=1e-6)
     assert remote.requests["/img/b.png"] == 0
+
+
+def test_a_clip_from_an_allowed_host_answers_as_its_data_url(
+        server: Server, remote: LoopbackServer) -> None:
+    """A ``video_url`` part under the images' fetch policy (``server/chat_media.py``): the
+    allowed host's clip answered as the same bytes inline; a loopback host refused by the
+    guard, a 400 naming the part."""
+    from tests.preprocessing.video_clips import frames, make_clip
+
+    clip = make_clip(frames(10, 32, 32))
+    remote.files["c.mkv"] = clip
+    inline = "data:video/x-matroska;base64," + base64.b64encode(clip).decode()
+
+    def ask(url: str) -> dict:
+        r = server.openai().chat.completions.create(
+            model="vlmbatch", max_tokens=1, extra_body={"mm_processor_kwargs": {"num_frames": 2}},
+            messages=[{"role": "user", "content": [
+                {"type": "video_url", "video_url": {"url": url}},
+                {"type": "text", "text": RED}]}])
+        return dict(r.model_extra["vlmbatch"])
+
+    got, want = ask(remote.url("/img/c.mkv")), ask(inline)
+    assert got["p_yes"] == pytest.approx(want["p_yes"], abs=1e-6)
+    assert got["seconds"] == want["seconds"] and got["frames"] == 2, (got, want)
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(f"http://localhost:{remote.httpd.server_port}/img/c.mkv")
+    err = e.value.body
+    assert err["code"] == "invalid_video_url" and "SSRF guard" in err["message"], err
+    assert err["message"].startswith("video_url part: "), err
+    assert remote.requests["/img/c.mkv"] == 1  # fetched once; the refused one never

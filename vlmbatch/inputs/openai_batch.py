@@ -8,18 +8,21 @@ Input line (one chat completion request)::
          {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}},
          {"type": "text", "text": "Is there a red shape?"}]}]}}
 
-Each request becomes one item with one question (its text parts joined) about its one image
-(the only ``image_url`` part). Every key is checked, at every level: the line's (``custom_id``,
-``method``, ``url``, ``body``), the body's (the parameters OpenAI's chat completions define,
-plus vLLM's label-set names; sampling ones are ignored, answers being greedy), a message's
-(by its role), a user content part's (``text`` or ``image_url`` parts only) and an
-``image_url`` object's: an unknown one is refused naming it, never ignored. ``file://`` and
-``data:`` URLs and local paths are read; http(s) (and s3/gs/az) URLs are fetched by the fetch
-stage, a failure that item's ``source`` error (``docs/data_sources.md``; the server refuses
-them unless ``--allow-remote-media``). Requests for the same image share its prefix cache
-entry, keyed by pixel content. A body with vLLM's ``structured_outputs: {"choice": [...]}``
-(or ``guided_choice: [...]``, its older name) asks a label-set question: the answer is the
-most probable choice (``Question.choices``).
+Each request becomes one item with one question (its text parts joined) about its media: one
+``image_url`` part, several (one prompt, in order), or one ``video_url`` part sampled by
+``mm_processor_kwargs`` (``chat_media.py``: the parts, their limits and the sampling keys).
+Every key is checked, at every level: the line's (``custom_id``, ``method``, ``url``,
+``body``), the body's (the parameters OpenAI's chat completions define, plus vLLM's
+label-set names and ``mm_processor_kwargs``; sampling ones are ignored, answers being
+greedy), a message's (by its role), a user content part's (``text``, ``image_url`` or
+``video_url`` parts only) and an ``image_url``/``video_url`` object's: an unknown one is
+refused naming it, never ignored. ``file://`` and ``data:`` URLs and local paths are read;
+http(s) (and s3/gs/az) URLs are fetched by the fetch stage, a failure that item's ``source``
+error (``docs/data_sources.md``; the server refuses them unless ``--allow-remote-media``).
+Requests for the same image share its prefix cache entry, keyed by pixel content. A body
+with vLLM's ``structured_outputs: {"choice": [...]}`` (or ``guided_choice: [...]``, its
+older name) asks a label-set question: the answer is the most probable choice
+(``Question.choices``).
 
 Output lines: ``outputs/lines.py``.
 """
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from vlmbatch.inputs.chat_media import KWARGS, media_of
 from vlmbatch.pipeline.questions import (
     ManifestError,
     Question,
@@ -48,12 +52,13 @@ BODY_KEYS = frozenset({
     "tool_choice", "parallel_tool_calls", "functions", "function_call", "metadata", "store",
     "service_tier", "reasoning_effort", "modalities", "audio", "prediction", "verbosity",
     "web_search_options", "prompt_cache_key", "safety_identifier",
-    "structured_outputs", "guided_choice"})
+    "structured_outputs", "guided_choice", KWARGS})
 _TURN = frozenset({"role", "content", "name"})
 MESSAGE_KEYS = {"system": _TURN, "developer": _TURN, "user": _TURN,
                 "assistant": _TURN | {"tool_calls", "refusal", "audio", "function_call"},
                 "tool": _TURN | {"tool_call_id"}}
-PART_KEYS = {"text": frozenset({"type", "text"}), "image_url": frozenset({"type", "image_url"})}
+PART_KEYS = {"text": frozenset({"type", "text"}), "image_url": frozenset({"type", "image_url"}),
+             "video_url": frozenset({"type", "video_url"})}  # several media: chat_media.py
 URL_KEYS = frozenset({"url", "detail"})
 
 
@@ -77,26 +82,22 @@ def parse_request(rec: dict, where: str, base_dir: Path) -> ImageItem:
         raise ManifestError(f"{where}: body.messages must be a non-empty list")
     check_keys(body, BODY_KEYS, where, "a chat completion body (OpenAI's parameters; those "
                "that sample are ignored: answers are greedy)", "body ")
-    texts: list[str] = []
-    images: list[str] = []
-    for i, msg in enumerate(messages):
-        for kind, value in _user_parts(msg, f"body.messages[{i}]", where):
-            (texts if kind == "text" else images).append(value)
-    if len(images) != 1:
-        raise ManifestError(f"{where}: each request needs exactly one image_url part, "
-                            f"found {len(images)}")
+    parts = [p for i, msg in enumerate(messages)
+             for p in _user_parts(msg, f"body.messages[{i}]", where)]
+    image = media_of(parts, body, where)
+    texts = [value for kind, value in parts if kind == "text"]
     question = " ".join(t.strip() for t in texts if t.strip())
     if not question:
         raise ManifestError(f"{where}: no text part to ask")
-    return ImageItem(check_id(rec["custom_id"], where, "custom_id"), images[0],
+    return ImageItem(check_id(rec["custom_id"], where, "custom_id"), image,
                      (Question("q0", question, max_new_tokens=_answer_tokens(rec, where),
                                choices=_choices(body, where)),), base_dir)
 
 
 def _user_parts(msg: object, name: str, where: str) -> list[tuple[str, str]]:
-    """("text", text) and ("image_url", url) of a user message's content, in order; none
-    for another role's (system and assistant turns carry no image or question here). Its
-    keys, its parts' and their ``image_url``'s are checked."""
+    """("text", text), ("image_url", url) and ("video_url", url) of a user message's
+    content, in order; none for another role's (system and assistant turns carry no image or
+    question here). Its keys, its parts' and their ``image_url``'s are checked."""
     if not isinstance(msg, dict):
         raise ManifestError(f"{where}: {name} must be an object, got {brief(msg)}")
     role = msg.get("role")
@@ -116,14 +117,15 @@ def _user_parts(msg: object, name: str, where: str) -> list[tuple[str, str]]:
                                 f"{brief(part)}")
         kind = part.get("type")
         if not isinstance(kind, str) or kind not in PART_KEYS:
-            raise ManifestError(f"{where}: {at}.type must be 'text' or 'image_url', got "
-                                f"{brief(kind)}")
+            raise ManifestError(f"{where}: {at}.type must be 'text', 'image_url' or "
+                                f"'video_url', got {brief(kind)}")
         check_keys(part, PART_KEYS[kind], where, f"a {kind} part", f"{at} ")
         value = part.get(kind)
         if isinstance(value, dict):  # {"url": ..., "detail": ...}
-            check_keys(value, URL_KEYS, where, "an image_url object", f"{at}.image_url ")
+            check_keys(value, URL_KEYS if kind == "image_url" else {"url"}, where,
+                       f"a {kind} object", f"{at}.{kind} ")
             value = value.get("url")
-        if not isinstance(value, str) or (kind == "image_url" and not value):
+        if not isinstance(value, str) or (kind != "text" and not value):
             what = "a string" if kind == "text" else "a url"
             raise ManifestError(f"{where}: {at} needs {what}, got {brief(value)}")
         out.append((kind, value))

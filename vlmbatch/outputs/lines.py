@@ -55,10 +55,13 @@ def to_output(a: Answer) -> dict:
 
 def vlmbatch_fields(a: Answer) -> dict:
     """The completion body's ``vlmbatch`` field: ``p_yes``, ``margin`` and ``image_tokens``,
-    and for a label-set question its ``label``, ``probs`` and ``logprobs`` (``Answer``)."""
+    for a label-set question its ``label``, ``probs`` and ``logprobs``, and for a clip's
+    item ``frames`` and ``seconds``, what the model saw (``Answer``)."""
     out: dict = {"p_yes": a.p_yes, "margin": a.margin, "image_tokens": a.image_tokens}
     if a.choices:
         out.update(label=a.label, probs=a.probs, logprobs=a.logprobs)
+    if a.frames is not None:
+        out.update(frames=a.frames, seconds=list(a.seconds or ()))
     return out
 
 

@@ -11,6 +11,7 @@ of them, is ``vlmbatch/serving/`` (engine processes, the engine thread, the chan
     errors.py          every error in OpenAI's shape; request bodies parsed (``parsed``)
     chat.py            /v1/chat/completions: a request -> its one question -> the engines
                        -> chat.completion (or its ``stream: true`` events)
+    chat_media.py      a chat request's several images or clip prepared into one item
     embeddings.py      /v1/embeddings: requests validated, handed to the embedding backend
     media.py           which image URLs may be read (the media policy)
     media_cache.py     a chat image paid for once: kept prepared by the content hash of

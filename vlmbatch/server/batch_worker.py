@@ -51,7 +51,7 @@ from vlmbatch.server.batches import (
 )
 from vlmbatch.server.config import ServerConfig
 from vlmbatch.server.files import FileStore
-from vlmbatch.server.media import MediaRefused, check_image_url
+from vlmbatch.server.media import MediaRefused, check_image_url, media_urls
 from vlmbatch.serving.errors import APIError
 
 log = logging.getLogger("vlmbatch.server")
@@ -75,8 +75,9 @@ def input_errors(path: Path, cfg: ServerConfig) -> list[dict]:
         for lineno, item in iter_manifest(path, limits=limits):
             try:
                 # an http(s) host is checked when the line is fetched: that line's error
-                check_image_url(str(item.image), cfg.allowed_local_media_path,
-                                cfg.remote_media, hosts=False)
+                for url in media_urls(item.image):
+                    check_image_url(url, cfg.allowed_local_media_path, cfg.remote_media,
+                                    hosts=False)
             except MediaRefused as e:
                 errors.append(line_error(str(e), lineno, "invalid_image_url"))
                 if len(errors) >= MAX_ERRORS:

@@ -10,7 +10,9 @@ to the engines (``serving.engines.Engines.submit``) and answered when its engine
 done (``Chat``); the event loop never blocks on the model.
 
 A request is read exactly as a line of an OpenAI batch file is (``inputs.openai_batch``):
-one ``image_url`` part, its text parts joined as the question, ``max_completion_tokens``
+one ``image_url`` part (several: one prompt holding them in order; or one ``video_url``
+part sampled by ``mm_processor_kwargs``: ``chat_media.py``), its text parts joined as the
+question, ``max_completion_tokens``
 (else ``max_tokens``) above 1 asking for a text answer of up to that many tokens, 1 or
 absent for the thresholded yes/no. So an interactive answer equals the batch line for the
 same request.
@@ -48,12 +50,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vlmbatch.engine.config import ConfigError
 from vlmbatch.engine.loading import label_set_checker, text_tokens
-from vlmbatch.engine.records import Score
+from vlmbatch.engine.records import Item, Score
 from vlmbatch.inputs.openai_batch import parse_request
 from vlmbatch.outputs.lines import vlmbatch_fields
+from vlmbatch.pipeline.media_inputs import ImageList, VideoInput
 from vlmbatch.pipeline.questions import ManifestError, PromptLimits, PromptTooLong, Question
 from vlmbatch.pipeline.records import Answer, ImageItem
 from vlmbatch.preprocessing.prepare import PreparedImage
+from vlmbatch.server.chat_media import VideoPart, prepare_media
 from vlmbatch.server.config import ServerConfig
 from vlmbatch.server.errors import STRICT, bad_request, error_body, log, parsed
 from vlmbatch.server.media_cache import MediaCache
@@ -82,7 +86,7 @@ class ImagePart(BaseModel):
     image_url: ImageURL
 
 
-Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+Part = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
 class Message(BaseModel):
@@ -117,6 +121,8 @@ class ChatRequest(BaseModel):
     # a label set (vLLM's names; inputs.openai_batch reads them from the body)
     structured_outputs: dict[str, Any] | None = None
     guided_choice: list[str] | None = None
+    # a clip's sampling (vLLM's name; inputs.chat_media reads fps, num_frames, max_frames)
+    mm_processor_kwargs: dict[str, Any] | None = None
 
 
 def question_of(req: ChatRequest, max_prompt_chars: int, max_tokens: int) -> ImageItem:
@@ -139,7 +145,7 @@ def question_of(req: ChatRequest, max_prompt_chars: int, max_tokens: int) -> Ima
         item = parse_request({"custom_id": "request", "body": body}, "request", ROOT_DIR)
     except ManifestError as e:
         raise bad_request(str(e).removeprefix("request: ").replace("body.", ""),
-                          "messages", "invalid_value") from None
+                          getattr(e, "param", "messages"), "invalid_value") from None
     if (n := item.questions[0].prompt_chars) > max_prompt_chars:  # as a batch line's check
         raise bad_request(f"the question is {n:,} characters, over this server's limit of "
                           f"{max_prompt_chars:,} (--max-prompt-chars)", "messages",
@@ -180,10 +186,11 @@ def label_logprobs(a: Answer, top: int) -> dict[str, Any]:
 
 
 def completion(req: ChatRequest, item: ImageItem, model: str, s: Score,
-               words: tuple[str, str]) -> dict:
+               words: tuple[str, str], prepared: Item | None = None) -> dict:
     """The ``chat.completion`` for ``item``'s score ``s``, with ``vlmbatch: {p_yes, margin,
-    image_tokens}`` (a label set's: also ``label``, ``probs``, ``logprobs``)."""
-    a = Answer.scored(item.id, item.questions[0], s)  # rounded and thresholded as a job's
+    image_tokens}`` (a label set's: also ``label``, ``probs``, ``logprobs``; a clip's
+    ``prepared`` item: also ``frames`` and ``seconds``, what the model saw)."""
+    a = Answer.scored(item.id, item.questions[0], s).seen(prepared)  # as a job's line
     text = a.text if a.text is not None else a.answer
     if not req.logprobs:
         lp = None
@@ -281,10 +288,14 @@ class Chat:
             self.check_context(item.questions[0])
             if choices := item.questions[0].choices:
                 self.check_choices(choices)
-            image = await self.image(item.source)
+            media = item.image
+            assert isinstance(media, (str, ImageList, VideoInput))  # parse_request's kinds
+            image: Item = await (self.image(media) if isinstance(media, str) else
+                                 prepare_media(media, self.image, self.images,
+                                               self.engines.video_plan))
             future = self.engines.ask(item.questions[0], image)
         score = await future
-        return req, completion(req, item, cfg.served_model_name, score, self.words)
+        return req, completion(req, item, cfg.served_model_name, score, self.words, image)
 
 
     async def image(self, url: str) -> PreparedImage:

@@ -17,7 +17,8 @@ Accepted (OpenAI's contract, plus the two image forms other servers take):
   ``EmbedRefused`` (a 400) over the same limits, passed in ``EmbedOptions``.
 - images as ``data:`` (or allowed ``file://``) URLs in ``input`` with ``"modality": "image"``
   (as Infinity does), or as chat-style ``messages``: their text parts and at most one image
-  make one input, one embedding per request (as vLLM does).
+  make one input, one embedding per request (as vLLM does); a ``video_url`` part is
+  refused (a 400 naming it: clips are not embedded).
 - ``encoding_format``: ``float`` (default) or ``base64``, little-endian float32 bytes (what
   the official clients ask for by default and decode); ``dimensions``: truncate (the
   backend re-normalises), at most its native size.
@@ -37,6 +38,7 @@ from starlette.concurrency import run_in_threadpool
 
 from vlmbatch.preprocessing.sources import SourceError, read_bytes
 from vlmbatch.server.chat import ImagePart, Message, TextPart, require_model
+from vlmbatch.server.chat_media import VideoPart
 from vlmbatch.server.config import ServerConfig
 from vlmbatch.server.errors import STRICT, bad_request, parsed
 from vlmbatch.server.media import MediaRefused, check_image_url
@@ -130,6 +132,12 @@ def _from_messages(messages: list[Message], allowed: Path | None) -> EmbedInput:
             if isinstance(part, ImagePart):
                 images.append(_image(part.image_url.url, allowed,
                                      f"messages[{m}].content[{p}].image_url.url"))
+            elif isinstance(part, VideoPart):
+                at = f"messages[{m}].content[{p}]"
+                raise bad_request(f"{at}: a video_url part cannot be embedded (this server "
+                                  "embeds text and still images); send frames as image_url "
+                                  "parts in separate requests, or ask about the clip with "
+                                  "/v1/chat/completions", at, "unsupported_media")
             elif part.text.strip():
                 texts.append(part.text)
     if len(images) > 1:

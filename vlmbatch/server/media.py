@@ -14,6 +14,9 @@ The policy (``check_image_url``), checked before anything is read:
 - every other scheme, and bare paths: refused (a bare path would be read relative to the
   server's folder).
 
+A request's clip (``video_url``) and each of its several images pass the same check
+(``media_urls``: every URL an item reads).
+
 The check parses a URL exactly as ``preprocessing.sources.read_bytes`` will read it
 (``unquote(urlparse(url).path)``), so what is checked is what is read. A ``MediaRefused``
 carries the reason; the server answers it with a 400.
@@ -32,6 +35,7 @@ import os
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from vlmbatch.pipeline.media_inputs import ImageList, VideoInput
 from vlmbatch.preprocessing.guard import check_url_host
 from vlmbatch.preprocessing.limits import MediaGuard
 from vlmbatch.preprocessing.sources import SourceError
@@ -68,6 +72,16 @@ def check_image_url(url: str, allowed: Path | None, remote: MediaGuard | None = 
         raise MediaRefused("file:// image URLs are refused: the server was not started with "
                            "--allowed-local-media-path; send a data: URL instead")
     return local_url(url, allowed)
+
+
+def media_urls(media: object) -> list[str]:
+    """The URLs an item's media reads, each to check: one image's, each of several images'
+    (an ``ImageList``), a clip's (a ``VideoInput``)."""
+    if isinstance(media, ImageList):
+        return [str(u) for u in media.images]
+    if isinstance(media, VideoInput):
+        return [str(media.source)]
+    return [str(media)]
 
 
 def local_url(url: str, allowed: Path) -> str:

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from vlmbatch.engine.records import Item, MediaItem
 from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.serving.messages import Packed
 
@@ -149,7 +150,9 @@ class Residents:
         self._lock = threading.Lock()
         self.bytes = 0  # of the images kept
 
-    def hold(self, image: PreparedImage) -> Packed:
+    def hold(self, image: Item) -> Packed:
+        if isinstance(image, MediaItem):  # several images or a clip: pickled whole
+            return Packed(image)
         key = image.cache_key
         with self._lock:
             entry = self._held.get(key)

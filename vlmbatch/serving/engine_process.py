@@ -72,7 +72,7 @@ def build_engines(cfg: ServingConfig) -> tuple[Engine, Engine | None]:
 
 def engine_info(engine: Engine, embed_engine: Engine | None) -> EngineInfo:
     return EngineInfo(engine.image_plan, embed_engine.image_plan if embed_engine else None,
-                      embed_dims(embed_engine) if embed_engine else None)
+                      embed_dims(embed_engine) if embed_engine else None, engine.video_plan)
 
 
 class Outbox:

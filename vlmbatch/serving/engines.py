@@ -19,18 +19,22 @@ from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vlmbatch.engine.base import Engine
-from vlmbatch.engine.records import Score
+from vlmbatch.engine.records import Item, Score
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.pipeline.questions import Question
 from vlmbatch.pipeline.records import Embedding, EmbedItem
 from vlmbatch.pipeline.task import Prepared
-from vlmbatch.preprocessing.prepare import ImagePlan, PreparedImage
+from vlmbatch.preprocessing.prepare import ImagePlan
 from vlmbatch.serving.config import ServingConfig
 from vlmbatch.serving.embed import embed_dims, embed_prepared
 from vlmbatch.serving.messages import Counters
 from vlmbatch.serving.scheduler import BatchEvents, Scheduler
+
+if TYPE_CHECKING:
+    from vlmbatch.preprocessing.video_plan import VideoPlan
 
 
 @dataclass
@@ -46,6 +50,7 @@ class EngineView:
 class Engines(ABC):
     image_plan: ImagePlan  # how the chat engine's images are prepared (the HTTP side does)
     embed_plan: ImagePlan | None = None  # the embedding engine's (None: no embeddings)
+    video_plan: VideoPlan | None = None  # how the chat engine's clips are (None: no clips)
     embed_dims: int | None = None  # a pooled embedding's full size
     restarts: int = 0  # engine processes started again after one died
     base: Counters  # counters of engine processes that have died (metrics add them)
@@ -59,11 +64,11 @@ class Engines(ABC):
         """A context manager around a request's parsing and image preparation."""
 
     @abstractmethod
-    def submit(self, question: Question, image: PreparedImage) -> Future[Score]:
+    def submit(self, question: Question, image: Item) -> Future[Score]:
         """``question`` about ``image``, answered in the future (an ``APIError`` there or
         here: 429 queue full, 503 no engine up)."""
 
-    def ask(self, question: Question, image: PreparedImage) -> asyncio.Future[Score]:
+    def ask(self, question: Question, image: Item) -> asyncio.Future[Score]:
         """``submit`` from the event loop (called on its thread): the answer as the loop's
         own future."""
         return asyncio.wrap_future(self.submit(question, image))
@@ -99,7 +104,7 @@ class LocalEngines(Engines):
     def __init__(self, engine: Engine, cfg: ServingConfig, hooks: FaultHooks = NO_HOOKS,
                  embed_engine: Engine | None = None) -> None:
         self.engine, self.cfg, self.hooks, self.embed_engine = engine, cfg, hooks, embed_engine
-        self.image_plan = engine.image_plan
+        self.image_plan, self.video_plan = engine.image_plan, engine.video_plan
         self.base = Counters()
         if embed_engine is not None:
             self.embed_plan, self.embed_dims = embed_engine.image_plan, embed_dims(embed_engine)
@@ -111,7 +116,7 @@ class LocalEngines(Engines):
     def arriving(self) -> AbstractContextManager[None]:
         return self.scheduler.arriving()
 
-    def submit(self, question: Question, image: PreparedImage) -> Future[Score]:
+    def submit(self, question: Question, image: Item) -> Future[Score]:
         return self.scheduler.submit(question, image)
 
     def embed(self, dims: int | None, p: Prepared[EmbedItem]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vlmbatch.pipeline.hooks import FaultHooks
 from vlmbatch.pipeline.questions import Question
@@ -30,13 +30,16 @@ from vlmbatch.preprocessing.prepare import ImagePlan
 from vlmbatch.serving.config import ServingConfig
 from vlmbatch.serving.errors import APIError, EmbedRefused
 
+if TYPE_CHECKING:
+    from vlmbatch.preprocessing.video_plan import VideoPlan
+
 
 @dataclass(frozen=True)
 class Packed:
     """A prepared image as the engine process reads it: its arrays' layout in the arena
     (``(field, offset, shape, dtype)`` each) and the image without them (``meta``), or the
     whole image pickled (``layout`` None: it did not fit the arena's free space)."""
-    meta: Any  # PreparedImage (its arrays None when in the arena)
+    meta: Any  # PreparedImage (its arrays None when in the arena), or a MediaItem whole
     layout: tuple[tuple[str, int, tuple[int, ...], str], ...] | None = None
     region: tuple[int, int] | None = None  # (offset, bytes) in the arena
     key: str = ""  # the image's cache key (``channel.Residents`` keeps regions by it)
@@ -92,6 +95,7 @@ class EngineInfo:
     image_plan: ImagePlan  # how the chat engine's images are prepared (the HTTP side does)
     embed_plan: ImagePlan | None  # the embedding engine's; None: no embeddings
     embed_dims: int | None  # a pooled embedding's full size
+    video_plan: VideoPlan | None = None  # the chat engine's clips (None: it takes none)
 
 
 @dataclass(frozen=True)

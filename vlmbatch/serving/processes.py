@@ -37,12 +37,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from vlmbatch.common.children import child_env, python_module
-from vlmbatch.engine.records import Score
+from vlmbatch.engine.records import Item, Score
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.pipeline.questions import Question
 from vlmbatch.pipeline.records import Embedding, EmbedItem
 from vlmbatch.pipeline.task import Prepared, stills
-from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.serving.channel import Arena, Arriving, Link, Residents
 from vlmbatch.serving.config import ServingConfig
 from vlmbatch.serving.engines import Engines, EngineView
@@ -283,7 +282,7 @@ class EngineProcesses(Engines):
                 p.stopping = True
                 p.kill()
             raise
-        self.image_plan = infos[0].image_plan
+        self.image_plan, self.video_plan = infos[0].image_plan, infos[0].video_plan
         self.embed_plan, self.embed_dims = infos[0].embed_plan, infos[0].embed_dims
         self.retry_after = max(1, math.ceil(max(p.started_s for p in self.procs)))
 
@@ -323,19 +322,19 @@ class EngineProcesses(Engines):
             self.rid += 1
             return self.rid
 
-    def submit(self, question: Question, image: PreparedImage) -> Future[Score]:
+    def submit(self, question: Question, image: Item) -> Future[Score]:
         f: Future[Score] = Future()
         self._ask(question, image, f)
         return f
 
-    def ask(self, question: Question, image: PreparedImage) -> asyncio.Future[Score]:
+    def ask(self, question: Question, image: Item) -> asyncio.Future[Score]:
         """The loop's own future, settled with the others of the same engine turn in one
         call on the loop (``resolve_on_loops``), not one wake-up per request."""
         f: asyncio.Future[Score] = asyncio.get_running_loop().create_future()
         self._ask(question, image, f)
         return f
 
-    def _ask(self, question: Question, image: PreparedImage,
+    def _ask(self, question: Question, image: Item,
              f: Future | asyncio.Future) -> None:
         p = self._pick(image.cache_key)
         packed = p.residents.hold(image)

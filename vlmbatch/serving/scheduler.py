@@ -55,7 +55,6 @@ from vlmbatch.jobs.job import JobRun
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.pipeline.questions import ManifestError, Question
 from vlmbatch.pipeline.records import request_of
-from vlmbatch.preprocessing.prepare import PreparedImage
 from vlmbatch.serving.config import ServingConfig, absolute
 from vlmbatch.serving.errors import APIError, queue_full, shutting_down
 from vlmbatch.serving.messages import Counters
@@ -92,7 +91,7 @@ ScoreCallback = Callable[[Score | None, BaseException | None], None]
 @dataclass
 class ChatWork:
     question: Question
-    image: PreparedImage
+    image: Item  # a still image, or several parts (MediaItem)
     done: ScoreCallback  # called once, on the engine thread
     future: Future[Score] | None = None  # ``submit``'s (a client gone: cancelled)
 
@@ -182,13 +181,13 @@ class Scheduler:
                         sum(e.stats.prompt_tokens for e in engines),
                         sum(e.stats.prefill_tokens for e in engines), self.depth())
 
-    def submit(self, question: Question, image: PreparedImage) -> Future[Score]:
+    def submit(self, question: Question, image: Item) -> Future[Score]:
         """``question`` about ``image``, answered in the future."""
         f: Future[Score] = Future()
         self.ask(question, image, lambda s, e: settle(f, s, e), f)
         return f
 
-    def ask(self, question: Question, image: PreparedImage, done: ScoreCallback,
+    def ask(self, question: Question, image: Item, done: ScoreCallback,
             future: Future[Score] | None = None) -> None:
         """``question`` about ``image``, answered by calling ``done`` on the engine thread
         (the engine process hands answers on so, with no future per question)."""
