@@ -49,23 +49,22 @@ def qwen_budget_size(layout: QwenVideoLayout, frames: int, height: int, width: i
     q = layout.qwen
     groups, unit = -(-frames // q.temporal), q.factor * q.factor
     cap = budget * unit * frames // groups if layout.clip_budget else budget // groups * unit
-    size = layout.target_size(frames, height, width)
+    cap = min(cap, q.max_pixels)
+    size, tokens = (0, 0), 0
     for _ in range(_RETRIES):
-        tokens = qwen_tokens(layout, frames, size)
-        if tokens <= budget:
-            return size
-        cap = min(cap, q.max_pixels * budget // tokens)
-        if cap < unit * (frames if layout.clip_budget else 1):
+        if cap < unit:
             break
         bounded = dataclasses.replace(q, max_pixels=cap, min_pixels=min(q.min_pixels, cap))
         size = dataclasses.replace(layout, qwen=bounded).target_size(frames, height, width)
-    if qwen_tokens(layout, frames, size) <= budget:
-        return size
-    least = qwen_tokens(layout, frames, (q.factor, q.factor))
-    raise VideoTooLarge(f"the clip's {frames} frames need at least {least:,} visual tokens "
-                        f"({groups} temporal patches), over the budget of {budget:,} "
-                        "(raise --max-video-tokens / the line's max_video_tokens, or sample "
-                        "fewer frames: num_frames, fps, max_frames)", "over_budget")
+        tokens = qwen_tokens(layout, frames, size)
+        if tokens <= budget:
+            return size
+        cap = cap * budget // tokens  # rounding overshot: lower the bound in proportion
+    at = f" (at {size[1]}x{size[0]} px, {tokens:,} tokens)" if tokens else ""
+    raise VideoTooLarge(f"the clip's {frames} frames ({groups} temporal patches) do not fit "
+                        f"the budget of {budget:,} visual tokens at any size{at}: raise "
+                        "--max-video-tokens / the line's max_video_tokens, or sample fewer "
+                        "frames (num_frames, fps, max_frames)", "over_budget")
 
 
 def internvl_frames(budget: int, frame_tokens: int) -> int:
