@@ -9,7 +9,8 @@ most ``B`` (the prompt's text tokens come on top):
   ``floor(B / groups) * f**2`` (``groups`` = temporal patches, ``f`` = patch x merge), the
   bound a user would pass to transformers' processor for the same frames; ``min_pixels``
   follows it down where it is larger. Every frame is resized with that bound, as the
-  processor resizes with it.
+  processor resizes with it. A clip that fits the budget at the checkpoint's own bound is
+  left as it is.
 - Qwen3-VL, Qwen3.5 (a pixel bound over the whole clip): the same, on the clip-wide
   ``max_pixels``: ``floor(B * f**2 * frames / groups)``.
 - InternVL (one tile per frame, ``frame_tokens`` each): the frames are made fewer, never
@@ -50,7 +51,9 @@ def qwen_budget_size(layout: QwenVideoLayout, frames: int, height: int, width: i
     groups, unit = -(-frames // q.temporal), q.factor * q.factor
     cap = budget * unit * frames // groups if layout.clip_budget else budget // groups * unit
     cap = min(cap, q.max_pixels)
-    size, tokens = (0, 0), 0
+    size = layout.target_size(frames, height, width)
+    if (tokens := qwen_tokens(layout, frames, size)) <= budget:
+        return size  # a budget the clip already fits changes nothing
     for _ in range(_RETRIES):
         if cap < unit:
             break
