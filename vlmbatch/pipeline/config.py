@@ -123,7 +123,8 @@ class PrepareConfig:
         "InternVL's frames fewer; a clip that cannot fit is its item's error (a line's "
         "'max_video_tokens' wins; default: no budget)"), NOT_STORED: True})
     # a longer clip is its item's error (``too_large``), refused before a frame is decoded;
-    # kept in job.json (RunConfig version 7), so a resumed job refuses as submitted
+    # kept in job.json (a file without it reads the default), so a resumed job refuses as
+    # it was submitted to
     max_video_seconds: float = field(default=DEFAULT_MAX_VIDEO_SECONDS, metadata=opt(
         "--max-video-seconds", unit=SECONDS, group="video", help="clips longer than this "
         "many seconds are that item's error, refused before any frame is decoded (default "
