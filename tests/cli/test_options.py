@@ -320,7 +320,8 @@ JOB_JSON = (
     '"prepare": {"max_pixels": 100000000, "preprocess_threads": null, "decode_timeout": '
     '30.0, "fetch_concurrency": 32, '
     '"fetch_timeout": 30.0, "fetch_retries": 3, "max_image_bytes": 2097152, "media_guard": '
-    'false, "allowed_media_domains": [], "max_video_seconds": 3600.0}, "executor": {"kind": "local", "ray": {"address": '
+    'false, "allowed_media_domains": [], "max_video_seconds": 3600.0}, "executor": {"kind": '
+    '"local", "ray": {"address": '
     'null, "preprocess_workers": 1, "model_workers": 1, "model_cpus": 1.0}}, "task": '
     '"answer", "embed": {"pooling": null, "dimensions": null, "force_dimensions": false, '
     '"multi_vector": null, "prompt": null, "query_prefix": "", "document_prefix": ""}}')

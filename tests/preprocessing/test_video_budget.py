@@ -61,7 +61,7 @@ def test_the_budget_is_the_processors_bound(frames_: int, h: int, w: int, budget
         assert want is None or qwen_tokens(layout, frames_, want) > budget
         return
     assert qwen_tokens(layout, frames_, got) <= budget
-    own = layout.target_size(frames_, h, w)  # the checkpoint's bound: transformers' (test_video_rows)
+    own = layout.target_size(frames_, h, w)  # the checkpoint's own bound (test_video_rows)
     if budget >= qwen_tokens(layout, frames_, own):
         assert got == own  # a budget it fits changes nothing
     elif want is not None and qwen_tokens(layout, frames_, want) <= budget:
