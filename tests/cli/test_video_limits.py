@@ -122,6 +122,7 @@ def test_one_run_over_every_bad_clip(folder: Path) -> None:
     # the display matrix applied: the model sees the frames as drawn turned
     assert got["rotated"]["p_yes"] == got["upright"]["p_yes"]
     assert got["rotated"]["margin"] == got["upright"]["margin"]
+    assert got["rotated"]["margin"] != got["good"]["margin"]  # its frames unturned: not seen
     # frames 1, 3, 5, 7 of the variable-rate clip, at the times they were written with
     assert got["vfr"]["seconds"] == [0.1, 0.6, 1.6, 3.0]
     # 50 tokens hold 3 frames of 16: transformers' rule for 3 of 8, arange(4/3, 8, 8/3)
