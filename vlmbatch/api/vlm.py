@@ -128,7 +128,8 @@ class VLM:
             max_pixels or p.max_pixels, preprocess_threads,
             p.decode_timeout if decode_timeout is None else decode_timeout,
             max_video_tokens=max_video_tokens,
-            max_video_seconds=max_video_seconds or p.max_video_seconds).options(device)
+            max_video_seconds=p.max_video_seconds if max_video_seconds is None
+            else max_video_seconds).options(device)
         self.hooks = hooks
         count, context = text_tokens(self.model_config.path)
         self.limits = PromptLimits(max_prompt_chars, context, count)
