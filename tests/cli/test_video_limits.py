@@ -177,3 +177,29 @@ def test_the_api_takes_the_limits(folder: Path) -> None:
                                                     max_video_tokens=100)], [Q])
     assert long.error_kind == "too_large" and "over the limit of 10 s" in (long.error or "")
     assert budget.frames == 3 and own.frames == 6  # the run's budget; the clip's own wins
+
+
+def test_a_qwen_clip_under_a_budget_keeps_its_frames(folder: Path, tmp_path: Path) -> None:
+    """Qwen2.5-VL: the budget makes the frames smaller, never fewer; a job keeps a run's
+    --max-video-tokens in its items (folded in at submit, as --fps is)."""
+    import vlmbatch
+
+    with vlmbatch.VLM(vlmbatch.QWEN_MODEL, decode_timeout=0) as vlm:
+        free, small = vlm.ask([vlmbatch.video(folder / "good.mkv", num_frames=4),
+                               vlmbatch.video(folder / "good.mkv", num_frames=4,
+                                              max_video_tokens=10)], [Q])
+    assert free.seconds == small.seconds and free.frames == small.frames == 4
+    # 64x48 frames: the checkpoint's min_pixels (12,544) enlarges them to 140x112, 2 temporal
+    # patches x 4 x 5 merged = 40 tokens; under 10, the stated bound 5 x 28^2 per frame gives
+    # 84x56 with the floor at the bound (rounded up: 12 tokens), 56x56 without: 2 x 2 x 2 = 8
+    assert (free.image_tokens, small.image_tokens) == (40, 8)
+    m = tmp_path / "m.jsonl"
+    m.write_text(json.dumps({"id": "c", "video": str(folder / "good.mkv"), "num_frames": 4,
+                             "questions": [Q]}) + "\n")
+    job = tmp_path / "job"
+    assert main(["submit", str(m), "--model", str(vlmbatch.QWEN_MODEL), "--job", str(job),
+                 "--max-video-tokens", "10"]) == 0
+    assert main(["resume", str(job), "--no-progress"]) == 0
+    assert main(["results", str(job), "--out", str(tmp_path / "r.jsonl")]) == 0
+    r = lines_of(tmp_path / "r.jsonl")["c"]
+    assert r["image_tokens"] == small.image_tokens and r["p_yes"] == small.p_yes

@@ -17,8 +17,9 @@ most ``B`` (the prompt's text tokens come on top):
   smaller: a clip sampled to more than ``B // frame_tokens`` frames is sampled as
   ``num_frames = B // frame_tokens`` instead (transformers' InternVL rule for that count).
 
-Where the processor's rounding lands a size over the budget (a pixel floor, an odd frame
-count under Qwen3-VL's rounding), the bound is lowered again, in proportion, a few times;
+Where the processor's rounding lands a size over the budget (a pixel floor rounded up, an
+odd frame count under Qwen3-VL's rounding), the same bound is tried with the floor at one
+merge unit, then the bound is lowered in proportion, a few times;
 a budget no size meets (fewer tokens than one merge unit per temporal patch, or than one
 frame's tile) raises ``VideoTooLarge`` (reason ``over_budget``), naming what to change.
 ``check_context``: a clip whose visual tokens alone reach the model's context is refused
@@ -57,12 +58,14 @@ def qwen_budget_size(layout: QwenVideoLayout, frames: int, height: int, width: i
     for _ in range(_RETRIES):
         if cap < unit:
             break
-        bounded = dataclasses.replace(q, max_pixels=cap, min_pixels=min(q.min_pixels, cap))
-        size = dataclasses.replace(layout, qwen=bounded).target_size(frames, height, width)
-        tokens = qwen_tokens(layout, frames, size)
-        if tokens <= budget:
-            return size
-        cap = cap * budget // tokens  # rounding overshot: lower the bound in proportion
+        # the pixel floor follows the bound down; where rounding it up overshoots, without it
+        for floor in (min(q.min_pixels, cap), unit):
+            bounded = dataclasses.replace(q, max_pixels=cap, min_pixels=floor)
+            size = dataclasses.replace(layout, qwen=bounded).target_size(frames, height, width)
+            tokens = qwen_tokens(layout, frames, size)
+            if tokens <= budget:
+                return size
+        cap = cap * budget // tokens  # still over: lower the bound in proportion
     at = f" (at {size[1]}x{size[0]} px, {tokens:,} tokens)" if tokens else ""
     raise VideoTooLarge(f"the clip's {frames} frames ({groups} temporal patches) do not fit "
                         f"the budget of {budget:,} visual tokens at any size{at}: raise "
