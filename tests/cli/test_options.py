@@ -302,7 +302,8 @@ def test_a_hub_id_as_model_says_nothing_is_downloaded(argv: list[str],
 # what main's code (before the command layer) serialised for RunConfig(manifest="m.jsonl",
 # engine=EngineConfig(cache_bytes=3 << 20, yes_words=("si", "oui")),
 # prepare=PrepareConfig(max_image_bytes=2 << 20)): job.json's config, version 6 (with
-# --resize's "resize" since; a file without it reads back with the default; "dtype" "auto" is
+# --resize's "resize" and --max-video-seconds' "max_video_seconds" since; a file without
+# them reads back with the defaults; "dtype" "auto" is
 # the default since round 4: the job folder stores what it resolved to, jobs/folder.py)
 JOB_JSON = (
     '{"manifest": "m.jsonl", "images": null, "dataset": null, "image_column": "image", '
@@ -319,7 +320,8 @@ JOB_JSON = (
     '"prepare": {"max_pixels": 100000000, "preprocess_threads": null, "decode_timeout": '
     '30.0, "fetch_concurrency": 32, '
     '"fetch_timeout": 30.0, "fetch_retries": 3, "max_image_bytes": 2097152, "media_guard": '
-    'false, "allowed_media_domains": []}, "executor": {"kind": "local", "ray": {"address": '
+    'false, "allowed_media_domains": [], "max_video_seconds": 3600.0}, "executor": {"kind": '
+    '"local", "ray": {"address": '
     'null, "preprocess_workers": 1, "model_workers": 1, "model_cpus": 1.0}}, "task": '
     '"answer", "embed": {"pooling": null, "dimensions": null, "force_dimensions": false, '
     '"multi_vector": null, "prompt": null, "query_prefix": "", "document_prefix": ""}}')

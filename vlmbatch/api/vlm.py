@@ -100,13 +100,17 @@ class VLM:
     decode (0: decode on threads of this process, no deadline). ``max_prompt_chars``: the
     longest question (text, prompt and system; ``--max-prompt-chars``); a longer one, or one
     longer than the model's context in tokens, raises ``ManifestError`` (a ValueError)
-    naming it, before any work. ``hooks``: fault injection for tests."""
+    naming it, before any work. ``max_video_seconds`` (``--max-video-seconds``): a longer
+    clip is its answers' error; ``max_video_tokens`` (``--max-video-tokens``): each clip's
+    visual token budget where its own ``vlmbatch.video(..., max_video_tokens=)`` gives none.
+    ``hooks``: fault injection for tests."""
 
     def __init__(self, model: str | Path | None = None, *, device: str = "cpu",
                  dtype: str = "auto", images_per_batch: int | None = None,
                  max_pixels: int | None = None, threads: int | None = None,
                  preprocess_threads: int | None = None, decode_timeout: float | None = None,
                  max_prompt_chars: int = MAX_PROMPT_CHARS, hooks: FaultHooks = NO_HOOKS,
+                 max_video_seconds: float | None = None, max_video_tokens: int | None = None,
                  **options: Any) -> None:
         unknown = sorted(set(options) - _MODEL_FIELDS - _ENGINE_FIELDS)
         if unknown:
@@ -122,7 +126,10 @@ class VLM:
         p = PrepareConfig()
         self.prepare = PrepareConfig(  # checked as the CLI's
             max_pixels or p.max_pixels, preprocess_threads,
-            p.decode_timeout if decode_timeout is None else decode_timeout).options(device)
+            p.decode_timeout if decode_timeout is None else decode_timeout,
+            max_video_tokens=max_video_tokens,
+            max_video_seconds=p.max_video_seconds if max_video_seconds is None
+            else max_video_seconds).options(device)
         self.hooks = hooks
         count, context = text_tokens(self.model_config.path)
         self.limits = PromptLimits(max_prompt_chars, context, count)

@@ -56,6 +56,12 @@ class Engine(ABC):
         image, or a ``MediaItem``: several images or a clip, where the engine takes them). A request
         with a label set gets its choices' log-likelihoods (``Score.logprobs``)."""
 
+    def context_error(self, item: Item, request: Request) -> str | None:
+        """Why ``request``'s prompt about ``item`` cannot fit the model's context (a message
+        naming its tokens and the context), None where it fits or this engine does not
+        check; ``score`` must not be given such a request."""
+        return None
+
     def check_choices(self, choices: tuple[str, ...]) -> None:
         """ConfigError (``ChoiceError``) if this engine cannot score the label set ``choices``
         as configured (naming the choices it cannot tell apart); called before any work by

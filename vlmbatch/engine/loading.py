@@ -8,6 +8,7 @@ builds it (``models/``), then the runtime conversions of ``quant/`` are applied 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -23,6 +24,7 @@ from vlmbatch.models.layers import fuse_projections
 from vlmbatch.models.paths import DEFAULT_MODEL
 from vlmbatch.models.registry import family_for, spec_of
 from vlmbatch.preprocessing.prepare import ImagePlan
+from vlmbatch.preprocessing.resize import resize as resize_with
 from vlmbatch.preprocessing.video_plan import VideoPlan, checkpoint_video
 from vlmbatch.quant.checkpoint import check_config, int4_weights
 from vlmbatch.quant.fp8 import Fp8Unavailable, convert_linears_fp8, require_fp8
@@ -200,13 +202,22 @@ _VIDEO_FAMILY = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_vl", "qwen3_vl": "
                  "qwen3_5": "qwen3_vl", "internvl": "internvl", "internvl_chat": "internvl"}
 
 
-def video_plan_for(spec: ModelSpec) -> VideoPlan | None:
+def video_plan_for(spec: ModelSpec, kernel: str = "opencv") -> VideoPlan | None:
     """The checkpoint's clip plan (``preprocessing/video_plan.py``, read as transformers
-    reads its video processor), None for a family that takes no clips."""
+    reads its video processor), None for a family that takes no clips; it knows InternVL's
+    tokens per frame and the model's context (``preprocessing/video_budget.py``). ``kernel``:
+    the image plan's resize kernel (``--resize``), which frames are resized with too: under
+    ``reference`` each family's video processor resizes as its image processor does
+    (torchvision's antialiased bicubic; Pillow's for the original InternVL layout, whose
+    model card tiles each frame as an image)."""
     family = _VIDEO_FAMILY.get(getattr(spec, "model_type", ""))
     if family is None:
         return None
-    return checkpoint_video(spec.path, family)
+    plan = checkpoint_video(spec.path, family)  # with what its token limits need to know
+    resize = None if kernel == "opencv" else functools.partial(resize_with, kernel=kernel)
+    return dataclasses.replace(plan, frame_tokens=int(getattr(spec, "tokens_per_tile", 0)),
+                               context=int(getattr(spec.text, "max_positions", 0) or 0),
+                               resize=resize)
 
 
 def vision_model(model: LoadedModel) -> VisionModel:

@@ -89,7 +89,7 @@ class TorchEngine(Engine):
         self.cfg = cfg
         # the run's plan; by default the checkpoint's under a default ModelConfig
         self.image_plan = image_plan or image_plan_for(model.family, model.spec, ModelConfig())
-        self.video_plan = video_plan_for(model.spec)
+        self.video_plan = video_plan_for(model.spec, getattr(self.image_plan, "resize", "opencv"))
         self.vision = vision or TorchRunner(vision_model(model))
         self.answers = AnswerTokens.from_words(model.tokenizer, cfg.yes_words, cfg.no_words)
         self.cache = PrefixCache(cfg.block_size, cfg.cache_bytes) if cfg.prefix_cache else None
@@ -181,6 +181,18 @@ class TorchEngine(Engine):
             done += self._phase(phase, prompts, image_of, images, embeds, prefixes, forward,
                                 shared=shared)
         return self._read_back(rows, done, len(requests), choices, prompts)
+
+    def context_error(self, item: Item, request: Request) -> str | None:
+        context = int(getattr(self.model.spec.text, "max_positions", 0) or 0)
+        if context <= 0:
+            return None
+        prompt = self._prompt(request, item)
+        if (n := len(prompt.ids)) < context:  # room for the first answer token
+            return None
+        return (f"the prompt of question {request.question[:40]!r} is {n:,} tokens, its "
+                f"images' and frames' included, over the model's context of {context:,} "
+                "(config.json max_position_embeddings): set --max-video-tokens (or the line's "
+                "max_video_tokens), sample fewer frames, or give fewer images")
 
     def _prompt(self, r: Request, item: Item) -> Prompt:
         """``r``'s prompt: about one image (``build``), or an item's parts (``build_parts``)."""

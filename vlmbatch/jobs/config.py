@@ -95,7 +95,8 @@ class RunConfig:
     # Ray options to the executor's; 5: max_pixels, preprocess_threads and decode_timeout in
     # the shared PrepareConfig; 6: tabular and sharded inputs (dataset and its columns), the
     # fetch stage's settings in PrepareConfig, engine.choice_scoring (versions 1-5 read it as
-    # "exact", its default; jobs.folder.load_config reads versions 1-5)
+    # "exact", its default; jobs.folder.load_config reads versions 1-5); fields added since
+    # (model.resize, prepare.max_video_seconds) read as their defaults where a file lacks them
     VERSION: ClassVar[int] = 6
 
     manifest: Path | None = field(default=None, metadata=opt(

@@ -77,7 +77,7 @@ def image_item_to_json(item: ImageItem) -> str:
     a table's row (``{"row": {file, row, column}}``) or a shard's member (``{"member":
     {shard, name, offset, size}}``): where the image is, never its bytes. Several images:
     ``{"images": [each so]}``; a clip: ``{"video": path or URL, "fps", "num_frames",
-    "max_frames"}`` (its sampling keys as given; null: the run's)."""
+    "max_frames", "max_video_tokens"}`` (its sampling keys as given; null: the run's)."""
     image = item.image
     if isinstance(image, ImageList):
         stored: object = {"images": [_image_json(s, item) for s in image.images]}
@@ -130,7 +130,8 @@ def image_item_from_json(text: str) -> ImageItem:
         media = ImageList(tuple(_image(s) for s in image["images"]))
     elif isinstance(image, dict) and "video" in image:
         media = VideoInput(image["video"], SamplingKeys(
-            image.get("fps"), image.get("num_frames"), image.get("max_frames")))
+            image.get("fps"), image.get("num_frames"), image.get("max_frames"),
+            image.get("max_video_tokens")))
     else:
         media = _image(image)
     return ImageItem(d["id"], media, tuple(_question(q) for q in d["questions"]),

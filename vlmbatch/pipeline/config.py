@@ -16,6 +16,7 @@ from vlmbatch.pipeline.media_inputs import SamplingKeys, check_sampling
 from vlmbatch.preprocessing.limits import (
     DEFAULT_MAX_IMAGE_BYTES,
     DEFAULT_MAX_PIXELS,
+    DEFAULT_MAX_VIDEO_SECONDS,
     FetchOptions,
     MediaGuard,
 )
@@ -35,6 +36,7 @@ class PrepareOptions:
     ahead: int = 2
     fetch: FetchOptions = FetchOptions()
     sampling: SamplingKeys = SamplingKeys()  # a clip's, where its item gives none
+    max_video_seconds: float = DEFAULT_MAX_VIDEO_SECONDS  # a longer clip: its item's error
 
 
 def domain_list(text: str) -> tuple[str, ...]:
@@ -115,16 +117,31 @@ class PrepareConfig:
     max_frames: int | None = field(default=None, metadata={**opt(
         "--max-frames", unit=N, group="video", help="at most this many frames per clip (a "
         "line's 'max_frames' wins)"), NOT_STORED: True})
+    max_video_tokens: int | None = field(default=None, metadata={**opt(
+        "--max-video-tokens", unit=N, group="video", help="at most this many visual tokens "
+        "per clip: Qwen-VL's frames are made smaller (the video processor's max_pixels), "
+        "InternVL's frames fewer; a clip that cannot fit is its item's error (a line's "
+        "'max_video_tokens' wins; default: no budget)"), NOT_STORED: True})
+    # a longer clip is its item's error (``too_large``), refused before a frame is decoded;
+    # kept in job.json (a file without it reads the default), so a resumed job refuses as
+    # it was submitted to
+    max_video_seconds: float = field(default=DEFAULT_MAX_VIDEO_SECONDS, metadata=opt(
+        "--max-video-seconds", unit=SECONDS, group="video", help="clips longer than this "
+        "many seconds are that item's error, refused before any frame is decoded (default "
+        "%(default)s)"))
 
     def __post_init__(self) -> None:
         try:
             check_sampling({"fps": self.fps, "num_frames": self.num_frames,
-                            "max_frames": self.max_frames}, "video sampling")
+                            "max_frames": self.max_frames,
+                            "max_video_tokens": self.max_video_tokens}, "video sampling")
         except ValueError as e:
             raise ConfigError(str(e).replace("video sampling: ", "--").replace(
                 "_", "-")) from None
         if self.max_pixels < 1:
             raise ConfigError(f"max_pixels must be >= 1, got {self.max_pixels}")
+        if not self.max_video_seconds > 0:  # NaN too
+            raise ConfigError(f"--max-video-seconds must be > 0, got {self.max_video_seconds}")
         check_threads(None, self.preprocess_threads)
         if not self.decode_timeout >= 0:  # NaN too
             raise ConfigError(f"--decode-timeout must be >= 0, got {self.decode_timeout}")
@@ -146,7 +163,9 @@ class PrepareConfig:
         return PrepareOptions(self.max_pixels,
                               preprocess_threads_for(self.preprocess_threads, device),
                               self.decode_timeout, fetch=self.fetch,
-                              sampling=SamplingKeys(self.fps, self.num_frames, self.max_frames))
+                              sampling=SamplingKeys(self.fps, self.num_frames, self.max_frames,
+                                                    self.max_video_tokens),
+                              max_video_seconds=self.max_video_seconds)
 
 
 def check_threads(threads: int | None, preprocess_threads: int | None) -> None:

@@ -241,7 +241,10 @@ class LocalStages(Generic[I, R]):
 
     def __init__(self, task: Task[I, R], engine: Engine, opts: PrepareOptions,
                  hooks: FaultHooks = NO_HOOKS, workers: PrepareWorkers | None = None) -> None:
-        self.task = task.with_video(engine.video_plan, opts.sampling)
+        plan = engine.video_plan
+        if plan is not None:  # the run's length limit (--max-video-seconds)
+            plan = dataclasses.replace(plan, max_seconds=opts.max_video_seconds)
+        self.task = task.with_video(plan, opts.sampling)
         self.engine, self.opts, self.hooks = engine, opts, hooks
         self.workers = workers
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 # the most images one item may hold: each is its own vision tokens in one prompt, so a
 # larger list is refused naming the item, as vLLM's ``limit_mm_per_prompt`` refuses one
 MAX_IMAGES = 64
-SAMPLING_KEYS = ("fps", "num_frames", "max_frames")
+SAMPLING_KEYS = ("fps", "num_frames", "max_frames", "max_video_tokens")
 
 
 @dataclass(frozen=True)
@@ -45,12 +45,14 @@ class SamplingKeys:
     fps: float | None = None
     num_frames: int | None = None
     max_frames: int | None = None
+    max_video_tokens: int | None = None  # the clip's visual token budget (video_plan.py)
 
     def over(self, run: SamplingKeys) -> SamplingKeys:
         """These keys where set, else ``run``'s (a line's fps replaces a run's num_frames)."""
         rate = (self.fps, self.num_frames) if self.fps or self.num_frames else \
             (run.fps, run.num_frames)
-        return SamplingKeys(*rate, self.max_frames or run.max_frames)
+        return SamplingKeys(*rate, self.max_frames or run.max_frames,
+                            self.max_video_tokens or run.max_video_tokens)
 
 
 @dataclass(frozen=True)
@@ -62,13 +64,15 @@ class VideoInput:
 
 
 def video(source: str | Path | bytes, *, fps: float | None = None,
-          num_frames: int | None = None, max_frames: int | None = None) -> VideoInput:
+          num_frames: int | None = None, max_frames: int | None = None,
+          max_video_tokens: int | None = None) -> VideoInput:
     """A clip to ask about (``vlmbatch.video``: the Python API's ``ask``/``ImageItem`` take
     it where an image goes), sampled at ``fps`` or as ``num_frames`` frames, at most
-    ``max_frames`` (None: the checkpoint's video processor's, or the run's); ValueError for a
+    ``max_frames`` (None: the checkpoint's video processor's, or the run's), in at most
+    ``max_video_tokens`` visual tokens (None: the run's, else no budget); ValueError for a
     bad key."""
-    keys = check_sampling({"fps": fps, "num_frames": num_frames, "max_frames": max_frames},
-                          "video")
+    keys = check_sampling({"fps": fps, "num_frames": num_frames, "max_frames": max_frames,
+                           "max_video_tokens": max_video_tokens}, "video")
     return VideoInput(str(source) if isinstance(source, Path) else source, keys)
 
 
@@ -76,17 +80,17 @@ def check_sampling(raw: dict[str, Any], where: str) -> SamplingKeys:
     """``raw``'s sampling keys checked: ValueError naming ``where`` and the key when one is
     not a positive number (``fps``) or whole number (the frame counts), or both ``fps`` and
     ``num_frames`` are given (transformers refuses them together)."""
-    fps, num, most = (raw.get(k) for k in SAMPLING_KEYS)
+    fps, num, most, budget = (raw.get(k) for k in SAMPLING_KEYS)
     if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float))
                             or not math.isfinite(fps) or fps <= 0):
         raise ValueError(f"{where}: fps must be a number > 0, got {fps!r}")
-    for key, v in (("num_frames", num), ("max_frames", most)):
+    for key, v in (("num_frames", num), ("max_frames", most), ("max_video_tokens", budget)):
         if v is not None and (type(v) is not int or v < 1):
             raise ValueError(f"{where}: {key} must be a whole number >= 1, got {v!r}")
     if fps is not None and num is not None:
         raise ValueError(f"{where}: give fps or num_frames, not both (fps samples by time, "
                          "num_frames a fixed count)")
-    return SamplingKeys(None if fps is None else float(fps), num, most)
+    return SamplingKeys(None if fps is None else float(fps), num, most, budget)
 
 
 def check_images(images: object, where: str) -> None:

@@ -28,13 +28,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Generic, TypeVar
 
-from vlmbatch.engine.records import EmbedRequest
+from vlmbatch.engine.records import EmbedRequest, MediaItem
 from vlmbatch.pipeline.hooks import Named
 from vlmbatch.pipeline.media_inputs import SamplingKeys, VideoInput
 from vlmbatch.pipeline.records import (
     Answer,
     Embedding,
     EmbedItem,
+    ErrorKind,
     ImageItem,
     ItemError,
     ItemMedia,
@@ -140,7 +141,7 @@ class AnswerTask(Task[ImageItem, Answer]):
         if isinstance(src, VideoInput) and self.video is not None:
             keys = src.sampling.over(self.sampling)
             src = VideoSource(src.source, self.video.with_sampling(
-                keys.fps, keys.num_frames, keys.max_frames))
+                keys.fps, keys.num_frames, keys.max_frames, keys.max_video_tokens))
         return ImageRef(src, item.base_dir, item.source)
 
     def with_video(self, plan: VideoPlan | None, run: SamplingKeys) -> AnswerTask:
@@ -148,6 +149,7 @@ class AnswerTask(Task[ImageItem, Answer]):
 
     def run(self, engine: Engine, p: Prepared[ImageItem]) -> list[list[Answer]]:
         images, index = with_images(self, p)
+        p = over_context(engine, p, images, index)  # the items it failed leave ``index``
         requests = [request_of(index[it.id], q) for it in p.items if it.id in index
                     for q in it.questions]
         scores = iter(engine.score(images, requests))
@@ -157,6 +159,25 @@ class AnswerTask(Task[ImageItem, Answer]):
 
     def failed(self, item: ImageItem, err: ItemError) -> list[Answer]:
         return [Answer.failed(item.id, q, err) for q in item.questions]
+
+
+def over_context(engine: Engine, p: Prepared[ImageItem], images: list[Item],
+                 index: dict[str, int]) -> Prepared[ImageItem]:
+    """``p`` with each item holding several parts or a clip (``MediaItem``) whose prompt for
+    some question would not fit the model's context (``Engine.context_error``) failed as
+    ``too_large``, and taken out of ``index``; still images are not checked (their tokens
+    are bounded by the image plan)."""
+    errors = dict(p.errors)
+    for it in p.items:
+        k = index.get(it.id)
+        if k is None or not isinstance(images[k], MediaItem):
+            continue
+        why = next((m for q in it.questions
+                    if (m := engine.context_error(images[k], request_of(k, q)))), None)
+        if why is not None:
+            del index[it.id]
+            errors[it.id] = ItemError(ErrorKind.TOO_LARGE, why)
+    return p if errors == p.errors else replace(p, errors=errors)
 
 
 @dataclass(frozen=True)

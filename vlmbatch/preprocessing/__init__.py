@@ -23,7 +23,8 @@ models.
   indices of transformers' Qwen2-VL, Qwen3-VL and InternVL video processors),
   ``video_rows.py`` (frames -> Qwen-VL patch rows / InternVL tiles, a ``PreparedVideo``),
   ``video_plan.py`` (a family's ``VideoPlan``, read from a checkpoint as transformers reads
-  it); ``video_source.py`` (``VideoSource``: a clip for the decoder processes, light);
+  it); ``video_budget.py`` (a clip's token budget and the model's context as limits);
+  ``video_source.py`` (``VideoSource``: a clip for the decoder processes, light);
 - ``isolated.py`` and ``decoder_process.py``: decoder processes, each image (or clip) under
   a deadline, a crash that item's error (started as ``common/children.py``
   starts every child interpreter);

@@ -37,7 +37,7 @@ from vlmbatch.preprocessing.limits import DEFAULT_MAX_VIDEO_SECONDS as DEFAULT_M
 from vlmbatch.preprocessing.video_sampling import ClipInfo
 
 REASONS = ("not_a_video", "no_video_stream", "no_frames", "truncated", "unsupported_codec",
-           "too_many_pixels", "too_long", "too_short")
+           "too_many_pixels", "too_long", "too_short", "over_budget", "over_context")
 
 
 class VideoError(ImageError):
@@ -52,7 +52,8 @@ class VideoError(ImageError):
 
 
 class VideoTooLarge(VideoError, ImageTooLarge):
-    """Frames over the per-frame pixel limit, or a clip over ``max_seconds``."""
+    """Frames over the per-frame pixel limit, a clip over ``max_seconds``, or over its token
+    budget or the model's context (``video_budget.py``)."""
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ import numpy as np
 from vlmbatch.preprocessing.media import PreparedVideo
 from vlmbatch.preprocessing.qwen_vl import QwenVLPreprocess
 from vlmbatch.preprocessing.video import DEFAULT_MAX_VIDEO_SECONDS, VideoError, open_clip
+from vlmbatch.preprocessing.video_budget import BudgetedLayout, check_context, internvl_frames
 from vlmbatch.preprocessing.video_rows import (
     FrameTiles,
     QwenVideoLayout,
@@ -67,10 +68,17 @@ class VideoPlan:
     resize: Resize | None = None  # None: OpenCV's policy (resize.py); picklable if set
     mean: tuple[float, ...] = field(default=OPENAI_CLIP_MEAN)  # the vision module's
     std: tuple[float, ...] = field(default=OPENAI_CLIP_STD)
+    max_tokens: int | None = None  # the clip's visual token budget (video_budget.py)
+    frame_tokens: int = 0  # InternVL: visual tokens per frame (its tile's); 0: not known
+    context: int = 0  # the model's context in tokens; 0: none stated, not checked
 
     def with_sampling(self, fps: float | None = None, num_frames: int | None = None,
-                      max_frames: int | None = None) -> VideoPlan:
-        """This plan with a user's sampling keys (``fps`` and ``num_frames`` exclusive)."""
+                      max_frames: int | None = None, max_tokens: int | None = None
+                      ) -> VideoPlan:
+        """This plan with a user's sampling keys (``fps`` and ``num_frames`` exclusive) and
+        token budget (None: this plan's)."""
+        if max_tokens is not None:
+            self = replace(self, max_tokens=max_tokens)
         s = self.sampling
         if fps is not None or num_frames is not None:
             s = replace(s, fps=fps, num_frames=num_frames)
@@ -82,14 +90,39 @@ class VideoPlan:
         """Encoded clip -> ``PreparedVideo``; raises ``VideoError`` (the item's error)."""
         with open_clip(data, max_pixels, self.max_seconds) as clip:
             try:
-                indices = self.sampling.indices(clip.info)
+                indices = self._indices(clip.info)
             except SamplingError as e:
                 raise VideoError(f"cannot sample the clip: {e}", "too_short") from None
-            decoded = clip.frames(indices, fit_for(self.layout, len(indices), self.resize))
+            sized: QwenVideoLayout | FrameTiles | BudgetedLayout = self.layout
+            if self.max_tokens is not None and isinstance(self.layout, QwenVideoLayout):
+                sized = BudgetedLayout(self.layout, self.max_tokens)
+            decoded = clip.frames(indices, fit_for(sized, len(indices), self.resize))
         fps = self._fps(clip.info, len(indices))
         if isinstance(self.layout, FrameTiles):
-            return prepare_internvl_video(decoded, indices, fps, self.layout)
-        return prepare_qwen_video(decoded, indices, fps, self.layout)
+            video = prepare_internvl_video(decoded, indices, fps, self.layout)
+        else:
+            video = prepare_qwen_video(decoded, indices, fps, self.layout)
+        check_context(self.tokens(video), self.context)
+        return video
+
+    def _indices(self, info: ClipInfo) -> np.ndarray:
+        """The sampling's frames; InternVL's under a budget at most ``budget // frame_tokens``
+        of them, sampled as transformers samples that ``num_frames`` (video_budget.py)."""
+        indices = self.sampling.indices(info)
+        if self.max_tokens is None or not isinstance(self.layout, FrameTiles) \
+                or self.frame_tokens <= 0:
+            return indices
+        most = internvl_frames(self.max_tokens, self.frame_tokens)
+        if len(indices) <= most:
+            return indices
+        return replace(self.sampling, fps=None, num_frames=most).indices(info)
+
+    def tokens(self, video: PreparedVideo) -> int:
+        """The clip's visual tokens: Qwen-VL's merged patches, InternVL's frames x
+        ``frame_tokens`` (0 where that is not known)."""
+        if isinstance(self.layout, FrameTiles):
+            return len(video.frame_indices) * self.frame_tokens
+        return video.rows.shape[0] // (self.layout.qwen.merge ** 2)
 
     def _fps(self, info: ClipInfo, n: int) -> float:
         """The sampling rate as transformers states it (``VideoMetadata.sampled_fps``, which

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import xxhash
@@ -160,7 +161,14 @@ def _record(rows: np.ndarray, grid: PatchGrid | FrameGrid, groups: tuple[str, ..
                          fps=fps, width=decoded.width, height=decoded.height)
 
 
-def fit_for(layout: QwenVideoLayout | FrameTiles, frames: int,
+class FrameSize(Protocol):
+    """What sizes a clip's frames: ``QwenVideoLayout`` or a budget over one
+    (``video_budget.BudgetedLayout``)."""
+
+    def target_size(self, frames: int, height: int, width: int) -> tuple[int, int]: ...
+
+
+def fit_for(layout: FrameSize | FrameTiles, frames: int,
             resize: Resize | None = None) -> Callable[[np.ndarray], np.ndarray]:
     """The per-frame resize of a clip of ``frames`` sampled frames, planned once on the
     first frame's (display-oriented) size: every frame gets that size, so a stream whose
