@@ -78,7 +78,8 @@ def with_sampling(item: ImageItem, prepare: PrepareConfig) -> ImageItem:
     win), so a job's store keeps them and a resumed run samples as submitted."""
     if not isinstance(item.image, VideoInput):
         return item
-    run = SamplingKeys(prepare.fps, prepare.num_frames, prepare.max_frames)
+    run = SamplingKeys(prepare.fps, prepare.num_frames, prepare.max_frames,
+                       prepare.segment_seconds, prepare.segment_stride)
     clip = VideoInput(item.image.source, item.image.sampling.over(run))
     return ImageItem(item.id, clip, item.questions, item.base_dir)
 

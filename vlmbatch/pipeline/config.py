@@ -115,11 +115,22 @@ class PrepareConfig:
     max_frames: int | None = field(default=None, metadata={**opt(
         "--max-frames", unit=N, group="video", help="at most this many frames per clip (a "
         "line's 'max_frames' wins)"), NOT_STORED: True})
+    segment_seconds: float | None = field(default=None, metadata={**opt(
+        "--segment-seconds", parse=float, metavar="S", group="video", help="ask each clip "
+        "in windows of S seconds, each sampled as a clip, with a line per window and one per "
+        "question for the clip (the most probable window's answer; a line's wins)"),
+        NOT_STORED: True})
+    segment_stride: float | None = field(default=None, metadata={**opt(
+        "--segment-stride", parse=float, metavar="S", group="video", help="seconds between "
+        "window starts (default: --segment-seconds; half of it: windows overlapping by "
+        "half)"), NOT_STORED: True})
 
     def __post_init__(self) -> None:
         try:
             check_sampling({"fps": self.fps, "num_frames": self.num_frames,
-                            "max_frames": self.max_frames}, "video sampling")
+                            "max_frames": self.max_frames,
+                            "segment_seconds": self.segment_seconds,
+                            "segment_stride": self.segment_stride}, "video sampling")
         except ValueError as e:
             raise ConfigError(str(e).replace("video sampling: ", "--").replace(
                 "_", "-")) from None
@@ -146,7 +157,8 @@ class PrepareConfig:
         return PrepareOptions(self.max_pixels,
                               preprocess_threads_for(self.preprocess_threads, device),
                               self.decode_timeout, fetch=self.fetch,
-                              sampling=SamplingKeys(self.fps, self.num_frames, self.max_frames))
+                              sampling=SamplingKeys(self.fps, self.num_frames, self.max_frames,
+                                                    self.segment_seconds, self.segment_stride))
 
 
 def check_threads(threads: int | None, preprocess_threads: int | None) -> None:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 from vlmbatch.engine.records import EmbedRequest
 from vlmbatch.pipeline.hooks import Named
 from vlmbatch.pipeline.media_inputs import SamplingKeys, VideoInput
+from vlmbatch.pipeline.parts import PartedItem, run_answers
 from vlmbatch.pipeline.records import (
     Answer,
     Embedding,
@@ -70,7 +71,7 @@ class Prepared(Generic[I]):
     images, a clip), None when it needs none or when it failed, and then ``errors`` holds
     why, by ``Task.key``."""
     items: list[I]
-    images: list[Item | None]
+    images: list[Item | PartedItem | None]  # PartedItem: asked part by part (parts.py)
     errors: dict[str, ItemError] = field(default_factory=dict)
 
 
@@ -140,13 +141,16 @@ class AnswerTask(Task[ImageItem, Answer]):
         if isinstance(src, VideoInput) and self.video is not None:
             keys = src.sampling.over(self.sampling)
             src = VideoSource(src.source, self.video.with_sampling(
-                keys.fps, keys.num_frames, keys.max_frames))
+                keys.fps, keys.num_frames, keys.max_frames).with_windows(
+                keys.segment_seconds, keys.segment_stride))
         return ImageRef(src, item.base_dir, item.source)
 
     def with_video(self, plan: VideoPlan | None, run: SamplingKeys) -> AnswerTask:
         return replace(self, video=plan, sampling=run)
 
     def run(self, engine: Engine, p: Prepared[ImageItem]) -> list[list[Answer]]:
+        if any(isinstance(im, PartedItem) for im in p.images):  # windows, images alone
+            return run_answers(engine, p.items, p.images, p.errors)
         images, index = with_images(self, p)
         requests = [request_of(index[it.id], q) for it in p.items if it.id in index
                     for q in it.questions]

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from vlmbatch.preprocessing.media import PreparedVideo
+from vlmbatch.preprocessing.media import PreparedVideo, WindowedClip
 from vlmbatch.preprocessing.qwen_vl import QwenVLPreprocess
 from vlmbatch.preprocessing.video import DEFAULT_MAX_VIDEO_SECONDS, VideoError, open_clip
 from vlmbatch.preprocessing.video_rows import (
@@ -37,6 +37,7 @@ from vlmbatch.preprocessing.video_rows import (
     prepare_qwen_video,
 )
 from vlmbatch.preprocessing.video_sampling import ClipInfo, SamplingError, VideoSampling
+from vlmbatch.preprocessing.video_windows import prepare_windows
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -67,6 +68,8 @@ class VideoPlan:
     resize: Resize | None = None  # None: OpenCV's policy (resize.py); picklable if set
     mean: tuple[float, ...] = field(default=OPENAI_CLIP_MEAN)  # the vision module's
     std: tuple[float, ...] = field(default=OPENAI_CLIP_STD)
+    # (segment_seconds, segment_stride or None): the clip in windows (video_windows.py)
+    windows: tuple[float, float | None] | None = None
 
     def with_sampling(self, fps: float | None = None, num_frames: int | None = None,
                       max_frames: int | None = None) -> VideoPlan:
@@ -78,8 +81,16 @@ class VideoPlan:
             s = replace(s, max_frames=max_frames, min_frames=min(s.min_frames, max_frames))
         return replace(self, sampling=s)
 
-    def prepare(self, data: bytes, max_pixels: int) -> PreparedVideo:
-        """Encoded clip -> ``PreparedVideo``; raises ``VideoError`` (the item's error)."""
+    def with_windows(self, seconds: float | None, stride: float | None = None) -> VideoPlan:
+        """This plan cutting clips into windows of ``seconds`` every ``stride`` (None:
+        ``seconds``); as it is when ``seconds`` is None."""
+        return self if seconds is None else replace(self, windows=(seconds, stride))
+
+    def prepare(self, data: bytes, max_pixels: int) -> PreparedVideo | WindowedClip:
+        """Encoded clip -> ``PreparedVideo`` (in windows: ``WindowedClip``); raises
+        ``VideoError`` (the item's error)."""
+        if self.windows is not None:
+            return prepare_windows(self, data, max_pixels, *self.windows)
         with open_clip(data, max_pixels, self.max_seconds) as clip:
             try:
                 indices = self.sampling.indices(clip.info)
