@@ -24,6 +24,7 @@ has one failed line per question and no part line.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,30 +37,40 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, eq=False)
-class PartedItem:
+class PartedItem(MediaItem):
     """An item's parts, each asked every question alone: ``items[k]`` is part ``k``'s engine
     item; ``windows[k]`` its ``(start, end)`` seconds (a clip's windows), or None for the
-    images of a per-image list (part ``k`` is image ``k``)."""
-    items: tuple[Item, ...]
+    images of a per-image list (part ``k`` is image ``k``). A ``MediaItem`` of all the
+    parts' parts in order (``parted``), so that stage 1's records stay ``Item``s; a caller
+    that takes it as a ``MediaItem`` asks one prompt of them all, ``AnswerTask`` asks each
+    part alone (``run_answers``)."""
+    items: tuple[Item, ...] = ()
     windows: tuple[tuple[float, float], ...] | None = None
 
 
-def as_item(prepared: object) -> Item | PartedItem:
+def parted(items: tuple[Item, ...], windows: tuple[tuple[float, float], ...] | None = None,
+           ) -> PartedItem:
+    """The ``PartedItem`` of ``items`` (each a still image or a ``MediaItem``)."""
+    parts = tuple(p for it in items for p in (it.parts if isinstance(it, MediaItem) else (it,)))
+    return PartedItem(parts, items, windows)
+
+
+def as_item(prepared: MediaPart | WindowedClip | Item) -> Item:
     """A prepared clip or image as stage 1 hands it on: a clip's windows as a
     ``PartedItem``, a clip as its ``MediaItem``, anything else as it is."""
     if isinstance(prepared, WindowedClip):
-        return PartedItem(tuple(MediaItem((v,)) for v in prepared.videos), prepared.windows)
+        return parted(tuple(MediaItem((v,)) for v in prepared.videos), prepared.windows)
     if isinstance(prepared, PreparedVideo):
         return MediaItem((prepared,))
-    return prepared  # type: ignore[return-value]
+    return prepared
 
 
-def each_alone(results: list[MediaPart | MediaItem]) -> PartedItem:
+def each_alone(results: Sequence[MediaPart | WindowedClip | Item]) -> PartedItem:
     """A per-image list's prepared images (in order) as its parts."""
-    return PartedItem(tuple(as_item(r) for r in results))
+    return parted(tuple(as_item(r) for r in results))
 
 
-def run_answers(engine: Engine, items: list[ImageItem], images: list[Item | PartedItem | None],
+def run_answers(engine: Engine, items: list[ImageItem], images: list[Item | None],
                 errors: dict[str, ItemError]) -> list[list[Answer]]:
     """Stage 2 of a group some of whose items are parted (module docstring): one
     ``Engine.score`` call for every part and item, then each item's answers."""

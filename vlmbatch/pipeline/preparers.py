@@ -49,7 +49,7 @@ from vlmbatch.preprocessing.video_source import VideoSource
 
 
 def prepare_item(ref: ImageRef, plan: ImagePlan, max_pixels: int = DEFAULT_MAX_PIXELS,
-                 fetcher: Fetcher | None = None) -> Item | PartedItem:
+                 fetcher: Fetcher | None = None) -> Item:
     """Read (a remote image through ``fetcher``, else a fetcher of default options made for
     it), decode, prepare; raises SourceError or ImageError with the reason. Several images or
     a clip: a ``MediaItem`` of their parts, in order; a per-image list or a clip in windows:
@@ -57,7 +57,7 @@ def prepare_item(ref: ImageRef, plan: ImagePlan, max_pixels: int = DEFAULT_MAX_P
     if isinstance(ref.image, ImageList):
         parts = [prepare_part(dataclasses.replace(ref, image=s), plan, max_pixels, fetcher)
                  for s in ref.image.images]
-        return each_alone(parts) if ref.image.per_image else MediaItem(tuple(parts))
+        return each_alone(parts) if ref.image.per_image else _media(parts)
     return as_item(prepare_part(ref, plan, max_pixels, fetcher))
 
 
@@ -103,7 +103,7 @@ def item_error(ref: ImageRef, e: SourceError | ImageError) -> ItemError:
 
 
 def prepare_hooked(ref: ImageRef, plan: ImagePlan, max_pixels: int,
-                   hooks: FaultHooks) -> Item | PartedItem:
+                   hooks: FaultHooks) -> Item:
     hooks.prepare(ref)
     return prepare_item(ref, plan, max_pixels)
 
@@ -126,7 +126,7 @@ def preparer(plan: ImagePlan, opts: PrepareOptions,
 
 
 def prepare_now(ref: ImageRef, plan: ImagePlan, opts: PrepareOptions,
-                workers: PrepareWorkers | None) -> Item | PartedItem:
+                workers: PrepareWorkers | None) -> Item:
     """One image prepared on ``workers`` (a decoder process: under the deadline), else in
     this thread; raises ``SourceError``/``ImageError`` (``DecodeTimeout``,
     ``DecoderCrashed`` included) with the reason."""
@@ -229,7 +229,7 @@ def _mapped(f: Future, fn: Callable[[Any], Any]) -> Future:
     return out
 
 
-def _media(results: list[Any]) -> Item | PartedItem:
+def _media(results: list[Any]) -> Item:
     """Prepared parts (in order) as one item: a clip's windows as its ``PartedItem``, else
     the ``MediaItem`` of them all (``_parts``)."""
     if len(results) == 1 and isinstance(results[0], (WindowedClip, PartedItem)):

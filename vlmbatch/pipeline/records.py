@@ -307,13 +307,14 @@ class Answer:
         kind = d.get("error_kind")
         error_kind = ErrorKind(kind) if kind else (ErrorKind.UNKNOWN if d.get("error") else None)
         choices = tuple(d.get("choices") or d.get("probs") or ())
-        return cls(d["id"], d["question_id"], d["question"], d["answer"], d["p_yes"],
-                   d["margin"], d["image_tokens"], d.get("text"), d.get("error"), error_kind,
-                   choices, d.get("label"), d.get("probs"), d.get("logprobs"),
-                   d.get("prompt_tokens"), d.get("completion_tokens"), d.get("frames"),
-                   None if d.get("seconds") is None else tuple(d["seconds"]),
-                   **{k: tuple(v) if isinstance(v, list) else v for k in PART_KEYS
-                      if (v := d.get(k)) is not None})
+        a = cls(d["id"], d["question_id"], d["question"], d["answer"], d["p_yes"],
+                d["margin"], d["image_tokens"], d.get("text"), d.get("error"), error_kind,
+                choices, d.get("label"), d.get("probs"), d.get("logprobs"),
+                d.get("prompt_tokens"), d.get("completion_tokens"), d.get("frames"),
+                None if d.get("seconds") is None else tuple(d["seconds"]))
+        part: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k in PART_KEYS
+                                if (v := d.get(k)) is not None}
+        return dataclasses.replace(a, **part) if part else a
 
     def seen(self, item: object) -> Answer:
         """This answer saying which frames the model saw, when ``item`` (the prepared item it

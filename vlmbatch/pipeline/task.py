@@ -71,7 +71,7 @@ class Prepared(Generic[I]):
     images, a clip), None when it needs none or when it failed, and then ``errors`` holds
     why, by ``Task.key``."""
     items: list[I]
-    images: list[Item | PartedItem | None]  # PartedItem: asked part by part (parts.py)
+    images: list[Item | None]
     errors: dict[str, ItemError] = field(default_factory=dict)
 
 

@@ -37,7 +37,7 @@ from vlmbatch.preprocessing.video_rows import (
     prepare_qwen_video,
 )
 from vlmbatch.preprocessing.video_sampling import ClipInfo, SamplingError, VideoSampling
-from vlmbatch.preprocessing.video_windows import prepare_windows
+from vlmbatch.preprocessing.video_windows import WindowRecipe, prepare_windows
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -90,7 +90,8 @@ class VideoPlan:
         """Encoded clip -> ``PreparedVideo`` (in windows: ``WindowedClip``); raises
         ``VideoError`` (the item's error)."""
         if self.windows is not None:
-            return prepare_windows(self, data, max_pixels, *self.windows)
+            recipe = WindowRecipe(self.sampling, self.layout, self.resize, self.max_seconds)
+            return prepare_windows(recipe, data, max_pixels, *self.windows)
         with open_clip(data, max_pixels, self.max_seconds) as clip:
             try:
                 indices = self.sampling.indices(clip.info)

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -46,14 +45,13 @@ from vlmbatch.preprocessing.media import PreparedVideo, WindowedClip
 from vlmbatch.preprocessing.video import Clip, DecodedFrames, VideoError, open_clip
 from vlmbatch.preprocessing.video_rows import (
     FrameTiles,
+    QwenVideoLayout,
+    Resize,
     fit_for,
     prepare_internvl_video,
     prepare_qwen_video,
 )
-from vlmbatch.preprocessing.video_sampling import ClipInfo, SamplingError
-
-if TYPE_CHECKING:
-    from vlmbatch.preprocessing.video_plan import VideoPlan
+from vlmbatch.preprocessing.video_sampling import ClipInfo, SamplingError, VideoSampling
 
 EPS = 1e-6  # seconds: the tolerance of window bounds against frame times
 
@@ -102,7 +100,17 @@ def windows_of(times: np.ndarray, duration: float, seconds: float,
     return out
 
 
-def prepare_windows(plan: VideoPlan, data: bytes, max_pixels: int, seconds: float,
+@dataclass(frozen=True)
+class WindowRecipe:
+    """What a window is prepared with: a ``VideoPlan``'s sampling, layout, resize and
+    length limit (``VideoPlan.prepare`` builds it; this module does not import the plan's)."""
+    sampling: VideoSampling
+    layout: QwenVideoLayout | FrameTiles
+    resize: Resize | None
+    max_seconds: float
+
+
+def prepare_windows(plan: WindowRecipe, data: bytes, max_pixels: int, seconds: float,
                     stride: float | None = None) -> WindowedClip:
     """Encoded clip -> each window's ``PreparedVideo`` (module docstring); raises
     ``VideoError`` (the item's error) as ``VideoPlan.prepare`` does."""
@@ -145,7 +153,7 @@ class _Decoded:
     height: int
 
 
-def _decode_once(clip: Clip, plan: VideoPlan, picks: list[np.ndarray]) -> dict[int, _Decoded]:
+def _decode_once(clip: Clip, plan: WindowRecipe, picks: list[np.ndarray]) -> dict[int, _Decoded]:
     """Per sampled frame count (one resize each: ``fit_for``), the union of those windows'
     frames decoded in one ascending pass."""
     out = {}
