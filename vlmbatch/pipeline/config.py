@@ -116,12 +116,12 @@ class PrepareConfig:
         "--max-frames", unit=N, group="video", help="at most this many frames per clip (a "
         "line's 'max_frames' wins)"), NOT_STORED: True})
     segment_seconds: float | None = field(default=None, metadata={**opt(
-        "--segment-seconds", parse=float, metavar="S", group="video", help="ask each clip "
-        "in windows of S seconds, each sampled as a clip, with a line per window and one per "
+        "--segment-seconds", parse=float, metavar="SECONDS", group="video", help="ask each clip "
+        "in windows of SECONDS, each sampled as a clip, with a line per window and one per "
         "question for the clip (the most probable window's answer; a line's wins)"),
         NOT_STORED: True})
     segment_stride: float | None = field(default=None, metadata={**opt(
-        "--segment-stride", parse=float, metavar="S", group="video", help="seconds between "
+        "--segment-stride", parse=float, metavar="SECONDS", group="video", help="seconds between "
         "window starts (default: --segment-seconds; half of it: windows overlapping by "
         "half)"), NOT_STORED: True})
 
