@@ -91,23 +91,26 @@ def run_answers(engine: Engine, items: list[ImageItem], images: list[Item | None
             continue
         got = [[Answer.scored(it.id, q, next(scores)).seen(flat[k]) for q in it.questions]
                for k in spans[it.id]]
-        out.append(got[0] if not isinstance(im, PartedItem) else _reduced(im, got))
+        out.append(got[0] if not isinstance(im, PartedItem) else reduced(im.windows, got))
     return out
 
 
-def _reduced(item: PartedItem, per_part: list[list[Answer]]) -> list[Answer]:
-    """The part lines (each tagged with its part) and then one line per question."""
+def reduced(windows: tuple[tuple[float, float], ...] | None,
+            per_part: list[list[Answer]]) -> list[Answer]:
+    """A parted item's lines from its parts' answers (``per_part[k][j]``: part ``k``,
+    question ``j``; ``windows``: the parts' seconds, None: images): the part lines (each
+    tagged with its part) and then one line per question (module docstring)."""
     def tag(k: int) -> dict:
-        if item.windows is None:
+        if windows is None:
             return {"image": k}
-        return {"window": item.windows[k]}
+        return {"window": windows[k]}
 
     lines = [dataclasses.replace(a, part=k, **tag(k))
              for k, answers in enumerate(per_part) for a in answers]
     for j in range(len(per_part[0])):
         k = max(range(len(per_part)), key=lambda k: (_sureness(per_part[k][j]), -k))
-        trigger = ({"trigger_image": k} if item.windows is None
-                   else {"trigger_window": item.windows[k]})
+        trigger = ({"trigger_image": k} if windows is None
+                   else {"trigger_window": windows[k]})
         lines.append(dataclasses.replace(per_part[k][j], parts=len(per_part), trigger=k,
                                          **trigger))
     return lines
