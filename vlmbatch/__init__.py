@@ -30,13 +30,15 @@ _LAZY = {
     "ImageItem": "vlmbatch.pipeline.records:ImageItem",
     "Question": "vlmbatch.pipeline.questions:Question",
     "video": "vlmbatch.pipeline.media_inputs:video",
+    "each_image": "vlmbatch.pipeline.media_inputs:each_image",
     "MODEL": "vlmbatch.models.paths:DEFAULT_MODEL",
     "EMBED_MODEL": "vlmbatch.models.paths:DEFAULT_EMBED_MODEL",
     "QWEN_MODEL": "vlmbatch.models.paths:DEFAULT_QWEN_MODEL",
 }
 
 __all__ = ["EMBED_MODEL", "MODEL", "QWEN_MODEL", "VLM", "Answer", "EmbedItem", "Embedding",
-           "ErrorKind", "ImageItem", "Question", "maxsim", "video"]  # = _LAZY's keys (tested)
+           "ErrorKind", "ImageItem", "Question", "each_image", "maxsim",
+           "video"]  # = _LAZY's keys (tested)
 
 if TYPE_CHECKING:
     from vlmbatch.api.vlm import VLM
@@ -44,7 +46,7 @@ if TYPE_CHECKING:
     from vlmbatch.models.paths import DEFAULT_EMBED_MODEL as EMBED_MODEL
     from vlmbatch.models.paths import DEFAULT_MODEL as MODEL
     from vlmbatch.models.paths import DEFAULT_QWEN_MODEL as QWEN_MODEL
-    from vlmbatch.pipeline.media_inputs import video
+    from vlmbatch.pipeline.media_inputs import each_image, video
     from vlmbatch.pipeline.questions import Question
     from vlmbatch.pipeline.records import Answer, Embedding, EmbedItem, ErrorKind, ImageItem
 

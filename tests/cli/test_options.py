@@ -62,6 +62,7 @@ TABLE = {"manifest": ["t.parquet"]}
 # command does not have are skipped
 BESIDE: dict[str, dict[str, list[str] | None]] = {
     "ignore_eos": {"max_new_tokens": ["--max-new-tokens", "2"]},
+    "segment_stride": {"segment_seconds": ["--segment-seconds", "8"]},
     "address": RAY, "preprocess_workers": RAY, "model_workers": RAY, "model_cpus": RAY,
     "force_dimensions": {"dimensions": ["--dimensions", "8"], **EMBEDDING},
     **{k: EMBEDDING for k in ("pooling", "dimensions", "multi_vector", "prompt",

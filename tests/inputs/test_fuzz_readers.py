@@ -400,7 +400,7 @@ def test_a_wrong_value_at_any_key(tmp_path: Path) -> None:
 
 # the keys each object of a line may have, by where it is (None: a key is not checked)
 LINE_KEYS = {"id", "image", "images", "video", "fps", "num_frames", "max_frames",
-             "max_video_tokens", "questions"}
+             "max_video_tokens", "questions", "per_image", "segment_seconds", "segment_stride"}
 QUESTION_KEYS = {"id", "text", "threshold", "max_new_tokens", "choices", "prompt", "system",
                  "expected"}
 PART_KEYS = {"text": {"type", "text"}, "image_url": {"type", "image_url"}}

@@ -143,7 +143,9 @@ class VLM:
         """Every question about every image; image ids are their positions ("0", "1", ...).
         An entry may be a list of images (one item: one prompt holding them in order) or a
         clip (``vlmbatch.video(path, fps=...)``), whose answers say which frames the model
-        saw (``Answer.frames``, ``seconds``)."""
+        saw (``Answer.frames``, ``seconds``); a clip in windows (``segment_seconds=``) or
+        ``vlmbatch.each_image([...])`` gets a part's answers, then the item's
+        (``pipeline/parts.py``)."""
         if isinstance(images, (str, Path, bytes, np.ndarray, Image.Image, VideoInput)) \
                 or not isinstance(images, Iterable):
             images = [images]

@@ -28,8 +28,10 @@ Features = tuple[torch.Tensor, tuple[torch.Tensor, ...]]  # embeds [n, D], DeepS
 
 
 def group_key(video: PreparedVideo, index: int) -> str:
-    """Identifies group ``index``'s tokens: its pixels' hash and the clip's layout."""
-    return f"group:{video.group_hashes[index]}:{video.grid.key}@{video.rows.shape[1:]}"
+    """Identifies group ``index``'s tokens: its pixels' hash and one group's layout (Qwen-VL:
+    its patch grid ``h x w``; InternVL: the tile), not the clip's length, so that windows of
+    one clip sampled to different lengths share the groups they have in common."""
+    return f"group:{video.group_hashes[index]}:{video.grid.dims[1:]}@{video.rows.shape[1:]}"
 
 
 def group_image(video: PreparedVideo, index: int) -> PreparedImage:

@@ -65,7 +65,8 @@ from vlmbatch.pipeline.questions import (
 )
 from vlmbatch.pipeline.records import ImageItem, ItemMedia
 
-LINE_KEYS = frozenset({"id", "image", "images", "video", "questions", *SAMPLING_KEYS})
+LINE_KEYS = frozenset({"id", "image", "images", "video", "questions", "per_image",
+                       *SAMPLING_KEYS})
 POLICY_KEYS = frozenset({"questions", "system"})
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 
@@ -215,12 +216,15 @@ def _media(rec: dict, where: str) -> ItemMedia:
     keys = [k for k in SAMPLING_KEYS if k in rec]
     if keys and key != "video":
         raise ManifestError(f"{where}: {', '.join(keys)} sample a clip: give 'video' with it")
+    if "per_image" in rec and (key != "images" or not isinstance(rec["per_image"], bool)):
+        raise ManifestError(f"{where}: 'per_image' (true: each image asked alone) goes with "
+                            f"'images' and is true or false, got {brief(rec['per_image'])}")
     try:
         if key == "images":
             check_images(rec["images"], where)
             for k, s in enumerate(rec["images"]):
                 _path(s, f"{where}: images[{k}]")
-            return ImageList(tuple(rec["images"]))
+            return ImageList(tuple(rec["images"]), bool(rec.get("per_image", False)))
         _path(rec[key], f"{where}: '{key}'")
         if key == "video":
             return VideoInput(rec["video"], check_sampling(rec, where))

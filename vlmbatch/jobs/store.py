@@ -76,11 +76,13 @@ def image_item_to_json(item: ImageItem) -> str:
     """An item as the store keeps it: its image as the path or URL, or as the reference of
     a table's row (``{"row": {file, row, column}}``) or a shard's member (``{"member":
     {shard, name, offset, size}}``): where the image is, never its bytes. Several images:
-    ``{"images": [each so]}``; a clip: ``{"video": path or URL, "fps", "num_frames",
-    "max_frames", "max_video_tokens"}`` (its sampling keys as given; null: the run's)."""
+    ``{"images": [each so]}`` (``"per_image": true`` when each is asked alone); a clip:
+    ``{"video": path or URL, "fps", "num_frames", "max_frames", "max_video_tokens",
+    "segment_seconds", "segment_stride"}`` (its sampling keys as given; null: the run's)."""
     image = item.image
     if isinstance(image, ImageList):
-        stored: object = {"images": [_image_json(s, item) for s in image.images]}
+        stored: object = {"images": [_image_json(s, item) for s in image.images],
+                          **({"per_image": True} if image.per_image else {})}
     elif isinstance(image, VideoInput):
         stored = {"video": _image_json(image.source, item),
                   **dataclasses.asdict(image.sampling)}
@@ -127,11 +129,13 @@ def image_item_from_json(text: str) -> ImageItem:
     image = d["image"]
     media: ItemMedia
     if isinstance(image, dict) and "images" in image:
-        media = ImageList(tuple(_image(s) for s in image["images"]))
+        media = ImageList(tuple(_image(s) for s in image["images"]),
+                          bool(image.get("per_image")))
     elif isinstance(image, dict) and "video" in image:
         media = VideoInput(image["video"], SamplingKeys(
             image.get("fps"), image.get("num_frames"), image.get("max_frames"),
-            image.get("max_video_tokens")))
+            image.get("max_video_tokens"), image.get("segment_seconds"),
+            image.get("segment_stride")))
     else:
         media = _image(image)
     return ImageItem(d["id"], media, tuple(_question(q) for q in d["questions"]),

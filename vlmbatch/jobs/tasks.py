@@ -79,7 +79,8 @@ def with_sampling(item: ImageItem, prepare: PrepareConfig) -> ImageItem:
     if not isinstance(item.image, VideoInput):
         return item
     run = SamplingKeys(prepare.fps, prepare.num_frames, prepare.max_frames,
-                       prepare.max_video_tokens)
+                       prepare.max_video_tokens, prepare.segment_seconds,
+                       prepare.segment_stride)
     clip = VideoInput(item.image.source, item.image.sampling.over(run))
     return ImageItem(item.id, clip, item.questions, item.base_dir)
 

@@ -16,6 +16,9 @@ Labels (``--labels``) come in either of two files, told apart by their first lin
   questions too when one is given: a policy's label holds for every image, and a policy
   question with the id of a line's is that question, at the policy's threshold.
 
+A part's line (``"part"``: one window of a clip or one image of a per-image list) is
+skipped: its item's line for the question carries the answer.
+
 A label is validated against its result line when the two are joined (``evaluation.py``):
 ``"yes"``/``"no"`` for a yes/no line, one of its choices for a label-set line.
 """
@@ -132,8 +135,8 @@ def read_results(path: Path) -> Iterator[Scored]:
         raise ManifestError(f"results {path} not found (give a results .jsonl or a job folder)")
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
-            if line.strip():
-                yield scored(_json(line, f"{path}:{lineno}"), f"{path}:{lineno}")
+            if line.strip() and not _is_part(d := _json(line, f"{path}:{lineno}")):
+                yield scored(d, f"{path}:{lineno}")
 
 
 def _job_results(job: Path) -> Iterator[Scored]:
@@ -141,9 +144,16 @@ def _job_results(job: Path) -> Iterator[Scored]:
     store = JobStore(job / STORE_FILE)
     try:
         for n, d in enumerate(store.records(), 1):
-            yield scored(d, f"{job}: result {n}")
+            if not _is_part(d):
+                yield scored(d, f"{job}: result {n}")
     finally:
         store.close()
+
+
+def _is_part(d: object) -> bool:
+    """A part's line (a clip's window, an image asked alone: ``pipeline/parts.py``): read
+    are its item's lines, one per question, which carry the answer."""
+    return isinstance(d, dict) and "part" in d
 
 
 def _json(line: str, where: str) -> object:

@@ -5,6 +5,8 @@
   (``engine/records.py``: ``Request``, ``Score``, ``EmbedRequest``, ``Vector``);
 - ``media_inputs.py``: what an item holds beyond one image (``ImageList``: several in one
   prompt; ``VideoInput``: a clip and its ``SamplingKeys``), with their checks;
+  ``parts.py``: items asked part by part (a clip's windows, images each alone), fanned out
+  and reduced to one answer per question;
 - ``questions.py``: ``Question`` and the one parser of questions as users write them
   (manifests, policies, rows, the Python API), with ``ManifestError``;
 - ``config.py``: ``PrepareConfig`` / ``PrepareOptions``, how stage 1 runs (names only, no

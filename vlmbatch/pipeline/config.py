@@ -129,12 +129,23 @@ class PrepareConfig:
         "--max-video-seconds", unit=SECONDS, group="video", help="clips longer than this "
         "many seconds are that item's error, refused before any frame is decoded (default "
         "%(default)s)"))
+    segment_seconds: float | None = field(default=None, metadata={**opt(
+        "--segment-seconds", parse=float, metavar="SECONDS", group="video", help="ask each clip "
+        "in windows of SECONDS, each sampled as a clip, with a line per window and one per "
+        "question for the clip (the most probable window's answer; a line's wins)"),
+        NOT_STORED: True})
+    segment_stride: float | None = field(default=None, metadata={**opt(
+        "--segment-stride", parse=float, metavar="SECONDS", group="video", help="seconds between "
+        "window starts (default: --segment-seconds; half of it: windows overlapping by "
+        "half)"), NOT_STORED: True})
 
     def __post_init__(self) -> None:
         try:
             check_sampling({"fps": self.fps, "num_frames": self.num_frames,
                             "max_frames": self.max_frames,
-                            "max_video_tokens": self.max_video_tokens}, "video sampling")
+                            "max_video_tokens": self.max_video_tokens,
+                            "segment_seconds": self.segment_seconds,
+                            "segment_stride": self.segment_stride}, "video sampling")
         except ValueError as e:
             raise ConfigError(str(e).replace("video sampling: ", "--").replace(
                 "_", "-")) from None
@@ -164,7 +175,8 @@ class PrepareConfig:
                               preprocess_threads_for(self.preprocess_threads, device),
                               self.decode_timeout, fetch=self.fetch,
                               sampling=SamplingKeys(self.fps, self.num_frames, self.max_frames,
-                                                    self.max_video_tokens),
+                                                    self.max_video_tokens, self.segment_seconds,
+                                                    self.segment_stride),
                               max_video_seconds=self.max_video_seconds)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,13 +22,15 @@ if TYPE_CHECKING:
 # the most images one item may hold: each is its own vision tokens in one prompt, so a
 # larger list is refused naming the item, as vLLM's ``limit_mm_per_prompt`` refuses one
 MAX_IMAGES = 64
-SAMPLING_KEYS = ("fps", "num_frames", "max_frames", "max_video_tokens")
+SAMPLING_KEYS = ("fps", "num_frames", "max_frames", "max_video_tokens", "segment_seconds",
+                 "segment_stride")
 
 
 @dataclass(frozen=True)
 class ImageList:
     """Several images asked about in one prompt, in order (``"images": [...]``)."""
     images: tuple[str | bytes | np.ndarray | RowRef | MemberRef | NotAnImage, ...]  # ImageSource
+    per_image: bool = False  # each image asked alone, not one prompt (pipeline/parts.py)
 
     def describe(self) -> str:
         """How messages name the list: its first images' paths or URLs."""
@@ -41,18 +44,25 @@ class ImageList:
 class SamplingKeys:
     """A user's sampling keys (a line's, a run's): ``fps`` or ``num_frames`` (not both), and
     ``max_frames``; None: the checkpoint's video processor's (``preprocessing/video_plan.py``).
-    ``check_sampling`` validates them."""
+    ``check_sampling`` validates them. ``segment_seconds``: the clip asked in windows of
+    that many seconds, every ``segment_stride`` (None: ``segment_seconds``;
+    ``preprocessing/video_windows.py``)."""
     fps: float | None = None
     num_frames: int | None = None
     max_frames: int | None = None
     max_video_tokens: int | None = None  # the clip's visual token budget (video_plan.py)
+    segment_seconds: float | None = None
+    segment_stride: float | None = None
 
     def over(self, run: SamplingKeys) -> SamplingKeys:
-        """These keys where set, else ``run``'s (a line's fps replaces a run's num_frames)."""
+        """These keys where set, else ``run``'s (a line's fps replaces a run's num_frames;
+        a line's segment_seconds its stride too)."""
         rate = (self.fps, self.num_frames) if self.fps or self.num_frames else \
             (run.fps, run.num_frames)
+        windows = (self.segment_seconds, self.segment_stride) if self.segment_seconds else \
+            (run.segment_seconds, run.segment_stride)
         return SamplingKeys(*rate, self.max_frames or run.max_frames,
-                            self.max_video_tokens or run.max_video_tokens)
+                            self.max_video_tokens or run.max_video_tokens, *windows)
 
 
 @dataclass(frozen=True)
@@ -65,22 +75,35 @@ class VideoInput:
 
 def video(source: str | Path | bytes, *, fps: float | None = None,
           num_frames: int | None = None, max_frames: int | None = None,
-          max_video_tokens: int | None = None) -> VideoInput:
+          max_video_tokens: int | None = None, segment_seconds: float | None = None,
+          segment_stride: float | None = None) -> VideoInput:
     """A clip to ask about (``vlmbatch.video``: the Python API's ``ask``/``ImageItem`` take
     it where an image goes), sampled at ``fps`` or as ``num_frames`` frames, at most
     ``max_frames`` (None: the checkpoint's video processor's, or the run's), in at most
-    ``max_video_tokens`` visual tokens (None: the run's, else no budget); ValueError for a
-    bad key."""
+    ``max_video_tokens`` visual tokens (None: the run's, else no budget); with
+    ``segment_seconds``, asked window by window (every ``segment_stride`` seconds), each
+    window sampled so; ValueError for a bad key."""
     keys = check_sampling({"fps": fps, "num_frames": num_frames, "max_frames": max_frames,
-                           "max_video_tokens": max_video_tokens}, "video")
+                           "max_video_tokens": max_video_tokens,
+                           "segment_seconds": segment_seconds,
+                           "segment_stride": segment_stride}, "video")
     return VideoInput(str(source) if isinstance(source, Path) else source, keys)
+
+
+def each_image(images: Sequence[Any]) -> ImageList:
+    """Images each asked alone (``vlmbatch.each_image``: where an image goes), with one
+    answer per question saying which image triggered (``pipeline/parts.py``); ValueError
+    for an empty list or one over ``MAX_IMAGES``. Each is kept as ``ImageItem`` keeps an
+    image (a path, URL, bytes, PIL image or array)."""
+    check_images(images, "each_image")
+    return ImageList(tuple(images), per_image=True)
 
 
 def check_sampling(raw: dict[str, Any], where: str) -> SamplingKeys:
     """``raw``'s sampling keys checked: ValueError naming ``where`` and the key when one is
     not a positive number (``fps``) or whole number (the frame counts), or both ``fps`` and
     ``num_frames`` are given (transformers refuses them together)."""
-    fps, num, most, budget = (raw.get(k) for k in SAMPLING_KEYS)
+    fps, num, most, budget, segment, stride = (raw.get(k) for k in SAMPLING_KEYS)
     if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float))
                             or not math.isfinite(fps) or fps <= 0):
         raise ValueError(f"{where}: fps must be a number > 0, got {fps!r}")
@@ -90,7 +113,15 @@ def check_sampling(raw: dict[str, Any], where: str) -> SamplingKeys:
     if fps is not None and num is not None:
         raise ValueError(f"{where}: give fps or num_frames, not both (fps samples by time, "
                          "num_frames a fixed count)")
-    return SamplingKeys(None if fps is None else float(fps), num, most, budget)
+    if stride is not None and segment is None:
+        raise ValueError(f"{where}: segment_stride needs segment_seconds (the window)")
+    for key, v in (("segment_seconds", segment), ("segment_stride", stride)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or not math.isfinite(v) or v <= 0):
+            raise ValueError(f"{where}: {key} must be a number of seconds > 0, got {v!r}")
+    return SamplingKeys(None if fps is None else float(fps), num, most, budget,
+                        None if segment is None else float(segment),
+                        None if stride is None else float(stride))
 
 
 def check_images(images: object, where: str) -> None:

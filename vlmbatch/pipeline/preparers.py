@@ -35,13 +35,14 @@ from vlmbatch.engine.records import Item, MediaItem
 from vlmbatch.pipeline.config import PrepareOptions
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
 from vlmbatch.pipeline.media_inputs import ImageList, VideoInput
+from vlmbatch.pipeline.parts import PartedItem, as_item, each_alone
 from vlmbatch.pipeline.records import ErrorKind, ImageSource, ItemError
 from vlmbatch.pipeline.task import ImageRef
 from vlmbatch.preprocessing.decode import ImageError, ImageTooLarge
 from vlmbatch.preprocessing.fetch import DaemonPool, Fetcher
 from vlmbatch.preprocessing.isolated import DecoderCrashed, DecoderPool, DecodeTimeout
 from vlmbatch.preprocessing.limits import DEFAULT_MAX_PIXELS
-from vlmbatch.preprocessing.media import MediaPart, PreparedVideo
+from vlmbatch.preprocessing.media import MediaPart, WindowedClip
 from vlmbatch.preprocessing.prepare import ImagePlan, prepare_bytes
 from vlmbatch.preprocessing.sources import SourceError, is_remote, read_bytes
 from vlmbatch.preprocessing.video_source import VideoSource
@@ -51,17 +52,19 @@ def prepare_item(ref: ImageRef, plan: ImagePlan, max_pixels: int = DEFAULT_MAX_P
                  fetcher: Fetcher | None = None) -> Item:
     """Read (a remote image through ``fetcher``, else a fetcher of default options made for
     it), decode, prepare; raises SourceError or ImageError with the reason. Several images or
-    a clip: a ``MediaItem`` of their parts, in order."""
+    a clip: a ``MediaItem`` of their parts, in order; a per-image list or a clip in windows:
+    a ``PartedItem`` (``parts.py``)."""
     if isinstance(ref.image, ImageList):
-        return MediaItem(tuple(prepare_part(dataclasses.replace(ref, image=s), plan, max_pixels,
-                                            fetcher) for s in ref.image.images))
-    part = prepare_part(ref, plan, max_pixels, fetcher)
-    return MediaItem((part,)) if isinstance(part, PreparedVideo) else part
+        parts = [prepare_part(dataclasses.replace(ref, image=s), plan, max_pixels, fetcher)
+                 for s in ref.image.images]
+        return each_alone(parts) if ref.image.per_image else _media(parts)
+    return as_item(prepare_part(ref, plan, max_pixels, fetcher))
 
 
 def prepare_part(ref: ImageRef, plan: ImagePlan, max_pixels: int = DEFAULT_MAX_PIXELS,
-                 fetcher: Fetcher | None = None) -> MediaPart:
-    """One image (``prepare_item``), or one clip by its ``VideoSource``'s plan."""
+                 fetcher: Fetcher | None = None) -> MediaPart | WindowedClip:
+    """One image (``prepare_item``), or one clip by its ``VideoSource``'s plan (in windows:
+    a ``WindowedClip``)."""
     src = ref.image
     if isinstance(src, VideoInput):
         raise ImageError("this engine takes no clips (the torch engine does: --engine torch)")
@@ -177,7 +180,8 @@ class _Fetching:
         fetched first."""
         src = ref.image
         if isinstance(src, ImageList):
-            return _joined([self.submit(dataclasses.replace(ref, image=s)) for s in src.images])
+            return _joined([self.submit(dataclasses.replace(ref, image=s)) for s in src.images],
+                           each_alone if src.per_image else _media)
         if isinstance(src, VideoSource):
             if not is_remote(src.source):
                 return _joined([self.inner.submit(ref)])
@@ -225,8 +229,16 @@ def _mapped(f: Future, fn: Callable[[Any], Any]) -> Future:
     return out
 
 
-def _joined(parts: list[Future]) -> Future:
-    """A future of the ``MediaItem`` of ``parts``' results (``_parts``) in order, once all
+def _media(results: list[Any]) -> Item:
+    """Prepared parts (in order) as one item: a clip's windows as its ``PartedItem``, else
+    the ``MediaItem`` of them all (``_parts``)."""
+    if len(results) == 1 and isinstance(results[0], (WindowedClip, PartedItem)):
+        return as_item(results[0])
+    return MediaItem(tuple(x for r in results for x in _parts(r)))
+
+
+def _joined(parts: list[Future], join: Callable[[list[Any]], Any] = _media) -> Future:
+    """A future of ``join`` of ``parts``' results in order (their ``MediaItem``), once all
     are done; the first failure (in order) if any fails; cancelling it cancels them all."""
     out: Future = Future()
     out.add_done_callback(lambda o: o.cancelled() and [p.cancel() for p in parts])
@@ -242,7 +254,7 @@ def _joined(parts: list[Future]) -> Future:
         if bad is not None:
             return _settle(out, bad)
         try:
-            out.set_result(MediaItem(tuple(x for p in parts for x in _parts(p.result()))))
+            out.set_result(join([p.result() for p in parts]))
         except InvalidStateError:
             pass  # cancelled by its caller
 

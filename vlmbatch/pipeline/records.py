@@ -114,6 +114,9 @@ def item_media(image: ImageLike | ImageList | VideoInput | Sequence[ImageLike],
     """What an item keeps: a list of images as an ``ImageList`` of kept sources
     (``image_source``; ManifestError naming ``where`` when empty or over ``MAX_IMAGES``), an
     ``ImageList`` or ``VideoInput`` as given, one image as ``image_source`` keeps it."""
+    if isinstance(image, ImageList) and image.per_image:  # vlmbatch.each_image's sources
+        return dataclasses.replace(image, images=tuple(
+            s if type(s) is str else image_source(s) for s in image.images))
     if isinstance(image, (ImageList, VideoInput)):
         return image
     if isinstance(image, Sequence) and not isinstance(image, (str, bytes)):
@@ -176,6 +179,10 @@ class ItemError:
     message: str
 
 
+# the fields of a part's line and of a parted item's line (``Answer``), in line order
+PART_KEYS = ("part", "window", "image", "parts", "trigger", "trigger_window", "trigger_image")
+
+
 @dataclass(frozen=True)
 class Answer:
     """One (image, question) result. ``p_yes`` is rounded to 6 decimals and ``margin`` to 4,
@@ -207,6 +214,16 @@ class Answer:
     # on video items' lines, so other lines stay as they were)
     frames: int | None = None
     seconds: tuple[float, ...] | None = None
+    # an item asked part by part (windows of a clip, images each alone: pipeline/parts.py):
+    # a part's line has ``part`` and its ``window`` or ``image``; the item's line ``parts``,
+    # ``trigger`` (the part that gave its answer) and ``trigger_window`` or ``trigger_image``
+    part: int | None = None
+    window: tuple[float, float] | None = None
+    image: int | None = None
+    parts: int | None = None
+    trigger: int | None = None
+    trigger_window: tuple[float, float] | None = None
+    trigger_image: int | None = None
 
     # the result line's fields, in order, with their types (CSV/Parquet columns); ``label``,
     # ``probs`` and ``logprobs`` appear in a JSONL line only for a label-set question (a CSV
@@ -243,7 +260,8 @@ class Answer:
         """The result line: ``{"id", "question_id", "question", "answer", "p_yes", "margin",
         "image_tokens", "error", "error_kind"}``, then ``"label"``, ``"probs"`` and
         ``"logprobs"`` for a label-set question (null when failed), then ``"text"`` when
-        set, then ``"frames"`` and ``"seconds"`` for a clip's item (``seen``)."""
+        set, then ``"frames"`` and ``"seconds"`` for a clip's item (``seen``), then the
+        ``PART_KEYS`` that are set (an item asked part by part: ``pipeline/parts.py``)."""
         d: dict[str, Any] = {"id": self.image_id, "question_id": self.question_id,
                              "question": self.question, "answer": self.answer,
                              "p_yes": self.p_yes, "margin": self.margin,
@@ -257,6 +275,9 @@ class Answer:
         if self.frames is not None:
             d["frames"] = self.frames
             d["seconds"] = list(self.seconds or ())
+        for key in PART_KEYS:
+            if (v := getattr(self, key)) is not None:
+                d[key] = list(v) if isinstance(v, tuple) else v
         return d
 
     def row(self) -> dict[str, Any]:
@@ -286,11 +307,14 @@ class Answer:
         kind = d.get("error_kind")
         error_kind = ErrorKind(kind) if kind else (ErrorKind.UNKNOWN if d.get("error") else None)
         choices = tuple(d.get("choices") or d.get("probs") or ())
-        return cls(d["id"], d["question_id"], d["question"], d["answer"], d["p_yes"],
-                   d["margin"], d["image_tokens"], d.get("text"), d.get("error"), error_kind,
-                   choices, d.get("label"), d.get("probs"), d.get("logprobs"),
-                   d.get("prompt_tokens"), d.get("completion_tokens"), d.get("frames"),
-                   None if d.get("seconds") is None else tuple(d["seconds"]))
+        a = cls(d["id"], d["question_id"], d["question"], d["answer"], d["p_yes"],
+                d["margin"], d["image_tokens"], d.get("text"), d.get("error"), error_kind,
+                choices, d.get("label"), d.get("probs"), d.get("logprobs"),
+                d.get("prompt_tokens"), d.get("completion_tokens"), d.get("frames"),
+                None if d.get("seconds") is None else tuple(d["seconds"]))
+        part: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k in PART_KEYS
+                                if (v := d.get(k)) is not None}
+        return dataclasses.replace(a, **part) if part else a
 
     def seen(self, item: object) -> Answer:
         """This answer saying which frames the model saw, when ``item`` (the prepared item it

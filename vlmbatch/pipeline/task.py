@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 from vlmbatch.engine.records import EmbedRequest, MediaItem
 from vlmbatch.pipeline.hooks import Named
 from vlmbatch.pipeline.media_inputs import SamplingKeys, VideoInput
+from vlmbatch.pipeline.parts import PartedItem, run_answers
 from vlmbatch.pipeline.records import (
     Answer,
     Embedding,
@@ -141,13 +142,16 @@ class AnswerTask(Task[ImageItem, Answer]):
         if isinstance(src, VideoInput) and self.video is not None:
             keys = src.sampling.over(self.sampling)
             src = VideoSource(src.source, self.video.with_sampling(
-                keys.fps, keys.num_frames, keys.max_frames, keys.max_video_tokens))
+                keys.fps, keys.num_frames, keys.max_frames, keys.max_video_tokens
+            ).with_windows(keys.segment_seconds, keys.segment_stride))
         return ImageRef(src, item.base_dir, item.source)
 
     def with_video(self, plan: VideoPlan | None, run: SamplingKeys) -> AnswerTask:
         return replace(self, video=plan, sampling=run)
 
     def run(self, engine: Engine, p: Prepared[ImageItem]) -> list[list[Answer]]:
+        if any(isinstance(im, PartedItem) for im in p.images):  # windows, images alone
+            return run_answers(engine, p.items, p.images, p.errors)
         images, index = with_images(self, p)
         p = over_context(engine, p, images, index)  # the items it failed leave ``index``
         requests = [request_of(index[it.id], q) for it in p.items if it.id in index

@@ -25,6 +25,7 @@ models.
   ``video_plan.py`` (a family's ``VideoPlan``, read from a checkpoint as transformers reads
   it); ``video_budget.py`` (a clip's token budget and the model's context as limits);
   ``video_source.py`` (``VideoSource``: a clip for the decoder processes, light);
+  ``video_windows.py`` (a long clip's windows, each sampled as a clip of its span);
 - ``isolated.py`` and ``decoder_process.py``: decoder processes, each image (or clip) under
   a deadline, a crash that item's error (started as ``common/children.py``
   starts every child interpreter);

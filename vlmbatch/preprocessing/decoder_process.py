@@ -41,7 +41,7 @@ import cv2
 import numpy as np
 
 from vlmbatch.preprocessing.decode import ImageError
-from vlmbatch.preprocessing.media import MediaPart
+from vlmbatch.preprocessing.media import MediaPart, WindowedClip
 from vlmbatch.preprocessing.prepare import ImagePlan, prepare_bytes
 from vlmbatch.preprocessing.sources import SourceError, read_bytes
 from vlmbatch.preprocessing.video_source import VideoSource
@@ -50,7 +50,8 @@ ALIGN = 64  # bytes; each array starts on a cache line of the slot
 PR_SET_PDEATHSIG = 1
 
 
-def pack_media(image: MediaPart, slot: mmap.mmap, base: int, size: int) -> tuple:
+def pack_media(image: MediaPart | WindowedClip, slot: mmap.mmap, base: int, size: int,
+               ) -> tuple:
     """``image``'s arrays copied into the ``size`` bytes of ``slot`` from ``base`` (a
     ``("slot", ...)`` answer), or the whole image pickled when they do not fit."""
     arrays = [(f.name, v) for f in dataclasses.fields(image)
@@ -67,7 +68,8 @@ def pack_media(image: MediaPart, slot: mmap.mmap, base: int, size: int) -> tuple
     return ("slot", dataclasses.replace(image, **empty), layout)
 
 
-def unpack_media(answer: tuple, slot: mmap.mmap, base: int = 0) -> MediaPart:
+def unpack_media(answer: tuple, slot: mmap.mmap, base: int = 0,
+                 ) -> MediaPart | WindowedClip:
     """The ``PreparedImage`` (or ``PreparedVideo``) of a ``slot`` or ``object`` answer, its
     arrays copied out of ``slot`` (which a later item overwrites; the offsets in the answer
     include ``base``)."""

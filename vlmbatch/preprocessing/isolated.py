@@ -35,7 +35,7 @@ from queue import Empty, SimpleQueue
 from vlmbatch.common.children import child_env, python_module
 from vlmbatch.preprocessing.decode import ImageError
 from vlmbatch.preprocessing.decoder_process import unpack_media
-from vlmbatch.preprocessing.media import MediaPart
+from vlmbatch.preprocessing.media import MediaPart, WindowedClip
 from vlmbatch.preprocessing.prepare import ImagePlan
 from vlmbatch.preprocessing.video_source import VideoSource
 
@@ -115,7 +115,7 @@ class _Worker:
             raise _Died(self.exit_reason()) from None
         return offset
 
-    def receive(self, timeout_s: float, offset: int) -> MediaPart:
+    def receive(self, timeout_s: float, offset: int) -> MediaPart | WindowedClip:
         """The answer for the oldest item sent; raises _Hung past ``timeout_s`` and _Died
         when the worker dies (the caller then kills or drops it)."""
         try:

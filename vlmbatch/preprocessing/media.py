@@ -52,3 +52,12 @@ class PreparedVideo:
 
 # An item's visual parts in prompt order: one image (today's items), several images, a clip.
 MediaPart: TypeAlias = "PreparedImage | PreparedVideo"
+
+
+@dataclass(frozen=True, eq=False)
+class WindowedClip:
+    """A clip prepared window by window (``video_windows.py``): ``videos[k]`` is window
+    ``k``'s sampled clip, ``windows[k]`` its ``(start, end)`` seconds (to the millisecond).
+    Frames two windows share hash alike, so their groups are encoded once."""
+    videos: tuple[PreparedVideo, ...]
+    windows: tuple[tuple[float, float], ...]

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from vlmbatch.preprocessing.media import PreparedVideo
+from vlmbatch.preprocessing.media import PreparedVideo, WindowedClip
 from vlmbatch.preprocessing.qwen_vl import QwenVLPreprocess
 from vlmbatch.preprocessing.video import DEFAULT_MAX_VIDEO_SECONDS, VideoError, open_clip
 from vlmbatch.preprocessing.video_budget import BudgetedLayout, check_context, internvl_frames
@@ -38,6 +38,7 @@ from vlmbatch.preprocessing.video_rows import (
     prepare_qwen_video,
 )
 from vlmbatch.preprocessing.video_sampling import ClipInfo, SamplingError, VideoSampling
+from vlmbatch.preprocessing.video_windows import WindowRecipe, prepare_windows
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -71,6 +72,8 @@ class VideoPlan:
     max_tokens: int | None = None  # the clip's visual token budget (video_budget.py)
     frame_tokens: int = 0  # InternVL: visual tokens per frame (its tile's); 0: not known
     context: int = 0  # the model's context in tokens; 0: none stated, not checked
+    # (segment_seconds, segment_stride or None): the clip in windows (video_windows.py)
+    windows: tuple[float, float | None] | None = None
 
     def with_sampling(self, fps: float | None = None, num_frames: int | None = None,
                       max_frames: int | None = None, max_tokens: int | None = None
@@ -86,8 +89,17 @@ class VideoPlan:
             s = replace(s, max_frames=max_frames, min_frames=min(s.min_frames, max_frames))
         return replace(self, sampling=s)
 
-    def prepare(self, data: bytes, max_pixels: int) -> PreparedVideo:
-        """Encoded clip -> ``PreparedVideo``; raises ``VideoError`` (the item's error)."""
+    def with_windows(self, seconds: float | None, stride: float | None = None) -> VideoPlan:
+        """This plan cutting clips into windows of ``seconds`` every ``stride`` (None:
+        ``seconds``); as it is when ``seconds`` is None."""
+        return self if seconds is None else replace(self, windows=(seconds, stride))
+
+    def prepare(self, data: bytes, max_pixels: int) -> PreparedVideo | WindowedClip:
+        """Encoded clip -> ``PreparedVideo`` (in windows: ``WindowedClip``); raises
+        ``VideoError`` (the item's error)."""
+        if self.windows is not None:
+            recipe = WindowRecipe(self.sampling, self.layout, self.resize, self.max_seconds)
+            return prepare_windows(recipe, data, max_pixels, *self.windows)
         with open_clip(data, max_pixels, self.max_seconds) as clip:
             try:
                 indices = self._indices(clip.info)
