@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from vlmbatch.cli.bench.baseline import TimedBaseline, Work, _left_pad, _p_yes
+from vlmbatch.cli.bench.baseline import TimedBaseline, Work, _left_pad
 from vlmbatch.preprocessing.media import PreparedVideo
 from vlmbatch.preprocessing.video_plan import VideoPlan, normalise
 
@@ -58,6 +58,13 @@ class ClipBaseline(TimedBaseline):
         self.pad = model.tokenizer.pad_token_id or 0
         self.yes, self.no = list(answers.yes_ids), list(answers.no_ids)
         self._answer(self.items, Work())
+        self.margins: list[float] = []
+
+    def round(self) -> None:
+        """One timed round; ``margins`` (logsumexp yes - no logits) and ``p_yes`` kept."""
+        super().round()
+        self.margins = self.p_yes
+        self.p_yes = torch.sigmoid(torch.tensor(self.margins)).tolist()
 
     def _pixels(self, video: PreparedVideo) -> torch.Tensor:
         rows = reversed_groups(video) if self.fault == "reverse-frames" else video.rows
@@ -75,6 +82,7 @@ class ClipBaseline(TimedBaseline):
 
     @torch.inference_mode()
     def _answer(self, its: list, work: Work) -> list[float]:
+        """Each question's margin, clip by clip."""
         pairs = [(c, q) for c, (_, qs) in enumerate(its) for q in qs]
         last = {c: k for k, (c, _) in enumerate(pairs)}  # a clip's last question
         feats: dict[int, torch.Tensor] = {}
@@ -90,7 +98,9 @@ class ClipBaseline(TimedBaseline):
             assert bool(mask[:, -1].all()), "left padding: the last column is real"
             logits = self.ref(**self._inputs(ids, mask, [its[c][0] for c, _ in chunk],
                                              [feats[c] for c, _ in chunk])).logits[:, -1]
-            out += _p_yes(logits, self.yes, self.no)
+            margins = (logits[:, self.yes].float().logsumexp(-1)
+                       - logits[:, self.no].float().logsumexp(-1))  # as the engine's scoring
+            out += margins.tolist()
             work.prefills += [(len(r), 0) for r in rows]
             for c in list(feats):
                 if last[c] < lo + self.batch:
