@@ -39,7 +39,7 @@ The load average (``/proc/loadavg``) is printed with each section: the machines 
 Exit 1 after the tables if a correctness check failed (``bench/checks.py``); speed targets
 are printed met / not met and do not set the exit code (timings on a shared CPU).
 
-    python bench/video.py --rounds 3 --decode-seconds 20 --long-seconds 600 --long-fps 5
+    python bench/video.py --rounds 3 --threads 1 --decode-seconds 20 --long-seconds 600 --long-fps 5
     python bench/video.py --quick            # seconds: the check of tests/test_bench_checks.py
 """
 
