@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import io
 import sys
+import time
 from fractions import Fraction
 from pathlib import Path
 
@@ -145,8 +146,6 @@ class Ours:
         self.times.clear()
 
     def round(self) -> None:
-        import time
-
         engine = TorchEngine(self.b.model, self.cfg, self.b.runner)
         start = time.perf_counter()
         scores = engine.score(self.items, self.requests)  # type: ignore[arg-type]
@@ -218,8 +217,6 @@ def tokens_prefilled(row: Ours | ClipBaseline) -> int:
 def windows(b: Bundle, data: bytes, qs: list[str], a: argparse.Namespace,
             checks: Checks) -> None:
     """Section 3 (module docstring)."""
-    import time
-
     plan = b.plan.with_sampling(num_frames=a.window_clip)  # type: ignore[union-attr]
     whole = plan.prepare(data, 10**9)  # for its fps: the plan's own
     with open_clip(data, 10**9) as clip:
