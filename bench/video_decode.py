@@ -150,7 +150,8 @@ print(f"{{rss('VmHWM') - before:.0f}} {{v.rows.nbytes / 2**20:.0f}} {{len(v.fram
 """
 
 
-def memory(seconds: float, fps: int, frames: int) -> None:
+def memory(seconds: float, fps: int, frames: int) -> float:
+    """Prints the long clip's figures; returns the RSS growth in MiB (``bench/video.py``)."""
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "long.mp4"
         t0 = time.perf_counter()
@@ -167,6 +168,7 @@ def memory(seconds: float, fps: int, frames: int) -> None:
     print(f"long clip: {W}x{H}, {seconds:g} s at {fps} fps ({int(seconds * fps)} frames, "
           f"{size / 1e6:.0f} MB, made in {made:.0f} s); prepared {n} frames in {took:.1f} s: "
           f"RSS growth {growth} MiB (rows {rows} MiB of it)")
+    return float(growth)
 
 
 def main() -> None:
