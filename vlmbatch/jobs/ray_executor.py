@@ -31,6 +31,11 @@ Invariants:
 - A model worker that dies is restarted by Ray and its call retried
   (``max_restarts``/``max_task_retries``); results are recorded only by the driver, only for
   items still pending, so a retried group is never recorded twice.
+- Clips are sampled by the engine's ``VideoPlan`` (a model actor's, ``ModelWorker.video_plan``)
+  under the run's ``--fps``/``--num-frames``/``--max-frames`` (a line's keys win), bound into
+  the task as ``pipeline.drive.LocalStages`` binds it; a list's images and a clip are fetched
+  with the run's fetch options (``pipeline/media_fetch.py``), and the decode deadline counts
+  per image and per clip.
 - A node that dies takes its prepare tasks and the images it holds with it: those groups are
   prepared again elsewhere (up to 3 times each), never failed for it.
 - Closing the stages (the job cancelled, an interrupt) cancels the prepare tasks in flight;
@@ -47,7 +52,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Generator, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vlmbatch.engine.build import build_engine
 from vlmbatch.engine.loading import read_spec
@@ -55,11 +60,14 @@ from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.ray_cluster import init_ray
 from vlmbatch.pipeline.drive import GroupResults, prepare_task, run_group
 from vlmbatch.pipeline.hooks import FaultHooks, Named
+from vlmbatch.pipeline.media_fetch import has_remote, media_count
 from vlmbatch.pipeline.records import ErrorKind, ItemError
 from vlmbatch.pipeline.task import Prepared, Task
 from vlmbatch.preprocessing.limits import MAX_RETRY_AFTER_S
 from vlmbatch.preprocessing.prepare import ImagePlan
-from vlmbatch.preprocessing.sources import is_remote
+
+if TYPE_CHECKING:
+    from vlmbatch.preprocessing.video_plan import VideoPlan
 
 
 def require_ray() -> Any:
@@ -82,6 +90,11 @@ class ModelWorker:
 
     def image_plan(self) -> ImagePlan:
         return self.engine.image_plan
+
+    def video_plan(self) -> VideoPlan | None:
+        """The engine's clip plan (``Engine.video_plan``), which ``RayStages`` binds into the
+        run's task as ``LocalStages`` does, so the prepare tasks sample clips by it."""
+        return self.engine.video_plan
 
     def run(self, p: Prepared) -> list[list]:
         self.calls += 1
@@ -129,6 +142,10 @@ class RayStages:
 
     def __init__(self, ray: Any, cfg: RunConfig, task: Task, workers: list,  # noqa: PLR0913
                  plan: ImagePlan, hooks: FaultHooks) -> None:
+        # the engine's clip plan under the run's --fps/--num-frames/--max-frames, as
+        # pipeline.drive.LocalStages binds it: the prepare tasks read it from the task
+        video = ray.get(workers[0].video_plan.remote())
+        task = task.with_video(video, cfg.prepare_options.sampling)
         self.ray, self.cfg, self.task, self.workers = ray, cfg, task, workers
         self.plan, self.hooks = plan, hooks
 
@@ -217,11 +234,13 @@ class _Scheduler:
                                              self.cfg.prepare.max_pixels, self.hooks, fetch)
         timeout = self.cfg.prepare.decode_timeout or float("inf")  # 0: no deadline
         # the task fetches its group's remote images first, at once, under their own timeout:
-        # the decode deadline gets that on top, so it still measures decoding
-        remote = any(is_remote(getattr(self.task.image(it), "image", None)) for it in group)
+        # the decode deadline gets that on top, so it still measures decoding; it counts per
+        # image and per clip (a list of n images has n deadlines' worth)
+        refs = [self.task.image(it) for it in group]
+        remote = any(r is not None and has_remote(r.image) for r in refs)
         fetching = (fetch.retries + 1) * fetch.timeout_s + fetch.backoff_s * 2 ** (
             fetch.retries + 1) + MAX_RETRY_AFTER_S * fetch.retries if remote else 0.0
-        deadline = time.monotonic() + timeout * len(group) + fetching
+        deadline = time.monotonic() + timeout * sum(map(media_count, refs)) + fetching
         self.preparing[done] = (group, deadline, prepared)
 
     def collect_prepared(self, ready: set) -> None:
