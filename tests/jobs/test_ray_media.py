@@ -102,3 +102,34 @@ def test_ray_answers_clips_and_lists_as_the_local_executor(
         if w["p_yes"] is not None:
             assert abs(g["p_yes"] - w["p_yes"]) <= 2e-6, key
             assert abs(g["margin"] - w["margin"]) <= 2e-4, key
+
+
+@pytest.mark.slow  # ~15 s more: CI's test above runs `run MANIFEST --executor ray`, a job too
+def test_submit_then_resume_on_ray_keeps_the_runs_keys(
+        tmp_path: Path, random_model_dir: Path, ray_head: RayHead,
+        loopback: LoopbackServer) -> None:
+    """``submit --num-frames 2`` folds the key into the job's items; ``resume --executor ray``
+    answers them as a local ``run`` of the manifest with the same options does."""
+    m = manifest(tmp_path, loopback)
+    local = tmp_path / "local.jsonl"
+    assert main(["run", str(m), "-o", str(local), "--model", str(random_model_dir), *RUN]) \
+        == EXIT_ITEM_ERRORS
+    job = tmp_path / "job"
+    assert main(["submit", str(m), "--job", str(job), "--model", str(random_model_dir),
+                 "--num-frames", "2", "--images-per-batch", "3"]) == 0
+    p = cli("resume", str(job), "--fetch-timeout", "1", "--fetch-retries", "0",
+            "--no-progress", "--executor", "ray", "--model-cpus", "1",
+            "--address", ray_head.address, env=ray_head.env)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == EXIT_ITEM_ERRORS, err[-3000:]
+    out = tmp_path / "r.jsonl"
+    assert main(["results", str(job), "-o", str(out)]) == 0
+    want, got = by_id(local), by_id(out)
+    assert list(got) == list(want)
+    assert got["run_keys", "q0"]["seconds"] == [i / 25 for i in (5, 15)]
+    for key, w in want.items():
+        g = got[key]
+        assert {k: v for k, v in g.items() if k not in ("p_yes", "margin")} == \
+            {k: v for k, v in w.items() if k not in ("p_yes", "margin")}, key
+        if w["p_yes"] is not None:
+            assert abs(g["p_yes"] - w["p_yes"]) <= 2e-6, key
