@@ -133,3 +133,32 @@ def test_submit_then_resume_on_ray_keeps_the_runs_keys(
             {k: v for k, v in w.items() if k not in ("p_yes", "margin")}, key
         if w["p_yes"] is not None:
             assert abs(g["p_yes"] - w["p_yes"]) <= 2e-6, key
+
+
+def test_a_prepare_tasks_deadline_counts_each_image_and_clip(tmp_path: Path) -> None:
+    """A prepare task's deadline is ``--decode-timeout`` per image and per clip: a list of
+    3, a clip and a still image, 5 x 2 s (Ray faked: ``RayStages``' scheduler alone, the
+    task run at once on files that are not there, so that only the deadline is measured)."""
+    import time
+
+    from tests.jobs.test_ray_executor import _FakeRay
+    from vlmbatch.jobs.config import RunConfig
+    from vlmbatch.jobs.ray_executor import _Scheduler
+    from vlmbatch.pipeline.config import PrepareConfig
+    from vlmbatch.pipeline.hooks import NO_HOOKS
+    from vlmbatch.pipeline.media_inputs import VideoInput
+    from vlmbatch.pipeline.records import ImageItem
+    from vlmbatch.pipeline.task import AnswerTask
+    from vlmbatch.preprocessing.prepare import TilingConfig
+
+    items = [ImageItem("list", ["x.png", "y.png", "z.png"], [Q], tmp_path),
+             ImageItem("clip", VideoInput("c.mkv"), [Q], tmp_path),
+             ImageItem("still", "x.png", [Q], tmp_path)]
+    cfg = RunConfig(manifest=tmp_path / "m.jsonl", prepare=PrepareConfig(decode_timeout=2.0))
+    s = _Scheduler(_FakeRay(0), cfg, AnswerTask(), [], TilingConfig(tile_size=56), NO_HOOKS,
+                   iter([]))
+    t0 = time.monotonic()
+    s._submit_prepare(items)
+    t1 = time.monotonic()
+    ((_, deadline, _),) = s.preparing.values()
+    assert t0 + 5 * 2.0 <= deadline <= t1 + 5 * 2.0
