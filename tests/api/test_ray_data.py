@@ -2,8 +2,10 @@
 ``read_images`` and ``read_webdataset`` through ``Answerer`` (one stage, and ``Preparer`` then
 ``Answerer``) give ``VLM.ask``'s answers on the same images (``VLM.ask`` equals ``vlmbatch
 run``'s lines: tests/api/test_vlm.py); bad rows are their rows' errors; ``Embedder`` gives
-``VLM.embed_many``'s vectors. One Ray instance for the module; CI runs the Parquet test,
-the other two are marked slow (71 s for the three on 2 cores)."""
+``VLM.embed_many``'s vectors; rows holding an ``images`` list or a ``video`` clip answer as
+the local path does (``api/ray_columns.py``). One Ray instance for the module; CI runs the
+Parquet tests and the two-stage one in-process, the other two are marked slow (71 s for the
+three on 2 cores)."""
 
 from __future__ import annotations
 
