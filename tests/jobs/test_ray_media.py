@@ -139,26 +139,33 @@ def test_a_prepare_tasks_deadline_counts_each_image_and_clip(tmp_path: Path) -> 
     """A prepare task's deadline is ``--decode-timeout`` per image and per clip: a list of
     3, a clip and a still image, 5 x 2 s (Ray faked: ``RayStages``' scheduler alone, the
     task run at once on files that are not there, so that only the deadline is measured)."""
+    import pickle
     import time
 
     from tests.jobs.test_ray_executor import _FakeRay
     from vlmbatch.jobs.config import RunConfig
     from vlmbatch.jobs.ray_executor import _Scheduler
+    from vlmbatch.models.paths import DEFAULT_MODEL
     from vlmbatch.pipeline.config import PrepareConfig
     from vlmbatch.pipeline.hooks import NO_HOOKS
     from vlmbatch.pipeline.media_inputs import VideoInput
     from vlmbatch.pipeline.records import ImageItem
     from vlmbatch.pipeline.task import AnswerTask
     from vlmbatch.preprocessing.prepare import TilingConfig
+    from vlmbatch.preprocessing.video_plan import checkpoint_video
 
     items = [ImageItem("list", ["x.png", "y.png", "z.png"], [Q], tmp_path),
              ImageItem("clip", VideoInput("c.mkv"), [Q], tmp_path),
              ImageItem("still", "x.png", [Q], tmp_path)]
     cfg = RunConfig(manifest=tmp_path / "m.jsonl", prepare=PrepareConfig(decode_timeout=2.0))
-    s = _Scheduler(_FakeRay(0), cfg, AnswerTask(), [], TilingConfig(tile_size=56), NO_HOOKS,
-                   iter([]))
+    plan = checkpoint_video(DEFAULT_MODEL, "internvl")
+    s = _Scheduler(_FakeRay(0), cfg, AnswerTask(plan), [], TilingConfig(tile_size=56),
+                   NO_HOOKS, iter([]))
     t0 = time.monotonic()
     s._submit_prepare(items)
     t1 = time.monotonic()
     ((_, deadline, _),) = s.preparing.values()
     assert t0 + 5 * 2.0 <= deadline <= t1 + 5 * 2.0
+    # a group without a clip is sent the task without the plan: unpickling it in a prepare
+    # worker imports no clip decoder (PyAV)
+    assert b"video_plan" in pickle.dumps(s.task) and b"video_plan" not in pickle.dumps(s.stills)

@@ -61,10 +61,12 @@ from vlmbatch.jobs.ray_cluster import init_ray
 from vlmbatch.pipeline.drive import GroupResults, prepare_task, run_group
 from vlmbatch.pipeline.hooks import FaultHooks, Named
 from vlmbatch.pipeline.media_fetch import has_remote, media_count
+from vlmbatch.pipeline.media_inputs import SamplingKeys
 from vlmbatch.pipeline.records import ErrorKind, ItemError
 from vlmbatch.pipeline.task import Prepared, Task
 from vlmbatch.preprocessing.limits import MAX_RETRY_AFTER_S
 from vlmbatch.preprocessing.prepare import ImagePlan
+from vlmbatch.preprocessing.video_source import VideoSource
 
 if TYPE_CHECKING:
     from vlmbatch.preprocessing.video_plan import VideoPlan
@@ -182,6 +184,9 @@ class _Scheduler:
         # a module-level function of a light module: a new prepare worker imports
         # pipeline.drive (numpy, OpenCV), not torch and the models, before its deadline runs
         self.prepare = ray.remote(num_cpus=1, max_retries=0, num_returns=2)(prepare_task)
+        # a group without a clip gets the task without the clip plan, whose unpickling would
+        # import the decoder of clips (PyAV) into the prepare worker before its deadline runs
+        self.stills = task.with_video(None, SamplingKeys())
         self.preparing: dict = {}  # done ref -> (group, deadline, prepared ref)
         self.retry: deque = deque()
         self.again: deque[list] = deque()  # groups whose images were lost
@@ -230,13 +235,15 @@ class _Scheduler:
 
     def _submit_prepare(self, group: list) -> None:
         fetch = self.cfg.prepare.fetch
-        done, prepared = self.prepare.remote(self.task, group, self.plan,
-                                             self.cfg.prepare.max_pixels, self.hooks, fetch)
+        refs = [self.task.image(it) for it in group]
+        clips = any(r is not None and isinstance(r.image, VideoSource) for r in refs)
+        done, prepared = self.prepare.remote(self.task if clips else self.stills, group,
+                                             self.plan, self.cfg.prepare.max_pixels,
+                                             self.hooks, fetch)
         timeout = self.cfg.prepare.decode_timeout or float("inf")  # 0: no deadline
         # the task fetches its group's remote images first, at once, under their own timeout:
         # the decode deadline gets that on top, so it still measures decoding; it counts per
         # image and per clip (a list of n images has n deadlines' worth)
-        refs = [self.task.image(it) for it in group]
         remote = any(r is not None and has_remote(r.image) for r in refs)
         fetching = (fetch.retries + 1) * fetch.timeout_s + fetch.backoff_s * 2 ** (
             fetch.retries + 1) + MAX_RETRY_AFTER_S * fetch.retries if remote else 0.0
