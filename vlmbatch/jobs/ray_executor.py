@@ -33,7 +33,8 @@ Invariants:
   items still pending, so a retried group is never recorded twice.
 - Clips are sampled by the engine's ``VideoPlan`` (a model actor's, ``ModelWorker.video_plan``)
   under the run's ``--fps``/``--num-frames``/``--max-frames`` (a line's keys win), bound into
-  the task as ``pipeline.drive.LocalStages`` binds it; a list's images and a clip are fetched
+  the task as ``pipeline.drive.LocalStages`` binds it (sent only with a group that holds a
+  clip: unpickling the plan imports PyAV); a list's images and a clip are fetched
   with the run's fetch options (``pipeline/media_fetch.py``), and the decode deadline counts
   per image and per clip.
 - A node that dies takes its prepare tasks and the images it holds with it: those groups are
