@@ -2,8 +2,10 @@
 ``read_images`` and ``read_webdataset`` through ``Answerer`` (one stage, and ``Preparer`` then
 ``Answerer``) give ``VLM.ask``'s answers on the same images (``VLM.ask`` equals ``vlmbatch
 run``'s lines: tests/api/test_vlm.py); bad rows are their rows' errors; ``Embedder`` gives
-``VLM.embed_many``'s vectors. One Ray instance for the module; CI runs the Parquet test,
-the other two are marked slow (71 s for the three on 2 cores)."""
+``VLM.embed_many``'s vectors; rows holding an ``images`` list or a ``video`` clip answer as
+the local path does (``api/ray_columns.py``). One Ray instance for the module; CI runs the
+Parquet tests and the two-stage one in-process, the other two are marked slow (71 s for the
+three on 2 cores)."""
 
 from __future__ import annotations
 
@@ -73,6 +75,7 @@ def check(rows: list[dict], want: dict[tuple[str, str], dict], image_of: dict[st
     assert len(rows) == len(image_of) * len(POLICY["questions"])
     for r in rows:
         w = want[(image_of[r["id"]], r["question_id"])]
+        assert r.pop("frames") is None and r.pop("seconds") is None  # a still image's row
         assert {k: v for k, v in r.items() if k not in ("id", "p_yes", "margin", "probs",
                                                         "logprobs")} == \
             {k: v for k, v in w.items() if k not in ("id", "p_yes", "margin", "probs",
@@ -152,3 +155,82 @@ def test_read_webdataset_and_embeddings(local_ray: object, want: dict, tmp_path:
         assert e.vector is not None and got.shape == e.vector.shape
         assert np.abs(got - e.vector).max() <= 1e-5 and by_id[f"k{i}"]["tokens"] == e.tokens
     assert by_id["k3"]["embedding"] is None and by_id["k3"]["error_kind"] == "decode"
+
+
+def test_lists_and_clips_in_rows_answer_as_the_local_path(local_ray: object,
+                                                          tmp_path: Path) -> None:
+    """Rows with an ``image``, an ``images`` list or a ``video`` (sampled by the row's
+    ``num_frames``/``fps`` columns) answer with ``VLM.ask_many``'s P(yes) on the same items
+    (the local path), clips with the frames transformers' InternVL rule gives (written here
+    by hand: the middle of each of n equal segments of 20 frames at 25 fps); a row with two
+    media or a bad clip is its row's error; the schema has ``frames``/``seconds`` (null off
+    clips)."""
+    from tests.preprocessing.video_clips import FFV1_MKV, frames, make_clip
+
+    clip = make_clip(frames(20, 64, 48), FFV1_MKV)
+    qs = [{"id": "red", "text": "Is there a red shape?"}]
+    rows = [("still", IMAGES[0], None, None, None, None),
+            ("pair", None, [IMAGES[1], IMAGES[2]], None, None, None),
+            ("clip4", None, None, clip, 4, None),
+            ("clip_fps", None, None, clip, None, 2.5),
+            ("both", IMAGES[0], None, clip, None, None),
+            ("bad", None, None, b"not a clip", 2, None)]
+    path = tmp_path / "media.parquet"
+    names = ["key", "image", "images", "video", "num_frames", "fps"]
+    types = [pa.string(), pa.binary(), pa.list_(pa.binary()), pa.binary(), pa.int64(),
+             pa.float64()]
+    pq.write_table(pa.table({n: pa.array([r[i] for r in rows], t)
+                             for i, (n, t) in enumerate(zip(names, types))}), path)
+    ds = ray.data.read_parquet(str(path)).map_batches(
+        Answerer, fn_constructor_kwargs={"questions": qs, "id_column": "key"},
+        compute=pool(), batch_size=6, batch_format="numpy")
+    table = ds.to_arrow_refs()
+    got_tables = [ray.get(t) for t in table]
+    assert all(t.schema.field("frames").type == pa.int64() for t in got_tables)
+    assert all(t.schema.field("seconds").type == pa.list_(pa.float64()) for t in got_tables)
+    got = {r["id"]: r for t in got_tables for r in t.to_pylist()}
+
+    with vlmbatch.VLM(decode_timeout=0) as vlm:  # the local path, on threads
+        want = {a.image_id: a for a in vlm.ask_many([
+            vlmbatch.ImageItem("still", IMAGES[0], qs),
+            vlmbatch.ImageItem("pair", [IMAGES[1], IMAGES[2]], qs),
+            vlmbatch.ImageItem("clip4", vlmbatch.video(clip, num_frames=4), qs),
+            vlmbatch.ImageItem("clip_fps", vlmbatch.video(clip, fps=2.5), qs)])}
+    for k, w in want.items():
+        assert w.error is None and got[k]["error"] is None, got[k]
+        assert abs(got[k]["p_yes"] - w.p_yes) <= 2e-6 and got[k]["answer"] == w.answer, k
+    assert got["still"]["frames"] is None and got["pair"]["seconds"] is None
+    assert got["clip4"]["frames"] == 4
+    assert got["clip4"]["seconds"] == [i / 25 for i in (2, 7, 12, 17)]
+    # 2.5 fps of 20 frames at 25 fps: int(20 / 25 * 2.5) = 2 segments (the row's fps)
+    assert got["clip_fps"]["seconds"] == [i / 25 for i in (5, 15)]
+    for k in ("clip4", "clip_fps"):
+        assert got[k]["frames"] == want[k].frames and tuple(got[k]["seconds"]) == want[k].seconds
+    assert got["both"]["error_kind"] == "source" and "more than one" in got["both"]["error"]
+    assert got["bad"]["error_kind"] == "decode" and got["bad"]["frames"] is None
+
+
+def test_preparer_then_answerer_take_lists_and_clips(tmp_path: Path) -> None:
+    """The two-stage form on the same rows, each stage called in this process (what an
+    actor runs, without Ray's start-up): a list's and a clip's ``MediaItem`` pickled by the
+    ``Preparer`` and answered by an ``Answerer(prepared=True)`` as ``VLM.ask_many`` answers
+    them; the clip sampled by the row's ``num_frames``."""
+    from tests.preprocessing.video_clips import FFV1_MKV, frames, make_clip
+
+    clip = make_clip(frames(20, 64, 48), FFV1_MKV)
+    qs = [{"id": "red", "text": "Is there a red shape?"}]
+    batch = {"key": np.array(["pair", "clip", "bad"], object),
+             "images": np.array([np.array([IMAGES[1], IMAGES[2]], object), None, None], object),
+             "video": np.array([None, clip, b"not a clip"], object),
+             "num_frames": np.array([np.nan, 4.0, np.nan])}  # pandas' int column with nulls
+    prepared = Preparer(id_column="key", decode_timeout=0)(batch)
+    answerer = Answerer(questions=qs, prepared=True, decode_timeout=0)
+    got = {r["id"]: r for r in answerer(prepared.to_pydict()).to_pylist()}
+    with vlmbatch.VLM(decode_timeout=0) as vlm:
+        want = {a.image_id: a for a in vlm.ask_many([
+            vlmbatch.ImageItem("pair", [IMAGES[1], IMAGES[2]], qs),
+            vlmbatch.ImageItem("clip", vlmbatch.video(clip, num_frames=4), qs)])}
+    for k, w in want.items():
+        assert abs(got[k]["p_yes"] - w.p_yes) <= 2e-6 and got[k]["frames"] == w.frames, k
+    assert got["clip"]["seconds"] == [i / 25 for i in (2, 7, 12, 17)]
+    assert got["bad"]["error_kind"] == "decode" and got["pair"]["frames"] is None

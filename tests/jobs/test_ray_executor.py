@@ -411,7 +411,10 @@ def test_tiles_lost_with_their_node_are_prepared_again(tmp_path: Path, random_mo
 
     job = submit(tmp_path, random_model_dir, 4, per_batch=2)
     fake = _FakeRay(lose)
-    worker = type("W", (), {"run": type("S", (), {"remote": staticmethod(fake.run)})})
+    worker = type("W", (), {"run": type("S", (), {"remote": staticmethod(fake.run)}),
+                            # the engine's clip plan, bound by RayStages (none: no clips here)
+                            "video_plan": type("V", (), {"remote": staticmethod(
+                                lambda: _Ref(None))})})
     store = JobStore(job / STORE_FILE)
     cfg = load_config(job)
     jt = job_task(cfg, "vlmbatch")

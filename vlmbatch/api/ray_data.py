@@ -16,9 +16,11 @@ prefix cache), so its rows are ``vlmbatch run``'s lines (tested): one row per (i
 question), in row then question order, with ``Answer.COLUMNS`` (``Answer.row``: ``id``,
 ``question_id``, ``question``, ``answer``, ``p_yes``, ``margin``, ``image_tokens``,
 ``error``, ``error_kind``, ``label``, ``probs`` and ``logprobs`` as JSON text, ``text``),
-returned as a ``pyarrow.Table`` of that fixed schema, so every batch has the same types
-whatever is null in it. Other input columns are not carried (a row per question would repeat
-them): join on ``id``.
+then ``frames`` and ``seconds`` (a clip's rows; null on others), returned as a
+``pyarrow.Table`` of that fixed schema, so every batch has the same types whatever is null
+in it. A row may hold a list of images (``images``) or a clip (``video``, sampled by its
+``fps``/``num_frames``/``max_frames`` columns) instead of an image: ``api/ray_columns.py``.
+Other input columns are not carried (a row per question would repeat them): join on ``id``.
 
 Invariants:
 - A bad image (undecodable, unreadable, a null or unsupported cell, over ``max_pixels``)
@@ -46,9 +48,10 @@ from typing import Any
 
 import numpy as np
 
+from vlmbatch.api.ray_columns import answer_table, media_cells
 from vlmbatch.api.vlm import VLM, QuestionLike
 from vlmbatch.engine.config import EmbedConfig, ModelConfig
-from vlmbatch.engine.loading import image_plan_for, read_spec
+from vlmbatch.engine.loading import image_plan_for, read_spec, video_plan_for
 from vlmbatch.engine.records import Item
 from vlmbatch.inputs.datasets import own_questions
 from vlmbatch.inputs.manifest import policy_questions, read_policy, with_policy
@@ -120,27 +123,22 @@ def unique_keys(ids: list[str]) -> list[str]:
     return out
 
 
-def answer_table(answers: Sequence[Answer]) -> Any:
-    """``Answer.row``s as a ``pyarrow.Table`` with the fixed schema of ``Answer.COLUMNS``."""
-    pa = _pa()
-    types = {str: pa.string(), float: pa.float64(), int: pa.int64()}
-    schema = pa.schema([(name, types[t]) for name, t in Answer.COLUMNS])
-    return pa.Table.from_pylist([a.row() for a in answers], schema=schema)
-
-
 class Answerer:
     """``map_batches(Answerer, fn_constructor_kwargs={...})``: a batch in, its answer rows out
     (module docstring). ``policy``: a policy file (.yaml/.toml) or its parsed dict;
     ``questions``: questions as ``VLM.ask`` takes them; ``questions_column``: each row's own
     questions (a string, a list, or JSON text), asked before the policy's. ``prepared``: the
     batch comes from a ``Preparer``. ``vlm_options``: ``VLM``'s (``device``, ``dtype``,
-    ``images_per_batch``, ``decode_timeout``, ``max_tiles``, ...)."""
+    ``images_per_batch``, ``decode_timeout``, ``max_tiles``, ...). ``images_column`` (a list
+    of images per row) and ``video_column`` (a clip per row, sampled by the row's ``fps``,
+    ``num_frames``, ``max_frames`` columns): ``api/ray_columns.py``."""
 
     def __init__(self, model: str | Path | None = None, *,  # noqa: PLR0913
                  policy: str | Path | dict | None = None,
                  questions: Sequence[QuestionLike] | None = None, image_column: str = "image",
                  id_column: str | None = None, questions_column: str | None = None,
                  prepared: bool = False, base_dir: str | Path | None = None,
+                 images_column: str = "images", video_column: str = "video",
                  **vlm_options: Any) -> None:
         self.policy = (policy_questions(policy, "policy") if isinstance(policy, dict)
                        else read_policy(Path(policy)) if policy is not None else ())
@@ -148,6 +146,7 @@ class Answerer:
         if not self.policy and questions_column is None:
             raise ValueError("no questions: give policy=, questions= or questions_column=")
         self.image_column, self.id_column = image_column, id_column
+        self.media_columns = (image_column, images_column, video_column)
         self.questions_column, self.prepared = questions_column, prepared
         self.base_dir = Path(base_dir) if base_dir is not None else Path.cwd()
         self.vlm = VLM(model, **vlm_options)
@@ -168,18 +167,15 @@ class Answerer:
         qs = [with_policy(own_questions(q, f"row {ids[i]}"), self.policy, f"row {ids[i]}",
                           "give --policy or questions_column=") for i, q in enumerate(own)]
         self._check({q for row in qs for q in row})
-        per_row = self._answers(cols, keys, qs) if not self.prepared \
+        per_row = self._answers(cols, keys, qs, ids) if not self.prepared \
             else self._answers_prepared(cols, keys, qs)
         return answer_table([dataclasses.replace(a, image_id=i) if a.image_id != i else a
                              for i, answers in zip(ids, per_row) for a in answers])
 
-    def _answers(self, cols: dict[str, list], keys: list[str], qs: list[tuple]
-                 ) -> list[list[Answer]]:
+    def _answers(self, cols: dict[str, list], keys: list[str], qs: list[tuple],
+                 ids: list[str]) -> list[list[Answer]]:
         """Each row's answers through ``VLM.ask_many``; a bad cell's without the model."""
-        if self.image_column not in cols:
-            raise KeyError(f"image column {self.image_column!r} not in the batch "
-                           f"(columns: {sorted(cols)})")
-        cells = [image_cell(v) for v in cols[self.image_column]]
+        cells = media_cells(cols, len(keys), self.media_columns, ids, image_cell)
         good = (ImageItem(k, c, q, self.base_dir) for k, c, q in zip(keys, cells, qs)
                 if not isinstance(c, ItemError))
         stream = self.vlm.ask_many(good)  # in item then question order
@@ -225,16 +221,23 @@ class Preparer:
     prepared for the model's image plan (no weights loaded), in decoder processes under
     ``decode_timeout`` as the one-stage form does. Out: ``id``, ``prepared`` (binary, null
     when failed), ``prepare_error``, ``prepare_error_kind``, and the ``carry`` columns as they
-    came. ``options``: ``ModelConfig`` image options (``tiling``, ``max_tiles``,
+    came. A list or a clip (``api/ray_columns.py``) is prepared into its ``MediaItem``, the
+    clip sampled by the checkpoint's video processor and the row's sampling columns.
+    ``options``: ``ModelConfig`` image options (``tiling``, ``max_tiles``,
     ``upscale_limit``, ``max_image_tokens``): the ``Answerer``'s."""
 
-    def __init__(self, model: str | Path | None = None, *, image_column: str = "image",
-                 id_column: str | None = None, carry: Sequence[str] = (),
-                 base_dir: str | Path | None = None, max_pixels: int | None = None,
-                 decode_timeout: float | None = None, preprocess_threads: int | None = None,
-                 **options: Any) -> None:
+    def __init__(self, model: str | Path | None = None, *,  # noqa: PLR0913
+                 image_column: str = "image", id_column: str | None = None,
+                 carry: Sequence[str] = (), base_dir: str | Path | None = None,
+                 max_pixels: int | None = None, decode_timeout: float | None = None,
+                 preprocess_threads: int | None = None, images_column: str = "images",
+                 video_column: str = "video", **options: Any) -> None:
         cfg = ModelConfig(Path(model) if model is not None else None, **options)
-        self.plan = image_plan_for(*read_spec(cfg.path), cfg)
+        family, spec = read_spec(cfg.path)
+        self.plan = image_plan_for(family, spec, cfg)
+        # clips sampled by the checkpoint's video processor, as the Answerer's engine samples
+        self.task = AnswerTask(video_plan_for(spec))
+        self.media_columns = (image_column, images_column, video_column)
         self.key = repr(self.plan)
         p = PrepareConfig()
         self.opts = PrepareConfig(max_pixels or p.max_pixels, preprocess_threads,
@@ -246,14 +249,14 @@ class Preparer:
 
     def __call__(self, batch: Batch) -> Any:
         cols = columns(batch)
-        n = len(cols[self.image_column])
+        n = len(next(iter(cols.values()), []))
         ids = row_ids(cols, n, self.id_column)
         keys = unique_keys(ids)
-        cells = [image_cell(v) for v in cols[self.image_column]]
+        cells = media_cells(cols, n, self.media_columns, ids, image_cell)
         good = [ImageItem(k, c, (), self.base_dir) for k, c in zip(keys, cells)
                 if not isinstance(c, ItemError)]
         done: dict[str, bytes | ItemError] = {}
-        for p in prepared_groups(AnswerTask(), [good] if good else [], self.plan, self.opts,
+        for p in prepared_groups(self.task, [good] if good else [], self.plan, self.opts,
                                  workers=self.workers):
             for it, im in zip(p.items, p.images):
                 done[it.id] = p.errors[it.id] if im is None else pickle.dumps((self.key, im))

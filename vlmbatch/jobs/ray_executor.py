@@ -31,6 +31,12 @@ Invariants:
 - A model worker that dies is restarted by Ray and its call retried
   (``max_restarts``/``max_task_retries``); results are recorded only by the driver, only for
   items still pending, so a retried group is never recorded twice.
+- Clips are sampled by the engine's ``VideoPlan`` (a model actor's, ``ModelWorker.video_plan``)
+  under the run's ``--fps``/``--num-frames``/``--max-frames`` (a line's keys win), bound into
+  the task as ``pipeline.drive.LocalStages`` binds it (sent only with a group that holds a
+  clip: unpickling the plan imports PyAV); a list's images and a clip are fetched
+  with the run's fetch options (``pipeline/media_fetch.py``), and the decode deadline counts
+  per image and per clip.
 - A node that dies takes its prepare tasks and the images it holds with it: those groups are
   prepared again elsewhere (up to 3 times each), never failed for it.
 - Closing the stages (the job cancelled, an interrupt) cancels the prepare tasks in flight;
@@ -47,7 +53,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Generator, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vlmbatch.engine.build import build_engine
 from vlmbatch.engine.loading import read_spec
@@ -55,11 +61,16 @@ from vlmbatch.jobs.config import RunConfig
 from vlmbatch.jobs.ray_cluster import init_ray
 from vlmbatch.pipeline.drive import GroupResults, prepare_task, run_group
 from vlmbatch.pipeline.hooks import FaultHooks, Named
+from vlmbatch.pipeline.media_fetch import has_remote, media_count
+from vlmbatch.pipeline.media_inputs import SamplingKeys
 from vlmbatch.pipeline.records import ErrorKind, ItemError
 from vlmbatch.pipeline.task import Prepared, Task
 from vlmbatch.preprocessing.limits import MAX_RETRY_AFTER_S
 from vlmbatch.preprocessing.prepare import ImagePlan
-from vlmbatch.preprocessing.sources import is_remote
+from vlmbatch.preprocessing.video_source import VideoSource
+
+if TYPE_CHECKING:
+    from vlmbatch.preprocessing.video_plan import VideoPlan
 
 
 def require_ray() -> Any:
@@ -82,6 +93,11 @@ class ModelWorker:
 
     def image_plan(self) -> ImagePlan:
         return self.engine.image_plan
+
+    def video_plan(self) -> VideoPlan | None:
+        """The engine's clip plan (``Engine.video_plan``), which ``RayStages`` binds into the
+        run's task as ``LocalStages`` does, so the prepare tasks sample clips by it."""
+        return self.engine.video_plan
 
     def run(self, p: Prepared) -> list[list]:
         self.calls += 1
@@ -129,6 +145,10 @@ class RayStages:
 
     def __init__(self, ray: Any, cfg: RunConfig, task: Task, workers: list,  # noqa: PLR0913
                  plan: ImagePlan, hooks: FaultHooks) -> None:
+        # the engine's clip plan under the run's --fps/--num-frames/--max-frames, as
+        # pipeline.drive.LocalStages binds it: the prepare tasks read it from the task
+        video = ray.get(workers[0].video_plan.remote())
+        task = task.with_video(video, cfg.prepare_options.sampling)
         self.ray, self.cfg, self.task, self.workers = ray, cfg, task, workers
         self.plan, self.hooks = plan, hooks
 
@@ -165,6 +185,9 @@ class _Scheduler:
         # a module-level function of a light module: a new prepare worker imports
         # pipeline.drive (numpy, OpenCV), not torch and the models, before its deadline runs
         self.prepare = ray.remote(num_cpus=1, max_retries=0, num_returns=2)(prepare_task)
+        # a group without a clip gets the task without the clip plan, whose unpickling would
+        # import the decoder of clips (PyAV) into the prepare worker before its deadline runs
+        self.stills = task.with_video(None, SamplingKeys())
         self.preparing: dict = {}  # done ref -> (group, deadline, prepared ref)
         self.retry: deque = deque()
         self.again: deque[list] = deque()  # groups whose images were lost
@@ -213,15 +236,19 @@ class _Scheduler:
 
     def _submit_prepare(self, group: list) -> None:
         fetch = self.cfg.prepare.fetch
-        done, prepared = self.prepare.remote(self.task, group, self.plan,
-                                             self.cfg.prepare.max_pixels, self.hooks, fetch)
+        refs = [self.task.image(it) for it in group]
+        clips = any(r is not None and isinstance(r.image, VideoSource) for r in refs)
+        done, prepared = self.prepare.remote(self.task if clips else self.stills, group,
+                                             self.plan, self.cfg.prepare.max_pixels,
+                                             self.hooks, fetch)
         timeout = self.cfg.prepare.decode_timeout or float("inf")  # 0: no deadline
         # the task fetches its group's remote images first, at once, under their own timeout:
-        # the decode deadline gets that on top, so it still measures decoding
-        remote = any(is_remote(getattr(self.task.image(it), "image", None)) for it in group)
+        # the decode deadline gets that on top, so it still measures decoding; it counts per
+        # image and per clip (a list of n images has n deadlines' worth)
+        remote = any(r is not None and has_remote(r.image) for r in refs)
         fetching = (fetch.retries + 1) * fetch.timeout_s + fetch.backoff_s * 2 ** (
             fetch.retries + 1) + MAX_RETRY_AFTER_S * fetch.retries if remote else 0.0
-        deadline = time.monotonic() + timeout * len(group) + fetching
+        deadline = time.monotonic() + timeout * sum(map(media_count, refs)) + fetching
         self.preparing[done] = (group, deadline, prepared)
 
     def collect_prepared(self, ready: set) -> None:

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from vlmbatch.pipeline.config import PrepareOptions
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks, Named
+from vlmbatch.pipeline.media_fetch import fetch_ahead, has_remote
 from vlmbatch.pipeline.preparers import (
     PrepareWorkers,
     item_error,
@@ -81,18 +82,19 @@ def prepare_group(task: Task[I, R], items: list[I], plan: ImagePlan,
                   max_pixels: int = DEFAULT_MAX_PIXELS, hooks: FaultHooks = NO_HOOKS,
                   fetch: FetchOptions | Fetcher = FetchOptions()) -> Prepared[I]:
     """Stage 1 of one group: its remote images fetched at once (on ``fetch``, a caller's
-    fetch stage, or one made for this group), then each decoded and prepared in this
-    thread."""
+    fetch stage, or one made for this group; a list's and a clip's too), then each decoded
+    and prepared in this thread."""
     refs = [task.image(it) for it in items]
     with contextlib.ExitStack() as own:
         fetcher = fetch if isinstance(fetch, Fetcher) else own.enter_context(Fetcher(fetch))
-        fetched = {i: fetcher.submit(r.image, r.base_dir) for i, r in enumerate(refs)
-                   if r is not None and is_remote(r.image)}
+        # every remote source at once: an image, a list's images, a clip (media_fetch.py)
+        fetched = {i: fetch_ahead(r, fetcher) for i, r in enumerate(refs)
+                   if r is not None and has_remote(r.image)}
         outcomes: list[Item | ItemError | None] = []
         for i, ref in enumerate(refs):
             try:
                 if ref is not None and i in fetched:
-                    ref = dataclasses.replace(ref, image=fetched[i].result())
+                    ref = fetched[i]()
                 outcomes.append(None if ref is None
                                 else prepare_hooked(ref, plan, max_pixels, hooks))
             except (SourceError, ImageError) as e:
