@@ -9,6 +9,8 @@ written here by hand."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -110,3 +112,25 @@ def test_a_clip_over_the_models_context_is_refused() -> None:
     assert len(ok.frame_indices) == 6
     assert np.array_equal(ok.rows[0], plan.with_sampling(num_frames=6).prepare(
         data, 10**9).rows[0])
+
+
+def test_windows_keep_the_budget_and_the_context() -> None:
+    """Each window is its own prompt: the budget and the context bound it as a clip."""
+    data = make_clip(frames(80, 48, 32), FFV1_MKV)  # 3.2 s at 25 fps: windows of 40 frames
+    plan = VideoPlan(VideoSampling("internvl", fps=None, num_frames=8), FrameTiles(32),
+                     frame_tokens=16).with_windows(1.6, 0.8)
+    got = plan.with_sampling(max_tokens=100).prepare(data, 10**9)
+    assert len(got.videos) == 3
+    for k, video in enumerate(got.videos):  # 6 of each window's 40, shifted by its start
+        assert video.frame_indices == tuple(20 * k + i for i in (3, 10, 16, 23, 30, 36))
+    qwen = VideoPlan(VideoSampling("qwen2_vl", fps=None, num_frames=8), QWEN2).with_windows(
+        1.6, 0.8)
+    budget = qwen.tokens(qwen.prepare(data, 10**9).videos[0]) // 3
+    alone = replace(qwen, windows=None).with_sampling(max_tokens=budget)
+    for k, video in enumerate(qwen.with_sampling(max_tokens=budget).prepare(data, 10**9).videos):
+        cut = alone.prepare(make_clip(frames(80, 48, 32)[20 * k:20 * k + 40], FFV1_MKV), 10**9)
+        assert qwen.tokens(video) == qwen.tokens(cut) <= budget  # the clip cut at its bounds
+        assert np.array_equal(video.rows, cut.rows)
+    with pytest.raises(VideoTooLarge) as e:
+        replace(plan, context=8 * 16).prepare(data, 10**9)  # a window is 8 x 16 tokens
+    assert e.value.reason == "over_context"

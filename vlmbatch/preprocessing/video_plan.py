@@ -98,17 +98,18 @@ class VideoPlan:
         """Encoded clip -> ``PreparedVideo`` (in windows: ``WindowedClip``); raises
         ``VideoError`` (the item's error)."""
         if self.windows is not None:
-            recipe = WindowRecipe(self.sampling, self.layout, self.resize, self.max_seconds)
-            return prepare_windows(recipe, data, max_pixels, *self.windows)
+            recipe = WindowRecipe(self.sampling, self.layout, self.resize, self.max_seconds,
+                                  self._sized(), self._indices)
+            windowed = prepare_windows(recipe, data, max_pixels, *self.windows)
+            for video in windowed.videos:  # each window is its own prompt
+                check_context(self.tokens(video), self.context)
+            return windowed
         with open_clip(data, max_pixels, self.max_seconds) as clip:
             try:
                 indices = self._indices(clip.info)
             except SamplingError as e:
                 raise VideoError(f"cannot sample the clip: {e}", "too_short") from None
-            sized: QwenVideoLayout | FrameTiles | BudgetedLayout = self.layout
-            if self.max_tokens is not None and isinstance(self.layout, QwenVideoLayout):
-                sized = BudgetedLayout(self.layout, self.max_tokens)
-            decoded = clip.frames(indices, fit_for(sized, len(indices), self.resize))
+            decoded = clip.frames(indices, fit_for(self._sized(), len(indices), self.resize))
         fps = self._fps(clip.info, len(indices))
         if isinstance(self.layout, FrameTiles):
             video = prepare_internvl_video(decoded, indices, fps, self.layout)
@@ -116,6 +117,12 @@ class VideoPlan:
             video = prepare_qwen_video(decoded, indices, fps, self.layout)
         check_context(self.tokens(video), self.context)
         return video
+
+    def _sized(self) -> QwenVideoLayout | FrameTiles | BudgetedLayout:
+        """The layout frames are resized by: Qwen-VL's under a budget ``BudgetedLayout``."""
+        if self.max_tokens is not None and isinstance(self.layout, QwenVideoLayout):
+            return BudgetedLayout(self.layout, self.max_tokens)
+        return self.layout
 
     def _indices(self, info: ClipInfo) -> np.ndarray:
         """The sampling's frames; InternVL's under a budget at most ``budget // frame_tokens``

@@ -37,6 +37,7 @@ frames x the source fps, as for a clip.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +45,7 @@ import numpy as np
 from vlmbatch.preprocessing.media import PreparedVideo, WindowedClip
 from vlmbatch.preprocessing.video import Clip, DecodedFrames, VideoError, open_clip
 from vlmbatch.preprocessing.video_rows import (
+    FrameSize,
     FrameTiles,
     QwenVideoLayout,
     Resize,
@@ -108,6 +110,11 @@ class WindowRecipe:
     layout: QwenVideoLayout | FrameTiles
     resize: Resize | None
     max_seconds: float
+    # the size frames are resized to (a token budget's ``BudgetedLayout``; None: ``layout``)
+    sized: FrameSize | FrameTiles | None = None
+    # a window's frames from its ``ClipInfo`` (a budget's fewer InternVL frames; None: the
+    # sampling's rule)
+    pick: Callable[[ClipInfo], np.ndarray] | None = None
 
 
 def prepare_windows(plan: WindowRecipe, data: bytes, max_pixels: int, seconds: float,
@@ -122,7 +129,7 @@ def prepare_windows(plan: WindowRecipe, data: bytes, max_pixels: int, seconds: f
         for w in windows:
             n = w.stop - w.first
             try:
-                rel = plan.sampling.indices(ClipInfo(n, info.fps, n / info.fps))
+                rel = (plan.pick or plan.sampling.indices)(ClipInfo(n, info.fps, n / info.fps))
             except SamplingError as e:
                 raise VideoError(f"cannot sample the window [{w.start:.3f}, {w.end:.3f}) s: "
                                  f"{e}", "too_short") from None
@@ -159,7 +166,7 @@ def _decode_once(clip: Clip, plan: WindowRecipe, picks: list[np.ndarray]) -> dic
     out = {}
     for count in sorted({len(p) for p in picks}):
         union = np.unique(np.concatenate([p for p in picks if len(p) == count]))
-        got = clip.frames(union, fit_for(plan.layout, count, plan.resize))
+        got = clip.frames(union, fit_for(plan.sized or plan.layout, count, plan.resize))
         out[count] = _Decoded(got.pixels, got.seconds, {int(k): j for j, k in enumerate(union)},
                               got.width, got.height)
     return out
