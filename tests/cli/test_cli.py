@@ -125,7 +125,8 @@ def test_a_misspelt_key_fails_the_run_with_a_policy(job: Path, random_model_dir:
     err = capsys.readouterr().err
     assert rc == EXIT_BAD_INPUT, err
     assert f"bad.jsonl:2: {says}" in err and "a manifest line has ['fps', 'id', 'image', " \
-        "'images', 'max_frames', 'num_frames', 'questions', 'video']" in err
+        "'images', 'max_frames', 'max_video_tokens', 'num_frames', 'per_image', 'questions', " \
+        "'segment_seconds', 'segment_stride', 'video']" in err
     assert not out.exists()
 
 

@@ -7,6 +7,8 @@
   prompt; ``VideoInput``: a clip and its ``SamplingKeys``), with their checks;
   ``parts.py``: items asked part by part (a clip's windows, images each alone), fanned out
   and reduced to one answer per question;
+- ``media_fetch.py``: an item's remote media (a list's images, a clip) fetched with the
+  run's fetch options in the serial stage 1, and how many a decode deadline counts;
 - ``questions.py``: ``Question`` and the one parser of questions as users write them
   (manifests, policies, rows, the Python API), with ``ManifestError``;
 - ``config.py``: ``PrepareConfig`` / ``PrepareOptions``, how stage 1 runs (names only, no
