@@ -1,0 +1,76 @@
+"""The multi-frame shape cases (``vlmbatch/cli/bench/clip_scenes.py``) and the built-in
+model's accuracy on them (``bench/clip_accuracy.py``; the full figures: docs/figures.md).
+
+A case's answers come from its scenes' shape records; here they are checked against the
+pixels (a colour is in a scene iff at least 10 of its pixels are exactly that colour: the
+backgrounds are >= 200 in every channel), and a clip's sampled frames against the scenes
+by InternVL's rule written by hand."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bench.clip_accuracy import HELD_OUT_SEED, evaluate
+from tests.preprocessing.video_clips import decode_all
+from vlmbatch.cli.bench.clip_scenes import COLORS, encode_clip, make_cases
+from vlmbatch.models.paths import DEFAULT_MODEL
+from vlmbatch.preprocessing.video_plan import checkpoint_video
+
+
+def has_colour(image: np.ndarray, colour: str) -> bool:
+    return int((image == np.array(COLORS[colour], np.uint8)).all(-1).sum()) >= 10
+
+
+@pytest.mark.parametrize("same_size", [True, False])
+def test_answers_are_the_pixels(same_size: bool) -> None:
+    cases = make_cases(40, 4, same_size, seed=7)
+    built = {"yes": 0, "no": 0, "needle": 0}
+    colour_questions = 0
+    for case in cases:
+        if same_size:
+            assert len({sc.image.shape for sc in case.scenes}) == 1
+        for k, (attr, truth) in enumerate(case.questions):
+            holders = [attr.in_scene(sc) for sc in case.scenes]
+            assert truth == any(holders)
+            if attr.kind is None:  # a colour question: read off the pixels
+                colour_questions += 1
+                assert truth == any(has_colour(sc.image, attr.color) for sc in case.scenes)
+            if k == 0:
+                built["yes" if truth else "no"] += 1
+                assert case.needle == (sum(holders) == 1 and truth)
+                built["needle"] += case.needle
+    assert colour_questions >= 30
+    assert min(built["yes"], built["no"]) >= 12 and built["needle"] >= 5, built
+
+
+@pytest.mark.parametrize("frames", [4, 8])
+def test_a_clip_shows_the_model_each_scene_once(frames: int) -> None:
+    """2 frames per scene, ``num_frames`` = F: InternVL's segment middles
+    ``arange(2F / F / 2, 2F, 2F / F)`` = 1, 3, 5, ... (each scene's second frame); the
+    clip is lossless, so those frames are the scenes' pixels."""
+    case = make_cases(1, frames, True, seed=3)[0]
+    data = encode_clip(case)
+    decoded, _ = decode_all(data)
+    assert len(decoded) == 2 * frames
+    for k, sc in enumerate(case.scenes):
+        assert np.array_equal(decoded[2 * k], sc.image) and np.array_equal(decoded[2 * k + 1],
+                                                                           sc.image)
+    video = checkpoint_video(DEFAULT_MODEL, "internvl").with_sampling(
+        num_frames=frames).prepare(data, 10**9)
+    assert list(video.frame_indices) == [2 * k + 1 for k in range(frames)]
+    assert video.rows.shape == (frames, 112, 112, 3)
+
+
+def test_the_built_in_model_answers_clips_and_pairs() -> None:
+    """A small slice of the benchmark's held-out cases (its seed), 12 cases a set, four
+    questions each; the floor is below the figures (docs/figures.md) by a few answers."""
+    result = evaluate(DEFAULT_MODEL, 12, frame_counts=(4,), pairs=True, threads=2)
+    assert set(result) == {"clips, 4 frames", "image pairs"}
+    for name, tallies in result.items():
+        assert tallies["all"].total == 48
+        assert tallies["all"].accuracy >= FLOOR, (name, tallies["all"])
+    assert HELD_OUT_SEED not in (0, 1)  # the training's seeds
+
+
+FLOOR = 0.9
