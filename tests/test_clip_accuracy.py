@@ -63,14 +63,16 @@ def test_a_clip_shows_the_model_each_scene_once(frames: int) -> None:
 
 
 def test_the_built_in_model_answers_clips_and_pairs() -> None:
-    """A small slice of the benchmark's held-out cases (its seed), 12 cases a set, four
-    questions each; the floor is below the figures (docs/figures.md) by a few answers."""
+    """A slice of the benchmark's held-out cases (its seed), 12 cases a set, four questions
+    each. The committed model gets 44 / 48 (clips of 4 frames) and 46 / 48 (pairs) right
+    here (all 240 cases: 0.8865 and 0.9406, docs/figures.md#clip-accuracy); the floors are
+    three answers below, so a change that costs the model a few answers fails."""
     result = evaluate(DEFAULT_MODEL, 12, frame_counts=(4,), pairs=True, threads=2)
-    assert set(result) == {"clips, 4 frames", "image pairs"}
+    assert set(result) == set(FLOORS)
     for name, tallies in result.items():
         assert tallies["all"].total == 48
-        assert tallies["all"].accuracy >= FLOOR, (name, tallies["all"])
+        assert tallies["all"].right >= FLOORS[name], (name, tallies["all"])
     assert HELD_OUT_SEED not in (0, 1)  # the training's seeds
 
 
-FLOOR = 0.9
+FLOORS = {"clips, 4 frames": 41, "image pairs": 43}
