@@ -76,3 +76,33 @@ def test_the_built_in_model_answers_clips_and_pairs() -> None:
 
 
 FLOORS = {"clips, 4 frames": 41, "image pairs": 43}
+
+
+def test_the_readme_video_example_is_answered_right(tmp_path) -> None:  # noqa: ANN001
+    """``vlmbatch run examples/video.jsonl``: the answers equal the truth of the scenes the
+    model saw, read off the examples script's scene records (seed 2026, 12 scenes each held
+    2 frames; InternVL's 4 segment middles of 24 frames are frames 3, 9, 15, 21)."""
+    import json
+    from pathlib import Path
+
+    from vlmbatch.cli.bench.shapes import make_questions, make_scene
+    from vlmbatch.cli.main import main
+
+    rng = np.random.default_rng(2026)
+    scenes = []
+    for _ in range(12):  # the draws of scripts/make_examples.py's main
+        scenes.append(make_scene(rng))
+        make_questions(scenes[-1], rng, 3)
+    seen = [scenes[f // 2] for f in (3, 9, 15, 21)]
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    out = tmp_path / "out.jsonl"
+    assert main(["run", str(examples / "video.jsonl"), "--out", str(out), "--no-progress"]) == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(r["id"], r["question"]) for r in lines] == [
+        ("clip", "Is there a red shape?"), ("clip", "Is there a teal shape?"),
+        ("pair", "Is there a red shape?")]
+    truth = [any(s.color == c for sc in group for s in sc.shapes)
+             for c, group in (("red", seen), ("teal", seen), ("red", scenes[:2]))]
+    assert truth == [True, False, True]
+    assert [r["answer"] == "yes" for r in lines] == truth
+    assert lines[0]["seconds"] == [3.0, 9.0, 15.0, 21.0]
