@@ -3,7 +3,7 @@ examples/labelled/: 48 more scenes, a manifest whose questions carry their true 
 (``expected``, from the scene's shapes) and the same labels as a labels file, for ``vlmbatch
 eval MANIFEST``, ``calibrate`` and ``report``.
 
-    python scripts/make_examples.py
+    python scripts/make_examples.py               # --video-only: clip.mkv, video.jsonl
 
 Deterministic (fixed seeds); the committed files are this script's output.
 """
@@ -20,7 +20,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from vlmbatch.cli.bench.shapes import Scene, make_questions, make_scene  # noqa: E402
+from vlmbatch.cli.bench.shapes import COLORS, Scene, make_questions, make_scene  # noqa: E402
 
 POLICY = """\
 # Asked of every image in the manifest (vlmbatch run ... --policy examples/policy.yaml).
@@ -35,27 +35,36 @@ questions:
 """
 
 
-def main() -> None:
+def main(video_only: bool = False) -> None:
+    """Everything; or, ``video_only``, the clip and video.jsonl from the committed scenes
+    (PNGs not rewritten: OpenCV 5.1.0 draws some anti-aliased edges differently from the
+    OpenCV that made the committed ones, which would change 9 of the 12). The clip's frames
+    are the same every run; its bytes are not (Matroska writes a random segment id)."""
     out = ROOT / "examples"
     (out / "images").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(2026)
-    lines = []
+    lines, scenes = [], []
     for i in range(12):
         scene = make_scene(rng)
+        scenes.append(scene)
         name = f"images/scene_{i:02d}.png"
-        cv2.imwrite(str(out / name), cv2.cvtColor(scene.image, cv2.COLOR_RGB2BGR))
+        if not video_only:
+            cv2.imwrite(str(out / name), cv2.cvtColor(scene.image, cv2.COLOR_RGB2BGR))
         texts = dict.fromkeys(q[0].upper() + q[1:] for q, _ in make_questions(scene, rng, 3))
         qs = [{"id": f"q{k}", "text": t} for k, t in enumerate(list(texts)[:2])]
         lines.append({"id": f"scene_{i:02d}", "image": name, "questions": qs})
-    (out / "manifest.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    (out / "policy.yaml").write_text(POLICY)
-    labelled(out / "labelled")
-    video(out)
+    if not video_only:
+        (out / "manifest.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        (out / "policy.yaml").write_text(POLICY)
+        labelled(out / "labelled")
+    video(out, scenes)
 
 
-def video(out: Path) -> None:
+def video(out: Path, scenes: list[Scene]) -> None:
     """examples/clip.mkv (the 12 scenes, 2 s each at 1 fps: lossless FFV1) and
-    examples/video.jsonl: a question about the clip and one about two scenes in one prompt."""
+    examples/video.jsonl: two questions about the clip (a colour some scenes have, and the
+    first colour none has: "yes" and "no" whichever frames are sampled) and one about two
+    scenes in one prompt."""
     import av  # the clip's writer; PyAV ships FFmpeg
 
     frames = [cv2.cvtColor(cv2.imread(str(out / f"images/scene_{i:02d}.png")),
@@ -68,8 +77,9 @@ def video(out: Path) -> None:
             frame.pts = i
             c.mux(s.encode(frame))
         c.mux(s.encode())
+    absent = next(c for c in COLORS if all(s.color != c for sc in scenes for s in sc.shapes))
     lines = [{"id": "clip", "video": "clip.mkv", "num_frames": 4,
-              "questions": ["Is there a red shape?"]},
+              "questions": ["Is there a red shape?", f"Is there a {absent} shape?"]},
              {"id": "pair", "images": ["images/scene_00.png", "images/scene_01.png"],
               "questions": ["Is there a red shape?"]}]
     (out / "video.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -105,4 +115,4 @@ def labelled(out: Path, n: int = 48) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(video_only="--video-only" in sys.argv[1:])

@@ -21,6 +21,10 @@ a plain InternVL):
   colour binding only partly in 60 minutes (0.71 on colour questions whose answer depends on
   a match). With it, a 14-minute one-thread run on easy-vqa alone reached 0.99 on them.
 
+``--multi-frame N`` adds N clips and image lists of scenes (``vlmbatch/cli/bench/clip_scenes.py``:
+presence questions, *yes* iff some frame or image has the attribute), prepared and prompted
+as serving does them (the checkpoint's video and image plans, ``PromptBuilder.build_parts``).
+
 See ``docs/models.md``, "The built-in model", for the committed command.
 """
 
@@ -155,6 +159,34 @@ def load_data(n_scenes: int, seed: int, colour_pairs: int = 1,
     return data
 
 
+def multi_frame_data(checkpoint: Path, n: int, seed: int) -> list[tuple]:
+    """``n`` items, two clips (2-8 frames, sampled by the checkpoint's video plan from a
+    lossless clip as ``vlmbatch run`` samples it) per list of 2-3 images (the image plan's
+    tiles): [(tiles, [(question, answer)...], target over all frames, ones, parts)], the
+    built question and three random ones (``clip_scenes.make_case``)."""
+    from vlmbatch.cli.bench.clip_scenes import encode_clip, make_case
+    from vlmbatch.engine.config import ModelConfig
+    from vlmbatch.engine.loading import image_plan_for, load_model, video_plan_for
+    lm = load_model(checkpoint)
+    images, video = image_plan_for(lm.family, lm.spec, ModelConfig()), video_plan_for(lm.spec)
+    assert video is not None
+    rng = np.random.default_rng([seed, 44])
+    out = []
+    for i in range(n):
+        clip = i % 3 != 2
+        frames = int(rng.integers(2, 9)) if clip else int(rng.integers(2, 4))
+        case = make_case(rng, frames, same_size=clip)
+        if clip:
+            parts = (video.with_sampling(num_frames=frames).prepare(encode_clip(case), 10**9),)
+        else:
+            parts = tuple(images.prepare(sc.image) for sc in case.scenes)
+        tiles = parts[0].rows if clip else np.concatenate([p.rows for p in parts])
+        qa = [(a.text[0].lower() + a.text[1:], "yes" if t else "no") for a, t in case.questions]
+        target = np.max([scene_target(sc) for sc in case.scenes], axis=0)
+        out.append((tiles, qa, target, np.ones(len(AUX), np.float32), parts))
+    return out
+
+
 def scene_target(scene: Scene) -> np.ndarray:
     """[len(AUX)] float32: 1 for each shape kind and colour the scene has, else 0."""
     return np.array([any(s.kind == k or s.color == k for s in scene.shapes) for k in AUX],
@@ -203,9 +235,25 @@ class Batcher:
         self.head, self.tail = pre.split("<IMG_CONTEXT>")[0], pre.split("<IMG_CONTEXT>")[1]
         self.tail_pre, self.tail_post = self.tail.split("Q")
         self.attribute = attribute_tokens(tok)
+        self.prompts = None  # the model's PromptBuilder, for items with ``parts``
+        self.freeze_vision = False  # encode tiles without gradients (``--freeze-vision``)
 
-    def sequence(self, n_tiles: int, question: str, answer: str) -> tuple[list[int], int]:
+    def set_prompts(self, path: Path) -> None:
+        """Prompts of several parts as the engine writes them, from the checkpoint at
+        ``path`` (its tokenizer is this batcher's)."""
+        from vlmbatch.engine.loading import load_model
+
+        self.prompts = load_model(path).prompts
+
+    def sequence(self, n_tiles: int, question: str, answer: str,
+                 parts: tuple | None = None) -> tuple[list[int], int]:
+        """(ids, prompt length): one image of ``n_tiles`` tiles, or ``parts`` (a clip or
+        several images: ``MediaPart`` records) written by the serving prompt builder
+        (``set_prompts``), each followed by the answer and ``<|im_end|>``."""
         enc = self.tok.encode
+        if parts is not None:
+            ids = list(self.prompts.build_parts(question, parts).ids)
+            return ids + enc(answer, add_special_tokens=False) + [self.eos], len(ids)
         ids = enc(self.head, add_special_tokens=False)
         ids += [self.img_start] + [self.ctx] * (self.tpt * n_tiles) + [self.img_end]
         ids += enc(self.tail_pre + question + self.tail_post, add_special_tokens=False)
@@ -243,6 +291,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--match-layer", type=int, default=2)
     ap.add_argument("--buckets", type=int, default=3,
                     help="length buckets the language-model batch is split into")
+    ap.add_argument("--multi-frame", type=int, default=0,
+                    help="clips and image lists of scenes added (two clips per list)")
+    ap.add_argument("--multi-seed", type=int, default=1)
+    ap.add_argument("--freeze-vision", action="store_true",
+                    help="stage 2b: the vision tower and projector not trained (fine-tuning "
+                         "the language model to read several frames; the aux loss then "
+                         "trains its throw-away head only)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     return ap.parse_args()
@@ -293,6 +348,12 @@ def main() -> None:
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     batcher = Batcher(tok, cfg.image_seq_length)
+    batcher.freeze_vision = args.freeze_vision
+    if args.multi_frame:
+        if args.init is None:
+            raise SystemExit("--multi-frame needs --init (the prompts of a saved model)")
+        batcher.set_prompts(args.init)
+        data += multi_frame_data(args.init, args.multi_frame, args.multi_seed)
     log_lines = [f"data: {len(data)} images, {sum(len(d[1]) for d in data)} questions; "
                  f"vocab {len(tok)}; params {n_params}; prep {time.time() - t0:.0f}s"]
     print(log_lines[-1], flush=True)
@@ -422,26 +483,31 @@ def train_step(model, aux_head, batcher: Batcher, items: list, q_per_image: int,
                buckets: int = 1) -> tuple[torch.Tensor, ...]:
     tiles = np.concatenate([d[0] for d in items])
     pixel_values = normalise(tiles)
-    out = model.model.get_image_features(pixel_values=pixel_values)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and not batcher.freeze_vision):
+        out = model.model.get_image_features(pixel_values=pixel_values)
     feats = out.pooler_output  # [tiles, 16, D]
     # aux: the last tile of each image (the thumbnail, or the only tile), mean over patches
     last = torch.tensor(np.cumsum([len(d[0]) for d in items]) - 1)
     pooled = out.last_hidden_state[last, 1:].mean(1)  # [images, C]
     target = torch.from_numpy(np.stack([d[2] for d in items]))
     target_mask = torch.from_numpy(np.stack([d[3] for d in items]))
+    # a multi-frame item's (5th element: its parts) target is over all its frames: the match
+    # loss's, not the aux loss's (which reads the last tile alone)
+    single = torch.tensor([[float(len(d) < 5)] for d in items])
     aux = (torch.nn.functional.binary_cross_entropy_with_logits(
-        aux_head(pooled), target, reduction="none") * target_mask).sum() / (
-        target_mask.sum().clamp(min=1))
+        aux_head(pooled), target, reduction="none") * target_mask * single).sum() / (
+        (target_mask * single).sum().clamp(min=1))
     seqs, prompts, img_feats, owner = [], [], [], []
     first = 0
-    for j, (t, qa, *_) in enumerate(items):
+    for j, (t, qa, *rest) in enumerate(items):
         n = len(t)
         f = feats[first: first + n].reshape(-1, feats.shape[-1])
         first += n
+        parts = rest[2] if len(rest) > 2 else None
         for q, a in rng.sample(qa, min(q_per_image, len(qa))):
             if rng.random() < 0.5:
                 q = q[0].upper() + q[1:]
-            ids, n_prompt = batcher.sequence(n, q, a)
+            ids, n_prompt = batcher.sequence(n, q, a, parts)
             seqs.append(ids)
             prompts.append(n_prompt)
             img_feats.append(f)
