@@ -16,6 +16,7 @@ import io
 from dataclasses import dataclass
 from fractions import Fraction
 
+import av  # the clips' writer (PyAV ships FFmpeg); only training and bench/ import this
 import numpy as np
 
 from vlmbatch.cli.bench.shapes import COLORS, SHAPES, Scene, make_scene
@@ -106,8 +107,6 @@ def make_cases(n: int, frames: int, same_size: bool, seed: int, extra: int = 3) 
 def encode_clip(case: Case, hold: int = HOLD) -> bytes:
     """The case's scenes as a lossless clip (FFV1 in Matroska, 2 fps), each held ``hold``
     frames: decoders give back exactly the scenes' pixels."""
-    import av  # PyAV ships FFmpeg
-
     buf = io.BytesIO()
     h, w = case.scenes[0].image.shape[:2]
     with av.open(buf, "w", format="matroska") as c:
