@@ -164,8 +164,6 @@ def test_manifest_lines_with_lists_and_clips(tmp_path: Path) -> None:
     assert a.image == ImageList(("x.png", "y.png"))
     assert b.image == VideoInput("c.mkv", SamplingKeys(2.0, None, 8))
     for line, message in (
-            ({"images": []}, r":1: 'images' is empty"),
-            ({"images": ["x.png"] * (MAX_IMAGES + 1)}, rf":1: {MAX_IMAGES + 1} images in one"),
             ({"images": "x.png"}, r":1: 'images' must be a list"),
             ({"images": ["x.png", 3]}, r"images\[1\] must be a path"),
             ({"video": "c.mkv", "fps": 2, "num_frames": 4}, "fps or num_frames, not both"),
@@ -179,10 +177,9 @@ def test_manifest_lines_with_lists_and_clips(tmp_path: Path) -> None:
             read(line)
     assert main(["run", str(tmp_path / "m.jsonl"), "--out", str(tmp_path / "o.jsonl")]) \
         == EXIT_BAD_INPUT  # the last line read: through run, before any work
-    m = tmp_path / "m.jsonl"
-    m.write_text(json.dumps({"id": "e", "images": [], "questions": [Q]}) + "\n")
-    assert main(["run", str(m), "--out", str(tmp_path / "o.jsonl")]) == EXIT_BAD_INPUT
-    assert not (tmp_path / "o.jsonl").exists()
+    # a list's count is not the line's fault but its item's (tests/cli/test_video_limits.py)
+    assert read({"id": "e", "images": []})[0].image == ImageList(())
+    assert len(read({"id": "m", "images": ["x.png"] * (MAX_IMAGES + 1)})[0].image.images) == 65
 
 
 def test_a_job_store_keeps_lists_and_clips(tmp_path: Path) -> None:

@@ -131,20 +131,31 @@ def test_one_run_over_every_bad_clip(folder: Path) -> None:
     assert "frames" not in got["still"]
 
 
-def test_image_lists_over_the_limit_are_refused_naming_the_line(folder: Path,
-                                                                tmp_path: Path) -> None:
-    """An empty ``images`` list and 1,000 images in one item are refused as the line's
-    fault before any work (exit 2), as a line without ``image`` is: the limit is stated."""
-    for images, message in (([], "'images' is empty"),
-                             (["good.png"] * 1000, f"1000 images in one item, over the limit "
-                                                   f"of {MAX_IMAGES}")):
-        m = tmp_path / "m.jsonl"
-        m.write_text(json.dumps({"id": "a", "video": "good.mkv", "questions": [Q]}) + "\n"
-                     + json.dumps({"id": "b", "images": images, "questions": [Q]}) + "\n")
-        (tmp_path / "good.mkv").write_bytes((folder / "good.mkv").read_bytes())
-        out = tmp_path / "o.jsonl"
-        assert main(["run", str(m), "--out", str(out), "--no-progress"]) == EXIT_BAD_INPUT
-        assert not out.exists()
+def test_image_lists_out_of_bounds_are_their_items_errors(folder: Path, tmp_path: Path) -> None:
+    """An empty ``images`` list and 1,000 images in one item are each that item's error (the
+    limit stated), before any of its images is read; the rest of the run is answered, by
+    ``run`` and by a job (``submit`` + ``resume``)."""
+    (tmp_path / "good.mkv").write_bytes((folder / "good.mkv").read_bytes())
+    m = tmp_path / "m.jsonl"
+    m.write_text("".join(json.dumps(x) + "\n" for x in (
+        {"id": "a", "video": "good.mkv", "questions": [Q]},
+        {"id": "empty", "images": [], "questions": [Q]},
+        {"id": "many", "images": ["nowhere.png"] * 1000, "questions": [Q]})))
+    for how in ("run", "job"):
+        out = tmp_path / f"{how}.jsonl"
+        if how == "run":
+            assert main(["run", str(m), "--out", str(out), "--no-progress"]) == EXIT_ITEM_ERRORS
+        else:
+            job = tmp_path / "job"
+            assert main(["submit", str(m), "--job", str(job)]) == 0
+            assert main(["resume", str(job), "--no-progress"]) == EXIT_ITEM_ERRORS
+            assert main(["results", str(job), "--out", str(out)]) == 0
+        got = {d["id"]: d for d in map(json.loads, out.read_text().splitlines())}
+        assert got["a"]["error"] is None and got["a"]["frames"] > 0
+        assert got["empty"]["error_kind"] == "source"
+        assert "'images' is empty" in got["empty"]["error"]
+        assert got["many"]["error_kind"] == "too_large"  # not "source": no image was read
+        assert f"1000 images in one item, over the limit of {MAX_IMAGES}" in got["many"]["error"]
 
 
 def test_a_job_keeps_its_video_limit(folder: Path, tmp_path: Path) -> None:

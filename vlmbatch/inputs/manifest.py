@@ -221,7 +221,7 @@ def _media(rec: dict, where: str) -> ItemMedia:
                             f"'images' and is true or false, got {brief(rec['per_image'])}")
     try:
         if key == "images":
-            check_images(rec["images"], where)
+            check_images(rec["images"], where, count=False)  # the count: the item's error
             for k, s in enumerate(rec["images"]):
                 _path(s, f"{where}: images[{k}]")
             return ImageList(tuple(rec["images"]), bool(rec.get("per_image", False)))

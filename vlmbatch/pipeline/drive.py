@@ -48,6 +48,7 @@ from vlmbatch.pipeline.media_fetch import fetch_ahead, has_remote
 from vlmbatch.pipeline.preparers import (
     PrepareWorkers,
     item_error,
+    list_refused,
     outcome,
     prepare_hooked,
     preparer,
@@ -89,7 +90,7 @@ def prepare_group(task: Task[I, R], items: list[I], plan: ImagePlan,
         fetcher = fetch if isinstance(fetch, Fetcher) else own.enter_context(Fetcher(fetch))
         # every remote source at once: an image, a list's images, a clip (media_fetch.py)
         fetched = {i: fetch_ahead(r, fetcher) for i, r in enumerate(refs)
-                   if r is not None and has_remote(r.image)}
+                   if r is not None and has_remote(r.image) and list_refused(r.image) is None}
         outcomes: list[Item | ItemError | None] = []
         for i, ref in enumerate(refs):
             try:

@@ -124,11 +124,15 @@ def check_sampling(raw: dict[str, Any], where: str) -> SamplingKeys:
                         None if stride is None else float(stride))
 
 
-def check_images(images: object, where: str) -> None:
-    """ValueError naming ``where`` unless ``images`` is a list of 1 to ``MAX_IMAGES``."""
+def check_images(images: object, where: str, count: bool = True) -> None:
+    """ValueError naming ``where`` unless ``images`` is a list of 1 to ``MAX_IMAGES`` (with
+    ``count`` false: a list; a manifest leaves the count to stage 1, where it is the item's
+    error: ``preparers.list_refused``)."""
     if not isinstance(images, (list, tuple)):
         raise ValueError(f"{where}: 'images' must be a list of images, got "
                          f"{type(images).__name__}")
+    if not count:
+        return
     if not images:
         raise ValueError(f"{where}: 'images' is empty; give at least one image (or 'image')")
     if len(images) > MAX_IMAGES:

@@ -34,7 +34,7 @@ import numpy as np
 from vlmbatch.engine.records import Item, MediaItem
 from vlmbatch.pipeline.config import PrepareOptions
 from vlmbatch.pipeline.hooks import NO_HOOKS, FaultHooks
-from vlmbatch.pipeline.media_inputs import ImageList, VideoInput
+from vlmbatch.pipeline.media_inputs import ImageList, VideoInput, check_images
 from vlmbatch.pipeline.parts import PartedItem, as_item, each_alone
 from vlmbatch.pipeline.records import ErrorKind, ImageSource, ItemError
 from vlmbatch.pipeline.task import ImageRef
@@ -48,12 +48,27 @@ from vlmbatch.preprocessing.sources import SourceError, is_remote, read_bytes
 from vlmbatch.preprocessing.video_source import VideoSource
 
 
+def list_refused(image: object) -> ImageError | SourceError | None:
+    """An ``ImageList`` whose count is out of bounds, as its item's error (the run going on):
+    empty (``SourceError``: nothing to read) or over ``MAX_IMAGES`` (``ImageTooLarge``), the
+    limit named; None for anything else. Checked before any of its images is fetched."""
+    if not isinstance(image, ImageList):
+        return None
+    try:
+        check_images(image.images, "images")
+    except ValueError as e:
+        return ImageTooLarge(str(e)) if image.images else SourceError(str(e))
+    return None
+
+
 def prepare_item(ref: ImageRef, plan: ImagePlan, max_pixels: int = DEFAULT_MAX_PIXELS,
                  fetcher: Fetcher | None = None) -> Item:
     """Read (a remote image through ``fetcher``, else a fetcher of default options made for
     it), decode, prepare; raises SourceError or ImageError with the reason. Several images or
     a clip: a ``MediaItem`` of their parts, in order; a per-image list or a clip in windows:
     a ``PartedItem`` (``parts.py``)."""
+    if (refused := list_refused(ref.image)) is not None:
+        raise refused
     if isinstance(ref.image, ImageList):
         parts = [prepare_part(dataclasses.replace(ref, image=s), plan, max_pixels, fetcher)
                  for s in ref.image.images]
@@ -179,6 +194,10 @@ class _Fetching:
         their ``MediaItem`` when all are done; a clip: its ``MediaItem``, a remote one's bytes
         fetched first."""
         src = ref.image
+        if (refused := list_refused(src)) is not None:
+            out: Future = Future()
+            out.set_exception(refused)
+            return out
         if isinstance(src, ImageList):
             return _joined([self.submit(dataclasses.replace(ref, image=s)) for s in src.images],
                            each_alone if src.per_image else _media)
