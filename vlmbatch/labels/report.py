@@ -33,10 +33,8 @@ from vlmbatch.labels.job_stats import (
     sigmoid,
 )
 from vlmbatch.labels.review.loop import export_command, reviewed
-from vlmbatch.labels.thumbnails import Picture, image_url, item_pictures
+from vlmbatch.labels.thumbnails import Picture, item_pictures, thumbnail
 from vlmbatch.pipeline.media_inputs import VideoInput
-
-thumbnail = image_url  # an image's thumbnail (``thumbnails.py``: lists and clips too)
 
 
 def write_report(job: Path, out: Path, borderline: int = 8, thumb: int = 128,

@@ -55,7 +55,7 @@ def _jpeg(im: Image.Image, size: int) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def image_url(image: str, base_dir: Path, size: int = 128) -> str | None:
+def thumbnail(image: str, base_dir: Path, size: int = 128) -> str | None:
     """A JPEG ``data:`` URL of the image shrunk to ``size`` pixels on its longer side (EXIF
     orientation applied); None when it cannot be read (the page says so)."""
     try:
@@ -71,7 +71,7 @@ def image_url(image: str, base_dir: Path, size: int = 128) -> str | None:
 def list_pictures(images: ImageList, base_dir: Path, size: int) -> tuple[list[Picture], int]:
     """(the first ``LIST_SHOWN`` images of the list, in order; how many more it holds). An
     image that is not a path or URL (a table's row, pixels from the API) is unreadable."""
-    shown = [Picture(image_url(s, base_dir, size) if isinstance(s, str) else None,
+    shown = [Picture(thumbnail(s, base_dir, size) if isinstance(s, str) else None,
                      f"image {k + 1}") for k, s in enumerate(images.images[:LIST_SHOWN])]
     return shown, max(len(images.images) - LIST_SHOWN, 0)
 
@@ -130,7 +130,7 @@ def clip_pictures(source: str | bytes, base_dir: Path, size: int,
 def item_pictures(media: object, base_dir: Path, size: int,
                   seen: Sequence[float] | None = None) -> tuple[list[Picture], int] | None:
     """An item's pictures when it is a list (its images) or a clip (its strip), with how
-    many images of a list are not shown; None for a single image (``image_url``)."""
+    many images of a list are not shown; None for a single image (``thumbnail``)."""
     if isinstance(media, ImageList):
         return list_pictures(media, base_dir, size)
     if isinstance(media, VideoInput):
