@@ -46,13 +46,10 @@ are printed met / not met and do not set the exit code (timings on a shared CPU)
 from __future__ import annotations
 
 import argparse
-import io
 import sys
 import time
-from fractions import Fraction
 from pathlib import Path
 
-import av
 import numpy as np
 import torch
 
@@ -61,6 +58,7 @@ from bench.checks import Checks  # noqa: E402
 from bench.video_baseline import FAULTS, ClipBaseline  # noqa: E402
 from vlmbatch.cli.bench.baseline import load_reference  # noqa: E402
 from vlmbatch.cli.bench.baseline_qwen import load_qwen_reference  # noqa: E402
+from vlmbatch.cli.bench.clip_scenes import encode_frames  # noqa: E402
 from vlmbatch.cli.bench.measure import timed_rounds  # noqa: E402
 from vlmbatch.cli.bench.shapes import make_questions, make_scene  # noqa: E402
 from vlmbatch.engine.config import QUESTION_ROWS, EngineConfig, ModelConfig  # noqa: E402
@@ -95,19 +93,9 @@ def scene_clip(rng: np.random.Generator, seconds: float, k: int) -> tuple[bytes,
         while len(qs) < k:
             qs += [q for q, _ in make_questions(s, rng, k - len(qs))]
     n = int(seconds * SRC_FPS)
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="matroska") as c:
-        st = c.add_stream("ffv1", rate=Fraction(SRC_FPS, 1))
-        st.width, st.height, st.pix_fmt = SIZE[0], SIZE[1], "bgr0"
-        for i in range(n):
-            img = np.roll(scenes[2 * i // n].image, 3 * i, axis=1)
-            f = av.VideoFrame.from_ndarray(img, format="rgb24")
-            f.pts = i
-            for p in st.encode(f):
-                c.mux(p)
-        for p in st.encode():
-            c.mux(p)
-    return buf.getvalue(), [asked[j % 2][j // 2] for j in range(k)]
+    data = encode_frames((np.roll(scenes[2 * i // n].image, 3 * i, axis=1) for i in range(n)),
+                         SRC_FPS)
+    return data, [asked[j % 2][j // 2] for j in range(k)]
 
 
 class Bundle:

@@ -13,6 +13,7 @@ attribute in exactly one scene: ``needle``); every answer is computed from the s
 from __future__ import annotations
 
 import io
+from collections.abc import Iterable
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -107,12 +108,19 @@ def make_cases(n: int, frames: int, same_size: bool, seed: int, extra: int = 3) 
 def encode_clip(case: Case, hold: int = HOLD) -> bytes:
     """The case's scenes as a lossless clip (FFV1 in Matroska, 2 fps), each held ``hold``
     frames: decoders give back exactly the scenes' pixels."""
+    return encode_frames((sc.image for sc in case.scenes for _ in range(hold)), 2)
+
+
+def encode_frames(frames: Iterable[np.ndarray], fps: int) -> bytes:
+    """uint8 RGB frames ``[H, W, 3]`` (one size) as a lossless clip: FFV1 in Matroska at
+    ``fps``, frame ``i`` at ``i / fps``, so that decoders give back exactly these pixels."""
     buf = io.BytesIO()
-    h, w = case.scenes[0].image.shape[:2]
     with av.open(buf, "w", format="matroska") as c:
-        s = c.add_stream("ffv1", rate=Fraction(2, 1))
-        s.width, s.height, s.pix_fmt = w, h, "bgr0"
-        for i, img in enumerate(sc.image for sc in case.scenes for _ in range(hold)):
+        s = c.add_stream("ffv1", rate=Fraction(fps, 1))
+        for i, img in enumerate(frames):
+            if i == 0:
+                s.height, s.width = img.shape[:2]
+                s.pix_fmt = "bgr0"
             f = av.VideoFrame.from_ndarray(np.ascontiguousarray(img), format="rgb24")
             f.pts = i
             for p in s.encode(f):
